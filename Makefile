@@ -1,0 +1,28 @@
+# The two commands: `make demo` runs the whole pipeline, `make test` runs the suite.
+# Both create .venv on first use; constraints.txt pins torch to the CPU build available here.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_DISABLE_XET := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: demo test bench venv clean-runtime
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pipeline.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[bench]'
+	$(PY) benchmarks/checkpoint.py

@@ -1,0 +1,373 @@
+"""Typed configuration, loaded from YAML with ``yaml.safe_load``.
+
+Every knob lives in one file (``config.yaml`` by default). Unknown keys, wrong types and
+out-of-range values are rejected with one message that names the key and the file.
+Command-line flags override the file through :func:`load_config`'s ``overrides``.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainingConfig",
+    "CheckpointConfig",
+    "CardConfig",
+    "Config",
+    "load_config",
+    "config_from_dict",
+    "apply_overrides",
+    "parse_set_overrides",
+    "RESUME_IRRELEVANT_KEYS",
+    "DEFAULT_CONFIG_PATH",
+]
+
+DEFAULT_CONFIG_PATH = Path("config.yaml")
+
+# Keys that may differ between a checkpoint and the run resuming it: they change where
+# and how often state is written or how progress is shown, never what is computed.
+RESUME_IRRELEVANT_KEYS = frozenset(
+    {
+        "checkpoint.dir",
+        "checkpoint.every",
+        "checkpoint.keep_last",
+        "checkpoint.async",
+        "training.log_every",
+        "card",
+    }
+)
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    # __post_init__ does not know the file name; load_config adds it.
+    if not condition:
+        raise ValueError(f"{key} {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where the prepared data lives and how it is batched."""
+
+    prepare: str = "pipeline.tasks.regression:prepare_data"
+    """Import path ``module:function`` that writes the data files (script 01)."""
+    factory: str = "pipeline.tasks.regression:build_data"
+    """Import path of the function that loads prepared data for training and evaluation."""
+    dir: str = "data"
+    """Folder for prepared data and its ``manifest.json`` of SHA-256 fingerprints."""
+    seed: int = 1234
+    """Seed of the data generation (script 01); training randomness has its own seed."""
+    batch_size: int = 4
+    """Examples per optimizer step."""
+    shuffle: bool = True
+    """Draw a new permutation of the training rows at the start of every epoch."""
+    drop_last: bool = False
+    """Drop a final short batch instead of yielding it."""
+    params: dict = field(default_factory=dict)
+    """Task-specific settings passed to the data factories, which validate them."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.prepare, "data.prepare", "must look like 'package.module:function'")
+        _require(":" in self.factory, "data.factory", "must look like 'package.module:function'")
+        _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1 (got {self.batch_size})")
+        _require(bool(self.dir), "data.dir", "must not be empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The architecture. Everything here must match exactly on resume."""
+
+    factory: str = "pipeline.tasks.regression:build_model"
+    """Import path of ``f(config) -> torch.nn.Module``."""
+    name: str = "regression-mlp"
+    """Short model name used in the model card."""
+    params: dict = field(default_factory=dict)
+    """Architecture settings passed to the factory, which validates them."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "model.factory", "must look like 'package.module:function'")
+        _require(bool(self.name), "model.name", "must not be empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """The optimizer, built by a factory from the model's parameters."""
+
+    factory: str = "pipeline.factories:adam"
+    """Import path of ``f(model, config) -> torch.optim.Optimizer``."""
+    lr: float = 1e-2
+    """Base learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay (applied to the decay group only, where the factory makes groups)."""
+    params: dict = field(default_factory=dict)
+    """Extra keyword arguments for the optimizer (betas, eps, ...)."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "optimizer.factory", "must look like 'package.module:function'")
+        _require(self.lr > 0, "optimizer.lr", f"must be > 0 (got {self.lr})")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0 (got {self.weight_decay})")
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """The learning-rate schedule, stepped once per optimizer step."""
+
+    factory: str = "pipeline.factories:step_lr"
+    """Import path of ``f(optimizer, config) -> LRScheduler``."""
+    params: dict = field(default_factory=dict)
+    """Schedule settings passed to the factory (step_size, gamma, warmup_steps, ...)."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "scheduler.factory", "must look like 'package.module:function'")
+
+
+_DEVICES = ("cpu", "cuda", "auto")
+_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_AMP = ("none", "fp16", "bf16")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The training loop."""
+
+    seed: int = 0
+    """Seed of every training RNG: Python, NumPy (Generator and legacy) and torch."""
+    max_steps: int = 10
+    """Total optimizer steps of the run; the schedule depends on it."""
+    device: str = "cpu"
+    """'cpu', 'cuda', or 'auto' (cuda when available)."""
+    dtype: str = "float64"
+    """Parameter dtype. float64 on CPU makes bitwise resume checks meaningful."""
+    amp: str = "none"
+    """Automatic mixed precision: 'none', 'fp16' (with a GradScaler) or 'bf16'."""
+    grad_clip: float = 0.0
+    """Clip the gradient norm to this value; 0 disables clipping."""
+    deterministic: bool = True
+    """Ask torch for deterministic kernels (``torch.use_deterministic_algorithms``)."""
+    log_every: int = 1
+    """Steps between log lines when stdout is not a terminal."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, "training.max_steps", f"must be >= 1 (got {self.max_steps})")
+        _require(self.device in _DEVICES, "training.device", f"must be one of {_DEVICES} (got {self.device!r})")
+        _require(self.dtype in _DTYPES, "training.dtype", f"must be one of {_DTYPES} (got {self.dtype!r})")
+        _require(self.amp in _AMP, "training.amp", f"must be one of {_AMP} (got {self.amp!r})")
+        _require(self.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (got {self.grad_clip})")
+        _require(self.log_every >= 1, "training.log_every", f"must be >= 1 (got {self.log_every})")
+        _require(self.seed >= 0, "training.seed", f"must be >= 0 (got {self.seed})")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Local checkpoints. Nothing is uploaded while training runs."""
+
+    dir: str = "estados_local"
+    """Folder of step folders (``step-00000010``); created on first save."""
+    every: int = 5
+    """Save every this many steps. A checkpoint is always written at the last step."""
+    keep_last: int = 1
+    """How many committed checkpoints to keep; older ones are pruned after a save commits."""
+    async_: bool = field(default=True, metadata={"key": "async"})
+    """Write in a background thread after a fast copy of the state to CPU memory."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir), "checkpoint.dir", "must not be empty")
+        _require(self.every >= 1, "checkpoint.every", f"must be >= 1 (got {self.every})")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1 (got {self.keep_last})")
+
+
+@dataclass(kw_only=True, slots=True)
+class CardConfig:
+    """What the model card (script 05) says about the model."""
+
+    license: str = "apache-2.0"
+    """License identifier for the card's front matter."""
+    tags: list = field(default_factory=lambda: ["pytorch", "safetensors"])
+    """Hub tags."""
+    description: str = ""
+    """One paragraph describing the model; a default is written when empty."""
+
+    def __post_init__(self) -> None:
+        _require(all(isinstance(t, str) for t in self.tags), "card.tags", "must be a list of strings")
+
+
+_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "card": CardConfig,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """The whole run configuration."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    card: CardConfig = field(default_factory=CardConfig)
+    source: str = field(default="<defaults>", compare=False)
+    """Where the config was read from; used in error messages, not saved."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able dict using the YAML key names (the form saved in meta.json)."""
+        return {name: _section_to_dict(getattr(self, name)) for name in _SECTIONS}
+
+    def flat(self) -> dict[str, Any]:
+        """``{"section.key": value}`` for comparisons that name the differing key."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            for key, value in values.items():
+                out[f"{section}.{key}"] = value
+        return out
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _section_to_dict(section: Any) -> dict[str, Any]:
+    return {_yaml_key(f): _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against a field annotation; ints are accepted where floats are."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _coerce(value, option, key)
+            except ValueError:
+                continue
+        raise ValueError(f"{key} has the wrong type: expected {annotation}, got {type(value).__name__} {value!r}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{key} must be null")
+    expected = origin or annotation
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is int and isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got a boolean ({value!r})")
+    if not isinstance(value, expected):
+        raise ValueError(f"{key} must be {_type_name(expected)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a mapping of keys to values, got {type(raw).__name__}")
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key {name}.{unknown[0]} (known keys of {name}: {', '.join(sorted(fields))})")
+    kwargs = {fields[k].name: _coerce(v, fields[k].type, f"{name}.{k}") for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: Any, *, source: str = "<dict>") -> Config:
+    """Validate a plain dict (as read from YAML or meta.json) into a :class:`Config`."""
+    try:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ValueError("the top level must be a mapping of sections")
+        unknown = sorted(set(raw) - set(_SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown section {unknown[0]!r} (known sections: {', '.join(_SECTIONS)})")
+        sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return Config(**sections, source=source)
+
+
+def parse_set_overrides(items: list[str] | None) -> dict[str, Any]:
+    """Turn ``["training.max_steps=20", ...]`` into ``{"training.max_steps": 20}``.
+
+    Values are parsed as YAML scalars, so ``20`` is an int, ``1e-3`` a float and ``true`` a bool.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20")
+        try:
+            out[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc.problem})") from None
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with dotted-key overrides applied (``None`` values are skipped)."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"cannot override {dotted}: section {section!r} is not a mapping")
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"cannot override {dotted}: {part!r} is not a mapping")
+        target[parts[-1]] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read ``path`` (default ``config.yaml``) with ``yaml.safe_load`` and apply overrides.
+
+    Errors name the file and the key: ``config.yaml: training.max_steps must be >= 1 (got 0)``.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: pass --config PATH or run from the repository root")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    source = str(path)
+    if overrides:
+        raw = apply_overrides(raw or {}, overrides)
+        source = f"{path} (with command-line overrides)"
+    return config_from_dict(raw, source=source)

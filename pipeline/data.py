@@ -1,0 +1,204 @@
+"""Prepared data (files + SHA-256 manifest), the task-data protocol, and a resumable sampler.
+
+The sampler stores its position (epoch, permutation, cursor), so a resume continues in
+the middle of an epoch without replaying batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import secrets
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+
+from .config import Config
+from .errors import DataError
+from .factories import resolve
+from .hashing import fingerprint_table, sha256_file
+
+__all__ = [
+    "TaskData",
+    "Sampler",
+    "EpochSampler",
+    "MANIFEST_NAME",
+    "prepare_data",
+    "load_manifest",
+    "load_task_data",
+]
+
+MANIFEST_NAME = "manifest.json"
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Yields the row indices of each batch and saves/restores its position."""
+
+    def next_indices(self) -> list[int]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TaskData(Protocol):
+    """What ``data.factory`` returns.
+
+    Required: ``num_train``, ``get_batch(indices, device)``, ``loss(model, batch)``,
+    ``evaluate(model, device) -> {metric: float}``.
+    Optional: ``make_sampler(generator, config) -> Sampler`` to replace :class:`EpochSampler`;
+    ``state_dict()`` / ``load_state_dict(state)`` for state of its own (augmentation
+    schedules, curriculum position); ``sample(model, device) -> str`` for the model card.
+    """
+
+    num_train: int
+
+    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any: ...
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]: ...
+
+
+class EpochSampler:
+    """Batches over a fresh permutation each epoch, drawn from the run's NumPy Generator."""
+
+    def __init__(self, num_rows: int, batch_size: int, generator: np.random.Generator, *,
+                 shuffle: bool = True, drop_last: bool = False) -> None:
+        if num_rows < 1:
+            raise DataError("the training set is empty")
+        if drop_last and batch_size > num_rows:
+            raise DataError(f"batch size {batch_size} exceeds the {num_rows} training rows with drop_last")
+        self.num_rows = num_rows
+        self.batch_size = batch_size
+        self.generator = generator
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.cursor = 0
+        self.samples_seen = 0
+        self.permutation: np.ndarray | None = None
+
+    def _epoch_exhausted(self) -> bool:
+        remaining = self.num_rows - self.cursor
+        return remaining <= 0 or (self.drop_last and remaining < self.batch_size)
+
+    def next_indices(self) -> list[int]:
+        if self.permutation is None or self._epoch_exhausted():
+            if self.permutation is not None:
+                self.epoch += 1
+            # Drawn lazily at the first batch of an epoch, so saving never draws.
+            self.permutation = (self.generator.permutation(self.num_rows) if self.shuffle
+                                else np.arange(self.num_rows))
+            self.cursor = 0
+        batch = self.permutation[self.cursor:self.cursor + self.batch_size]
+        self.cursor += len(batch)
+        self.samples_seen += len(batch)
+        return batch.tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "samples_seen": self.samples_seen,
+            "num_rows": self.num_rows,
+            "permutation": None if self.permutation is None else self.permutation.astype(np.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != self.num_rows:
+            raise DataError(f"checkpoint's sampler covers {state['num_rows']} rows, the data has {self.num_rows}")
+        permutation = state["permutation"]
+        if permutation is not None and (len(permutation) != self.num_rows or not 0 <= state["cursor"] <= self.num_rows):
+            raise DataError("checkpoint's sampler state is inconsistent with the data size")
+        self.epoch = int(state["epoch"])
+        self.cursor = int(state["cursor"])
+        self.samples_seen = int(state["samples_seen"])
+        self.permutation = None if permutation is None else np.asarray(permutation, dtype=np.int64)
+
+
+def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
+    return {
+        path.relative_to(folder).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_NAME
+    }
+
+
+def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
+    """Run ``data.prepare`` into a temporary folder, fingerprint it, and move it into place.
+
+    Returns ``(folder, manifest, changed)``. Existing data with the same fingerprint is kept
+    as is; different existing data is never overwritten (checkpoints depend on it).
+    """
+    prepare = resolve(config.data.prepare, "data.prepare")
+    target = Path(config.data.dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    try:
+        prepare(config, staging)
+        files = _files_table(staging)
+        if not files:
+            raise DataError(f"{config.data.prepare} wrote no files")
+        manifest = {"schema": "pipeline.data/1", "prepare": config.data.prepare, "seed": config.data.seed,
+                    "params": config.data.params, "files": files, "fingerprint": fingerprint_table(files)}
+        if target.exists():
+            existing = load_manifest(config)
+            if existing["fingerprint"] != manifest["fingerprint"]:
+                raise DataError(f"{target}/ already holds different data (fingerprint "
+                                f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
+                                "move it away or set data.dir to prepare the new data")
+            return target, existing, False
+        _write_json(staging / MANIFEST_NAME, manifest)
+        os.rename(staging, target)
+        staging = None
+        return target, manifest, True
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    with open(path, "x", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
+    """Read ``data/manifest.json`` and (by default) check every file against it."""
+    folder = Path(config.data.dir)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"no prepared data in {folder}/: run scripts/01_prepare_data.py first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        fingerprint = manifest["fingerprint"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path} is damaged: rerun scripts/01_prepare_data.py into an empty data.dir") from None
+    if verify:
+        actual = _files_table(folder)
+        if set(actual) != set(files):
+            extra = sorted(set(actual) ^ set(files))
+            raise DataError(f"{folder}/ does not match its manifest (file {extra[0]} added or missing)")
+        for name, entry in files.items():
+            if actual[name] != entry:
+                raise DataError(f"{folder}/{name} changed since it was prepared (SHA-256 differs): "
+                                "restore it or prepare the data again into an empty data.dir")
+        if fingerprint_table(files) != fingerprint:
+            raise DataError(f"{path} fingerprint does not match its file table")
+    return manifest
+
+
+def load_task_data(config: Config) -> TaskData:
+    """Build the task data with ``data.factory`` from the verified data folder."""
+    factory = resolve(config.data.factory, "data.factory")
+    return factory(config, Path(config.data.dir))
+

@@ -1,0 +1,88 @@
+"""Build every object a training run consumes, in a fixed order, from the config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import Config
+from .data import EpochSampler, Sampler, TaskData, load_task_data
+from .errors import ConfigError
+from .factories import resolve
+from .rng import seed_everything
+
+__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingRun:
+    """Everything the training loop mutates; exactly what a checkpoint must capture."""
+
+    config: Config
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: TaskData
+    sampler: Sampler
+    generator: np.random.Generator
+    scaler: torch.amp.GradScaler | None
+    autocast_dtype: torch.dtype | None
+    step: int = 0
+    history: dict[str, list] = field(default_factory=lambda: {"step": [], "loss": [], "lr": []})
+
+
+def resolve_device(config: Config) -> torch.device:
+    wanted = config.training.device
+    if wanted == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
+                          "set it to 'cpu' or 'auto'")
+    return torch.device(wanted)
+
+
+def configure_determinism(config: Config) -> None:
+    if not config.training.deterministic:
+        return
+    # cuBLAS needs this before its first use to be deterministic.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.backends.cudnn.benchmark = False
+
+
+def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model alone, in the configured dtype (for evaluation and loading published weights)."""
+    model = resolve(config.model.factory, "model.factory")(config)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model.factory {config.model.factory} returned {type(model).__name__}, not a torch.nn.Module")
+    return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
+
+
+def build_run(config: Config, device: torch.device) -> TrainingRun:
+    """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
+
+    Construction consumes randomness (weight init); on resume the saved RNG states are
+    restored after this, so the order here only has to be the same in every process.
+    """
+    generator = seed_everything(config.training.seed)
+    model = build_model(config, device)
+    optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
+    scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, config)
+    data = load_task_data(config)
+    make_sampler = getattr(data, "make_sampler", None)
+    if make_sampler is not None:
+        sampler = make_sampler(generator, config)
+    else:
+        sampler = EpochSampler(data.num_train, config.data.batch_size, generator,
+                               shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    amp = config.training.amp
+    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
+    return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
+                       data=data, sampler=sampler, generator=generator, scaler=scaler,
+                       autocast_dtype=autocast_dtype)

@@ -1,0 +1,126 @@
+"""The default task: a small float64 regression built to exercise every source of state.
+
+- 24 training rows in batches of 4, so epochs end mid-run and the order is reshuffled
+  (NumPy ``Generator(PCG64)`` via the sampler);
+- input noise augmentation drawn from Python's ``random``;
+- an MLP with Dropout (torch's CPU generator);
+- Adam and a step schedule (optimizer and scheduler state).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from ..config import Config
+from ..errors import ConfigError
+from ..factories import read_params
+from ..serialization import write_safetensors
+
+__all__ = ["prepare_data", "build_data", "build_model", "RegressionData", "MLP"]
+
+_DATA_SPEC = {
+    "num_train": (int, 24),
+    "num_heldout": (int, 16),
+    "num_features": (int, 3),
+    "noise": (float, 0.05),
+    "augment_std": (float, 0.01),
+}
+_MODEL_SPEC = {"hidden": (int, 16), "dropout": (float, 0.1)}
+
+
+def _data_params(config: Config) -> dict[str, Any]:
+    params = read_params(config.data.params, "data.params", _DATA_SPEC)
+    for key in ("num_train", "num_heldout", "num_features"):
+        if params[key] < 1:
+            raise ConfigError(f"data.params.{key} must be >= 1 (got {params[key]})")
+    return params
+
+
+def prepare_data(config: Config, out_dir: Path) -> None:
+    """Write ``train.safetensors`` and ``heldout.safetensors``: y = sin(x·w) + x·v + noise."""
+    params = _data_params(config)
+    rng = np.random.Generator(np.random.PCG64(config.data.seed))
+    features = params["num_features"]
+    w = rng.standard_normal(features)
+    v = rng.standard_normal(features) * 0.5
+    total = params["num_train"] + params["num_heldout"]
+    x = rng.uniform(-1.0, 1.0, size=(total, features))
+    y = np.sin(x @ w) + x @ v + params["noise"] * rng.standard_normal(total)
+    x_t = torch.from_numpy(x).to(torch.float64)
+    y_t = torch.from_numpy(y).to(torch.float64).unsqueeze(1)
+    split = params["num_train"]
+    write_safetensors(out_dir / "train.safetensors", {"x": x_t[:split].contiguous(), "y": y_t[:split].contiguous()})
+    write_safetensors(out_dir / "heldout.safetensors", {"x": x_t[split:].contiguous(), "y": y_t[split:].contiguous()})
+
+
+class RegressionData:
+    """Training rows with Python-``random`` input noise, and an untouched held-out split."""
+
+    def __init__(self, train: dict[str, torch.Tensor], heldout: dict[str, torch.Tensor], augment_std: float,
+                 dtype: torch.dtype) -> None:
+        self.train_x, self.train_y = train["x"].to(dtype), train["y"].to(dtype)
+        self.heldout_x, self.heldout_y = heldout["x"].to(dtype), heldout["y"].to(dtype)
+        self.augment_std = augment_std
+        self.num_train = len(self.train_x)
+
+    def get_batch(self, indices: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.train_x[list(indices)]
+        noise = [[random.gauss(0.0, self.augment_std) for _ in range(x.shape[1])] for _ in range(x.shape[0])]
+        x = x + torch.tensor(noise, dtype=x.dtype)
+        return x.to(device), self.train_y[list(indices)].to(device)
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            prediction = model(self.heldout_x.to(device))
+            mse = torch.nn.functional.mse_loss(prediction, self.heldout_y.to(device)).item()
+        finally:
+            model.train(was_training)
+        return {"mse": mse, "rmse": math.sqrt(mse)}
+
+
+def build_data(config: Config, data_dir: Path) -> RegressionData:
+    params = _data_params(config)
+    dtype = getattr(torch, config.training.dtype)
+    return RegressionData(load_file(data_dir / "train.safetensors"), load_file(data_dir / "heldout.safetensors"),
+                          params["augment_std"], dtype)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, in_features: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(in_features, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(hidden, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def build_model(config: Config) -> MLP:
+    """An MLP whose input width is ``data.params.num_features``."""
+    params = read_params(config.model.params, "model.params", _MODEL_SPEC)
+    if params["hidden"] < 1:
+        raise ConfigError(f"model.params.hidden must be >= 1 (got {params['hidden']})")
+    if not 0 <= params["dropout"] < 1:
+        raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
+    return MLP(_data_params(config)["num_features"], params["hidden"], params["dropout"])

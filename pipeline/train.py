@@ -1,0 +1,214 @@
+"""The training loop: resume or start, step, checkpoint locally, stop cleanly on signals.
+
+No code path here talks to the network; publishing is a separate, explicit step.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .checkpointer import Checkpointer
+from .config import Config
+from .data import load_manifest
+from .errors import CheckpointError, PipelineError
+from .progress import Progress
+from .provenance import code_fingerprint, library_versions
+from .run import TrainingRun, build_run, configure_determinism, resolve_device
+from .state import check_resume_compatible, read_tensors, restore_state, warm_start
+from .store import MODEL_FILE, STATE_FILE, CheckpointStore, resolve_checkpoint, verify_checkpoint
+
+__all__ = ["train", "TrainResult", "Preempted", "TrainingDiverged", "train_step"]
+
+
+class Preempted(PipelineError):
+    """SIGTERM/SIGINT arrived; the current step finished and a checkpoint was written."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class TrainingDiverged(PipelineError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass(slots=True)
+class TrainResult:
+    step: int
+    checkpoint: Path | None
+    history: dict[str, list]
+    resumed_from: int | None
+
+
+class _StopSignals:
+    """Record SIGTERM/SIGINT instead of dying mid-step; restore the old handlers after."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def train_step(run: TrainingRun) -> tuple[float, float]:
+    """One optimizer step; returns (loss, learning rate used)."""
+    run.model.train()
+    batch = run.data.get_batch(run.sampler.next_indices(), run.device)
+    with torch.autocast(run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
+        loss = run.data.loss(run.model, batch)
+    run.optimizer.zero_grad(set_to_none=True)
+    clip = run.config.training.grad_clip
+    if run.scaler is not None:
+        run.scaler.scale(loss).backward()
+        if clip:
+            run.scaler.unscale_(run.optimizer)
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+        run.optimizer.step()
+    lr = float(run.optimizer.param_groups[0]["lr"])
+    run.scheduler.step()
+    run.step += 1
+    value = float(loss.detach())
+    run.history["step"].append(run.step)
+    run.history["loss"].append(value)
+    run.history["lr"].append(lr)
+    return value, lr
+
+
+def _load_resume(spec: str, config: Config, data_fingerprint: str, store: CheckpointStore):
+    folder, meta = resolve_checkpoint(spec, store.root)
+    check_resume_compatible(meta, config, data_fingerprint)
+    return folder, meta
+
+
+def train(
+    config: Config,
+    *,
+    resume: str | None = None,
+    init_from: str | None = None,
+    stop_at: int | None = None,
+    omit: Iterable[str] = (),
+    progress: bool = True,
+    on_step: Callable[[TrainingRun], None] | None = None,
+) -> TrainResult:
+    """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
+
+    ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
+    or a checkpoint folder. ``omit`` leaves components unrestored; only the resume proof's
+    negative controls use it.
+    """
+    if resume is not None and init_from is not None:
+        raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
+    total = config.training.max_steps
+    if stop_at is not None and not 1 <= stop_at:
+        raise PipelineError(f"--stop-at must be >= 1 (got {stop_at})")
+    device = resolve_device(config)
+    configure_determinism(config)
+    manifest = load_manifest(config)
+    store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
+    with store:
+        store.clean_stale()
+        existing = store.committed_steps()
+        if resume == "auto":
+            resume = "latest" if existing else None
+        resumed = None
+        if resume is not None:
+            folder, meta = _load_resume(resume, config, manifest["fingerprint"], store)
+            resumed = meta["step"]
+            newer = [s for s in existing if s > resumed]
+            if newer and Path(folder).resolve().parent == store.root.resolve():
+                raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "
+                                      f"{resumed}: resume from latest, or use another --checkpoint-dir")
+        elif existing:
+            raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
+                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
+        if stop_at is not None and resumed is not None and stop_at <= resumed:
+            raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
+
+        run = build_run(config, device)
+        report = Progress(total=total, initial=resumed or 0, log_every=config.training.log_every, enabled=progress)
+        if resume is not None:
+            restore_state(run, read_tensors(Path(folder) / MODEL_FILE), meta["training_state"],
+                          read_tensors(Path(folder) / STATE_FILE), omit=omit)
+            report.message(f"resumed from {folder} at step {run.step}")
+        elif init_from is not None:
+            _warm_start(run, Path(init_from), report)
+
+        provenance = {
+            "config": config.to_dict(),
+            "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint()},
+            "versions": library_versions(),
+            "device": str(device),
+        }
+        checkpointer = Checkpointer(store, provenance)
+        end = min(total, stop_at) if stop_at is not None else total
+        last_saved = run.step if resume is not None else None
+        saved = None
+        try:
+            with _StopSignals() as signals:
+                while run.step < end and signals.signum is None:
+                    loss, lr = train_step(run)
+                    if run.scaler is None and not math.isfinite(loss):
+                        raise TrainingDiverged(f"loss is {loss} at step {run.step}; nothing was saved for this "
+                                               f"step and the last checkpoint ({last_saved}) is kept: lower "
+                                               "optimizer.lr or check the data")
+                    report.update(run.step, loss, lr)
+                    if on_step is not None:
+                        on_step(run)
+                    if run.step % config.checkpoint.every == 0 or run.step == end:
+                        saved = checkpointer.save(run)
+                        last_saved = run.step
+                if signals.signum is not None:
+                    if last_saved != run.step:
+                        saved = checkpointer.save(run)
+                    name = signal.Signals(signals.signum).name
+                    where = saved.path if saved is not None else store.path_for(run.step)
+                    raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
+                                    "Resume with: python scripts/02_train.py --resume latest", signals.signum)
+        finally:
+            checkpointer.close()
+            report.close()
+        checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
+                                                           store.committed_steps() else None)
+        return TrainResult(step=run.step, checkpoint=checkpoint, history=run.history, resumed_from=resumed)
+
+
+def _warm_start(run: TrainingRun, source: Path, report: Progress) -> None:
+    if source.is_dir():
+        verify_checkpoint(source)
+        source = source / MODEL_FILE
+    if not source.is_file():
+        raise CheckpointError(f"--init-from {source}: no such checkpoint folder or safetensors file")
+    try:
+        tensors = read_tensors(source)
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"--init-from {source}: not a readable safetensors file ({exc})") from None
+    result = warm_start(run.model, tensors)
+    report.message(f"init-from {source}: loaded {len(result['loaded'])}, skipped {len(result['skipped'])}, "
+                   f"new {len(result['new'])}")
+    for kind in ("skipped", "new"):
+        for name in result[kind]:
+            report.message(f"  {kind}: {name}")

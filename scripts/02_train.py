@@ -1,0 +1,47 @@
+"""Train with exact resume on local, atomic, hashed checkpoints. Nothing is uploaded.
+
+    python scripts/02_train.py                          # fresh run to training.max_steps
+    python scripts/02_train.py --stop-at 5              # stop after step 5 with a checkpoint
+    python scripts/02_train.py --resume latest          # continue bitwise-identically
+    python scripts/02_train.py --resume auto            # resume if a checkpoint exists, else start
+    python scripts/02_train.py --init-from estados_local/step-00000010 --checkpoint-dir runs/ft
+    python scripts/02_train.py --config examples/charlm/config.yaml
+
+Exit codes: 0 done; 2 bad input or unusable checkpoint (nothing deleted);
+128+N stopped by signal N after writing a checkpoint.
+"""
+
+import argparse
+
+from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.train import train
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--max-steps", type=int, help="total optimizer steps of the run (training.max_steps)")
+    parser.add_argument("--stop-at", type=int, metavar="K", help="end after step K with a checkpoint, as if interrupted")
+    parser.add_argument("--resume", metavar="latest|auto|PATH", help="continue from a checkpoint")
+    parser.add_argument("--init-from", metavar="PATH", help="warm-start weights only (shape-tolerant); a new run")
+    parser.add_argument("--checkpoint-dir", help="checkpoint folder (checkpoint.dir)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps (checkpoint.every)")
+    parser.add_argument("--keep-last", type=int, metavar="K", help="committed checkpoints to keep (checkpoint.keep_last)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args()
+    config = config_from_args(args, {
+        "training.max_steps": args.max_steps,
+        "checkpoint.dir": args.checkpoint_dir,
+        "checkpoint.every": args.checkpoint_every,
+        "checkpoint.keep_last": args.keep_last,
+    })
+    result = train(config, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at,
+                   progress=not args.quiet)
+    final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")
+    print(f"trained to step {result.step}/{config.training.max_steps}, loss {final_loss:.6g}; "
+          f"checkpoint {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

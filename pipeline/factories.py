@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -29,6 +31,10 @@ def resolve(path: str, key: str) -> Callable[..., Any]:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
+    # Scripts run as `python scripts/NN_x.py` put scripts/ on sys.path, not the folder the
+    # user works in; a factory module beside config.yaml (or examples/...) must still import.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -5,6 +5,7 @@ Layout under ``root`` (everything written atomically: temp file + fsync + rename
     objects/<sha256[:2]>/<sha256>      file contents (regular and LFS), content-addressed
     repos/<type>/<namespace>/<name>.json   one JSON document per repo (refs, commits, LFS oids)
     tmp/                               staging area on the same filesystem (for atomic renames)
+    localhub.lock                      flock held by the one server using this root
 
 Each commit stores a full snapshot of its tree (path -> entry), which keeps reads trivial and is
 cheap enough for the small repos a test double sees. Ids are real git object ids (blob, tree and
@@ -14,6 +15,7 @@ commit sha1), so what clients see looks like what the Hub would report.
 from __future__ import annotations
 
 import base64
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -167,11 +169,24 @@ class Store:
         self.tmp = self.root / "tmp"
         for sub in ("objects", "repos", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        # State lives in memory too, so two servers on one root would overwrite each other: refuse.
+        self._lock_file = open(self.root / "localhub.lock", "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise RuntimeError(f"another localhub is already serving {self.root}") from None
+        for leftover in self.tmp.iterdir():  # temp files of writes interrupted by a crash
+            leftover.unlink(missing_ok=True)
         self.lock = threading.RLock()
         self._repos: dict[tuple[str, str], dict] = {}
         for path in sorted((self.root / "repos").glob("*/*/*.json")):
             repo = json.loads(path.read_text())
             self._repos[(repo["type"], repo["id"])] = repo
+
+    def close(self) -> None:
+        """Release the root (another server may then use it)."""
+        self._lock_file.close()
 
     # ------------------------------------------------------------------ objects
     def object_path(self, sha256: str) -> Path:
@@ -336,6 +351,8 @@ class Store:
     def commit(self, repo_type: str, repo_id: str, branch: str, header: dict, operations: list[dict],
                author: str) -> str:
         """Apply all `operations` as one commit on `branch`, or nothing at all."""
+        if not isinstance(header, dict) or not all(isinstance(op, dict) for op in operations):
+            raise HubError(400, "Each NDJSON line of a commit must be a JSON object")
         with self.lock:
             repo = self.get_repo(repo_type, repo_id)
             if branch not in repo["branches"]:
@@ -367,7 +384,10 @@ class Store:
 
     def _apply(self, repo: dict, files: dict, pending: dict, op: dict) -> None:
         key, value = op.get("key"), op.get("value") or {}
-        path = validate_path(value.get("path"))
+        raw_path = value.get("path")
+        if key == "deletedFolder" and isinstance(raw_path, str):
+            raw_path = raw_path.rstrip("/")  # the client sends folders as "a/"
+        path = validate_path(raw_path)
         if key == "file":
             files[path] = self._inline_entry(path, value, pending)
         elif key == "lfsFile":
@@ -376,7 +396,7 @@ class Store:
             if files.pop(path, None) is None:
                 raise HubError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
         elif key == "deletedFolder":
-            prefix = path.rstrip("/") + "/"
+            prefix = path + "/"
             doomed = [p for p in files if p.startswith(prefix)]
             if not doomed:
                 raise HubError(404, f"A folder with this name doesn't exist: {path}", "EntryNotFound")

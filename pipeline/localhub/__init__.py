@@ -1,0 +1,30 @@
+"""localhub: a loopback-only double of the Hugging Face Hub HTTP API for tests and rehearsals.
+
+It speaks what the real `huggingface_hub` client uses for create_repo, create_commit (legacy LFS
+path: run the client with HF_HUB_DISABLE_XET=1), repo/model info, refs, commits, tree, paths-info,
+file_exists, hf_hub_download, snapshot_download and whoami. State persists under ``root``.
+
+    from pipeline.localhub import LocalHub
+    with LocalHub(tmp_path, token="secret") as hub:
+        api = HfApi(endpoint=hub.url, token="secret")
+
+CLI: ``python -m pipeline.localhub --root DIR [--port N] [--host 127.0.0.1] [--token T]``
+(prefer ``LOCALHUB_TOKEN`` in the environment over ``--token``).
+"""
+
+from .cli import main
+from .faults import Faults
+from .hub import LocalHub, check_loopback
+from .process import LocalHubProcess, admin_request
+from .store import HubError, Store
+
+__all__ = [
+    "Faults",
+    "HubError",
+    "LocalHub",
+    "LocalHubProcess",
+    "Store",
+    "admin_request",
+    "check_loopback",
+    "main",
+]

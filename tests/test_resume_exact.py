@@ -1,0 +1,132 @@
+"""A resumed run ends bitwise identical to an uninterrupted one, whatever interrupted it."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import CheckpointStore, verify_checkpoint
+from support import (PYTHON, REPO, assert_checkpoints_bitwise_equal, data_args, prepare_data, script_env, train)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("data") / "data"
+    prepare_data(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> Path:
+    """Ten uninterrupted steps, saved only at the end."""
+    folder = tmp_path_factory.mktemp("reference")
+    result = train(data_dir, folder, "--max-steps", "10", "--checkpoint-every", "10")
+    assert result.returncode == 0, result.stderr
+    return folder / "step-00000010"
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_stop_at_5_then_resume_in_second_process_is_bitwise_equal(data_dir, reference, tmp_path, async_save):
+    mode = ["--set", f"checkpoint.async={async_save}"]
+    first = train(data_dir, tmp_path, "--max-steps", "10", "--stop-at", "5", "--checkpoint-every", "2", *mode)
+    assert first.returncode == 0, first.stderr
+    assert CheckpointStore(tmp_path).committed_steps() == [5]
+    # A different checkpoint interval after the resume: saving must not consume randomness.
+    second = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest", "--checkpoint-every", "3", *mode)
+    assert second.returncode == 0, second.stderr
+    assert_checkpoints_bitwise_equal(reference, tmp_path / "step-00000010")
+    resumed, straight = verify_checkpoint(tmp_path / "step-00000010"), verify_checkpoint(reference)
+    assert resumed["step"] == straight["step"] == 10
+    assert resumed["training_state"] == straight["training_state"]
+
+
+def test_checkpoint_interval_does_not_change_the_result(data_dir, reference, tmp_path):
+    result = train(data_dir, tmp_path, "--max-steps", "10", "--checkpoint-every", "1", "--keep-last", "3")
+    assert result.returncode == 0, result.stderr
+    assert CheckpointStore(tmp_path).committed_steps() == [8, 9, 10]
+    assert_checkpoints_bitwise_equal(reference, tmp_path / "step-00000010")
+
+
+def _wait_for_training(process: subprocess.Popen) -> bool:
+    """Block until the trainer logs its first step (training, not importing); False if it exited."""
+    for line in process.stderr:
+        if line.startswith("step "):
+            return True
+    return False
+
+
+def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
+    """SIGKILL at 20+ random instants of a run that checkpoints every step (so kills land
+    inside saves too); after each kill the newest committed checkpoint verifies, and the
+    run resumed again and again ends bitwise equal to an uninterrupted one."""
+    total = 300
+    straight = tmp_path / "straight"
+    assert train(data_dir, straight, "--max-steps", str(total), "--checkpoint-every", str(total)).returncode == 0
+
+    killed_dir = tmp_path / "killed"
+    chooser = random.Random(20261130)
+    kills, steps_seen = 0, []
+    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
+               str(killed_dir), "--max-steps", str(total), "--checkpoint-every", "1", "--keep-last", "2",
+               "--resume", "auto"]
+    while kills < 20:
+        process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        if _wait_for_training(process):
+            time.sleep(chooser.uniform(0.0, 0.12))
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.wait(timeout=60)
+        process.stderr.close()
+        steps = CheckpointStore(killed_dir).committed_steps()
+        assert steps, "a killed run left no committed checkpoint"
+        assert steps[-1] < total, "the run finished before 20 kills; raise the step count"
+        verify_checkpoint(killed_dir / f"step-{steps[-1]:08d}")
+        steps_seen.append(steps[-1])
+    assert len(set(steps_seen)) > 5, f"kills did not land at varied steps: {steps_seen}"
+
+    final = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert not [p for p in killed_dir.iterdir() if p.name.startswith(".tmp-")], "stale temporary folder left"
+    assert_checkpoints_bitwise_equal(straight / f"step-{total:08d}", killed_dir / f"step-{total:08d}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_signal_finishes_the_step_checkpoints_and_says_how_to_resume(data_dir, tmp_path, signum):
+    total = 400
+    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
+               str(tmp_path), "--max-steps", str(total), "--checkpoint-every", "1000"]
+    process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert _wait_for_training(process)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum
+    assert "--resume latest" in stderr and "Traceback" not in stderr
+    steps = CheckpointStore(tmp_path).committed_steps()
+    assert len(steps) == 1 and 0 < steps[0] < total
+    meta = verify_checkpoint(tmp_path / f"step-{steps[0]:08d}")
+    assert meta["step"] == steps[0]
+
+
+def test_finished_run_resumed_again_does_nothing_and_keeps_its_checkpoint(data_dir, reference, tmp_path):
+    assert train(data_dir, tmp_path, "--max-steps", "10").returncode == 0
+    before = (tmp_path / "step-00000010" / "meta.json").read_bytes()
+    again = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest")
+    assert again.returncode == 0, again.stderr
+    assert "step 10/10" in again.stdout
+    assert (tmp_path / "step-00000010" / "meta.json").read_bytes() == before
+
+
+def test_meta_records_history_fingerprints_and_versions(reference):
+    meta = json.loads((reference / "meta.json").read_text())
+    assert set(meta["fingerprints"]) == {"data", "code"}
+    assert meta["versions"]["torch"] and meta["versions"]["numpy"]
+    assert meta["config"]["training"]["max_steps"] == 10
+    assert meta["training_state"]["progress"]["step"] == 10

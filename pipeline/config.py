@@ -6,6 +6,7 @@ Command-line flags override the file through :func:`load_config`'s ``overrides``
 """
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,14 +32,17 @@ __all__ = [
     "parse_set_overrides",
     "RESUME_IRRELEVANT_KEYS",
     "DEFAULT_CONFIG_PATH",
+    "is_yaml11_float",
 ]
 
 DEFAULT_CONFIG_PATH = Path("config.yaml")
 
 # Keys that may differ between a checkpoint and the run resuming it: they change where
-# and how often state is written or how progress is shown, never what is computed.
+# things live, how often state is written or how progress is shown, never what is
+# computed. (Data content is compared by fingerprint, so moving data.dir is fine.)
 RESUME_IRRELEVANT_KEYS = frozenset(
     {
+        "data.dir",
         "checkpoint.dir",
         "checkpoint.every",
         "checkpoint.keep_last",
@@ -255,6 +259,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def is_yaml11_float(value: Any) -> bool:
+    """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) loads as a string; users mean a number."""
+    return isinstance(value, str) and bool(_YAML11_FLOAT.match(value.strip()))
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -275,6 +287,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         raise ValueError(f"{key} must be null")
     expected = origin or annotation
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is float and is_yaml11_float(value):
         return float(value)
     if expected is int and isinstance(value, bool):
         raise ValueError(f"{key} must be an integer, got a boolean ({value!r})")

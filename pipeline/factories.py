@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import Config
+from .config import Config, is_yaml11_float
 from .errors import ConfigError
 
 __all__ = ["resolve", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
@@ -65,7 +65,7 @@ def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, An
             out[name] = default
             continue
         value = params[name]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        if kind is float and (isinstance(value, int) and not isinstance(value, bool) or is_yaml11_float(value)):
             value = float(value)
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise ConfigError(f"{key}.{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,144 @@
+"""Pickle-free state round trips: optimizer, RNG, sampler and tied weights come back exactly."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, load_model
+
+from pipeline.data import EpochSampler
+from pipeline.errors import StateMismatch
+from pipeline.rng import capture_rng, peek_next_draws, restore_rng, seed_everything
+from pipeline.serialization import dedupe_shared_tensors, join_state, split_state, write_safetensors
+from pipeline.state import load_model_weights, warm_start
+
+
+def roundtrip(obj, tmp_path):
+    """Through a real safetensors file and JSON text, as a checkpoint stores it."""
+    import json
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = json.loads(json.dumps(split_state(obj, "s", tensors)))
+    write_safetensors(tmp_path / "state.safetensors", tensors)
+    return join_state(tree, load_file(tmp_path / "state.safetensors"))
+
+
+def test_adamw_state_with_groups_round_trips_exactly(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+                                   {"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias],
+                                    "weight_decay": 0.0}], lr=1e-3, betas=(0.8, 0.95))
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    back = roundtrip(saved, tmp_path)
+    assert back["param_groups"] == saved["param_groups"]
+    assert isinstance(back["param_groups"][0]["betas"], tuple)
+    assert set(back["state"]) == set(saved["state"]) and all(isinstance(k, int) for k in back["state"])
+    for index, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(back["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_streamed_safetensors_file_reads_back_with_plain_safetensors(tmp_path, dtype):
+    tensors = {"matrix": (torch.arange(12) % 3).to(dtype).reshape(3, 4), "scalar": torch.tensor(1).to(dtype),
+               "empty": torch.zeros(0, 2, dtype=dtype), "strided": torch.ones(4, 4, dtype=dtype)[:, 1]}
+    sha, size = write_safetensors(tmp_path / "t.safetensors", tensors, metadata={"k": "v"})
+    assert size == (tmp_path / "t.safetensors").stat().st_size
+    from pipeline.hashing import sha256_file
+
+    assert sha == sha256_file(tmp_path / "t.safetensors")
+    loaded = load_file(tmp_path / "t.safetensors")
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_rng_restore_reproduces_every_family_and_peeking_draws_nothing():
+    generator = seed_everything(7)
+    random.random(), generator.random(), np.random.rand(), torch.rand(1)
+    state = capture_rng(generator)
+    peeked = peek_next_draws(generator)
+    assert peek_next_draws(generator) == peeked, "peeking changed the live generators"
+    expected = (random.random(), generator.random(), np.random.random_sample(), torch.rand(1, dtype=torch.float64))
+    seed_everything(99)
+    restore_rng(state, generator, need_cuda=False)
+    again = (random.random(), generator.random(), np.random.random_sample(), torch.rand(1, dtype=torch.float64))
+    assert again[:3] == expected[:3] and torch.equal(again[3], expected[3])
+    assert peeked == {"python": expected[0], "numpy_generator": expected[1], "numpy_legacy": expected[2],
+                      "torch_cpu": float(expected[3])}
+
+
+def test_rng_state_missing_a_family_is_refused():
+    generator = seed_everything(1)
+    state = capture_rng(generator)
+    del state["numpy_legacy"]
+    with pytest.raises(StateMismatch, match="numpy_legacy"):
+        restore_rng(state, generator, need_cuda=False)
+
+
+def test_sampler_resumes_mid_epoch_and_reshuffles_identically(tmp_path):
+    straight = EpochSampler(10, 4, np.random.Generator(np.random.PCG64(3)))
+    batches = [straight.next_indices() for _ in range(7)]
+    assert [len(b) for b in batches[:3]] == [4, 4, 2], "the last batch of an epoch is short without drop_last"
+
+    generator = np.random.Generator(np.random.PCG64(3))
+    first = EpochSampler(10, 4, generator)
+    head = [first.next_indices() for _ in range(2)]
+    saved, generator_state = roundtrip(first.state_dict(), tmp_path), generator.bit_generator.state
+    fresh_generator = np.random.Generator(np.random.PCG64(0))
+    fresh_generator.bit_generator.state = generator_state
+    second = EpochSampler(10, 4, fresh_generator)
+    second.load_state_dict(saved)
+    assert head + [second.next_indices() for _ in range(5)] == batches
+    assert second.epoch == 2 and second.samples_seen == 24
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def test_tied_weight_is_stored_once_and_loads_strictly_with_plain_safetensors(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    stored = dedupe_shared_tensors(model.state_dict())
+    assert len(stored) == 1
+    write_safetensors(tmp_path / "modelo.safetensors", stored, metadata={"format": "pt"})
+
+    plain = TiedLM()
+    load_model(plain, tmp_path / "modelo.safetensors", strict=True)  # no project code involved
+    ours = TiedLM()
+    load_model_weights(ours, load_file(tmp_path / "modelo.safetensors"))
+    tokens = torch.tensor([[1, 2, 3]])
+    for other in (plain, ours):
+        assert torch.equal(other(tokens), model(tokens))
+        assert other.head.weight.data_ptr() == other.embed.weight.data_ptr(), "the tie was broken by loading"
+
+
+def test_strict_load_names_missing_and_misshapen_tensors():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(StateMismatch, match=r"missing 1 \(bias\)"):
+        load_model_weights(model, {"weight": torch.zeros(2, 3)})
+    with pytest.raises(StateMismatch, match=r"tensor weight is torch.float32 \(3, 3\)"):
+        load_model_weights(model, {"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+
+
+def test_warm_start_reports_loaded_skipped_and_new():
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    target = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 1))
+    report = warm_start(target, source.state_dict())
+    assert report["loaded"] == ["0.weight", "0.bias"]
+    assert [s.split(" ")[0] for s in report["skipped"]] == ["1.weight", "1.bias"]
+    assert report["new"] == ["2.weight", "2.bias"]
+    assert torch.equal(target[0].weight, source[0].weight)

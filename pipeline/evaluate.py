@@ -1,0 +1,177 @@
+"""Evaluate a verified checkpoint on held-out data and record the result in ``metrics.json``.
+
+The model is rebuilt from the config saved in the checkpoint's own ``meta.json`` (not
+from today's ``config.yaml``), its weights are loaded strictly, and the prepared data
+must carry the fingerprint the checkpoint was trained on. ``metrics.json`` names the
+checkpoint's step and the SHA-256 of its ``modelo.safetensors``, so script 05 can refuse
+to put one checkpoint's metrics on another checkpoint's model card.
+
+``metrics.json`` lives outside the checkpoint folder on purpose: checkpoint folders are
+immutable and verified against an exact file list.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .config import Config, config_from_dict
+from .data import load_manifest, load_task_data
+from .errors import CheckpointError, ConfigError, ConfigMismatch, DataError, NoCheckpoint, PipelineError
+from .hashing import sha256_file
+from .provenance import code_fingerprint
+from .rng import seed_everything
+from .run import build_model, configure_determinism, resolve_device
+from .state import load_model_weights, read_tensors
+from .store import META_FILE, MODEL_FILE, parse_step_dir, resolve_checkpoint, write_json_atomic
+
+__all__ = [
+    "METRICS_FILE",
+    "METRICS_SCHEMA",
+    "METRICS_KEYS",
+    "HELDOUT_SPLIT",
+    "MetricsError",
+    "resolve_committed_checkpoint",
+    "evaluation_config",
+    "evaluate_checkpoint",
+    "write_metrics",
+    "read_metrics",
+]
+
+METRICS_FILE = "metrics.json"
+METRICS_SCHEMA = "pipeline.metrics/1"
+HELDOUT_SPLIT = "heldout"
+METRICS_KEYS = frozenset(
+    {"schema", "step", "checkpoint", "modelo_sha256", "meta_sha256", "split", "metrics", "sample", "fingerprints",
+     "device", "created"}
+)
+# metrics.json is small; the bound keeps a stray huge file from being parsed.
+_MAX_METRICS_BYTES = 16 * 1024 * 1024
+
+
+class MetricsError(PipelineError, ValueError):
+    """metrics.json is missing, malformed, or a task returned unusable metrics."""
+
+
+def resolve_committed_checkpoint(spec: str | Path, root: str | Path) -> tuple[Path, dict[str, Any]]:
+    """:func:`~pipeline.store.resolve_checkpoint` for consumers of finished checkpoints
+    (04, 05): an explicit path must be a committed ``step-…`` folder, never a temporary or
+    half-deleted one, and "none yet" points at training rather than at ``--resume``."""
+    if str(spec) != "latest" and parse_step_dir(Path(spec).resolve().name) is None:
+        raise CheckpointError(f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
+                              "checkpoints are evaluated or staged")
+    try:
+        return resolve_checkpoint(spec, root)
+    except NoCheckpoint as exc:
+        if str(spec) != "latest":
+            raise
+        raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
+                           "or pass --checkpoint PATH") from exc
+
+
+def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> Config:
+    """The checkpoint's own config, with only *where* things are taken from ``config``.
+
+    The architecture, dtype and data recipe must be those the weights were trained with;
+    the data folder and the device are properties of this machine.
+    """
+    raw = meta["config"]
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict) or not isinstance(raw.get("training"), dict):
+        raise ConfigMismatch(f"{source} has no usable config section")
+    raw = {**raw, "data": {**raw["data"], "dir": config.data.dir},
+           "training": {**raw["training"], "device": config.training.device}}
+    try:
+        return config_from_dict(raw, source=source)
+    except ConfigError as exc:
+        raise ConfigMismatch(f"the checkpoint's config is not valid for this version: {exc}") from None
+
+
+def _check_metrics(metrics: Any, where: str) -> dict[str, float]:
+    """``{name: finite float}`` or an error naming ``where`` the metrics came from."""
+    if not isinstance(metrics, dict) or not metrics:
+        raise MetricsError(f"{where}: metrics must be a non-empty mapping of name to number")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MetricsError(f"{where}: metric {name!r} is {value!r}; metrics must map str to a number")
+        if not math.isfinite(value):
+            # JSON has no NaN, and a card must not advertise one: the model is broken.
+            raise MetricsError(f"held-out metric {name} is {value}: the checkpoint's weights are not usable")
+        out[name] = float(value)
+    return out
+
+
+def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> dict[str, Any]:
+    """Evaluate ``checkpoint`` (``"latest"`` in ``checkpoint.dir``, or a step folder) on the
+    held-out split; return the record that :func:`write_metrics` saves.
+
+    Every file of the checkpoint is verified against its ``meta.json`` first, and the data
+    folder against both its manifest and the checkpoint's data fingerprint.
+    """
+    folder, meta = resolve_committed_checkpoint(checkpoint, config.checkpoint.dir)
+    eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
+    manifest = load_manifest(eval_config)
+    trained_on = meta["fingerprints"].get("data")
+    if manifest["fingerprint"] != trained_on:
+        raise DataError(f"{eval_config.data.dir}/ holds data with fingerprint {manifest['fingerprint'][:12]}, but "
+                        f"{folder.name} was trained on {str(trained_on)[:12]}: its held-out split is not this one; "
+                        "point data.dir at the data the checkpoint was trained with")
+    device = resolve_device(eval_config)
+    configure_determinism(eval_config)
+    # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
+    seed_everything(eval_config.training.seed)
+    model = build_model(eval_config, device)
+    load_model_weights(model, read_tensors(folder / MODEL_FILE))
+    model.eval()
+    data = load_task_data(eval_config)
+    metrics = _check_metrics(data.evaluate(model, device), f"{eval_config.data.factory} evaluate()")
+    sample = getattr(data, "sample", None)
+    text = sample(model, device) if sample is not None else None
+    if text is not None and not isinstance(text, str):
+        raise MetricsError(f"{eval_config.data.factory}: sample() must return a str, got {type(text).__name__}")
+    return {
+        "schema": METRICS_SCHEMA,
+        "step": meta["step"],
+        "checkpoint": str(folder),
+        # Verified a moment ago by resolve_checkpoint: these are the bytes that were evaluated.
+        "modelo_sha256": meta["files"][MODEL_FILE]["sha256"],
+        "meta_sha256": sha256_file(folder / META_FILE),
+        "split": HELDOUT_SPLIT,
+        "metrics": metrics,
+        "sample": text,
+        "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint()},
+        "device": str(device),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_metrics(record: dict[str, Any], path: str | Path = METRICS_FILE) -> Path:
+    """Write ``record`` atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MetricsError(f"--output {path} is a folder; give a file path such as {path / METRICS_FILE}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, record)
+    return path
+
+
+def read_metrics(path: str | Path = METRICS_FILE) -> dict[str, Any]:
+    """Parse and check a ``metrics.json`` written by :func:`write_metrics`."""
+    path = Path(path)
+    if not path.is_file():
+        raise MetricsError(f"{path} not found: run scripts/04_evaluate.py first")
+    if path.stat().st_size > _MAX_METRICS_BYTES:
+        raise MetricsError(f"{path} is over {_MAX_METRICS_BYTES} bytes: not a metrics file")
+    try:
+        record = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise MetricsError(f"{path} is not valid JSON: rerun scripts/04_evaluate.py") from None
+    if not isinstance(record, dict) or record.get("schema") != METRICS_SCHEMA or set(record) != METRICS_KEYS:
+        raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun scripts/04_evaluate.py")
+    if not isinstance(record["step"], int) or not isinstance(record["modelo_sha256"], str):
+        raise MetricsError(f"{path} has a malformed step or modelo_sha256: rerun scripts/04_evaluate.py")
+    _check_metrics(record["metrics"], str(path))
+    return record

@@ -1,0 +1,517 @@
+"""Build and audit the Hub stage: exactly the last verified checkpoint, ready to upload.
+
+A stage (``hub_stage/`` by default) holds plain files only::
+
+    modelo.safetensors   the checkpoint's weights, byte for byte
+    meta.json            the publishable record (schema pipeline.stage/1, see build_stage)
+    training_curve.png   loss and learning rate against step
+    README.md            the model card
+    MANIFEST.sha256      `sha256sum` format over every other file
+
+:func:`build_stage` verifies the checkpoint, writes everything into a hidden sibling
+folder, audits it, and only then swaps it into place, so a half-built or refused stage is
+never visible and a refusal leaves the previous stage untouched. :func:`audit_stage`
+re-checks an existing stage against its manifest; the publish step calls it right before
+uploading and reuses the hashes it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+
+from .card import CURVE_FILE, build_model_card, render_curve
+from .config import Config
+from .errors import ChecksumMismatch, PipelineError
+from .evaluate import METRICS_FILE, read_metrics, resolve_committed_checkpoint
+from .hashing import CHUNK, HashingWriter, sha256_bytes, sha256_file
+from .store import META_FILE, MODEL_FILE, STATE_FILE, fsync_dir
+
+__all__ = [
+    "STAGE_SCHEMA",
+    "MANIFEST_FILE",
+    "README_FILE",
+    "CURVE_FILE",
+    "StageError",
+    "StageAuditError",
+    "SecretInStage",
+    "NonFiniteWeights",
+    "AuditedFile",
+    "StageResult",
+    "REQUIRED_FILES",
+    "build_stage",
+    "audit_stage",
+    "parse_manifest",
+    "find_nonfinite",
+    "scan_secrets",
+    "stage_lock",
+    "format_audit_table",
+]
+
+STAGE_SCHEMA = "pipeline.stage/1"
+MANIFEST_FILE = "MANIFEST.sha256"
+README_FILE = "README.md"
+# Files every stage must hold besides the manifest.
+REQUIRED_FILES = (MODEL_FILE, META_FILE, README_FILE)
+# The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
+_GITKEEP = ".gitkeep"
+_MAX_SMALL_FILE = 16 * 1024 * 1024
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  ([^\n]+)$")
+_TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
+# Shorter HF_TOKEN values would match by chance inside binary weights.
+_MIN_LITERAL_SECRET = 8
+
+
+class StageError(PipelineError):
+    """The stage cannot be built or replaced; the previous stage is untouched."""
+
+
+class StageAuditError(StageError, ValueError):
+    """A stage's files do not match its MANIFEST.sha256 or its meta.json."""
+
+
+class SecretInStage(StageError):
+    """A staged file contains what looks like a Hugging Face token."""
+
+
+class NonFiniteWeights(StageError, ValueError):
+    """A floating-point tensor of the weights holds NaN or infinite values."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditedFile:
+    """One file and its verified hash.
+
+    ``name`` is the path relative to the stage (a plain file name), ``size`` in bytes,
+    ``sha256`` lowercase hex of the bytes on disk when audited, ``verified_against`` says
+    what that hash was checked against (for the audit table).
+    """
+
+    name: str
+    size: int
+    sha256: str
+    verified_against: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What :func:`build_stage` did. ``files`` is :func:`audit_stage`'s answer for the new
+    stage; ``report`` adds the source checkpoint's files, in table order."""
+
+    stage: Path
+    step: int
+    source: Path
+    files: dict[str, AuditedFile]
+    report: list[AuditedFile]
+    nonfinite: list[str]
+    with_metrics: bool
+
+
+# -- audit --------------------------------------------------------------------------------
+
+def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]:
+    """Strict ``sha256sum`` text format: one ``<64 lowercase hex>  <name>`` per line, each
+    line ending in a newline, plain file names (no folders), no duplicates."""
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StageAuditError(f"{where} is not UTF-8 text") from None
+    if not decoded.endswith("\n"):
+        raise StageAuditError(f"{where} is empty or its last line has no newline: the file is damaged")
+    entries: dict[str, str] = {}
+    for number, line in enumerate(decoded[:-1].split("\n"), start=1):
+        match = _MANIFEST_LINE.match(line)
+        if match is None:
+            raise StageAuditError(f"{where} line {number} is not '<sha256>  <name>'")
+        digest, name = match.groups()
+        if "/" in name or "\\" in name or "\0" in name or name in (".", "..", MANIFEST_FILE):
+            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists plain file names only")
+        if name in entries:
+            raise StageAuditError(f"{where} lists {name} twice")
+        entries[name] = digest
+    return entries
+
+
+def _read_small(path: Path) -> bytes:
+    if path.is_symlink() or not path.is_file():
+        raise StageAuditError(f"{path} is missing or not a plain file")
+    size = path.stat().st_size
+    if size > _MAX_SMALL_FILE:
+        raise StageAuditError(f"{path} is {size} bytes, over the {_MAX_SMALL_FILE}-byte limit for this file")
+    return path.read_bytes()
+
+
+def _check_staged_meta(path: Path, audited: Mapping[str, AuditedFile]) -> None:
+    """The record's own files table must agree with what the manifest verified."""
+    try:
+        meta = json.loads(_read_small(path))
+    except (ValueError, UnicodeDecodeError):
+        raise StageAuditError(f"{path} is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("schema") != STAGE_SCHEMA or not isinstance(meta.get("files"), dict):
+        raise StageAuditError(f"{path} is not a {STAGE_SCHEMA} record")
+    if MODEL_FILE not in meta["files"]:
+        raise StageAuditError(f"{path} does not record {MODEL_FILE}")
+    for name, entry in sorted(meta["files"].items()):
+        held = audited.get(name)
+        if held is None:
+            raise StageAuditError(f"{path} records {name}, which the stage does not hold")
+        if not isinstance(entry, dict) or entry.get("sha256") != held.sha256 or entry.get("size") != held.size:
+            raise StageAuditError(f"{path} records a different SHA-256 or size for {name} than the stage holds")
+
+
+def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
+    """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
+
+    Checks: the folder holds exactly the files the manifest lists plus the manifest itself
+    (no extras, none missing, no links or subfolders); each file's SHA-256 equals the
+    manifest's; ``modelo.safetensors``, ``meta.json`` and ``README.md`` are present; and
+    the ``files`` table inside ``meta.json`` agrees with the manifest.
+
+    Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
+    from the bytes the audit parsed). The keys are exactly the files to upload, and each
+    ``sha256`` was computed from the file on disk during this call, so an uploader can pass
+    them on instead of hashing again. Hold :func:`stage_lock` from the audit to the end of
+    the upload so the stage cannot be rebuilt in between. Raises :class:`StageAuditError`
+    naming the offending file; reads only.
+    """
+    stage = Path(stage_dir)
+    if stage.is_symlink() or not stage.is_dir():
+        raise StageAuditError(f"{stage} is not a stage folder: run scripts/05_stage.py")
+    manifest_path = stage / MANIFEST_FILE
+    if not manifest_path.exists():
+        raise StageAuditError(f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py")
+    raw = _read_small(manifest_path)
+    expected = parse_manifest(raw, where=str(manifest_path))
+    for entry in sorted(stage.iterdir()):
+        if entry.name == MANIFEST_FILE:
+            continue
+        if entry.is_symlink() or not entry.is_file():
+            raise StageAuditError(f"{entry} is a link or folder: a stage holds plain files only")
+        if entry.name not in expected:
+            raise StageAuditError(f"{entry} is not listed in {MANIFEST_FILE}: the stage was modified after "
+                                  "it was built")
+    for name in sorted(expected):
+        if not (stage / name).is_file():
+            raise StageAuditError(f"{stage / name} is listed in {MANIFEST_FILE} but missing")
+    for name in REQUIRED_FILES:
+        if name not in expected:
+            raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
+    audited: dict[str, AuditedFile] = {}
+    for name, digest in sorted(expected.items()):
+        path = stage / name
+        size = path.stat().st_size
+        actual = sha256_file(path)
+        if actual != digest:
+            raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
+        audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
+    _check_staged_meta(stage / META_FILE, audited)
+    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
+    return dict(sorted(audited.items()))
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+def find_nonfinite(path: str | Path) -> list[str]:
+    """Names of floating-point tensors in a safetensors file that hold NaN or ±inf, sorted.
+    Reads one tensor at a time."""
+    bad = []
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        for name in sorted(handle.keys()):
+            tensor = handle.get_tensor(name)
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                continue
+            if tensor.is_floating_point() and tensor.element_size() == 1:
+                tensor = tensor.float()  # float8 kernels lack isfinite
+            if not bool(torch.isfinite(tensor).all()):
+                bad.append(name)
+    return bad
+
+
+def _secret_patterns(environ: Mapping[str, str]) -> list[tuple[re.Pattern[bytes], str]]:
+    patterns = [(_TOKEN_PATTERN, "an hf_ token pattern")]
+    token = environ.get("HF_TOKEN", "").strip()
+    if len(token) >= _MIN_LITERAL_SECRET:
+        patterns.append((re.compile(re.escape(token.encode())), "the value of HF_TOKEN"))
+    return patterns
+
+
+def scan_secrets(folder: str | Path, *, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse if any file in ``folder`` contains an ``hf_…`` token or the value of
+    ``HF_TOKEN`` (when set, at least 8 characters). Streams each file in chunks with an
+    overlap, so large weights are not read into memory. The message names the file and the
+    kind of secret, never the secret itself."""
+    patterns = _secret_patterns(os.environ if environ is None else environ)
+    overlap = max(64, *(len(p.pattern) for p, _ in patterns))
+    for path in sorted(Path(folder).iterdir()):
+        if not path.is_file():
+            continue
+        with open(path, "rb") as handle:
+            tail = b""
+            while chunk := handle.read(CHUNK):
+                window = tail + chunk
+                for pattern, what in patterns:
+                    if pattern.search(window):
+                        raise SecretInStage(f"{path.name} would contain {what}; nothing was staged. Remove it "
+                                            "from where it came from (config card section, data, task sample) "
+                                            "and stage again")
+                tail = window[-overlap:]
+
+
+# -- building -----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def stage_lock(stage_dir: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the stage's parent folder (no lock file is left
+    behind). 05 holds it while building; the publish step should hold it from
+    :func:`audit_stage` to the end of its upload."""
+    parent = Path(stage_dir).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise StageError(f"{stage_dir} is being staged or published by another process; "
+                                 "wait for it to finish") from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def _sibling(stage: Path, kind: str) -> Path:
+    return stage.absolute().parent / f".{stage.name}-{kind}-{secrets.token_hex(4)}"
+
+
+def _recover(stage: Path) -> None:
+    """Undo what a crash in an earlier run left: drop half-built stages, and if the crash
+    came between the two renames of the swap, put the previous stage back."""
+    parent = stage.absolute().parent
+    for entry in parent.iterdir():
+        if entry.name.startswith(f".{stage.name}-tmp-") and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+    for entry in sorted(parent.iterdir()):
+        if entry.name.startswith(f".{stage.name}-old-") and entry.is_dir() and not entry.is_symlink():
+            if not stage.exists():
+                os.rename(entry, stage)
+            else:
+                shutil.rmtree(entry)
+    fsync_dir(parent)
+
+
+def _check_replaceable(stage: Path) -> None:
+    """Only an empty folder, the repo's placeholder or an earlier stage may be replaced:
+    a mistyped --stage must never delete someone's folder."""
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        raise StageError(f"{stage} exists and is not a folder; refusing to replace it")
+    if stage.is_dir():
+        names = {entry.name for entry in stage.iterdir()} - {_GITKEEP}
+        if names and MANIFEST_FILE not in names:
+            raise StageError(f"{stage}/ holds files but no {MANIFEST_FILE}, so it was not built by "
+                             "scripts/05_stage.py; refusing to replace it (move it away or pass another --stage)")
+
+
+def _swap_into_place(built: Path, stage: Path) -> None:
+    """Move the previous stage aside, rename the new one into place, then delete the old."""
+    previous = None
+    if stage.exists():
+        previous = _sibling(stage, "old")
+        os.rename(stage, previous)
+    try:
+        os.rename(built, stage)
+    except BaseException:
+        if previous is not None:
+            os.rename(previous, stage)
+        raise
+    fsync_dir(stage.absolute().parent)
+    if previous is not None:
+        shutil.rmtree(previous)
+
+
+def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json, if and only if it was computed from exactly these weights and data."""
+    if not path.exists():
+        raise StageError(f"{path} not found: run scripts/04_evaluate.py first, or stage without metrics "
+                         "with --no-metrics")
+    record = read_metrics(path)
+    sha = meta["files"][MODEL_FILE]["sha256"]
+    if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
+        raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
+                         f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun "
+                         f"scripts/04_evaluate.py --checkpoint {folder}, or pass --no-metrics")
+    if record["fingerprints"].get("data") != meta["fingerprints"].get("data"):
+        raise StageError(f"{path} was computed on other data than {folder.name} was trained on: "
+                         "rerun scripts/04_evaluate.py")
+    return record
+
+
+def _copy_verified(source: Path, target: Path, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy while hashing, compare with the checkpoint's record, then re-hash the copy
+    from disk: both what was read and what landed must be the recorded bytes."""
+    with open(source, "rb") as src, HashingWriter(target) as out:
+        while chunk := src.read(CHUNK):
+            out.write(chunk)
+    if out.sha256 != entry["sha256"] or out.size != entry["size"]:
+        raise ChecksumMismatch(f"{source} changed while it was copied (SHA-256 differs from its meta.json)")
+    if sha256_file(target) != entry["sha256"]:
+        raise StageAuditError(f"the copy of {source} reads back with another SHA-256: check the disk")
+    return {"sha256": out.sha256, "size": out.size}
+
+
+def _write_file(path: Path, data: bytes) -> dict[str, Any]:
+    with HashingWriter(path) as out:
+        out.write(data)
+    return {"sha256": out.sha256, "size": out.size}
+
+
+def _read_history(path: Path) -> dict[str, list]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(f"history/{key}").tolist() for key in ("step", "loss", "lr")}
+    except Exception as exc:  # safetensors raises its own types for a missing key
+        raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
+
+
+def _json_bytes(payload: Any) -> bytes:
+    # Strict JSON (no NaN): the record is read by other tools and people.
+    return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256: str, history: dict[str, list],
+                 record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any]) -> dict[str, Any]:
+    """The publishable record: no optimizer, RNG or sampler internals."""
+    return {
+        "schema": STAGE_SCHEMA,
+        "step": meta["step"],
+        # The card section may be edited after training (it never changes what was computed).
+        "config": {**meta["config"], "card": config.to_dict()["card"]},
+        "model": meta["model"],
+        "training": {
+            "created": meta["created"],
+            "final_loss": history["loss"][-1] if history["loss"] else None,
+            "final_lr": history["lr"][-1] if history["lr"] else None,
+            "history_points": len(history["step"]),
+        },
+        "metrics": None if record is None else {
+            "split": record["split"],
+            "values": record["metrics"],
+            "data_fingerprint": record["fingerprints"]["data"],
+            "evaluated": record["created"],
+            "device": record["device"],
+        },
+        "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},
+        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_sha256": meta_sha256},
+        "checks": {"nonfinite_tensors": nonfinite},
+        "files": files,
+    }
+
+
+def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
+    return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
+
+
+def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: str, config: Config,
+                record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None) -> list[str]:
+    """Write every stage file into ``built``; returns the non-finite tensor names."""
+    files = {MODEL_FILE: _copy_verified(folder / MODEL_FILE, built / MODEL_FILE, meta["files"][MODEL_FILE])}
+    nonfinite = find_nonfinite(built / MODEL_FILE)
+    if nonfinite and not allow_nonfinite:
+        more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
+        raise NonFiniteWeights(f"{folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
+                               "refusing to stage it (pass --allow-nonfinite to stage it anyway)")
+    history = _read_history(folder / STATE_FILE)
+    files[CURVE_FILE] = _write_file(built / CURVE_FILE, render_curve(history))
+    staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files))
+    listed = {**files, META_FILE: _write_file(built / META_FILE, _json_bytes(staged))}
+    card = build_model_card(staged, listed, repo_id=repo_id, sample=record["sample"] if record else None)
+    listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
+    _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
+    fsync_dir(built)
+    return nonfinite
+
+
+def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
+            audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
+    """Table rows (source files, then staged ones) and the staged files with their notes."""
+    source = [
+        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_sha256,
+                    "schema, exact file list"),
+        *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
+          for name, entry in sorted(meta["files"].items())),
+    ]
+    notes = {
+        MODEL_FILE: "checkpoint meta.json, re-hash after copy, MANIFEST.sha256",
+        META_FILE: "MANIFEST.sha256, its own files table",
+        MANIFEST_FILE: "lists every other staged file",
+    }
+    order = (MODEL_FILE, CURVE_FILE, META_FILE, README_FILE)  # the order they were written in
+    names = sorted(audited, key=lambda name: (order.index(name) if name in order else len(order), name))
+    staged = {name: replace(audited[name], verified_against=notes.get(name, audited[name].verified_against))
+              for name in names}
+    return source + list(staged.values()), staged
+
+
+def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = "hub_stage",
+                metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
+                repo_id: str | None = None) -> StageResult:
+    """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
+    ``checkpoint.dir``, or a ``step-…`` folder).
+
+    Order: verify every checkpoint file against its meta.json; require ``metrics`` (a
+    metrics.json from script 04) to name this step and these weights (``None`` stages
+    without metrics); copy and re-hash the weights; refuse NaN/inf tensors unless
+    ``allow_nonfinite``; write curve, ``meta.json``, card and manifest into a hidden
+    sibling folder; audit it and scan it for secrets; swap it into place. Any refusal
+    raises a :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
+
+    The staged ``meta.json`` holds ``schema, step, config, model, training, metrics,
+    provenance, source_checkpoint, checks, files`` (``files``: ``modelo.safetensors`` and
+    ``training_curve.png`` with ``sha256`` and ``size``; README.md and the manifest
+    cannot be listed, as they embed or list meta.json's own hash).
+    """
+    # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
+    stage = Path(os.path.abspath(stage_dir))
+    folder, meta = resolve_committed_checkpoint(checkpoint, config.checkpoint.dir)
+    record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
+    meta_sha256 = sha256_file(folder / META_FILE)
+    with stage_lock(stage):
+        _recover(stage)
+        _check_replaceable(stage)
+        built = _sibling(stage, "tmp")
+        built.mkdir()
+        try:
+            nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
+                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id)
+            audited = audit_stage(built)
+            scan_secrets(built)
+            _swap_into_place(built, stage)
+        except BaseException:
+            shutil.rmtree(built, ignore_errors=True)
+            raise
+    report, staged = _report(folder, meta, meta_sha256, audited)
+    return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
+                       nonfinite=nonfinite, with_metrics=record is not None)
+
+
+def format_audit_table(rows: Iterable[AuditedFile]) -> str:
+    """Aligned text table: file, bytes, SHA-256, verified against."""
+    rows = list(rows)
+    width = max([len("file"), *(len(row.name) for row in rows)])
+    size_width = max([len("bytes"), *(len(str(row.size)) for row in rows)])
+    lines = [f"{'file':<{width}}  {'bytes':>{size_width}}  {'SHA-256':<64}  verified against"]
+    lines += [f"{row.name:<{width}}  {row.size:>{size_width}}  {row.sha256:<64}  {row.verified_against}"
+              for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Evaluate the newest verified checkpoint on the held-out split; write metrics.json.
+
+    python scripts/04_evaluate.py                                   # latest in checkpoint.dir
+    python scripts/04_evaluate.py --checkpoint estados_local/step-00000010
+    python scripts/04_evaluate.py --output runs/metrics.json
+    python scripts/04_evaluate.py --config examples/charlm/config.yaml
+
+Every file of the checkpoint is verified against its meta.json and the data folder against
+the fingerprint the checkpoint was trained on. The model is rebuilt from the config saved
+in the checkpoint. metrics.json records the step and the SHA-256 of modelo.safetensors, so
+scripts/05_stage.py only shows these metrics next to exactly these weights.
+
+Exit codes: 0 done; 2 no usable checkpoint or data (one line on stderr).
+"""
+
+import argparse
+from pathlib import Path
+
+from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.evaluate import METRICS_FILE, evaluate_checkpoint, write_metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
+                        help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir)")
+    parser.add_argument("--output", type=Path, default=Path(METRICS_FILE),
+                        help=f"where to write the record (default: {METRICS_FILE})")
+    args = parser.parse_args()
+    config = config_from_args(args)
+    record = evaluate_checkpoint(config, args.checkpoint)
+    path = write_metrics(record, args.output)
+    print(f"evaluated {record['checkpoint']} (step {record['step']}) on the {record['split']} split")
+    print(f"  modelo.safetensors sha256 {record['modelo_sha256']}")
+    for name, value in sorted(record["metrics"].items()):
+        print(f"  {name} = {value:.6g}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,51 @@
+"""Stage the last verified checkpoint for the Hub: weights, record, card, curve, manifest.
+
+    python scripts/05_stage.py                          # newest committed checkpoint -> hub_stage/
+    python scripts/05_stage.py --checkpoint estados_local/step-00000010 --stage hub_stage
+    python scripts/05_stage.py --no-metrics             # stage without running 04 first
+    python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
+    cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
+
+Every checkpoint file is verified against its meta.json, the stage is built in a hidden
+sibling folder, audited, scanned for tokens, and only then renamed into place. Nothing is
+uploaded. Refuses (exit 2, previous stage untouched) on a hash mismatch, NaN/inf weights
+(unless --allow-nonfinite), a token in any staged file, or a metrics.json that was computed
+for other weights.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.evaluate import METRICS_FILE
+from pipeline.stage import build_stage, format_audit_table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
+                        help="checkpoint to stage (default: the newest committed one in checkpoint.dir)")
+    parser.add_argument("--stage", type=Path, default=Path("hub_stage"), help="stage folder (default: hub_stage)")
+    parser.add_argument("--metrics", type=Path, default=Path(METRICS_FILE),
+                        help=f"metrics from scripts/04_evaluate.py (default: {METRICS_FILE})")
+    parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
+    parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
+    parser.add_argument("--repo-id", metavar="NAMESPACE/NAME", help="repository named in the card's loading snippet")
+    args = parser.parse_args()
+    config = config_from_args(args)
+    result = build_stage(config, checkpoint=args.checkpoint, stage_dir=args.stage,
+                         metrics=None if args.no_metrics else args.metrics,
+                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id)
+    if result.nonfinite:
+        print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
+    print(format_audit_table(result.report))
+    metrics = "with metrics" if result.with_metrics else "without metrics"
+    print(f"staged step {result.step} from {result.source} into {result.stage}/ ({metrics}); "
+          f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

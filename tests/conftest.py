@@ -1,0 +1,146 @@
+"""Shared fixtures: the default config trained, evaluated and staged by the real scripts.
+
+Each fixture is a :class:`RunFolder`, a temporary folder that is the working directory of
+the scripts run in it, so it holds the same on-disk names as the real flow::
+
+    <root>/data/                            01_prepare_data.py (data.dir)
+    <root>/estados_local/step-00000010/     02_train.py        (checkpoint.dir)
+    <root>/metrics.json                     04_evaluate.py
+    <root>/hub_stage/                       05_stage.py
+
+Fixtures (the session ones are built once and shared: treat them as read-only):
+
+``trained_run``   session: data prepared and ``config.yaml`` trained to its last step.
+``evaluated_run`` session: ``trained_run`` plus ``metrics.json``.
+``staged_run``    session: ``evaluated_run`` plus ``hub_stage/``.
+``run_copy``      function: ``run_copy(run)`` returns a private, writable copy in
+                  ``tmp_path`` (relative paths in saved configs keep working).
+
+Scripts run as subprocesses with ``RunFolder.script(name, *args, env={...})`` (always
+passes the repository's ``config.yaml``; ``HF_TOKEN`` is removed from the environment
+unless ``env`` sets it),
+``RunFolder.ok(...)`` to also require exit 0, ``RunFolder.refused(...)`` to require exit 2
+with a single ``error: ...`` line and return that line. Nothing touches the repository's
+own ``data/``, ``estados_local/``, ``metrics.json`` or ``hub_stage/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "config.yaml"
+# Variables that would change what a script does (a real token, a real endpoint).
+_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a script: this one, without tokens, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"})
+    env.update(extra)
+    return env
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """One run's working folder; see the module docstring for its layout."""
+
+    root: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "estados_local"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def stage(self) -> Path:
+        return self.root / "hub_stage"
+
+    @property
+    def checkpoint(self) -> Path:
+        """The newest committed step folder."""
+        steps = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "meta.json").is_file())
+        assert steps, f"no committed checkpoint in {self.checkpoint_dir}"
+        return steps[-1]
+
+    @property
+    def overrides(self) -> dict[str, str]:
+        """Config overrides that point in-process code (cwd = repo) at this folder."""
+        return {"data.dir": str(self.data_dir), "checkpoint.dir": str(self.checkpoint_dir)}
+
+    def script(self, name: str, *args: str, env: Mapping[str, str] | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run ``scripts/<name> --config <repo>/config.yaml *args`` here; never raises.
+        ``env`` adds variables to :func:`script_env`."""
+        command = [sys.executable, "-B", str(REPO / "scripts" / name), "--config", str(CONFIG), *args]
+        return subprocess.run(command, cwd=self.root, env=script_env(**(env or {})), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def ok(self, name: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        result = self.script(name, *args, **kwargs)
+        assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def refused(self, name: str, *args: str, **kwargs) -> str:
+        """The single ``error: ...`` line of a run that must exit 2 without a traceback."""
+        result = self.script(name, *args, **kwargs)
+        assert result.returncode == 2, f"{name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        assert "Traceback" not in result.stderr, result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        return lines[0]
+
+    def copy_to(self, destination: Path) -> "RunFolder":
+        shutil.copytree(self.root, destination, symlinks=True)
+        return RunFolder(destination)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> RunFolder:
+    run = RunFolder(tmp_path_factory.mktemp("trained_run"))
+    run.ok("01_prepare_data.py")
+    run.ok("02_train.py", "--quiet")
+    return run
+
+
+@pytest.fixture(scope="session")
+def evaluated_run(trained_run, tmp_path_factory) -> RunFolder:
+    run = trained_run.copy_to(tmp_path_factory.mktemp("evaluated_run") / "run")
+    run.ok("04_evaluate.py")
+    return run
+
+
+@pytest.fixture(scope="session")
+def staged_run(evaluated_run, tmp_path_factory) -> RunFolder:
+    run = evaluated_run.copy_to(tmp_path_factory.mktemp("staged_run") / "run")
+    run.ok("05_stage.py")
+    return run
+
+
+@pytest.fixture
+def run_copy(tmp_path) -> Callable[[RunFolder], RunFolder]:
+    """``run_copy(run)``: a writable copy of a shared run, for tests that change files."""
+    count = 0
+
+    def make(run: RunFolder) -> RunFolder:
+        nonlocal count
+        count += 1
+        return run.copy_to(tmp_path / f"run{count}")
+
+    return make

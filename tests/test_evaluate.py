@@ -1,0 +1,64 @@
+"""Script 04 evaluates exactly the newest verified checkpoint on held-out data."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.config import load_config
+from pipeline.data import load_manifest, prepare_data
+from pipeline.errors import ChecksumMismatch, DataError
+from pipeline.evaluate import evaluate_checkpoint
+from pipeline.run import build_model
+from pipeline.state import load_model_weights
+
+CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def test_metrics_json_names_the_step_and_sha256_of_the_evaluated_weights(evaluated_run):
+    record = json.loads(evaluated_run.metrics.read_text())
+    checkpoint = evaluated_run.checkpoint
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert record["step"] == meta["step"] == 10
+    assert record["modelo_sha256"] == hashlib.sha256((checkpoint / "modelo.safetensors").read_bytes()).hexdigest()
+    assert record["checkpoint"] == "estados_local/step-00000010"
+    assert record["split"] == "heldout"
+    assert record["fingerprints"]["data"] == meta["fingerprints"]["data"]
+    assert set(record["metrics"]) == {"mse", "rmse"}
+
+
+def test_metric_is_the_error_on_the_heldout_rows_not_the_training_rows(evaluated_run):
+    config = load_config(CONFIG, evaluated_run.overrides)
+    model = build_model(config)
+    load_model_weights(model, load_file(evaluated_run.checkpoint / "modelo.safetensors"))
+    model.eval()
+    heldout = load_file(evaluated_run.data_dir / "heldout.safetensors")
+    with torch.no_grad():
+        by_hand = torch.mean((model(heldout["x"]) - heldout["y"]) ** 2).item()
+    recorded = json.loads(evaluated_run.metrics.read_text())["metrics"]["mse"]
+    assert recorded == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_run, run_copy):
+    run = run_copy(trained_run)
+    other = run.root / "other_data"
+    prepare_data(load_config(CONFIG, {"data.dir": str(other), "data.seed": 99}))
+    config = load_config(CONFIG, {**run.overrides, "data.dir": str(other)})
+    assert load_manifest(config)["fingerprint"] != load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
+    with pytest.raises(DataError, match="step-00000010 was trained on"):
+        evaluate_checkpoint(config)
+
+
+def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_copy):
+    run = run_copy(trained_run)
+    weights = run.checkpoint / "modelo.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch, match="modelo.safetensors"):
+        evaluate_checkpoint(load_config(CONFIG, run.overrides))

@@ -1,0 +1,292 @@
+"""Script 05 stages exactly the last verified checkpoint, or refuses and changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from matplotlib.image import imread
+from safetensors.torch import load_file, save_file
+
+from pipeline.config import config_from_dict, load_config
+from pipeline.data import load_task_data
+from pipeline.errors import CheckpointError
+from pipeline.stage import (NonFiniteWeights, SecretInStage, StageAuditError, StageError, audit_stage,
+                            build_stage)
+from pipeline.run import build_model
+from pipeline.state import load_model_weights
+
+CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256"}
+# Built by concatenation so this file itself never holds a token-shaped string.
+FAKE_TOKEN = "hf_" + "Zq7" * 12
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(run) -> list[str]:
+    """Hidden temporary or set-aside stages next to hub_stage/."""
+    return sorted(p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage"))
+
+
+def staged_meta(run) -> dict:
+    return json.loads((run.stage / "meta.json").read_text())
+
+
+def in_process_config(run, **overrides):
+    return load_config(CONFIG, {**run.overrides, **overrides})
+
+
+def rewrite_meta(checkpoint: Path, change: Callable[[dict], None]) -> None:
+    path = checkpoint / "meta.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+
+
+def poison_weights(checkpoint: Path) -> str:
+    """Put a NaN in the first tensor and record the new file's hash, as a real save would."""
+    path = checkpoint / "modelo.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    entry = {"sha256": sha256(path), "size": path.stat().st_size}
+    rewrite_meta(checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
+    return name
+
+
+# -- the stage --------------------------------------------------------------------------
+
+def test_stage_verifies_with_sha256sum_c(staged_run):
+    result = subprocess.run(["sha256sum", "--check", "--strict", "MANIFEST.sha256"], cwd=staged_run.stage,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(result.stdout.splitlines()) == sorted(f"{name}: OK" for name in STAGED - {"MANIFEST.sha256"})
+    assert {p.name for p in staged_run.stage.iterdir()} == STAGED
+
+
+def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
+    checkpoint = staged_run.checkpoint
+    assert (staged_run.stage / "modelo.safetensors").read_bytes() == (checkpoint / "modelo.safetensors").read_bytes()
+    source = json.loads((checkpoint / "meta.json").read_text())
+    meta = staged_meta(staged_run)
+    assert meta["step"] == source["step"] == 10
+    assert meta["files"]["modelo.safetensors"] == source["files"]["modelo.safetensors"]
+    assert meta["source_checkpoint"] == {"folder": "step-00000010", "schema": source["schema"],
+                                         "meta_sha256": sha256(checkpoint / "meta.json")}
+    assert meta["provenance"]["fingerprints"] == source["fingerprints"]
+    assert meta["provenance"]["versions"] == source["versions"]
+    assert meta["metrics"]["values"] == json.loads(staged_run.metrics.read_text())["metrics"]
+
+
+def test_staged_record_carries_no_optimizer_or_rng_internals(staged_run):
+    meta = staged_meta(staged_run)
+    assert set(meta) == {"schema", "step", "config", "model", "training", "metrics", "provenance",
+                         "source_checkpoint", "checks", "files"}
+    text = (staged_run.stage / "meta.json").read_text()
+    for internal in ("training_state", "exp_avg", "torch_cpu", "numpy_generator", "permutation"):
+        assert internal not in text
+    assert meta["files"]["training_curve.png"]["sha256"] == sha256(staged_run.stage / "training_curve.png")
+
+
+def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):
+    card = ModelCard.load(staged_run.stage / "README.md")
+    config = load_config(CONFIG)
+    assert card.data.library_name == "pytorch"
+    assert card.data.license == config.card.license
+    assert card.data.tags == config.card.tags
+    metrics = json.loads(staged_run.metrics.read_text())["metrics"]
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == metrics
+    modelo_sha = sha256(staged_run.stage / "modelo.safetensors")
+    assert "Step **10**" in card.text and modelo_sha in card.text
+    for name in ("meta.json", "training_curve.png"):
+        assert sha256(staged_run.stage / name) in card.text
+    assert "](training_curve.png)" in card.text
+    assert "hf_hub_download" in card.text and "safetensors" in card.text
+    assert "sha256sum -c MANIFEST.sha256" in card.text
+    height, width, _ = imread(staged_run.stage / "training_curve.png").shape
+    assert height > 100 and width > 100
+
+
+def test_staged_weights_reproduce_the_recorded_metric_exactly(staged_run):
+    meta = staged_meta(staged_run)
+    config = config_from_dict({**meta["config"], "data": {**meta["config"]["data"], "dir": str(staged_run.data_dir)}})
+    model = build_model(config)
+    load_model_weights(model, load_file(staged_run.stage / "modelo.safetensors"))
+    metrics = load_task_data(config).evaluate(model, torch.device("cpu"))
+    assert metrics == json.loads(staged_run.metrics.read_text())["metrics"]
+
+
+def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, run_copy):
+    run = run_copy(staged_run)
+    shutil.rmtree(run.stage)
+    run.stage.mkdir()
+    (run.stage / ".gitkeep").touch()
+    build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert snapshot(run.stage) == snapshot(staged_run.stage)
+    assert leftovers(run) == []
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+def flip_a_weight_byte(run):
+    path = run.checkpoint / "modelo.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    return [], "modelo.safetensors SHA-256 differs"
+
+
+def token_in_the_card(run):
+    return ["--set", f"card.description=Ask {FAKE_TOKEN} for access"], "README.md would contain an hf_ token pattern"
+
+
+@pytest.mark.parametrize("damage", [flip_a_weight_byte, token_in_the_card])
+def test_05_exits_2_with_one_line_and_leaves_the_previous_stage_untouched(staged_run, run_copy, damage):
+    run = run_copy(staged_run)
+    before = snapshot(run.stage)
+    args, expected = damage(run)
+    result = run.script("05_stage.py", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert expected in result.stderr
+    assert FAKE_TOKEN not in result.stdout + result.stderr
+    assert snapshot(run.stage) == before
+    assert leftovers(run) == []
+
+
+def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(staged_run, run_copy, tmp_path):
+    run = run_copy(staged_run)
+    before = snapshot(run.stage)
+    name = poison_weights(run.checkpoint)
+    with pytest.raises(NonFiniteWeights, match=f"tensor {name} holds NaN"):
+        build_stage(in_process_config(run), stage_dir=run.stage, metrics=None)
+    assert snapshot(run.stage) == before
+    assert leftovers(run) == []
+    result = build_stage(in_process_config(run), stage_dir=tmp_path / "stage", metrics=None, allow_nonfinite=True)
+    assert result.nonfinite == [name]
+    assert "NaN or infinite" in (tmp_path / "stage" / "README.md").read_text()
+
+
+def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, monkeypatch):
+    run = run_copy(staged_run)
+    secret = "not-an-hf-shaped-secret-1234"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    before = snapshot(run.stage)
+    with pytest.raises(SecretInStage, match="the value of HF_TOKEN") as refused:
+        build_stage(in_process_config(run, **{"card.description": f"internal key {secret}"}), stage_dir=run.stage,
+                    metrics=run.metrics)
+    assert secret not in str(refused.value)
+    assert snapshot(run.stage) == before
+
+
+def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy):
+    run = run_copy(evaluated_run)
+    record = json.loads(run.metrics.read_text())
+    record["step"], record["modelo_sha256"] = 5, "0" * 64
+    run.metrics.write_text(json.dumps(record))
+    with pytest.raises(StageError, match="rerun scripts/04_evaluate.py"):
+        build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert not run.stage.exists()
+
+
+def test_latest_is_the_newest_committed_checkpoint_never_a_temporary_folder(evaluated_run, run_copy):
+    run = run_copy(evaluated_run)
+    # A newer, complete-looking save that was never renamed into place.
+    temporary = run.checkpoint_dir / ".tmp-step-00000099-0badc0de"
+    shutil.copytree(run.checkpoint, temporary)
+    rewrite_meta(temporary, lambda meta: meta.update(step=99))
+    poison_weights(temporary)
+    result = build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert result.step == 10 and result.source.name == "step-00000010"
+    assert (run.stage / "modelo.safetensors").read_bytes() == (run.checkpoint / "modelo.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+        build_stage(in_process_config(run), checkpoint=temporary, stage_dir=run.root / "other", metrics=None)
+
+
+def test_a_folder_not_built_by_05_is_never_replaced(evaluated_run, run_copy):
+    run = run_copy(evaluated_run)
+    run.stage.mkdir()
+    (run.stage / "notes.txt").write_text("mine")
+    with pytest.raises(StageError, match="refusing to replace"):
+        build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert snapshot(run.stage) == {"notes.txt": b"mine"}
+
+
+# -- audit ------------------------------------------------------------------------------
+
+def test_audit_returns_the_verified_sha256_and_size_of_every_file_to_upload(staged_run):
+    audited = audit_stage(staged_run.stage)
+    assert set(audited) == STAGED
+    for name, entry in audited.items():
+        path = staged_run.stage / name
+        assert (entry.name, entry.size, entry.sha256) == (name, path.stat().st_size, sha256(path))
+
+
+def add_file(stage):
+    (stage / "notes.txt").write_text("extra")
+    return "notes.txt"
+
+
+def change_card(stage):
+    with open(stage / "README.md", "ab") as handle:
+        handle.write(b"\n")
+    return "README.md"
+
+
+def remove_curve(stage):
+    (stage / "training_curve.png").unlink()
+    return "training_curve.png"
+
+
+def add_link(stage):
+    os.symlink("modelo.safetensors", stage / "weights.bin")
+    return "weights.bin"
+
+
+def add_folder(stage):
+    (stage / "extra").mkdir()
+    return "extra"
+
+
+def disagree_with_meta(stage):
+    """meta.json's own files table is edited and the manifest updated to match it."""
+    meta = json.loads((stage / "meta.json").read_text())
+    meta["files"]["modelo.safetensors"]["sha256"] = "0" * 64
+    (stage / "meta.json").write_text(json.dumps(meta))
+    lines = [line for line in (stage / "MANIFEST.sha256").read_text().splitlines() if not line.endswith("meta.json")]
+    lines.append(f"{sha256(stage / 'meta.json')}  meta.json")
+    (stage / "MANIFEST.sha256").write_text("\n".join(lines) + "\n")
+    return "meta.json records a different SHA-256"
+
+
+def binary_mode_manifest_line(stage):
+    text = (stage / "MANIFEST.sha256").read_text()
+    (stage / "MANIFEST.sha256").write_text(text.replace("  README.md", " *README.md"))
+    return "line"
+
+
+@pytest.mark.parametrize("tamper", [add_file, change_card, remove_curve, add_link, add_folder, disagree_with_meta,
+                                    binary_mode_manifest_line])
+def test_audit_rejects_a_stage_changed_after_it_was_built(staged_run, tmp_path, tamper):
+    stage = tmp_path / "hub_stage"
+    shutil.copytree(staged_run.stage, stage)
+    named = tamper(stage)
+    with pytest.raises(StageAuditError, match=named):
+        audit_stage(stage)

@@ -259,7 +259,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
             for e in files.values()):
         raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
-    if not isinstance(meta["step"], int) or parse_step_dir(folder.name) not in (None, meta["step"]):
+    if not isinstance(meta["step"], int) or parse_step_dir(folder.name) != meta["step"]:
         raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
     return meta
 
@@ -273,6 +273,10 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     if not folder.is_dir():
         raise NoCheckpoint(f"{folder} is not a checkpoint folder")
+    if parse_step_dir(folder.name) is None:
+        # Temporary (.tmp-…) and half-deleted (.deleting-…) folders never count.
+        raise NoCheckpoint(f"{folder} is not a committed checkpoint (expected a folder named like "
+                           f"{step_dir_name(10)})")
     meta = read_meta(folder)
     present = {p.name for p in folder.iterdir()}
     unexpected = sorted(present - set(CHECKPOINT_FILES) - {META_FILE})
@@ -304,7 +308,8 @@ def resolve_checkpoint(spec: str | Path, root: str | Path) -> tuple[Path, dict[s
     store = CheckpointStore(root)
     steps = store.committed_steps()
     if not steps:
-        raise NoCheckpoint(f"no checkpoint in {Path(root)}/: start without --resume, or pass --checkpoint-dir")
+        raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
+                           "or point --checkpoint-dir at the folder that holds them")
     newest = store.path_for(steps[-1])
     try:
         return newest, verify_checkpoint(newest)

@@ -156,7 +156,7 @@ def test_changed_data_is_refused_even_when_the_config_matches(data_dir, checkpoi
 
 def test_resume_latest_with_no_checkpoint_says_how_to_start(data_dir, tmp_path):
     (tmp_path / "empty").mkdir()
-    refusal(data_dir, tmp_path / "empty", {}, "no checkpoint")
+    refusal(data_dir, tmp_path / "empty", {}, "no committed checkpoint", "train first")
 
 
 def test_fresh_run_into_a_folder_with_checkpoints_is_refused(data_dir, checkpoints):
@@ -203,3 +203,9 @@ def test_no_pickle_in_any_load_path():
                  for path in (REPO / folder).rglob("*.py")
                  for n, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
     assert not offenders, offenders
+
+
+def test_a_temporary_folder_is_never_resumed_from(data_dir, checkpoints):
+    temporary = checkpoints / ".tmp-step-00000009-cafe"
+    shutil.copytree(checkpoints / "step-00000006", temporary)
+    refusal(data_dir, checkpoints, snapshot(checkpoints), "not a committed checkpoint", resume_from=str(temporary))

@@ -205,7 +205,8 @@ def test_no_pickle_in_any_load_path():
     assert not offenders, offenders
 
 
-def test_a_temporary_folder_is_never_resumed_from(data_dir, checkpoints):
-    temporary = checkpoints / ".tmp-step-00000009-cafe"
-    shutil.copytree(checkpoints / "step-00000006", temporary)
-    refusal(data_dir, checkpoints, snapshot(checkpoints), "not a committed checkpoint", resume_from=str(temporary))
+def test_a_folder_not_named_like_a_step_is_never_resumed_from(data_dir, checkpoints, tmp_path):
+    """Temporary (.tmp-…) folders are cleaned at start; any other odd name is refused."""
+    odd = tmp_path / "half-copied"
+    shutil.copytree(checkpoints / "step-00000006", odd)
+    refusal(data_dir, checkpoints, snapshot(checkpoints), "not a committed checkpoint", resume_from=str(odd))

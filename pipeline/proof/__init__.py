@@ -1,0 +1,17 @@
+"""The resume proof behind scripts/03_verify_resume.py.
+
+A continuous run, the same run cut at step K, a resume from that checkpoint, and one
+resume per saved component that deliberately leaves it unrestored, each in its own
+process; then every weight, state tensor, loss, learning rate, batch and next RNG draw is
+compared with a measured difference. See docs/resume-proof.md.
+
+Modules: :mod:`.plan` (N, K, legs, commands), :mod:`.leg` (the internal per-leg entry
+point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparisons),
+:mod:`.protocol` (orchestration and report), :mod:`.layout` (file names).
+"""
+
+from .plan import CONTROLS, DEFAULT_STEPS, plan_cut
+from .protocol import REPORT_SCHEMA, ProofIncomplete, describe, summary_line, verify_resume
+
+__all__ = ["CONTROLS", "DEFAULT_STEPS", "REPORT_SCHEMA", "ProofIncomplete", "plan_cut", "verify_resume",
+           "summary_line", "describe"]

@@ -1,0 +1,156 @@
+"""The resume proof's plan: how many steps, where to cut, and the legs with their exact commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..data import EpochSampler, load_task_data
+from ..errors import ConfigError
+from ..provenance import PACKAGE_ROOT
+from ..store import step_dir_name
+from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
+
+__all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "leg_spec", "leg_command",
+           "leg_env"]
+
+DEFAULT_STEPS = 10
+# The saved components a negative control leaves unrestored, in report order.
+CONTROLS = ("rng", "optimizer", "scheduler", "data")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    steps: int
+    cut: int
+    reason: str
+    epochs: list[int] | None  # epoch of the sampler after steps 1..N (index 0 unused), if it has one
+
+    def to_dict(self) -> dict[str, Any]:
+        first_new = None
+        if self.epochs is not None:
+            first_new = next((s for s in range(self.cut + 1, self.steps + 1)
+                              if self.epochs[s] != self.epochs[self.cut]), None)
+        return {"steps": self.steps, "cut": self.cut, "reason": self.reason,
+                "epoch_at_cut": None if self.epochs is None else self.epochs[self.cut],
+                "first_step_of_a_new_epoch_after_cut": first_new}
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    name: str
+    stop_at: int
+    resume: bool  # from the cut leg's checkpoint
+    omit: tuple[str, ...] = ()
+    snapshot: bool = True  # save the state right after build/restore
+
+    def folder(self, output: Path) -> Path:
+        return output / self.name
+
+
+def plan_cut(config: Config, steps: int | None, cut: int | None) -> Plan:
+    """Validate N and K; by default cut inside an epoch, with an epoch boundary still to come.
+
+    Mid-epoch means the saved sampler holds a half-used permutation; a later boundary
+    means the resumed run must also draw the next permutation from restored RNG state.
+    """
+    max_steps = config.training.max_steps
+    n = steps if steps is not None else min(DEFAULT_STEPS, max_steps)
+    if n < 2:
+        raise ConfigError(f"--steps must be >= 2 so that there is a step to cut at (got {n})")
+    if n > max_steps:
+        raise ConfigError(f"--steps {n} exceeds training.max_steps {max_steps}: the proof trains the configured "
+                          "run, so lower --steps or raise it with --set training.max_steps=...")
+    epochs = _sampler_epochs(config, n)
+    if cut is not None:
+        if not 1 <= cut < n:
+            raise ConfigError(f"--cut must be between 1 and N-1 = {n - 1} (got {cut})")
+        return Plan(n, cut, "given with --cut" + _where(epochs, cut, n), epochs)
+    if epochs is None:
+        return Plan(n, n // 2, "the sampler's state has no integer 'epoch'; cut at the middle", None)
+    inside = [k for k in range(1, n) if epochs[k + 1] == epochs[k]]
+    with_boundary = [k for k in inside if epochs[n] != epochs[k]]
+    if with_boundary:
+        k = max(with_boundary)
+        return Plan(n, k, "the last step inside an epoch with a new epoch still to come" + _where(epochs, k, n),
+                    epochs)
+    if inside:
+        # No boundary reachable: cut near the middle, leaving steps on both sides.
+        k = max((k for k in inside if k <= n // 2), default=min(inside))
+        return Plan(n, k, "a step inside an epoch near the middle (no new epoch starts by step N)"
+                    + _where(epochs, k, n), epochs)
+    return Plan(n, n // 2, "every step is a whole epoch; cut at the middle", epochs)
+
+
+def _where(epochs: list[int] | None, k: int, n: int) -> str:
+    if epochs is None:
+        return ""
+    inside = "inside" if epochs[k + 1] == epochs[k] else "at the end of"
+    text = f": step {k} is {inside} epoch {epochs[k]}"
+    following = next((s for s in range(k + 1, n + 1) if epochs[s] != epochs[k]), None)
+    return text + (f"; epoch {epochs[following]} starts at step {following}" if following else "")
+
+
+def _sampler_epochs(config: Config, n: int) -> list[int] | None:
+    """Dry-run the configured sampler for N batches (no model, a throwaway generator)."""
+    data = load_task_data(config)
+    generator = np.random.Generator(np.random.PCG64(config.training.seed))
+    make_sampler = getattr(data, "make_sampler", None)
+    if make_sampler is not None:
+        sampler = make_sampler(generator, config)
+    else:
+        sampler = EpochSampler(data.num_train, config.data.batch_size, generator,
+                               shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    epochs: list[int] = [0]
+    for _ in range(n):
+        sampler.next_indices()
+        state = sampler.state_dict()
+        epoch = state.get("epoch") if isinstance(state, dict) else None
+        if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool):
+            return None
+        epochs.append(int(epoch))
+    return epochs
+
+
+def make_legs(plan: Plan, config: Config) -> list[Leg]:
+    """continuous, cut, resume, then one resume per omitted component."""
+    controls = CONTROLS + (("scaler",) if config.training.amp == "fp16" else ())
+    return [Leg("continuous", plan.steps, resume=False, snapshot=False),
+            Leg("cut", plan.cut, resume=False),
+            Leg("resume", plan.steps, resume=True),
+            *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls)]
+
+
+def leg_spec(leg: Leg, plan: Plan, config: Config, output: Path) -> dict[str, Any]:
+    """What the leg process runs: the full config with checkpoints inside the leg's folder.
+
+    ``checkpoint.every = N`` saves only at the leg's last step, so the continuous leg is an
+    uninterrupted reference; these keys are resume-irrelevant, nothing computed changes.
+    """
+    raw = config.to_dict()
+    raw["checkpoint"] = {**raw["checkpoint"], "dir": str(leg.folder(output).resolve() / CHECKPOINTS_DIR),
+                         "every": plan.steps, "keep_last": 1}
+    cut_folder = output.resolve() / "cut" / CHECKPOINTS_DIR / step_dir_name(plan.cut)
+    return {"leg": leg.name, "config": raw, "resume": str(cut_folder) if leg.resume else None,
+            "stop_at": leg.stop_at, "omit": list(leg.omit), "snapshot": leg.snapshot}
+
+
+def leg_command(leg: Leg, output: Path) -> list[str]:
+    """Same interpreter, same flags that matter (-B), a fresh process per leg."""
+    flags = ["-B"] if sys.flags.dont_write_bytecode else []
+    return [sys.executable, *flags, "-m", LEG_MODULE, str(leg.folder(output) / SPEC_FILE)]
+
+
+def leg_env() -> dict[str, str]:
+    """The caller's environment, with this package first on the path so every leg runs the
+    very sources the report fingerprints."""
+    env = dict(os.environ)
+    root = str(PACKAGE_ROOT.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
+    return env

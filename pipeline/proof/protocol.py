@@ -1,0 +1,324 @@
+"""Run the resume proof end to end: plan, legs in their own processes, checks, report.
+
+The orchestrator never trains; it writes each leg's spec, starts the legs with the same
+interpreter, and compares what they left behind. Everything goes into one new folder.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import Config
+from ..data import load_manifest
+from ..errors import ConfigError, PipelineError
+from ..hashing import sha256_bytes, sha256_file
+from ..provenance import PACKAGE_ROOT, code_fingerprint, library_versions
+from ..run import resolve_device
+from ..store import step_dir_name, write_json_atomic
+from .checks import (after_cut_checks, boundary_checks, control_verdict, exercise_check, first_divergent_step,
+                     prefix_checks, state_checks)
+from .compare import Check, load_checkpoint, load_snapshot
+from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SNAPSHOT_DIR, SPEC_FILE, SUMMARY_FILE
+from .plan import Leg, Plan, leg_command, leg_env, leg_spec, make_legs, plan_cut
+
+__all__ = ["REPORT_SCHEMA", "ProofIncomplete", "verify_resume", "summary_line", "describe"]
+
+REPORT_SCHEMA = "pipeline.resume-proof/1"
+_FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
+
+
+class ProofIncomplete(PipelineError):
+    """A leg failed or its results could not be read; ``report`` is what was written."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut: int | None = None,
+                  atol: float = 0.0, config_path: Path | None = None, jobs: int | None = None,
+                  echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Prove that resuming ``config`` at step K reproduces an uninterrupted run; return the report.
+
+    Raises :class:`PipelineError` (exit 2) when the protocol cannot start, and
+    :class:`ProofIncomplete` when it cannot complete; the report then says so
+    (``completed: false``, ``error``).
+    """
+    output = Path(output)
+    _refuse_output(output, config)
+    if not (math.isfinite(atol) and atol >= 0):
+        raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
+    manifest = load_manifest(config)  # unprepared or altered data stops here, before any folder exists
+    device = resolve_device(config)
+    plan = plan_cut(config, steps, cut)
+    legs = make_legs(plan, config)
+    jobs = jobs or (1 if device.type == "cuda" else len(legs))
+    _create_output(output)
+    report = _header(config, config_path, manifest, device, plan, legs, output, atol, jobs)
+    for leg in legs:
+        leg.folder(output).mkdir()
+        write_json_atomic(leg.folder(output) / SPEC_FILE, leg_spec(leg, plan, config, output))
+    # The cut and the continuous run are independent; every resume needs the cut's checkpoint.
+    for phase in (legs[:2], legs[2:]):
+        _run_phase(phase, output, jobs, report, echo)
+    try:
+        report.update(_evaluate(plan, legs, output, atol))
+    except (PipelineError, OSError) as exc:
+        _fail(output, report, f"could not compare the legs' results: {exc}")
+    report["completed"] = True
+    write_json_atomic(output / REPORT_FILE, report)
+    return report
+
+
+def _refuse_output(output: Path, config: Config) -> None:
+    if os.path.lexists(output):
+        raise PipelineError(f"{output} already exists: the proof writes only into a new folder "
+                            "(nothing was touched); pass another --output")
+    checkpoints = Path(config.checkpoint.dir).resolve()
+    target = output.resolve()
+    if target == checkpoints or checkpoints in target.parents:
+        raise PipelineError(f"--output {output} is inside checkpoint.dir ({config.checkpoint.dir}); the proof never "
+                            "writes there: choose a folder outside it")
+
+
+def _create_output(output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir()  # not exist_ok: a folder created meanwhile by someone else is not ours
+    except FileExistsError:
+        raise PipelineError(f"{output} already exists: pass another --output") from None
+
+
+def _run_phase(legs: list[Leg], output: Path, jobs: int, report: dict[str, Any], echo: Callable[[str], None]) -> None:
+    echo(f"running {', '.join(leg.name for leg in legs)} ...")
+    env = leg_env()
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(legs)))) as pool:
+        codes = dict(zip([leg.name for leg in legs],
+                         pool.map(lambda leg: _run_leg(leg, output, env), legs)))
+    for name, code in codes.items():
+        report["protocol"]["legs"][name]["exit_code"] = code
+    failed = [leg for leg in legs if codes[leg.name] != 0]
+    if failed:
+        leg = failed[0]
+        log = leg.folder(output) / LOG_FILE
+        _fail(output, report, f"leg {leg.name} exited with code {codes[leg.name]}: {_last_line(log)} (log: {log})")
+
+
+def _run_leg(leg: Leg, output: Path, env: dict[str, str]) -> int:
+    folder = leg.folder(output)
+    with open(folder / LOG_FILE, "xb") as log:
+        return subprocess.run(leg_command(leg, output), cwd=os.getcwd(), env=env, stdin=subprocess.DEVNULL,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _fail(output: Path, report: dict[str, Any], message: str) -> None:
+    report.update({"completed": False, "error": message, "all_checks_passed": False, "positive": False,
+                   "negative_divergence_detected": False})
+    write_json_atomic(output / REPORT_FILE, report)
+    raise ProofIncomplete(f"the proof could not complete: {message}", report)
+
+
+# -- evaluation ---------------------------------------------------------------------------
+
+def _evaluate(plan: Plan, legs: list[Leg], output: Path, atol: float) -> dict[str, Any]:
+    def summary(name: str) -> dict[str, Any]:
+        return json.loads((output / name / SUMMARY_FILE).read_text(encoding="utf-8"))
+
+    def final(name: str, step: int):
+        return load_checkpoint(output / name / CHECKPOINTS_DIR / step_dir_name(step))
+
+    n, k = plan.steps, plan.cut
+    continuous, cut_point = final("continuous", n), final("cut", k)
+    runs = {leg.name: summary(leg.name) for leg in legs}
+    positive = (prefix_checks(continuous, cut_point, runs["continuous"], runs["cut"], k, atol)
+                + boundary_checks(cut_point, load_snapshot(output / "resume" / SNAPSHOT_DIR), runs["cut"],
+                                  runs["resume"], atol)
+                + after_cut_checks(runs["continuous"], runs["resume"], k, atol)
+                + state_checks("final", continuous, final("resume", n), atol))
+    fresh = load_snapshot(output / "cut" / SNAPSHOT_DIR)
+    controls, control_checks = {}, {}
+    for leg in legs:
+        if not leg.omit:
+            continue
+        component = leg.omit[0]
+        outcome = (state_checks("final", continuous, final(leg.name, n), atol)
+                   + after_cut_checks(runs["continuous"], runs[leg.name], k, atol))
+        exercise = exercise_check(component, fresh, cut_point)
+        first = first_divergent_step(runs["continuous"], runs[leg.name], k, atol)
+        controls[component] = control_verdict(component, exercise, outcome, first)
+        # The restored state is expected to differ in the omitted part; recorded, not judged.
+        boundary = boundary_checks(cut_point, load_snapshot(leg.folder(output) / SNAPSHOT_DIR), runs["cut"],
+                                   runs[leg.name], atol)
+        control_checks[component] = {"exercise": exercise.to_dict(), "outcome": [c.to_dict() for c in outcome],
+                                     "boundary_informative": [c.to_dict() for c in boundary]}
+    controls.setdefault("scaler", _NO_SCALER)
+    return _verdict(plan, runs, positive, controls, control_checks)
+
+
+# Without fp16 AMP there is no GradScaler, so no leg is run for it.
+_NO_SCALER = {"component": "scaler", "leg": None, "result": "not exercised", "exercised": False,
+              "omission_detected": False,
+              "why_exercised": "training.amp is not fp16: the run has no GradScaler to restore",
+              "diverged_checks": {}, "first_divergent_loss_step": None}
+
+
+def _verdict(plan: Plan, runs: dict[str, Any], positive: list[Check], controls: dict[str, Any],
+             control_checks: dict[str, Any]) -> dict[str, Any]:
+    positive_ok = all(check.passed for check in positive)
+    negative_ok = all(c["result"] != "not detected" for c in controls.values())
+    by_component: dict[str, bool] = {}
+    for check in positive:
+        by_component[check.component] = by_component.get(check.component, True) and check.passed
+    # Checks are in causal order (prefix, boundary, after the cut, final): the first name is
+    # where the difference entered, e.g. the part that was restored wrongly.
+    failed = list(dict.fromkeys(check.component for check in positive if not check.passed))
+    failed += [name for name, c in controls.items() if c["result"] == "not detected" and name not in failed]
+    cut_summary = runs["cut"]
+    return {
+        "all_checks_passed": positive_ok and negative_ok,
+        "positive": positive_ok,
+        "negative_divergence_detected": negative_ok,
+        "failed_components": failed,
+        "components": {
+            "positive": {name: "matched" if ok else "diverged" for name, ok in by_component.items()},
+            "negative": controls,
+        },
+        "boundary": {**plan.to_dict(), "checkpoint": f"cut/{CHECKPOINTS_DIR}/{step_dir_name(plan.cut)}",
+                     "sampler_at_cut": cut_summary["end"]["sampler"]},
+        "final_metrics": {name: run["end"]["metric"] for name, run in runs.items()},
+        "checks": {"positive": [check.to_dict() for check in positive], "negative": control_checks},
+    }
+
+
+# -- provenance ---------------------------------------------------------------------------
+
+def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], device: torch.device, plan: Plan,
+            legs: list[Leg], output: Path, atol: float, jobs: int) -> dict[str, Any]:
+    versions = library_versions()
+    return {
+        "schema": REPORT_SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "completed": False,
+        "device": str(device),
+        "environment": {"device": str(device), "python": versions["python"], "torch": versions["torch"],
+                        "numpy": versions["numpy"], "versions": versions, "platform": platform.platform(),
+                        "executable": sys.executable, "torch_threads": torch.get_num_threads(),
+                        "cpu_count": os.cpu_count()},
+        "sources": _sources(config, config_path, manifest),
+        "protocol": {
+            "steps": plan.steps,
+            "cut": plan.cut,
+            "precision": {"dtype": config.training.dtype, "amp": config.training.amp,
+                          "deterministic": config.training.deterministic, "device": config.training.device},
+            "tolerance": {"atol": atol, "rtol": 0.0,
+                          "mode": "bitwise" if atol == 0 else "absolute (floating values only; integers, "
+                                                              "RNG states and indices stay exact)"},
+            "cwd": os.getcwd(),
+            "env": {"PYTHONPATH": leg_env()["PYTHONPATH"]},
+            "parallel_legs": jobs,
+            "legs": {leg.name: {"command": leg_command(leg, output), "spec": f"{leg.name}/{SPEC_FILE}",
+                                "log": f"{leg.name}/{LOG_FILE}", "summary": f"{leg.name}/{SUMMARY_FILE}",
+                                "resume_from": f"cut/{CHECKPOINTS_DIR}/{step_dir_name(plan.cut)}" if leg.resume
+                                else None,
+                                "stop_at": leg.stop_at, "omit": list(leg.omit), "exit_code": None}
+                     for leg in legs},
+        },
+    }
+
+
+def _sources(config: Config, config_path: Path | None, manifest: dict[str, Any]) -> dict[str, Any]:
+    root = PACKAGE_ROOT.parent
+    package = {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
+    scripts_dir = root / "scripts"
+    scripts = ({p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(scripts_dir.glob("*.py"))}
+               if scripts_dir.is_dir() else {})
+    resolved = json.dumps(config.to_dict(), sort_keys=True).encode()
+    return {
+        "package": {"fingerprint": code_fingerprint(), "files": package},
+        "scripts": scripts,
+        "config": {"path": str(config_path) if config_path is not None else None,
+                   "sha256": sha256_file(config_path) if config_path is not None and Path(config_path).is_file()
+                   else None,
+                   "resolved_sha256": sha256_bytes(resolved), "resolved": config.to_dict()},
+        "data": {"dir": config.data.dir, "fingerprint": manifest["fingerprint"], "files": manifest["files"]},
+        "factories": {key: _factory_source(_lookup(config, key)) for key in _FACTORY_KEYS},
+    }
+
+
+def _lookup(config: Config, dotted: str) -> str:
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(config, section), key)
+
+
+def _factory_source(path: str) -> dict[str, Any]:
+    """The file that defines a factory, hashed: the user's model code is part of what was proven."""
+    module = path.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None else None
+    if origin is None or not Path(origin).is_file():
+        return {"factory": path, "file": None, "sha256": None}
+    return {"factory": path, "file": origin, "sha256": sha256_file(origin)}
+
+
+# -- output -------------------------------------------------------------------------------
+
+def summary_line(report: dict[str, Any], output: Path) -> dict[str, Any]:
+    """The one-line JSON printed last."""
+    line = {"device": report["device"], "all_checks_passed": report["all_checks_passed"],
+            "positive": report["positive"], "negative_divergence_detected": report["negative_divergence_detected"],
+            "failed_components": report.get("failed_components", []), "report": str(Path(output) / REPORT_FILE)}
+    if not report["completed"]:
+        line["error"] = report["error"]
+    return line
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """A short human reading of the report."""
+    boundary, tolerance = report["boundary"], report["protocol"]["tolerance"]
+    lines = [f"resume proof: {boundary['steps']} steps, tolerance "
+             f"{'0 (bitwise)' if tolerance['atol'] == 0 else tolerance['atol']}; cut at step {boundary['cut']}, "
+             f"{boundary['reason']}"]
+    positive = report["checks"]["positive"]
+    worst = [c["max_abs_diff"] for c in positive if c["max_abs_diff"] is not None]
+    lines.append(f"positive: {sum(c['passed'] for c in positive)}/{len(positive)} checks match, "
+                 f"largest |difference| {max(worst, default=0.0):.3g}")
+    for check in positive:
+        if not check["passed"]:
+            lines.append(f"  DIFFERS {check['name']}: max |diff| {check['max_abs_diff']}, first at "
+                         f"{check['first_difference']} {check['note']}".rstrip())
+    lines.append("negative controls (resume without one component):")
+    for name, control in report["components"]["negative"].items():
+        diverged = control["diverged_checks"]
+        detail = (f"diverged in {len(diverged)} checks, first differing loss at step "
+                  f"{control['first_divergent_loss_step']}" if diverged else control["why_exercised"])
+        lines.append(f"  {name:<10} {control['result']:<14} {detail}")
+    diverged = [name for name, state in report["components"]["positive"].items() if state == "diverged"]
+    if diverged:
+        first = next(c for c in positive if not c["passed"])
+        lines.append(f"FAILED: the resume is not exact; first difference in {first['component']} ({first['name']}), "
+                     f"diverged overall: {', '.join(report['failed_components'][:len(diverged)])}")
+    undetected = [name for name, c in report["components"]["negative"].items() if c["result"] == "not detected"]
+    if undetected:
+        lines.append(f"FAILED: leaving out {', '.join(undetected)} changed nothing observable although the run "
+                     "exercises it")
+    return lines

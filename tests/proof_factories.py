@@ -1,0 +1,63 @@
+"""Data factories for the resume-proof tests, plugged in by import path like any user's task.
+
+Both wrap the default regression data (same prepared files), changing one thing each:
+
+- ``build_quiet_data``: no input-noise augmentation, so the run draws nothing from Python's
+  ``random`` (with dropout 0 and shuffle off, no RNG family is consumed at all);
+- ``build_forgetful_data``: a sampler that saves its position but ignores it on load, the
+  classic "resume restarts the epoch" bug the proof must name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.config import Config
+from pipeline.data import EpochSampler
+from pipeline.tasks.regression import RegressionData, build_data
+
+__all__ = ["build_quiet_data", "build_forgetful_data", "ForgetfulSampler"]
+
+
+class _Wrapped:
+    def __init__(self, base: RegressionData) -> None:
+        self.base = base
+        self.num_train = base.num_train
+
+    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any:
+        return self.base.get_batch(indices, device)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return self.base.loss(model, batch)
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        return self.base.evaluate(model, device)
+
+
+class QuietData(_Wrapped):
+    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any:
+        rows = list(indices)
+        return self.base.train_x[rows].to(device), self.base.train_y[rows].to(device)
+
+
+class ForgetfulSampler(EpochSampler):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Deliberately broken: the saved position is dropped."""
+
+
+class ForgetfulData(_Wrapped):
+    def make_sampler(self, generator: np.random.Generator, config: Config) -> ForgetfulSampler:
+        return ForgetfulSampler(self.num_train, config.data.batch_size, generator, shuffle=config.data.shuffle,
+                                drop_last=config.data.drop_last)
+
+
+def build_quiet_data(config: Config, data_dir: Path) -> QuietData:
+    return QuietData(build_data(config, data_dir))
+
+
+def build_forgetful_data(config: Config, data_dir: Path) -> ForgetfulData:
+    return ForgetfulData(build_data(config, data_dir))

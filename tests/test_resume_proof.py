@@ -1,0 +1,186 @@
+"""scripts/03_verify_resume.py proves the resume exact and proves its own sensitivity.
+
+Every proof here is the real command in a subprocess, run from an empty working folder so
+that a stray write to ``estados_local/`` would show. Factories of the tests' own tasks
+(tests/proof_factories.py) are plugged in by import path, as a user's would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+PYTHON = sys.executable
+CONTROLS = ("rng", "optimizer", "scheduler", "data")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # proof_factories must import in the proof and in every leg it starts.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    # The timeout only stops a hung run from blocking the suite; nothing asserts on time.
+    return subprocess.run([PYTHON, "-B", str(REPO / "scripts" / name), "--config", str(REPO / "config.yaml"), *args],
+                          cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900)
+
+
+@dataclass
+class Proof:
+    result: subprocess.CompletedProcess
+    output: Path
+    workdir: Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads(self.result.stdout.strip().splitlines()[-1])
+
+    @property
+    def report(self) -> dict:
+        return json.loads((self.output / "verification.json").read_text())
+
+
+def _prove(data_dir: Path, workdir: Path, *args: str) -> Proof:
+    workdir.mkdir(parents=True, exist_ok=True)
+    output = workdir / "proof"
+    result = _script("03_verify_resume.py", "--set", f"data.dir={data_dir}", "--output", str(output), *args,
+                     cwd=workdir)
+    return Proof(result, output, workdir)
+
+
+# For the tests' own tasks: CPU kernels are deterministic either way, and torch's deterministic
+# mode costs each of the seven processes about a second of imports on a 2-core machine.
+FAST = ("--set", "training.deterministic=false")
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("data") / "data"
+    result = _script("01_prepare_data.py", "--set", f"data.dir={folder}", cwd=folder.parent)
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+@pytest.fixture(scope="module")
+def default_proof(data_dir, tmp_path_factory) -> Proof:
+    return _prove(data_dir, tmp_path_factory.mktemp("default"))
+
+
+def test_default_config_is_proven_bitwise_with_all_four_omissions_detected(default_proof):
+    assert default_proof.result.returncode == 0, default_proof.result.stdout + default_proof.result.stderr
+    assert default_proof.summary == {"device": "cpu", "all_checks_passed": True, "positive": True,
+                                     "negative_divergence_detected": True, "failed_components": [],
+                                     "report": str(default_proof.output / "verification.json")}
+    report = default_proof.report
+    assert report["completed"] and report["all_checks_passed"] and report["positive"]
+    assert report["negative_divergence_detected"]
+    for name in CONTROLS:
+        control = report["components"]["negative"][name]
+        assert control["result"] == "detected", (name, control)
+        assert control["diverged_checks"], name
+    assert report["components"]["negative"]["scaler"]["result"] == "not exercised"
+    # Measured differences are reported, zero included, and zero means bitwise here.
+    positive = report["checks"]["positive"]
+    assert {c["name"] for c in positive} >= {"final.model", "final.optimizer", "final.scheduler", "final.data",
+                                              "final.rng", "final.losses", "final.learning_rates",
+                                              "after_cut.data_order", "boundary.rng_next_draws",
+                                              "final.rng_next_draws", "final.metric"}
+    assert all(c["passed"] and c["max_abs_diff"] == 0.0 for c in positive), positive
+    assert report["protocol"]["tolerance"] == {"atol": 0.0, "rtol": 0.0, "mode": "bitwise"}
+
+
+def test_default_cut_lands_inside_an_epoch_with_a_reshuffle_after_the_resume(default_proof):
+    boundary = default_proof.report["boundary"]
+    # 24 rows in batches of 4: six steps per epoch, so step 5 leaves the cursor mid-pass.
+    assert (boundary["steps"], boundary["cut"]) == (10, 5)
+    assert boundary["sampler_at_cut"]["cursor"] == 20 and boundary["sampler_at_cut"]["epoch"] == 0
+    assert boundary["first_step_of_a_new_epoch_after_cut"] == 7
+
+
+def test_report_records_environment_sources_and_every_leg_command(default_proof):
+    report, output = default_proof.report, default_proof.output
+    assert report["environment"]["python"] and report["environment"]["torch"] and report["environment"]["numpy"]
+    sources = report["sources"]
+    assert len(sources["config"]["sha256"]) == 64 and len(sources["data"]["fingerprint"]) == 64
+    assert "pipeline/train.py" in sources["package"]["files"]
+    assert "scripts/03_verify_resume.py" in sources["scripts"]
+    legs = report["protocol"]["legs"]
+    assert set(legs) == {"continuous", "cut", "resume", *(f"omit-{c}" for c in CONTROLS)}
+    for name, leg in legs.items():
+        assert leg["command"][0] == PYTHON and leg["exit_code"] == 0, name
+        assert json.loads((output / name / "summary.json").read_text())["leg"] == name
+    assert legs["omit-data"]["omit"] == ["data"] and legs["resume"]["omit"] == []
+    for leg, step in (("continuous", 10), ("cut", 5), ("resume", 10)):
+        assert (output / leg / "checkpoints" / f"step-{step:08d}" / "meta.json").is_file()
+    assert set(report["final_metrics"]) == set(legs)
+
+
+def test_proof_writes_nothing_outside_its_output_folder(default_proof):
+    # config.yaml points checkpoint.dir at estados_local/, relative to the working folder.
+    assert sorted(p.name for p in default_proof.workdir.iterdir()) == ["proof"]
+
+
+def test_rerun_into_an_existing_output_exits_2_and_leaves_it_byte_for_byte(default_proof, data_dir):
+    before = {p: p.read_bytes() for p in default_proof.output.rglob("*") if p.is_file()}
+    again = _prove(data_dir, default_proof.workdir)
+    assert again.result.returncode == 2
+    assert "already exists" in _one_line_error(again.result)
+    assert {p: p.read_bytes() for p in default_proof.output.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("args", [["--cut", "10"], ["--steps", "11"]], ids=["cut-at-N", "steps-beyond-max"])
+def test_cut_or_steps_outside_the_run_is_refused_before_the_output_exists(data_dir, tmp_path, args):
+    proof = _prove(data_dir, tmp_path, *args)
+    assert proof.result.returncode == 2
+    assert args[0] in _one_line_error(proof.result)
+    assert not proof.output.exists()
+
+
+def test_unprepared_data_is_refused_with_a_hint_to_run_01(tmp_path):
+    proof = _prove(tmp_path / "no-data", tmp_path / "work")
+    assert proof.result.returncode == 2
+    assert "01_prepare_data" in _one_line_error(proof.result)
+    assert not proof.output.exists()
+
+
+def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir, tmp_path):
+    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST)
+    assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
+    summary, report = proof.summary, proof.report
+    assert summary["positive"] is False and summary["all_checks_passed"] is False
+    # The restored sampler differs from the saved one: data is named first, before its consequences.
+    assert summary["failed_components"][0] == "data"
+    assert report["components"]["positive"]["data"] == "diverged"
+    boundary_data = next(c for c in report["checks"]["positive"] if c["name"] == "boundary.data")
+    assert not boundary_data["passed"] and boundary_data["first_difference"].startswith("sampler/")
+    assert "first difference in data" in proof.result.stdout
+
+
+def test_run_that_draws_no_randomness_reports_rng_not_exercised(data_dir, tmp_path):
+    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_quiet_data",
+                   "--set", "model.params.dropout=0.0", "--set", "data.shuffle=false", *FAST)
+    assert proof.result.returncode == 0, proof.result.stdout + proof.result.stderr
+    controls = proof.report["components"]["negative"]
+    assert controls["rng"]["result"] == "not exercised" and not controls["rng"]["exercised"]
+    # The control still ran and was compared: leaving RNG out changed nothing at all.
+    assert proof.report["protocol"]["legs"]["omit-rng"]["exit_code"] == 0 and controls["rng"]["diverged_checks"] == {}
+    assert [controls[c]["result"] for c in ("optimizer", "scheduler", "data")] == ["detected"] * 3
+    assert proof.summary["all_checks_passed"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +48,19 @@ def resolve_device(config: Config) -> torch.device:
 
 
 def configure_determinism(config: Config) -> None:
+    """Ask torch for deterministic kernels. Safe to call more than once."""
     if not config.training.deterministic:
         return
     # cuBLAS needs this before its first use to be deterministic.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+    else:
+        # The public call also imports the torch.compile stack (about 2 s per process) only
+        # to set the compiler's own flag; without the compiler loaded, the kernel switch is
+        # all there is to set. build_run calls this again after the factories ran, in case
+        # one of them brought torch.compile in.
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.benchmark = False
 
 
@@ -80,6 +89,7 @@ def build_run(config: Config, device: torch.device) -> TrainingRun:
     else:
         sampler = EpochSampler(data.num_train, config.data.batch_size, generator,
                                shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    configure_determinism(config)
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)

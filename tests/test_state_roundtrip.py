@@ -142,3 +142,24 @@ def test_warm_start_reports_loaded_skipped_and_new():
     assert [s.split(" ")[0] for s in report["skipped"]] == ["1.weight", "1.bias"]
     assert report["new"] == ["2.weight", "2.bias"]
     assert torch.equal(target[0].weight, source[0].weight)
+
+
+def test_determinism_switch_is_on_after_building_a_run():
+    """configure_determinism sets the kernel switch without the compiler stack, and sets the
+    compiler's flag too when torch.compile is already loaded."""
+    import subprocess
+
+    from support import PYTHON, REPO
+
+    probe = ("import sys, torch\n"
+             "from pipeline.config import load_config\n"
+             "from pipeline.run import configure_determinism\n"
+             "configure_determinism(load_config(sys.argv[1]))\n"
+             "assert torch.are_deterministic_algorithms_enabled()\n"
+             "assert 'torch._inductor' not in sys.modules\n"
+             "import torch._inductor.config as inductor\n"
+             "configure_determinism(load_config(sys.argv[1]))\n"
+             "assert inductor.deterministic is True\n")
+    result = subprocess.run([PYTHON, "-c", probe, str(REPO / "config.yaml")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,173 @@
+"""`make demo`: the whole pipeline, 01 -> 06, with no token and no network.
+
+    make demo                      # what the Makefile runs: python -m pipeline.demo
+    python -m pipeline.demo        # the same, from the repository root
+
+Each numbered script runs as its own process with this interpreter, in order: prepare the
+data, train (``--resume auto``: a rerun finishes at once), prove that resume is exact into a
+new ``runs/proof-<time>/``, evaluate (kept when ``metrics.json`` already evaluates the newest
+checkpoint with this data and code), stage. Then a local Hub (``pipeline.localhub``) starts
+on a free loopback port with a random token that exists only in this process and in the
+environment of the publish step; ``scripts/06_publish.py`` publishes there, verifies, and
+writes a receipt; the server is stopped whatever happens. A rerun finds the stage already
+published and makes no commit. The exit code is the first failing step's.
+
+The real Hub path is the same script without ``--endpoint``:
+``HF_TOKEN=hf_... python scripts/06_publish.py --repo-id you/regression-mlp``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, load_config
+from .errors import PipelineError
+from .evaluate import METRICS_FILE, read_metrics
+from .localhub import LocalHubProcess
+from .provenance import code_fingerprint
+from .store import MODEL_FILE, resolve_checkpoint
+
+__all__ = ["Step", "DemoFailed", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+HUB_ROOT = ROOT / ".localhub"
+# Variables that would point a step at a real account or a real Hub.
+_SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    script: str
+    args: tuple[str, ...]
+    what: str
+
+
+class DemoFailed(Exception):
+    """A step exited non-zero; ``code`` is its exit code."""
+
+    def __init__(self, step: str, code: int):
+        super().__init__(f"demo: {step} failed with exit code {code}")
+        self.code = code
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without tokens or endpoints; the client on its LFS path, no telemetry."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env.update({"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def _header(number: int, total: int, text: str) -> None:
+    print(f"\n==> [{number}/{total}] {text}", flush=True)
+
+
+def _run(step: Step, *, env: dict[str, str] | None = None, capture: bool = False) -> str:
+    """Run one script from the repo root; raise DemoFailed on a non-zero exit."""
+    command = [sys.executable, "-B", str(SCRIPTS / step.script), *step.args]
+    lines: list[str] = []
+    with subprocess.Popen(command, cwd=ROOT, env=env or _env(), text=True,
+                          stdout=subprocess.PIPE if capture else None) as child:
+        # Echo captured lines as they come, so they interleave with the progress bars on stderr.
+        for line in child.stdout or ():
+            print(line, end="", flush=True)
+            lines.append(line)
+    if child.returncode != 0:
+        raise DemoFailed(step.script, child.returncode)
+    return "".join(lines)
+
+
+def _steps(repo_id: str) -> list[Step]:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    steps = [
+        Step("01_prepare_data.py", (), "prepare the data"),
+        Step("02_train.py", ("--resume", "auto"), "train (resumes, or finishes at once, if checkpoints exist)"),
+        Step("03_verify_resume.py", ("--output", f"runs/proof-{stamp}"), "prove that resume is exact"),
+        Step("04_evaluate.py", (), "evaluate the last checkpoint"),
+        Step("05_stage.py", ("--repo-id", repo_id), "stage it for the Hub"),
+    ]
+    # The proof script may be missing from a partial checkout; the rest still demonstrates the flow.
+    available = []
+    for step in steps:
+        if (SCRIPTS / step.script).exists():
+            available.append(step)
+        else:
+            print(f"notice: scripts/{step.script} is not in this checkout; skipping '{step.what}'", flush=True)
+    return available
+
+
+def _metrics_current(config: Config) -> bool:
+    """metrics.json already evaluates the newest checkpoint, on the same data and code.
+
+    04 stamps each evaluation with its time, and the stage carries that stamp; re-evaluating
+    unchanged weights would make a rerun of the demo publish a new commit for nothing."""
+    try:
+        folder, meta = resolve_checkpoint("latest", config.checkpoint.dir)
+        record = read_metrics(ROOT / METRICS_FILE)
+    except PipelineError:
+        return False
+    same = (record["step"] == meta["step"] and record["modelo_sha256"] == meta["files"][MODEL_FILE]["sha256"]
+            and record["fingerprints"] == {"data": meta["fingerprints"].get("data"), "code": code_fingerprint()})
+    if same:
+        print(f"{METRICS_FILE} already evaluates {folder} with this data and code; keeping it "
+              f"(delete it to evaluate again)", flush=True)
+    return same
+
+
+def _field(output: str, prefix: str) -> str | None:
+    """The rest of the last stdout line of 06 that starts with ``prefix``."""
+    lines = [line[len(prefix):].strip() for line in output.splitlines() if line.startswith(prefix)]
+    return lines[-1] if lines else None
+
+
+def _publish(repo_id: str, number: int, total: int) -> None:
+    """Start the local Hub, publish there, print the receipt and the commit URL, stop the Hub."""
+    token = secrets.token_urlsafe(24)  # lives only here and in the two child environments
+    _header(number, total, f"06_publish.py: publish to a local Hub as {repo_id}")
+    hub = LocalHubProcess(HUB_ROOT, token=token)
+    try:
+        hub.start()
+    except RuntimeError as exc:
+        print(f"demo: the local Hub did not start: {exc}", file=sys.stderr, flush=True)
+        raise DemoFailed("pipeline.localhub", 1) from None
+    try:
+        print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
+        step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url), "publish")
+        output = _run(step, env=_env(HF_TOKEN=token), capture=True)
+    finally:
+        hub.stop()
+    receipt, commit = _field(output, "receipt "), _field(output, "commit ")
+    if receipt:
+        path = ROOT / receipt.split(" (")[0]
+        print(f"\nreceipt {path.relative_to(ROOT)}:\n{path.read_text()}", end="", flush=True)
+    print(f"\ndemo: done, local Hub stopped. Commit: {commit}", flush=True)
+
+
+def main() -> int:
+    os.chdir(ROOT)
+    config = load_config(ROOT / "config.yaml", {})
+    repo_id = f"demo/{config.model.name}"
+    steps = _steps(repo_id)
+    total = len(steps) + 1
+    try:
+        for number, step in enumerate(steps, start=1):
+            _header(number, total, f"{step.script}: {step.what}")
+            if step.script == "04_evaluate.py" and _metrics_current(config):
+                continue
+            _run(step)
+        _publish(repo_id, total, total)
+    except DemoFailed as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        return exc.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Publishing the stage (scripts/06_publish.py, pipeline.publish) against a real loopback Hub.
+
+Every request goes through the real huggingface_hub client to ``pipeline.localhub`` over
+HTTP. The stage is the one the real scripts build (``staged_run`` in conftest.py). The
+script runs as a subprocess where its exit code, output and files matter; the fault cases
+call :func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
+The test token is random per session, so it can appear in no file by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx2
+import pytest
+import torch
+from huggingface_hub import CommitOperationAdd, HfApi, constants, snapshot_download
+from huggingface_hub import lfs as hf_lfs
+from huggingface_hub.errors import RepositoryNotFoundError
+from huggingface_hub.utils import _http as hf_http
+from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, hf_raise_for_status
+
+from pipeline.config import load_config
+from pipeline.data import load_task_data
+from pipeline.evaluate import evaluation_config
+from pipeline.localhub import LocalHub
+from pipeline.publish import (
+    COMMIT_ATTEMPTS,
+    HubUnavailable,
+    StaleBranch,
+    UploadInterrupted,
+    VerificationFailed,
+    format_plan,
+    publish,
+)
+from pipeline.rng import seed_everything
+from pipeline.run import build_model
+from pipeline.stage import parse_manifest
+from pipeline.state import load_model_weights, read_tensors
+
+# The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "scripts" / "06_publish.py"
+CONFIG = REPO_ROOT / "config.yaml"
+TOKEN = f"pub-test-{secrets.token_hex(16)}"
+WRONG_TOKEN = f"pub-wrong-{secrets.token_hex(16)}"
+SECRETS = (TOKEN, WRONG_TOKEN)
+STAGED = ("MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors", "training_curve.png")
+_SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
+
+
+# -- fixtures ----------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def hf_env(tmp_path, monkeypatch):
+    """The client in this process: LFS path, no telemetry, a private HF_HOME, no implicit token."""
+    hf_home = tmp_path / "hf_home"
+    for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
+                       "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for key in _SCRUBBED + ("PUBLISH_MAX_BACKOFF_S",):
+        monkeypatch.delenv(key, raising=False)
+    for name, value in {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
+                        "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
+                        "HF_TOKEN_PATH": str(hf_home / "token"),
+                        "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens")}.items():
+        monkeypatch.setattr(constants, name, value)
+    # In this process the upload bars only clutter the test output (the script keeps its own).
+    disable_progress_bars()
+    yield
+    enable_progress_bars()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with LocalHub(tmp_path / "hub", token=TOKEN) as server:
+        yield server
+
+
+@pytest.fixture
+def token_env(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def no_client_sleep(monkeypatch):
+    """Only the client's own backoff clock (1..8 s between its retries) is replaced; HTTP stays real."""
+    monkeypatch.setattr(hf_http, "time", SimpleNamespace(sleep=lambda seconds: None))
+
+
+@pytest.fixture(scope="module")
+def module_hub(tmp_path_factory):
+    with LocalHub(tmp_path_factory.mktemp("module_hub"), token=TOKEN) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def published(staged_run, module_hub, tmp_path_factory):
+    """06 run twice against a fresh repo: ``first`` publishes, ``rerun`` must find nothing to do."""
+    receipts = tmp_path_factory.mktemp("receipts")
+    repo_id = "alice/published"
+    first = run_publish(staged_run.stage, module_hub, repo_id, receipts)
+    module_hub.reset_request_counts()
+    rerun = run_publish(staged_run.stage, module_hub, repo_id, receipts)
+    return SimpleNamespace(first=first, rerun=rerun, rerun_requests=module_hub.request_counts(), repo_id=repo_id,
+                           receipts=receipts, hub=module_hub, run=staged_run)
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args: str,
+                token: str | None = TOKEN) -> subprocess.CompletedProcess:
+    """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env.update({"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
+                "HF_HOME": str(receipts.parent / "hf_home_script")})
+    if token is not None:
+        env["HF_TOKEN"] = token
+    command = [sys.executable, "-B", str(SCRIPT), "--repo-id", repo_id, "--endpoint", hub.url,
+               "--stage", str(stage), "--receipt-dir", str(receipts), *args]
+    result = subprocess.run(command, cwd=stage.parent, env=env, capture_output=True, text=True, timeout=300)
+    for secret in SECRETS:
+        assert secret not in result.stdout + result.stderr, "a token was printed"
+    return result
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def api_for(hub: LocalHub) -> HfApi:
+    return HfApi(endpoint=hub.url, token=TOKEN)
+
+
+def commit_titles(hub: LocalHub, repo_id: str) -> list[str]:
+    return [c.title for c in api_for(hub).list_repo_commits(repo_id)]
+
+
+def write_requests(hub: LocalHub) -> int:
+    return sum(hub.count(method) for method in ("POST", "PUT", "DELETE"))
+
+
+def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, **kwargs):
+    """publish() in this process; waits are recorded instead of slept."""
+    waits: list[float] = kwargs.pop("waits", [])
+    return publish(stage, repo_id, endpoint=hub.url, receipt_dir=tmp_path / "receipts", sleep=waits.append, **kwargs)
+
+
+def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, prefix: str = "") -> None:
+    api = api_for(hub)
+    listed = {f.path: f for f in api.list_repo_tree(repo_id, prefix or None, recursive=True)
+              if hasattr(f, "blob_id")}
+    assert set(listed) - {".gitattributes"} == {prefix + name for name in STAGED}
+    manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
+    for name, sha in manifest.items():
+        entry = listed[prefix + name]
+        if entry.lfs is not None:
+            assert entry.lfs.sha256 == sha
+        else:
+            data = (stage / name).read_bytes()
+            assert entry.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+# -- publishing and rerunning (subprocess) -----------------------------------------------
+
+def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(published):
+    hub, stage = published.hub, published.run.stage
+    assert published.first.returncode == 0, published.first.stdout + published.first.stderr
+    titles = commit_titles(hub, published.repo_id)
+    assert len(titles) == 2 and titles[1] == "initial commit"
+    sha = json.loads((stage / "meta.json").read_text())["files"]["modelo.safetensors"]["sha256"]
+    assert "step 10" in titles[0] and sha in titles[0]
+    assert_holds_exactly_the_stage(hub, published.repo_id, stage)
+    head = api_for(hub).repo_info(published.repo_id).sha
+    assert published.first.stdout.splitlines()[-1] == f"commit {hub.url}/{published.repo_id}/commit/{head}"
+
+
+def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
+    [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"])
+    checkpoint_meta = json.loads((published.run.checkpoint / "meta.json").read_text())
+    assert entry.lfs is not None and entry.lfs.sha256 == checkpoint_meta["files"]["modelo.safetensors"]["sha256"]
+
+
+def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(published):
+    head = api_for(published.hub).repo_info(published.repo_id).sha
+    [receipt] = list(published.receipts.glob("*.json"))
+    record = json.loads(receipt.read_text())
+    assert receipt.name == f"alice--published-{head[:12]}.json"
+    assert (record["repo_id"], record["commit"], record["status"], record["verified"]) == (
+        published.repo_id, head, "published", True)
+    assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
+    manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
+    assert {name: record["files"][name]["found"] for name in manifest} == manifest
+    assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
+
+
+def test_rerun_makes_no_commit_and_says_already_published(published):
+    assert published.rerun.returncode == 0, published.rerun.stderr
+    head = api_for(published.hub).repo_info(published.repo_id).sha
+    assert f"nothing to publish: {published.repo_id} already holds this stage at {head}" in published.rerun.stdout
+    assert len(commit_titles(published.hub, published.repo_id)) == 2
+    assert not any(key.startswith(("POST", "PUT", "DELETE")) for key in published.rerun_requests), \
+        published.rerun_requests
+
+
+def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published, tmp_path):
+    folder = Path(snapshot_download(published.repo_id, endpoint=published.hub.url, token=TOKEN,
+                                    cache_dir=tmp_path / "cache"))
+    meta = json.loads((folder / "meta.json").read_text())
+    here = load_config(CONFIG, {"data.dir": str(published.run.data_dir), "training.device": "cpu"})
+    config = evaluation_config(meta, here, source="published meta.json")
+    seed_everything(config.training.seed)  # as scripts/04_evaluate.py does before building
+    model = build_model(config, "cpu")
+    load_model_weights(model, read_tensors(folder / "modelo.safetensors"))  # strict
+    model.eval()
+    with torch.no_grad():
+        metrics = load_task_data(config).evaluate(model, torch.device("cpu"))
+    assert metrics == meta["metrics"]["values"]
+
+
+# -- refusals (subprocess) -----------------------------------------------------------------
+
+def test_tampered_stage_is_refused_before_any_request(staged_run, run_copy, hub, tmp_path):
+    run = run_copy(staged_run)
+    card = run.stage / "README.md"
+    data = bytearray(card.read_bytes())
+    data[-2] ^= 0x01  # same size, one bit differs
+    card.write_bytes(bytes(data))
+    line = one_error_line(run_publish(run.stage, hub, "alice/tampered", tmp_path / "receipts"))
+    assert "README.md" in line and "MANIFEST.sha256" in line
+    assert hub.request_counts() == {}
+    assert not (tmp_path / "receipts").exists()
+
+
+def test_wrong_token_is_a_clear_error_and_creates_nothing(staged_run, hub, tmp_path):
+    result = run_publish(staged_run.stage, hub, "alice/wrong", tmp_path / "receipts", token=WRONG_TOKEN)
+    line = one_error_line(result)
+    assert "token rejected or no write access to alice/wrong" in line and "HF_TOKEN" in line
+    assert hub.count("POST", r"/commit/") == 0 and hub.count("PUT") == 0
+    with pytest.raises(RepositoryNotFoundError):
+        api_for(hub).repo_info("alice/wrong")
+
+
+def test_token_is_not_accepted_on_the_command_line(staged_run, hub, tmp_path):
+    result = run_publish(staged_run.stage, hub, "alice/flag", tmp_path / "receipts", "--token", WRONG_TOKEN)
+    line = one_error_line(result)  # run_publish also checked that the value was not echoed
+    assert "--token is not accepted" in line and "HF_TOKEN" in line
+    assert hub.request_counts() == {}
+
+
+def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, tmp_path):
+    assert published.first.returncode == 0 and published.rerun.returncode == 0
+    roots = [REPO_ROOT, published.receipts, published.hub.root, published.run.root]
+    needle = TOKEN.encode()
+    leaks = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d not in (".venv", ".git")]
+            for name in filenames:
+                path = Path(dirpath, name)
+                if path.is_file() and not path.is_symlink() and needle in path.read_bytes():
+                    leaks.append(path)
+    assert leaks == []
+    assert published.receipts.exists() and any(published.receipts.iterdir())  # the scan saw the receipt
+
+
+# -- faults (in process: the same code, sleeps recorded instead of slept) ------------------
+
+def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path,
+                                                                                 token_env):
+    hub.fail_next_commit(times=COMMIT_ATTEMPTS, status=500)
+    with pytest.raises(HubUnavailable) as refused:
+        publish_here(staged_run.stage, hub, "alice/flaky", tmp_path)
+    assert refused.value.exit_code == 2 and "nothing was committed" in str(refused.value)
+    assert commit_titles(hub, "alice/flaky") == ["initial commit"]
+    assert api_for(hub).list_repo_files("alice/flaky") == [".gitattributes"]
+
+    result = publish_here(staged_run.stage, hub, "alice/flaky", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/flaky")) == 2
+    assert_holds_exactly_the_stage(hub, "alice/flaky", staged_run.stage)
+
+
+def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env):
+    hub.fail_next_commit(times=1, status=503)
+    waits: list[float] = []
+    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path, waits=waits)
+    assert result.status == "published" and waits == [1.0]
+    assert hub.count("POST", r"/commit/main$") == 2
+    assert len(commit_titles(hub, "alice/retried")) == 2
+
+
+def test_commit_that_landed_but_answered_500_is_not_made_twice(staged_run, hub, tmp_path, token_env, monkeypatch):
+    real_create_commit = HfApi.create_commit
+
+    def lands_then_answers_500(self, *args, **kwargs):
+        real_create_commit(self, *args, **kwargs)
+        # The commit is written, but the answer the client gets is a real HTTP 500 from the server.
+        hub.fail_next_commit(times=1, status=500)
+        hf_raise_for_status(httpx2.post(f"{hub.url}/api/models/alice/lost-answer/commit/main",
+                                        headers={"Authorization": f"Bearer {TOKEN}"}, content=b""))
+
+    monkeypatch.setattr(HfApi, "create_commit", lands_then_answers_500)
+    said: list[str] = []
+    result = publish_here(staged_run.stage, hub, "alice/lost-answer", tmp_path, say=said.append)
+    assert result.status == "published" and result.commit == api_for(hub).repo_info("alice/lost-answer").sha
+    assert len(commit_titles(hub, "alice/lost-answer")) == 2
+    assert any("had landed" in line for line in said), said
+
+
+def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path, token_env,
+                                                                     no_client_sleep):
+    hub.drop_next_upload(times=12)  # both LFS files: the first try and 5 client retries each
+    with pytest.raises(UploadInterrupted) as refused:
+        publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
+    assert refused.value.exit_code == 2 and "rerun" in str(refused.value)
+    assert hub.count("POST", r"/commit/") == 0
+    assert commit_titles(hub, "alice/dropped") == ["initial commit"]
+
+    hub.clear_faults()
+    result = publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/dropped")) == 2
+    assert_holds_exactly_the_stage(hub, "alice/dropped", staged_run.stage)
+
+
+def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env):
+    hub.rate_limit_next(times=2, retry_after=7, method="POST", path=r"/commit/main$")
+    waits: list[float] = []
+    result = publish_here(staged_run.stage, hub, "alice/limited", tmp_path, waits=waits)
+    assert result.status == "published" and waits == [7.0, 7.0]
+    assert hub.count("POST", r"/commit/main$") == 3
+    assert len(commit_titles(hub, "alice/limited")) == 2
+
+
+def test_retry_after_beyond_the_wait_budget_gives_up_without_committing(staged_run, hub, tmp_path, token_env):
+    hub.rate_limit_next(times=1, retry_after=3600, method="POST", path=r"/commit/main$")
+    waits: list[float] = []
+    with pytest.raises(HubUnavailable) as refused:
+        publish_here(staged_run.stage, hub, "alice/patient", tmp_path, waits=waits, max_backoff_s=60)
+    assert "3600s" in str(refused.value) and waits == []
+    assert commit_titles(hub, "alice/patient") == ["initial commit"]
+
+
+def test_push_after_the_head_was_read_fails_with_412_and_overwrites_nothing(staged_run, hub, tmp_path, token_env,
+                                                                          monkeypatch):
+    rival = api_for(hub)
+    real_create_commit = HfApi.create_commit
+
+    def someone_pushes_first(self, repo_id, operations, **kwargs):
+        # Between our read of the head and our commit, another client pushes to the branch.
+        real_create_commit(rival, repo_id, [CommitOperationAdd("notes.txt", b"theirs\n")], commit_message="theirs")
+        return real_create_commit(self, repo_id, operations, **kwargs)
+
+    api_for(hub).create_repo("alice/contested")
+    monkeypatch.setattr(HfApi, "create_commit", someone_pushes_first)
+    with pytest.raises(StaleBranch) as refused:
+        publish_here(staged_run.stage, hub, "alice/contested", tmp_path)
+    assert refused.value.exit_code == 2
+    assert "someone pushed to main" in str(refused.value) and "nothing was written" in str(refused.value)
+    assert commit_titles(hub, "alice/contested") == ["theirs", "initial commit"]
+    assert sorted(api_for(hub).list_repo_files("alice/contested")) == [".gitattributes", "notes.txt"]
+
+
+def test_dry_run_plans_the_commit_and_sends_no_write_request(staged_run, hub, tmp_path, token_env):
+    result = publish_here(staged_run.stage, hub, "alice/planned", tmp_path, dry_run=True)
+    assert result.status == "dry run" and write_requests(hub) == 0
+    with pytest.raises(RepositoryNotFoundError):
+        api_for(hub).repo_info("alice/planned")
+    text = format_plan(result.plan)
+    assert f"{hub.url}/alice/planned" in text
+    for name, sha in parse_manifest((staged_run.stage / "MANIFEST.sha256").read_bytes()).items():
+        size = (staged_run.stage / name).stat().st_size
+        assert any(name in line and f"{size} B" in line and sha in line for line in text.splitlines()), name
+    assert not (tmp_path / "receipts").exists()
+
+
+def test_upload_reuses_the_audit_sha256_instead_of_hashing_again(staged_run, hub, tmp_path, token_env,
+                                                                monkeypatch):
+    def hashed_again(fileobj, *args, **kwargs):
+        raise AssertionError("the client hashed a staged file a second time")
+
+    monkeypatch.setattr(hf_lfs, "sha_fileobj", hashed_again)
+    result = publish_here(staged_run.stage, hub, "alice/hashed-once", tmp_path)
+    assert result.status == "published"
+    assert_holds_exactly_the_stage(hub, "alice/hashed-once", staged_run.stage)
+
+
+def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(staged_run, hub, tmp_path,
+                                                                               token_env):
+    publish_here(staged_run.stage, hub, "alice/folder", tmp_path, path_in_repo="model")
+    api_for(hub).create_commit("alice/folder", [CommitOperationAdd("model/old.bin", b"\0old"),
+                                                CommitOperationAdd("notes.txt", b"outside\n")],
+                               commit_message="someone adds files")
+    before = len(commit_titles(hub, "alice/folder"))
+    result = publish_here(staged_run.stage, hub, "alice/folder", tmp_path, path_in_repo="model")
+    assert result.status == "published" and result.plan.deletions == ("model/old.bin",)
+    assert len(commit_titles(hub, "alice/folder")) == before + 1
+    assert_holds_exactly_the_stage(hub, "alice/folder", staged_run.stage, prefix="model/")
+    assert {".gitattributes", "notes.txt"} <= set(api_for(hub).list_repo_files("alice/folder"))
+
+
+def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(staged_run, hub, tmp_path, token_env,
+                                                                         monkeypatch):
+    real_create_commit = HfApi.create_commit
+    card_sha = parse_manifest((staged_run.stage / "MANIFEST.sha256").read_bytes())["README.md"]
+
+    def storage_corrupts_the_card(self, *args, **kwargs):
+        info = real_create_commit(self, *args, **kwargs)
+        stored = hub.store.object_path(card_sha)
+        data = bytearray(stored.read_bytes())
+        data[0] ^= 0x01  # same size, one bit flipped at rest
+        stored.write_bytes(bytes(data))
+        return info
+
+    monkeypatch.setattr(HfApi, "create_commit", storage_corrupts_the_card)
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/corrupt", tmp_path)
+    assert failed.value.exit_code == 1 and "README.md" in str(failed.value)
+    [receipt] = list((tmp_path / "receipts").glob("*.json"))
+    record = json.loads(receipt.read_text())
+    assert record["verified"] is False and not record["files"]["README.md"]["ok"]

@@ -26,7 +26,9 @@ from .provenance import code_fingerprint
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
 from .state import load_model_weights, read_tensors
-from .store import META_FILE, MODEL_FILE, parse_step_dir, resolve_checkpoint, write_json_atomic
+from .durable import write_json_atomic
+from .layout import META_FILE, MODEL_FILE
+from .store import parse_step_dir, resolve_checkpoint
 
 __all__ = [
     "METRICS_FILE",

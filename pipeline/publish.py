@@ -55,8 +55,8 @@ from huggingface_hub.errors import (
 
 from .errors import PipelineError
 from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
-from .stage import AuditedFile, audit_stage, stage_lock
-from .store import META_FILE, MODEL_FILE
+from .audit import AuditedFile, audit_stage, stage_lock
+from .layout import META_FILE, MODEL_FILE
 
 __all__ = [
     "COMMIT_ATTEMPTS",

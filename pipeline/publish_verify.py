@@ -18,8 +18,8 @@ from typing import Any, Mapping
 from huggingface_hub import HfApi
 
 from .hashing import sha256_file
-from .stage import AuditedFile
-from .store import write_json_atomic
+from .audit import AuditedFile
+from .durable import write_json_atomic
 
 __all__ = [
     "RECEIPT_SCHEMA",

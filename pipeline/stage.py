@@ -17,9 +17,6 @@ uploading and reuses the hashes it returns.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
@@ -27,17 +24,20 @@ import secrets
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
 
+from .audit import (MANIFEST_FILE, README_FILE, REQUIRED_FILES, STAGE_SCHEMA, AuditedFile, StageAuditError, StageError,
+                    audit_stage, format_audit_table, parse_manifest, stage_lock)
 from .card import CURVE_FILE, build_model_card, render_curve
 from .config import Config
-from .errors import ChecksumMismatch, PipelineError
+from .errors import ChecksumMismatch
 from .evaluate import METRICS_FILE, read_metrics, resolve_committed_checkpoint
-from .hashing import CHUNK, HashingWriter, sha256_bytes, sha256_file
-from .store import META_FILE, MODEL_FILE, STATE_FILE, fsync_dir
+from .hashing import CHUNK, HashingWriter, sha256_file
+from .layout import META_FILE, MODEL_FILE, STATE_FILE
+from .durable import fsync_dir
 
 __all__ = [
     "STAGE_SCHEMA",
@@ -60,26 +60,11 @@ __all__ = [
     "format_audit_table",
 ]
 
-STAGE_SCHEMA = "pipeline.stage/1"
-MANIFEST_FILE = "MANIFEST.sha256"
-README_FILE = "README.md"
-# Files every stage must hold besides the manifest.
-REQUIRED_FILES = (MODEL_FILE, META_FILE, README_FILE)
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
 _GITKEEP = ".gitkeep"
-_MAX_SMALL_FILE = 16 * 1024 * 1024
-_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  ([^\n]+)$")
 _TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 # Shorter HF_TOKEN values would match by chance inside binary weights.
 _MIN_LITERAL_SECRET = 8
-
-
-class StageError(PipelineError):
-    """The stage cannot be built or replaced; the previous stage is untouched."""
-
-
-class StageAuditError(StageError, ValueError):
-    """A stage's files do not match its MANIFEST.sha256 or its meta.json."""
 
 
 class SecretInStage(StageError):
@@ -88,21 +73,6 @@ class SecretInStage(StageError):
 
 class NonFiniteWeights(StageError, ValueError):
     """A floating-point tensor of the weights holds NaN or infinite values."""
-
-
-@dataclass(frozen=True, slots=True)
-class AuditedFile:
-    """One file and its verified hash.
-
-    ``name`` is the path relative to the stage (a plain file name), ``size`` in bytes,
-    ``sha256`` lowercase hex of the bytes on disk when audited, ``verified_against`` says
-    what that hash was checked against (for the audit table).
-    """
-
-    name: str
-    size: int
-    sha256: str
-    verified_against: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,108 +87,6 @@ class StageResult:
     report: list[AuditedFile]
     nonfinite: list[str]
     with_metrics: bool
-
-
-# -- audit --------------------------------------------------------------------------------
-
-def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]:
-    """Strict ``sha256sum`` text format: one ``<64 lowercase hex>  <name>`` per line, each
-    line ending in a newline, plain file names (no folders), no duplicates."""
-    try:
-        decoded = text.decode("utf-8")
-    except UnicodeDecodeError:
-        raise StageAuditError(f"{where} is not UTF-8 text") from None
-    if not decoded.endswith("\n"):
-        raise StageAuditError(f"{where} is empty or its last line has no newline: the file is damaged")
-    entries: dict[str, str] = {}
-    for number, line in enumerate(decoded[:-1].split("\n"), start=1):
-        match = _MANIFEST_LINE.match(line)
-        if match is None:
-            raise StageAuditError(f"{where} line {number} is not '<sha256>  <name>'")
-        digest, name = match.groups()
-        if "/" in name or "\\" in name or "\0" in name or name in (".", "..", MANIFEST_FILE):
-            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists plain file names only")
-        if name in entries:
-            raise StageAuditError(f"{where} lists {name} twice")
-        entries[name] = digest
-    return entries
-
-
-def _read_small(path: Path) -> bytes:
-    if path.is_symlink() or not path.is_file():
-        raise StageAuditError(f"{path} is missing or not a plain file")
-    size = path.stat().st_size
-    if size > _MAX_SMALL_FILE:
-        raise StageAuditError(f"{path} is {size} bytes, over the {_MAX_SMALL_FILE}-byte limit for this file")
-    return path.read_bytes()
-
-
-def _check_staged_meta(path: Path, audited: Mapping[str, AuditedFile]) -> None:
-    """The record's own files table must agree with what the manifest verified."""
-    try:
-        meta = json.loads(_read_small(path))
-    except (ValueError, UnicodeDecodeError):
-        raise StageAuditError(f"{path} is not valid JSON") from None
-    if not isinstance(meta, dict) or meta.get("schema") != STAGE_SCHEMA or not isinstance(meta.get("files"), dict):
-        raise StageAuditError(f"{path} is not a {STAGE_SCHEMA} record")
-    if MODEL_FILE not in meta["files"]:
-        raise StageAuditError(f"{path} does not record {MODEL_FILE}")
-    for name, entry in sorted(meta["files"].items()):
-        held = audited.get(name)
-        if held is None:
-            raise StageAuditError(f"{path} records {name}, which the stage does not hold")
-        if not isinstance(entry, dict) or entry.get("sha256") != held.sha256 or entry.get("size") != held.size:
-            raise StageAuditError(f"{path} records a different SHA-256 or size for {name} than the stage holds")
-
-
-def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
-    """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
-
-    Checks: the folder holds exactly the files the manifest lists plus the manifest itself
-    (no extras, none missing, no links or subfolders); each file's SHA-256 equals the
-    manifest's; ``modelo.safetensors``, ``meta.json`` and ``README.md`` are present; and
-    the ``files`` table inside ``meta.json`` agrees with the manifest.
-
-    Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
-    from the bytes the audit parsed). The keys are exactly the files to upload, and each
-    ``sha256`` was computed from the file on disk during this call, so an uploader can pass
-    them on instead of hashing again. Hold :func:`stage_lock` from the audit to the end of
-    the upload so the stage cannot be rebuilt in between. Raises :class:`StageAuditError`
-    naming the offending file; reads only.
-    """
-    stage = Path(stage_dir)
-    if stage.is_symlink() or not stage.is_dir():
-        raise StageAuditError(f"{stage} is not a stage folder: run scripts/05_stage.py")
-    manifest_path = stage / MANIFEST_FILE
-    if not manifest_path.exists():
-        raise StageAuditError(f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py")
-    raw = _read_small(manifest_path)
-    expected = parse_manifest(raw, where=str(manifest_path))
-    for entry in sorted(stage.iterdir()):
-        if entry.name == MANIFEST_FILE:
-            continue
-        if entry.is_symlink() or not entry.is_file():
-            raise StageAuditError(f"{entry} is a link or folder: a stage holds plain files only")
-        if entry.name not in expected:
-            raise StageAuditError(f"{entry} is not listed in {MANIFEST_FILE}: the stage was modified after "
-                                  "it was built")
-    for name in sorted(expected):
-        if not (stage / name).is_file():
-            raise StageAuditError(f"{stage / name} is listed in {MANIFEST_FILE} but missing")
-    for name in REQUIRED_FILES:
-        if name not in expected:
-            raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
-    audited: dict[str, AuditedFile] = {}
-    for name, digest in sorted(expected.items()):
-        path = stage / name
-        size = path.stat().st_size
-        actual = sha256_file(path)
-        if actual != digest:
-            raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
-        audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
-    _check_staged_meta(stage / META_FILE, audited)
-    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
-    return dict(sorted(audited.items()))
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -270,27 +138,6 @@ def scan_secrets(folder: str | Path, *, environ: Mapping[str, str] | None = None
 
 
 # -- building -----------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def stage_lock(stage_dir: str | Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the stage's parent folder (no lock file is left
-    behind). 05 holds it while building; the publish step should hold it from
-    :func:`audit_stage` to the end of its upload."""
-    parent = Path(stage_dir).absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise StageError(f"{stage_dir} is being staged or published by another process; "
-                                 "wait for it to finish") from None
-            raise
-        yield
-    finally:
-        os.close(fd)
-
 
 def _sibling(stage: Path, kind: str) -> Path:
     return stage.absolute().parent / f".{stage.name}-{kind}-{secrets.token_hex(4)}"
@@ -504,14 +351,3 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     report, staged = _report(folder, meta, meta_sha256, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)
-
-
-def format_audit_table(rows: Iterable[AuditedFile]) -> str:
-    """Aligned text table: file, bytes, SHA-256, verified against."""
-    rows = list(rows)
-    width = max([len("file"), *(len(row.name) for row in rows)])
-    size_width = max([len("bytes"), *(len(str(row.size)) for row in rows)])
-    lines = [f"{'file':<{width}}  {'bytes':>{size_width}}  {'SHA-256':<64}  verified against"]
-    lines += [f"{row.name:<{width}}  {row.size:>{size_width}}  {row.sha256:<64}  {row.verified_against}"
-              for row in rows]
-    return "\n".join(lines)

@@ -35,7 +35,9 @@ from .errors import (
     NoCheckpoint,
     SchemaMismatch,
 )
+from .durable import fsync_dir, json_bytes
 from .hashing import HashingWriter, sha256_file
+from .layout import META_FILE, MODEL_FILE, STATE_FILE
 from .serialization import write_safetensors
 
 __all__ = [
@@ -51,14 +53,9 @@ __all__ = [
     "read_meta",
     "verify_checkpoint",
     "resolve_checkpoint",
-    "fsync_dir",
-    "write_json_atomic",
 ]
 
 SCHEMA_VERSION = "pipeline.checkpoint/1"
-MODEL_FILE = "modelo.safetensors"
-STATE_FILE = "estado_treino.safetensors"
-META_FILE = "meta.json"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 META_KEYS = frozenset(
     {"schema", "step", "created", "config", "fingerprints", "versions", "device", "model", "training_state", "files"}
@@ -84,32 +81,6 @@ def parse_step_dir(name: str) -> int | None:
     """Inverse of :func:`step_dir_name`; ``None`` for any other name."""
     match = _STEP_DIR.match(name)
     return int(match.group(1)) if match else None
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _json_bytes(payload: Any) -> bytes:
-    return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=True) + "\n").encode("utf-8")
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON beside ``path``, fsync, rename over it, fsync the folder."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with HashingWriter(temporary) as out:
-            out.write(_json_bytes(payload))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +178,7 @@ class CheckpointStore:
             assert set(record) == META_KEYS, f"meta keys differ: {sorted(set(record) ^ META_KEYS)}"
             # meta.json last: its presence marks a complete folder.
             with HashingWriter(temporary / META_FILE) as out:
-                out.write(_json_bytes(record))
+                out.write(json_bytes(record))
             fsync_dir(temporary)
             os.rename(temporary, final)
         except BaseException:

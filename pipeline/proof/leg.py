@@ -25,7 +25,8 @@ from ..rng import peek_next_draws
 from ..run import TrainingRun
 from ..serialization import write_safetensors
 from ..state import capture_state
-from ..store import MODEL_FILE, STATE_FILE, write_json_atomic
+from ..durable import write_json_atomic
+from ..layout import MODEL_FILE, STATE_FILE
 from ..train import train
 from .compare import SNAPSHOT_STATE
 from .layout import SNAPSHOT_DIR, SUMMARY_FILE

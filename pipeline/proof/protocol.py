@@ -26,7 +26,8 @@ from ..errors import ConfigError, PipelineError
 from ..hashing import sha256_bytes, sha256_file
 from ..provenance import PACKAGE_ROOT, code_fingerprint, library_versions
 from ..run import resolve_device
-from ..store import step_dir_name, write_json_atomic
+from ..durable import write_json_atomic
+from ..store import step_dir_name
 from .checks import (after_cut_checks, boundary_checks, control_verdict, exercise_check, first_divergent_step,
                      prefix_checks, state_checks)
 from .compare import Check, load_checkpoint, load_snapshot

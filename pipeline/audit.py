@@ -1,0 +1,199 @@
+"""Audit a built stage against its ``MANIFEST.sha256``, with no training stack imported.
+
+Script 05 audits the stage it just built; the publish step audits it again right before
+uploading and hands the hashes it returns to the upload, so no file is hashed twice. Only
+hashing and JSON here: importing this module does not import torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+from .errors import PipelineError
+from .hashing import sha256_bytes, sha256_file
+from .layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE
+
+__all__ = [
+    "STAGE_SCHEMA",
+    "MANIFEST_FILE",
+    "README_FILE",
+    "REQUIRED_FILES",
+    "StageError",
+    "StageAuditError",
+    "AuditedFile",
+    "audit_stage",
+    "parse_manifest",
+    "stage_lock",
+    "format_audit_table",
+]
+
+STAGE_SCHEMA = "pipeline.stage/1"
+# Files every stage must hold besides the manifest.
+REQUIRED_FILES = (MODEL_FILE, META_FILE, README_FILE)
+_MAX_SMALL_FILE = 16 * 1024 * 1024
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  ([^\n]+)$")
+
+
+class StageError(PipelineError):
+    """The stage cannot be built or replaced; the previous stage is untouched."""
+
+
+class StageAuditError(StageError, ValueError):
+    """A stage's files do not match its MANIFEST.sha256 or its meta.json."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditedFile:
+    """One file and its verified hash.
+
+    ``name`` is the path relative to the stage (a plain file name), ``size`` in bytes,
+    ``sha256`` lowercase hex of the bytes on disk when audited, ``verified_against`` says
+    what that hash was checked against (for the audit table).
+    """
+
+    name: str
+    size: int
+    sha256: str
+    verified_against: str
+
+
+# -- audit --------------------------------------------------------------------------------
+
+def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]:
+    """Strict ``sha256sum`` text format: one ``<64 lowercase hex>  <name>`` per line, each
+    line ending in a newline, plain file names (no folders), no duplicates."""
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StageAuditError(f"{where} is not UTF-8 text") from None
+    if not decoded.endswith("\n"):
+        raise StageAuditError(f"{where} is empty or its last line has no newline: the file is damaged")
+    entries: dict[str, str] = {}
+    for number, line in enumerate(decoded[:-1].split("\n"), start=1):
+        match = _MANIFEST_LINE.match(line)
+        if match is None:
+            raise StageAuditError(f"{where} line {number} is not '<sha256>  <name>'")
+        digest, name = match.groups()
+        if "/" in name or "\\" in name or "\0" in name or name in (".", "..", MANIFEST_FILE):
+            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists plain file names only")
+        if name in entries:
+            raise StageAuditError(f"{where} lists {name} twice")
+        entries[name] = digest
+    return entries
+
+
+def _read_small(path: Path) -> bytes:
+    if path.is_symlink() or not path.is_file():
+        raise StageAuditError(f"{path} is missing or not a plain file")
+    size = path.stat().st_size
+    if size > _MAX_SMALL_FILE:
+        raise StageAuditError(f"{path} is {size} bytes, over the {_MAX_SMALL_FILE}-byte limit for this file")
+    return path.read_bytes()
+
+
+def _check_staged_meta(path: Path, audited: Mapping[str, AuditedFile]) -> None:
+    """The record's own files table must agree with what the manifest verified."""
+    try:
+        meta = json.loads(_read_small(path))
+    except (ValueError, UnicodeDecodeError):
+        raise StageAuditError(f"{path} is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("schema") != STAGE_SCHEMA or not isinstance(meta.get("files"), dict):
+        raise StageAuditError(f"{path} is not a {STAGE_SCHEMA} record")
+    if MODEL_FILE not in meta["files"]:
+        raise StageAuditError(f"{path} does not record {MODEL_FILE}")
+    for name, entry in sorted(meta["files"].items()):
+        held = audited.get(name)
+        if held is None:
+            raise StageAuditError(f"{path} records {name}, which the stage does not hold")
+        if not isinstance(entry, dict) or entry.get("sha256") != held.sha256 or entry.get("size") != held.size:
+            raise StageAuditError(f"{path} records a different SHA-256 or size for {name} than the stage holds")
+
+
+def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
+    """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
+
+    Checks: the folder holds exactly the files the manifest lists plus the manifest itself
+    (no extras, none missing, no links or subfolders); each file's SHA-256 equals the
+    manifest's; ``modelo.safetensors``, ``meta.json`` and ``README.md`` are present; and
+    the ``files`` table inside ``meta.json`` agrees with the manifest.
+
+    Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
+    from the bytes the audit parsed). The keys are exactly the files to upload, and each
+    ``sha256`` was computed from the file on disk during this call, so an uploader can pass
+    them on instead of hashing again. Hold :func:`stage_lock` from the audit to the end of
+    the upload so the stage cannot be rebuilt in between. Raises :class:`StageAuditError`
+    naming the offending file; reads only.
+    """
+    stage = Path(stage_dir)
+    if stage.is_symlink() or not stage.is_dir():
+        raise StageAuditError(f"{stage} is not a stage folder: run scripts/05_stage.py")
+    manifest_path = stage / MANIFEST_FILE
+    if not manifest_path.exists():
+        raise StageAuditError(f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py")
+    raw = _read_small(manifest_path)
+    expected = parse_manifest(raw, where=str(manifest_path))
+    for entry in sorted(stage.iterdir()):
+        if entry.name == MANIFEST_FILE:
+            continue
+        if entry.is_symlink() or not entry.is_file():
+            raise StageAuditError(f"{entry} is a link or folder: a stage holds plain files only")
+        if entry.name not in expected:
+            raise StageAuditError(f"{entry} is not listed in {MANIFEST_FILE}: the stage was modified after "
+                                  "it was built")
+    for name in sorted(expected):
+        if not (stage / name).is_file():
+            raise StageAuditError(f"{stage / name} is listed in {MANIFEST_FILE} but missing")
+    for name in REQUIRED_FILES:
+        if name not in expected:
+            raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
+    audited: dict[str, AuditedFile] = {}
+    for name, digest in sorted(expected.items()):
+        path = stage / name
+        size = path.stat().st_size
+        actual = sha256_file(path)
+        if actual != digest:
+            raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
+        audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
+    _check_staged_meta(stage / META_FILE, audited)
+    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
+    return dict(sorted(audited.items()))
+
+
+@contextlib.contextmanager
+def stage_lock(stage_dir: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the stage's parent folder (no lock file is left
+    behind). 05 holds it while building; the publish step should hold it from
+    :func:`audit_stage` to the end of its upload."""
+    parent = Path(stage_dir).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise StageError(f"{stage_dir} is being staged or published by another process; "
+                                 "wait for it to finish") from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def format_audit_table(rows: Iterable[AuditedFile]) -> str:
+    """Aligned text table: file, bytes, SHA-256, verified against."""
+    rows = list(rows)
+    width = max([len("file"), *(len(row.name) for row in rows)])
+    size_width = max([len("bytes"), *(len(str(row.size)) for row in rows)])
+    lines = [f"{'file':<{width}}  {'bytes':>{size_width}}  {'SHA-256':<64}  verified against"]
+    lines += [f"{row.name:<{width}}  {row.size:>{size_width}}  {row.sha256:<64}  {row.verified_against}"
+              for row in rows]
+    return "\n".join(lines)

@@ -256,7 +256,6 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256
             "split": record["split"],
             "values": record["metrics"],
             "data_fingerprint": record["fingerprints"]["data"],
-            "evaluated": record["created"],
             "device": record["device"],
         },
         "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},

@@ -143,6 +143,15 @@ def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, r
     assert leftovers(run) == []
 
 
+def test_reevaluating_the_same_weights_then_restaging_changes_no_byte(staged_run, run_copy):
+    """So a rerun of 04 → 05 → 06 on unchanged weights publishes nothing new."""
+    run = run_copy(staged_run)
+    run.metrics.unlink()
+    run.ok("04_evaluate.py")
+    build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert snapshot(run.stage) == snapshot(staged_run.stage)
+
+
 # -- refusals ---------------------------------------------------------------------------
 
 def flip_a_weight_byte(run):

@@ -122,10 +122,14 @@ class EpochSampler:
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
+    # Another data set prepared inside this folder (data/charlm/ in data/: a subfolder with
+    # its own manifest) or being prepared there (.tmp-*) is not part of this one.
+    nested = {path.parent for path in folder.rglob(MANIFEST_NAME) if path.parent != folder}
     return {
         path.relative_to(folder).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(folder.rglob("*"))
         if path.is_file() and path.name != MANIFEST_NAME
+        and not path.relative_to(folder).parts[0].startswith(".tmp-") and nested.isdisjoint(path.parents)
     }
 
 

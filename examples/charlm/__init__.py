@@ -1,0 +1,1 @@
+"""A character-level transformer language model on three Shakespeare tragedies (see README.md)."""

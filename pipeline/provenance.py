@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from .hashing import fingerprint_files
+from .config import Config
+from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
-__all__ = ["PACKAGE_ROOT", "code_fingerprint", "library_versions"]
+__all__ = ["PACKAGE_ROOT", "FACTORY_KEYS", "code_fingerprint", "factory_sources", "factories_fingerprint",
+           "library_versions"]
+
+FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -46,3 +52,32 @@ def library_versions() -> dict[str, str | None]:
         "pipeline": _version("pipeline"),
         "cuda": torch.version.cuda,
     }
+
+
+def _factory_source(path: str) -> dict[str, Any]:
+    module = path.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None else None
+    if origin is None or not Path(origin).is_file():
+        return {"factory": path, "file": None, "sha256": None}
+    return {"factory": path, "file": origin, "sha256": sha256_file(origin)}
+
+
+def factory_sources(config: Config) -> dict[str, dict[str, Any]]:
+    """The file defining each configured factory, hashed: a user's model code is part of
+    what a checkpoint or a proof records, not only this package's."""
+    out = {}
+    for dotted in FACTORY_KEYS:
+        section, _, key = dotted.partition(".")
+        out[dotted] = _factory_source(getattr(getattr(config, section), key))
+    return out
+
+
+def factories_fingerprint(config: Config) -> str:
+    """One SHA-256 over the configured factory paths and the files defining them."""
+    sources = factory_sources(config)
+    return fingerprint_table({f"{key}={entry['factory']}": {"sha256": entry["sha256"] or "missing"}
+                              for key, entry in sources.items()})

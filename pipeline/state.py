@@ -24,6 +24,7 @@ from .store import MODEL_FILE, STATE_FILE
 __all__ = [
     "OMITTABLE",
     "capture_state",
+    "check_capturable",
     "restore_state",
     "load_model_weights",
     "warm_start",
@@ -57,6 +58,16 @@ def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, 
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
     return model_tensors, state, tensors
+
+
+def check_capturable(run: TrainingRun) -> None:
+    """Walk the state once before the first step, so state that cannot be saved without
+    pickle (a scheduler holding a callable object, say) fails now, not at the first save
+    hours later."""
+    try:
+        capture_state(run)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"this run's state cannot be checkpointed: {exc}") from None
 
 
 def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: dict[str, Any],

@@ -126,7 +126,7 @@ def test_finished_run_resumed_again_does_nothing_and_keeps_its_checkpoint(data_d
 
 def test_meta_records_history_fingerprints_and_versions(reference):
     meta = json.loads((reference / "meta.json").read_text())
-    assert set(meta["fingerprints"]) == {"data", "code"}
+    assert set(meta["fingerprints"]) == {"data", "code", "factories"}
     assert meta["versions"]["torch"] and meta["versions"]["numpy"]
     assert meta["config"]["training"]["max_steps"] == 10
     assert meta["training_state"]["progress"]["step"] == 10

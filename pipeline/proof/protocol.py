@@ -7,7 +7,6 @@ interpreter, and compares what they left behind. Everything goes into one new fo
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.util
 import json
 import math
 import os
@@ -24,9 +23,9 @@ from ..config import Config
 from ..data import load_manifest
 from ..errors import ConfigError, PipelineError
 from ..hashing import sha256_bytes, sha256_file
-from ..provenance import PACKAGE_ROOT, code_fingerprint, library_versions
-from ..run import resolve_device
+from ..provenance import PACKAGE_ROOT, code_fingerprint, factory_sources, library_versions
 from ..durable import write_json_atomic
+from ..run import resolve_device
 from ..store import step_dir_name
 from .checks import (after_cut_checks, boundary_checks, control_verdict, exercise_check, first_divergent_step,
                      prefix_checks, state_checks)
@@ -37,7 +36,6 @@ from .plan import Leg, Plan, leg_command, leg_env, leg_spec, make_legs, plan_cut
 __all__ = ["REPORT_SCHEMA", "ProofIncomplete", "verify_resume", "summary_line", "describe"]
 
 REPORT_SCHEMA = "pipeline.resume-proof/1"
-_FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
 
 class ProofIncomplete(PipelineError):
@@ -259,26 +257,8 @@ def _sources(config: Config, config_path: Path | None, manifest: dict[str, Any])
                    else None,
                    "resolved_sha256": sha256_bytes(resolved), "resolved": config.to_dict()},
         "data": {"dir": config.data.dir, "fingerprint": manifest["fingerprint"], "files": manifest["files"]},
-        "factories": {key: _factory_source(_lookup(config, key)) for key in _FACTORY_KEYS},
+        "factories": factory_sources(config),
     }
-
-
-def _lookup(config: Config, dotted: str) -> str:
-    section, _, key = dotted.partition(".")
-    return getattr(getattr(config, section), key)
-
-
-def _factory_source(path: str) -> dict[str, Any]:
-    """The file that defines a factory, hashed: the user's model code is part of what was proven."""
-    module = path.partition(":")[0]
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    origin = spec.origin if spec is not None else None
-    if origin is None or not Path(origin).is_file():
-        return {"factory": path, "file": None, "sha256": None}
-    return {"factory": path, "file": origin, "sha256": sha256_file(origin)}
 
 
 # -- output -------------------------------------------------------------------------------

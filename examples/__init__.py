@@ -1,1 +1,1 @@
-"""Example tasks that plug into the pipeline through config factories (see docs/own-model.md)."""
+"""Example tasks that plug into the pipeline through config factories (see the README, section "Your own model")."""

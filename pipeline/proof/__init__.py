@@ -3,7 +3,7 @@
 A continuous run, the same run cut at step K, a resume from that checkpoint, and one
 resume per saved component that deliberately leaves it unrestored, each in its own
 process; then every weight, state tensor, loss, learning rate, batch and next RNG draw is
-compared with a measured difference. See docs/resume-proof.md.
+compared with a measured difference. See the README, section "Resume proof".
 
 Modules: :mod:`.plan` (N, K, legs, commands), :mod:`.leg` (the internal per-leg entry
 point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparisons),

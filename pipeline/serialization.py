@@ -8,7 +8,10 @@ round trip is exact (``betas`` comes back as a tuple, optimizer state keys as in
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -16,15 +19,22 @@ import numpy as np
 import torch
 from safetensors.torch import _remove_duplicate_names
 
-from .hashing import HashingWriter
-
 __all__ = [
     "split_state",
     "join_state",
     "write_safetensors",
     "dedupe_shared_tensors",
     "SAFETENSORS_DTYPES",
+    "WRITE_CHUNK",
+    "WRITEBACK_WINDOW",
 ]
+
+# Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
+# that the hashing thread never lags the writer by much.
+WRITE_CHUNK = 8 * 1024 * 1024
+# Written bytes between hints that start their writeback (see _write_all).
+WRITEBACK_WINDOW = 8 * 1024 * 1024
+_ADVISE = hasattr(os, "posix_fadvise")
 
 _TENSOR = "__tensor__"
 _NDARRAY = "__ndarray__"
@@ -129,20 +139,20 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
-    """Write a safetensors file tensor by tensor, hashing as bytes go to disk; fsync; return (sha256, size).
+def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+                        ) -> tuple[bytes, list[torch.Tensor]]:
+    """The padded JSON header and the tensors (CPU, contiguous) in file order.
 
-    Streaming avoids ``safetensors.torch.save``'s full in-memory copy of the file. The
-    layout is the standard one (8-byte little-endian header length, JSON header padded to
-    8 bytes, then the tensors back to back), so any safetensors reader loads it.
+    Widest elements first, then by name, as safetensors' own writer orders them: with no
+    gaps allowed between tensors, that is what keeps every tensor aligned to its element
+    size, so a memory-mapped load hands out aligned tensors without copying.
     """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     ordered = []
     offset = 0
-    for name in sorted(tensors):
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
         tensor = tensors[name]
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
@@ -157,11 +167,84 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
-    with HashingWriter(path) as out:
-        out.write(len(encoded).to_bytes(8, "little"))
-        out.write(encoded)
-        for tensor in ordered:
-            out.write(_tensor_bytes(tensor))
-    assert out.size == 8 + len(encoded) + offset
-    return out.sha256, out.size
+    return len(encoded).to_bytes(8, "little") + encoded, ordered
 
+
+def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
+    return [piece[start:start + size] for piece in pieces for start in range(0, len(piece), size)]
+
+
+class _Hasher(threading.Thread):
+    """SHA-256 of the same in-memory chunks the writer is sending to disk, on a second core.
+
+    hashlib drops the GIL for large buffers, so hashing and ``write`` run in parallel and a
+    save costs max(hash, write) instead of their sum. The chunks are the source buffers
+    themselves, never a read-back of the file.
+    """
+
+    def __init__(self, chunks: list[memoryview]) -> None:
+        super().__init__(name="safetensors-sha256", daemon=True)
+        self._chunks = chunks
+        self.digest = hashlib.sha256()
+        self.error: BaseException | None = None
+        self.cancelled = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for chunk in self._chunks:
+                if self.cancelled.is_set():
+                    return
+                self.digest.update(chunk)
+        except BaseException as exc:  # handed to the writing thread, which raises it
+            self.error = exc
+
+
+def _write_all(fd: int, chunks: list[memoryview]) -> int:
+    """Write every chunk, pushing finished ranges to disk as we go; return the byte count."""
+    written = flushed = 0
+    advise = _ADVISE
+    for chunk in chunks:
+        view = chunk
+        while view:
+            view = view[os.write(fd, view):]
+        written += len(chunk)
+        if advise and written - flushed >= WRITEBACK_WINDOW:
+            # Start writeback of what is written (Linux does so for DONTNEED; PostgreSQL's
+            # pg_flush_data relies on the same). Otherwise the whole file sits dirty until
+            # fsync, which then waits for all of it, and a checkpoint evicts the page cache.
+            try:
+                os.posix_fadvise(fd, flushed, written - flushed, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                advise = False  # only a hint; durability comes from the fsync
+            flushed = written
+    return written
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """Write a safetensors file, hashing as bytes go to disk; fsync; return (sha256, size).
+
+    Streaming avoids ``safetensors.torch.save``'s full in-memory copy of the file. The
+    layout is the standard one (8-byte little-endian header length, JSON header padded to
+    8 bytes, then the tensors back to back), so any safetensors reader loads it. SHA-256
+    runs in a second thread over the very buffers being written (see :class:`_Hasher`).
+    The tensors must not change until this returns.
+    """
+    header, ordered = _safetensors_layout(tensors, metadata)
+    chunks = _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)
+    hasher = _Hasher(chunks)
+    # "x": never overwrite; callers write into a fresh temporary folder.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    hasher.start()
+    try:
+        size = _write_all(fd, chunks)
+        os.fsync(fd)  # while the hasher finishes: neither needs the other
+        hasher.join()
+        if hasher.error is not None:
+            raise hasher.error
+    finally:
+        hasher.cancelled.set()
+        hasher.join()
+        os.close(fd)
+    assert size == sum(len(c) for c in chunks)
+    return hasher.digest.hexdigest(), size

@@ -17,12 +17,13 @@ import torch
 from .checkpointer import Checkpointer
 from .config import Config
 from .data import load_manifest
+from .fastload import LoadedCheckpoint, load_resume
 from .errors import CheckpointError, PipelineError
 from .progress import Progress
-from .provenance import code_fingerprint, library_versions
+from .provenance import code_fingerprint, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, resolve_device
 from .state import check_resume_compatible, read_tensors, restore_state, warm_start
-from .store import MODEL_FILE, STATE_FILE, CheckpointStore, resolve_checkpoint, verify_checkpoint
+from .store import MODEL_FILE, CheckpointStore, verify_checkpoint
 
 __all__ = ["train", "TrainResult", "Preempted", "TrainingDiverged", "train_step"]
 
@@ -98,10 +99,11 @@ def train_step(run: TrainingRun) -> tuple[float, float]:
     return value, lr
 
 
-def _load_resume(spec: str, config: Config, data_fingerprint: str, store: CheckpointStore):
-    folder, meta = resolve_checkpoint(spec, store.root)
-    check_resume_compatible(meta, config, data_fingerprint)
-    return folder, meta
+def _load_resume(spec: str, config: Config, data_fingerprint: str, store: CheckpointStore) -> LoadedCheckpoint:
+    # Verified and memory-mapped in one pass over the files (see pipeline.fastload).
+    loaded = load_resume(spec, store.root)
+    check_resume_compatible(loaded.meta, config, data_fingerprint)
+    return loaded
 
 
 def train(
@@ -113,12 +115,14 @@ def train(
     omit: Iterable[str] = (),
     progress: bool = True,
     on_step: Callable[[TrainingRun], None] | None = None,
+    on_start: Callable[[TrainingRun], None] | None = None,
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
 
     ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
     or a checkpoint folder. ``omit`` leaves components unrestored; only the resume proof's
-    negative controls use it.
+    negative controls use it. ``on_start(run)`` sees the run once it is built and restored,
+    before the first step (the proof inspects the restored state there).
     """
     if resume is not None and init_from is not None:
         raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
@@ -136,7 +140,8 @@ def train(
             resume = "latest" if existing else None
         resumed = None
         if resume is not None:
-            folder, meta = _load_resume(resume, config, manifest["fingerprint"], store)
+            loaded = _load_resume(resume, config, manifest["fingerprint"], store)
+            folder, meta = loaded.folder, loaded.meta
             resumed = meta["step"]
             newer = [s for s in existing if s > resumed]
             if newer and Path(folder).resolve().parent == store.root.resolve():
@@ -151,19 +156,22 @@ def train(
         run = build_run(config, device)
         report = Progress(total=total, initial=resumed or 0, log_every=config.training.log_every, enabled=progress)
         if resume is not None:
-            restore_state(run, read_tensors(Path(folder) / MODEL_FILE), meta["training_state"],
-                          read_tensors(Path(folder) / STATE_FILE), omit=omit)
+            restore_state(run, loaded.model_tensors, meta["training_state"], loaded.state_tensors, omit=omit)
+            del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
             report.message(f"resumed from {folder} at step {run.step}")
         elif init_from is not None:
             _warm_start(run, Path(init_from), report)
+        if on_start is not None:
+            on_start(run)
 
         provenance = {
             "config": config.to_dict(),
-            "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint()},
+            "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(),
+                             "factories": factories_fingerprint(config)},
             "versions": library_versions(),
             "device": str(device),
         }
-        checkpointer = Checkpointer(store, provenance)
+        checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
         end = min(total, stop_at) if stop_at is not None else total
         last_saved = run.step if resume is not None else None
         saved = None
@@ -181,16 +189,19 @@ def train(
                     if run.step % config.checkpoint.every == 0 or run.step == end:
                         saved = checkpointer.save(run)
                         last_saved = run.step
+                if signals.signum is not None and last_saved != run.step:
+                    saved = checkpointer.save(run)
+                # A background save commits here, while SIGTERM/SIGINT are still only
+                # recorded, exactly as a synchronous save would have.
+                checkpointer.wait()
                 if signals.signum is not None:
-                    if last_saved != run.step:
-                        saved = checkpointer.save(run)
                     name = signal.Signals(signals.signum).name
                     where = saved.path if saved is not None else store.path_for(run.step)
                     raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                                     "Resume with: python scripts/02_train.py --resume latest", signals.signum)
         finally:
-            checkpointer.close()
             report.close()
+            checkpointer.close()  # waits for a save in flight; may raise its error
         checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
                                                            store.committed_steps() else None)
         return TrainResult(step=run.step, checkpoint=checkpoint, history=run.history, resumed_from=resumed)

@@ -1,0 +1,596 @@
+"""Checkpoint save and resume, side by side: ours (sync and async) against what users would
+otherwise pick, the disk's limit and the in-memory copy. A benchmark, not a test.
+
+    python benchmarks/checkpoint.py [--sizes 0.6,0.06] [--reps 5] [--out benchmarks/results/checkpoint.json]
+
+State: an MLP of three square fp32 Linear layers sized so weights + AdamW state total each
+``--sizes`` GB (0.6 GB is ~50M parameters). Every repetition is a fresh worker process per
+size that builds the state once and runs every candidate in an order rotated by the
+repetition, so drift and noise spread over all of them; medians and min/max are reported.
+Peak memory is measured separately: one fresh process per candidate and size (see
+``_measure_memory``). Files go to a temporary folder beside the repository (same disk),
+removed at the end. Ratios, the headline numbers, are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.checkpointer import Checkpointer  # noqa: E402
+from pipeline.config import Config  # noqa: E402
+from pipeline.data import EpochSampler  # noqa: E402
+from pipeline.fastload import load_checkpoint  # noqa: E402
+from pipeline.provenance import library_versions  # noqa: E402
+from pipeline.rng import seed_everything  # noqa: E402
+from pipeline.run import TrainingRun  # noqa: E402
+from pipeline.serialization import WRITE_CHUNK, WRITEBACK_WINDOW  # noqa: E402
+from pipeline.state import read_tensors  # noqa: E402
+from pipeline.store import MODEL_FILE, STATE_FILE, CheckpointStore, verify_checkpoint  # noqa: E402
+
+__all__ = ["main"]
+
+SAVES = ("ours_sync", "ours_async", "torch_save", "safetensors_save_file", "accelerate_save_state",
+         "raw_write", "raw_write_streamed", "memcopy", "memcopy_torch")
+LOADS = ("ours_load_verified", "ours_load_two_pass", "ours_load_mapped", "torch_load", "safetensors_load_file",
+         "accelerate_load_state")
+LABELS = {
+    "ours_sync": "ours, sync (SHA-256, fsync, atomic rename)",
+    "ours_async": "ours, async (stall = snapshot; wall = commit)",
+    "ours_async_first": "ours, async, first save (allocates buffers)",
+    "torch_save": "torch.save(model+optim) + fsync",
+    "safetensors_save_file": "safetensors save_file(weights) + fsync",
+    "accelerate_save_state": "accelerate save_state + fsync",
+    "raw_write": "raw write + fsync (same bytes)",
+    "raw_write_streamed": "raw write + fsync, streamed writeback",
+    "memcopy": "in-memory copy into reused buffers (memcpy)",
+    "memcopy_torch": "in-memory copy into reused buffers (Tensor.copy_)",
+    "ours_load_verified": "ours: resume load, SHA-256 verified, one pass",
+    "ours_load_two_pass": "ours: verify_checkpoint, then read_tensors",
+    "ours_load_mapped": "ours: mmap load, no verification",
+    "torch_load": "torch.load(weights_only=True)",
+    "safetensors_load_file": "safetensors load_file(weights)",
+    "accelerate_load_state": "accelerate load_state (into model)",
+}
+# glibc otherwise keeps freed tensors of a few MB in its heap, where the next candidate
+# reuses them without growing RSS; a fixed threshold makes every tensor its own mapping,
+# returned on free, so each candidate's peak shows what it allocated.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+# -- the state ------------------------------------------------------------------------------
+def build_run(size_gb: float) -> TrainingRun:
+    """Weights + AdamW's two moments = 12 bytes per parameter; three square layers."""
+    width = round(math.sqrt(size_gb * 1e9 / 12 / 3))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, width))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(8, width)).square().mean().backward()
+    optimizer.step()  # materializes exp_avg / exp_avg_sq
+    optimizer.zero_grad(set_to_none=True)
+    generator = seed_everything(0)
+    history = {"step": list(range(1, 1001)), "loss": [1.0] * 1000, "lr": [1e-4] * 1000}
+    return TrainingRun(config=Config(), device=torch.device("cpu"), model=model, optimizer=optimizer,
+                       scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
+                       data=types.SimpleNamespace(), sampler=EpochSampler(64, 8, generator), generator=generator,
+                       scaler=None, autocast_dtype=None, step=1000, history=history)
+
+
+def state_tensors(run: TrainingRun) -> list[torch.Tensor]:
+    tensors = list(run.model.state_dict().values())
+    for entry in run.optimizer.state.values():
+        tensors += [t for t in entry.values() if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _provenance() -> dict[str, Any]:
+    return {"config": Config().to_dict(), "fingerprints": {"data": "bench", "code": "bench"},
+            "versions": library_versions(), "device": "cpu"}
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _fsync_tree(root: Path) -> None:
+    paths = [root] if root.is_file() else [*sorted(p for p in root.rglob("*") if p.is_file()), root]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _evict(root: Path) -> None:
+    """Drop a (fsynced, hence clean) file from the page cache: loads read from the device."""
+    for path in ([root] if root.is_file() else root.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _touch(tensors) -> int:
+    """Read every byte (a reduction over each tensor's bytes), as training would."""
+    return sum(int(t.detach().reshape(-1).view(torch.uint8).max()) for t in tensors if t.numel())
+
+
+def _size(root: Path) -> int:
+    return root.stat().st_size if root.is_file() else sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _accelerator(run: TrainingRun):
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return None
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(run.model, run.optimizer)
+    return accelerator
+
+
+# -- candidates -----------------------------------------------------------------------------
+class Bench:
+    """One worker's state, output folder and candidates; each returns (wall, stall, bytes)."""
+
+    def __init__(self, size_gb: float, folder: Path, *, with_accelerate: bool = True) -> None:
+        self.run = build_run(size_gb)
+        self.folder = folder
+        self.tensors = state_tensors(self.run)
+        self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.provenance = _provenance()  # built once per run by train.py too
+        self.accelerator = _accelerator(self.run) if with_accelerate else None
+        self.async_checkpointer: Checkpointer | None = None
+        self.async_store: CheckpointStore | None = None
+        self.copies: list[torch.Tensor] | None = None
+        self.outputs: dict[str, Path] = {}
+
+    def _timed(self, name: str, action: Callable[[], Path]) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        path = action()
+        wall = time.perf_counter() - start
+        self.outputs[name] = path
+        return wall, wall, _size(path)
+
+    def ours_sync(self):
+        store = CheckpointStore(self.folder / "ours_sync")
+        with store:
+            self.run.step += 1
+            checkpointer = Checkpointer(store, self.provenance)
+            return self._timed("ours_sync", lambda: checkpointer.save(self.run).path)
+
+    def ours_async(self):
+        """Steady state: the buffers exist from a first save; the stall is save() returning."""
+        if self.async_checkpointer is None:
+            self.async_store = CheckpointStore(self.folder / "ours_async", keep_last=2)
+            self.async_store.acquire()
+            self.async_checkpointer = Checkpointer(self.async_store, self.provenance, background=True)
+        checkpointer = self.async_checkpointer
+        self.run.step += 1
+        start = time.perf_counter()
+        pending = checkpointer.save(self.run)
+        stall = time.perf_counter() - start
+        saved = pending.result()
+        wall = time.perf_counter() - start
+        self.outputs["ours_async"] = saved.path
+        return wall, stall, _size(saved.path)
+
+    def torch_save(self):
+        path = self.folder / "torch_save.pt"
+
+        def save() -> Path:
+            torch.save({"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict()}, path)
+            _fsync_tree(path)
+            return path
+        return self._timed("torch_save", save)
+
+    def safetensors_save_file(self):
+        from safetensors.torch import save_file
+        path = self.folder / "weights.safetensors"
+
+        def save() -> Path:
+            save_file(self.run.model.state_dict(), str(path))
+            _fsync_tree(path)
+            return path
+        return self._timed("safetensors_save_file", save)
+
+    def accelerate_save_state(self):
+        if self.accelerator is None:
+            return None
+        path = self.folder / "accelerate"
+
+        def save() -> Path:
+            self.accelerator.save_state(str(path))
+            _fsync_tree(path)
+            return path
+        return self._timed("accelerate_save_state", save)
+
+    def _raw(self, name: str, streamed: bool):
+        path = self.folder / f"{name}.bin"
+
+        def write() -> Path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                written = flushed = 0
+                for tensor in self.tensors:
+                    view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+                    for start in range(0, len(view), WRITE_CHUNK):
+                        chunk = view[start:start + WRITE_CHUNK]
+                        while chunk:
+                            chunk = chunk[os.write(fd, chunk):]
+                        written += len(view[start:start + WRITE_CHUNK])
+                        if streamed and written - flushed >= WRITEBACK_WINDOW:
+                            os.posix_fadvise(fd, flushed, written - flushed, os.POSIX_FADV_DONTNEED)
+                            flushed = written
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return path
+        return self._timed(name, write)
+
+    def raw_write(self):
+        return self._raw("raw_write", streamed=False)
+
+    def raw_write_streamed(self):
+        return self._raw("raw_write_streamed", streamed=True)
+
+    def _memcopy(self, copy_one: Callable[[torch.Tensor, torch.Tensor], Any]):
+        if self.copies is None:
+            self.copies = [torch.empty_like(t) for t in self.tensors]
+            for copy, tensor in zip(self.copies, self.tensors):
+                copy.copy_(tensor)  # fault the pages in: the floor is the steady state
+        start = time.perf_counter()
+        for copy, tensor in zip(self.copies, self.tensors):
+            copy_one(copy, tensor)
+        wall = time.perf_counter() - start
+        return wall, wall, self.state_bytes
+
+    def memcopy(self):
+        """The floor: one plain memcpy per tensor (the primitive the snapshot uses)."""
+        return self._memcopy(lambda copy, tensor: np.copyto(_bytes(copy), _bytes(tensor)))
+
+    def memcopy_torch(self):
+        """What ``Tensor.copy_`` does (OpenMP-parallel per tensor), for reference."""
+        return self._memcopy(lambda copy, tensor: copy.copy_(tensor))
+
+    # loads: every file was fsynced by its save and is evicted from the page cache first
+    def _load(self, source: str, load: Callable[[Path], Any]):
+        path = self.outputs.get(source)
+        if path is None:
+            return None
+        _evict(path)
+        gc.collect()
+        start = time.perf_counter()
+        _touch(load(path))
+        wall = time.perf_counter() - start
+        return wall, wall, _size(path)
+
+    def ours_load_verified(self):
+        """What resume does (train.py): every byte hashed, tensors mapped, in one pass."""
+        def load(folder: Path):
+            loaded = load_checkpoint(folder)
+            return [*loaded.model_tensors.values(), *loaded.state_tensors.values()]
+        return self._load("ours_sync", load)
+
+    def ours_load_two_pass(self):
+        """Hash by read(), then map again: the straightforward composition, for reference."""
+        def load(folder: Path):
+            verify_checkpoint(folder)
+            return [*read_tensors(folder / MODEL_FILE).values(), *read_tensors(folder / STATE_FILE).values()]
+        return self._load("ours_sync", load)
+
+    def ours_load_mapped(self):
+        return self._load("ours_sync", lambda folder: [*read_tensors(folder / MODEL_FILE).values(),
+                                                       *read_tensors(folder / STATE_FILE).values()])
+
+    def torch_load(self):
+        def load(path: Path):
+            state = torch.load(path, weights_only=True)
+            tensors = list(state["model"].values())
+            for entry in state["optimizer"]["state"].values():
+                tensors += [t for t in entry.values() if isinstance(t, torch.Tensor)]
+            return tensors
+        return self._load("torch_save", load)
+
+    def safetensors_load_file(self):
+        from safetensors.torch import load_file
+        return self._load("safetensors_save_file", lambda path: list(load_file(str(path)).values()))
+
+    def accelerate_load_state(self):
+        if self.accelerator is None:
+            return None
+
+        def load(path: Path):
+            self.accelerator.load_state(str(path))  # copies into the live model and optimizer
+            return state_tensors(self.run)
+        return self._load("accelerate_save_state", load)
+
+    def first_async_save(self):
+        """The first async save allocates the buffers (page faults): reported on its own."""
+        self.async_store = CheckpointStore(self.folder / "ours_async", keep_last=2)
+        self.async_store.acquire()
+        self.async_checkpointer = Checkpointer(self.async_store, self.provenance, background=True)
+        self.run.step += 1
+        start = time.perf_counter()
+        pending = self.async_checkpointer.save(self.run)
+        stall = time.perf_counter() - start
+        pending.result()
+        return time.perf_counter() - start, stall, _size(pending.path)
+
+    def close(self) -> None:
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.close()
+            self.async_store.release()
+
+
+def _rotated(names: tuple[str, ...], rep: int) -> list[str]:
+    shift = rep % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
+    bench = Bench(size_gb, folder)
+    # Other jobs on the machine show up here; the report keeps them next to the figures.
+    results: dict[str, Any] = {"state_bytes": bench.state_bytes, "loadavg": os.getloadavg()[0]}
+    try:
+        results["ours_async_first"] = bench.first_async_save()
+        for phase in (SAVES, LOADS):
+            for name in _rotated(phase, rep):
+                gc.collect()
+                results[name] = getattr(bench, name)()
+    finally:
+        bench.close()
+    return results
+
+
+# -- peak memory ----------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any]:
+    """Extra resident memory of one candidate: VmHWM (peak RSS) is reset through
+    /proc/self/clear_refs just before it runs; extra = peak - RSS at that moment.
+
+    Loads first run their format's save, unmeasured. The async candidate is its first
+    save on a new checkpointer, so its persistent snapshot buffers are counted. RSS counts
+    mapped file pages too: a memory-mapped load shows the pages it touched.
+    """
+    bench = Bench(size_gb, folder, with_accelerate=candidate.startswith("accelerate"))
+    try:
+        source = {"ours_load_verified": "ours_sync", "ours_load_two_pass": "ours_sync", "ours_load_mapped": "ours_sync",
+                  "torch_load": "torch_save",
+                  "safetensors_load_file": "safetensors_save_file",
+                  "accelerate_load_state": "accelerate_save_state"}.get(candidate)
+        if source is not None and getattr(bench, source)() is None:
+            return {"skipped": True}
+        if candidate.startswith("memcopy"):
+            bench.copies = None  # allocate inside the measurement, like a first snapshot
+        measured = bench.first_async_save if candidate == "ours_async" else getattr(bench, candidate)
+        gc.collect()
+        before = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+        result = measured()
+        peak = _status_kib("VmHWM")
+        return {"skipped": result is None, "extra_bytes": (peak - before) * 1024, "peak_bytes": peak * 1024,
+                "state_bytes": bench.state_bytes}
+    finally:
+        bench.close()
+
+
+# -- driver ---------------------------------------------------------------------------------
+def _worker_command(args: list[str]) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", *args]
+
+
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = subprocess.run(_worker_command(args), cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})})
+    if result.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(args)} failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"state_bytes": runs[0]["state_bytes"], "loadavg_1min": [r["loadavg"] for r in runs],
+                           "candidates": {}}
+    for name in ("ours_async_first", *SAVES, *LOADS):
+        measured = [r[name] for r in runs if r.get(name) is not None]
+        if measured:
+            out["candidates"][name] = {"wall_s": _summary([m[0] for m in measured]),
+                                       "stall_s": _summary([m[1] for m in measured]), "bytes": measured[0][2]}
+    return out
+
+
+def _ratio(result: dict[str, Any], top: tuple[str, str], bottom: tuple[str, str]
+           ) -> tuple[float, float] | None:
+    """(ratio of the medians, median of the per-repetition ratios). The second pairs
+    measurements taken seconds apart in one worker, so load that drifts between
+    repetitions cancels out."""
+    cands = result["candidates"]
+    if top[0] not in cands or bottom[0] not in cands:
+        return None
+    upper, lower = cands[top[0]][top[1]], cands[bottom[0]][bottom[1]]
+    paired = [a / b for a, b in zip(upper["values"], lower["values"])]
+    return upper["median"] / lower["median"], statistics.median(paired)
+
+
+RATIOS = (
+    # (label, numerator, denominator, target)
+    ("sync save / torch.save+fsync", ("ours_sync", "wall_s"), ("torch_save", "wall_s"), 1.15),
+    ("sync save / raw write+fsync", ("ours_sync", "wall_s"), ("raw_write", "wall_s"), 1.3),
+    ("sync save / raw write+fsync, streamed", ("ours_sync", "wall_s"), ("raw_write_streamed", "wall_s"), 1.3),
+    ("async stall / in-memory copy", ("ours_async", "stall_s"), ("memcopy", "wall_s"), 1.5),
+    ("async stall / sync save", ("ours_async", "stall_s"), ("ours_sync", "wall_s"), 0.2),
+    ("async wall (to commit) / sync save", ("ours_async", "wall_s"), ("ours_sync", "wall_s"), None),
+    ("resume, verified / torch.load", ("ours_load_verified", "wall_s"), ("torch_load", "wall_s"), 1.0),
+    ("resume, two passes / torch.load", ("ours_load_two_pass", "wall_s"), ("torch_load", "wall_s"), None),
+    ("resume, mapped only / torch.load", ("ours_load_mapped", "wall_s"), ("torch_load", "wall_s"), 1.0),
+    ("torch.save+fsync / raw write+fsync", ("torch_save", "wall_s"), ("raw_write", "wall_s"), None),
+)
+
+
+def _ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for label, top, bottom, target in RATIOS:
+        ratio = _ratio(result, top, bottom)
+        if ratio is not None:
+            value, paired = ratio
+            rows.append({"ratio": label, "value": value, "paired": paired, "target": target,
+                         "met": _verdict([value, paired], target)})
+    memory = result.get("memory", {})
+    if "ours_async" in memory and not memory["ours_async"].get("skipped"):
+        value = memory["ours_async"]["extra_bytes"] / result["state_bytes"]
+        # One copy of the state plus small change (JSON, headers, thread stack).
+        rows.append({"ratio": "async save extra peak RSS / state size", "value": value, "paired": None,
+                     "target": 1.05, "met": _verdict([value], 1.05)})
+    return rows
+
+
+def _verdict(estimates: list[float], target: float | None) -> str | None:
+    """"met" only if every estimate meets the target; "borderline" if they disagree."""
+    if target is None:
+        return None
+    passed = [value <= target for value in estimates]
+    return "met" if all(passed) else "borderline" if any(passed) else "not met"
+
+
+def _fmt_span(summary: dict[str, Any]) -> str:
+    return f"{summary['median']:7.3f} [{summary['min']:.3f}-{summary['max']:.3f}]"
+
+
+def _table(size: str, result: dict[str, Any]) -> str:
+    state_gb = result["state_bytes"] / 1e9
+    load = ", ".join(f"{x:.1f}" for x in result["loadavg_1min"])
+    lines = [f"### state {state_gb:.3f} GB ({size} requested; 1-min load average per repetition: {load})", "",
+             "| candidate | bytes | wall s, median [min-max] | training stall s | GB/s | extra peak RSS |",
+             "| --- | ---: | --- | --- | ---: | ---: |"]
+    memory = result.get("memory", {})
+    for name, cand in result["candidates"].items():
+        mem = memory.get(name, {})
+        rss = f"{mem['extra_bytes'] / 1e9:.3f} GB" if "extra_bytes" in mem and not mem.get("skipped") else "-"
+        stall = _fmt_span(cand["stall_s"]) if name in ("ours_async", "ours_async_first") or name in SAVES else "-"
+        lines.append(f"| {LABELS[name]} | {cand['bytes'] / 1e6:,.0f} MB | {_fmt_span(cand['wall_s'])} | {stall} | "
+                     f"{cand['bytes'] / 1e9 / cand['wall_s']['median']:.2f} | {rss} |")
+    return "\n".join(lines)
+
+
+def _ratio_lines(size: str, result: dict[str, Any]) -> list[str]:
+    lines = [f"ratios, state {result['state_bytes'] / 1e9:.3f} GB: ratio of medians "
+             "(median of per-repetition ratios)"]
+    for row in result["ratios"]:
+        verdict = "" if row["met"] is None else f"  {row['met'].upper()}"
+        target = "" if row["target"] is None else f"  target <= {row['target']}"
+        paired = f" ({row['paired']:.3f})" if row["paired"] is not None else " " * 8
+        lines.append(f"  {row['ratio']:40s} {row['value']:6.3f}{paired}{target}{verdict}")
+    return lines
+
+
+def _machine() -> dict[str, Any]:
+    try:
+        accelerate = importlib.metadata.version("accelerate")
+    except importlib.metadata.PackageNotFoundError:
+        accelerate = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "platform": platform.platform(), "versions": {**library_versions(), "accelerate": accelerate}}
+
+
+def drive(sizes: list[str], reps: int, out: Path, memory: bool, folder_parent: Path) -> dict[str, Any]:
+    folder_root = Path(tempfile.mkdtemp(prefix=".checkpoint-bench-", dir=folder_parent))
+    timings: dict[str, list[dict[str, Any]]] = {size: [] for size in sizes}
+    try:
+        for rep in range(reps):
+            for size in _rotated(tuple(sizes), rep):
+                folder = folder_root / f"{size}-rep{rep}"
+                folder.mkdir()
+                print(f"rep {rep + 1}/{reps}, {size} GB ...", file=sys.stderr, flush=True)
+                timings[size].append(_spawn(["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)]))
+                shutil.rmtree(folder)
+        results = {size: _aggregate(runs) for size, runs in timings.items()}
+        if memory:
+            for size in sizes:
+                results[size]["memory"] = {}
+                for name in (*SAVES, *LOADS):
+                    folder = folder_root / f"{size}-memory-{name}"
+                    folder.mkdir()
+                    print(f"peak memory, {size} GB, {name} ...", file=sys.stderr, flush=True)
+                    results[size]["memory"][name] = _spawn(["memory", "--size", size, "--candidate", name,
+                                                            "--dir", str(folder)], env=MEMORY_ENV)
+                    shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(folder_root, ignore_errors=True)
+    for result in results.values():
+        result["ratios"] = _ratios(result)
+    report = {"command": " ".join(["python", "benchmarks/checkpoint.py", *sys.argv[1:]]), "reps": reps,
+              "machine": _machine(), "sizes": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _print_report(report: dict[str, Any], out: Path) -> None:
+    print(f"command: {report['command']}  ({report['reps']} interleaved repetitions; JSON: {out})\n")
+    for size, result in report["sizes"].items():
+        print(_table(size, result) + "\n")
+    for size, result in report["sizes"].items():
+        print("\n".join(_ratio_lines(size, result)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.6,0.06", help="state sizes in GB, comma-separated")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 1)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "checkpoint.json")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    parser.add_argument("--tmp-parent", type=Path, default=REPO.parent,
+                        help="where the temporary folder goes (default: beside the repository, same disk)")
+    parser.add_argument("--worker", choices=("timing", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--candidate", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "timing":
+        print(json.dumps(timing_worker(float(args.size), args.rep, args.dir)))
+        return 0
+    if args.worker == "memory":
+        print(json.dumps(memory_worker(float(args.size), args.candidate, args.dir)))
+        return 0
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    report = drive(sizes, max(1, args.reps), args.out, not args.no_memory, args.tmp_parent)
+    _print_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Background checkpoint saves: same bytes as synchronous ones, reused buffers, errors that
+surface in the training thread, commits that outlive SIGTERM. Resume verifies and maps the
+files in one pass, refuses exactly what verification refuses, and copies no tensor."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.checkpointer import Checkpointer, PendingSave
+from pipeline.config import load_config
+from pipeline.data import prepare_data as prepare_data_in_process
+from pipeline.errors import CheckpointError
+from pipeline.fastload import load_checkpoint, load_resume
+from pipeline.run import build_run
+from pipeline.state import read_tensors, restore_state
+from pipeline.store import MODEL_FILE, STATE_FILE, CheckpointStore, resolve_checkpoint, verify_checkpoint
+from pipeline.train import train_step
+from support import PYTHON, REPO, data_args, prepare_data, script_env
+
+FILES = (MODEL_FILE, STATE_FILE)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("data") / "data"
+    prepare_data(folder)
+    return folder
+
+
+@pytest.fixture
+def make_run(data_dir):
+    """``make_run(steps)``: the default config's run, built in this process and trained ``steps`` steps."""
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir)})
+    prepare_data_in_process(config)  # already prepared: only verifies the manifest
+
+    def make(steps: int):
+        run = build_run(config, torch.device("cpu"))
+        for _ in range(steps):
+            train_step(run)
+        return run
+
+    return make
+
+
+def _provenance() -> dict:
+    return {"config": {}, "fingerprints": {"data": "d", "code": "c"}, "versions": {}, "device": "cpu"}
+
+
+def _temporary_folders(root: Path) -> list[str]:
+    return [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_async_and_sync_saves_of_one_state_write_byte_identical_files(make_run, tmp_path):
+    run = make_run(3)
+    with CheckpointStore(tmp_path / "sync") as store:
+        Checkpointer(store, _provenance(), background=False).save(run)
+    with CheckpointStore(tmp_path / "async") as store:
+        checkpointer = Checkpointer(store, _provenance(), background=True)
+        pending = checkpointer.save(run)
+        assert isinstance(pending, PendingSave)
+        checkpointer.close()
+    for name in FILES:
+        sync_bytes = (tmp_path / "sync" / "step-00000003" / name).read_bytes()
+        assert sync_bytes == (tmp_path / "async" / "step-00000003" / name).read_bytes(), name
+    sync_meta = verify_checkpoint(tmp_path / "sync" / "step-00000003")
+    async_meta = verify_checkpoint(tmp_path / "async" / "step-00000003")
+    assert sync_meta["files"] == async_meta["files"]
+    assert sync_meta["training_state"] == async_meta["training_state"]
+
+
+def test_async_snapshot_reuses_its_buffers_and_saves_the_state_of_its_own_step(make_run, tmp_path):
+    run = make_run(1)
+    with CheckpointStore(tmp_path, keep_last=2) as store:
+        checkpointer = Checkpointer(store, _provenance(), background=True)
+        checkpointer.save(run)
+        # Holding the first buffers keeps fresh allocations from landing at their addresses.
+        first = dict(checkpointer.snapshot.buffers)
+        live = {t.data_ptr() for t in run.model.state_dict().values()}
+        assert not live & {t.data_ptr() for t in first.values()}, "the snapshot aliases live weights"
+        train_step(run)
+        expected = {name: t.clone() for name, t in run.model.state_dict().items()}
+        checkpointer.save(run)
+        second = dict(checkpointer.snapshot.buffers)
+        # Training moves on while step 2 is written: the file must still hold step 2.
+        train_step(run)
+        checkpointer.close()
+    assert checkpointer.snapshot.buffers == {}, "close() keeps the buffers alive"
+    kept = {key for key in first if key[0] == "model" or key[1].startswith("optimizer/")}
+    assert kept and all(first[key].data_ptr() == second[key].data_ptr() for key in kept)
+    saved = read_tensors(tmp_path / "step-00000002" / MODEL_FILE)
+    assert all(torch.equal(saved[name], expected[name]) for name in saved)
+    assert not torch.equal(saved["net.0.weight"], run.model.state_dict()["net.0.weight"])
+
+
+@pytest.mark.parametrize("surfaces_at", ["next save", "close"])
+def test_failed_background_write_raises_in_training_thread_and_keeps_previous_checkpoint(make_run, tmp_path,
+                                                                                         surfaces_at):
+    run = make_run(1)
+    with CheckpointStore(tmp_path) as store:
+        checkpointer = Checkpointer(store, _provenance(), background=True)
+        checkpointer.save(run).result()
+        train_step(run)
+        # A real failure in the writer: safetensors has no complex dtype. The copy into the
+        # snapshot succeeds, so the error can only come from the background write.
+        state = run.optimizer.state[run.optimizer.param_groups[0]["params"][0]]
+        state["unwritable"] = torch.zeros(2, dtype=torch.complex64)
+        assert isinstance(checkpointer.save(run), PendingSave)
+        del state["unwritable"]
+        train_step(run)
+        with pytest.raises(TypeError, match="unwritable"):
+            checkpointer.save(run) if surfaces_at == "next save" else checkpointer.close()
+        assert _temporary_folders(tmp_path) == []
+        assert store.committed_steps() == [1]
+        verify_checkpoint(tmp_path / "step-00000001")
+        # Raised once, then the checkpointer works again.
+        checkpointer.save(run)
+        checkpointer.close()
+        assert store.committed_steps() == [3]
+
+
+def _start_training(data_dir: Path, checkpoint_dir: Path, *args: str) -> subprocess.Popen:
+    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
+               str(checkpoint_dir), "--quiet", *args]
+    return subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(process: subprocess.Popen) -> None:
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+
+
+def test_async_training_ends_bitwise_equal_to_sync_and_resumes_exactly(data_dir, tmp_path):
+    sync, straight, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
+    # Independent runs side by side. Saving every step keeps a write in flight while the
+    # next steps train; the interrupted run also saves mid-run, then resumes in a new process.
+    runs = [_start_training(data_dir, sync, "--set", "checkpoint.async=false"),
+            _start_training(data_dir, straight, "--set", "checkpoint.async=true", "--checkpoint-every", "1"),
+            _start_training(data_dir, resumed, "--set", "checkpoint.async=true", "--checkpoint-every", "2",
+                            "--stop-at", "5")]
+    for process in runs:
+        _finish(process)
+    _finish(_start_training(data_dir, resumed, "--set", "checkpoint.async=true", "--resume", "latest"))
+    for other in (straight, resumed):
+        for name in FILES:
+            assert (sync / "step-00000010" / name).read_bytes() == (other / "step-00000010" / name).read_bytes(), \
+                f"{other.name}/{name} differs from the synchronous run"
+        assert verify_checkpoint(other / "step-00000010")["training_state"] == \
+            verify_checkpoint(sync / "step-00000010")["training_state"]
+
+
+def test_sigterm_during_async_training_waits_for_the_save_in_flight_which_verifies(data_dir, tmp_path):
+    # A wide model (tens of MB per save) saved every step: a write is nearly always in flight.
+    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
+               str(tmp_path), "--max-steps", "100000", "--checkpoint-every", "1", "--set", "checkpoint.async=true",
+               "--set", "model.params.hidden=1500"]
+    process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    for line in process.stderr:
+        if line.startswith("step 3/"):
+            break
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    steps = CheckpointStore(tmp_path).committed_steps()
+    assert len(steps) == 1 and steps[0] >= 3
+    folder = tmp_path / f"step-{steps[0]:08d}"
+    assert str(folder) in stderr, "the message names a checkpoint that is not the committed one"
+    assert verify_checkpoint(folder)["step"] == steps[0]
+    assert _temporary_folders(tmp_path) == []
+
+
+def _mapped_file(pointer: int) -> str | None:
+    """The file behind the memory mapping that holds ``pointer`` (None: anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= pointer < high:
+            return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def _saved_checkpoint(make_run, root: Path) -> Path:
+    with CheckpointStore(root) as store:
+        return Checkpointer(store, _provenance()).save(make_run(2)).path
+
+
+def test_one_pass_load_returns_what_verify_and_read_tensors_return(make_run, tmp_path):
+    folder = _saved_checkpoint(make_run, tmp_path)
+    loaded = load_checkpoint(folder)
+    assert loaded.meta == verify_checkpoint(folder)
+    for name, tensors in ((MODEL_FILE, loaded.model_tensors), (STATE_FILE, loaded.state_tensors)):
+        expected = read_tensors(folder / name)
+        assert tensors.keys() == expected.keys()
+        assert all(tensors[k].dtype == expected[k].dtype and torch.equal(tensors[k], expected[k]) for k in expected)
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped byte in weights": lambda f: _flip_last_byte(f / MODEL_FILE),
+    "flipped byte in training state": lambda f: _flip_last_byte(f / STATE_FILE),
+    "truncated weights": lambda f: (f / MODEL_FILE).write_bytes((f / MODEL_FILE).read_bytes()[:-8]),
+    "missing training state": lambda f: (f / STATE_FILE).unlink(),
+    "stray file": lambda f: (f / "notes.txt").write_text("x"),
+    "edited meta.json": lambda f: (f / "meta.json").write_text((f / "meta.json").read_text().replace('"step": 2',
+                                                                                                  '"step": 3')),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_one_pass_load_refuses_what_verify_checkpoint_refuses_with_its_message(make_run, tmp_path, damage):
+    folder = _saved_checkpoint(make_run, tmp_path)
+    DAMAGE[damage](folder)
+    with pytest.raises(CheckpointError) as verified:
+        verify_checkpoint(folder)
+    with pytest.raises(type(verified.value)) as loaded:
+        load_checkpoint(folder)
+    with pytest.raises(type(verified.value)) as resumed:
+        load_resume("latest", tmp_path)
+    with pytest.raises(CheckpointError) as resolved:
+        resolve_checkpoint("latest", tmp_path)
+    assert str(loaded.value) == str(verified.value)
+    assert str(resumed.value) == str(resolved.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc/self/maps")
+def test_mixed_dtypes_are_stored_aligned_and_load_as_aligned_views_of_the_file(tmp_path):
+    # Adam's float32 step scalars between float64 moments: packed by name, the moments
+    # would sit at offsets that are not multiples of 8.
+    mixed = {"a/step": torch.tensor(3.0), "a/exp_avg": torch.randn(5, dtype=torch.float64),
+             "b/flag": torch.tensor([True, False, True]), "b/exp_avg": torch.randn(7, dtype=torch.float64),
+             "c/ids": torch.arange(3, dtype=torch.int16), "empty": torch.zeros(0)}
+    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
+            "training_state": {}}
+    with CheckpointStore(tmp_path) as store:
+        folder = store.save(1, mixed, mixed, meta).path
+    for name, tensors in ((MODEL_FILE, load_checkpoint(folder).model_tensors),
+                          (STATE_FILE, read_tensors(folder / STATE_FILE))):
+        assert all(torch.equal(tensors[k], v) and tensors[k].dtype == v.dtype for k, v in mixed.items())
+        stored = [t for t in tensors.values() if t.numel()]
+        assert all(t.data_ptr() % t.element_size() == 0 for t in stored), f"{name}: misaligned tensor"
+        assert all(_mapped_file(t.data_ptr()) == str(folder / name) for t in stored), f"{name}: copied tensor"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc/self/maps")
+def test_resume_maps_weights_and_optimizer_state_from_the_files_without_copying(make_run, tmp_path):
+    folder = _saved_checkpoint(make_run, tmp_path)
+    loaded = load_resume("latest", tmp_path)
+    for path, tensors in ((folder / MODEL_FILE, loaded.model_tensors), (folder / STATE_FILE, loaded.state_tensors)):
+        unmapped = [name for name, t in tensors.items() if t.numel() and _mapped_file(t.data_ptr()) != str(path)]
+        assert not unmapped, f"copied instead of mapped from {path.name}: {unmapped[:3]}"
+    fresh = make_run(0)
+    restore_state(fresh, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors)
+    exp_avg = next(iter(fresh.optimizer.state.values()))["exp_avg"]
+    assert _mapped_file(exp_avg.data_ptr()) == str(folder / STATE_FILE), "optimizer state was copied on resume"
+    # Mapped privately: training writes to memory, never into the checkpoint file.
+    train_step(fresh)
+    verify_checkpoint(folder)

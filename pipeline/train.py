@@ -17,13 +17,14 @@ import torch
 from .checkpointer import Checkpointer
 from .config import Config
 from .data import load_manifest
-from .fastload import LoadedCheckpoint, load_resume
 from .errors import CheckpointError, PipelineError
+from .fastload import LoadedCheckpoint, load_resume
 from .progress import Progress
 from .provenance import code_fingerprint, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, resolve_device
-from .state import check_resume_compatible, read_tensors, restore_state, warm_start
-from .store import MODEL_FILE, CheckpointStore, verify_checkpoint
+from .state import check_capturable, check_resume_compatible, read_tensors, restore_state, warm_start
+from .layout import MODEL_FILE
+from .store import CheckpointStore, verify_checkpoint
 
 __all__ = ["train", "TrainResult", "Preempted", "TrainingDiverged", "train_step"]
 
@@ -99,10 +100,29 @@ def train_step(run: TrainingRun) -> tuple[float, float]:
     return value, lr
 
 
-def _load_resume(spec: str, config: Config, data_fingerprint: str, store: CheckpointStore) -> LoadedCheckpoint:
+def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
+                    data_fingerprint: str) -> LoadedCheckpoint | None:
+    """The verified checkpoint to resume from, or ``None`` for a fresh run.
+
+    Refuses to start fresh over committed checkpoints, or to resume behind newer ones:
+    either would interleave two runs' steps in one folder.
+    """
+    existing = store.committed_steps()
+    if resume == "auto":
+        resume = "latest" if existing else None
+    if resume is None:
+        if existing:
+            raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
+                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
+        return None
     # Verified and memory-mapped in one pass over the files (see pipeline.fastload).
-    loaded = load_resume(spec, store.root)
+    loaded = load_resume(resume, store.root)
     check_resume_compatible(loaded.meta, config, data_fingerprint)
+    step = loaded.meta["step"]
+    newer = [s for s in existing if s > step]
+    if newer and Path(loaded.folder).resolve().parent == store.root.resolve():
+        raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
+                              "resume from latest, or use another --checkpoint-dir")
     return loaded
 
 
@@ -126,8 +146,7 @@ def train(
     """
     if resume is not None and init_from is not None:
         raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
-    total = config.training.max_steps
-    if stop_at is not None and not 1 <= stop_at:
+    if stop_at is not None and stop_at < 1:
         raise PipelineError(f"--stop-at must be >= 1 (got {stop_at})")
     device = resolve_device(config)
     configure_determinism(config)
@@ -135,32 +154,22 @@ def train(
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     with store:
         store.clean_stale()
-        existing = store.committed_steps()
-        if resume == "auto":
-            resume = "latest" if existing else None
-        resumed = None
-        if resume is not None:
-            loaded = _load_resume(resume, config, manifest["fingerprint"], store)
-            folder, meta = loaded.folder, loaded.meta
-            resumed = meta["step"]
-            newer = [s for s in existing if s > resumed]
-            if newer and Path(folder).resolve().parent == store.root.resolve():
-                raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "
-                                      f"{resumed}: resume from latest, or use another --checkpoint-dir")
-        elif existing:
-            raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
-                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
+        loaded = _starting_point(store, resume, config, manifest["fingerprint"])
+        resumed = loaded.meta["step"] if loaded is not None else None
         if stop_at is not None and resumed is not None and stop_at <= resumed:
             raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
 
+        # Build everything first, then load saved state into it (RNG states last).
         run = build_run(config, device)
-        report = Progress(total=total, initial=resumed or 0, log_every=config.training.log_every, enabled=progress)
-        if resume is not None:
-            restore_state(run, loaded.model_tensors, meta["training_state"], loaded.state_tensors, omit=omit)
+        report = Progress(total=config.training.max_steps, initial=resumed or 0,
+                          log_every=config.training.log_every, enabled=progress)
+        if loaded is not None:
+            restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors, omit=omit)
+            report.message(f"resumed from {loaded.folder} at step {run.step}")
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
-            report.message(f"resumed from {folder} at step {run.step}")
         elif init_from is not None:
             _warm_start(run, Path(init_from), report)
+        check_capturable(run)
         if on_start is not None:
             on_start(run)
 
@@ -172,39 +181,47 @@ def train(
             "device": str(device),
         }
         checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
-        end = min(total, stop_at) if stop_at is not None else total
-        last_saved = run.step if resume is not None else None
-        saved = None
         try:
-            with _StopSignals() as signals:
-                while run.step < end and signals.signum is None:
-                    loss, lr = train_step(run)
-                    if run.scaler is None and not math.isfinite(loss):
-                        raise TrainingDiverged(f"loss is {loss} at step {run.step}; nothing was saved for this "
-                                               f"step and the last checkpoint ({last_saved}) is kept: lower "
-                                               "optimizer.lr or check the data")
-                    report.update(run.step, loss, lr)
-                    if on_step is not None:
-                        on_step(run)
-                    if run.step % config.checkpoint.every == 0 or run.step == end:
-                        saved = checkpointer.save(run)
-                        last_saved = run.step
-                if signals.signum is not None and last_saved != run.step:
-                    saved = checkpointer.save(run)
-                # A background save commits here, while SIGTERM/SIGINT are still only
-                # recorded, exactly as a synchronous save would have.
-                checkpointer.wait()
-                if signals.signum is not None:
-                    name = signal.Signals(signals.signum).name
-                    where = saved.path if saved is not None else store.path_for(run.step)
-                    raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
-                                    "Resume with: python scripts/02_train.py --resume latest", signals.signum)
+            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None, on_step=on_step)
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
         checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
                                                            store.committed_steps() else None)
         return TrainResult(step=run.step, checkpoint=checkpoint, history=run.history, resumed_from=resumed)
+
+
+def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,
+          on_step: Callable[[TrainingRun], None] | None):
+    """Step to the end (or a stop signal), saving on the configured steps and the last one."""
+    every = run.config.checkpoint.every
+    end = min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
+    last_saved = run.step if resumed else None
+    saved = None
+    with _StopSignals() as signals:
+        while run.step < end and signals.signum is None:
+            loss, lr = train_step(run)
+            if run.scaler is None and not math.isfinite(loss):
+                raise TrainingDiverged(f"loss is {loss} at step {run.step}; nothing was saved for this step and "
+                                       f"the last checkpoint ({last_saved}) is kept: lower optimizer.lr or check "
+                                       "the data")
+            report.update(run.step, loss, lr)
+            if on_step is not None:
+                on_step(run)
+            if run.step % every == 0 or run.step == end:
+                saved = checkpointer.save(run)
+                last_saved = run.step
+        if signals.signum is not None and last_saved != run.step:
+            saved = checkpointer.save(run)
+        # A background save commits here, while SIGTERM/SIGINT are still only recorded,
+        # exactly as a synchronous save would have.
+        checkpointer.wait()
+        if signals.signum is not None:
+            name = signal.Signals(signals.signum).name
+            where = saved.path if saved is not None else checkpointer.store.path_for(run.step)
+            raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
+                            "Resume with: python scripts/02_train.py --resume latest", signals.signum)
+    return saved
 
 
 def _warm_start(run: TrainingRun, source: Path, report: Progress) -> None:

@@ -163,3 +163,34 @@ def test_determinism_switch_is_on_after_building_a_run():
     result = subprocess.run([PYTHON, "-c", probe, str(REPO / "config.yaml")], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+class _WarmupWithMemory:
+    """A schedule factor object holding something JSON cannot store (a set)."""
+
+    def __init__(self) -> None:
+        self.seen = {0}
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def unsaveable_scheduler(optimizer, config):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _WarmupWithMemory())
+
+
+def test_state_that_cannot_be_saved_fails_before_the_first_step(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.errors import CheckpointError
+    from pipeline.train import train
+    from support import REPO, prepare_data
+
+    prepare_data(tmp_path / "data")
+    config = load_config(REPO / "config.yaml", {"data.dir": str(tmp_path / "data"),
+                                                 "checkpoint.dir": str(tmp_path / "ckpt"),
+                                                 "scheduler.factory": "test_state_roundtrip:unsaveable_scheduler",
+                                                 "scheduler.params": {}})
+    steps = []
+    with pytest.raises(CheckpointError, match=r"cannot be checkpointed: cannot save set at 'scheduler/lr_lambdas"):
+        train(config, progress=False, on_step=lambda run: steps.append(run.step))
+    assert steps == []

@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m pipeline.demo
 
+# Two workers, one thread each: most tests start real training processes, so the suite
+# is bound by interpreter starts and fits both cores without oversubscribing them.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[bench]'

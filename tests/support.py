@@ -58,3 +58,13 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
+
+
+def train_until_killed(config_path: str, overrides: dict, started) -> None:
+    """Child-process body for the SIGKILL test: resume (or start) and train, setting
+    ``started`` once the first step has run so the parent kills a training process."""
+    from pipeline.config import load_config
+    from pipeline.train import train as train_in_process
+
+    config = load_config(config_path, overrides)
+    train_in_process(config, resume="auto", progress=False, on_step=lambda run: started.set())

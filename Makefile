@@ -14,7 +14,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,5 +26,5 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[bench]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py

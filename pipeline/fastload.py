@@ -27,7 +27,8 @@ import torch
 
 from .errors import ChecksumMismatch, CheckpointError, NoCheckpoint, SchemaMismatch
 from .serialization import SAFETENSORS_DTYPES
-from .store import META_FILE, MODEL_FILE, STATE_FILE, CheckpointStore, read_meta, resolve_checkpoint
+from .layout import MODEL_FILE, STATE_FILE
+from .store import CheckpointStore, check_listing, read_meta, resolve_checkpoint
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "load_resume"]
 
@@ -73,7 +74,7 @@ def load_checkpoint(folder: str | Path) -> LoadedCheckpoint:
     if not folder.is_dir():
         raise NoCheckpoint(f"{folder} is not a checkpoint folder")
     meta = read_meta(folder)
-    _check_listing(folder, meta)
+    check_listing(folder, meta)
     maps = {name: _map(folder / name) for name in meta["files"]}
     digests = _sha256_parallel(maps)
     for name, entry in sorted(meta["files"].items()):
@@ -83,21 +84,6 @@ def load_checkpoint(folder: str | Path) -> LoadedCheckpoint:
     return LoadedCheckpoint(folder=folder, meta=meta,
                             model_tensors=_tensors(folder / MODEL_FILE, maps[MODEL_FILE]),
                             state_tensors=_tensors(folder / STATE_FILE, maps[STATE_FILE]))
-
-
-def _check_listing(folder: Path, meta: dict[str, Any]) -> None:
-    """``verify_checkpoint``'s checks short of hashing: no stray file, every size right."""
-    unexpected = sorted({p.name for p in folder.iterdir()} - set(meta["files"]) - {META_FILE})
-    if unexpected:
-        raise ChecksumMismatch(f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified")
-    for name, entry in sorted(meta["files"].items()):
-        path = folder / name
-        if not path.is_file():
-            raise ChecksumMismatch(f"{path} is missing")
-        size = path.stat().st_size
-        if size != entry["size"]:
-            raise ChecksumMismatch(f"{path} is {size} bytes, meta.json records {entry['size']}: "
-                                   "the file is truncated or was modified")
 
 
 def _map(path: Path) -> mmap.mmap | bytes:

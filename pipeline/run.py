@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .factories import resolve
 from .rng import seed_everything
 
-__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model"]
+__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model", "make_sampler"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +72,15 @@ def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.
     return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
 
 
+def make_sampler(data: TaskData, generator: np.random.Generator, config: Config) -> Sampler:
+    """The task's own sampler if it has one, else an :class:`EpochSampler` over ``num_train``."""
+    custom = getattr(data, "make_sampler", None)
+    if custom is not None:
+        return custom(generator, config)
+    return EpochSampler(data.num_train, config.data.batch_size, generator,
+                        shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+
+
 def build_run(config: Config, device: torch.device) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
@@ -83,12 +92,7 @@ def build_run(config: Config, device: torch.device) -> TrainingRun:
     optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
     scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, config)
     data = load_task_data(config)
-    make_sampler = getattr(data, "make_sampler", None)
-    if make_sampler is not None:
-        sampler = make_sampler(generator, config)
-    else:
-        sampler = EpochSampler(data.num_train, config.data.batch_size, generator,
-                               shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    sampler = make_sampler(data, generator, config)
     configure_determinism(config)
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None

@@ -52,6 +52,7 @@ __all__ = [
     "CheckpointStore",
     "read_meta",
     "verify_checkpoint",
+    "check_listing",
     "resolve_checkpoint",
 ]
 
@@ -249,8 +250,18 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
         raise NoCheckpoint(f"{folder} is not a committed checkpoint (expected a folder named like "
                            f"{step_dir_name(10)})")
     meta = read_meta(folder)
-    present = {p.name for p in folder.iterdir()}
-    unexpected = sorted(present - set(CHECKPOINT_FILES) - {META_FILE})
+    check_listing(folder, meta)
+    for name, entry in sorted(meta["files"].items()):
+        if sha256_file(folder / name) != entry["sha256"]:
+            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was "
+                                   "modified")
+    return meta
+
+
+def check_listing(folder: Path, meta: dict[str, Any]) -> None:
+    """The checks short of hashing: no stray file, none missing, every size right (cheap,
+    and catches truncation before a long hash)."""
+    unexpected = sorted({p.name for p in folder.iterdir()} - set(meta["files"]) - {META_FILE})
     if unexpected:
         raise ChecksumMismatch(f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified")
     for name, entry in sorted(meta["files"].items()):
@@ -261,9 +272,6 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
         if size != entry["size"]:
             raise ChecksumMismatch(f"{path} is {size} bytes, meta.json records {entry['size']}: "
                                    "the file is truncated or was modified")
-        if sha256_file(path) != entry["sha256"]:
-            raise ChecksumMismatch(f"{path} SHA-256 differs from meta.json: the file is damaged or was modified")
-    return meta
 
 
 def resolve_checkpoint(spec: str | Path, root: str | Path) -> tuple[Path, dict[str, Any]]:

@@ -10,6 +10,7 @@ the scripts run in it, so it holds the same on-disk names as the real flow::
 
 Fixtures (the session ones are built once and shared: treat them as read-only):
 
+``data_dir``      session: the default data prepared by script 01 into a temporary folder.
 ``trained_run``   session: data prepared and ``config.yaml`` trained to its last step.
 ``evaluated_run`` session: ``trained_run`` plus ``metrics.json``.
 ``staged_run``    session: ``evaluated_run`` plus ``hub_stage/``.
@@ -26,7 +27,6 @@ own ``data/``, ``estados_local/``, ``metrics.json`` or ``hub_stage/``.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -36,18 +36,17 @@ from typing import Callable, Mapping
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO, prepare_data, script_env
+
 CONFIG = REPO / "config.yaml"
-# Variables that would change what a script does (a real token, a real endpoint).
-_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
 
 
-def script_env(**extra: str) -> dict[str, str]:
-    """The environment for a script: this one, without tokens, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
-    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"})
-    env.update(extra)
-    return env
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """The default config's data, prepared once by script 01 (read-only)."""
+    folder = tmp_path_factory.mktemp("data") / "data"
+    prepare_data(folder)
+    return folder
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 
+# Variables that would change what a script does (a real token, a real endpoint).
+_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
+
+
 def script_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    """The environment for a script: this one, without tokens or endpoint, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"})
     env.update(extra)
     return env

@@ -20,16 +20,9 @@ from pipeline.run import build_run
 from pipeline.state import read_tensors, restore_state
 from pipeline.store import MODEL_FILE, STATE_FILE, CheckpointStore, resolve_checkpoint, verify_checkpoint
 from pipeline.train import train_step
-from support import PYTHON, REPO, data_args, prepare_data, script_env
+from support import PYTHON, REPO, data_args, script_env
 
 FILES = (MODEL_FILE, STATE_FILE)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("data") / "data"
-    prepare_data(folder)
-    return folder
 
 
 @pytest.fixture

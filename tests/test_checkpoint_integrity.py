@@ -20,13 +20,6 @@ from support import REPO, one_line_error, prepare_data, train
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("data") / "data"
-    prepare_data(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def pristine(data_dir, tmp_path_factory) -> Path:
     """Checkpoints at steps 3 and 6 of a 10-step run (keep_last 2)."""
     folder = tmp_path_factory.mktemp("pristine")

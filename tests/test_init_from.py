@@ -8,16 +8,15 @@ import torch
 import pytest
 
 from pipeline.store import CheckpointStore
-from support import data_args, prepare_data, run_script, train
+from support import data_args, run_script, train
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(data_dir, tmp_path_factory):
     """Prepared data and a 4-step checkpoint to start from."""
     root = tmp_path_factory.mktemp("base")
-    prepare_data(root / "data")
-    assert train(root / "data", root / "ckpt", "--max-steps", "4").returncode == 0
-    return root / "data", root / "ckpt" / "step-00000004"
+    assert train(data_dir, root / "ckpt", "--max-steps", "4").returncode == 0
+    return data_dir, root / "ckpt" / "step-00000004"
 
 
 def test_init_from_a_checkpoint_of_another_width_reports_loaded_skipped_new(base, tmp_path):

@@ -167,6 +167,15 @@ def test_commit_regular_and_lfs_files_round_trip(api, hub, repo, tmp_path):
     assert api.file_exists(repo, "config.json") and not api.file_exists(repo, "nope.json")
 
 
+def test_damaged_stored_object_is_a_server_error_not_a_hang(api, hub, repo, tmp_path):
+    api.create_commit(repo, _ops(), commit_message="add model")
+    stored = hub.store.object_path(hashlib.sha256(WEIGHTS).hexdigest())
+    stored.write_bytes(WEIGHTS[:100])
+    with pytest.raises(HfHubHTTPError) as error:
+        _download(hub, tmp_path, "model.safetensors")
+    assert error.value.response.status_code == 500
+
+
 def test_rerun_skips_uploaded_blobs_and_unchanged_files(api, hub, repo):
     first = api.create_commit(repo, _ops(), commit_message="add model")
     hub.reset_request_counts()

@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import CheckpointStore, verify_checkpoint
-from support import (PYTHON, REPO, assert_checkpoints_bitwise_equal, data_args, prepare_data, script_env, train,
+from support import (PYTHON, REPO, assert_checkpoints_bitwise_equal, data_args, script_env, train,
                      train_until_killed)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("data") / "data"
-    prepare_data(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -179,14 +179,13 @@ def unsaveable_scheduler(optimizer, config):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _WarmupWithMemory())
 
 
-def test_state_that_cannot_be_saved_fails_before_the_first_step(tmp_path):
+def test_state_that_cannot_be_saved_fails_before_the_first_step(data_dir, tmp_path):
     from pipeline.config import load_config
     from pipeline.errors import CheckpointError
     from pipeline.train import train
-    from support import REPO, prepare_data
+    from support import REPO
 
-    prepare_data(tmp_path / "data")
-    config = load_config(REPO / "config.yaml", {"data.dir": str(tmp_path / "data"),
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir),
                                                  "checkpoint.dir": str(tmp_path / "ckpt"),
                                                  "scheduler.factory": "test_state_roundtrip:unsaveable_scheduler",
                                                  "scheduler.params": {}})

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from support import PYTHON, REPO, prepare_data, script_env
+from support import PYTHON, REPO, script_env
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -52,9 +52,7 @@ print(json.dumps({"step": result.step, "network_modules": network}))
 """
 
 
-def test_training_sends_no_request_and_imports_no_network_client(recording_server, tmp_path):
-    data_dir = tmp_path / "data"
-    prepare_data(data_dir)
+def test_training_sends_no_request_and_imports_no_network_client(recording_server, data_dir, tmp_path):
     env = script_env(HF_ENDPOINT=recording_server, HTTP_PROXY=recording_server, HTTPS_PROXY=recording_server,
                      ALL_PROXY=recording_server, http_proxy=recording_server, https_proxy=recording_server,
                      HF_TOKEN="hf_" + "x" * 34)

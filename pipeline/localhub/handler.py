@@ -395,6 +395,11 @@ class Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": commit_id, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if entry["lfs"]:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)})
+        stored = self.hub.store.object_path(entry["sha256"])
+        if not stored.is_file() or stored.stat().st_size != size:
+            # Say so rather than promise `size` bytes and send fewer: the client would wait
+            # for the rest until its timeout.
+            raise HubError(500, f"stored object for {path} is missing or damaged on this server")
         start, end = self._byte_range(size)
         status = 200
         if (start, end) != (0, size - 1) and size > 0:
@@ -430,6 +435,7 @@ class Handler(BaseHTTPRequestHandler):
             while remaining > 0:
                 chunk = f.read(min(remaining, 1 << 20))
                 if not chunk:
+                    self.close_connection = True  # the object shrank mid-send: end the response
                     break
                 self.wfile.write(chunk)
                 remaining -= len(chunk)

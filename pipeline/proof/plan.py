@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
-from ..data import EpochSampler, load_task_data
+from ..data import load_task_data
 from ..errors import ConfigError
 from ..provenance import PACKAGE_ROOT
+from ..run import make_sampler
 from ..store import step_dir_name
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
@@ -101,12 +102,7 @@ def _sampler_epochs(config: Config, n: int) -> list[int] | None:
     """Dry-run the configured sampler for N batches (no model, a throwaway generator)."""
     data = load_task_data(config)
     generator = np.random.Generator(np.random.PCG64(config.training.seed))
-    make_sampler = getattr(data, "make_sampler", None)
-    if make_sampler is not None:
-        sampler = make_sampler(generator, config)
-    else:
-        sampler = EpochSampler(data.num_train, config.data.batch_size, generator,
-                               shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    sampler = make_sampler(data, generator, config)
     epochs: list[int] = [0]
     for _ in range(n):
         sampler.next_indices()

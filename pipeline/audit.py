@@ -8,26 +8,19 @@ hashing and JSON here: importing this module does not import torch or matplotlib
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from .errors import PipelineError
+from .durable import FolderLock
+from .errors import StageAuditError, StageError
 from .hashing import sha256_bytes, sha256_file
 from .layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE
 
 __all__ = [
     "STAGE_SCHEMA",
-    "MANIFEST_FILE",
-    "README_FILE",
-    "REQUIRED_FILES",
-    "StageError",
-    "StageAuditError",
     "AuditedFile",
     "audit_stage",
     "parse_manifest",
@@ -40,14 +33,6 @@ STAGE_SCHEMA = "pipeline.stage/1"
 REQUIRED_FILES = (MODEL_FILE, META_FILE, README_FILE)
 _MAX_SMALL_FILE = 16 * 1024 * 1024
 _MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  ([^\n]+)$")
-
-
-class StageError(PipelineError):
-    """The stage cannot be built or replaced; the previous stage is untouched."""
-
-
-class StageAuditError(StageError, ValueError):
-    """A stage's files do not match its MANIFEST.sha256 or its meta.json."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,18 +159,10 @@ def stage_lock(stage_dir: str | Path) -> Iterator[None]:
     :func:`audit_stage` to the end of its upload."""
     parent = Path(stage_dir).absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise StageError(f"{stage_dir} is being staged or published by another process; "
-                                 "wait for it to finish") from None
-            raise
+    busy = lambda holder: StageError(f"{stage_dir} is being staged or published by another process; "  # noqa: E731
+                                     "wait for it to finish")
+    with FolderLock(parent, busy):
         yield
-    finally:
-        os.close(fd)
 
 
 def format_audit_table(rows: Iterable[AuditedFile]) -> str:

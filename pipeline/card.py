@@ -13,28 +13,33 @@ import re
 from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import LogFormatter
 
-__all__ = ["LIBRARY_NAME", "CURVE_FILE", "render_curve", "build_model_card"]
+from .layout import CURVE_FILE, MODEL_FILE
+
+__all__ = ["render_curve", "build_model_card"]
 
 LIBRARY_NAME = "pytorch"
-CURVE_FILE = "training_curve.png"
 _PLACEHOLDER_REPO = "<namespace>/{name}"
 
 
-class _PlainLogFormatter(LogFormatter):
-    """Log-axis labels as "0.5", not "5e-01". LogFormatter still decides which ticks get a
-    label (it thins minor ones on wide ranges); only the text is changed."""
+def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:
+    """PNG of loss and learning rate against step, or ``None`` when matplotlib (an optional
+    extra: ``pip install 'pipeline[card]'``) is not installed. No timestamps or software
+    tag are embedded, so the same history renders to the same bytes with the same matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import LogFormatter
+    except ImportError:
+        return None
 
-    def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
-        return f"{x:g}"
+    class _PlainLogFormatter(LogFormatter):
+        """Log-axis labels as "0.5", not "5e-01". LogFormatter still decides which ticks
+        get a label (it thins minor ones on wide ranges); only the text is changed."""
 
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:g}"
 
-def render_curve(history: Mapping[str, Sequence[float]]) -> bytes:
-    """PNG of loss and learning rate against step. No timestamps or software tag are
-    embedded, so the same history renders to the same bytes with the same matplotlib."""
     steps, loss, lr = list(history["step"]), list(history["loss"]), list(history["lr"])
     figure = Figure(figsize=(9, 3.4), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -97,26 +102,24 @@ def _describe(meta: Mapping[str, Any]) -> str:
         return config["card"]["description"].strip()
     return (f"`{config['model']['name']}` is a PyTorch model with {meta['model']['num_parameters']:,} parameters "
             f"built by `{config['model']['factory']}` and trained for {meta['step']} steps on data prepared by "
-            f"`{config['data']['prepare']}`. The weights are stored in `modelo.safetensors` "
+            f"`{config['data']['prepare']}`. The weights are stored in `{MODEL_FILE}` "
             f"({config['training']['dtype']}); `meta.json` records the config, metrics and provenance.")
 
 
 def _load_section(meta: Mapping[str, Any], repo_id: str) -> str:
-    sha = meta["files"]["modelo.safetensors"]["sha256"]
+    sha = meta["files"][MODEL_FILE]["sha256"]
     code = f'''import hashlib, json
 from huggingface_hub import hf_hub_download
 from safetensors.torch import load_file
 
 repo = "{repo_id}"
-weights = hf_hub_download(repo, "modelo.safetensors")
+weights = hf_hub_download(repo, "{MODEL_FILE}")
 with open(weights, "rb") as f:
     assert hashlib.sha256(f.read()).hexdigest() == "{sha}"
 state_dict = load_file(weights)  # plain tensors; no pickle, no code runs on load
 
 # Rebuild the architecture from the recorded config (needs the `pipeline` package):
-from pipeline.config import config_from_dict
-from pipeline.run import build_model
-from pipeline.state import load_model_weights
+from pipeline import build_model, config_from_dict, load_model_weights
 
 meta = json.load(open(hf_hub_download(repo, "meta.json")))
 model = build_model(config_from_dict(meta["config"]))
@@ -142,7 +145,8 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         ("parameters", f"{meta['model']['num_parameters']:,}"),
     ]
     table = "| | |\n| --- | --- |\n" + "\n".join(f"| {key} | {value} |" for key, value in rows)
-    curve = f"\n\n![Training loss and learning rate]({curve_file})" if curve_file else ""
+    curve = (f"\n\n![Training loss and learning rate]({curve_file})" if curve_file else
+             "\n\nNo training curve: matplotlib was not installed where this model was staged.")
     return f"## Training\n\n{table}{curve}"
 
 
@@ -198,7 +202,7 @@ def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, A
     sections = [
         f"# {name}",
         _describe(meta),
-        f"Step **{meta['step']}**; `modelo.safetensors` SHA-256 `{meta['files']['modelo.safetensors']['sha256']}`.",
+        f"Step **{meta['step']}**; `{MODEL_FILE}` SHA-256 `{meta['files'][MODEL_FILE]['sha256']}`.",
         _load_section(meta, repo),
         _training_section(meta, curve_file),
         _metrics_section(meta),

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .layout import CHECKPOINT_DIR, DATA_DIR
 
 __all__ = [
     "DataConfig",
@@ -67,7 +68,7 @@ class DataConfig:
     """Import path ``module:function`` that writes the data files (script 01)."""
     factory: str = "pipeline.tasks.regression:build_data"
     """Import path of the function that loads prepared data for training and evaluation."""
-    dir: str = "data"
+    dir: str = DATA_DIR
     """Folder for prepared data and its ``manifest.json`` of SHA-256 fingerprints."""
     seed: int = 1234
     """Seed of the data generation (script 01); training randomness has its own seed."""
@@ -175,7 +176,7 @@ class TrainingConfig:
 class CheckpointConfig:
     """Local checkpoints. Nothing is uploaded while training runs."""
 
-    dir: str = "estados_local"
+    dir: str = CHECKPOINT_DIR
     """Folder of step folders (``step-00000010``); created on first save."""
     every: int = 5
     """Save every this many steps. A checkpoint is always written at the last step."""

@@ -7,9 +7,6 @@ the middle of an epoch without replaying batches.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import secrets
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -17,22 +14,20 @@ import numpy as np
 import torch
 
 from .config import Config
+from .durable import atomic_folder, json_bytes
 from .errors import DataError
 from .factories import resolve
 from .hashing import fingerprint_table, sha256_file
+from .layout import DATA_MANIFEST_FILE
 
 __all__ = [
     "TaskData",
     "Sampler",
     "EpochSampler",
-    "MANIFEST_NAME",
     "prepare_data",
     "load_manifest",
     "load_task_data",
 ]
-
-MANIFEST_NAME = "manifest.json"
-
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -124,11 +119,11 @@ class EpochSampler:
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
     # Another data set prepared inside this folder (data/charlm/ in data/: a subfolder with
     # its own manifest) or being prepared there (.tmp-*) is not part of this one.
-    nested = {path.parent for path in folder.rglob(MANIFEST_NAME) if path.parent != folder}
+    nested = {path.parent for path in folder.rglob(DATA_MANIFEST_FILE) if path.parent != folder}
     return {
         path.relative_to(folder).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != MANIFEST_NAME
+        if path.is_file() and path.name != DATA_MANIFEST_FILE
         and not path.relative_to(folder).parts[0].startswith(".tmp-") and nested.isdisjoint(path.parents)
     }
 
@@ -142,43 +137,36 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
-    staging.mkdir()
+    existing = None
     try:
-        prepare(config, staging)
-        files = _files_table(staging)
-        if not files:
-            raise DataError(f"{config.data.prepare} wrote no files")
-        manifest = {"schema": "pipeline.data/1", "prepare": config.data.prepare, "seed": config.data.seed,
-                    "params": config.data.params, "files": files, "fingerprint": fingerprint_table(files)}
-        if target.exists():
-            existing = load_manifest(config)
-            if existing["fingerprint"] != manifest["fingerprint"]:
-                raise DataError(f"{target}/ already holds different data (fingerprint "
-                                f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
-                                "move it away or set data.dir to prepare the new data")
-            return target, existing, False
-        _write_json(staging / MANIFEST_NAME, manifest)
-        os.rename(staging, target)
-        staging = None
-        return target, manifest, True
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    with open(path, "x", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+        with atomic_folder(target) as staging:
+            prepare(config, staging)
+            files = _files_table(staging)
+            if not files:
+                raise DataError(f"{config.data.prepare} wrote no files")
+            manifest = {"schema": "pipeline.data/1", "prepare": config.data.prepare, "seed": config.data.seed,
+                        "params": config.data.params, "files": files, "fingerprint": fingerprint_table(files)}
+            if target.exists():
+                existing = load_manifest(config)
+                if existing["fingerprint"] != manifest["fingerprint"]:
+                    raise DataError(f"{target}/ already holds different data (fingerprint "
+                                    f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
+                                    "move it away or set data.dir to prepare the new data")
+            else:
+                # The manifest marks a folder this pipeline built (atomic_folder fsyncs it).
+                (staging / DATA_MANIFEST_FILE).write_bytes(json_bytes(manifest))
+    except FileExistsError:
+        if existing is None:
+            raise
+        # Same data already in place: atomic_folder refused to replace it, as it should.
+        return target, existing, False
+    return target, manifest, True
 
 
 def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
     """Read ``data/manifest.json`` and (by default) check every file against it."""
     folder = Path(config.data.dir)
-    path = folder / MANIFEST_NAME
+    path = folder / DATA_MANIFEST_FILE
     if not path.is_file():
         raise DataError(f"no prepared data in {folder}/: run scripts/01_prepare_data.py first")
     try:

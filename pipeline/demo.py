@@ -19,6 +19,7 @@ The real Hub path is the same script without ``--endpoint``:
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import secrets
 import subprocess
@@ -26,14 +27,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import load_checkpoint
 from .config import Config, load_config
-from .errors import PipelineError
-from .evaluate import METRICS_FILE, read_metrics
+from .errors import DemoFailed, PipelineError
+from .evaluate import read_metrics
+from .layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
 from .localhub import LocalHubProcess
 from .provenance import code_fingerprint
-from .store import MODEL_FILE, resolve_checkpoint
 
-__all__ = ["Step", "DemoFailed", "main"]
+__all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -49,14 +51,6 @@ class Step:
     what: str
 
 
-class DemoFailed(Exception):
-    """A step exited non-zero; ``code`` is its exit code."""
-
-    def __init__(self, step: str, code: int):
-        super().__init__(f"demo: {step} failed with exit code {code}")
-        self.code = code
-
-
 def _env(**extra: str) -> dict[str, str]:
     """This environment without tokens or endpoints; the client on its LFS path, no telemetry."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
@@ -69,19 +63,12 @@ def _header(number: int, total: int, text: str) -> None:
     print(f"\n==> [{number}/{total}] {text}", flush=True)
 
 
-def _run(step: Step, *, env: dict[str, str] | None = None, capture: bool = False) -> str:
+def _run(step: Step, *, env: dict[str, str] | None = None) -> None:
     """Run one script from the repo root; raise DemoFailed on a non-zero exit."""
     command = [sys.executable, "-B", str(SCRIPTS / step.script), *step.args]
-    lines: list[str] = []
-    with subprocess.Popen(command, cwd=ROOT, env=env or _env(), text=True,
-                          stdout=subprocess.PIPE if capture else None) as child:
-        # Echo captured lines as they come, so they interleave with the progress bars on stderr.
-        for line in child.stdout or ():
-            print(line, end="", flush=True)
-            lines.append(line)
-    if child.returncode != 0:
-        raise DemoFailed(step.script, child.returncode)
-    return "".join(lines)
+    code = subprocess.call(command, cwd=ROOT, env=env or _env())
+    if code != 0:
+        raise DemoFailed(step.script, code)
 
 
 def _steps(repo_id: str) -> list[Step]:
@@ -109,7 +96,8 @@ def _metrics_current(config: Config) -> bool:
     04 stamps each evaluation with its time, and the stage carries that stamp; re-evaluating
     unchanged weights would make a rerun of the demo publish a new commit for nothing."""
     try:
-        folder, meta = resolve_checkpoint("latest", config.checkpoint.dir)
+        loaded = load_checkpoint("latest", config.checkpoint.dir, tensors=False)
+        folder, meta = loaded.folder, loaded.meta
         record = read_metrics(ROOT / METRICS_FILE)
     except PipelineError:
         return False
@@ -121,10 +109,10 @@ def _metrics_current(config: Config) -> bool:
     return same
 
 
-def _field(output: str, prefix: str) -> str | None:
-    """The rest of the last stdout line of 06 that starts with ``prefix``."""
-    lines = [line[len(prefix):].strip() for line in output.splitlines() if line.startswith(prefix)]
-    return lines[-1] if lines else None
+def _newest_receipt(folder: Path, repo_id: str) -> Path | None:
+    """The receipt 06 wrote or kept for ``repo_id`` (named ``<owner>--<name>-<commit>.json``)."""
+    receipts = sorted(folder.glob(f"{repo_id.replace('/', '--')}-*.json"), key=lambda p: p.stat().st_mtime)
+    return receipts[-1] if receipts else None
 
 
 def _publish(repo_id: str, number: int, total: int) -> None:
@@ -139,14 +127,18 @@ def _publish(repo_id: str, number: int, total: int) -> None:
         raise DemoFailed("pipeline.localhub", 1) from None
     try:
         print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
-        step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url), "publish")
-        output = _run(step, env=_env(HF_TOKEN=token), capture=True)
+        receipts = ROOT / RECEIPT_DIR
+        step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
+                    "publish")
+        _run(step, env=_env(HF_TOKEN=token))
     finally:
         hub.stop()
-    receipt, commit = _field(output, "receipt "), _field(output, "commit ")
-    if receipt:
-        path = ROOT / receipt.split(" (")[0]
-        print(f"\nreceipt {path.relative_to(ROOT)}:\n{path.read_text()}", end="", flush=True)
+    path = _newest_receipt(receipts, repo_id)
+    commit = None
+    if path is not None:
+        text = path.read_text()
+        commit = json.loads(text).get("commit_url")
+        print(f"\nreceipt {path.relative_to(ROOT)}:\n{text}", end="", flush=True)
     print(f"\ndemo: done, local Hub stopped. Commit: {commit}", flush=True)
 
 
@@ -165,7 +157,7 @@ def main() -> int:
         _publish(repo_id, total, total)
     except DemoFailed as exc:
         print(str(exc), file=sys.stderr, flush=True)
-        return exc.code
+        return exc.exit_code
     return 0
 
 

@@ -1,16 +1,51 @@
-"""Durable writes: fsync a folder after a rename, and replace a JSON file atomically."""
+"""Durable writes, in one place: atomic folders, the JSON writer, and the folder lock.
+
+Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the prepared
+``data/``, the ``hub_stage/``) is built by :func:`atomic_folder`, modelled on Orbax's
+``path/atomicity.py``:
+
+1. ``mkdir``       a temporary folder beside the destination (``.tmp-<name>-<hex>``);
+2. the caller fills it (files written through :class:`~pipeline.hashing.HashingWriter`
+   are already fsynced; :func:`atomic_folder` fsyncs every file again regardless);
+3. ``fsync_file``  every file in it, then ``fsync_temp`` the folder itself;
+4. ``move_aside``  an existing destination to ``.old-<name>-<hex>``, only when the caller's
+   ``owned`` check proves we built it (a checkpoint's meta.json schema, a stage's manifest);
+5. ``rename``      the temporary folder into place;
+6. ``fsync_parent`` so the rename survives a power cut;
+7. ``remove_old``  the moved-aside folder.
+
+Each OS call goes through :func:`step` under one of the names in :data:`STEPS`, so a
+crash-point test can fail the protocol at each named step. :func:`recover` undoes what a
+crash between steps left behind. Torch-free.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import math
 import os
 import secrets
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .hashing import HashingWriter
 
-__all__ = ["fsync_dir", "json_bytes", "write_json_atomic"]
+__all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes", "write_json_atomic",
+           "FolderLock"]
+
+STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
+TEMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+
+
+def step(name: str, call: Callable[..., Any], *args: Any) -> Any:
+    """Run one named step of the atomic-folder protocol (``name`` is one of :data:`STEPS`)."""
+    assert name in STEPS, name
+    return call(*args)
 
 
 def fsync_dir(path: Path) -> None:
@@ -22,18 +57,155 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def json_bytes(payload: Any) -> bytes:
-    return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=True) + "\n").encode("utf-8")
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
+def _sibling(dest: Path, prefix: str) -> Path:
+    return dest.parent / f"{prefix}{dest.name}-{secrets.token_hex(4)}"
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Yield an empty temporary folder; on a clean exit, commit it as ``dest`` atomically.
+
+    ``dest`` must not exist, unless ``owned(dest)`` is true: then it is replaced (moved
+    aside, the new folder renamed in, the old one deleted). Anything else raises
+    ``FileExistsError`` and nothing is touched, so a folder we did not build is never
+    deleted. On an exception the temporary folder is removed and ``dest`` is unchanged.
+    """
+    dest = Path(os.path.abspath(dest))
+    temporary = _sibling(dest, TEMP_PREFIX)
+    step("mkdir", os.mkdir, temporary)
+    try:
+        yield temporary
+        for entry in sorted(temporary.rglob("*")):
+            if entry.is_file() and not entry.is_symlink():
+                step("fsync_file", _fsync_file, entry)
+        step("fsync_temp", fsync_dir, temporary)
+        previous = None
+        if os.path.lexists(dest):
+            if owned is None or not owned(dest):
+                raise FileExistsError(errno.EEXIST, "exists and was not built by this pipeline", str(dest))
+            previous = _sibling(dest, OLD_PREFIX)
+            step("move_aside", os.rename, dest, previous)
+        try:
+            step("rename", os.rename, temporary, dest)
+        except BaseException:
+            if previous is not None:
+                os.rename(previous, dest)
+            raise
+        step("fsync_parent", fsync_dir, dest.parent)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if previous is not None:
+        step("remove_old", shutil.rmtree, previous)
+
+
+def recover(dest: str | Path) -> list[Path]:
+    """Undo a crash of :func:`atomic_folder` for ``dest``: drop its temporary folders, and
+    if the crash came between ``move_aside`` and ``rename``, put the previous folder back.
+    Call it while holding the lock that serializes writers of ``dest``."""
+    dest = Path(os.path.abspath(dest))
+    removed = []
+    if not dest.parent.is_dir():
+        return removed
+    for prefix in (TEMP_PREFIX, OLD_PREFIX):
+        for entry in sorted(dest.parent.iterdir()):
+            if not (entry.name.startswith(f"{prefix}{dest.name}-") and entry.is_dir() and not entry.is_symlink()):
+                continue
+            if prefix == OLD_PREFIX and not os.path.lexists(dest):
+                os.rename(entry, dest)
+            else:
+                shutil.rmtree(entry)
+            removed.append(entry)
+    if removed:
+        fsync_dir(dest.parent)
+    return removed
+
+
+def _refuse_nonfinite(value: Any, where: str = "") -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"refusing to write {value} at {where or 'the top level'}: JSON has no NaN or infinity")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_nonfinite(item, f"{where}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _refuse_nonfinite(item, f"{where}/{index}")
+
+
+def json_bytes(payload: Any, *, allow_nan: bool = False) -> bytes:
+    """The one JSON encoding of the project: sorted keys, one-space indent, a final newline.
+
+    Strict by default: a NaN or infinity raises ``ValueError`` naming where it is. Only
+    the training-state formats (checkpoint meta.json, proof records), which must round-trip
+    Python floats such as a scheduler's ``best = inf`` exactly, pass ``allow_nan=True``.
+    """
+    if not allow_nan:
+        _refuse_nonfinite(payload)
+    return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=allow_nan) + "\n").encode("utf-8")
+
+
+def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False) -> None:
     """Write JSON beside ``path``, fsync, rename over it, fsync the folder."""
     path = Path(path)
+    data = json_bytes(payload, allow_nan=allow_nan)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         with HashingWriter(temporary) as out:
-            out.write(json_bytes(payload))
+            out.write(data)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+class FolderLock:
+    """An exclusive, non-blocking ``flock`` on ``path`` (a lock file, created if needed, or
+    a folder). The kernel drops it when the process dies, even by SIGKILL, so no lock is
+    ever stale. ``busy(holder)`` builds the error raised when someone else holds it;
+    ``holder`` is the pid recorded in a lock file, or ``"unknown"``."""
+
+    def __init__(self, path: str | Path, busy: Callable[[str], Exception]) -> None:
+        self.path = Path(path)
+        self.busy = busy
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        is_dir = self.path.is_dir()
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY) if is_dir else \
+            os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = "unknown" if is_dir else (os.read(fd, 64).decode(errors="replace").strip() or "unknown")
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise self.busy(holder) from None
+            raise
+        if not is_dir:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FolderLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,5 +1,6 @@
-"""Domain exceptions. Every expected failure is one of these, so the scripts can print a
-single line that says what is wrong and what to do, and exit 2 without a traceback."""
+"""Domain exceptions: every expected failure of the pipeline is one of these, so the
+scripts can print a single line that says what is wrong and what to do, and exit with
+``exit_code`` (2 unless stated) without a traceback. Torch-free."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ __all__ = [
     "StateMismatch",
     "CheckpointLocked",
     "NoCheckpoint",
+    "Preempted",
+    "TrainingDiverged",
+    "ProofIncomplete",
+    "MetricsError",
+    "StageError",
+    "StageAuditError",
+    "SecretInStage",
+    "NonFiniteWeights",
+    "PublishError",
+    "TokenRejected",
+    "StaleBranch",
+    "HubUnavailable",
+    "UploadInterrupted",
+    "StageChanged",
+    "VerificationFailed",
+    "DemoFailed",
 ]
 
 
@@ -30,6 +47,8 @@ class ConfigError(PipelineError, ValueError):
 class DataError(PipelineError, ValueError):
     """Prepared data is missing or does not match its recorded fingerprint."""
 
+
+# -- checkpoints (pipeline.checkpoint) ------------------------------------------------------
 
 class CheckpointError(PipelineError):
     """A checkpoint is missing, damaged, or cannot be used for this run."""
@@ -57,3 +76,89 @@ class CheckpointLocked(CheckpointError):
 
 class NoCheckpoint(CheckpointError, FileNotFoundError):
     """No committed checkpoint exists where one was asked for."""
+
+
+# -- training (pipeline.train, pipeline.proof) ---------------------------------------------
+
+class Preempted(PipelineError):
+    """SIGTERM/SIGINT arrived; the current step finished and a checkpoint was written.
+    Exit code 128 + the signal number, as a shell reports a signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class TrainingDiverged(PipelineError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class ProofIncomplete(PipelineError):
+    """A leg of the resume proof failed or its results could not be read; ``report`` is
+    what was written."""
+
+    def __init__(self, message: str, report: dict) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class MetricsError(PipelineError, ValueError):
+    """metrics.json is missing, malformed, or a task returned unusable metrics."""
+
+
+# -- the stage (pipeline.stage, pipeline.audit) --------------------------------------------
+
+class StageError(PipelineError):
+    """The stage cannot be built or replaced; the previous stage is untouched."""
+
+
+class StageAuditError(StageError, ValueError):
+    """A stage's files do not match its MANIFEST.sha256 or its meta.json."""
+
+
+class SecretInStage(StageError):
+    """A staged file contains what looks like a Hugging Face token."""
+
+
+class NonFiniteWeights(StageError, ValueError):
+    """A floating-point tensor of the weights holds NaN or infinite values."""
+
+
+# -- publishing (pipeline.publish) ----------------------------------------------------------
+
+class PublishError(PipelineError):
+    """Nothing was published (exit 2). The message says what happened and what to do."""
+
+
+class TokenRejected(PublishError):
+    """No token, a token the Hub rejects, or one without write access to the repo."""
+
+
+class StaleBranch(PublishError):
+    """HTTP 412: someone pushed to the branch after we read its head; nothing was written."""
+
+
+class HubUnavailable(PublishError):
+    """429 or 5xx on the commit, still failing after the bounded retries."""
+
+
+class UploadInterrupted(PublishError):
+    """The connection was lost while uploading or committing."""
+
+
+class StageChanged(PublishError):
+    """A staged file changed on disk after it was audited."""
+
+
+class VerificationFailed(PublishError):
+    """The commit landed, but what the Hub holds differs from the audit (exit 1)."""
+
+    exit_code = 1
+
+
+class DemoFailed(PipelineError):
+    """A step of ``make demo`` exited non-zero; ``exit_code`` is that step's exit code."""
+
+    def __init__(self, step: str, code: int) -> None:
+        super().__init__(f"demo: {step} failed with exit code {code}")
+        self.exit_code = code

@@ -18,32 +18,19 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import load_checkpoint, load_model_weights
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
-from .errors import CheckpointError, ConfigError, ConfigMismatch, DataError, NoCheckpoint, PipelineError
+from .durable import write_json_atomic
+from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
 from .hashing import sha256_file
+from .layout import META_FILE, METRICS_FILE, MODEL_FILE
 from .provenance import code_fingerprint
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
-from .state import load_model_weights, read_tensors
-from .durable import write_json_atomic
-from .layout import META_FILE, MODEL_FILE
-from .store import parse_step_dir, resolve_checkpoint
 
-__all__ = [
-    "METRICS_FILE",
-    "METRICS_SCHEMA",
-    "METRICS_KEYS",
-    "HELDOUT_SPLIT",
-    "MetricsError",
-    "resolve_committed_checkpoint",
-    "evaluation_config",
-    "evaluate_checkpoint",
-    "write_metrics",
-    "read_metrics",
-]
+__all__ = ["evaluation_config", "evaluate_checkpoint", "write_metrics", "read_metrics"]
 
-METRICS_FILE = "metrics.json"
 METRICS_SCHEMA = "pipeline.metrics/1"
 HELDOUT_SPLIT = "heldout"
 METRICS_KEYS = frozenset(
@@ -52,26 +39,6 @@ METRICS_KEYS = frozenset(
 )
 # metrics.json is small; the bound keeps a stray huge file from being parsed.
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
-
-
-class MetricsError(PipelineError, ValueError):
-    """metrics.json is missing, malformed, or a task returned unusable metrics."""
-
-
-def resolve_committed_checkpoint(spec: str | Path, root: str | Path) -> tuple[Path, dict[str, Any]]:
-    """:func:`~pipeline.store.resolve_checkpoint` for consumers of finished checkpoints
-    (04, 05): an explicit path must be a committed ``step-…`` folder, never a temporary or
-    half-deleted one, and "none yet" points at training rather than at ``--resume``."""
-    if str(spec) != "latest" and parse_step_dir(Path(spec).resolve().name) is None:
-        raise CheckpointError(f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
-                              "checkpoints are evaluated or staged")
-    try:
-        return resolve_checkpoint(spec, root)
-    except NoCheckpoint as exc:
-        if str(spec) != "latest":
-            raise
-        raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
-                           "or pass --checkpoint PATH") from exc
 
 
 def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> Config:
@@ -113,7 +80,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     Every file of the checkpoint is verified against its ``meta.json`` first, and the data
     folder against both its manifest and the checkpoint's data fingerprint.
     """
-    folder, meta = resolve_committed_checkpoint(checkpoint, config.checkpoint.dir)
+    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, committed=True)
+    folder, meta = loaded.folder, loaded.meta
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
     trained_on = meta["fingerprints"].get("data")
@@ -126,7 +94,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
     seed_everything(eval_config.training.seed)
     model = build_model(eval_config, device)
-    load_model_weights(model, read_tensors(folder / MODEL_FILE))
+    load_model_weights(model, loaded.model_tensors)
+    del loaded
     model.eval()
     data = load_task_data(eval_config)
     metrics = _check_metrics(data.evaluate(model, device), f"{eval_config.data.factory} evaluate()")
@@ -138,7 +107,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         "schema": METRICS_SCHEMA,
         "step": meta["step"],
         "checkpoint": str(folder),
-        # Verified a moment ago by resolve_checkpoint: these are the bytes that were evaluated.
+        # Verified a moment ago by load_checkpoint: these are the bytes that were evaluated.
         "modelo_sha256": meta["files"][MODEL_FILE]["sha256"],
         "meta_sha256": sha256_file(folder / META_FILE),
         "split": HELDOUT_SPLIT,

@@ -53,29 +53,26 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .errors import PipelineError
-from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
 from .audit import AuditedFile, audit_stage, stage_lock
+from .errors import (
+    HubUnavailable,
+    PipelineError,
+    PublishError,
+    StageChanged,
+    StaleBranch,
+    TokenRejected,
+    UploadInterrupted,
+    VerificationFailed,
+)
 from .layout import META_FILE, MODEL_FILE
+from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
 
 __all__ = [
     "COMMIT_ATTEMPTS",
-    "DEFAULT_MAX_BACKOFF_S",
-    "KEPT_REMOTE_FILES",
-    "PublishError",
-    "TokenRejected",
-    "StaleBranch",
-    "HubUnavailable",
-    "UploadInterrupted",
-    "StageChanged",
-    "VerificationFailed",
-    "PlannedFile",
     "PublishPlan",
     "PublishResult",
     "publish",
     "format_plan",
-    "resolve_endpoint",
-    "git_blob_sha1_file",
 ]
 
 # Commit attempts on 429/5xx answers, the first one included.
@@ -85,36 +82,6 @@ DEFAULT_MAX_BACKOFF_S = 60.0
 # Kept in the repo although not staged: the Hub writes it, and it routes files to LFS.
 KEPT_REMOTE_FILES = frozenset({".gitattributes"})
 _RETRYABLE = frozenset({429, 500, 502, 503, 504})
-
-
-class PublishError(PipelineError):
-    """Nothing was published (exit 2). The message says what happened and what to do."""
-
-
-class TokenRejected(PublishError):
-    """No token, a token the Hub rejects, or one without write access to the repo."""
-
-
-class StaleBranch(PublishError):
-    """HTTP 412: someone pushed to the branch after we read its head; nothing was written."""
-
-
-class HubUnavailable(PublishError):
-    """429 or 5xx on the commit, still failing after the bounded retries."""
-
-
-class UploadInterrupted(PublishError):
-    """The connection was lost while uploading or committing."""
-
-
-class StageChanged(PublishError):
-    """A staged file changed on disk after it was audited."""
-
-
-class VerificationFailed(PublishError):
-    """The commit landed, but what the Hub holds differs from the audit (exit 1)."""
-
-    exit_code = 1
 
 
 @dataclass(frozen=True, slots=True)

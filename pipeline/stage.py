@@ -17,62 +17,31 @@ uploading and reuses the hashes it returns.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import secrets
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 
-from .audit import (MANIFEST_FILE, README_FILE, REQUIRED_FILES, STAGE_SCHEMA, AuditedFile, StageAuditError, StageError,
-                    audit_stage, format_audit_table, parse_manifest, stage_lock)
-from .card import CURVE_FILE, build_model_card, render_curve
+from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock
+from .card import build_model_card, render_curve
+from .checkpoint import load_checkpoint, read_tensors
 from .config import Config
-from .errors import ChecksumMismatch
-from .evaluate import METRICS_FILE, read_metrics, resolve_committed_checkpoint
+from .durable import atomic_folder, fsync_dir, json_bytes, recover
+from .errors import ChecksumMismatch, NonFiniteWeights, SecretInStage, StageAuditError, StageError
+from .evaluate import read_metrics
 from .hashing import CHUNK, HashingWriter, sha256_file
-from .layout import META_FILE, MODEL_FILE, STATE_FILE
-from .durable import fsync_dir
+from .layout import CURVE_FILE, MANIFEST_FILE, META_FILE, METRICS_FILE, MODEL_FILE, README_FILE, STAGE_DIR, STATE_FILE
 
-__all__ = [
-    "STAGE_SCHEMA",
-    "MANIFEST_FILE",
-    "README_FILE",
-    "CURVE_FILE",
-    "StageError",
-    "StageAuditError",
-    "SecretInStage",
-    "NonFiniteWeights",
-    "AuditedFile",
-    "StageResult",
-    "REQUIRED_FILES",
-    "build_stage",
-    "audit_stage",
-    "parse_manifest",
-    "find_nonfinite",
-    "scan_secrets",
-    "stage_lock",
-    "format_audit_table",
-]
+__all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
 
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
 _GITKEEP = ".gitkeep"
 _TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 # Shorter HF_TOKEN values would match by chance inside binary weights.
 _MIN_LITERAL_SECRET = 8
-
-
-class SecretInStage(StageError):
-    """A staged file contains what looks like a Hugging Face token."""
-
-
-class NonFiniteWeights(StageError, ValueError):
-    """A floating-point tensor of the weights holds NaN or infinite values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,17 +62,17 @@ class StageResult:
 
 def find_nonfinite(path: str | Path) -> list[str]:
     """Names of floating-point tensors in a safetensors file that hold NaN or ±inf, sorted.
-    Reads one tensor at a time."""
+    Memory-mapped: one tensor in memory at a time."""
     bad = []
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        for name in sorted(handle.keys()):
-            tensor = handle.get_tensor(name)
-            if not (tensor.is_floating_point() or tensor.is_complex()):
-                continue
-            if tensor.is_floating_point() and tensor.element_size() == 1:
-                tensor = tensor.float()  # float8 kernels lack isfinite
-            if not bool(torch.isfinite(tensor).all()):
-                bad.append(name)
+    tensors = read_tensors(path)
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        if tensor.is_floating_point() and tensor.element_size() == 1:
+            tensor = tensor.float()  # float8 kernels lack isfinite
+        if not bool(torch.isfinite(tensor).all()):
+            bad.append(name)
     return bad
 
 
@@ -139,24 +108,13 @@ def scan_secrets(folder: str | Path, *, environ: Mapping[str, str] | None = None
 
 # -- building -----------------------------------------------------------------------------
 
-def _sibling(stage: Path, kind: str) -> Path:
-    return stage.absolute().parent / f".{stage.name}-{kind}-{secrets.token_hex(4)}"
-
-
-def _recover(stage: Path) -> None:
-    """Undo what a crash in an earlier run left: drop half-built stages, and if the crash
-    came between the two renames of the swap, put the previous stage back."""
-    parent = stage.absolute().parent
-    for entry in parent.iterdir():
-        if entry.name.startswith(f".{stage.name}-tmp-") and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-    for entry in sorted(parent.iterdir()):
-        if entry.name.startswith(f".{stage.name}-old-") and entry.is_dir() and not entry.is_symlink():
-            if not stage.exists():
-                os.rename(entry, stage)
-            else:
-                shutil.rmtree(entry)
-    fsync_dir(parent)
+def _built_by_us(stage: Path) -> bool:
+    """The marker that lets a stage be replaced: an earlier stage (it holds the manifest),
+    or an empty folder / the repository's placeholder."""
+    if stage.is_symlink() or not stage.is_dir():
+        return False
+    names = {entry.name for entry in stage.iterdir()} - {_GITKEEP}
+    return not names or MANIFEST_FILE in names
 
 
 def _check_replaceable(stage: Path) -> None:
@@ -169,23 +127,6 @@ def _check_replaceable(stage: Path) -> None:
         if names and MANIFEST_FILE not in names:
             raise StageError(f"{stage}/ holds files but no {MANIFEST_FILE}, so it was not built by "
                              "scripts/05_stage.py; refusing to replace it (move it away or pass another --stage)")
-
-
-def _swap_into_place(built: Path, stage: Path) -> None:
-    """Move the previous stage aside, rename the new one into place, then delete the old."""
-    previous = None
-    if stage.exists():
-        previous = _sibling(stage, "old")
-        os.rename(stage, previous)
-    try:
-        os.rename(built, stage)
-    except BaseException:
-        if previous is not None:
-            os.rename(previous, stage)
-        raise
-    fsync_dir(stage.absolute().parent)
-    if previous is not None:
-        shutil.rmtree(previous)
 
 
 def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -226,15 +167,10 @@ def _write_file(path: Path, data: bytes) -> dict[str, Any]:
 
 def _read_history(path: Path) -> dict[str, list]:
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            return {key: handle.get_tensor(f"history/{key}").tolist() for key in ("step", "loss", "lr")}
-    except Exception as exc:  # safetensors raises its own types for a missing key
+        tensors = read_tensors(path)
+        return {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
+    except (KeyError, ValueError) as exc:  # SchemaMismatch is a ValueError
         raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
-
-
-def _json_bytes(payload: Any) -> bytes:
-    # Strict JSON (no NaN): the record is read by other tools and people.
-    return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
 
 
 def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256: str, history: dict[str, list],
@@ -279,10 +215,13 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
         raise NonFiniteWeights(f"{folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
                                "refusing to stage it (pass --allow-nonfinite to stage it anyway)")
     history = _read_history(folder / STATE_FILE)
-    files[CURVE_FILE] = _write_file(built / CURVE_FILE, render_curve(history))
+    curve = render_curve(history)  # None without the optional matplotlib: the card says so
+    if curve is not None:
+        files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
     staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files))
-    listed = {**files, META_FILE: _write_file(built / META_FILE, _json_bytes(staged))}
-    card = build_model_card(staged, listed, repo_id=repo_id, sample=record["sample"] if record else None)
+    listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
+    card = build_model_card(staged, listed, repo_id=repo_id, sample=record["sample"] if record else None,
+                            curve_file=CURVE_FILE if curve is not None else None)
     listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
     _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
     fsync_dir(built)
@@ -310,7 +249,7 @@ def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
     return source + list(staged.values()), staged
 
 
-def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = "hub_stage",
+def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = STAGE_DIR,
                 metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
                 repo_id: str | None = None) -> StageResult:
     """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
@@ -330,23 +269,18 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     """
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
-    folder, meta = resolve_committed_checkpoint(checkpoint, config.checkpoint.dir)
+    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, tensors=False, committed=True)
+    folder, meta = loaded.folder, loaded.meta
     record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
     meta_sha256 = sha256_file(folder / META_FILE)
     with stage_lock(stage):
-        _recover(stage)
+        recover(stage)
         _check_replaceable(stage)
-        built = _sibling(stage, "tmp")
-        built.mkdir()
-        try:
+        with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
                                     allow_nonfinite=allow_nonfinite, repo_id=repo_id)
             audited = audit_stage(built)
             scan_secrets(built)
-            _swap_into_place(built, stage)
-        except BaseException:
-            shutil.rmtree(built, ignore_errors=True)
-            raise
     report, staged = _report(folder, meta, meta_sha256, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

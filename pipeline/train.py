@@ -10,35 +10,50 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
-from .checkpointer import Checkpointer
+from .checkpoint import (
+    OMITTABLE,
+    Checkpointer,
+    CheckpointStore,
+    LoadedCheckpoint,
+    check_capturable,
+    check_resume_compatible,
+    load_checkpoint,
+    read_tensors,
+    restore_state,
+    warm_start,
+)
 from .config import Config
 from .data import load_manifest
-from .errors import CheckpointError, PipelineError
-from .fastload import LoadedCheckpoint, load_resume
+from .errors import CheckpointError, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
+from .layout import MODEL_FILE
 from .progress import Progress
 from .provenance import code_fingerprint, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, resolve_device
-from .state import check_capturable, check_resume_compatible, read_tensors, restore_state, warm_start
-from .layout import MODEL_FILE
-from .store import CheckpointStore, verify_checkpoint
 
-__all__ = ["train", "TrainResult", "Preempted", "TrainingDiverged", "train_step"]
+__all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
 
 
-class Preempted(PipelineError):
-    """SIGTERM/SIGINT arrived; the current step finished and a checkpoint was written."""
+@dataclass(kw_only=True, slots=True)
+class TrainingHooks:
+    """The documented seam for tools that study a run without changing the loop (the resume
+    proof, ``pipeline.proof.leg``, is the one user). Plain training passes none."""
 
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
+    skip_restore: tuple[str, ...] = ()
+    """Components of the checkpoint left unrestored on resume (a subset of
+    ``pipeline.checkpoint.OMITTABLE``): the proof's negative controls."""
+    on_start: Callable[[TrainingRun], None] | None = None
+    """Called once the run is built and restored, before the first step."""
+    on_step: Callable[[TrainingRun], None] | None = None
+    """Called after every optimizer step, before that step's checkpoint is saved."""
 
-
-class TrainingDiverged(PipelineError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    def __post_init__(self) -> None:
+        unknown = set(self.skip_restore) - set(OMITTABLE)
+        if unknown:
+            raise ValueError(f"skip_restore names unknown components {sorted(unknown)}; choose from {OMITTABLE}")
 
 
 @dataclass(slots=True)
@@ -115,8 +130,8 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
             raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
                                   "with --resume latest, or pass another --checkpoint-dir for a new run")
         return None
-    # Verified and memory-mapped in one pass over the files (see pipeline.fastload).
-    loaded = load_resume(resume, store.root)
+    # Verified and memory-mapped in one pass over the files (see pipeline.checkpoint.load).
+    loaded = load_checkpoint(resume, store.root)
     check_resume_compatible(loaded.meta, config, data_fingerprint)
     step = loaded.meta["step"]
     newer = [s for s in existing if s > step]
@@ -132,18 +147,16 @@ def train(
     resume: str | None = None,
     init_from: str | None = None,
     stop_at: int | None = None,
-    omit: Iterable[str] = (),
     progress: bool = True,
-    on_step: Callable[[TrainingRun], None] | None = None,
-    on_start: Callable[[TrainingRun], None] | None = None,
+    hooks: TrainingHooks | None = None,
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
 
     ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
-    or a checkpoint folder. ``omit`` leaves components unrestored; only the resume proof's
-    negative controls use it. ``on_start(run)`` sees the run once it is built and restored,
-    before the first step (the proof inspects the restored state there).
+    or a checkpoint folder. ``init_from``: a checkpoint folder or safetensors file whose
+    weights start a new run. ``hooks``: see :class:`TrainingHooks`.
     """
+    hooks = hooks or TrainingHooks()
     if resume is not None and init_from is not None:
         raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
     if stop_at is not None and stop_at < 1:
@@ -164,14 +177,15 @@ def train(
         report = Progress(total=config.training.max_steps, initial=resumed or 0,
                           log_every=config.training.log_every, enabled=progress)
         if loaded is not None:
-            restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors, omit=omit)
+            restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
+                          omit=hooks.skip_restore)
             report.message(f"resumed from {loaded.folder} at step {run.step}")
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
         elif init_from is not None:
             _warm_start(run, Path(init_from), report)
         check_capturable(run)
-        if on_start is not None:
-            on_start(run)
+        if hooks.on_start is not None:
+            hooks.on_start(run)
 
         provenance = {
             "config": config.to_dict(),
@@ -182,7 +196,8 @@ def train(
         }
         checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
         try:
-            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None, on_step=on_step)
+            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None,
+                          on_step=hooks.on_step)
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
@@ -226,14 +241,15 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
 
 def _warm_start(run: TrainingRun, source: Path, report: Progress) -> None:
     if source.is_dir():
-        verify_checkpoint(source)
+        tensors = load_checkpoint(source).model_tensors
         source = source / MODEL_FILE
-    if not source.is_file():
+    elif not source.is_file():
         raise CheckpointError(f"--init-from {source}: no such checkpoint folder or safetensors file")
-    try:
-        tensors = read_tensors(source)
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"--init-from {source}: not a readable safetensors file ({exc})") from None
+    else:
+        try:
+            tensors = read_tensors(source)
+        except SchemaMismatch as exc:
+            raise CheckpointError(f"--init-from {source}: not a readable safetensors file ({exc})") from None
     result = warm_start(run.model, tensors)
     report.message(f"init-from {source}: loaded {len(result['loaded'])}, skipped {len(result['skipped'])}, "
                    f"new {len(result['new'])}")

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.errors import PipelineError
-from pipeline.proof import ProofIncomplete, describe, summary_line, verify_resume
+from pipeline.errors import PipelineError, ProofIncomplete
+from pipeline.proof import describe, summary_line, verify_resume
 
 
 def main() -> int:

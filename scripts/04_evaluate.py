@@ -17,7 +17,8 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.evaluate import METRICS_FILE, evaluate_checkpoint, write_metrics
+from pipeline.evaluate import evaluate_checkpoint, write_metrics
+from pipeline.layout import METRICS_FILE
 
 
 def main() -> int:

@@ -17,9 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.evaluate import METRICS_FILE
-from pipeline.stage import build_stage, format_audit_table
+from pipeline.layout import METRICS_FILE, STAGE_DIR
+from pipeline.stage import build_stage
 
 
 def main() -> int:
@@ -27,7 +28,7 @@ def main() -> int:
     add_config_arguments(parser)
     parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
                         help="checkpoint to stage (default: the newest committed one in checkpoint.dir)")
-    parser.add_argument("--stage", type=Path, default=Path("hub_stage"), help="stage folder (default: hub_stage)")
+    parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
     parser.add_argument("--metrics", type=Path, default=Path(METRICS_FILE),
                         help=f"metrics from scripts/04_evaluate.py (default: {METRICS_FILE})")
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")

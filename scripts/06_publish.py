@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipeline.cli import run_main
 from pipeline.errors import PipelineError
+from pipeline.layout import RECEIPT_DIR, STAGE_DIR
 
 
 def _parse() -> argparse.Namespace:
@@ -35,9 +36,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--path-in-repo", default="", metavar="DIR", help="folder in the repo (default: the root)")
     parser.add_argument("--message", metavar="TEXT", help="commit title (default names the step and weights SHA-256)")
     parser.add_argument("--dry-run", action="store_true", help="print the planned commit; send no write request")
-    parser.add_argument("--stage", type=Path, default=Path("hub_stage"), help="stage folder (default: hub_stage)")
-    parser.add_argument("--receipt-dir", type=Path, default=Path("hub_receipts"),
-                        help="where the receipt is written (default: hub_receipts)")
+    parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
+    parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
+                        help=f"where the receipt is written (default: {RECEIPT_DIR})")
     args, unknown = parser.parse_known_args()
     if unknown:
         # Never echo unknown arguments: a mistyped flag may carry a secret.

@@ -69,7 +69,15 @@ def train_until_killed(config_path: str, overrides: dict, started) -> None:
     """Child-process body for the SIGKILL test: resume (or start) and train, setting
     ``started`` once the first step has run so the parent kills a training process."""
     from pipeline.config import load_config
+    from pipeline.train import TrainingHooks
     from pipeline.train import train as train_in_process
 
     config = load_config(config_path, overrides)
-    train_in_process(config, resume="auto", progress=False, on_step=lambda run: started.set())
+    train_in_process(config, resume="auto", progress=False, hooks=TrainingHooks(on_step=lambda run: started.set()))
+
+
+def verify_checkpoint(folder: Path) -> dict:
+    """Verify every file of a checkpoint folder (no tensors built) and return its meta.json."""
+    from pipeline.checkpoint import load_checkpoint
+
+    return load_checkpoint(folder, tensors=False).meta

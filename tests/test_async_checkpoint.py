@@ -4,23 +4,34 @@ files in one pass, refuses exactly what verification refuses, and copies no tens
 
 from __future__ import annotations
 
+import gc
+import json
 import signal
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.checkpointer import Checkpointer, PendingSave
+from pipeline.checkpoint import (
+    Checkpointer,
+    CheckpointStore,
+    capture_state,
+    load_checkpoint,
+    read_tensors,
+    restore_state,
+)
+from pipeline.checkpoint.checkpointer import PendingSave
+from pipeline.checkpoint.snapshot import SnapshotBuffers
 from pipeline.config import load_config
 from pipeline.data import prepare_data as prepare_data_in_process
 from pipeline.errors import CheckpointError
-from pipeline.fastload import load_checkpoint, load_resume
+from pipeline.layout import MODEL_FILE, STATE_FILE
 from pipeline.run import build_run
-from pipeline.state import read_tensors, restore_state
-from pipeline.store import MODEL_FILE, STATE_FILE, CheckpointStore, resolve_checkpoint, verify_checkpoint
 from pipeline.train import train_step
-from support import PYTHON, REPO, data_args, script_env
+
+from support import PYTHON, REPO, data_args, script_env, verify_checkpoint
 
 FILES = (MODEL_FILE, STATE_FILE)
 
@@ -66,25 +77,41 @@ def test_async_and_sync_saves_of_one_state_write_byte_identical_files(make_run, 
     assert sync_meta["training_state"] == async_meta["training_state"]
 
 
-def test_async_snapshot_reuses_its_buffers_and_saves_the_state_of_its_own_step(make_run, tmp_path):
+def _snapshot(buffers: SnapshotBuffers, run) -> dict:
+    model_tensors, _, state_tensors = capture_state(run)
+    copies = buffers.copy({"model": model_tensors, "state": state_tensors})
+    return {(group, name): t for group, tensors in copies.items() for name, t in tensors.items()}
+
+
+def test_snapshot_buffers_are_reused_from_save_to_save_and_freed_by_release(make_run):
+    run = make_run(1)
+    buffers = SnapshotBuffers()
+    # Holding the first buffers keeps fresh allocations from landing at their addresses.
+    first = _snapshot(buffers, run)
+    live = {t.data_ptr() for t in run.model.state_dict().values()}
+    assert not live & {t.data_ptr() for t in first.values()}, "the snapshot aliases live weights"
+    train_step(run)
+    second = _snapshot(buffers, run)
+    kept = {key for key in first if key[0] == "model" or key[1].startswith("optimizer/")}
+    assert kept and all(first[key].data_ptr() == second[key].data_ptr() for key in kept)
+    held = weakref.ref(second[min(kept)])
+    del first, second
+    buffers.release()
+    gc.collect()
+    assert held() is None, "release() keeps the buffers alive"
+
+
+def test_async_save_holds_the_state_of_its_own_step(make_run, tmp_path):
     run = make_run(1)
     with CheckpointStore(tmp_path, keep_last=2) as store:
         checkpointer = Checkpointer(store, _provenance(), background=True)
         checkpointer.save(run)
-        # Holding the first buffers keeps fresh allocations from landing at their addresses.
-        first = dict(checkpointer.snapshot.buffers)
-        live = {t.data_ptr() for t in run.model.state_dict().values()}
-        assert not live & {t.data_ptr() for t in first.values()}, "the snapshot aliases live weights"
         train_step(run)
         expected = {name: t.clone() for name, t in run.model.state_dict().items()}
         checkpointer.save(run)
-        second = dict(checkpointer.snapshot.buffers)
         # Training moves on while step 2 is written: the file must still hold step 2.
         train_step(run)
         checkpointer.close()
-    assert checkpointer.snapshot.buffers == {}, "close() keeps the buffers alive"
-    kept = {key for key in first if key[0] == "model" or key[1].startswith("optimizer/")}
-    assert kept and all(first[key].data_ptr() == second[key].data_ptr() for key in kept)
     saved = read_tensors(tmp_path / "step-00000002" / MODEL_FILE)
     assert all(torch.equal(saved[name], expected[name]) for name in saved)
     assert not torch.equal(saved["net.0.weight"], run.model.state_dict()["net.0.weight"])
@@ -183,10 +210,10 @@ def _saved_checkpoint(make_run, root: Path) -> Path:
         return Checkpointer(store, _provenance()).save(make_run(2)).path
 
 
-def test_one_pass_load_returns_what_verify_and_read_tensors_return(make_run, tmp_path):
+def test_one_pass_load_returns_the_meta_and_what_read_tensors_returns(make_run, tmp_path):
     folder = _saved_checkpoint(make_run, tmp_path)
     loaded = load_checkpoint(folder)
-    assert loaded.meta == verify_checkpoint(folder)
+    assert loaded.meta == json.loads((folder / "meta.json").read_text())
     for name, tensors in ((MODEL_FILE, loaded.model_tensors), (STATE_FILE, loaded.state_tensors)):
         expected = read_tensors(folder / name)
         assert tensors.keys() == expected.keys()
@@ -211,19 +238,17 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_one_pass_load_refuses_what_verify_checkpoint_refuses_with_its_message(make_run, tmp_path, damage):
+def test_load_refuses_damage_with_or_without_tensors_and_by_path_or_latest(make_run, tmp_path, damage):
     folder = _saved_checkpoint(make_run, tmp_path)
     DAMAGE[damage](folder)
     with pytest.raises(CheckpointError) as verified:
-        verify_checkpoint(folder)
+        load_checkpoint(folder, tensors=False)
     with pytest.raises(type(verified.value)) as loaded:
         load_checkpoint(folder)
-    with pytest.raises(type(verified.value)) as resumed:
-        load_resume("latest", tmp_path)
-    with pytest.raises(CheckpointError) as resolved:
-        resolve_checkpoint("latest", tmp_path)
-    assert str(loaded.value) == str(verified.value)
-    assert str(resumed.value) == str(resolved.value)
+    with pytest.raises(type(verified.value)) as latest:
+        load_checkpoint("latest", tmp_path)
+    assert str(loaded.value) == str(verified.value) == str(latest.value)
+    assert str(folder) in str(loaded.value)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc/self/maps")
@@ -248,7 +273,7 @@ def test_mixed_dtypes_are_stored_aligned_and_load_as_aligned_views_of_the_file(t
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc/self/maps")
 def test_resume_maps_weights_and_optimizer_state_from_the_files_without_copying(make_run, tmp_path):
     folder = _saved_checkpoint(make_run, tmp_path)
-    loaded = load_resume("latest", tmp_path)
+    loaded = load_checkpoint("latest", tmp_path)
     for path, tensors in ((folder / MODEL_FILE, loaded.model_tensors), (folder / STATE_FILE, loaded.state_tensors)):
         unmapped = [name for name, t in tensors.items() if t.numel() and _mapped_file(t.data_ptr()) != str(path)]
         assert not unmapped, f"copied instead of mapped from {path.name}: {unmapped[:3]}"

@@ -21,9 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model
 
+from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config, parse_set_overrides
 from pipeline.errors import ConfigError
-from pipeline.state import load_model_weights, read_tensors
+
 from support import REPO, run_script, script_env
 
 CONFIG = REPO / "examples" / "charlm" / "config.yaml"

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from pipeline.checkpoint import CheckpointStore
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.hashing import sha256_file
-from pipeline.store import CheckpointStore
 from pipeline.train import train as train_in_process
+
 from support import REPO, one_line_error, prepare_data, train
 
 

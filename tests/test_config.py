@@ -10,6 +10,7 @@ import yaml
 from pipeline.config import Config, config_from_dict, load_config, parse_set_overrides
 from pipeline.errors import ConfigError
 from pipeline.factories import resolve
+
 from support import REPO, one_line_error, run_script
 
 

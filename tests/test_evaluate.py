@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.checkpoint import load_model_weights
 from pipeline.config import load_config
 from pipeline.data import load_manifest, prepare_data
 from pipeline.errors import ChecksumMismatch, DataError
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.run import build_model
-from pipeline.state import load_model_weights
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from safetensors.torch import load_file
-import torch
-
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from pipeline.store import CheckpointStore
+from pipeline.checkpoint import CheckpointStore
+
 from support import data_args, run_script, train
 
 

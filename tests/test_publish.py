@@ -27,23 +27,16 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, hf_raise_for_status
 
+from pipeline.audit import parse_manifest
+from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
+from pipeline.errors import HubUnavailable, StaleBranch, UploadInterrupted, VerificationFailed
 from pipeline.evaluate import evaluation_config
 from pipeline.localhub import LocalHub
-from pipeline.publish import (
-    COMMIT_ATTEMPTS,
-    HubUnavailable,
-    StaleBranch,
-    UploadInterrupted,
-    VerificationFailed,
-    format_plan,
-    publish,
-)
+from pipeline.publish import COMMIT_ATTEMPTS, format_plan, publish
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
-from pipeline.stage import parse_manifest
-from pipeline.state import load_model_weights, read_tensors
 
 # The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")

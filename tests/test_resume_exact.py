@@ -13,9 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.store import CheckpointStore, verify_checkpoint
-from support import (PYTHON, REPO, assert_checkpoints_bitwise_equal, data_args, script_env, train,
-                     train_until_killed)
+from pipeline.checkpoint import CheckpointStore
+
+from support import (
+    PYTHON,
+    REPO,
+    assert_checkpoints_bitwise_equal,
+    data_args,
+    script_env,
+    train,
+    train_until_killed,
+    verify_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ from huggingface_hub import ModelCard
 from matplotlib.image import imread
 from safetensors.torch import load_file, save_file
 
+from pipeline.audit import audit_stage
+from pipeline.checkpoint import load_model_weights
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
-from pipeline.errors import CheckpointError
-from pipeline.stage import (NonFiniteWeights, SecretInStage, StageAuditError, StageError, audit_stage,
-                            build_stage)
+from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
 from pipeline.run import build_model
-from pipeline.state import load_model_weights
+from pipeline.stage import build_stage
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256"}

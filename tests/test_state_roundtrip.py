@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, load_model
 
+from pipeline.checkpoint import load_model_weights, warm_start, write_safetensors
+from pipeline.checkpoint.codec import join_state, split_state
+from pipeline.checkpoint.weights import dedupe_shared_tensors
 from pipeline.data import EpochSampler
 from pipeline.errors import StateMismatch
 from pipeline.rng import capture_rng, peek_next_draws, restore_rng, seed_everything
-from pipeline.serialization import dedupe_shared_tensors, join_state, split_state, write_safetensors
-from pipeline.state import load_model_weights, warm_start
 
 
 def roundtrip(obj, tmp_path):
@@ -182,7 +183,8 @@ def unsaveable_scheduler(optimizer, config):
 def test_state_that_cannot_be_saved_fails_before_the_first_step(data_dir, tmp_path):
     from pipeline.config import load_config
     from pipeline.errors import CheckpointError
-    from pipeline.train import train
+    from pipeline.train import TrainingHooks, train
+
     from support import REPO
 
     config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir),
@@ -191,5 +193,5 @@ def test_state_that_cannot_be_saved_fails_before_the_first_step(data_dir, tmp_pa
                                                  "scheduler.params": {}})
     steps = []
     with pytest.raises(CheckpointError, match=r"cannot be checkpointed: cannot save set at 'scheduler/lr_lambdas"):
-        train(config, progress=False, on_step=lambda run: steps.append(run.step))
+        train(config, progress=False, hooks=TrainingHooks(on_step=lambda run: steps.append(run.step)))
     assert steps == []

@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+from pipeline.checkpoint import write_safetensors
 from pipeline.config import Config
 from pipeline.errors import ConfigError, DataError
 from pipeline.factories import read_params
-from pipeline.serialization import write_safetensors
 
 __all__ = ["VOCAB_SIZE", "DEFAULT_TEXT", "DATA_SPEC", "data_params", "prepare", "build_data", "CharData"]
 

@@ -11,7 +11,7 @@ point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparison
 """
 
 from .plan import CONTROLS, DEFAULT_STEPS, plan_cut
-from .protocol import REPORT_SCHEMA, ProofIncomplete, describe, summary_line, verify_resume
+from .protocol import REPORT_SCHEMA, describe, summary_line, verify_resume
 
-__all__ = ["CONTROLS", "DEFAULT_STEPS", "REPORT_SCHEMA", "ProofIncomplete", "plan_cut", "verify_resume",
+__all__ = ["CONTROLS", "DEFAULT_STEPS", "REPORT_SCHEMA", "plan_cut", "verify_resume",
            "summary_line", "describe"]

@@ -19,16 +19,16 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..serialization import join_state
-from ..state import read_tensors
-from ..store import MODEL_FILE, STATE_FILE, verify_checkpoint
+from ..checkpoint import load_checkpoint, read_tensors
+from ..checkpoint.codec import join_state
+from ..layout import MODEL_FILE, STATE_FILE
 
 __all__ = [
     "Check",
     "Bundle",
     "SNAPSHOT_STATE",
     "compare",
-    "load_checkpoint",
+    "checkpoint_bundle",
     "load_snapshot",
 ]
 
@@ -71,10 +71,10 @@ class Bundle:
         return self.tensors[f"history/{key}"]
 
 
-def load_checkpoint(folder: Path) -> Bundle:
+def checkpoint_bundle(folder: Path) -> Bundle:
     """A committed checkpoint, after verifying every file's SHA-256 against its meta.json."""
-    meta = verify_checkpoint(folder)
-    return Bundle(read_tensors(folder / MODEL_FILE), meta["training_state"], read_tensors(folder / STATE_FILE))
+    loaded = load_checkpoint(folder)
+    return Bundle(loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors)
 
 
 def load_snapshot(folder: Path) -> Bundle:

@@ -4,7 +4,8 @@
 
 The spec names the full config, where to resume from, where to stop and which components
 to leave unrestored (the negative controls). This is the only entry point that passes
-``omit`` to :func:`pipeline.train.train`; the public 02 script cannot.
+:class:`pipeline.train.TrainingHooks` (``skip_restore``, ``on_start``, ``on_step``) to
+:func:`pipeline.train.train`; the public 02 script cannot.
 
 The leg only observes the run: it records, per step, the loss, learning rate, batch
 indices, the sampler's position and the next draw of every RNG family (drawn from
@@ -19,15 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import capture_state, write_safetensors
 from ..cli import run_main
 from ..config import config_from_dict
-from ..rng import peek_next_draws
-from ..run import TrainingRun
-from ..serialization import write_safetensors
-from ..state import capture_state
 from ..durable import write_json_atomic
 from ..layout import MODEL_FILE, STATE_FILE
-from ..train import train
+from ..rng import peek_next_draws
+from ..run import TrainingRun
+from ..train import TrainingHooks, train
 from .compare import SNAPSHOT_STATE
 from .layout import SNAPSHOT_DIR, SUMMARY_FILE
 
@@ -35,7 +35,7 @@ __all__ = ["LegRecorder", "run_leg", "main"]
 
 
 class LegRecorder:
-    """``on_start`` / ``on_step`` hooks for :func:`pipeline.train.train` that record without disturbing."""
+    """:class:`~pipeline.train.TrainingHooks` callbacks that record the run without disturbing it."""
 
     def __init__(self, folder: Path, *, snapshot: bool) -> None:
         self.folder = folder
@@ -114,7 +114,7 @@ def _write_snapshot(run: TrainingRun, folder: Path) -> None:
     folder.mkdir()
     write_safetensors(folder / MODEL_FILE, model_tensors)
     write_safetensors(folder / STATE_FILE, state_tensors)
-    write_json_atomic(folder / SNAPSHOT_STATE, state)
+    write_json_atomic(folder / SNAPSHOT_STATE, state, allow_nan=True)  # as a checkpoint's meta.json
 
 
 def run_leg(spec_path: Path) -> dict[str, Any]:
@@ -122,11 +122,11 @@ def run_leg(spec_path: Path) -> dict[str, Any]:
     folder = spec_path.parent
     config = config_from_dict(spec["config"], source=str(spec_path))
     recorder = LegRecorder(folder, snapshot=spec["snapshot"])
-    result = train(config, resume=spec["resume"], stop_at=spec["stop_at"], omit=tuple(spec["omit"]),
-                   progress=False, on_start=recorder.on_start, on_step=recorder.on_step)
+    hooks = TrainingHooks(skip_restore=tuple(spec["omit"]), on_start=recorder.on_start, on_step=recorder.on_step)
+    result = train(config, resume=spec["resume"], stop_at=spec["stop_at"], progress=False, hooks=hooks)
     summary = {"leg": spec["leg"], "omit": spec["omit"],
                **recorder.finish(result.step, result.checkpoint, result.resumed_from)}
-    write_json_atomic(folder / SUMMARY_FILE, summary)
+    write_json_atomic(folder / SUMMARY_FILE, summary, allow_nan=True)  # a diverged control may record NaN
     return summary
 
 

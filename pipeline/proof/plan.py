@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint import step_dir_name
 from ..config import Config
 from ..data import load_task_data
 from ..errors import ConfigError
 from ..provenance import PACKAGE_ROOT
 from ..run import make_sampler
-from ..store import step_dir_name
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
 __all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "leg_spec", "leg_command",

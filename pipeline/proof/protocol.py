@@ -19,31 +19,30 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkpoint import step_dir_name
 from ..config import Config
 from ..data import load_manifest
-from ..errors import ConfigError, PipelineError
+from ..durable import write_json_atomic
+from ..errors import ConfigError, PipelineError, ProofIncomplete
 from ..hashing import sha256_bytes, sha256_file
 from ..provenance import PACKAGE_ROOT, code_fingerprint, factory_sources, library_versions
-from ..durable import write_json_atomic
 from ..run import resolve_device
-from ..store import step_dir_name
-from .checks import (after_cut_checks, boundary_checks, control_verdict, exercise_check, first_divergent_step,
-                     prefix_checks, state_checks)
-from .compare import Check, load_checkpoint, load_snapshot
+from .checks import (
+    after_cut_checks,
+    boundary_checks,
+    control_verdict,
+    exercise_check,
+    first_divergent_step,
+    prefix_checks,
+    state_checks,
+)
+from .compare import Check, checkpoint_bundle, load_snapshot
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SNAPSHOT_DIR, SPEC_FILE, SUMMARY_FILE
 from .plan import Leg, Plan, leg_command, leg_env, leg_spec, make_legs, plan_cut
 
-__all__ = ["REPORT_SCHEMA", "ProofIncomplete", "verify_resume", "summary_line", "describe"]
+__all__ = ["REPORT_SCHEMA", "verify_resume", "summary_line", "describe"]
 
 REPORT_SCHEMA = "pipeline.resume-proof/1"
-
-
-class ProofIncomplete(PipelineError):
-    """A leg failed or its results could not be read; ``report`` is what was written."""
-
-    def __init__(self, message: str, report: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut: int | None = None,
@@ -77,7 +76,8 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     except (PipelineError, OSError) as exc:
         _fail(output, report, f"could not compare the legs' results: {exc}")
     report["completed"] = True
-    write_json_atomic(output / REPORT_FILE, report)
+    # allow_nan: a measured difference may be infinite (a NaN against a number).
+    write_json_atomic(output / REPORT_FILE, report, allow_nan=True)
     return report
 
 
@@ -130,7 +130,7 @@ def _last_line(path: Path) -> str:
 def _fail(output: Path, report: dict[str, Any], message: str) -> None:
     report.update({"completed": False, "error": message, "all_checks_passed": False, "positive": False,
                    "negative_divergence_detected": False})
-    write_json_atomic(output / REPORT_FILE, report)
+    write_json_atomic(output / REPORT_FILE, report, allow_nan=True)
     raise ProofIncomplete(f"the proof could not complete: {message}", report)
 
 
@@ -141,7 +141,7 @@ def _evaluate(plan: Plan, legs: list[Leg], output: Path, atol: float) -> dict[st
         return json.loads((output / name / SUMMARY_FILE).read_text(encoding="utf-8"))
 
     def final(name: str, step: int):
-        return load_checkpoint(output / name / CHECKPOINTS_DIR / step_dir_name(step))
+        return checkpoint_bundle(output / name / CHECKPOINTS_DIR / step_dir_name(step))
 
     n, k = plan.steps, plan.cut
     continuous, cut_point = final("continuous", n), final("cut", k)

@@ -16,12 +16,11 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
+from ..checkpoint import read_tensors, write_safetensors
 from ..config import Config
 from ..errors import ConfigError
 from ..factories import read_params
-from ..serialization import write_safetensors
 
 __all__ = ["prepare_data", "build_data", "build_model", "RegressionData", "MLP"]
 
@@ -95,7 +94,7 @@ class RegressionData:
 def build_data(config: Config, data_dir: Path) -> RegressionData:
     params = _data_params(config)
     dtype = getattr(torch, config.training.dtype)
-    return RegressionData(load_file(data_dir / "train.safetensors"), load_file(data_dir / "heldout.safetensors"),
+    return RegressionData(read_tensors(data_dir / "train.safetensors"), read_tensors(data_dir / "heldout.safetensors"),
                           params["augment_std"], dtype)
 
 

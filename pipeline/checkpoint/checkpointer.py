@@ -19,10 +19,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .run import TrainingRun
+from ..run import TrainingRun
 from .snapshot import SnapshotBuffers
-from .state import capture_state, model_summary
+from .state import capture_state
 from .store import CheckpointStore, SavedCheckpoint
+from .weights import model_summary
 
 __all__ = ["Checkpointer", "PendingSave"]
 

@@ -1,33 +1,35 @@
-"""State <-> (JSON, tensors) without pickle, and safetensors files hashed as they are written.
+"""THE safetensors reader and writer of the project: every safetensors file we write or
+read (checkpoints, stage, warm start, proof snapshots, prepared data) goes through here.
 
-Any nested state (an optimizer's ``state_dict()``, RNG states, sampler progress) is split
-into a JSON tree and a flat ``{name: tensor}`` table. Tensors and NumPy arrays become
-references into the table; tuples and dicts with non-string keys get small markers so the
-round trip is exact (``betas`` comes back as a tuple, optimizer state keys as ints).
+Writing streams the standard layout (8-byte little-endian header length, JSON header
+padded to 8 bytes, tensors back to back) straight from the tensors' memory, hashing the
+same buffers on a second thread, so a save costs max(hash, write) and makes no in-memory
+copy of the file.
+
+Reading maps the file once, privately (copy on write): the SHA-256 can run over that map
+(:func:`sha256_mapped`, several files side by side) and the tensors are views of the same
+map (:func:`tensors_from_map`), so every byte is read once, nothing is copied, and training
+may update the tensors in place without touching the file. The one header parser is
+:func:`parse_header`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
-from safetensors.torch import _remove_duplicate_names
 
-__all__ = [
-    "split_state",
-    "join_state",
-    "write_safetensors",
-    "dedupe_shared_tensors",
-    "SAFETENSORS_DTYPES",
-    "WRITE_CHUNK",
-    "WRITEBACK_WINDOW",
-]
+from ..errors import SchemaMismatch
+
+__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
+           "tensors_from_map", "parse_header"]
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
 # that the hashing thread never lags the writer by much.
@@ -35,12 +37,9 @@ WRITE_CHUNK = 8 * 1024 * 1024
 # Written bytes between hints that start their writeback (see _write_all).
 WRITEBACK_WINDOW = 8 * 1024 * 1024
 _ADVISE = hasattr(os, "posix_fadvise")
-
-_TENSOR = "__tensor__"
-_NDARRAY = "__ndarray__"
-_TUPLE = "__tuple__"
-_DICT = "__dict__"
-_MARKERS = (_TENSOR, _NDARRAY, _TUPLE, _DICT)
+_HASH_CHUNK = 8 * 1024 * 1024
+# The reference implementation's bound: a larger header is not a safetensors file.
+_MAX_HEADER = 100 * 1024 * 1024
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -61,76 +60,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 
-def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """Return a JSON-able tree for ``obj``; tensors found in it are added to ``tensors``.
-
-    Tensor names are the path to them (``optimizer/state/0/exp_avg``), so a saved file is
-    readable by eye with plain ``safetensors``.
-    """
-    if isinstance(obj, torch.Tensor):
-        if prefix in tensors:
-            raise ValueError(f"two state entries map to the tensor name {prefix!r}")
-        tensors[prefix] = obj.detach()
-        return {_TENSOR: prefix}
-    if isinstance(obj, np.ndarray):
-        raw = np.ascontiguousarray(obj)
-        tensors[prefix] = torch.from_numpy(raw.reshape(-1).view(np.uint8).copy())
-        return {_NDARRAY: prefix, "dtype": raw.dtype.str, "shape": list(raw.shape)}
-    if isinstance(obj, np.generic):
-        return split_state(obj.item(), prefix, tensors)
-    if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and k not in _MARKERS for k in obj):
-            return {k: split_state(v, f"{prefix}/{k}", tensors) for k, v in obj.items()}
-        return {_DICT: [[split_state(k, f"{prefix}/key{i}", tensors), split_state(v, f"{prefix}/{k}", tensors)]
-                        for i, (k, v) in enumerate(obj.items())]}
-    if isinstance(obj, tuple):
-        return {_TUPLE: [split_state(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [split_state(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        # JSON has no inf/nan; Python's json writes them anyway and reads them back exactly.
-        return obj
-    raise TypeError(f"cannot save {type(obj).__name__} at {prefix!r}: only tensors, arrays, numbers, "
-                    "strings, lists, tuples and dicts are stored (no pickle)")
-
-
-def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split_state`. Missing tensors raise ``KeyError`` naming them."""
-    if isinstance(tree, dict):
-        if _TENSOR in tree:
-            return tensors[tree[_TENSOR]]
-        if _NDARRAY in tree:
-            raw = tensors[tree[_NDARRAY]].numpy().tobytes()
-            return np.frombuffer(raw, dtype=np.dtype(tree["dtype"])).reshape(tree["shape"]).copy()
-        if _TUPLE in tree:
-            return tuple(join_state(v, tensors) for v in tree[_TUPLE])
-        if _DICT in tree:
-            return {_hashable(join_state(k, tensors)): join_state(v, tensors) for k, v in tree[_DICT]}
-        return {k: join_state(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [join_state(v, tensors) for v in tree]
-    return tree
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
-
-
-def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep one name per shared storage (tied weights), the way ``safetensors.torch.save_model`` does.
-
-    Using safetensors' own choice of the kept name means ``safetensors.torch.load_model``
-    (strict) loads our file into a fresh model with no project code.
-    """
-    state_dict = dict(state_dict)
-    for kept, removed in _remove_duplicate_names(state_dict).items():
-        for name in removed:
-            del state_dict[name]
-        assert kept in state_dict
-    return state_dict
-
+# -- writing ------------------------------------------------------------------------------
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
@@ -248,3 +178,99 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
         os.close(fd)
     assert size == sum(len(c) for c in chunks)
     return hasher.digest.hexdigest(), size
+
+
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+
+
+# -- reading ------------------------------------------------------------------------------
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, memory-mapped (no pickle, no code execution).
+
+    A malformed file raises :class:`~pipeline.errors.SchemaMismatch` naming ``path``."""
+    path = Path(path)
+    return tensors_from_map(path, map_file(path))
+
+
+def map_file(path: Path) -> mmap.mmap | bytes:
+    """The whole file, mapped privately (writable in memory, never written back)."""
+    with open(path, "rb") as handle:
+        if not handle.seek(0, 2):
+            return b""  # mmap refuses empty files; the header check rejects it
+        # ACCESS_COPY: private pages, writable in memory, never written back to the file.
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        # The whole file is about to be hashed: let the kernel read ahead of the hasher.
+        mapped.madvise(mmap.MADV_WILLNEED)
+    return mapped
+
+
+def _sha256(buffer: mmap.mmap | bytes) -> str:
+    digest = hashlib.sha256()
+    with memoryview(buffer) as view:
+        for start in range(0, len(view), _HASH_CHUNK):
+            digest.update(view[start:start + _HASH_CHUNK])
+    return digest.hexdigest()
+
+
+def sha256_mapped(maps: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
+    """One thread per file (hashlib drops the GIL): the files hash side by side."""
+    digests: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            digests[name] = _sha256(maps[name])
+        except BaseException as exc:  # raised below, in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(name,), name=f"sha256-{name}") for name in maps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return digests
+
+
+def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buffer``; a malformed header raises SchemaMismatch naming ``path``."""
+    try:
+        header, data_start = parse_header(buffer)
+        return {name: _tensor(buffer, data_start, entry, len(buffer) - data_start)
+                for name, entry in header.items() if name != "__metadata__"}
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        raise SchemaMismatch(f"{path} is not a valid safetensors file ({exc}): the file is damaged") from None
+
+
+def parse_header(buffer: mmap.mmap | bytes) -> tuple[dict[str, Any], int]:
+    """(header dict, offset of the first data byte); ``ValueError`` if malformed."""
+    if len(buffer) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    length = int.from_bytes(buffer[:8], "little")
+    if length > min(_MAX_HEADER, len(buffer) - 8):
+        raise ValueError(f"header length {length} runs past the file")
+    header = json.loads(bytes(buffer[8:8 + length]).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + length
+
+
+def _tensor(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any], data_size: int) -> torch.Tensor:
+    dtype = _DTYPES[entry["dtype"]]
+    shape = entry["shape"]
+    begin, end = entry["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ValueError(f"bad shape {shape!r}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
+            and end - begin == nbytes):
+        raise ValueError(f"data offsets {[begin, end]} do not fit a {entry['dtype']} tensor of shape {shape}")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # Aligned when written by write_safetensors; like safe_open, an older file's misaligned
+    # tensor is still a view (CPU kernels accept it), never a copy.
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=data_start + begin)
+    return raw.view(dtype).view(shape)

@@ -10,7 +10,6 @@ one copy of the state.
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
@@ -29,11 +28,6 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-
-    @property
-    def buffers(self) -> Mapping[tuple[str, str], torch.Tensor]:
-        """The current buffers, read-only (tests check their reuse by ``data_ptr``)."""
-        return MappingProxyType(self._buffers)
 
     def copy(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """Copy every tensor into its buffer; return ``{group: {name: buffer}}``.

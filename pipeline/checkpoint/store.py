@@ -15,8 +15,6 @@ checkpoints are pruned only after the new one is committed.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
@@ -28,33 +26,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import (
-    ChecksumMismatch,
-    CheckpointError,
-    CheckpointLocked,
-    NoCheckpoint,
-    SchemaMismatch,
-)
-from .durable import fsync_dir, json_bytes
-from .hashing import HashingWriter, sha256_file
-from .layout import META_FILE, MODEL_FILE, STATE_FILE
-from .serialization import write_safetensors
+from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes
+from ..errors import CheckpointError, CheckpointLocked, ChecksumMismatch, NoCheckpoint, SchemaMismatch
+from ..hashing import HashingWriter
+from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
+from .tensorfile import write_safetensors
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "MODEL_FILE",
-    "STATE_FILE",
-    "META_FILE",
-    "META_KEYS",
-    "MAX_META_BYTES",
-    "step_dir_name",
-    "parse_step_dir",
-    "CheckpointStore",
-    "read_meta",
-    "verify_checkpoint",
-    "check_listing",
-    "resolve_checkpoint",
-]
+__all__ = ["SCHEMA_VERSION", "META_KEYS", "CheckpointStore", "SavedCheckpoint", "step_dir_name", "parse_step_dir",
+           "read_meta", "check_listing", "resolve"]
 
 SCHEMA_VERSION = "pipeline.checkpoint/1"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
@@ -68,7 +47,6 @@ MAX_META_BYTES = 64 * 1024 * 1024
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TEMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".deleting-"
-_LOCK_NAME = ".lock"
 
 
 def step_dir_name(step: int) -> str:
@@ -99,7 +77,9 @@ class CheckpointStore:
             raise ValueError("keep_last must be >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
-        self._lock_fd: int | None = None
+        self._lock = FolderLock(self.root / LOCK_FILE, lambda holder: CheckpointLocked(
+            f"{self.root}/ is in use by another trainer (pid {holder}); wait for it "
+            "to finish or use another --checkpoint-dir"))
 
     # -- locking -------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointStore":
@@ -110,27 +90,12 @@ class CheckpointStore:
         self.release()
 
     def acquire(self) -> None:
-        """Take an exclusive ``flock`` so two trainers never write one folder. The kernel
-        drops it when the process dies, even by SIGKILL, so there are no stale locks."""
+        """Take an exclusive ``flock`` so two trainers never write one folder."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise CheckpointLocked(f"{self.root}/ is in use by another trainer (pid {holder}); wait for it "
-                                       "to finish or use another --checkpoint-dir") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        self._lock.acquire()
 
     def release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._lock.release()
 
     # -- listing -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -149,7 +114,7 @@ class CheckpointStore:
 
     def clean_stale(self) -> list[Path]:
         """Remove temporary and half-deleted folders left by a crash. Requires the lock."""
-        assert self._lock_fd is not None, "clean_stale needs the store's lock"
+        assert self._lock.held, "clean_stale needs the store's lock"
         removed = []
         if self.root.is_dir():
             for entry in self.root.iterdir():
@@ -164,28 +129,21 @@ class CheckpointStore:
     def save(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
              meta: Mapping[str, Any]) -> SavedCheckpoint:
         """Write one checkpoint atomically, then prune. Requires the lock."""
-        assert self._lock_fd is not None, "save needs the store's lock"
+        assert self._lock.held, "save needs the store's lock"
         final = self.path_for(step)
         if final.exists():
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
-        temporary = self.root / f"{_TEMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
-        temporary.mkdir()
-        try:
-            files: dict[str, dict[str, Any]] = {}
+        files: dict[str, dict[str, Any]] = {}
+        with atomic_folder(final) as temporary:
             for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors)):
                 sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
                 files[name] = {"sha256": sha256, "size": size}
             record = {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files}
             assert set(record) == META_KEYS, f"meta keys differ: {sorted(set(record) ^ META_KEYS)}"
-            # meta.json last: its presence marks a complete folder.
+            # meta.json last: its presence marks a complete folder. allow_nan: the training
+            # state holds Python floats such as a scheduler's best = inf, restored exactly.
             with HashingWriter(temporary / META_FILE) as out:
-                out.write(json_bytes(record))
-            fsync_dir(temporary)
-            os.rename(temporary, final)
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
-        fsync_dir(self.root)
+                out.write(json_bytes(record, allow_nan=True))
         self.prune()
         return SavedCheckpoint(step=step, path=final, files=files)
 
@@ -236,28 +194,6 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
-    """Check ``meta.json`` and every file's size and SHA-256 before anything is used.
-
-    Returns the parsed meta. Raises :class:`ChecksumMismatch` or :class:`SchemaMismatch`
-    naming the file; nothing is modified or deleted.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise NoCheckpoint(f"{folder} is not a checkpoint folder")
-    if parse_step_dir(folder.name) is None:
-        # Temporary (.tmp-…) and half-deleted (.deleting-…) folders never count.
-        raise NoCheckpoint(f"{folder} is not a committed checkpoint (expected a folder named like "
-                           f"{step_dir_name(10)})")
-    meta = read_meta(folder)
-    check_listing(folder, meta)
-    for name, entry in sorted(meta["files"].items()):
-        if sha256_file(folder / name) != entry["sha256"]:
-            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was "
-                                   "modified")
-    return meta
-
-
 def check_listing(folder: Path, meta: dict[str, Any]) -> None:
     """The checks short of hashing: no stray file, none missing, every size right (cheap,
     and catches truncation before a long hash)."""
@@ -274,31 +210,24 @@ def check_listing(folder: Path, meta: dict[str, Any]) -> None:
                                    "the file is truncated or was modified")
 
 
-def resolve_checkpoint(spec: str | Path, root: str | Path) -> tuple[Path, dict[str, Any]]:
-    """Turn ``"latest"`` or a folder path into a verified (folder, meta).
+def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> tuple[Path, list[Path]]:
+    """The one place that turns ``"latest"`` or a folder path into a folder to load.
 
-    ``latest`` is the highest committed step. If it fails verification and an older one
-    verifies, refuse and name the older one: silently resuming from older state would
-    repeat work the user believes was saved.
+    Returns ``(folder, older)``: ``older`` are the older committed folders, newest first,
+    that a caller may name when ``folder`` fails verification (only for ``"latest"``).
+    ``committed``: the caller consumes finished checkpoints (evaluate, stage): an explicit
+    path must be a committed ``step-…`` folder, and "none yet" points at training.
+    Nothing is verified here; :func:`pipeline.checkpoint.load.load_checkpoint` does that.
     """
     if str(spec) != "latest":
-        folder = Path(spec)
-        return folder, verify_checkpoint(folder)
+        if committed and parse_step_dir(Path(spec).resolve().name) is None:
+            raise CheckpointError(f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
+                                  "checkpoints are evaluated or staged")
+        return Path(spec), []
     store = CheckpointStore(root)
     steps = store.committed_steps()
     if not steps:
+        where = "pass --checkpoint PATH" if committed else "point --checkpoint-dir at the folder that holds them"
         raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
-                           "or point --checkpoint-dir at the folder that holds them")
-    newest = store.path_for(steps[-1])
-    try:
-        return newest, verify_checkpoint(newest)
-    except CheckpointError as damage:
-        for step in reversed(steps[:-1]):
-            older = store.path_for(step)
-            try:
-                verify_checkpoint(older)
-            except CheckpointError:
-                continue
-            raise CheckpointError(f"{damage} The older checkpoint {older} verifies: resume from it with "
-                                  f"--resume {older} (nothing was deleted).") from None
-        raise
+                           f"or {where}")
+    return store.path_for(steps[-1]), [store.path_for(step) for step in reversed(steps[:-1])]

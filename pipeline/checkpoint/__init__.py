@@ -1,0 +1,44 @@
+"""The checkpoint concept in one package.
+
+========================  ==========================================================
+``codec``                 nested state <-> (JSON tree, tensor table), no pickle
+``tensorfile``            THE safetensors reader and writer (hash while writing;
+                          map once, hash and view while reading)
+``store``                 one ``estados_local/``: lock, list, resolve "latest or path",
+                          atomic save, prune
+``load``                  verification and load in one pass: :func:`load_checkpoint`
+``state``                 capture / restore a training run's full state
+``weights``               tied-weight dedupe, strict load, warm start, model summary
+``compat``                may this checkpoint resume this config?
+``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
+========================  ==========================================================
+
+Other packages import from here, not from the submodules.
+"""
+
+from .checkpointer import Checkpointer
+from .compat import check_resume_compatible
+from .load import LoadedCheckpoint, load_checkpoint
+from .state import OMITTABLE, capture_state, check_capturable, restore_state
+from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
+from .tensorfile import read_tensors, write_safetensors
+from .weights import load_model_weights, warm_start
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointStore",
+    "LoadedCheckpoint",
+    "OMITTABLE",
+    "SavedCheckpoint",
+    "capture_state",
+    "check_capturable",
+    "check_resume_compatible",
+    "load_checkpoint",
+    "load_model_weights",
+    "parse_step_dir",
+    "read_tensors",
+    "restore_state",
+    "step_dir_name",
+    "warm_start",
+    "write_safetensors",
+]

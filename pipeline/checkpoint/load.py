@@ -1,0 +1,81 @@
+"""Verify a checkpoint and load it, in one function and one pass over the bytes.
+
+Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm start)
+calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
+``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
+size right (cheap: catches truncation before a long hash); then each file is mapped once,
+privately, hashed on that map (both files in parallel) and compared with ``meta.json``.
+Tensors are views of the same maps, and nothing is returned before every file passed.
+
+For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
+silently resuming from older state would repeat work the user believes was saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint
+from ..layout import CHECKPOINT_DIR, MODEL_FILE, STATE_FILE
+from .store import check_listing, parse_step_dir, read_meta, resolve, step_dir_name
+from .tensorfile import map_file, sha256_mapped, tensors_from_map
+
+__all__ = ["LoadedCheckpoint", "load_checkpoint"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """A verified checkpoint. The tensors are empty when loaded with ``tensors=False``."""
+
+    folder: Path
+    meta: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor]
+    state_tensors: dict[str, torch.Tensor]
+
+
+def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool = True,
+                    committed: bool = False) -> LoadedCheckpoint:
+    """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
+
+    ``tensors=False`` verifies every byte but builds no tensors (stage, diagnostics).
+    ``committed``: see :func:`pipeline.checkpoint.store.resolve`. Raises
+    :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
+    """
+    folder, older = resolve(spec, root, committed=committed)
+    try:
+        return _load(folder, tensors=tensors)
+    except CheckpointError as damage:
+        for candidate in older:
+            try:
+                _load(candidate, tensors=False)
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{damage} The older checkpoint {candidate} verifies: resume from it with "
+                                  f"--resume {candidate} (nothing was deleted).") from None
+        raise
+
+
+def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
+    if not folder.is_dir():
+        raise NoCheckpoint(f"{folder} is not a checkpoint folder")
+    if parse_step_dir(folder.name) is None:
+        # Temporary (.tmp-…) and half-deleted (.deleting-…) folders never count.
+        raise NoCheckpoint(f"{folder} is not a committed checkpoint (expected a folder named like "
+                           f"{step_dir_name(10)})")
+    meta = read_meta(folder)
+    check_listing(folder, meta)
+    maps = {name: map_file(folder / name) for name in meta["files"]}
+    digests = sha256_mapped(maps)
+    for name, entry in sorted(meta["files"].items()):
+        if digests[name] != entry["sha256"]:
+            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
+                                   "the file is damaged or was modified")
+    if not tensors:
+        return LoadedCheckpoint(folder=folder, meta=meta, model_tensors={}, state_tensors={})
+    return LoadedCheckpoint(folder=folder, meta=meta,
+                            model_tensors=tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE]),
+                            state_tensors=tensors_from_map(folder / STATE_FILE, maps[STATE_FILE]))

@@ -1,0 +1,92 @@
+"""Capture and restore the complete training state of a run.
+
+Components (each can be left out on restore, which is how the resume proof shows every
+one of them matters): ``optimizer``, ``scheduler``, ``data`` (sampler position and the
+task data's own state), ``rng`` (Python, NumPy Generator and legacy, torch CPU and CUDA),
+``scaler`` (AMP). Model weights and progress (step, history) are always restored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import CheckpointError, StateMismatch
+from ..layout import STATE_FILE
+from ..rng import capture_rng, restore_rng
+from ..run import TrainingRun
+from .codec import join_state, split_state
+from .weights import dedupe_shared_tensors, load_model_weights
+
+__all__ = ["OMITTABLE", "capture_state", "check_capturable", "restore_state"]
+
+OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
+_HISTORY = ("step", "loss", "lr")
+
+
+def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """Return (model tensors, JSON state, state tensors). Tensors are the live ones: write
+    them before the next step, or copy them (the async checkpointer does)."""
+    model_tensors = dedupe_shared_tensors(run.model.state_dict())
+    tensors: dict[str, torch.Tensor] = {}
+    task_state = getattr(run.data, "state_dict", None)
+    state = {
+        "optimizer": split_state(run.optimizer.state_dict(), "optimizer", tensors),
+        "scheduler": split_state(run.scheduler.state_dict(), "scheduler", tensors),
+        "data": {
+            "sampler": split_state(run.sampler.state_dict(), "data/sampler", tensors),
+            "task": split_state(task_state(), "data/task", tensors) if task_state else None,
+        },
+        "rng": split_state(capture_rng(run.generator), "rng", tensors),
+        "scaler": split_state(run.scaler.state_dict(), "scaler", tensors) if run.scaler is not None else None,
+        "progress": {"step": run.step},
+    }
+    for key in _HISTORY:
+        dtype = torch.int64 if key == "step" else torch.float64
+        tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
+    return model_tensors, state, tensors
+
+
+def check_capturable(run: TrainingRun) -> None:
+    """Walk the state once before the first step, so state that cannot be saved without
+    pickle (a scheduler holding a callable object, say) fails now, not at the first save
+    hours later."""
+    try:
+        capture_state(run)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"this run's state cannot be checkpointed: {exc}") from None
+
+
+def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: dict[str, Any],
+                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = ()) -> None:
+    """Load weights, optimizer, scheduler, data position and scaler, then RNG states last."""
+    omit = frozenset(omit)
+    unknown = omit - set(OMITTABLE)
+    assert not unknown, f"unknown components to omit: {unknown}"
+    try:
+        load_model_weights(run.model, model_tensors)
+        if "optimizer" not in omit:
+            run.optimizer.load_state_dict(join_state(state["optimizer"], tensors))
+        if "scheduler" not in omit:
+            run.scheduler.load_state_dict(join_state(state["scheduler"], tensors))
+        if "data" not in omit:
+            run.sampler.load_state_dict(join_state(state["data"]["sampler"], tensors))
+            if state["data"]["task"] is not None:
+                run.data.load_state_dict(join_state(state["data"]["task"], tensors))
+        if "scaler" not in omit and (state["scaler"] is None) != (run.scaler is None):
+            raise StateMismatch("the checkpoint and this run disagree on AMP GradScaler use (training.amp)")
+        if "scaler" not in omit and run.scaler is not None:
+            run.scaler.load_state_dict(join_state(state["scaler"], tensors))
+        run.step = int(state["progress"]["step"])
+        run.history = {key: tensors[f"history/{key}"].tolist() for key in _HISTORY}
+        if "rng" not in omit:
+            restore_rng(join_state(state["rng"], tensors), run.generator, need_cuda=run.device.type == "cuda")
+    except KeyError as exc:
+        raise StateMismatch(f"{STATE_FILE} lacks {exc.args[0]!r}: the checkpoint does not fit this code") from None
+    except (ValueError, RuntimeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StateMismatch(f"saved training state does not fit the objects built from the config: {first_line}") \
+            from None

@@ -1,0 +1,141 @@
+"""Model weights as stored: one name per shared storage, strict loading, warm starts.
+
+Tied weights (one storage under two names, such as an embedding and an output layer)
+are stored once, under the name safetensors' own ``save_model`` would keep, so
+``safetensors.torch.load_model`` loads our ``modelo.safetensors`` into a fresh model with
+no project code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import StateMismatch
+from ..layout import MODEL_FILE
+
+__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary"]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, int] | None:
+    if tensor.device.type == "meta":
+        return None
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() == 0 or storage.nbytes() == 0:
+        return None
+    return tensor.device, storage.data_ptr(), storage.nbytes()
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0) + 1
+    return start, start + span * tensor.element_size()
+
+
+def _is_complete(tensor: torch.Tensor) -> bool:
+    """The tensor covers its whole storage (a slice of a larger buffer does not)."""
+    storage = tensor.untyped_storage()
+    return tensor.data_ptr() == storage.data_ptr() and tensor.numel() * tensor.element_size() == storage.nbytes()
+
+
+def _shared_groups(state_dict: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names whose tensors overlap in memory, grouped; only groups of two or more."""
+    by_storage: dict[tuple[Any, int, int], list[str]] = {}
+    for name, tensor in state_dict.items():
+        key = _storage_key(tensor)
+        if key is not None:
+            by_storage.setdefault(key, []).append(name)
+    groups = []
+    for names in by_storage.values():
+        # Tensors of one storage that do not overlap (disjoint slices) are not aliases.
+        spans = sorted((*_byte_range(state_dict[n]), n) for n in names)
+        current: list[str] = []
+        end = None
+        for start, stop, name in spans:
+            if current and end is not None and start < end:
+                current.append(name)
+                end = max(end, stop)
+            else:
+                if len(current) > 1:
+                    groups.append(current)
+                current, end = [name], stop
+        if len(current) > 1:
+            groups.append(current)
+    return groups
+
+
+def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name per shared storage, as ``safetensors.torch.save_model`` does: of the
+    names that cover the whole storage, the first in sorted order; the aliases are dropped.
+    Aliases that each cover only part of a storage cannot be stored once: ``ValueError``."""
+    kept = dict(state_dict)
+    for group in _shared_groups(state_dict):
+        complete = sorted(name for name in group if _is_complete(state_dict[name]))
+        if not complete:
+            raise ValueError(f"tensors {', '.join(sorted(group))} share memory but none covers all of it; "
+                             "make them contiguous copies before saving")
+        for name in group:
+            if name != complete[0]:
+                del kept[name]
+    return kept
+
+
+def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE) -> None:
+    """Strict load: the same names (tied weights stored once), shapes and dtypes, or an error naming them."""
+    expected = dedupe_shared_tensors(model.state_dict())
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:3])}"
+                         f"{', ...' if len(unexpected) > 3 else ''})")
+        raise StateMismatch(f"{source} does not fit the configured model: {'; '.join(parts)}")
+    for name, current in expected.items():
+        saved = tensors[name]
+        if saved.shape != current.shape or saved.dtype != current.dtype:
+            raise StateMismatch(f"{source}: tensor {name} is {saved.dtype} {tuple(saved.shape)}, the model expects "
+                                f"{current.dtype} {tuple(current.shape)}")
+    full = dict(tensors)
+    # Tied aliases point at the kept tensor so a strict load_state_dict accepts them.
+    state_dict = model.state_dict()
+    for name in state_dict:
+        if name not in full:
+            kept = next(k for k in expected if state_dict[k].data_ptr() == state_dict[name].data_ptr())
+            full[name] = full[kept]
+    model.load_state_dict(full, strict=True)
+
+
+def warm_start(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Shape-tolerant weight copy for ``--init-from``: report loaded / skipped / new names."""
+    own = dedupe_shared_tensors(model.state_dict())
+    report: dict[str, list[str]] = {"loaded": [], "skipped": [], "new": []}
+    with torch.no_grad():
+        for name, target in own.items():
+            source = tensors.get(name)
+            if source is None:
+                report["new"].append(name)
+            elif source.shape != target.shape:
+                report["skipped"].append(f"{name} (shape {tuple(source.shape)} vs {tuple(target.shape)})")
+            else:
+                target.copy_(source.to(dtype=target.dtype, device=target.device))
+                report["loaded"].append(name)
+    report["skipped"] += [f"{name} (not in the model)" for name in sorted(set(tensors) - set(own))]
+    return report
+
+
+def model_summary(model: torch.nn.Module) -> dict[str, Any]:
+    """Names, dtypes and shapes of the stored weights, recorded in meta.json."""
+    stored = dedupe_shared_tensors(model.state_dict())
+    full = model.state_dict()
+    return {
+        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    for name, t in sorted(stored.items())},
+        "tied": sorted(name for name in full if name not in stored),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }

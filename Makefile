@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_DISABLE_XET := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test bench venv clean-runtime
+.PHONY: demo test lint bench venv clean-runtime
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 # is bound by interpreter starts and fits both cores without oversubscribing them.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
+
+# Lint and import order (ruff, configured in pyproject.toml); .ci/run runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -140,6 +141,17 @@ def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, r
     (run.stage / ".gitkeep").touch()
     build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert snapshot(run.stage) == snapshot(staged_run.stage)
+    assert leftovers(run) == []
+
+
+def test_without_matplotlib_the_stage_has_no_curve_and_the_card_says_so(staged_run, run_copy, monkeypatch):
+    run = run_copy(staged_run)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert not (run.stage / "training_curve.png").exists()
+    card = (run.stage / "README.md").read_text()
+    assert "No training curve: matplotlib was not installed" in card and "training_curve.png" not in card
+    assert set(audit_stage(run.stage)) == {"MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors"}
     assert leftovers(run) == []
 
 

@@ -1,0 +1,267 @@
+"""Fast unit tests of the checkpoint package and the durable helpers, in this process:
+store listing / resolve / prune order, the safetensors parser, the codec round trip,
+hashing while writing, tied-weight dedupe, the atomic-folder steps, the JSON writer and
+the lock. A failure here points at one module, not at a script run."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_model
+
+import pipeline.durable as durable
+from pipeline.checkpoint import CheckpointStore, load_checkpoint, read_tensors, write_safetensors
+from pipeline.checkpoint.codec import join_state, split_state
+from pipeline.checkpoint.store import parse_step_dir, resolve, step_dir_name
+from pipeline.checkpoint.tensorfile import map_file, parse_header, tensors_from_map
+from pipeline.checkpoint.weights import dedupe_shared_tensors
+from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, SchemaMismatch
+from pipeline.hashing import HashingWriter, sha256_file
+
+META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
+        "training_state": {"best": math.inf}}
+
+
+def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:
+    store = CheckpointStore(root, keep_last=keep_last)
+    with store:
+        for step in steps:
+            store.save(step, {"w": torch.full((3,), float(step))}, {"s": torch.zeros(1)}, META)
+    return store
+
+
+# -- store ---------------------------------------------------------------------------------
+
+def test_step_names_sort_as_integers_and_only_committed_folders_count(tmp_path):
+    assert step_dir_name(10) == "step-00000010" and parse_step_dir("step-00000010") == 10
+    assert parse_step_dir(".tmp-step-00000010-ab") is None and parse_step_dir("step-1") is None
+    store = _save(tmp_path, [9, 100_000_000, 10])
+    (tmp_path / "step-00000011").mkdir()  # no meta.json: not committed
+    (tmp_path / ".tmp-step-00000012-0bad").mkdir()
+    assert store.committed_steps() == [9, 10, 100_000_000]
+    folder, older = resolve("latest", tmp_path)
+    assert folder.name == "step-100000000" and [p.name for p in older] == ["step-00000010", "step-00000009"]
+
+
+def test_prune_keeps_the_newest_and_deletes_oldest_first(tmp_path):
+    store = _save(tmp_path, [1, 2, 3, 4], keep_last=2)
+    assert store.committed_steps() == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step-00000003", "step-00000004"]
+
+
+def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):
+    with pytest.raises(NoCheckpoint, match="--checkpoint-dir"):
+        resolve("latest", tmp_path)
+    with pytest.raises(NoCheckpoint, match="pass --checkpoint PATH"):
+        resolve("latest", tmp_path, committed=True)
+    with pytest.raises(CheckpointError, match="not a committed checkpoint folder"):
+        resolve(tmp_path / ".tmp-step-00000001-ab", tmp_path, committed=True)
+
+
+def test_a_damaged_latest_names_the_older_checkpoint_that_verifies(tmp_path):
+    _save(tmp_path, [1, 2])
+    (tmp_path / "step-00000002" / "modelo.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(CheckpointError, match=r"older checkpoint .*step-00000001 verifies"):
+        load_checkpoint("latest", tmp_path)
+    assert load_checkpoint(tmp_path / "step-00000001").model_tensors["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_meta_round_trips_a_python_infinity_exactly(tmp_path):
+    _save(tmp_path, [1])
+    assert load_checkpoint("latest", tmp_path, tensors=False).meta["training_state"]["best"] == math.inf
+
+
+def test_a_second_store_on_the_same_folder_is_refused(tmp_path):
+    with CheckpointStore(tmp_path):
+        with pytest.raises(CheckpointLocked, match=f"pid {os.getpid()}"):
+            CheckpointStore(tmp_path).acquire()
+
+
+# -- the safetensors reader and writer -------------------------------------------------------
+
+def test_written_file_hash_is_the_file_hash_and_plain_safetensors_reads_it(tmp_path):
+    tensors = {"a": torch.randn(1000, dtype=torch.float64), "b": torch.arange(7, dtype=torch.int16),
+               "empty": torch.zeros(0), "flag": torch.tensor([True, False])}
+    sha, size = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
+    assert (sha, size) == (sha256_file(tmp_path / "x.safetensors"), (tmp_path / "x.safetensors").stat().st_size)
+    for loaded in (load_file(tmp_path / "x.safetensors"), read_tensors(tmp_path / "x.safetensors")):
+        assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def _file(header: dict | bytes, data: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b"", "shorter than the 8-byte header length"),
+    ((1 << 40).to_bytes(8, "little") + b"{}", "runs past the file"),
+    (_file(b"[1, 2]"), "not a JSON object"),
+    (_file(b"\xff\xfe"), "utf-8"),
+    (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not fit"),
+    (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 4), "do not fit"),
+    (_file({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "bad shape"),
+    (_file({"t": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "X9"),
+])
+def test_the_parser_refuses_malformed_files_naming_them(tmp_path, raw, why):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(SchemaMismatch, match=f"{path}.*{why}" if why != "utf-8" else str(path)):
+        read_tensors(path)
+
+
+def test_parse_header_returns_the_data_offset():
+    raw = _file({"__metadata__": {"k": "v"}}, b"")
+    header, start = parse_header(raw)
+    assert header == {"__metadata__": {"k": "v"}} and start == len(raw)
+    assert tensors_from_map(Path("m"), raw) == {}
+
+
+def test_mapped_tensors_are_private_copies_on_write(tmp_path):
+    write_safetensors(tmp_path / "x.safetensors", {"a": torch.zeros(4)})
+    before = sha256_file(tmp_path / "x.safetensors")
+    tensors = tensors_from_map(tmp_path / "x.safetensors", map_file(tmp_path / "x.safetensors"))
+    tensors["a"].add_(1)
+    assert sha256_file(tmp_path / "x.safetensors") == before
+
+
+# -- codec ---------------------------------------------------------------------------------
+
+def test_codec_round_trip_is_exact():
+    state = {"betas": (0.9, 0.999), "state": {0: {"exp_avg": torch.randn(3), "step": torch.tensor(2.0)}},
+             "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "none": None, "flag": True, "inf": math.inf,
+             "nested": [1, "two", (3,)], "np_scalar": np.float32(1.5)}
+    tensors: dict = {}
+    tree = split_state(state, "opt", tensors)
+    json.dumps(tree, allow_nan=True)  # the tree is plain JSON
+    back = join_state(json.loads(json.dumps(tree)), tensors)
+    assert back["betas"] == (0.9, 0.999) and isinstance(back["betas"], tuple)
+    assert list(back["state"]) == [0] and torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    assert back["arr"].dtype == np.uint16 and (back["arr"] == state["arr"]).all()
+    assert back["nested"] == [1, "two", (3,)] and back["inf"] == math.inf and back["np_scalar"] == 1.5
+
+
+def test_codec_refuses_two_entries_with_one_tensor_name_and_unpicklable_objects():
+    with pytest.raises(ValueError, match="opt/a/b"):
+        split_state({"a/b": torch.zeros(1), "a": {"b": torch.ones(1)}}, "opt", {})
+    with pytest.raises(TypeError, match="no pickle"):
+        split_state({"f": object()}, "opt", {})
+
+
+# -- dedupe of shared storages ---------------------------------------------------------------
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.out = torch.nn.Linear(4, 5, bias=False)
+        self.out.weight = self.embed.weight
+        self.buffer_slice = torch.nn.Parameter(torch.zeros(8))
+
+
+def test_dedupe_keeps_the_name_safetensors_save_model_keeps(tmp_path):
+    model = _Tied()
+    save_model(model, str(tmp_path / "ref.safetensors"))
+    assert set(dedupe_shared_tensors(model.state_dict())) == set(load_file(tmp_path / "ref.safetensors"))
+
+
+def test_dedupe_keeps_disjoint_slices_and_refuses_partial_aliases():
+    base = torch.arange(8.0)
+    assert set(dedupe_shared_tensors({"lo": base[:4], "hi": base[4:]})) == {"lo", "hi"}
+    assert set(dedupe_shared_tensors({"b": base, "a": base.view(2, 4)})) == {"a"}
+    with pytest.raises(ValueError, match="share memory"):
+        dedupe_shared_tensors({"x": base[:6], "y": base[2:]})
+
+
+# -- hashing ---------------------------------------------------------------------------------
+
+def test_sha256_file_and_hashing_writer_agree_with_hashlib_across_chunks(tmp_path):
+    data = os.urandom(3 * 1024 + 17)
+    with HashingWriter(tmp_path / "f") as out:
+        out.write(data[:100])
+        out.write(memoryview(data)[100:])
+    expected = hashlib.sha256(data).hexdigest()
+    assert out.sha256 == expected == sha256_file(tmp_path / "f", chunk=1024)
+    with pytest.raises(FileExistsError):
+        HashingWriter(tmp_path / "f")
+
+
+# -- durable: atomic folders, JSON, lock -------------------------------------------------------
+
+def test_json_writer_refuses_nan_naming_where_and_allows_it_only_when_asked(tmp_path):
+    with pytest.raises(ValueError, match="nan at /a/1"):
+        durable.write_json_atomic(tmp_path / "x.json", {"a": [1.0, math.nan]})
+    assert not list(tmp_path.iterdir())
+    durable.write_json_atomic(tmp_path / "x.json", {"a": math.inf}, allow_nan=True)
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": math.inf}
+
+
+def _fill(folder: Path, text: str) -> None:
+    (folder / "f.txt").write_text(text)
+
+
+@pytest.mark.parametrize("failing", durable.STEPS)
+def test_atomic_folder_failing_at_any_step_leaves_the_old_or_the_new_folder(tmp_path, monkeypatch, failing):
+    dest = tmp_path / "out"
+    with durable.atomic_folder(dest) as built:
+        _fill(built, "old")
+    real = durable.step
+
+    def step(name, call, *args):
+        if name == failing:
+            raise OSError(f"injected failure at {name}")
+        return real(name, call, *args)
+
+    monkeypatch.setattr(durable, "step", step)
+    with pytest.raises(OSError, match=failing):
+        with durable.atomic_folder(dest, owned=lambda d: (d / "f.txt").is_file()) as built:
+            _fill(built, "new")
+    monkeypatch.setattr(durable, "step", real)
+    durable.recover(dest)
+    committed = failing in ("fsync_parent", "remove_old")  # the rename had happened
+    assert (dest / "f.txt").read_text() == ("new" if committed else "old")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_folder_never_replaces_a_folder_it_cannot_prove_it_built(tmp_path):
+    dest = tmp_path / "theirs"
+    dest.mkdir()
+    (dest / "precious").write_text("keep")
+    for owned in (None, lambda d: (d / "manifest.json").is_file()):
+        with pytest.raises(FileExistsError):
+            with durable.atomic_folder(dest, owned=owned) as built:
+                _fill(built, "new")
+    assert (dest / "precious").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+
+
+def test_folder_lock_is_exclusive_and_released(tmp_path):
+    first = durable.FolderLock(tmp_path, lambda holder: RuntimeError(f"busy {holder}"))
+    with first:
+        with pytest.raises(RuntimeError, match="busy unknown"):
+            durable.FolderLock(tmp_path, lambda holder: RuntimeError(f"busy {holder}")).acquire()
+    with durable.FolderLock(tmp_path, lambda holder: RuntimeError("busy")):
+        pass
+
+
+# -- the one private torch call ----------------------------------------------------------------
+
+def test_the_private_determinism_switch_is_what_the_public_call_uses():
+    """run.configure_determinism calls torch._C._set_deterministic_algorithms to avoid
+    importing the compiler stack; this fails when torch stops implementing the public
+    call through it, or changes its signature."""
+    assert "_set_deterministic_algorithms(" in inspect.getsource(torch.use_deterministic_algorithms)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch._C._set_deterministic_algorithms(before[0], warn_only=before[1])

@@ -29,11 +29,8 @@ __all__ = [
     "Config",
     "load_config",
     "config_from_dict",
-    "apply_overrides",
     "parse_set_overrides",
-    "RESUME_IRRELEVANT_KEYS",
-    "DEFAULT_CONFIG_PATH",
-    "is_yaml11_float",
+    "RESUME_IRRELEVANT_KEYS"
 ]
 
 DEFAULT_CONFIG_PATH = Path("config.yaml")

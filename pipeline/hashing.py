@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
-__all__ = ["sha256_file", "sha256_bytes", "HashingWriter", "fingerprint_files", "fingerprint_table", "CHUNK"]
+__all__ = ["sha256_file", "sha256_bytes", "HashingWriter", "fingerprint_files", "fingerprint_table"]
 
 CHUNK = 8 * 1024 * 1024
 

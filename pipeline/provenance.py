@@ -12,7 +12,7 @@ from typing import Any
 from .config import Config
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
-__all__ = ["PACKAGE_ROOT", "FACTORY_KEYS", "code_fingerprint", "factory_sources", "factories_fingerprint",
+__all__ = ["PACKAGE_ROOT", "code_fingerprint", "factory_sources", "factories_fingerprint",
            "library_versions"]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")

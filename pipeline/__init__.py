@@ -10,7 +10,7 @@ The public API, one name per step of the pipeline (the numbered scripts call the
     train(config, resume="auto")                           # 02: estados_local/step-…/
     loaded = load_checkpoint("latest", config.checkpoint.dir)   # verified, memory-mapped
     build_stage(config)                                    # 05: hub_stage/
-    publish(stage_dir="hub_stage", repo_id="you/model")    # 06: one commit
+    publish("hub_stage", "you/model")                      # 06: one commit
 
 Names are imported on first use (module ``__getattr__``), so ``import pipeline`` and the
 publish path stay free of torch and matplotlib. Errors are in :mod:`pipeline.errors`,

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .layout import CURVE_FILE, MODEL_FILE
+from .layout import CURVE_FILE, META_FILE, MODEL_FILE
 
 __all__ = ["render_curve", "build_model_card"]
 
@@ -121,7 +121,7 @@ state_dict = load_file(weights)  # plain tensors; no pickle, no code runs on loa
 # Rebuild the architecture from the recorded config (needs the `pipeline` package):
 from pipeline import build_model, config_from_dict, load_model_weights
 
-meta = json.load(open(hf_hub_download(repo, "meta.json")))
+meta = json.load(open(hf_hub_download(repo, "{META_FILE}")))
 model = build_model(config_from_dict(meta["config"]))
 load_model_weights(model, state_dict)  # strict: names, shapes and dtypes must match
 model.eval()'''

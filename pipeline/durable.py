@@ -5,9 +5,9 @@ Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the
 ``path/atomicity.py``:
 
 1. ``mkdir``       a temporary folder beside the destination (``.tmp-<name>-<hex>``);
-2. the caller fills it (files written through :class:`~pipeline.hashing.HashingWriter`
-   are already fsynced; :func:`atomic_folder` fsyncs every file again regardless);
-3. ``fsync_file``  every file in it, then ``fsync_temp`` the folder itself;
+2. the caller fills it;
+3. ``fsync_file``  every file in it (unless the caller's writers already did), then
+   ``fsync_temp`` the folder itself;
 4. ``move_aside``  an existing destination to ``.old-<name>-<hex>``, only when the caller's
    ``owned`` check proves we built it (a checkpoint's meta.json schema, a stage's manifest);
 5. ``rename``      the temporary folder into place;
@@ -70,20 +70,24 @@ def _sibling(dest: Path, prefix: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = None,
+                  files_synced: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder; on a clean exit, commit it as ``dest`` atomically.
 
     ``dest`` must not exist, unless ``owned(dest)`` is true: then it is replaced (moved
     aside, the new folder renamed in, the old one deleted). Anything else raises
     ``FileExistsError`` and nothing is touched, so a folder we did not build is never
     deleted. On an exception the temporary folder is removed and ``dest`` is unchanged.
+    ``files_synced``: the caller wrote every file through a writer that fsyncs on close
+    (``HashingWriter``, ``write_safetensors``), so step 3 syncs only the folder; the
+    checkpoint store uses it, as a save sits on the training path.
     """
     dest = Path(os.path.abspath(dest))
     temporary = _sibling(dest, TEMP_PREFIX)
     step("mkdir", os.mkdir, temporary)
     try:
         yield temporary
-        for entry in sorted(temporary.rglob("*")):
+        for entry in [] if files_synced else sorted(temporary.rglob("*")):
             if entry.is_file() and not entry.is_symlink():
                 step("fsync_file", _fsync_file, entry)
         step("fsync_temp", fsync_dir, temporary)

@@ -64,7 +64,7 @@ from .errors import (
     UploadInterrupted,
     VerificationFailed,
 )
-from .layout import META_FILE, MODEL_FILE
+from .layout import META_FILE, MODEL_FILE, RECEIPT_DIR
 from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
 
 __all__ = [
@@ -487,7 +487,7 @@ def _audit(stage: Path, say: Callable[[str], None]) -> tuple[dict[str, AuditedFi
 def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
             revision: str = constants.DEFAULT_REVISION, private: bool | None = None,
             path_in_repo: str | None = None, message: str | None = None, dry_run: bool = False,
-            receipt_dir: str | Path = "hub_receipts", max_backoff_s: float | None = None,
+            receipt_dir: str | Path = RECEIPT_DIR, max_backoff_s: float | None = None,
             sleep: Callable[[float], None] = time.sleep,
             say: Callable[[str], None] = lambda line: None) -> PublishResult:
     """Publish ``stage_dir`` to ``repo_id`` as one commit; see the module docstring.

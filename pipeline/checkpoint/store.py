@@ -134,7 +134,7 @@ class CheckpointStore:
         if final.exists():
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
         files: dict[str, dict[str, Any]] = {}
-        with atomic_folder(final) as temporary:
+        with atomic_folder(final, files_synced=True) as temporary:
             for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors)):
                 sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
                 files[name] = {"sha256": sha256, "size": size}

@@ -159,8 +159,10 @@ def stage_lock(stage_dir: str | Path) -> Iterator[None]:
     :func:`audit_stage` to the end of its upload."""
     parent = Path(stage_dir).absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    busy = lambda holder: StageError(f"{stage_dir} is being staged or published by another process; "  # noqa: E731
-                                     "wait for it to finish")
+
+    def busy(holder: str) -> StageError:
+        return StageError(f"{stage_dir} is being staged or published by another process; wait for it to finish")
+
     with FolderLock(parent, busy):
         yield
 

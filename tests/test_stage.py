@@ -146,7 +146,9 @@ def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, r
 
 def test_without_matplotlib_the_stage_has_no_curve_and_the_card_says_so(staged_run, run_copy, monkeypatch):
     run = run_copy(staged_run)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # any matplotlib import now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert not (run.stage / "training_curve.png").exists()
     card = (run.stage / "README.md").read_text()

@@ -265,3 +265,18 @@ def test_the_private_determinism_switch_is_what_the_public_call_uses():
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch._C._set_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# -- the public API ----------------------------------------------------------------------------
+
+def test_public_api_resolves_every_name_and_the_publish_path_stays_torch_free():
+    import subprocess
+    import sys
+
+    import pipeline
+
+    assert all(getattr(pipeline, name) is not None for name in pipeline.__all__)
+    code = ("import sys, pipeline; pipeline.publish; pipeline.audit_stage; "
+            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

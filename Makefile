@@ -14,7 +14,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card,sign]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Iterable, Iterator, Mapping
 from .durable import FolderLock
 from .errors import StageAuditError, StageError
 from .hashing import sha256_bytes, sha256_file
-from .layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE
+from .layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE, SIGNATURE_FILE
 
 __all__ = [
     "STAGE_SCHEMA",
@@ -106,7 +107,8 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
     """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
 
     Checks: the folder holds exactly the files the manifest lists plus the manifest itself
-    (no extras, none missing, no links or subfolders); each file's SHA-256 equals the
+    (no extras, none missing, no links or subfolders; ``model.sig`` may be there unlisted,
+    as the signature covers the manifest); each file's SHA-256 equals the
     manifest's; ``modelo.safetensors``, ``meta.json`` and ``README.md`` are present; and
     the ``files`` table inside ``meta.json`` agrees with the manifest.
 
@@ -126,10 +128,10 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
     raw = _read_small(manifest_path)
     expected = parse_manifest(raw, where=str(manifest_path))
     for entry in sorted(stage.iterdir()):
-        if entry.name == MANIFEST_FILE:
-            continue
         if entry.is_symlink() or not entry.is_file():
             raise StageAuditError(f"{entry} is a link or folder: a stage holds plain files only")
+        if entry.name in (MANIFEST_FILE, SIGNATURE_FILE):
+            continue
         if entry.name not in expected:
             raise StageAuditError(f"{entry} is not listed in {MANIFEST_FILE}: the stage was modified after "
                                   "it was built")
@@ -149,21 +151,32 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
         audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
     _check_staged_meta(stage / META_FILE, audited)
     audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
+    signature = stage / SIGNATURE_FILE
+    if signature.is_file():
+        # The signature covers the manifest, so the manifest cannot list it (pipeline/signing.py).
+        data = _read_small(signature)
+        audited[SIGNATURE_FILE] = AuditedFile(SIGNATURE_FILE, len(data), sha256_bytes(data),
+                                              "model-signing (checked by 06)")
     return dict(sorted(audited.items()))
 
 
 @contextlib.contextmanager
 def stage_lock(stage_dir: str | Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the stage's parent folder (no lock file is left
-    behind). 05 holds it while building; the publish step should hold it from
-    :func:`audit_stage` to the end of its upload."""
-    parent = Path(stage_dir).absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
+    """Hold an exclusive ``flock`` on ``.<stage>.lock`` beside the stage. 05 holds it while
+    building; the publish step holds it from :func:`audit_stage` to the end of its upload.
+
+    Not the stage folder itself (05 replaces it by rename, so a second process would lock
+    the new folder) and not the parent folder (the repository root by default, which other
+    tools may lock). The small lock file stays: deleting it would let two processes lock two
+    different files of the same name."""
+    stage = Path(os.path.abspath(stage_dir))
+    stage.parent.mkdir(parents=True, exist_ok=True)
 
     def busy(holder: str) -> StageError:
-        return StageError(f"{stage_dir} is being staged or published by another process; wait for it to finish")
+        return StageError(f"{stage_dir} is being staged or published by another process (pid {holder}); "
+                          "wait for it to finish")
 
-    with FolderLock(parent, busy):
+    with FolderLock(stage.parent / f".{stage.name}.lock", busy):
         yield
 
 

@@ -190,12 +190,14 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
 
 
 def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], *, repo_id: str | None = None,
-                     sample: str | None = None, curve_file: str | None = CURVE_FILE) -> ModelCard:
+                     sample: str | None = None, curve_file: str | None = CURVE_FILE,
+                     signature_section: str | None = None) -> ModelCard:
     """The card for a staged record ``meta`` (the stage's ``meta.json``).
 
     ``files`` maps each file the card lists to ``{"sha256", "size"}``; ``repo_id`` fills
     the loading snippet (a placeholder when ``None``); ``sample`` is the task's optional
-    text sample; ``curve_file`` is the embedded image (``None`` for none).
+    text sample; ``curve_file`` is the embedded image (``None`` for none);
+    ``signature_section`` is :func:`pipeline.signing.card_section`'s text.
     """
     name = meta["config"]["model"]["name"]
     repo = repo_id or _PLACEHOLDER_REPO.format(name=name)
@@ -212,6 +214,8 @@ def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, A
     if meta["checks"]["nonfinite_tensors"]:
         listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
+    if signature_section:
+        sections.append(signature_section)
     sections += [_hash_section(files), _verify_section(), _provenance_section(meta)]
     content = f"---\n{_card_data(meta).to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
     # Parsing it back checks the front matter is valid YAML that the Hub client accepts.

@@ -30,6 +30,8 @@ __all__ = [
     "UploadInterrupted",
     "StageChanged",
     "VerificationFailed",
+    "ReceiptNotWritten",
+    "SigningError",
     "DemoFailed",
 ]
 
@@ -117,7 +119,7 @@ class StageAuditError(StageError, ValueError):
 
 
 class SecretInStage(StageError):
-    """A staged file contains what looks like a Hugging Face token."""
+    """A staged file holds a token, a private key, or a path or name of this machine."""
 
 
 class NonFiniteWeights(StageError, ValueError):
@@ -154,6 +156,16 @@ class VerificationFailed(PublishError):
     """The commit landed, but what the Hub holds differs from the audit (exit 1)."""
 
     exit_code = 1
+
+
+class ReceiptNotWritten(PublishError):
+    """The commit landed and was verified, but the receipt could not be written (exit 1)."""
+
+    exit_code = 1
+
+
+class SigningError(PipelineError):
+    """A stage cannot be signed, or its signature does not verify with the expected key."""
 
 
 class DemoFailed(PipelineError):

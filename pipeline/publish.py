@@ -3,6 +3,9 @@
 :func:`publish` runs, in order::
 
     audit    audit_stage(hub_stage/) under stage_lock: every file against MANIFEST.sha256
+    scan     pipeline.leaks, the same scanner 05 runs: tokens (HF_TOKEN, the saved login, hf_...),
+             private keys, and this machine's paths and host name; refuses before any request
+    sign     a signed stage's model.sig verified with the expected key (pipeline.signing)
     token    huggingface_hub.get_token() (HF_TOKEN or `hf auth login`); never printed or stored
     read     repo_info -> the branch head; list_repo_tree at that head (GET requests only)
     compare  remote LFS SHA-256 / git blob ids against the audit: equal -> nothing to commit
@@ -28,6 +31,13 @@ Retries: the client retries preupload, LFS batch, PUT and verify requests on 429
 network errors by itself, but never the commit request. :func:`publish` retries the commit
 on 429 and 5xx only, at most ``COMMIT_ATTEMPTS`` times, waiting ``Retry-After`` when given
 (else 1, 2, 4 s), never longer than ``max_backoff_s``. 412 is never retried.
+
+Bounded time: every request waits at most ``timeout_s`` (default 60 s) for the Hub, the
+commit included: it is set on the client's shared session (``get_session().timeout``) and
+on its documented download and metadata timeouts, and restored afterwards. When the commit
+request times out or its answer is lost, the branch head is read again: if it holds our
+commit, publishing goes on to verification and succeeds, saying the answer was lost; if
+not, nothing was committed (exit 2). A rerun never makes a second commit.
 """
 
 from __future__ import annotations
@@ -39,14 +49,16 @@ import ipaddress
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import httpx2
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token
+from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.errors import (
+    HFValidationError,
     HfHubHTTPError,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
@@ -58,6 +70,7 @@ from .errors import (
     HubUnavailable,
     PipelineError,
     PublishError,
+    ReceiptNotWritten,
     StageChanged,
     StaleBranch,
     TokenRejected,
@@ -65,10 +78,13 @@ from .errors import (
     VerificationFailed,
 )
 from .layout import META_FILE, MODEL_FILE, RECEIPT_DIR
+from .leaks import leak_rules, scan_secrets
 from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
+from .signing import ExpectedSigner, SignatureCheck, verify_stage
 
 __all__ = [
     "COMMIT_ATTEMPTS",
+    "DEFAULT_TIMEOUT_S",
     "PublishPlan",
     "PublishResult",
     "publish",
@@ -79,6 +95,8 @@ __all__ = [
 COMMIT_ATTEMPTS = 4
 # Longest single wait before retrying the commit; PUBLISH_MAX_BACKOFF_S overrides it.
 DEFAULT_MAX_BACKOFF_S = 60.0
+# Longest wait for any one Hub request (06 --timeout).
+DEFAULT_TIMEOUT_S = 60.0
 # Kept in the repo although not staged: the Hub writes it, and it routes files to LFS.
 KEPT_REMOTE_FILES = frozenset({".gitattributes"})
 _RETRYABLE = frozenset({429, 500, 502, 503, 504})
@@ -137,18 +155,22 @@ class PublishResult:
     receipt: Path | None = None
     receipt_written: bool = False
     files: tuple[VerifiedFile, ...] = ()
+    answer_lost: bool = False
+    """The commit's answer timed out or was cut; the commit was found on the branch."""
+    signature: SignatureCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Target:
     """Where we publish: the client, and what error messages need to name."""
 
-    api: HfApi
+    api: HfApi = field(repr=False)  # holds the token
     endpoint: str
     repo_id: str
     revision: str
     prefix: str  # "" for the repo root, else "folder/"
-    token: str | None
+    token: str | None = field(repr=False)
+    timeout: float = DEFAULT_TIMEOUT_S
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -191,6 +213,44 @@ def _check_receipt_dir(receipt_dir: str | Path, stage: Path) -> Path:
     return folder
 
 
+def _check_repo_id(repo_id: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise PublishError(f"--repo-id {repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' "
+                           "(letters, digits, '-', '_', '.'; no spaces, no '..'); nothing was published") from None
+
+
+def _check_timeout(timeout: float) -> float:
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise PublishError(f"--timeout {timeout!r} must be a positive number of seconds")
+    return float(timeout)
+
+
+def _prepare_receipt_dir(folder: Path) -> None:
+    """Before any write request: the receipt folder must exist and be writable, or be creatable."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PublishError(f"--receipt-dir {folder} cannot be created ({exc.strerror}); "
+                           "nothing was published") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PublishError(f"--receipt-dir {folder} is not writable; nothing was published")
+
+
+@contextlib.contextmanager
+def _bounded_requests(timeout: float) -> Iterator[None]:
+    """Every Hub request of this block waits at most ``timeout`` seconds (see the module docstring)."""
+    session = get_session()
+    saved = session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT
+    session.timeout = httpx2.Timeout(timeout)
+    constants.HF_HUB_ETAG_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT = timeout
+    try:
+        yield
+    finally:
+        session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = saved
+
+
 def _check_transfer_protocol(endpoint: str) -> None:
     """localhub speaks the LFS upload protocol only; with hf_xet installed the client picks Xet."""
     host = urlsplit(endpoint).hostname or ""
@@ -229,12 +289,15 @@ def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseEx
 
 # -- error translation ----------------------------------------------------------------------
 
-def _http_error(target: _Target, action: str, exc: HfHubHTTPError) -> PublishError:
+_NOTHING_COMMITTED = "nothing was committed"
+
+
+def _http_error(target: _Target, action: str, exc: HfHubHTTPError, consequence: str) -> PublishError:
     status = _status(exc)
     if status in (401, 403):
         return TokenRejected(f"token rejected or no write access to {target.repo_id} at {target.endpoint} "
                              f"(HTTP {status} while {action}): check HF_TOKEN / `hf auth login` and that the token "
-                             "may write to this namespace; nothing was published")
+                             f"may write to this namespace; {consequence}")
     if status == 412:
         return StaleBranch(f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
                            "was written; rerun to publish on top of the new head")
@@ -243,27 +306,35 @@ def _http_error(target: _Target, action: str, exc: HfHubHTTPError) -> PublishErr
     if target.token:
         detail = detail.replace(target.token, "<token>")
     return PublishError(f"the Hub answered HTTP {status} while {action} on {target.repo_id}: {detail}; "
-                        "nothing was committed")
+                        f"{consequence}")
+
+
+def _network_words(target: _Target, network: BaseException) -> str:
+    if isinstance(network, httpx2.TimeoutException):
+        return f"no answer from {target.endpoint} within {target.timeout:g}s ({type(network).__name__})"
+    return f"connection to {target.endpoint} lost ({type(network).__name__})"
 
 
 @contextlib.contextmanager
-def _hub_errors(target: _Target, action: str) -> Iterator[None]:
-    """Turn client exceptions into one-line domain errors (none of which contains the token)."""
+def _hub_errors(target: _Target, action: str, consequence: str = _NOTHING_COMMITTED) -> Iterator[None]:
+    """Turn client exceptions into one-line domain errors (none of which contains the token).
+    ``consequence`` ends the message: what this failure means for the repo."""
     try:
         yield
     except PipelineError:
         raise
+    except HFValidationError as exc:
+        detail = " ".join(str(exc).split())
+        raise PublishError(f"the Hub client refused a value while {action}: {detail}; {consequence}") from None
     except Exception as exc:
         http = _cause(exc, (HfHubHTTPError,))
         if http is not None:
-            raise _http_error(target, action, http) from None  # type: ignore[arg-type]
+            raise _http_error(target, action, http, consequence) from None  # type: ignore[arg-type]
         network = _cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
-        raise UploadInterrupted(
-            f"connection to {target.endpoint} lost while {action} ({type(network).__name__}): no commit exists "
-            "unless the commit request itself was cut; rerun: it skips blobs already uploaded and never makes "
-            "a second commit") from None
+        raise UploadInterrupted(f"{_network_words(target, network)} while {action}; {consequence}; rerun: it "
+                                "skips blobs already uploaded and never makes a second commit") from None
 
 
 # -- reading the remote ---------------------------------------------------------------------
@@ -376,8 +447,9 @@ def _operations(stage: Path, plan: PublishPlan, audited: Mapping[str, AuditedFil
 
 
 def _try_commit(target: _Target, plan: PublishPlan, stage: Path,
-                audited: Mapping[str, AuditedFile]) -> str | HfHubHTTPError:
-    """One attempt: the new commit id, or the 429/5xx answer to retry on."""
+                audited: Mapping[str, AuditedFile]) -> str | HfHubHTTPError | BaseException:
+    """One attempt: the new commit id, the 429/5xx answer to retry on, or the network error
+    (timeout, cut connection) after which only the branch head can tell what happened."""
     with _hub_errors(target, "uploading and committing"):
         try:
             info = target.api.create_commit(
@@ -388,6 +460,11 @@ def _try_commit(target: _Target, plan: PublishPlan, stage: Path,
             if _status(exc) in _RETRYABLE:
                 return exc
             raise
+        except Exception as exc:
+            network = _cause(exc, (httpx2.TransportError, ConnectionError))
+            if network is None or _cause(exc, (HfHubHTTPError,)) is not None:
+                raise
+            return network
 
 
 def _wait(exc: HfHubHTTPError, attempt: int, max_backoff: float, target: _Target) -> float:
@@ -410,15 +487,36 @@ def _landed(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[st
     return head if not deletions and all(f.action == "unchanged" for f in files) else None
 
 
+def _after_lost_answer(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
+                       network: BaseException, say: Callable[[str], None]) -> str:
+    """The commit (or an upload before it) got no answer: the branch head says whether it landed."""
+    what = _network_words(target, network)
+    say(f"{what} while uploading and committing; reading the branch head to see whether the commit landed")
+    try:
+        landed = _landed(target, plan, stage, audited)
+    except PublishError as exc:
+        raise UploadInterrupted(f"{what} while committing, and the branch head could not be read afterwards "
+                                f"({exc}): the commit may or may not have landed; rerun: it finds a landed commit "
+                                "and never makes a second one") from None
+    if landed is None:
+        raise UploadInterrupted(f"{what} while uploading and committing, and the head of {target.revision} did not "
+                                "move: nothing was committed; rerun: it skips blobs already uploaded") from None
+    say(f"the answer to the commit was lost, but the commit landed: {landed}")
+    return landed
+
+
 def _commit(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
             snapshot: Mapping[str, tuple[int, int, int]], *, sleep: Callable[[float], None], max_backoff: float,
-            say: Callable[[str], None]) -> str:
-    """ONE create_commit naming ``plan.head`` as parent, retried on 429/5xx only."""
+            say: Callable[[str], None]) -> tuple[str, bool]:
+    """ONE create_commit naming ``plan.head`` as parent, retried on 429/5xx only. Returns the
+    commit id and whether its answer was lost (the commit was found on the branch)."""
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         _check_unchanged(stage, snapshot)
         answer = _try_commit(target, plan, stage, audited)
         if isinstance(answer, str):
-            return answer
+            return answer, False
+        if not isinstance(answer, HfHubHTTPError):
+            return _after_lost_answer(target, plan, stage, audited, answer, say), True
         if attempt == COMMIT_ATTEMPTS:
             break
         wait = _wait(answer, attempt, max_backoff, target)
@@ -428,7 +526,7 @@ def _commit(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[st
         landed = _landed(target, plan, stage, audited)
         if landed is not None:
             say(f"the commit had landed despite the error answer: {landed}")
-            return landed
+            return landed, True
     raise HubUnavailable(f"the Hub answered HTTP {_status(answer)} to the commit on {target.repo_id} "
                          f"{COMMIT_ATTEMPTS} times; nothing was committed; rerun later (uploaded blobs are kept)")
 
@@ -436,31 +534,40 @@ def _commit(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[st
 # -- verification and receipt ---------------------------------------------------------------
 
 def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFile], commit: str, status: str,
-            receipts: Path, say: Callable[[str], None]) -> PublishResult:
+            receipts: Path, say: Callable[[str], None], *, answer_lost: bool = False,
+            signature: SignatureCheck | None = None) -> PublishResult:
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
     url = f"{target.endpoint}/{target.repo_id}/commit/{commit}"
     expected = {target.prefix + name: entry for name, entry in audited.items()}
     say(f"verifying {commit[:12]}: Hub LFS SHA-256s, and downloaded bytes of the small files")
+    landed = "is on the Hub" if status == "already published" else "landed"
     try:
-        remote = _remote_files(target, commit)
-        with _hub_errors(target, "verifying"):
+        with _hub_errors(target, "verifying", consequence=f"commit {url} {landed}"):
+            remote = _remote_files(target, commit)
             files, problems = verify_commit(target.api, target.repo_id, commit, expected, remote,
                                             KEPT_REMOTE_FILES if not target.prefix else frozenset())
     except PublishError as exc:
-        raise VerificationFailed(f"commit {url} landed but could not be verified: {exc}; rerun to verify "
-                                 "(it makes no second commit)") from None
+        raise VerificationFailed(f"could not verify what landed: {exc}; rerun to verify (it makes no second "
+                                 "commit)") from None
     path = receipt_path(receipts, target.repo_id, commit)
     # A no-op rerun keeps the receipt of the publish itself, with its original time.
     keep = status == "already published" and path.exists() and not problems
     if not keep:
-        write_receipt(receipts, endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
-                      path_in_repo=plan.path_in_repo, commit=commit, commit_url=url,
-                      parent=plan.head if status == "published" else None, status=status, step=plan.step,
-                      files=files, problems=problems)
+        try:
+            write_receipt(receipts, endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
+                          path_in_repo=plan.path_in_repo, commit=commit, commit_url=url,
+                          parent=plan.head if status == "published" else None, status=status, step=plan.step,
+                          files=files, problems=problems,
+                          signature=None if signature is None else asdict(signature))
+        except OSError as exc:
+            verified = "and differs from the audit" if problems else "and was verified"
+            raise ReceiptNotWritten(f"commit {url} {landed} {verified}, but the receipt could not be written to "
+                                    f"{path} ({exc.strerror or exc}); rerun with a writable --receipt-dir to write "
+                                    "it (no second commit is made)") from None
     if problems:
         raise VerificationFailed(f"commit {url} landed but differs from the audited stage: {'; '.join(problems)}; "
                                  f"receipt {path}")
-    return PublishResult(plan, status, commit, url, path, not keep, tuple(files))
+    return PublishResult(plan, status, commit, url, path, not keep, tuple(files), answer_lost, signature)
 
 
 # -- entry point ----------------------------------------------------------------------------
@@ -488,47 +595,62 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
             revision: str = constants.DEFAULT_REVISION, private: bool | None = None,
             path_in_repo: str | None = None, message: str | None = None, dry_run: bool = False,
             receipt_dir: str | Path = RECEIPT_DIR, max_backoff_s: float | None = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S, signer: ExpectedSigner | None = None,
             sleep: Callable[[float], None] = time.sleep,
             say: Callable[[str], None] = lambda line: None) -> PublishResult:
     """Publish ``stage_dir`` to ``repo_id`` as one commit; see the module docstring.
 
-    The token comes from :func:`huggingface_hub.get_token` only. ``say`` receives progress
-    lines. Raises a :class:`PublishError` (exit 2, nothing published) or
-    :class:`VerificationFailed` (exit 1, the commit landed but does not match the audit).
+    The token comes from :func:`huggingface_hub.get_token` only. ``timeout_s`` bounds each
+    Hub request; ``signer`` says who must have signed a signed stage. ``say`` receives
+    progress lines. Raises a :class:`PublishError` (exit 2, nothing published),
+    :class:`VerificationFailed` (exit 1, the commit landed but does not match the audit) or
+    :class:`ReceiptNotWritten` (exit 1, landed and verified, no receipt).
     """
     stage = Path(stage_dir)
+    _check_repo_id(repo_id)
     receipts = _check_receipt_dir(receipt_dir, stage)
     endpoint = resolve_endpoint(endpoint)
     prefix = _clean_prefix(path_in_repo)
     max_backoff = _max_backoff(max_backoff_s)
+    timeout = _check_timeout(timeout_s)
     _check_transfer_protocol(endpoint)
-    # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
-    with stage_lock(stage):
-        # Re-audit every staged file right before uploading; any difference refuses before any request.
-        audited, snapshot = _audit(stage, say)
-        token = _token(dry_run)
-        target = _Target(HfApi(endpoint=endpoint, token=token), endpoint, repo_id,
-                         revision or constants.DEFAULT_REVISION, prefix, token)
-        # Read the branch head and compare the files under it with the audit (read requests only).
-        plan = _read_plan(target, stage, audited, message)
-        if dry_run:
-            return PublishResult(plan, "dry run")
-        if not plan.up_to_date and plan.head is None:
-            # Create what is missing, then plan again against the new head.
-            _create_missing(target, plan, private, say)
+    with _bounded_requests(timeout):
+        # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
+        with stage_lock(stage):
+            # Re-audit every staged file right before uploading; any difference refuses before any request.
+            audited, snapshot = _audit(stage, say)
+            # The stage may have been edited since 05 scanned it: the same scan again, before any request.
+            scan_secrets(stage, leak_rules(), consequence="nothing was published (no request was sent)")
+            signature = verify_stage(stage, signer)
+            if signature is not None:
+                say(f"signature {stage}/model.sig verified ({signature.kind}, {signature.fingerprint or 'Sigstore'}, "
+                    f"expected key from {signature.key_source})")
+            token = _token(dry_run)
+            target = _Target(HfApi(endpoint=endpoint, token=token), endpoint, repo_id,
+                             revision or constants.DEFAULT_REVISION, prefix, token, timeout)
+            # Read the branch head and compare the files under it with the audit (read requests only).
             plan = _read_plan(target, stage, audited, message)
-        if plan.up_to_date:
-            say(f"{repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit")
-            return _finish(target, plan, audited, plan.head, "already published", receipts, say)
-        if plan.head is None:
-            raise PublishError(f"{repo_id}@{target.revision} is still missing after creating it; rerun")
-        changed = sum(f.action != "unchanged" for f in plan.files)
-        say(f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
-            f"onto {plan.head[:12]} of {target.revision}")
-        commit = _commit(target, plan, stage, audited, snapshot, sleep=sleep, max_backoff=max_backoff, say=say)
-    # The client returns the old head when it found nothing to change (a race with an identical push).
-    status = "already published" if commit == plan.head else "published"
-    return _finish(target, plan, audited, commit, status, receipts, say)
+            if dry_run:
+                return PublishResult(plan, "dry run", signature=signature)
+            _prepare_receipt_dir(receipts)
+            if not plan.up_to_date and plan.head is None:
+                # Create what is missing, then plan again against the new head.
+                _create_missing(target, plan, private, say)
+                plan = _read_plan(target, stage, audited, message)
+            if plan.up_to_date:
+                say(f"{repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit")
+                return _finish(target, plan, audited, plan.head, "already published", receipts, say,
+                               signature=signature)
+            if plan.head is None:
+                raise PublishError(f"{repo_id}@{target.revision} is still missing after creating it; rerun")
+            changed = sum(f.action != "unchanged" for f in plan.files)
+            say(f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
+                f"onto {plan.head[:12]} of {target.revision}")
+            commit, lost = _commit(target, plan, stage, audited, snapshot, sleep=sleep, max_backoff=max_backoff,
+                                   say=say)
+        # The client returns the old head when it found nothing to change (a race with an identical push).
+        status = "already published" if commit == plan.head else "published"
+        return _finish(target, plan, audited, commit, status, receipts, say, answer_lost=lost, signature=signature)
 
 
 def format_plan(plan: PublishPlan) -> str:

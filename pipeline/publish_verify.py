@@ -3,7 +3,8 @@
 Large (LFS) files are checked by the SHA-256 the Hub records for them; small (regular) files
 are downloaded from the commit and hashed, because the Hub lists only their git blob id.
 The receipt (``hub_receipts/<namespace>--<name>-<commit12>.json``) records the repo, the
-commit and its URL, the time and every file's hash and how it was checked. It is written
+commit and its URL, the time, every file's hash and how it was checked, and the stage
+signature's key fingerprint (``signature``, null for an unsigned stage). It is written
 atomically, outside the stage, and never holds the token.
 """
 
@@ -87,8 +88,10 @@ def receipt_path(receipt_dir: Path, repo_id: str, commit: str) -> Path:
 
 def write_receipt(receipt_dir: Path, *, endpoint: str, repo_id: str, revision: str, path_in_repo: str,
                   commit: str, commit_url: str, parent: str | None, status: str, step: int,
-                  files: list[VerifiedFile], problems: list[str]) -> Path:
-    """Write the receipt atomically and return its path."""
+                  files: list[VerifiedFile], problems: list[str],
+                  signature: Mapping[str, Any] | None = None) -> Path:
+    """Write the receipt atomically and return its path. ``signature`` is the verified
+    stage signature (kind, key fingerprint, where the key came from), None when unsigned."""
     receipt_dir.mkdir(parents=True, exist_ok=True)
     path = receipt_path(receipt_dir, repo_id, commit)
     write_json_atomic(path, {
@@ -105,6 +108,7 @@ def write_receipt(receipt_dir: Path, *, endpoint: str, repo_id: str, revision: s
         "step": step,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "verified": not problems,
+        "signature": None if signature is None else dict(signature),
         "problems": problems,
         "files": {f.path_in_repo: {**asdict(f), "ok": f.ok} for f in files},
     })

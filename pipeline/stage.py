@@ -18,7 +18,6 @@ uploading and reuses the hashes it returns.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,18 +29,18 @@ from .card import build_model_card, render_curve
 from .checkpoint import load_checkpoint, read_tensors
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
-from .errors import ChecksumMismatch, NonFiniteWeights, SecretInStage, StageAuditError, StageError
+from .errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
 from .evaluate import read_metrics
 from .hashing import CHUNK, HashingWriter, sha256_file
-from .layout import CURVE_FILE, MANIFEST_FILE, META_FILE, METRICS_FILE, MODEL_FILE, README_FILE, STAGE_DIR, STATE_FILE
+from .leaks import scan_secrets
+from .signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
+from .layout import (CURVE_FILE, MANIFEST_FILE, META_FILE, METRICS_FILE, MODEL_FILE, PUBLIC_KEY_FILE, README_FILE,
+                     STAGE_DIR, STATE_FILE)
 
 __all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
 
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
 _GITKEEP = ".gitkeep"
-_TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
-# Shorter HF_TOKEN values would match by chance inside binary weights.
-_MIN_LITERAL_SECRET = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,36 +73,6 @@ def find_nonfinite(path: str | Path) -> list[str]:
         if not bool(torch.isfinite(tensor).all()):
             bad.append(name)
     return bad
-
-
-def _secret_patterns(environ: Mapping[str, str]) -> list[tuple[re.Pattern[bytes], str]]:
-    patterns = [(_TOKEN_PATTERN, "an hf_ token pattern")]
-    token = environ.get("HF_TOKEN", "").strip()
-    if len(token) >= _MIN_LITERAL_SECRET:
-        patterns.append((re.compile(re.escape(token.encode())), "the value of HF_TOKEN"))
-    return patterns
-
-
-def scan_secrets(folder: str | Path, *, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse if any file in ``folder`` contains an ``hf_…`` token or the value of
-    ``HF_TOKEN`` (when set, at least 8 characters). Streams each file in chunks with an
-    overlap, so large weights are not read into memory. The message names the file and the
-    kind of secret, never the secret itself."""
-    patterns = _secret_patterns(os.environ if environ is None else environ)
-    overlap = max(64, *(len(p.pattern) for p, _ in patterns))
-    for path in sorted(Path(folder).iterdir()):
-        if not path.is_file():
-            continue
-        with open(path, "rb") as handle:
-            tail = b""
-            while chunk := handle.read(CHUNK):
-                window = tail + chunk
-                for pattern, what in patterns:
-                    if pattern.search(window):
-                        raise SecretInStage(f"{path.name} would contain {what}; nothing was staged. Remove it "
-                                            "from where it came from (config card section, data, task sample) "
-                                            "and stage again")
-                tail = window[-overlap:]
 
 
 # -- building -----------------------------------------------------------------------------
@@ -206,7 +175,8 @@ def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
 
 
 def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: str, config: Config,
-                record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None) -> list[str]:
+                record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
+                signer: StageSigner | None) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
     files = {MODEL_FILE: _copy_verified(folder / MODEL_FILE, built / MODEL_FILE, meta["files"][MODEL_FILE])}
     nonfinite = find_nonfinite(built / MODEL_FILE)
@@ -220,8 +190,11 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
     staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files))
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
+    if signer is not None and signer.public_pem is not None:
+        listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
     card = build_model_card(staged, listed, repo_id=repo_id, sample=record["sample"] if record else None,
-                            curve_file=CURVE_FILE if curve is not None else None)
+                            curve_file=CURVE_FILE if curve is not None else None,
+                            signature_section=card_section(signer, repo_id))
     listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
     _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
     fsync_dir(built)
@@ -251,7 +224,7 @@ def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
 
 def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = STAGE_DIR,
                 metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
-                repo_id: str | None = None) -> StageResult:
+                repo_id: str | None = None, signer: StageSigner | None = None) -> StageResult:
     """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
     ``checkpoint.dir``, or a ``step-…`` folder).
 
@@ -259,7 +232,9 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     metrics.json from script 04) to name this step and these weights (``None`` stages
     without metrics); copy and re-hash the weights; refuse NaN/inf tensors unless
     ``allow_nonfinite``; write curve, ``meta.json``, card and manifest into a hidden
-    sibling folder; audit it and scan it for secrets; swap it into place. Any refusal
+    sibling folder; sign it with ``signer`` (:mod:`pipeline.signing`; the card says whether
+    it is signed); audit it, scan it for leaks (:mod:`pipeline.leaks`) and check the
+    signature; swap it into place. Any refusal
     raises a :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
 
     The staged ``meta.json`` holds ``schema, step, config, model, training, metrics,
@@ -278,9 +253,14 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
         _check_replaceable(stage)
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
-                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id)
+                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id, signer=signer)
+            if signer is not None:
+                sign_stage(built, signer)
             audited = audit_stage(built)
             scan_secrets(built)
+            # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
+            if signer is not None and signer.key_path is not None and not signer.certificate:
+                verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
     report, staged = _report(folder, meta, meta_sha256, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

@@ -5,12 +5,19 @@
     python scripts/05_stage.py --no-metrics             # stage without running 04 first
     python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
     cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
+    python scripts/05_stage.py --sign-key ~/keys/release.pem  # sign it (pip install -e '.[sign]')
 
 Every checkpoint file is verified against its meta.json, the stage is built in a hidden
 sibling folder, audited, scanned for tokens, and only then renamed into place. Nothing is
 uploaded. Refuses (exit 2, previous stage untouched) on a hash mismatch, NaN/inf weights
-(unless --allow-nonfinite), a token in any staged file, or a metrics.json that was computed
-for other weights.
+(unless --allow-nonfinite), a token, private key, home folder, absolute path or host name
+in a staged file, or a metrics.json that was computed for other weights.
+
+--sign-key signs the stage with OpenSSF model signing (an ECDSA P-256/384/521 private key
+in PEM, kept outside the stage; it is read, never copied): model.sig and signing_key.pub
+join the stage and the card says how to verify; --sign-certificate (with --sign-chain, the
+issuing CA certificates up to the root) puts the key's certificate chain in the signature.
+--sign-sigstore signs keylessly through Sigstore instead (online only).
 """
 
 import argparse
@@ -20,6 +27,7 @@ from pathlib import Path
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
 from pipeline.layout import METRICS_FILE, STAGE_DIR
+from pipeline.signing import key_signer, sigstore_signer
 from pipeline.stage import build_stage
 
 
@@ -34,17 +42,39 @@ def main() -> int:
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
     parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
     parser.add_argument("--repo-id", metavar="NAMESPACE/NAME", help="repository named in the card's loading snippet")
+    signing = parser.add_mutually_exclusive_group()
+    signing.add_argument("--sign-key", type=Path, metavar="KEY.pem",
+                         help="sign the stage with this ECDSA private key (PEM, outside the stage)")
+    signing.add_argument("--sign-sigstore", action="store_true",
+                         help="sign keylessly with Sigstore (needs network and an OpenID identity)")
+    parser.add_argument("--sign-certificate", type=Path, metavar="CERT.pem",
+                        help="with --sign-key: the key's certificate, carried in the signature")
+    parser.add_argument("--sign-chain", type=Path, action="append", default=[], metavar="CA.pem",
+                        help="with --sign-certificate: an issuing CA certificate, up to the root (repeatable)")
     args = parser.parse_args()
+    if (args.sign_certificate or args.sign_chain) and args.sign_key is None:
+        parser.error("--sign-certificate and --sign-chain need --sign-key (the certificate's private key)")
+    if bool(args.sign_certificate) != bool(args.sign_chain):
+        # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
+        parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
     config = config_from_args(args)
+    signer = None
+    if args.sign_key is not None:
+        signer = key_signer(args.sign_key, args.stage, certificate=args.sign_certificate,
+                            chain=tuple(args.sign_chain))
+    elif args.sign_sigstore:
+        signer = sigstore_signer()
     result = build_stage(config, checkpoint=args.checkpoint, stage_dir=args.stage,
                          metrics=None if args.no_metrics else args.metrics,
-                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id)
+                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id, signer=signer)
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))
     metrics = "with metrics" if result.with_metrics else "without metrics"
     print(f"staged step {result.step} from {result.source} into {result.stage}/ ({metrics}); "
           f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256")
+    if signer is not None:
+        print(f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}")
     return 0
 
 

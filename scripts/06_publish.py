@@ -5,17 +5,26 @@
     python scripts/06_publish.py --repo-id you/regression-mlp --private --message "First release"
     python scripts/06_publish.py --repo-id you/models --path-in-repo regression-mlp --revision staging
     HF_HUB_DISABLE_XET=1 python scripts/06_publish.py --repo-id demo/m --endpoint http://127.0.0.1:8080
+    python scripts/06_publish.py --repo-id you/regression-mlp --verify-key release.pub   # signed stage
 
 The token is read from HF_TOKEN or the one saved by `hf auth login`; it is never a command-line
 argument and is never printed or written. Every staged file is re-audited against
-MANIFEST.sha256 first; then the repo is created if missing, and one commit holding the whole
+MANIFEST.sha256 and scanned again for tokens, private keys and this machine's paths and host
+name (the stage may have changed since 05); a signed stage's model.sig must verify with the
+key of --sign-key, --verify-key, or else the stage's own signing_key.pub. Only then is any
+request sent. The repo is created if missing, and one commit holding the whole
 stage is made on top of the branch head that was read (a push in between fails with 412
 instead of being overwritten). A rerun when the Hub already holds the stage makes no commit.
 After landing, the Hub's LFS SHA-256s and the downloaded small files are checked against the
-audit, and a receipt is written to hub_receipts/.
+audit, and a receipt (with the signing key's fingerprint) is written to hub_receipts/.
+
+Every Hub request waits at most --timeout seconds (default 60). If the commit's answer is
+lost or late, the branch head is read again: a landed commit is verified and reported
+(exit 0); otherwise nothing was committed (exit 2). A rerun never makes a second commit.
 
 Exit codes: 0 published, or nothing to publish; 1 published but the check after landing
-failed; 2 not published (one line on stderr says why and what to do).
+failed, or the receipt could not be written; 2 not published (one line on stderr says why
+and what to do).
 """
 
 import argparse
@@ -39,6 +48,17 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
     parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
                         help=f"where the receipt is written (default: {RECEIPT_DIR})")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="longest wait for any one Hub request, the commit included (default: 60)")
+    signer = parser.add_argument_group("signature (stages signed by 05 --sign-key / --sign-sigstore)")
+    keys = signer.add_mutually_exclusive_group()
+    keys.add_argument("--sign-key", type=Path, metavar="KEY.pem",
+                      help="the private key 05 signed with; its public half must verify model.sig")
+    keys.add_argument("--verify-key", type=Path, metavar="PUB.pem", help="public key that must verify model.sig")
+    signer.add_argument("--verify-chain", type=Path, action="append", default=[], metavar="CA.pem",
+                        help="certificate signatures: a trusted root or intermediate CA certificate (repeatable)")
+    signer.add_argument("--verify-identity", metavar="ID", help="Sigstore: the signer identity (online)")
+    signer.add_argument("--verify-issuer", metavar="URL", help="Sigstore: the identity's OpenID issuer (online)")
     args, unknown = parser.parse_known_args()
     if unknown:
         # Never echo unknown arguments: a mistyped flag may carry a secret.
@@ -53,10 +73,14 @@ def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
     from pipeline.publish import format_plan, publish
+    from pipeline.signing import ExpectedSigner
 
+    signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,
+                            issuer=args.verify_issuer, verify_chain=tuple(args.verify_chain))
     result = publish(args.stage, args.repo_id, endpoint=args.endpoint, revision=args.revision,
                      private=args.private, path_in_repo=args.path_in_repo, message=args.message,
-                     dry_run=args.dry_run, receipt_dir=args.receipt_dir, say=lambda line: print(line, flush=True))
+                     dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout, signer=signer,
+                     say=lambda line: print(line, flush=True))
     if result.status == "dry run":
         print(format_plan(result.plan))
         print("dry run: no write request was sent")
@@ -64,7 +88,13 @@ def main() -> int:
     if result.status == "already published":
         print(f"nothing to publish: {args.repo_id} already holds this stage at {result.commit}")
     else:
-        print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit")
+        lost = " (the Hub's answer to the commit was lost; the commit was found on the branch)"
+        print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit"
+              f"{lost if result.answer_lost else ''}")
+    if result.signature is not None:
+        print(f"signed: model.sig verified, key fingerprint {result.signature.fingerprint or 'Sigstore identity'}")
+    else:
+        print("unsigned: the stage has no model.sig (stage with 05 --sign-key to sign it)")
     width = max((len(item.path_in_repo) for item in result.files), default=0)
     for item in result.files:
         print(f"  verified  {item.path_in_repo:<{width}}  sha256 {item.sha256}  ({item.checked_by})")

@@ -41,7 +41,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 def leftovers(run) -> list[str]:
     """Hidden temporary or set-aside stages next to hub_stage/."""
-    return sorted(p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage"))
+    return sorted(p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage")
+                  and p.name != ".hub_stage.lock")
 
 
 def staged_meta(run) -> dict:
@@ -177,7 +178,7 @@ def flip_a_weight_byte(run):
 
 
 def token_in_the_card(run):
-    return ["--set", f"card.description=Ask {FAKE_TOKEN} for access"], "README.md would contain an hf_ token pattern"
+    return ["--set", f"card.description=Ask {FAKE_TOKEN} for access"], "README.md holds an hf_ token"
 
 
 @pytest.mark.parametrize("damage", [flip_a_weight_byte, token_in_the_card])

@@ -22,6 +22,8 @@ class Faults:
         self._commit_failures: list[int] = []  # one HTTP status per commit to fail
         self._rate_limits: list[dict[str, Any]] = []
         self._drops: list[int | None] = []  # one entry per LFS PUT to cut: bytes to read first
+        self._withheld: list[bool] = []  # one entry per commit whose answer never comes: apply it first?
+        self._released = threading.Event()  # set by clear(): withheld answers stop waiting
         self._counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ arming
@@ -44,11 +46,20 @@ class Faults:
         with self._lock:
             self._drops.extend([after_bytes] * int(times))
 
+    def withhold_next_commit_answer(self, times: int = 1, apply: bool = True) -> None:
+        """The next `times` commits are applied (or not, with `apply=False`), then get no answer: the
+        request is held until the client gives up or the faults are cleared, and the socket is closed."""
+        with self._lock:
+            self._withheld.extend([bool(apply)] * int(times))
+            self._released.clear()
+
     def clear(self) -> None:
         with self._lock:
             self._commit_failures.clear()
             self._rate_limits.clear()
             self._drops.clear()
+            self._withheld.clear()
+        self._released.set()
 
     def configure(self, spec: dict) -> None:
         """Arm faults from the admin endpoint's JSON (same keys as the methods' arguments)."""
@@ -60,6 +71,8 @@ class Faults:
             self.rate_limit(**spec["rate_limit"])
         if "drop_upload" in spec:
             self.drop_next_upload(**spec["drop_upload"])
+        if "withhold_commit_answer" in spec:
+            self.withhold_next_commit_answer(**spec["withhold_commit_answer"])
 
     def pending(self) -> dict:
         with self._lock:
@@ -67,12 +80,22 @@ class Faults:
                 "fail_commit": list(self._commit_failures),
                 "rate_limit": [dict(r) for r in self._rate_limits],
                 "drop_upload": list(self._drops),
+                "withhold_commit_answer": list(self._withheld),
             }
 
     # ------------------------------------------------------------------ consuming (server side)
     def take_commit_failure(self) -> int | None:
         with self._lock:
             return self._commit_failures.pop(0) if self._commit_failures else None
+
+    def take_withheld_answer(self) -> bool | None:
+        """None: answer normally; else whether to apply the commit before withholding the answer."""
+        with self._lock:
+            return self._withheld.pop(0) if self._withheld else None
+
+    def hold(self, seconds: float) -> None:
+        """Wait up to `seconds`, or until the faults are cleared."""
+        self._released.wait(seconds)
 
     def take_rate_limit(self, method: str, path: str) -> int | None:
         with self._lock:

@@ -38,6 +38,7 @@ _TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _MAX_DRAIN = 64 << 20  # above this, close the connection instead of reading an unwanted body
+_WITHHELD_ANSWER_S = 120.0  # how long a withheld commit answer is held at most (faults.py)
 
 
 class _ClientGone(Exception):
@@ -479,12 +480,22 @@ class Handler(BaseHTTPRequestHandler):
             raise HubError(400, "Commit payload must be NDJSON (one JSON object per line)") from None
         if not lines or not isinstance(lines[0], dict) or lines[0].get("key") != "header":
             raise HubError(400, "Commit payload must start with a {'key': 'header'} line")
+        withheld = self.hub.faults.take_withheld_answer()
+        if withheld is False:
+            self._withhold_answer()
         commit_id = self.hub.store.commit(repo_type, repo_id, args[0], lines[0].get("value") or {},
                                           lines[1:], author=self.hub.user)
+        if withheld:
+            self._withhold_answer()
         self._send_json({
             "success": True, "commitOid": commit_id, "hookOutput": "", "pullRequestUrl": None,
             "commitUrl": f"{self._repo_url(repo_type, repo_id)}/commit/{commit_id}",
         })
+
+    def _withhold_answer(self) -> None:
+        """Fault: hold the request without answering (until the faults are cleared), then hang up."""
+        self.hub.faults.hold(_WITHHELD_ANSWER_S)
+        raise _ClientGone()
 
     def _branch(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         self._writable_repo(repo_type, repo_id)

@@ -58,7 +58,8 @@ class _Server(ThreadingHTTPServer):
 class LocalHub:
     """A Hub double bound to loopback. `with LocalHub(root, token="t") as hub: HfApi(endpoint=hub.url)`.
 
-    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`) and request counts
+    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`)
+    and request counts
     (`request_counts`, `count`) are exposed here and through the admin endpoints.
     """
 
@@ -96,6 +97,7 @@ class LocalHub:
         self._server.serve_forever()
 
     def stop(self) -> None:
+        self.faults.clear()  # release requests held by a withheld-answer fault
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join()
@@ -120,6 +122,9 @@ class LocalHub:
 
     def drop_next_upload(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_upload(times, after_bytes)
+
+    def withhold_next_commit_answer(self, times: int = 1, apply: bool = True) -> None:
+        self.faults.withhold_next_commit_answer(times, apply)
 
     def clear_faults(self) -> None:
         self.faults.clear()

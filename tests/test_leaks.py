@@ -1,0 +1,95 @@
+"""The shared leak scanner (pipeline.leaks) that 05 runs on a new stage and 06 runs again before sending anything.
+
+In-process and fast: each test writes a few files into ``tmp_path`` and scans them with the
+real scanner. The end-to-end refusals (05 and 06 as subprocesses) are in test_stage.py,
+test_publish_safety.py and test_signing.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from huggingface_hub import constants
+
+from pipeline.hashing import CHUNK
+from pipeline.errors import SecretInStage
+from pipeline.leaks import leak_rules, scan_secrets
+
+HF_SHAPED = "hf_" + "Ab3" * 12
+
+
+def rules(**kwargs):
+    """This machine's rules with a fixed environment (no real token can leak into a test)."""
+    kwargs.setdefault("environ", {})
+    return leak_rules(**kwargs)
+
+
+def refused(folder, rule_set) -> str:
+    with pytest.raises(SecretInStage) as caught:
+        scan_secrets(folder, rule_set, consequence="nothing was published")
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("secret_kind", ["hf_pattern", "literal"])
+def test_a_secret_spanning_two_read_chunks_is_found(tmp_path, secret_kind):
+    literal = f"plain-{secrets.token_hex(12)}"
+    secret = HF_SHAPED if secret_kind == "hf_pattern" else literal
+    # The file is read in CHUNK-sized reads: put the secret across the first boundary.
+    start = CHUNK - len(secret) // 2
+    data = bytearray(b"\0" * (CHUNK + 4096))
+    data[start:start + len(secret)] = secret.encode()
+    (tmp_path / "modelo.safetensors").write_bytes(bytes(data))
+    message = refused(tmp_path, rules(environ={"HF_TOKEN": literal}))
+    assert message.startswith("modelo.safetensors holds ")
+    assert ("an hf_ token" if secret_kind == "hf_pattern" else "the value of HF_TOKEN") in message
+    assert secret not in message and literal not in message
+
+
+def test_the_token_saved_by_hf_auth_login_is_found_without_being_shown(tmp_path, monkeypatch):
+    saved = f"saved-login-{secrets.token_hex(10)}"
+    token_file = tmp_path / "token"
+    token_file.write_text(saved)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(token_file))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "stored_tokens"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "README.md").write_text(f"contact: {saved}\n")
+    message = refused(stage, rules())
+    assert "README.md holds a token saved by `hf auth login`" in message and saved not in message
+
+
+def test_a_pem_private_key_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("-----BEGIN EC PRIVATE KEY-----\nMHcCAQEE...\n-----END EC PRIVATE KEY-----\n")
+    assert "notes.txt holds a PEM private key" in refused(tmp_path, rules())
+
+
+@pytest.mark.parametrize("kind", ["home", "working", "checkout", "host"])
+def test_this_machines_paths_and_host_name_are_refused_in_text(tmp_path, kind):
+    machine = rules(home="/home/alice", cwd="/srv/projects/mine", hostname="builder-17.corp")
+    from pipeline.leaks import _PACKAGE_CHECKOUT
+    leaked, words = {
+        "home": ("/home/alice/.cache/x", "the home folder's path"),
+        "working": ("/srv/projects/mine/estados_local", "the working folder's absolute path"),
+        "checkout": (f"{_PACKAGE_CHECKOUT}/pipeline", "this checkout's absolute path"),
+        "host": ("trained on BUILDER-17.corp overnight", "the host name"),
+    }[kind]
+    (tmp_path / "meta.json").write_text(f'{{"where": "{leaked}"}}\n')
+    message = refused(tmp_path, machine)
+    assert message.startswith(f"meta.json holds {words}; nothing was published")
+
+
+def test_paths_match_as_whole_names_and_only_in_text_files(tmp_path):
+    machine = rules(home="/root", cwd="/srv/x", hostname="vm")
+    # Longer names that merely start with the values, and the values inside a binary file.
+    (tmp_path / "README.md").write_text("mounted at /rootfs; see /srv/xyz; vmware, kvm\n")
+    (tmp_path / "modelo.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0 /root/ vm /srv/x/ " * 100)
+    scan_secrets(tmp_path, machine)
+    (tmp_path / "README.md").write_text("written in /root/run by the vm\n")
+    assert "README.md holds the home folder's path" in refused(tmp_path, machine)
+
+
+def test_short_token_values_are_not_matched_by_chance(tmp_path):
+    (tmp_path / "modelo.safetensors").write_bytes(b"\0abc123\0" * 64)
+    scan_secrets(tmp_path, rules(environ={"HF_TOKEN": "abc123"}))

@@ -1,0 +1,163 @@
+"""06 against a hostile stage and a Hub that stops answering (issue 11, publish side).
+
+Real scripts as subprocesses where exit codes and output matter, publish() in this process
+where a fault has to be placed between two steps; always the real huggingface_hub client
+against pipeline.localhub over loopback.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi
+
+from pipeline.audit import stage_lock
+from pipeline.audit import parse_manifest
+from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
+from pipeline.publish import _Target
+from test_publish import (TOKEN, api_for, commit_titles, hf_env, hub, no_client_sleep,  # noqa: F401 (fixtures)
+                          one_error_line, publish_here, run_publish, token_env, write_requests)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
+
+def error_line_after_uploads(result) -> str:
+    """Exit 2 with exactly one ``error:`` line, the last one (the client's upload bars may precede it)."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    return errors[0]
+
+
+def plant(stage: Path, text: str) -> None:
+    """Append ``text`` to the staged card and regenerate the manifest, as `sha256sum` would."""
+    with open(stage / "README.md", "a") as card:
+        card.write(text)
+    names = sorted(parse_manifest((stage / "MANIFEST.sha256").read_bytes()))
+    (stage / "MANIFEST.sha256").write_text(
+        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+@pytest.mark.parametrize("planted", ["hf_token_value", "hf_pattern", "home_folder", "private_key"])
+def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(staged_run, run_copy, hub, tmp_path, planted):
+    run = run_copy(staged_run)
+    text = {"hf_token_value": f"\nask {TOKEN}\n", "hf_pattern": "\nhf_" + "x9Y" * 12 + "\n",
+            "home_folder": f"\nbuilt in {os.path.expanduser('~')}/work\n",
+            "private_key": "\n-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMG\n-----END PRIVATE KEY-----\n"}[planted]
+    plant(run.stage, text)
+    result = run_publish(run.stage, hub, "alice/leaky", tmp_path / "receipts")  # fails on a printed token
+    line = one_error_line(result)
+    kind = {"hf_token_value": "the value of HF_TOKEN", "hf_pattern": "an hf_ token",
+            "home_folder": "the home folder's path", "private_key": "a PEM private key"}[planted]
+    assert line.startswith(f"error: README.md holds {kind}; nothing was published (no request was sent)"), line
+    assert "x9Yx9Y" not in result.stdout + result.stderr and "MIGHAgEAMBMG" not in result.stdout + result.stderr
+    assert hub.count() == 0
+
+
+def test_a_commit_whose_answer_is_withheld_is_found_on_the_branch_and_a_rerun_adds_nothing(
+        staged_run, hub, tmp_path):
+    hub.withhold_next_commit_answer()  # the Hub applies the commit, then never answers
+    started = time.monotonic()
+    first = run_publish(staged_run.stage, hub, "alice/lost", tmp_path / "receipts", "--timeout", "4")
+    elapsed = time.monotonic() - started
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert elapsed < 90
+    assert "the answer to the commit was lost, but the commit landed" in first.stdout
+    assert "the Hub's answer to the commit was lost; the commit was found on the branch" in first.stdout
+    assert len(commit_titles(hub, "alice/lost")) == 2
+    rerun = run_publish(staged_run.stage, hub, "alice/lost", tmp_path / "receipts", "--timeout", "4")
+    assert rerun.returncode == 0 and "nothing to publish" in rerun.stdout, rerun.stdout + rerun.stderr
+    assert len(commit_titles(hub, "alice/lost")) == 2
+
+
+def test_a_commit_that_times_out_without_landing_says_nothing_was_committed(staged_run, hub, tmp_path):
+    hub.withhold_next_commit_answer(apply=False)
+    result = run_publish(staged_run.stage, hub, "alice/timeout", tmp_path / "receipts", "--timeout", "2")
+    line = error_line_after_uploads(result)
+    assert "no answer from" in line and "within 2s" in line and "nothing was committed" in line
+    assert "landed" not in line
+    assert commit_titles(hub, "alice/timeout") == ["initial commit"]
+
+
+def test_an_invalid_repo_id_is_one_line_naming_it(staged_run, hub, tmp_path):
+    line = one_error_line(run_publish(staged_run.stage, hub, "bad repo/../x", tmp_path / "receipts"))
+    assert "--repo-id 'bad repo/../x' is not a valid Hub repo id" in line
+    assert hub.count() == 0
+
+
+def test_a_receipt_folder_that_cannot_be_written_is_refused_before_any_write(staged_run, hub, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the receipt folder should be")
+    line = one_error_line(run_publish(staged_run.stage, hub, "alice/noreceipt", blocker / "receipts"))
+    assert "--receipt-dir" in line and "cannot be created" in line and "nothing was published" in line
+    assert write_requests(hub) == 0
+
+
+def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(staged_run, hub, tmp_path,
+                                                                              token_env):
+    receipts = tmp_path / "receipts"
+
+    def receipt_folder_disappears(line: str) -> None:
+        # After the commit landed, the receipt folder is replaced by a file (a real OS failure follows).
+        if line.startswith("verifying"):
+            receipts.rmdir()
+            receipts.write_text("in the way")
+
+    with pytest.raises(ReceiptNotWritten) as failed:
+        publish_here(staged_run.stage, hub, "alice/receipt", tmp_path, say=receipt_folder_disappears)
+    head = api_for(hub).repo_info("alice/receipt").sha
+    message = str(failed.value)
+    assert failed.value.exit_code == 1
+    assert f"commit {hub.url}/alice/receipt/commit/{head} landed and was verified" in message
+    assert "the receipt could not be written" in message and "nothing was committed" not in message
+    assert len(commit_titles(hub, "alice/receipt")) == 2
+
+
+def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_committed(
+        staged_run, hub, tmp_path, token_env, monkeypatch, no_client_sleep):
+    real_create_commit = HfApi.create_commit
+    card_sha = parse_manifest((staged_run.stage / "MANIFEST.sha256").read_bytes())["README.md"]
+
+    def storage_truncates_the_card(self, *args, **kwargs):
+        info = real_create_commit(self, *args, **kwargs)
+        stored = hub.store.object_path(card_sha)
+        stored.write_bytes(stored.read_bytes()[:10])  # the Hub now answers 500 for it
+        return info
+
+    monkeypatch.setattr(HfApi, "create_commit", storage_truncates_the_card)
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/unreadable", tmp_path)
+    message = str(failed.value)
+    assert failed.value.exit_code == 1 and "landed" in message and "nothing was committed" not in message
+
+
+def test_the_token_is_not_in_the_repr_of_the_publish_target():
+    target = _Target(HfApi(endpoint="http://127.0.0.1:1", token=TOKEN), "http://127.0.0.1:1", "alice/x", "main",
+                     "", TOKEN)
+    assert TOKEN not in repr(target) and "alice/x" in repr(target)
+
+
+def test_the_stage_lock_is_beside_the_stage_not_on_its_parent(staged_run, tmp_path):
+    parent = os.open(staged_run.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Another tool holding a lock on the repository folder must not block staging or publishing.
+        fcntl.flock(parent, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with stage_lock(staged_run.stage):
+            with pytest.raises(StageError, match="being staged or published by another process"):
+                with stage_lock(staged_run.stage):
+                    pass
+    finally:
+        os.close(parent)
+    assert (staged_run.root / ".hub_stage.lock").is_file()
+
+
+def test_a_non_positive_timeout_is_refused(staged_run, hub, tmp_path, token_env):
+    with pytest.raises(PublishError, match="--timeout 0 must be a positive number"):
+        publish_here(staged_run.stage, hub, "alice/t", tmp_path, timeout_s=0)

@@ -56,14 +56,14 @@ from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token
-from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.errors import (
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 
 from .audit import AuditedFile, audit_stage, stage_lock
 from .errors import (

@@ -32,10 +32,19 @@ from .durable import atomic_folder, fsync_dir, json_bytes, recover
 from .errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
 from .evaluate import read_metrics
 from .hashing import CHUNK, HashingWriter, sha256_file
+from .layout import (
+    CURVE_FILE,
+    MANIFEST_FILE,
+    META_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    PUBLIC_KEY_FILE,
+    README_FILE,
+    STAGE_DIR,
+    STATE_FILE,
+)
 from .leaks import scan_secrets
 from .signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
-from .layout import (CURVE_FILE, MANIFEST_FILE, META_FILE, METRICS_FILE, MODEL_FILE, PUBLIC_KEY_FILE, README_FILE,
-                     STAGE_DIR, STATE_FILE)
 
 __all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
 

@@ -12,8 +12,8 @@ import secrets
 import pytest
 from huggingface_hub import constants
 
-from pipeline.hashing import CHUNK
 from pipeline.errors import SecretInStage
+from pipeline.hashing import CHUNK
 from pipeline.leaks import leak_rules, scan_secrets
 
 HF_SHAPED = "hf_" + "Ab3" * 12

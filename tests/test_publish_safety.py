@@ -14,14 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+import test_publish
 from huggingface_hub import HfApi
+from test_publish import TOKEN, api_for, commit_titles, one_error_line, publish_here, run_publish, write_requests
 
-from pipeline.audit import stage_lock
-from pipeline.audit import parse_manifest
+from pipeline.audit import parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
 from pipeline.publish import _Target
-from test_publish import (TOKEN, api_for, commit_titles, hf_env, hub, no_client_sleep,  # noqa: F401 (fixtures)
-                          one_error_line, publish_here, run_publish, token_env, write_requests)
+
+# The loopback Hub fixtures of test_publish.py (hf_env is autouse there, and so here).
+hf_env, hub, token_env, no_client_sleep = (test_publish.hf_env, test_publish.hub, test_publish.token_env,
+                                           test_publish.no_client_sleep)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 

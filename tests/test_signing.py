@@ -14,13 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_publish
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from huggingface_hub import snapshot_download
+from test_publish import TOKEN, commit_titles, one_error_line, run_publish, write_requests
 
 from pipeline.audit import parse_manifest
-from test_publish import (TOKEN, api_for, commit_titles, hf_env, hub, one_error_line,  # noqa: F401 (fixtures)
-                          run_publish, write_requests)
+
+# The loopback Hub fixtures of test_publish.py (hf_env is autouse there, and so here).
+hf_env, hub = test_publish.hf_env, test_publish.hub
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 

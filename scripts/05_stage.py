@@ -4,6 +4,8 @@
     python scripts/05_stage.py --checkpoint estados_local/step-00000010 --stage hub_stage
     python scripts/05_stage.py --no-metrics             # stage without running 04 first
     python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
+    python scripts/05_stage.py --max-shard-size 2GB     # modelo-0000i-of-0000N.safetensors + index
+    python scripts/05_stage.py --proof runs/proof       # ship the resume proof; the card states its verdict
     cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
 
 Every checkpoint file is verified against its meta.json, the stage is built in a hidden
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.hf_export import DEFAULT_MAX_SHARD_SIZE
 from pipeline.layout import METRICS_FILE, STAGE_DIR
 from pipeline.stage import build_stage
 
@@ -34,11 +37,18 @@ def main() -> int:
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
     parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
     parser.add_argument("--repo-id", metavar="NAMESPACE/NAME", help="repository named in the card's loading snippet")
+    parser.add_argument("--proof", type=Path, metavar="DIR",
+                        help="stage the resume proof in DIR (scripts/03_verify_resume.py --output) if it proves "
+                             "this checkpoint's config, code and data")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                        help="split the weights into modelo-0000i-of-0000N.safetensors files of at most SIZE "
+                             f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained)")
     args = parser.parse_args()
     config = config_from_args(args)
     result = build_stage(config, checkpoint=args.checkpoint, stage_dir=args.stage,
                          metrics=None if args.no_metrics else args.metrics,
-                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id)
+                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id,
+                         max_shard_size=args.max_shard_size, proof=args.proof)
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

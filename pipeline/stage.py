@@ -2,11 +2,16 @@
 
 A stage (``hub_stage/`` by default) holds plain files only::
 
-    modelo.safetensors   the checkpoint's weights, byte for byte
+    modelo.safetensors   the checkpoint's weights, byte for byte (or modelo-0000i-of-0000N
+                         shards, or renamed for transformers: see hf_export)
+    model.safetensors.index.json   tensor -> file, so from_pretrained finds the weights
+    config.json          how to rebuild the model (save_pretrained's for transformers models)
+    code/...             the model factory's module and the local modules it imports
     meta.json            the publishable record (schema pipeline.stage/1, see build_stage)
     training_curve.png   loss and learning rate against step
     README.md            the model card
     MANIFEST.sha256      `sha256sum` format over every other file
+    (generation_config.json, the factory module's hub_files, verification.json: when present)
 
 :func:`build_stage` verifies the checkpoint, writes everything into a hidden sibling
 folder, audits it, and only then swaps it into place, so a half-built or refused stage is
@@ -358,10 +363,11 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     sibling folder; audit it and scan it for secrets; swap it into place. Any refusal
     raises a :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
 
-    The staged ``meta.json`` holds ``schema, step, config, model, training, metrics,
-    provenance, source_checkpoint, checks, files`` (``files``: ``modelo.safetensors`` and
-    ``training_curve.png`` with ``sha256`` and ``size``; README.md and the manifest
-    cannot be listed, as they embed or list meta.json's own hash).
+    The staged ``meta.json`` holds ``schema, step, config, model, export, repo_id, training,
+    metrics, provenance, source_checkpoint, checks, files, proof`` (``files``: every staged
+    file but README.md and the manifest, which embed or list meta.json's own hash, with
+    ``sha256`` and ``size``). ``max_shard_size`` splits the weights above that size;
+    ``proof`` stages a resume proof folder's report if it proves this checkpoint.
     """
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))

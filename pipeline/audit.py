@@ -11,27 +11,29 @@ import contextlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from .durable import FolderLock
 from .errors import StageAuditError, StageError
 from .hashing import sha256_bytes, sha256_file
-from .layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE, SIGNATURE_FILE
+from .layout import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, META_FILE, README_FILE, SIGNATURE_FILE
 
 __all__ = [
     "STAGE_SCHEMA",
     "AuditedFile",
     "audit_stage",
+    "weight_files",
     "parse_manifest",
     "stage_lock",
     "format_audit_table",
 ]
 
 STAGE_SCHEMA = "pipeline.stage/1"
-# Files every stage must hold besides the manifest.
-REQUIRED_FILES = (MODEL_FILE, META_FILE, README_FILE)
+# Files every stage must hold besides the manifest and the weights the index names.
+REQUIRED_FILES = (META_FILE, README_FILE, CONFIG_FILE, INDEX_FILE)
 _MAX_SMALL_FILE = 16 * 1024 * 1024
 _MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  ([^\n]+)$")
 
@@ -53,9 +55,32 @@ class AuditedFile:
 
 # -- audit --------------------------------------------------------------------------------
 
+def _plain_path(name: str) -> bool:
+    """A relative POSIX path that stays inside the stage: no empty, '.' or '..' segment."""
+    parts = name.split("/")
+    return (name != MANIFEST_FILE and "\\" not in name and "\0" not in name
+            and all(part not in ("", ".", "..") for part in parts))
+
+
+def _listed_files(stage: Path) -> list[str]:
+    """Every file under ``stage`` as a relative POSIX path; links refused anywhere, and
+    folders that hold no file (the Hub stores files, so such a folder would not be published)."""
+    names = []
+    for folder, dirs, files in os.walk(stage):
+        for entry in sorted(dirs + files):
+            path = Path(folder) / entry
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise StageAuditError(f"{path} is a link or special file: a stage holds plain files and folders only")
+        if not dirs and not files and Path(folder) != stage:
+            raise StageAuditError(f"{folder} is an empty folder that {MANIFEST_FILE} does not account for: the "
+                                  "stage was modified after it was built")
+        names += [(Path(folder) / name).relative_to(stage).as_posix() for name in files]
+    return sorted(names)
+
+
 def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]:
     """Strict ``sha256sum`` text format: one ``<64 lowercase hex>  <name>`` per line, each
-    line ending in a newline, plain file names (no folders), no duplicates."""
+    line ending in a newline, relative paths inside the stage (``code/…``), no duplicates."""
     try:
         decoded = text.decode("utf-8")
     except UnicodeDecodeError:
@@ -68,8 +93,8 @@ def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]
         if match is None:
             raise StageAuditError(f"{where} line {number} is not '<sha256>  <name>'")
         digest, name = match.groups()
-        if "/" in name or "\\" in name or "\0" in name or name in (".", "..", MANIFEST_FILE):
-            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists plain file names only")
+        if not _plain_path(name):
+            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists relative file paths only")
         if name in entries:
             raise StageAuditError(f"{where} lists {name} twice")
         entries[name] = digest
@@ -85,16 +110,33 @@ def _read_small(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _check_staged_meta(path: Path, audited: Mapping[str, AuditedFile]) -> None:
-    """The record's own files table must agree with what the manifest verified."""
+def _read_json(path: Path) -> Any:
     try:
-        meta = json.loads(_read_small(path))
+        return json.loads(_read_small(path))
     except (ValueError, UnicodeDecodeError):
         raise StageAuditError(f"{path} is not valid JSON") from None
+
+
+def weight_files(stage_dir: str | Path) -> list[str]:
+    """The weights files ``model.safetensors.index.json`` names, in order (one or shards)."""
+    path = Path(stage_dir) / INDEX_FILE
+    index = _read_json(path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise StageAuditError(f"{path} has no weight_map of tensor names to files")
+    return sorted(set(weight_map.values()))
+
+
+def _check_staged_meta(stage: Path, audited: Mapping[str, AuditedFile]) -> None:
+    """The record's own files table must agree with what the manifest verified, and hold
+    every weights file the index names."""
+    path = stage / META_FILE
+    meta = _read_json(path)
     if not isinstance(meta, dict) or meta.get("schema") != STAGE_SCHEMA or not isinstance(meta.get("files"), dict):
         raise StageAuditError(f"{path} is not a {STAGE_SCHEMA} record")
-    if MODEL_FILE not in meta["files"]:
-        raise StageAuditError(f"{path} does not record {MODEL_FILE}")
+    for name in weight_files(stage):
+        if name not in meta["files"]:
+            raise StageAuditError(f"{stage / INDEX_FILE} names {name}, which {path} does not record")
     for name, entry in sorted(meta["files"].items()):
         held = audited.get(name)
         if held is None:
@@ -107,10 +149,11 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
     """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
 
     Checks: the folder holds exactly the files the manifest lists plus the manifest itself
-    (no extras, none missing, no links or subfolders; ``model.sig`` may be there unlisted,
-    as the signature covers the manifest); each file's SHA-256 equals the
-    manifest's; ``modelo.safetensors``, ``meta.json`` and ``README.md`` are present; and
-    the ``files`` table inside ``meta.json`` agrees with the manifest.
+    (no extras, none missing, no links; subfolders only for listed files such as ``code/…``;
+    ``model.sig`` may be there unlisted, as the signature covers the manifest); each file's
+    SHA-256 equals the manifest's; ``meta.json``, ``README.md``, ``config.json`` and
+    ``model.safetensors.index.json`` are present; and the ``files`` table inside
+    ``meta.json`` agrees with the manifest and holds every weights file the index names.
 
     Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
     from the bytes the audit parsed). The keys are exactly the files to upload, and each
@@ -127,13 +170,9 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
         raise StageAuditError(f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py")
     raw = _read_small(manifest_path)
     expected = parse_manifest(raw, where=str(manifest_path))
-    for entry in sorted(stage.iterdir()):
-        if entry.is_symlink() or not entry.is_file():
-            raise StageAuditError(f"{entry} is a link or folder: a stage holds plain files only")
-        if entry.name in (MANIFEST_FILE, SIGNATURE_FILE):
-            continue
-        if entry.name not in expected:
-            raise StageAuditError(f"{entry} is not listed in {MANIFEST_FILE}: the stage was modified after "
+    for name in _listed_files(stage):
+        if name not in (MANIFEST_FILE, SIGNATURE_FILE) and name not in expected:
+            raise StageAuditError(f"{stage / name} is not listed in {MANIFEST_FILE}: the stage was modified after "
                                   "it was built")
     for name in sorted(expected):
         if not (stage / name).is_file():
@@ -142,14 +181,18 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
         if name not in expected:
             raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
     audited: dict[str, AuditedFile] = {}
-    for name, digest in sorted(expected.items()):
-        path = stage / name
+    names = sorted(expected)
+    # hashlib releases the GIL on large buffers, so threads hash several shards on several cores.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        hashes = dict(zip(names, pool.map(lambda name: sha256_file(stage / name), names)))
+    for name in names:
+        digest, path = expected[name], stage / name
         size = path.stat().st_size
-        actual = sha256_file(path)
+        actual = hashes[name]
         if actual != digest:
             raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
         audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
-    _check_staged_meta(stage / META_FILE, audited)
+    _check_staged_meta(stage, audited)
     audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
     signature = stage / SIGNATURE_FILE
     if signature.is_file():

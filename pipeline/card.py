@@ -10,15 +10,17 @@ from __future__ import annotations
 import io
 import math
 import re
+import unicodedata
 from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .layout import CURVE_FILE, META_FILE, MODEL_FILE
+from .layout import CURVE_FILE
 
-__all__ = ["render_curve", "build_model_card"]
+__all__ = ["render_curve", "build_model_card", "printable"]
 
 LIBRARY_NAME = "pytorch"
+TRANSFORMERS_LIBRARY = "transformers"
 _PLACEHOLDER_REPO = "<namespace>/{name}"
 
 
@@ -75,59 +77,154 @@ def _number(value: float) -> str:
     return f"{value:.6g}"
 
 
+def printable(text: str) -> str:
+    """``text`` with every control character but newline and tab written as ``\\xNN`` (or
+    ``\\uNNNN``), and lone surrogates as ``\\uNNNN``: the Hub refuses a README holding NUL
+    bytes, and other controls garble it. Printable text is returned unchanged."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cs"):
+            out.append(char)
+        else:
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)
+
+
+def _eval_dataset(card: Mapping[str, Any], model_name: str) -> tuple[str, str]:
+    """(name, type) of the evaluation table's dataset: set in the card section, else the
+    first training dataset, else a name saying what it is (a type that links nowhere)."""
+    first = card["datasets"][0] if card["datasets"] else ""
+    name = card["eval_dataset_name"] or first or f"{model_name} held-out data"
+    return name, card["eval_dataset_type"] or first or "custom"
+
+
 def _card_data(meta: Mapping[str, Any]) -> ModelCardData:
     config = meta["config"]
+    card = config["card"]
     metrics = meta["metrics"]
     eval_results = None
     if metrics is not None:
+        dataset_name, dataset_type = _eval_dataset(card, config["model"]["name"])
         eval_results = [
-            EvalResult(task_type="other", task_name="held-out evaluation", dataset_type="pipeline-prepared",
-                       dataset_name=f"{config['data']['prepare']} ({metrics['split']} split)",
-                       dataset_split=metrics["split"], metric_type=name, metric_name=name, metric_value=value)
+            EvalResult(task_type=card["pipeline_tag"] or "other", task_name="held-out evaluation",
+                       dataset_type=dataset_type, dataset_name=dataset_name, dataset_split=metrics["split"],
+                       metric_type=name, metric_name=name, metric_value=value)
             for name, value in metrics["values"].items()
         ]
+    default_library = TRANSFORMERS_LIBRARY if meta["export"]["transformers"] else LIBRARY_NAME
     return ModelCardData(
-        library_name=LIBRARY_NAME,
-        license=config["card"]["license"],
-        tags=list(config["card"]["tags"]),
+        library_name=card["library_name"] or default_library,
+        pipeline_tag=card["pipeline_tag"] or None,
+        language=list(card["language"]) or None,
+        datasets=list(card["datasets"]) or None,
+        base_model=card["base_model"] or None,
+        license=card["license"],
+        tags=list(card["tags"]),
         model_name=config["model"]["name"],
         metrics=sorted(metrics["values"]) if metrics is not None else None,
         eval_results=eval_results,
     )
 
 
+def _weights_phrase(meta: Mapping[str, Any]) -> str:
+    files = meta["export"]["weights"]
+    if len(files) == 1:
+        return f"`{files[0]}`"
+    return f"{len(files)} shards (`{files[0]}` … `{files[-1]}`, listed in `model.safetensors.index.json`)"
+
+
 def _describe(meta: Mapping[str, Any]) -> str:
     config = meta["config"]
     if config["card"]["description"].strip():
         return config["card"]["description"].strip()
-    return (f"`{config['model']['name']}` is a PyTorch model with {meta['model']['num_parameters']:,} parameters "
+    kind = "transformers" if meta["export"]["transformers"] else "PyTorch"
+    return (f"`{config['model']['name']}` is a {kind} model with {meta['model']['num_parameters']:,} parameters "
             f"built by `{config['model']['factory']}` and trained for {meta['step']} steps on data prepared by "
-            f"`{config['data']['prepare']}`. The weights are stored in `{MODEL_FILE}` "
+            f"`{config['data']['prepare']}`. The weights are stored in {_weights_phrase(meta)} "
             f"({config['training']['dtype']}); `meta.json` records the config, metrics and provenance.")
 
 
-def _load_section(meta: Mapping[str, Any], repo_id: str) -> str:
-    sha = meta["files"][MODEL_FILE]["sha256"]
-    code = f'''import hashlib, json
-from huggingface_hub import hf_hub_download
+def _progress_line(meta: Mapping[str, Any]) -> str:
+    """What the staged checkpoint is, from the record: never the configured run length alone."""
+    step, planned = meta["step"], meta["config"]["training"]["max_steps"]
+    run = ("the last step of its run" if step >= planned
+           else f"an intermediate checkpoint of a run configured for {planned:,} steps")
+    return (f"This is step **{step:,}**, {run}; {meta['model']['num_parameters']:,} parameters in "
+            f"{_weights_phrase(meta)}.")
+
+
+def _check_hashes_code(files: Mapping[str, Mapping[str, Any]]) -> str:
+    expected = "\n".join(f'    "{name}": "{entry["sha256"]}",' for name, entry in sorted(files.items()))
+    return (f"expected = {{  # SHA-256 of every file, as listed on this card\n{expected}\n}}\n"
+            "for name, sha256 in expected.items():\n"
+            '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from the card"')
+
+
+def _transformers_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
+    architecture = meta["export"]["architecture"].rpartition(".")[2]
+    return f"""import hashlib
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from transformers import {architecture}
+
+repo_id = "{repo_id}"
+revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download
+folder = Path(snapshot_download(repo_id, revision=revision))
+{_check_hashes_code(files)}
+
+model, info = {architecture}.from_pretrained(folder, output_loading_info=True)
+# Strict: every tensor of the model came from the files, and every file tensor was used.
+assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+model.eval()"""
+
+
+def _code_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
+    return f"""import hashlib, importlib, json, sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from huggingface_hub import snapshot_download
 from safetensors.torch import load_file
 
-repo = "{repo_id}"
-weights = hf_hub_download(repo, "{MODEL_FILE}")
-with open(weights, "rb") as f:
-    assert hashlib.sha256(f.read()).hexdigest() == "{sha}"
-state_dict = load_file(weights)  # plain tensors; no pickle, no code runs on load
+repo_id = "{repo_id}"
+revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download
+folder = Path(snapshot_download(repo_id, revision=revision))
+{_check_hashes_code(files)}
 
-# Rebuild the architecture from the recorded config (needs the `pipeline` package):
-from pipeline import build_model, config_from_dict, load_model_weights
+spec = json.loads((folder / "config.json").read_text())
+# This imports and runs the Python files under code/ of this repository: read them first.
+sys.path.insert(0, str(folder / "code"))
+module, _, function = spec["factory"].partition(":")
+config = SimpleNamespace(**{{section: SimpleNamespace(**values) for section, values in spec["config"].items()}})
+model = getattr(importlib.import_module(module), function)(config).to(getattr(torch, spec["dtype"]))
 
-meta = json.load(open(hf_hub_download(repo, "{META_FILE}")))
-model = build_model(config_from_dict(meta["config"]))
-load_model_weights(model, state_dict)  # strict: names, shapes and dtypes must match
-model.eval()'''
-    return ("## How to load it\n\n"
-            "The weights are a plain [safetensors](https://huggingface.co/docs/safetensors) file. "
-            "Pin `revision=` to a commit for reproducible downloads.\n\n" + _fence(code, "python"))
+weights = {{}}
+index = json.loads((folder / "model.safetensors.index.json").read_text())
+for file in sorted(set(index["weight_map"].values())):
+    weights.update(load_file(folder / file))  # plain tensors: no pickle, no code runs here
+for alias, stored in spec["tied"].items():  # tied weights are stored once
+    weights[alias] = weights[stored]
+model.load_state_dict(weights, strict=True)  # names and shapes must match exactly
+model.eval()"""
+
+
+def _load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
+    if meta["export"]["transformers"]:
+        code = _transformers_load_code(meta, files, repo_id)
+        intro = ("A transformers model: `config.json` is the model's own config and "
+                 "`model.safetensors.index.json` maps every tensor to its file, so `from_pretrained` loads it "
+                 "with no code from this repository. The snippet first checks every file against this card.")
+    else:
+        code = _code_load_code(meta, files, repo_id)
+        intro = ("This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's "
+                 "Python code**: the model factory and the local modules it imports are under `code/` (listed "
+                 "with their SHA-256 below); `config.json` names the factory and holds the config it is called with. "
+                 "The snippet checks every file against this card before importing anything.")
+    return (f"## How to load it\n\n{intro} Pin `revision=` to a commit id (or a tag) so that what you load "
+            "cannot change under you.\n\n" + _fence(code, "python"))
 
 
 def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
@@ -160,6 +257,22 @@ def _metrics_section(meta: Mapping[str, Any]) -> str:
             f"(fingerprint `{metrics['data_fingerprint'][:12]}`), evaluated with exactly the weights below "
             f"(step {meta['step']}):\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"
             "Full-precision values are in `meta.json` under `metrics`.")
+
+
+def _proof_section(meta: Mapping[str, Any]) -> str:
+    proof = meta.get("proof")
+    if proof is None:
+        return ("## Resume proof\n\nNo resume proof was staged with this checkpoint "
+                "(`scripts/05_stage.py --proof DIR` stages the report of `scripts/03_verify_resume.py`).")
+    verdict = "**proven**" if proof["all_checks_passed"] else "**not proven**"
+    tolerance = proof["tolerance"]
+    exactness = "bitwise (tolerance 0)" if tolerance["atol"] == 0 else f"absolute tolerance {tolerance['atol']}"
+    controls = ", ".join(f"{name}: {result}" for name, result in sorted(proof["controls"].items()))
+    return (f"## Resume proof\n\nResuming this training run is {verdict}: a run cut at step {proof['cut']} and "
+            f"resumed in a new process matched the uninterrupted run over {proof['steps']} steps in "
+            f"{proof['checks_passed']} of {proof['checks']} checks, {exactness}. Negative controls (resumes that "
+            f"leave one saved component out, which must diverge): {controls}. The proof was made with this "
+            f"checkpoint's config, code and data fingerprints; the full report is [`{proof['file']}`]({proof['file']}).")
 
 
 def _hash_section(files: Mapping[str, Mapping[str, Any]]) -> str:
@@ -197,26 +310,29 @@ def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, A
     ``files`` maps each file the card lists to ``{"sha256", "size"}``; ``repo_id`` fills
     the loading snippet (a placeholder when ``None``); ``sample`` is the task's optional
     text sample; ``curve_file`` is the embedded image (``None`` for none);
-    ``signature_section`` is :func:`pipeline.signing.card_section`'s text.
+    ``signature_section`` is :func:`pipeline.signing.card_section`'s text. The card is
+    always UTF-8 text without control characters (see :func:`printable`).
     """
     name = meta["config"]["model"]["name"]
     repo = repo_id or _PLACEHOLDER_REPO.format(name=name)
     sections = [
         f"# {name}",
         _describe(meta),
-        f"Step **{meta['step']}**; `{MODEL_FILE}` SHA-256 `{meta['files'][MODEL_FILE]['sha256']}`.",
-        _load_section(meta, repo),
+        _progress_line(meta),
+        _load_section(meta, files, repo),
         _training_section(meta, curve_file),
         _metrics_section(meta),
     ]
     if sample:
-        sections.append("## Sample\n\nOutput of the task's `sample()` with these weights:\n\n" + _fence(sample, "text"))
+        sections.append("## Sample\n\nOutput of the task's `sample()` with these weights (control characters "
+                        "written as `\\xNN`):\n\n" + _fence(printable(sample), "text"))
     if meta["checks"]["nonfinite_tensors"]:
         listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)
-    sections += [_hash_section(files), _verify_section(), _provenance_section(meta)]
-    content = f"---\n{_card_data(meta).to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+    sections += [_proof_section(meta), _hash_section(files), _verify_section(), _provenance_section(meta)]
+    body = printable("\n\n".join(sections) + "\n")
+    content = f"---\n{_card_data(meta).to_yaml()}\n---\n\n" + body
     # Parsing it back checks the front matter is valid YAML that the Hub client accepts.
     return ModelCard(content)

@@ -188,9 +188,22 @@ class CheckpointConfig:
         _require(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1 (got {self.keep_last})")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_LANGUAGE = re.compile(r"^[a-z]{2,3}(-[A-Za-z0-9]{2,8})*$")
+_PIPELINE_TAG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+def _strings(values: Any, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> None:
+    _require(isinstance(values, list) and all(isinstance(v, str) and v.strip() for v in values), key,
+             "must be a list of non-empty strings")
+    for value in values:
+        _require(pattern is None or bool(pattern.match(value)), key, f"holds {value!r}, which is not {what}")
+
+
 @dataclass(kw_only=True, slots=True)
 class CardConfig:
-    """What the model card (script 05) says about the model."""
+    """What the model card (script 05) says about the model: its front matter is what the Hub
+    indexes (search filters, the widget, the evaluation table)."""
 
     license: str = "apache-2.0"
     """License identifier for the card's front matter."""
@@ -198,9 +211,32 @@ class CardConfig:
     """Hub tags."""
     description: str = ""
     """One paragraph describing the model; a default is written when empty."""
+    library_name: str = ""
+    """The Hub's library field; empty means ``transformers`` for a transformers model, else ``pytorch``."""
+    pipeline_tag: str = ""
+    """The Hub task, e.g. ``text-generation``; empty leaves it out."""
+    language: list = field(default_factory=list)
+    """Languages of the data as ISO 639 codes, e.g. ``[en]``."""
+    datasets: list = field(default_factory=list)
+    """Hub dataset ids the model was trained on, e.g. ``[tiny_shakespeare]``."""
+    base_model: str = ""
+    """Hub id of the model this one was fine-tuned from; empty for a model trained from scratch."""
+    eval_dataset_name: str = ""
+    """The evaluation table's dataset name; empty means the first of ``datasets``, else the model's data."""
+    eval_dataset_type: str = ""
+    """The evaluation table's dataset type (a Hub dataset id links it); empty means the first of ``datasets``."""
 
     def __post_init__(self) -> None:
-        _require(all(isinstance(t, str) for t in self.tags), "card.tags", "must be a list of strings")
+        _strings(self.tags, "card.tags")
+        _strings(self.language, "card.language", _LANGUAGE, "an ISO 639 code such as 'en' or 'pt-BR'")
+        _strings(self.datasets, "card.datasets", _HUB_ID, "a Hub dataset id such as 'user/name'")
+        _require(not self.base_model or bool(_HUB_ID.match(self.base_model)), "card.base_model",
+                 f"must be a Hub model id such as 'user/name' (got {self.base_model!r})")
+        _require(not self.pipeline_tag or bool(_PIPELINE_TAG.match(self.pipeline_tag)), "card.pipeline_tag",
+                 f"must be a Hub task such as 'text-generation' (got {self.pipeline_tag!r})")
+        _require(not self.library_name or bool(_PIPELINE_TAG.match(self.library_name)), "card.library_name",
+                 f"must be a Hub library name such as 'transformers' (got {self.library_name!r})")
+        _require(bool(self.license.strip()), "card.license", "must not be empty")
 
 
 _SECTIONS: dict[str, type] = {

@@ -23,6 +23,7 @@ __all__ = [
     "StageAuditError",
     "SecretInStage",
     "NonFiniteWeights",
+    "ProofMismatch",
     "PublishError",
     "TokenRejected",
     "StaleBranch",
@@ -124,6 +125,10 @@ class SecretInStage(StageError):
 
 class NonFiniteWeights(StageError, ValueError):
     """A floating-point tensor of the weights holds NaN or infinite values."""
+
+
+class ProofMismatch(StageError, ValueError):
+    """A resume proof to stage is unreadable, incomplete, or proves another config, code or data."""
 
 
 # -- publishing (pipeline.publish) ----------------------------------------------------------

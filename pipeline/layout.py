@@ -6,6 +6,7 @@ __all__ = [
     "CHECKPOINT_DIR", "STAGE_DIR", "DATA_DIR", "RECEIPT_DIR", "MODEL_FILE", "STATE_FILE", "META_FILE",
     "MANIFEST_FILE", "README_FILE", "CURVE_FILE", "METRICS_FILE", "DATA_MANIFEST_FILE", "LOCK_FILE",
     "SIGNATURE_FILE", "PUBLIC_KEY_FILE",
+    "CONFIG_FILE", "GENERATION_CONFIG_FILE", "INDEX_FILE", "CODE_DIR", "shard_name",
 ]
 
 # Default folders (config.yaml / command-line flags may point elsewhere).
@@ -24,8 +25,19 @@ CURVE_FILE = "training_curve.png"
 # Written by 05 --sign-key; the signature covers every other staged file (see pipeline/signing.py).
 SIGNATURE_FILE = "model.sig"
 PUBLIC_KEY_FILE = "signing_key.pub"
+# What the Hub's own tools look for in a stage (transformers, the Hub's file viewer).
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+# The model's source files, kept under their import paths so the card's snippet can import them.
+CODE_DIR = "code"
 
 # Elsewhere.
 METRICS_FILE = "metrics.json"
 DATA_MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
+
+
+def shard_name(index: int, count: int) -> str:
+    """``modelo-00001-of-00003.safetensors``: the weights file name, split as save_pretrained splits."""
+    return f"{MODEL_FILE.removesuffix('.safetensors')}-{index:05d}-of-{count:05d}.safetensors"

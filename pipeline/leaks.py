@@ -112,7 +112,7 @@ def _whole_word(value: bytes, what: str) -> re.Pattern[bytes]:
 
 def scan_secrets(folder: str | Path, rules: LeakRules | None = None, *,
                  consequence: str = "nothing was staged") -> None:
-    """Refuse (:class:`SecretInStage`) if any plain file directly in ``folder`` leaks what
+    """Refuse (:class:`SecretInStage`) if any plain file in ``folder`` (subfolders included) leaks what
     ``rules`` (default :func:`leak_rules`) name. The message names the file, the kind of
     leak and ``consequence``; it never holds a secret's value."""
     rules = leak_rules() if rules is None else rules
@@ -121,7 +121,8 @@ def scan_secrets(folder: str | Path, rules: LeakRules | None = None, *,
     in_text = [(_whole_word(value, what), what) for value, what in rules.machine]
     longest = max([len(value) for value, _ in rules.secrets + rules.machine] + [64])
     overlap = longest + 2  # the look-around bytes of a whole-word match
-    for path in sorted(Path(folder).iterdir()):
+    folder = Path(folder)
+    for path in sorted(folder.rglob("*")):
         if path.is_symlink() or not path.is_file():
             continue
         with open(path, "rb") as handle:
@@ -134,7 +135,8 @@ def scan_secrets(folder: str | Path, rules: LeakRules | None = None, *,
                 window = tail + chunk
                 for pattern, what in patterns:
                     if pattern.search(window):
-                        raise SecretInStage(f"{path.name} holds {what}; {consequence}. Remove it from where it "
+                        name = path.relative_to(folder).as_posix()
+                        raise SecretInStage(f"{name} holds {what}; {consequence}. Remove it from where it "
                                             "came from (config card section, data, task sample, edits to the "
                                             "stage) and stage again")
                 tail = window[-overlap:]

@@ -13,7 +13,7 @@ from .config import Config
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
 __all__ = ["PACKAGE_ROOT", "code_fingerprint", "factory_sources", "factories_fingerprint",
-           "library_versions"]
+           "sources_fingerprint", "library_versions"]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
@@ -49,7 +49,7 @@ def library_versions() -> dict[str, str | None]:
         "numpy": numpy.__version__,
         "safetensors": _version("safetensors"),
         "huggingface_hub": _version("huggingface_hub"),
-        "pipeline": _version("pipeline"),
+        "pipeline": _version("exact-resume-pipeline"),
         "cuda": torch.version.cuda,
     }
 
@@ -78,6 +78,10 @@ def factory_sources(config: Config) -> dict[str, dict[str, Any]]:
 
 def factories_fingerprint(config: Config) -> str:
     """One SHA-256 over the configured factory paths and the files defining them."""
-    sources = factory_sources(config)
+    return sources_fingerprint(factory_sources(config))
+
+
+def sources_fingerprint(sources: dict[str, dict[str, Any]]) -> str:
+    """:func:`factories_fingerprint` of a recorded :func:`factory_sources` table (a proof's)."""
     return fingerprint_table({f"{key}={entry['factory']}": {"sha256": entry["sha256"] or "missing"}
                               for key, entry in sources.items()})

@@ -77,7 +77,7 @@ from .errors import (
     UploadInterrupted,
     VerificationFailed,
 )
-from .layout import META_FILE, MODEL_FILE, RECEIPT_DIR
+from .layout import INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR
 from .leaks import leak_rules, scan_secrets
 from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
 from .signing import ExpectedSigner, SignatureCheck, verify_stage
@@ -171,6 +171,7 @@ class _Target:
     prefix: str  # "" for the repo root, else "folder/"
     token: str | None = field(repr=False)
     timeout: float = DEFAULT_TIMEOUT_S
+    create_pr: bool = False  # open a pull request against `revision` instead of pushing to it
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -382,13 +383,24 @@ def _compare(stage: Path, audited: Mapping[str, AuditedFile], remote: Mapping[st
 
 # -- planning -------------------------------------------------------------------------------
 
+def _check_staged_repo_id(stage: Path, repo_id: str, force: bool) -> None:
+    """The card's snippet names the repo it was staged for: publishing it elsewhere would
+    ship a card that downloads from another repo."""
+    staged_for = json.loads((stage / META_FILE).read_bytes()).get("repo_id")
+    if staged_for and staged_for != repo_id and not force:
+        raise PublishError(f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
+                           f"restage with scripts/05_stage.py --repo-id {repo_id}, or pass --force-repo-id")
+
+
 def _messages(stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> tuple[int, str, str, str]:
     """Step, weights SHA-256, commit title and description (meta.json was checked by the audit)."""
     step = int(json.loads((stage / META_FILE).read_bytes())["step"])
-    sha = audited[MODEL_FILE].sha256
-    title = message or f"Publish step {step}: {MODEL_FILE} sha256 {sha}"
+    # Sharded weights are named by their index, which lists every shard.
+    weights = MODEL_FILE if MODEL_FILE in audited else INDEX_FILE
+    sha = audited[weights].sha256
+    title = message or f"Publish step {step}: {weights} sha256 {sha}"
     table = "\n".join(f"{e.sha256}  {e.size:>12}  {e.name}" for e in audited.values())
-    return step, sha, title, f"Step {step}. {MODEL_FILE} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n"
+    return step, sha, title, f"Step {step}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n"
 
 
 def _read_plan(target: _Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> PublishPlan:
@@ -454,7 +466,8 @@ def _try_commit(target: _Target, plan: PublishPlan, stage: Path,
         try:
             info = target.api.create_commit(
                 target.repo_id, _operations(stage, plan, audited), commit_message=plan.title,
-                commit_description=plan.description, revision=target.revision, parent_commit=plan.head)
+                commit_description=plan.description, revision=target.revision, parent_commit=plan.head,
+                create_pr=target.create_pr)
             return info.oid
         except HfHubHTTPError as exc:
             if _status(exc) in _RETRYABLE:
@@ -481,7 +494,7 @@ def _wait(exc: HfHubHTTPError, attempt: int, max_backoff: float, target: _Target
 def _landed(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile]) -> str | None:
     """After an error answer: the new head, if the branch moved and holds exactly our stage."""
     head = _read_head(target, target.revision)
-    if head is None or head == plan.head:
+    if head is None or head == plan.head or target.create_pr:  # a pull request leaves the branch where it was
         return None
     files, deletions = _compare(stage, audited, _remote_files(target, head), target.prefix)
     return head if not deletions and all(f.action == "unchanged" for f in files) else None
@@ -570,6 +583,32 @@ def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFil
     return PublishResult(plan, status, commit, url, path, not keep, tuple(files), answer_lost, signature)
 
 
+def _existing_tag(target: _Target, tag: str) -> str | None:
+    with _hub_errors(target, f"reading the tags of {target.repo_id}"):
+        try:
+            refs = target.api.list_repo_refs(target.repo_id)
+        except RepositoryNotFoundError:
+            return None
+    return next((ref.target_commit for ref in refs.tags if ref.name == tag), None)
+
+
+def _check_tag(target: _Target, tag: str | None, plan: PublishPlan) -> None:
+    """Before any write: an existing tag may only already name the commit that holds this stage."""
+    existing = _existing_tag(target, tag) if tag else None
+    if existing is not None and not (plan.up_to_date and existing == plan.head):
+        raise PublishError(f"tag {tag} of {target.repo_id} already names commit {existing[:12]}, which does not "
+                           "hold this stage; tags are never moved: choose another --tag; nothing was sent")
+
+
+def _tagged(target: _Target, tag: str | None, result: PublishResult, say: Callable[[str], None]) -> PublishResult:
+    """Tag the verified commit (kept as it is when the tag already names it)."""
+    if tag and _existing_tag(target, tag) is None:
+        with _hub_errors(target, f"tagging {tag}"):
+            target.api.create_tag(target.repo_id, tag=tag, revision=result.commit)
+        say(f"tagged {result.commit[:12]} as {tag}")
+    return result
+
+
 # -- entry point ----------------------------------------------------------------------------
 
 def _token(dry_run: bool) -> str | None:
@@ -582,7 +621,8 @@ def _token(dry_run: bool) -> str | None:
 
 def _audit(stage: Path, say: Callable[[str], None]) -> tuple[dict[str, AuditedFile], dict[str, tuple[int, int, int]]]:
     """audit_stage, with stat snapshots around it so later edits are noticed without hashing again."""
-    before = {p.name: _stat_key(p) for p in stage.iterdir() if p.is_file()} if stage.is_dir() else {}
+    before = ({p.relative_to(stage).as_posix(): _stat_key(p) for p in stage.rglob("*") if p.is_file()}
+              if stage.is_dir() else {})
     audited = audit_stage(stage)
     snapshot = {name: _stat_key(stage / name) for name in audited}
     if any(before.get(name) != key for name, key in snapshot.items()):
@@ -596,15 +636,19 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
             path_in_repo: str | None = None, message: str | None = None, dry_run: bool = False,
             receipt_dir: str | Path = RECEIPT_DIR, max_backoff_s: float | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S, signer: ExpectedSigner | None = None,
+            force_repo_id: bool = False, create_pr: bool = False, tag: str | None = None,
             sleep: Callable[[float], None] = time.sleep,
             say: Callable[[str], None] = lambda line: None) -> PublishResult:
     """Publish ``stage_dir`` to ``repo_id`` as one commit; see the module docstring.
 
     The token comes from :func:`huggingface_hub.get_token` only. ``timeout_s`` bounds each
-    Hub request; ``signer`` says who must have signed a signed stage. ``say`` receives
-    progress lines. Raises a :class:`PublishError` (exit 2, nothing published),
-    :class:`VerificationFailed` (exit 1, the commit landed but does not match the audit) or
-    :class:`ReceiptNotWritten` (exit 1, landed and verified, no receipt).
+    Hub request; ``signer`` says who must have signed a signed stage. ``force_repo_id``
+    publishes a stage whose card names another repo; ``create_pr`` opens a pull request
+    against ``revision`` instead of pushing to it; ``tag`` tags the verified commit (a tag
+    that names another commit is refused, never moved). ``say`` receives progress lines.
+    Raises a :class:`PublishError` (exit 2, nothing published), :class:`VerificationFailed`
+    (exit 1, the commit landed but does not match the audit) or :class:`ReceiptNotWritten`
+    (exit 1, landed and verified, no receipt).
     """
     stage = Path(stage_dir)
     _check_repo_id(repo_id)
@@ -621,15 +665,17 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
             audited, snapshot = _audit(stage, say)
             # The stage may have been edited since 05 scanned it: the same scan again, before any request.
             scan_secrets(stage, leak_rules(), consequence="nothing was published (no request was sent)")
+            _check_staged_repo_id(stage, repo_id, force_repo_id)
             signature = verify_stage(stage, signer)
             if signature is not None:
                 say(f"signature {stage}/model.sig verified ({signature.kind}, {signature.fingerprint or 'Sigstore'}, "
                     f"expected key from {signature.key_source})")
             token = _token(dry_run)
             target = _Target(HfApi(endpoint=endpoint, token=token), endpoint, repo_id,
-                             revision or constants.DEFAULT_REVISION, prefix, token, timeout)
+                             revision or constants.DEFAULT_REVISION, prefix, token, timeout, create_pr)
             # Read the branch head and compare the files under it with the audit (read requests only).
             plan = _read_plan(target, stage, audited, message)
+            _check_tag(target, tag, plan)
             if dry_run:
                 return PublishResult(plan, "dry run", signature=signature)
             _prepare_receipt_dir(receipts)
@@ -639,8 +685,8 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
                 plan = _read_plan(target, stage, audited, message)
             if plan.up_to_date:
                 say(f"{repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit")
-                return _finish(target, plan, audited, plan.head, "already published", receipts, say,
-                               signature=signature)
+                return _tagged(target, tag, _finish(target, plan, audited, plan.head, "already published", receipts,
+                                                    say, signature=signature), say)
             if plan.head is None:
                 raise PublishError(f"{repo_id}@{target.revision} is still missing after creating it; rerun")
             changed = sum(f.action != "unchanged" for f in plan.files)
@@ -650,7 +696,8 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
                                    say=say)
         # The client returns the old head when it found nothing to change (a race with an identical push).
         status = "already published" if commit == plan.head else "published"
-        return _finish(target, plan, audited, commit, status, receipts, say, answer_lost=lost, signature=signature)
+        return _tagged(target, tag, _finish(target, plan, audited, commit, status, receipts, say, answer_lost=lost,
+                                            signature=signature), say)
 
 
 def format_plan(plan: PublishPlan) -> str:

@@ -2,11 +2,16 @@
 
 A stage (``hub_stage/`` by default) holds plain files only::
 
-    modelo.safetensors   the checkpoint's weights, byte for byte
+    modelo.safetensors   the checkpoint's weights, byte for byte (or modelo-0000i-of-0000N
+                         shards, or renamed for transformers: see hf_export)
+    model.safetensors.index.json   tensor -> file, so from_pretrained finds the weights
+    config.json          how to rebuild the model (save_pretrained's for transformers models)
+    code/...             the model factory's module and the local modules it imports
     meta.json            the publishable record (schema pipeline.stage/1, see build_stage)
     training_curve.png   loss and learning rate against step
     README.md            the model card
     MANIFEST.sha256      `sha256sum` format over every other file
+    (generation_config.json, the factory module's hub_files, verification.json: when present)
 
 :func:`build_stage` verifies the checkpoint, writes everything into a hidden sibling
 folder, audits it, and only then swaps it into place, so a half-built or refused stage is
@@ -27,13 +32,19 @@ import torch
 from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock
 from .card import build_model_card, render_curve
 from .checkpoint import load_checkpoint, read_tensors
+from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
 from .errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
-from .evaluate import read_metrics
+from .evaluate import evaluation_config, read_metrics
 from .hashing import CHUNK, HashingWriter, sha256_file
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, hub_files, index_bytes, inspect_model, parse_size, plan_weights, write_weights
 from .layout import (
+    CODE_DIR,
+    CONFIG_FILE,
     CURVE_FILE,
+    GENERATION_CONFIG_FILE,
+    INDEX_FILE,
     MANIFEST_FILE,
     META_FILE,
     METRICS_FILE,
@@ -44,6 +55,9 @@ from .layout import (
     STATE_FILE,
 )
 from .leaks import scan_secrets
+from .proof_stage import PROOF_FILE, read_proof
+from .provenance import PACKAGE_ROOT, factories_fingerprint
+from .redact import public_paths
 from .signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 
 __all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
@@ -151,15 +165,24 @@ def _read_history(path: Path) -> dict[str, list]:
         raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
 
 
+def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
+    # The card section may be edited after training (it never changes what was computed).
+    # Scripts run from the run's folder: paths inside it stay, relative; others become roles.
+    return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
+
+
 def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256: str, history: dict[str, list],
-                 record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any]) -> dict[str, Any]:
-    """The publishable record: no optimizer, RNG or sampler internals."""
+                 record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
+                 export: dict[str, Any], repo_id: str | None) -> dict[str, Any]:
+    """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
     return {
         "schema": STAGE_SCHEMA,
         "step": meta["step"],
-        # The card section may be edited after training (it never changes what was computed).
-        "config": {**meta["config"], "card": config.to_dict()["card"]},
+        "config": _public_config(meta, config),
         "model": meta["model"],
+        "export": export,
+        # The repo the card's snippet names; publishing elsewhere is refused unless forced.
+        "repo_id": repo_id,
         "training": {
             "created": meta["created"],
             "final_loss": history["loss"][-1] if history["loss"] else None,
@@ -183,21 +206,88 @@ def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
     return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
 
 
+def _write_weights(built: Path, folder: Path, meta: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """The checkpoint's weights as planned: a byte-for-byte copy when nothing is renamed or
+    split, else rewritten tensor by tensor from the verified file and compared on read-back."""
+    entry = meta["files"][MODEL_FILE]
+    if plan.copies_source:
+        return {MODEL_FILE: _copy_verified(folder / MODEL_FILE, built / MODEL_FILE, entry)}
+    if sha256_file(folder / MODEL_FILE) != entry["sha256"]:
+        raise ChecksumMismatch(f"{folder / MODEL_FILE} changed after it was verified (SHA-256 differs from its meta.json)")
+    return write_weights(built, folder / MODEL_FILE, plan)
+
+
+def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
+    """The model factory's module and the local modules it imports, under ``code/``, if
+    they are still the files the checkpoint fingerprinted."""
+    if factories_fingerprint(config) != meta["fingerprints"].get("factories"):
+        raise StageError(f"the factory code ({config.model.factory}, ...) changed since step {meta['step']} was trained "
+                         "(meta.json fingerprints.factories differs): the staged code would not be the code that "
+                         "built these weights; restore it, or retrain")
+    files = {}
+    for relative, source in local_sources(config.model.factory, (Path.cwd(), PACKAGE_ROOT)).items():
+        target = built / CODE_DIR / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        files[f"{CODE_DIR}/{relative}"] = _write_file(target, source.read_bytes())
+    for folder in sorted({p.parent for p in (built / CODE_DIR).rglob("*.py")}, reverse=True):
+        fsync_dir(folder)
+    return files
+
+
+def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """What the card says about a staged proof."""
+    positive = report["checks"]["positive"]
+    return {
+        "file": PROOF_FILE,
+        "all_checks_passed": report["all_checks_passed"],
+        "positive": report["positive"],
+        "negative_divergence_detected": report["negative_divergence_detected"],
+        "checks": len(positive),
+        "checks_passed": sum(bool(check.get("passed")) for check in positive),
+        "tolerance": report["protocol"]["tolerance"],
+        "steps": report["boundary"]["steps"],
+        "cut": report["boundary"]["cut"],
+        "controls": {name: control["result"] for name, control in report["components"]["negative"].items()},
+    }
+
+
 def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: str, config: Config,
                 record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
-                signer: StageSigner | None) -> list[str]:
+                max_shard_size: int, proof: Path | None, signer: StageSigner | None) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
-    files = {MODEL_FILE: _copy_verified(folder / MODEL_FILE, built / MODEL_FILE, meta["files"][MODEL_FILE])}
-    nonfinite = find_nonfinite(built / MODEL_FILE)
+    public_config = _public_config(meta, config)
+    model_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
+    export = inspect_model(model_config, public_config)
+    plan = plan_weights(folder / MODEL_FILE, export.renames, max_shard_size)
+    files = _write_weights(built, folder, meta, plan)
+    nonfinite = sorted({plan.renames.get(name, name) for name in find_nonfinite(folder / MODEL_FILE)})
     if nonfinite and not allow_nonfinite:
         more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
         raise NonFiniteWeights(f"{folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
                                "refusing to stage it (pass --allow-nonfinite to stage it anyway)")
+    files.update(_write_code(built, model_config, meta))
+    files[INDEX_FILE] = _write_file(built / INDEX_FILE, index_bytes(plan))
+    files[CONFIG_FILE] = _write_file(built / CONFIG_FILE, export.config_json)
+    if export.generation_config_json is not None:
+        files[GENERATION_CONFIG_FILE] = _write_file(built / GENERATION_CONFIG_FILE, export.generation_config_json)
+    reserved = {*files, *plan.files, CODE_DIR, INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CURVE_FILE,
+                META_FILE, README_FILE, MANIFEST_FILE}
+    for name, data in hub_files(model_config, reserved).items():
+        files[name] = _write_file(built / name, data)
+    verdict = None
+    if proof is not None:
+        report = read_proof(proof, meta, Path.cwd())
+        files[PROOF_FILE] = _write_file(built / PROOF_FILE, json_bytes(report))
+        verdict = _proof_verdict(report)
     history = _read_history(folder / STATE_FILE)
     curve = render_curve(history)  # None without the optional matplotlib: the card says so
     if curve is not None:
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
-    staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files))
+    described = {"transformers": export.is_transformers, "architecture": export.architecture,
+                 "weights": list(plan.files), "renamed": plan.renames, "total_size": plan.total_size}
+    staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files), described,
+                          repo_id)
+    staged["proof"] = verdict
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
     if signer is not None and signer.public_pem is not None:
         listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
@@ -233,7 +323,8 @@ def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
 
 def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = STAGE_DIR,
                 metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
-                repo_id: str | None = None, signer: StageSigner | None = None) -> StageResult:
+                repo_id: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                proof: str | Path | None = None, signer: StageSigner | None = None) -> StageResult:
     """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
     ``checkpoint.dir``, or a ``step-…`` folder).
 
@@ -246,13 +337,15 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     signature; swap it into place. Any refusal
     raises a :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
 
-    The staged ``meta.json`` holds ``schema, step, config, model, training, metrics,
-    provenance, source_checkpoint, checks, files`` (``files``: ``modelo.safetensors`` and
-    ``training_curve.png`` with ``sha256`` and ``size``; README.md and the manifest
-    cannot be listed, as they embed or list meta.json's own hash).
+    The staged ``meta.json`` holds ``schema, step, config, model, export, repo_id, training,
+    metrics, provenance, source_checkpoint, checks, files, proof`` (``files``: every staged
+    file but README.md and the manifest, which embed or list meta.json's own hash, with
+    ``sha256`` and ``size``). ``max_shard_size`` splits the weights above that size;
+    ``proof`` stages a resume proof folder's report if it proves this checkpoint.
     """
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
+    shard_bytes = parse_size(max_shard_size)
     loaded = load_checkpoint(checkpoint, config.checkpoint.dir, tensors=False, committed=True)
     folder, meta = loaded.folder, loaded.meta
     record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
@@ -262,7 +355,8 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
         _check_replaceable(stage)
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
-                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id, signer=signer)
+                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,
+                                    proof=None if proof is None else Path(proof), signer=signer)
             if signer is not None:
                 sign_stage(built, signer)
             audited = audit_stage(built)

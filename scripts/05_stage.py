@@ -4,6 +4,8 @@
     python scripts/05_stage.py --checkpoint estados_local/step-00000010 --stage hub_stage
     python scripts/05_stage.py --no-metrics             # stage without running 04 first
     python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
+    python scripts/05_stage.py --max-shard-size 2GB     # modelo-0000i-of-0000N.safetensors + index
+    python scripts/05_stage.py --proof runs/proof       # ship the resume proof; the card states its verdict
     cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
     python scripts/05_stage.py --sign-key ~/keys/release.pem  # sign it (pip install -e '.[sign]')
 
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.hf_export import DEFAULT_MAX_SHARD_SIZE
 from pipeline.layout import METRICS_FILE, STAGE_DIR
 from pipeline.signing import key_signer, sigstore_signer
 from pipeline.stage import build_stage
@@ -51,6 +54,12 @@ def main() -> int:
                         help="with --sign-key: the key's certificate, carried in the signature")
     parser.add_argument("--sign-chain", type=Path, action="append", default=[], metavar="CA.pem",
                         help="with --sign-certificate: an issuing CA certificate, up to the root (repeatable)")
+    parser.add_argument("--proof", type=Path, metavar="DIR",
+                        help="stage the resume proof in DIR (scripts/03_verify_resume.py --output) if it proves "
+                             "this checkpoint's config, code and data")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                        help="split the weights into modelo-0000i-of-0000N.safetensors files of at most SIZE "
+                             f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained)")
     args = parser.parse_args()
     if (args.sign_certificate or args.sign_chain) and args.sign_key is None:
         parser.error("--sign-certificate and --sign-chain need --sign-key (the certificate's private key)")
@@ -66,7 +75,8 @@ def main() -> int:
         signer = sigstore_signer()
     result = build_stage(config, checkpoint=args.checkpoint, stage_dir=args.stage,
                          metrics=None if args.no_metrics else args.metrics,
-                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id, signer=signer)
+                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id,
+                         max_shard_size=args.max_shard_size, proof=args.proof, signer=signer)
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

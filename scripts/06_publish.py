@@ -45,6 +45,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--path-in-repo", default="", metavar="DIR", help="folder in the repo (default: the root)")
     parser.add_argument("--message", metavar="TEXT", help="commit title (default names the step and weights SHA-256)")
     parser.add_argument("--dry-run", action="store_true", help="print the planned commit; send no write request")
+    parser.add_argument("--create-pr", action="store_true",
+                        help="open a pull request against --revision instead of pushing to it")
+    parser.add_argument("--tag", metavar="NAME", help="tag the published commit (a card can then pin revision=NAME)")
+    parser.add_argument("--force-repo-id", action="store_true",
+                        help="publish even though the stage's card was staged for another --repo-id")
     parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
     parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
                         help=f"where the receipt is written (default: {RECEIPT_DIR})")
@@ -80,6 +85,7 @@ def main() -> int:
     result = publish(args.stage, args.repo_id, endpoint=args.endpoint, revision=args.revision,
                      private=args.private, path_in_repo=args.path_in_repo, message=args.message,
                      dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout, signer=signer,
+                     force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag,
                      say=lambda line: print(line, flush=True))
     if result.status == "dry run":
         print(format_plan(result.plan))
@@ -87,6 +93,9 @@ def main() -> int:
         return 0
     if result.status == "already published":
         print(f"nothing to publish: {args.repo_id} already holds this stage at {result.commit}")
+    elif args.create_pr:
+        print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit, as a pull request "
+              f"against {args.revision}")
     else:
         lost = " (the Hub's answer to the commit was lost; the commit was found on the branch)"
         print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit"

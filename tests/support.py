@@ -81,3 +81,41 @@ def verify_checkpoint(folder: Path) -> dict:
     from pipeline.checkpoint import load_checkpoint
 
     return load_checkpoint(folder, tensors=False).meta
+
+
+def first_python_block(card: str) -> str:
+    """The code of the first ```python block of a model card (the loading snippet)."""
+    import re
+
+    match = re.search(r"^(`{3,})python\n(.*?)\n\1$", card, re.MULTILINE | re.DOTALL)
+    assert match, "the card has no python block"
+    return match.group(2)
+
+
+# Prepended to code run "as a Hub user": this project's package and examples cannot be imported
+# (no editable-install finder, no repository on the path), which the code asserts before it runs.
+_WITHOUT_PROJECT = """import importlib.util, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "") + repr(f)]
+sys.path[:] = [p for p in sys.path if p not in ("", {repo!r})]
+assert importlib.util.find_spec("pipeline") is None and importlib.util.find_spec("examples") is None
+"""
+
+
+def run_as_hub_user(code: str, folder: Path, endpoint: str, token: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (``-I``) in the empty ``folder``, with a private HF_HOME,
+    the Hub at ``endpoint``, and neither ``pipeline`` nor ``examples`` importable."""
+    folder.mkdir(parents=True, exist_ok=True)
+    assert not any(folder.iterdir()), "the folder must start empty"
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV and k != "PYTHONPATH"}
+    env.update({"HF_ENDPOINT": endpoint, "HF_TOKEN": token, "HF_HOME": str(folder.parent / f"{folder.name}-hf_home"),
+                "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"})
+    script = _WITHOUT_PROJECT.format(repo=str(REPO)) + code
+    return subprocess.run([PYTHON, "-I", "-c", script], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def publish_stage(stage: Path, endpoint: str, repo_id: str, token: str, *args: str) -> subprocess.CompletedProcess:
+    """scripts/06_publish.py on ``stage`` to the Hub at ``endpoint``; receipts beside the stage."""
+    env = script_env(HF_TOKEN=token, HF_HOME=str(stage.parent / "hf_home_publish"))
+    return run_script("06_publish.py", "--repo-id", repo_id, "--endpoint", endpoint, "--stage", str(stage),
+                      "--receipt-dir", str(stage.parent / "receipts"), *args, cwd=stage.parent, env=env)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,11 +22,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model
 
+from pipeline.card import printable
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config, parse_set_overrides
 from pipeline.errors import ConfigError
+from pipeline.localhub import LocalHub
 
-from support import REPO, run_script, script_env
+from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
 
 CONFIG = REPO / "examples" / "charlm" / "config.yaml"
 # The scripts import `examples.charlm` from their working folder; this process needs the same.
@@ -33,6 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 # 3000 bytes -> 2700 training bytes -> 2700 // 32 - 1 = 83 windows: 5 batches of 16 and one of 3.
 WINDOWS, BATCH = 83, 16
+REPO_ID = "test/charlm"
 TINY = {
     "data.params.max_chars": "3000",
     "data.params.block_size": "32",
@@ -74,7 +78,8 @@ def short_run(tmp_path_factory) -> dict:
     _ok("01_prepare_data.py", *args)
     _ok("02_train.py", *args, "--quiet")
     _ok("04_evaluate.py", *args, "--output", str(root / "metrics.json"))
-    _ok("05_stage.py", *args, "--metrics", str(root / "metrics.json"), "--stage", str(root / "stage"))
+    _ok("05_stage.py", *args, "--metrics", str(root / "metrics.json"), "--stage", str(root / "stage"),
+        "--repo-id", REPO_ID)
     checkpoint = root / "checkpoints" / "step-00000010"
     assert (checkpoint / "meta.json").is_file()
     return {"root": root, "overrides": overrides, "args": args, "checkpoint": checkpoint,
@@ -118,6 +123,99 @@ def test_published_weights_hold_the_tied_embedding_once_and_load_strictly_with_s
         assert not torch.equal(logits, untrained_logits), "the published weights are the trained ones"
 
 
+def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cannot_be_imported(short_run, tmp_path):
+    """Acceptance: published, downloaded, and the card's first Python block run in an empty
+    folder by an interpreter that cannot import `pipeline` or `examples` leaves `model`
+    holding exactly the published weights, built by the code the repo ships."""
+    stage = short_run["stage"]
+    assert (stage / "config.json").is_file() and (stage / "code" / "examples" / "charlm" / "model.py").is_file()
+    card = (stage / "README.md").read_text(encoding="utf-8")
+    assert "Loading runs this repository's Python code" in card and 'revision = "main"' in card
+    snippet = first_python_block(card)
+    assert "import pipeline" not in snippet and "from pipeline" not in snippet and "import examples" not in snippet
+    token = "charlm-test-token"
+    with LocalHub(tmp_path / "hub", token=token) as hub:
+        published = publish_stage(stage, hub.url, REPO_ID, token)
+        assert published.returncode == 0, published.stdout + published.stderr
+        check = """
+import torch
+from safetensors.torch import load_file
+stored = load_file(folder / "modelo.safetensors")
+state = model.state_dict()
+assert set(stored) < set(state) and len(state) - len(stored) == 1, "one tied alias"
+for name, tensor in stored.items():
+    assert tensor.dtype == state[name].dtype and torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
+assert model.head.weight is model.embed.weight, "the tie survives"
+assert sys.modules[type(model).__module__].__file__.startswith(str(folder)), "the repo's own code built it"
+print("LOADED", sum(p.numel() for p in model.parameters()))
+"""
+        result = run_as_hub_user(snippet + "\n" + check, tmp_path / "empty", hub.url, token)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "LOADED" in result.stdout
+
+
+def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_from_the_card(short_run, tmp_path):
+    """``--max-shard-size``: several files none above it, an index, their union the checkpoint's
+    tensors bit for bit, every file in the manifest, one commit, and the card's snippet loads it."""
+    from huggingface_hub import HfApi
+
+    from pipeline.audit import audit_stage
+
+    stage, limit = tmp_path / "sharded", 40_000
+    _ok("05_stage.py", *short_run["args"], "--metrics", str(short_run["root"] / "metrics.json"), "--stage",
+        str(stage), "--repo-id", "test/sharded", "--max-shard-size", "40KB")
+    shards = sorted(p.name for p in stage.glob("modelo-*.safetensors"))
+    assert len(shards) >= 3 and not (stage / "modelo.safetensors").exists()
+    assert shards == [f"modelo-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert all((stage / name).stat().st_size <= limit for name in shards)
+    index = json.loads((stage / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    union = {}
+    for name in shards:
+        with safe_open(str(stage / name), framework="pt") as handle:
+            assert not set(handle.keys()) & set(union), "a tensor in two shards"
+            union.update({key: handle.get_tensor(key) for key in handle.keys()})
+    stored = read_tensors(short_run["checkpoint"] / "modelo.safetensors")
+    assert union.keys() == stored.keys() and index["weight_map"].keys() == stored.keys()
+    assert all(torch.equal(union[k].view(torch.uint8), stored[k].view(torch.uint8)) for k in stored)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    files = {p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()}
+    assert set(audit_stage(stage)) == files and set(shards) <= files
+    token = "shard-test-token"
+    with LocalHub(tmp_path / "hub", token=token) as hub:
+        published = publish_stage(stage, hub.url, "test/sharded", token)
+        assert published.returncode == 0, published.stdout + published.stderr
+        commits = HfApi(endpoint=hub.url, token=token).list_repo_commits("test/sharded")
+        assert len(commits) == 2, "the repo's initial commit and one publication"  # create_repo adds the first
+        check = """
+import torch
+from safetensors.torch import load_file
+state = model.state_dict()
+for file in sorted(set(index["weight_map"].values())):
+    for name, tensor in load_file(folder / file).items():
+        assert torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
+print("SHARDS LOADED")
+"""
+        card = (stage / "README.md").read_text(encoding="utf-8")
+        result = run_as_hub_user(first_python_block(card) + "\n" + check, tmp_path / "empty", hub.url, token)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SHARDS LOADED" in result.stdout
+
+
+def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced(short_run, tmp_path):
+    from support import one_line_error
+
+    stage = tmp_path / "stage"
+    shutil.copytree(short_run["stage"], stage)
+    token = "repo-id-test-token"
+    with LocalHub(tmp_path / "hub", token=token) as hub:
+        refused = publish_stage(stage, hub.url, "someone/else", token)
+        assert refused.returncode == 2 and "was staged for test/charlm" in one_line_error(refused)
+        assert hub.count("POST") == 0, "nothing was sent"
+        forced = publish_stage(stage, hub.url, "someone/else", token, "--force-repo-id")
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+
+
 def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(short_run):
     stage = short_run["stage"]
     card = (stage / "README.md").read_text(encoding="utf-8")
@@ -127,7 +225,8 @@ def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(
     assert set(recorded["metrics"]) == {"loss", "bits_per_char"}
     sample = recorded["sample"]
     assert sample.startswith("HAMLET:\n") and len(sample) > len("HAMLET:\n")
-    assert "## Sample" in card and sample[len("HAMLET:\n"):].strip() in card
+    # An undertrained model samples control bytes: the card shows them escaped, as text.
+    assert "## Sample" in card and printable(sample[len("HAMLET:\n"):].strip()) in card
 
     # The same text again, in this process: sample() depends on the weights alone, and
     # leaves the run's RNGs and the model's mode as it found them.
@@ -176,6 +275,35 @@ def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut
     # Leaving out the data state (sampler position and the offset generator) must show.
     for component in ("rng", "optimizer", "scheduler", "data"):
         assert negative[component]["result"] == "detected", (component, negative[component])
+
+    # The proof travels with the model it proves: staged without machine paths, its verdict on the card.
+    stage = tmp_path / "stage"
+    stage_args = (*short_run["args"], "--metrics", str(short_run["root"] / "metrics.json"), "--stage", str(stage))
+    _ok("05_stage.py", *stage_args, "--proof", str(output))
+    staged = (stage / "verification.json").read_text(encoding="utf-8")
+    for machine in (str(tmp_path), str(REPO), str(Path.home()) + "/"):
+        assert machine not in staged
+    assert json.loads(staged)["sources"]["package"] == report["sources"]["package"], "sources' SHA-256 kept"
+    card = (stage / "README.md").read_text(encoding="utf-8")
+    assert "Resuming this training run is **proven**" in card and "rng: detected" in card
+    assert "[`verification.json`](verification.json)" in card
+
+    # A proof of another config, or of other code, is refused with one line; the stage is untouched.
+    for where, change in ((("sources", "config", "resolved", "model", "params"), {"d_model": 48}),
+                          (("sources", "package"), {"fingerprint": "0" * 64})):
+        other = tmp_path / f"other-{len(where)}"
+        other.mkdir()
+        edited = json.loads(json.dumps(report))
+        node = edited
+        for key in where:
+            node = node[key]
+        node.update(change)
+        (other / "verification.json").write_text(json.dumps(edited), encoding="utf-8")
+        result = _run("05_stage.py", *stage_args, "--proof", str(other))
+        assert result.returncode == 2, result.stdout + result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and ("proves other code" in lines[0] or "proves another config" in lines[0]), lines
+    assert (stage / "verification.json").read_text(encoding="utf-8") == staged
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -47,7 +47,13 @@ CONFIG = REPO_ROOT / "config.yaml"
 TOKEN = f"pub-test-{secrets.token_hex(16)}"
 WRONG_TOKEN = f"pub-wrong-{secrets.token_hex(16)}"
 SECRETS = (TOKEN, WRONG_TOKEN)
-STAGED = ("MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors", "training_curve.png")
+STAGED = ("MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors", "training_curve.png", "config.json",
+          "model.safetensors.index.json")
+
+
+def stage_files(stage: Path) -> set[str]:
+    """Every file of a stage (the top-level ones above plus the model's code under code/)."""
+    return {p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()}
 _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
 
 
@@ -156,7 +162,8 @@ def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, pre
     api = api_for(hub)
     listed = {f.path: f for f in api.list_repo_tree(repo_id, prefix or None, recursive=True)
               if hasattr(f, "blob_id")}
-    assert set(listed) - {".gitattributes"} == {prefix + name for name in STAGED}
+    assert set(STAGED) <= stage_files(stage)
+    assert set(listed) - {".gitattributes"} == {prefix + name for name in stage_files(stage)}
     manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
     for name, sha in manifest.items():
         entry = listed[prefix + name]
@@ -424,3 +431,32 @@ def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(stage
     [receipt] = list((tmp_path / "receipts").glob("*.json"))
     record = json.loads(receipt.read_text())
     assert record["verified"] is False and not record["files"]["README.md"]["ok"]
+
+
+def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(staged_run, run_copy, hub, tmp_path):
+    receipts = tmp_path / "receipts"
+    api = api_for(hub)
+    first = run_publish(staged_run.stage, hub, "alice/tagged", receipts, "--tag", "v1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    main = api.repo_info("alice/tagged").sha
+    assert [(t.name, t.target_commit) for t in api.list_repo_refs("alice/tagged").tags] == [("v1", main)]
+    pinned = Path(snapshot_download("alice/tagged", revision="v1", endpoint=hub.url, token=TOKEN,
+                                    cache_dir=tmp_path / "cache"))
+    assert (pinned / "meta.json").read_bytes() == (staged_run.stage / "meta.json").read_bytes()
+    again = run_publish(staged_run.stage, hub, "alice/tagged", receipts, "--tag", "v1")
+    assert again.returncode == 0 and "nothing to publish" in again.stdout, again.stdout + again.stderr
+
+    changed = run_copy(staged_run)
+    changed.ok("05_stage.py", "--set", "card.description=A second version.")
+    moved = run_publish(changed.stage, hub, "alice/tagged", receipts, "--tag", "v1")
+    assert "tag v1 of alice/tagged already names commit" in one_error_line(moved)
+    assert api.repo_info("alice/tagged").sha == main, "a refused tag sends nothing"
+
+    pr = run_publish(changed.stage, hub, "alice/tagged", receipts, "--create-pr")
+    assert pr.returncode == 0 and "as a pull request against main" in pr.stdout, pr.stdout + pr.stderr
+    assert api.repo_info("alice/tagged").sha == main, "the branch did not move"
+    pulls = api.list_repo_refs("alice/tagged", include_pull_requests=True).pull_requests
+    assert [p.ref for p in pulls] == ["refs/pr/1"]
+    proposed = api.hf_hub_download("alice/tagged", "README.md", revision="refs/pr/1", cache_dir=tmp_path / "c2")
+    assert Path(proposed).read_bytes() == (changed.stage / "README.md").read_bytes()
+    assert api.list_repo_commits("alice/tagged", revision="refs/pr/1")[0].commit_id == pulls[0].target_commit

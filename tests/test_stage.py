@@ -26,7 +26,15 @@ from pipeline.run import build_model
 from pipeline.stage import build_stage
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
-STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256"}
+STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256", "config.json",
+          "model.safetensors.index.json"}
+# The default model's factory module, shipped under code/ with the local modules it imports.
+FACTORY_SOURCE = "code/pipeline/tasks/regression.py"
+
+
+def staged_files(stage: Path) -> set[str]:
+    """Every file of a stage, as a relative path."""
+    return {p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()}
 # Built by concatenation so this file itself never holds a token-shaped string.
 FAKE_TOKEN = "hf_" + "Zq7" * 12
 
@@ -79,8 +87,10 @@ def test_stage_verifies_with_sha256sum_c(staged_run):
     result = subprocess.run(["sha256sum", "--check", "--strict", "MANIFEST.sha256"], cwd=staged_run.stage,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted(result.stdout.splitlines()) == sorted(f"{name}: OK" for name in STAGED - {"MANIFEST.sha256"})
-    assert {p.name for p in staged_run.stage.iterdir()} == STAGED
+    files = staged_files(staged_run.stage)
+    assert sorted(result.stdout.splitlines()) == sorted(f"{name}: OK" for name in files - {"MANIFEST.sha256"})
+    assert STAGED <= files and FACTORY_SOURCE in files
+    assert all(name.startswith("code/") for name in files - STAGED)
 
 
 def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
@@ -99,8 +109,8 @@ def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
 
 def test_staged_record_carries_no_optimizer_or_rng_internals(staged_run):
     meta = staged_meta(staged_run)
-    assert set(meta) == {"schema", "step", "config", "model", "training", "metrics", "provenance",
-                         "source_checkpoint", "checks", "files"}
+    assert set(meta) == {"schema", "step", "config", "model", "export", "repo_id", "training", "metrics",
+                         "provenance", "source_checkpoint", "checks", "files", "proof"}
     text = (staged_run.stage / "meta.json").read_text()
     for internal in ("training_state", "exp_avg", "torch_cpu", "numpy_generator", "permutation"):
         assert internal not in text
@@ -116,11 +126,11 @@ def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):
     metrics = json.loads(staged_run.metrics.read_text())["metrics"]
     assert {r.metric_type: r.metric_value for r in card.data.eval_results} == metrics
     modelo_sha = sha256(staged_run.stage / "modelo.safetensors")
-    assert "Step **10**" in card.text and modelo_sha in card.text
+    assert "step **10**, the last step of its run" in card.text and modelo_sha in card.text
     for name in ("meta.json", "training_curve.png"):
         assert sha256(staged_run.stage / name) in card.text
     assert "](training_curve.png)" in card.text
-    assert "hf_hub_download" in card.text and "safetensors" in card.text
+    assert "snapshot_download" in card.text and "safetensors" in card.text
     assert "sha256sum -c MANIFEST.sha256" in card.text
     height, width, _ = imread(staged_run.stage / "training_curve.png").shape
     assert height > 100 and width > 100
@@ -154,7 +164,8 @@ def test_without_matplotlib_the_stage_has_no_curve_and_the_card_says_so(staged_r
     assert not (run.stage / "training_curve.png").exists()
     card = (run.stage / "README.md").read_text()
     assert "No training curve: matplotlib was not installed" in card and "training_curve.png" not in card
-    assert set(audit_stage(run.stage)) == {"MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors"}
+    files = staged_files(run.stage)
+    assert set(audit_stage(run.stage)) == files and STAGED - {"training_curve.png"} <= files
     assert leftovers(run) == []
 
 
@@ -257,7 +268,7 @@ def test_a_folder_not_built_by_05_is_never_replaced(evaluated_run, run_copy):
 
 def test_audit_returns_the_verified_sha256_and_size_of_every_file_to_upload(staged_run):
     audited = audit_stage(staged_run.stage)
-    assert set(audited) == STAGED
+    assert set(audited) == staged_files(staged_run.stage)
     for name, entry in audited.items():
         path = staged_run.stage / name
         assert (entry.name, entry.size, entry.sha256) == (name, path.stat().st_size, sha256(path))

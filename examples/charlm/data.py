@@ -97,6 +97,10 @@ class CharData:
         self.block_size = block
         self.rng = np.random.Generator(np.random.PCG64([seed, _OFFSET_STREAM]))
 
+    def logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits ``(batch, length, vocab)``; a task for another model class overrides this."""
+        return model(ids)
+
     def get_batch(self, indices: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.block_size
         starts = np.asarray(indices, dtype=np.int64) * block
@@ -107,7 +111,7 @@ class CharData:
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
-        logits = model(inputs)
+        logits = self.logits(model, inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     @torch.no_grad()
@@ -123,7 +127,7 @@ class CharData:
         model.eval()
         try:
             for first in range(0, count, _EVAL_BATCH):
-                logits = model(inputs[first:first + _EVAL_BATCH].to(device))
+                logits = self.logits(model, inputs[first:first + _EVAL_BATCH].to(device))
                 chunk = targets[first:first + _EVAL_BATCH].to(device)
                 total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), chunk.reshape(-1),
                                          reduction="sum").item()
@@ -146,7 +150,7 @@ class CharData:
         try:
             for _ in range(params["sample_chars"]):
                 context = torch.tensor([ids[-self.block_size:]], dtype=torch.int64, device=device)
-                logits = model(context)[0, -1].double().cpu()
+                logits = self.logits(model, context)[0, -1].double().cpu()
                 probs = torch.softmax(logits / params["sample_temperature"], dim=-1)
                 ids.append(int(torch.multinomial(probs, 1, generator=generator)))
         finally:
@@ -164,9 +168,10 @@ class CharData:
         self.rng.bit_generator.state = saved
 
 
-def build_data(config: Config, data_dir: Path) -> CharData:
-    """``data.factory``: the prepared ids; the offset generator is seeded from ``training.seed``."""
+def build_data(config: Config, data_dir: Path, task: type[CharData] = CharData) -> CharData:
+    """``data.factory``: the prepared ids; the offset generator is seeded from ``training.seed``.
+    ``task`` is the class to build (examples/hf_llama passes its own)."""
     params = data_params(config)
     train = load_file(data_dir / "train.safetensors")["ids"]
     heldout = load_file(data_dir / "heldout.safetensors")["ids"]
-    return CharData(train, heldout, params, config.training.seed)
+    return task(train, heldout, params, config.training.seed)

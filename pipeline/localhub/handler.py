@@ -243,6 +243,7 @@ class Handler(BaseHTTPRequestHandler):
             ("GET", "commits"): self._commits, ("GET", "tree"): self._tree,
             ("POST", "paths-info"): self._paths_info, ("POST", "preupload"): self._preupload,
             ("POST", "commit"): self._commit, ("POST", "branch"): self._branch, ("DELETE", "branch"): self._branch,
+            ("POST", "tag"): self._tag,
         }
         handler = routes.get((method, action))
         if handler is None or (action not in ("", "refs", "tree") and not args):
@@ -338,7 +339,11 @@ class Handler(BaseHTTPRequestHandler):
         branches = sorted(repo["branches"].items(), key=lambda kv: (kv[0] != "main", kv[0]))
         self._send_json({
             "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in branches],
-            "converts": [], "tags": [], "pullRequests": [],
+            "converts": [],
+            "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c}
+                     for t, c in sorted(repo.get("tags", {}).items())],
+            "pullRequests": [{"name": f"refs/pr/{n}", "ref": f"refs/pr/{n}", "targetCommit": c}
+                             for n, c in sorted(repo.get("pulls", {}).items(), key=lambda kv: int(kv[0]))],
         })
 
     def _commits(self, repo_type: str, repo_id: str, args: list[str]) -> None:
@@ -444,13 +449,8 @@ class Handler(BaseHTTPRequestHandler):
             raise _ClientGone() from None
 
     # ------------------------------------------------------------------ commits
-    def _no_pull_requests(self) -> None:
-        if _truthy(self._query.get("create_pr")):
-            raise HubError(400, "localhub does not support pull requests (create_pr=True)")
-
     def _preupload(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         repo = self._writable_repo(repo_type, repo_id)
-        self._no_pull_requests()
         commit_id = self.hub.store.resolve(repo, args[0])
         files = self.hub.store.files(repo, commit_id)
         out = []
@@ -469,7 +469,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def _commit(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         self._writable_repo(repo_type, repo_id)
-        self._no_pull_requests()
         raw = self._body()
         status = self.hub.faults.take_commit_failure()
         if status is not None:
@@ -483,12 +482,14 @@ class Handler(BaseHTTPRequestHandler):
         withheld = self.hub.faults.take_withheld_answer()
         if withheld is False:
             self._withhold_answer()
-        commit_id = self.hub.store.commit(repo_type, repo_id, args[0], lines[0].get("value") or {},
-                                          lines[1:], author=self.hub.user)
+        commit_id, number = self.hub.store.commit(repo_type, repo_id, args[0], lines[0].get("value") or {},
+                                                  lines[1:], author=self.hub.user,
+                                                  create_pr=_truthy(self._query.get("create_pr")))
         if withheld:
             self._withhold_answer()
+        pr_url = None if number is None else f"{self._repo_url(repo_type, repo_id)}/discussions/{number}"
         self._send_json({
-            "success": True, "commitOid": commit_id, "hookOutput": "", "pullRequestUrl": None,
+            "success": True, "commitOid": commit_id, "hookOutput": "", "pullRequestUrl": pr_url,
             "commitUrl": f"{self._repo_url(repo_type, repo_id)}/commit/{commit_id}",
         })
 
@@ -504,6 +505,12 @@ class Handler(BaseHTTPRequestHandler):
             self.hub.store.delete_branch(repo_type, repo_id, branch)
         else:
             self.hub.store.create_branch(repo_type, repo_id, branch, self._json_body().get("startingPoint"))
+        self._send_json({})
+
+    def _tag(self, repo_type: str, repo_id: str, args: list[str]) -> None:
+        self._writable_repo(repo_type, repo_id)
+        tag = self._json_body().get("tag")
+        self.hub.store.create_tag(repo_type, repo_id, str(tag or ""), "/".join(args))
         self._send_json({})
 
     # ------------------------------------------------------------------ LFS

@@ -285,11 +285,16 @@ class Store:
 
     # ------------------------------------------------------------------ revisions & reads
     def resolve(self, repo: dict, revision: str) -> str:
-        """Branch name or full commit id -> commit id (404 RevisionNotFound otherwise)."""
+        """Branch, tag, ``refs/pr/N`` or full commit id -> commit id (404 RevisionNotFound otherwise)."""
         if revision.startswith("refs/heads/"):
             revision = revision[len("refs/heads/"):]
         if revision in repo["branches"]:
             return repo["branches"][revision]
+        tags, pulls = repo.get("tags", {}), repo.get("pulls", {})
+        if revision.removeprefix("refs/tags/") in tags:
+            return tags[revision.removeprefix("refs/tags/")]
+        if revision.startswith("refs/pr/") and revision[len("refs/pr/"):] in pulls:
+            return pulls[revision[len("refs/pr/"):]]
         if _COMMIT_RE.match(revision) and revision in repo["commits"]:
             return revision
         raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
@@ -349,8 +354,10 @@ class Store:
         return commit_id
 
     def commit(self, repo_type: str, repo_id: str, branch: str, header: dict, operations: list[dict],
-               author: str) -> str:
-        """Apply all `operations` as one commit on `branch`, or nothing at all."""
+               author: str, create_pr: bool = False) -> tuple[str, int | None]:
+        """Apply all `operations` as one commit on `branch`, or nothing at all. With `create_pr`
+        the branch stays where it is and the commit opens pull request N (``refs/pr/N``).
+        Returns the commit id and the pull request number (None without `create_pr`)."""
         if not isinstance(header, dict) or not all(isinstance(op, dict) for op in operations):
             raise HubError(400, "Each NDJSON line of a commit must be a JSON object")
         with self.lock:
@@ -378,9 +385,15 @@ class Store:
                 new_repo, head, files, str(header.get("summary") or "").strip() or "Update",
                 str(header.get("description") or ""), author, time.time(),
             )
-            new_repo["branches"][branch] = commit_id
+            number = None
+            if create_pr:
+                pulls = dict(repo.get("pulls", {}))
+                number = len(pulls) + 1
+                new_repo["pulls"] = {**pulls, str(number): commit_id}
+            else:
+                new_repo["branches"][branch] = commit_id
             self._save(new_repo)
-            return commit_id
+            return commit_id, number
 
     def _apply(self, repo: dict, files: dict, pending: dict, op: dict) -> None:
         key, value = op.get("key"), op.get("value") or {}
@@ -414,7 +427,7 @@ class Store:
             raise HubError(400, f"Invalid base64 content for {path}") from None
         if len(data) >= LFS_SIZE_THRESHOLD:
             raise HubError(400, f"Your push was rejected because {path} is larger than 10 MiB: use LFS.")
-        if b"\0" in data[:8000]:
+        if b"\0" in data:  # the Hub refuses a regular file holding a NUL byte anywhere
             raise HubError(400, f"Your push was rejected because {path} is a binary file: use LFS.")
         return self._regular_entry(data, pending)
 
@@ -450,6 +463,18 @@ class Store:
                 raise HubError(409, f"Reference already exists: refs/heads/{branch}")
             target = self.resolve(repo, starting_point or "main")
             self._save({**repo, "branches": {**repo["branches"], branch: target}})
+            return target
+
+    def create_tag(self, repo_type: str, repo_id: str, tag: str, revision: str) -> str:
+        """Tag the commit `revision` resolves to; an existing tag is never moved (409)."""
+        if not tag or tag.startswith(("refs/", "/")) or ".." in tag or tag.endswith("/") or " " in tag:
+            raise HubError(400, f"Invalid tag name: {tag!r}")
+        with self.lock:
+            repo = self.get_repo(repo_type, repo_id)
+            if tag in repo.get("tags", {}):
+                raise HubError(409, f"Tag reference {tag} already exists")
+            target = self.resolve(repo, revision)
+            self._save({**repo, "tags": {**repo.get("tags", {}), tag: target}})
             return target
 
     def delete_branch(self, repo_type: str, repo_id: str, branch: str) -> None:

@@ -1,0 +1,98 @@
+"""The model card: valid UTF-8 text whatever the sample holds, Hub metadata set and validated
+in the config's card section, and statements that are true for the staged checkpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import unicodedata
+
+from huggingface_hub import HfApi, ModelCard
+
+from pipeline.localhub import LocalHub
+
+from support import publish_stage
+
+TOKEN = "card-test-token"
+EVERY_BYTE = "".join(chr(code) for code in range(256))
+
+
+def _with_sample(run, sample: str) -> None:
+    record = json.loads(run.metrics.read_text(encoding="utf-8"))
+    record["sample"] = sample
+    run.metrics.write_text(json.dumps(record), encoding="utf-8")
+
+
+def test_a_sample_of_every_byte_publishes_as_a_regular_text_readme(evaluated_run, run_copy, tmp_path):
+    run = run_copy(evaluated_run)
+    # Every byte value as a character, and a lone surrogate that strict UTF-8 cannot encode.
+    _with_sample(run, "HAMLET:\n" + EVERY_BYTE + "\ud800 end")
+    run.ok("05_stage.py", "--repo-id", "test/every-byte")
+    raw = (run.stage / "README.md").read_bytes()
+    text = raw.decode("utf-8")  # strict: valid UTF-8
+    assert not [c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\t"]
+    assert "\\x00" in text and "\\x1b" in text and "\\x7f" in text and "\\ud800" in text and "ÿ" in text
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
+        result = publish_stage(run.stage, hub.url, "test/every-byte", TOKEN)
+        assert result.returncode == 0, result.stdout + result.stderr
+        entry = next(e for e in HfApi(endpoint=hub.url, token=TOKEN).list_repo_tree("test/every-byte")
+                     if e.path == "README.md")
+        assert entry.lfs is None, "README.md must land as a regular text file"
+
+
+def test_the_local_hub_rejects_a_regular_file_with_a_nul_byte_like_the_real_hub(tmp_path):
+    api_payload = "\n".join([
+        json.dumps({"key": "header", "value": {"summary": "binary"}}),
+        json.dumps({"key": "file", "value": {"path": "README.md", "encoding": "base64",
+                                             "content": "IyB0aXRsZQp0ZXh0AAo="}}),  # "# title\ntext\0\n"
+    ])
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
+        api = HfApi(endpoint=hub.url, token=TOKEN)
+        api.create_repo("test/binary")
+        host, port = hub.url.removeprefix("http://").split(":")
+        body = api_payload.encode()
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(b"POST /api/models/test/binary/commit/main HTTP/1.1\r\nHost: x\r\n"
+                         + f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/x-ndjson\r\n".encode()
+                         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") or answer.startswith(b"HTTP/1.0 400"), answer[:200]
+        assert b"binary" in answer
+
+
+def test_card_section_sets_the_hub_metadata_and_the_evaluation_dataset(evaluated_run, run_copy):
+    run = run_copy(evaluated_run)
+    run.ok("05_stage.py", "--set", "card.datasets=[karpathy/tiny_shakespeare]", "--set", "card.language=[en]",
+           "--set", "card.pipeline_tag=tabular-regression", "--set", "card.base_model=someone/base-mlp",
+           "--set", "card.license=mit", "--set", "card.tags=[regression, toy]")
+    card = ModelCard.load(run.stage / "README.md")
+    data = card.data
+    assert (data.library_name, data.pipeline_tag, data.language, data.datasets, data.base_model, data.license,
+            data.tags) == ("pytorch", "tabular-regression", ["en"], ["karpathy/tiny_shakespeare"],
+                           "someone/base-mlp", "mit", ["regression", "toy"])
+    assert {(r.dataset_name, r.dataset_type, r.task_type) for r in data.eval_results} == {
+        ("karpathy/tiny_shakespeare", "karpathy/tiny_shakespeare", "tabular-regression")}
+    run.ok("05_stage.py", "--set", "card.eval_dataset_name=Held-out rows", "--set", "card.eval_dataset_type=custom",
+           "--set", "card.library_name=my-lib")
+    data = ModelCard.load(run.stage / "README.md").data
+    assert {(r.dataset_name, r.dataset_type) for r in data.eval_results} == {("Held-out rows", "custom")}
+    assert data.library_name == "my-lib"
+
+
+def test_invalid_card_metadata_is_refused_with_the_key_named(evaluated_run, run_copy):
+    run = run_copy(evaluated_run)
+    for setting, key in (("card.language=[EN!]", "card.language"), ("card.datasets=[a b]", "card.datasets"),
+                         ("card.pipeline_tag=Text Generation", "card.pipeline_tag"),
+                         ("card.base_model=/home/x/model", "card.base_model")):
+        assert key in run.refused("05_stage.py", "--set", setting)
+
+
+def test_card_says_an_intermediate_checkpoint_is_one(trained_run, run_copy):
+    run = run_copy(trained_run)
+    run.ok("02_train.py", "--quiet", "--checkpoint-dir", "partial", "--stop-at", "4")
+    run.ok("05_stage.py", "--no-metrics", "--checkpoint", "partial/step-00000004")
+    card = (run.stage / "README.md").read_text(encoding="utf-8")
+    assert "step **4**, an intermediate checkpoint of a run configured for 10 steps" in card
+    assert "trained for 4 steps" in card and "trained for 10" not in card

@@ -13,6 +13,7 @@ from pathlib import Path
 from .faults import Faults
 from .handler import Handler
 from .store import Store
+from .xet.cas import TokenIssuer
 
 __all__ = ["LocalHub", "check_loopback"]
 
@@ -72,6 +73,7 @@ class LocalHub:
         self.secret = secrets.token_bytes(32)  # signs LFS upload URLs; new each start, like expiring URLs
         self.store = Store(root)
         self.faults = Faults()
+        self.xet_tokens = TokenIssuer(self.secret)  # CAS tokens die with the server, like its upload URLs
         try:
             self._server = _Server((host, port), self)
         except OSError:
@@ -120,6 +122,15 @@ class LocalHub:
 
     def drop_next_upload(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_upload(times, after_bytes)
+
+    def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
+        self.faults.drop_next_xorb(times, after_bytes)
+
+    def fail_next_shard(self, times: int = 1, status: int = 500) -> None:
+        self.faults.fail_next_shard(times, status)
+
+    def expire_xet_tokens(self, after_requests: int = 0) -> None:
+        self.faults.expire_xet_tokens(after_requests)
 
     def clear_faults(self) -> None:
         self.faults.clear()

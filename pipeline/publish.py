@@ -9,7 +9,7 @@
     commit   create_repo / create_branch if missing, then ONE create_commit(parent_commit=head)
              holding every staged file, plus deletions of files under the target folder that
              the stage no longer has (``.gitattributes`` stays)
-    verify   Hub LFS SHA-256s and downloaded small files against the audit (publish_verify)
+    verify   Hub LFS SHA-256s, downloaded Xet and small files against the audit (publish_verify)
     receipt  hub_receipts/<namespace>--<name>-<commit12>.json, outside the stage
 
 Why one commit: a trainer that pushes on every save makes one commit per save, runs into
@@ -34,15 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
-import ipaddress
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
-from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
@@ -189,19 +186,6 @@ def _check_receipt_dir(receipt_dir: str | Path, stage: Path) -> Path:
         raise PublishError(f"--receipt-dir {folder} is inside the stage {stage}/, which is uploaded as it is: "
                            "write receipts elsewhere (default: hub_receipts/)")
     return folder
-
-
-def _check_transfer_protocol(endpoint: str) -> None:
-    """localhub speaks the LFS upload protocol only; with hf_xet installed the client picks Xet."""
-    host = urlsplit(endpoint).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    xet = not constants.HF_HUB_DISABLE_XET and importlib.util.find_spec("hf_xet") is not None
-    if loopback and xet:
-        raise PublishError(f"{endpoint} is a local hub, which speaks only the LFS upload protocol: set "
-                           "HF_HUB_DISABLE_XET=1 in the environment before starting (make demo does)")
 
 
 def _status(exc: HfHubHTTPError) -> int | None:
@@ -440,7 +424,7 @@ def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFil
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
     url = f"{target.endpoint}/{target.repo_id}/commit/{commit}"
     expected = {target.prefix + name: entry for name, entry in audited.items()}
-    say(f"verifying {commit[:12]}: Hub LFS SHA-256s, and downloaded bytes of the small files")
+    say(f"verifying {commit[:12]}: Hub LFS SHA-256s, downloaded bytes of Xet-stored and small files")
     try:
         remote = _remote_files(target, commit)
         with _hub_errors(target, "verifying"):
@@ -501,7 +485,6 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
     endpoint = resolve_endpoint(endpoint)
     prefix = _clean_prefix(path_in_repo)
     max_backoff = _max_backoff(max_backoff_s)
-    _check_transfer_protocol(endpoint)
     # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
     with stage_lock(stage):
         # Re-audit every staged file right before uploading; any difference refuses before any request.

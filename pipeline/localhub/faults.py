@@ -23,6 +23,7 @@ class Faults:
         self._rate_limits: list[dict[str, Any]] = []
         self._drops: list[int | None] = []  # one entry per LFS PUT to cut: bytes to read first
         self._xorb_drops: list[int | None] = []  # the same for Xet xorb uploads
+        self._xorb_corruptions = 0  # xorb uploads to damage in transit (one byte flipped)
         self._shard_failures: list[int] = []  # one HTTP status per Xet shard upload to fail
         self._token_expiry: list[int] = []  # CAS requests still served before every Xet token expires
         self._counts: Counter[str] = Counter()
@@ -52,6 +53,11 @@ class Faults:
         with self._lock:
             self._xorb_drops.extend([after_bytes] * int(times))
 
+    def corrupt_next_xorb(self, times: int = 1) -> None:
+        """The next `times` xorb uploads arrive with one byte flipped (after the client hashed them)."""
+        with self._lock:
+            self._xorb_corruptions += int(times)
+
     def fail_next_shard(self, times: int = 1, status: int = 500) -> None:
         """The next `times` shard uploads answer `status` and record nothing."""
         with self._lock:
@@ -68,6 +74,7 @@ class Faults:
             self._rate_limits.clear()
             self._drops.clear()
             self._xorb_drops.clear()
+            self._xorb_corruptions = 0
             self._shard_failures.clear()
             self._token_expiry.clear()
 
@@ -83,6 +90,8 @@ class Faults:
             self.drop_next_upload(**spec["drop_upload"])
         if "drop_xorb" in spec:
             self.drop_next_xorb(**spec["drop_xorb"])
+        if "corrupt_xorb" in spec:
+            self.corrupt_next_xorb(**spec["corrupt_xorb"])
         if "fail_shard" in spec:
             self.fail_next_shard(**spec["fail_shard"])
         if "expire_xet_tokens" in spec:
@@ -95,6 +104,7 @@ class Faults:
                 "rate_limit": [dict(r) for r in self._rate_limits],
                 "drop_upload": list(self._drops),
                 "drop_xorb": list(self._xorb_drops),
+                "corrupt_xorb": self._xorb_corruptions,
                 "fail_shard": list(self._shard_failures),
                 "expire_xet_tokens": list(self._token_expiry),
             }
@@ -126,6 +136,13 @@ class Faults:
             if not self._xorb_drops:
                 return False, None
             return True, self._xorb_drops.pop(0)
+
+    def take_xorb_corruption(self) -> bool:
+        with self._lock:
+            if not self._xorb_corruptions:
+                return False
+            self._xorb_corruptions -= 1
+            return True
 
     def take_shard_failure(self) -> int | None:
         with self._lock:

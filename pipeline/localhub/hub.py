@@ -126,6 +126,9 @@ class LocalHub:
     def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_xorb(times, after_bytes)
 
+    def corrupt_next_xorb(self, times: int = 1) -> None:
+        self.faults.corrupt_next_xorb(times)
+
     def fail_next_shard(self, times: int = 1, status: int = 500) -> None:
         self.faults.fail_next_shard(times, status)
 

@@ -2,10 +2,12 @@
 
 Layout under ``<root>/xet`` (every write atomic: temp file + fsync + rename, like the rest of localhub)::
 
+    id                       random name of this CAS, part of its URL
     xorbs/<h[:2]>/<h>        a verified xorb, exactly as uploaded (downloads read byte ranges of it)
     files/<h[:2]>/<h>.json   a verified file: its size, declared SHA-256 and segments (xorb, chunk range)
     sha256/<sha256>.json     declared SHA-256 -> Xet file hash (how a commit's LFS pointer finds the file)
     shards/<sha256>          every accepted shard, kept as received
+    dedup/<chunk hash>       name of a xorb holding that chunk, for the chunks clients ask about
 
 A xorb is stored only once its chunks hash to its name; a file only once every segment's chunks exist,
 its verification hashes match and its chunks hash to its file hash. The SHA-256 is what the client
@@ -18,6 +20,7 @@ import base64
 import hashlib
 import hmac
 import json
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -28,6 +31,8 @@ from .format import (
     FormatError,
     Xorb,
     decode_chunk,
+    dedup_eligible,
+    dedup_shard,
     file_hash,
     hash_from_hex,
     hash_hex,
@@ -86,9 +91,15 @@ class Cas:
 
     def __init__(self, root: Path, tmp: Path):
         self.root, self.tmp = root, tmp
-        for sub in ("xorbs", "files", "sha256", "shards"):
+        for sub in ("xorbs", "files", "sha256", "shards", "dedup"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         self._xorbs: dict[str, Xorb] = {}  # parsed xorbs, so downloads don't re-hash them
+        # Clients cache "this xorb is uploaded" per CAS URL; a new root must get a new URL, or a client
+        # would skip uploads to a CAS that never saw them (a real CAS keeps its data forever).
+        id_file = root / "id"
+        if not id_file.is_file():
+            _atomic_write(id_file, secrets.token_hex(8).encode(), tmp)
+        self.id = id_file.read_text().strip()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ xorbs
@@ -107,7 +118,25 @@ class Cas:
         _atomic_write(path, data, self.tmp)
         with self._lock:
             self._xorbs[name] = xorb
+        # Index what a client may ask about later: the first chunk (often a file's first) and
+        # the chunks whose hash makes them eligible for global dedup queries.
+        for index, digest in enumerate(xorb.chunk_hashes):
+            if index == 0 or dedup_eligible(digest):
+                self._index_chunk(digest, name)
         return True
+
+    def _index_chunk(self, digest: bytes, xorb_name: str) -> None:
+        path = self.root / "dedup" / hash_hex(digest)
+        if not path.is_file():
+            _atomic_write(path, xorb_name.encode(), self.tmp)
+
+    def dedup(self, chunk_name: str) -> bytes | None:
+        """The answer to a global dedup query: a shard listing the xorb that holds this chunk."""
+        try:
+            xorb = self.xorb((self.root / "dedup" / chunk_name).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return None if xorb is None else dedup_shard([xorb], int(time.time()), 24 * 3600)
 
     def xorb(self, name: str) -> Xorb | None:
         """The stored xorb `name` (chunk table), or None. A damaged file on disk counts as absent."""
@@ -138,6 +167,9 @@ class Cas:
             if chunks != list(zip(stored.chunk_hashes, stored.chunk_sizes)):
                 raise HubError(400, f"Shard refused: its chunk list for xorb {hash_hex(name)} differs from the xorb")
         records = [self._check_file(entry) for entry in shard.files]
+        for entry in shard.files:
+            first = entry.segments[0]
+            self._index_chunk(self.xorb(hash_hex(first.xorb)).chunk_hashes[first.chunk_start], hash_hex(first.xorb))
         new = 0
         for name, record in records:
             path = _shard_path(self.root, "files", name, ".json")

@@ -28,6 +28,8 @@ __all__ = [
     "Xorb",
     "chunk_hash",
     "decode_chunk",
+    "dedup_eligible",
+    "dedup_shard",
     "file_hash",
     "hash_from_hex",
     "hash_hex",
@@ -335,8 +337,54 @@ def _parse_sections(data: bytes, footer_size: int) -> Shard:
             chunks.append((digest, size))
         pos += count * _ENTRY
         xorbs[header[:32]] = chunks
-    if footer_size and pos + footer_size != len(data):
+    if footer_size and pos + footer_size > len(data):
         raise FormatError(f"shard footer is {len(data) - pos} bytes, its header says {footer_size}")
     if not footer_size and pos != len(data):
         raise FormatError(f"{len(data) - pos} unexpected bytes after the shard's xorb section")
     return Shard(files, xorbs)
+
+
+# ---------------------------------------------------------------------- global dedup answers
+_FOOTER_SIZE = 200
+_DEDUP_MODULUS = 1024  # clients ask about a file's first chunk and chunks whose hash is 0 mod this
+
+
+def dedup_eligible(digest: bytes) -> bool:
+    return int.from_bytes(digest[24:32], "little") % _DEDUP_MODULUS == 0
+
+
+def _truncated(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little")
+
+
+def dedup_shard(xorbs: list[Xorb], now: int, valid_for: int) -> bytes:
+    """A shard (with footer and lookup tables, as clients cache it) listing the chunks of `xorbs`:
+    the answer to a global dedup query, so a client can reference those chunks instead of sending them."""
+    out = bytearray(_SHARD_TAG + struct.pack("<QQ", _SHARD_VERSION, _FOOTER_SIZE))
+    out += _BOOKEND + bytes(16)  # no file
+    xorb_section = len(out)
+    xorb_lookup, chunk_lookup, index = [], [], 0
+    for xorb in xorbs:
+        n = len(xorb.chunk_hashes)
+        out += xorb.hash + struct.pack("<IIII", 0, n, sum(xorb.chunk_sizes), xorb.chunk_ends[-1])
+        for i, (digest, size) in enumerate(zip(xorb.chunk_hashes, xorb.chunk_sizes)):
+            out += digest + struct.pack("<IIII", xorb.chunk_start(i), size, 0, 0)
+            chunk_lookup.append((_truncated(digest), index, i))
+        xorb_lookup.append((_truncated(xorb.hash), index))
+        index += 1 + n
+    out += _BOOKEND + bytes(16)
+    file_lookup_at = xorb_lookup_at = len(out)
+    for key, at in sorted(xorb_lookup):
+        out += struct.pack("<QI", key, at)
+    chunk_lookup_at = len(out)
+    for key, at, i in sorted(chunk_lookup):
+        out += struct.pack("<QII", key, at, i)
+    stored = sum(sum(x.chunk_sizes) for x in xorbs)
+    on_disk = sum(x.chunk_ends[-1] for x in xorbs)
+    footer_at = len(out)
+    out += struct.pack("<9Q", 1, 48, xorb_section, file_lookup_at, 0, xorb_lookup_at, len(xorb_lookup),
+                       chunk_lookup_at, len(chunk_lookup))
+    out += bytes(32)  # no HMAC key: chunk hashes in clear
+    out += struct.pack("<2Q", now, now + valid_for) + bytes(48)
+    out += struct.pack("<4Q", on_disk, stored, stored, footer_at)
+    return bytes(out)

@@ -1,12 +1,12 @@
 """HTTP side of localhub's Xet support: the Hub's token endpoints, the CAS API and Xet resolves.
 
     GET  /api/{t}/{id}/xet-write-token/{rev}    GET /api/{t}/{id}/xet-read-token/{rev}
-    POST /_xet/cas/v1/xorbs/default/{hash}      POST /_xet/cas/v1/shards
-    GET  /_xet/cas/v{1,2}/reconstructions/{file hash}   (Range: bytes=a-b for part of a file)
-    GET  /_xet/cas/v1/chunks/default/{chunk hash}   (global dedup query)
+    POST /_xet/{cas}/v1/xorbs/default/{hash}    POST /_xet/{cas}/v1/shards
+    GET  /_xet/{cas}/v{1,2}/reconstructions/{file hash}   (Range: bytes=a-b for part of a file)
+    GET  /_xet/{cas}/v1/chunks/default/{chunk hash}   (global dedup query)
     GET  /_xet/data/{xorb hash}?exp=..&sig=..   (signed, like a presigned URL; Range: bytes=a-b)
 
-The CAS answers like the real service: 401 for a missing or expired token (the client then
+`{cas}` is the random id of the CAS under this root (see cas.py). The CAS answers like the real service: 401 for a missing or expired token (the client then
 refreshes it through the Hub), 400 for a xorb or shard that does not verify, 404 for unknown
 hashes (and for the /v2 shard and upload-grant APIs, so the client uses the /v1 ones).
 The functions take the request handler (`pipeline.localhub.handler.Handler`) as first argument.
@@ -37,7 +37,7 @@ def token(h: "Handler", scope: str, repo_type: str, repo_id: str, args: list[str
     else:
         h._readable_repo(repo_type, repo_id)
     access, exp = h.hub.xet_tokens.issue(scope, f"{repo_type}/{repo_id}")
-    cas = f"{h.hub.url}/_xet/cas"
+    cas = f"{h.hub.url}/_xet/{h.hub.store.xet.id}"
     h._send_json({"accessToken": access, "exp": exp, "casUrl": cas},
                  headers={"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": access, "X-Xet-Token-Expiration": str(exp)})
 
@@ -45,7 +45,7 @@ def token(h: "Handler", scope: str, repo_type: str, repo_id: str, args: list[str
 def route(h: "Handler", method: str, segs: list[str]) -> None:
     if segs[:1] == ["data"] and len(segs) == 2 and method in ("GET", "HEAD"):
         return _xorb_data(h, segs[1])
-    if segs[:1] != ["cas"]:
+    if segs[:1] != [h.hub.store.xet.id]:
         raise HubError(404, f"Not Found: {method} {h.path}")
     api = "/".join(segs[1:4])
     if h.hub.faults.take_token_expiry():
@@ -58,7 +58,10 @@ def route(h: "Handler", method: str, segs: list[str]) -> None:
         return _reconstruction(h, segs[1], segs[3])
     if method == "GET" and segs[1:3] == ["v1", "chunks"] and len(segs) == 5:
         h.hub.xet_tokens.check(h.headers.get("Authorization"), "read")
-        raise HubError(404, "No shard of this CAS holds that chunk")  # global dedup: answer "unknown"
+        shard = h.hub.store.xet.dedup(segs[4]) if len(segs[4]) == 64 and segs[4].isalnum() else None
+        if shard is None:
+            raise HubError(404, "No xorb of this CAS holds that chunk")
+        return h._send(200, shard, "application/octet-stream")
     raise HubError(404, f"Not Found: {method} {h.path}")
 
 
@@ -70,7 +73,10 @@ def _upload_xorb(h: "Handler", name: str) -> None:
     dropped, after_bytes = h.hub.faults.take_xorb_drop()
     if dropped:
         h._drop_connection(after_bytes)
-    inserted = h.hub.store.xet.put_xorb(name, h._body())
+    data = h._body()
+    if h.hub.faults.take_xorb_corruption() and data:
+        data = bytes([data[0] ^ 0x01]) + data[1:] if len(data) < 9 else data[:8] + bytes([data[8] ^ 0x01]) + data[9:]
+    inserted = h.hub.store.xet.put_xorb(name, data)
     h._send_json({"was_inserted": inserted})
 
 

@@ -244,8 +244,12 @@ def _hub_errors(target: _Target, action: str) -> Iterator[None]:
         network = _cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
+        # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
+        detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
+        if target.token:
+            detail = detail.replace(target.token, "<token>")
         raise UploadInterrupted(
-            f"connection to {target.endpoint} lost while {action} ({type(network).__name__}): no commit exists "
+            f"connection to {target.endpoint} lost while {action} ({type(network).__name__}: {detail}): no commit exists "
             "unless the commit request itself was cut; rerun: it skips blobs already uploaded and never makes "
             "a second commit") from None
 

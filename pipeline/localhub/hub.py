@@ -64,7 +64,7 @@ class LocalHub:
     """
 
     def __init__(self, root: str | os.PathLike, *, token: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, user: str = "localhub", verbose: bool = False):
+                 port: int = 0, user: str = "localhub", verbose: bool = False, xet_token_ttl: int = 3600):
         host = check_loopback(host)
         self.root = Path(root)
         self.token = token or None
@@ -73,7 +73,8 @@ class LocalHub:
         self.secret = secrets.token_bytes(32)  # signs LFS upload URLs; new each start, like expiring URLs
         self.store = Store(root)
         self.faults = Faults()
-        self.xet_tokens = TokenIssuer(self.secret)  # CAS tokens die with the server, like its upload URLs
+        # CAS tokens live xet_token_ttl seconds (clients refresh them) and die with the server.
+        self.xet_tokens = TokenIssuer(self.secret, xet_token_ttl)
         try:
             self._server = _Server((host, port), self)
         except OSError:

@@ -7,7 +7,7 @@ Layout under ``<root>/xet`` (every write atomic: temp file + fsync + rename, lik
     files/<h[:2]>/<h>.json   a verified file: its size, declared SHA-256 and segments (xorb, chunk range)
     sha256/<sha256>.json     declared SHA-256 -> Xet file hash (how a commit's LFS pointer finds the file)
     shards/<sha256>          every accepted shard, kept as received
-    dedup/<chunk hash>       name of a xorb holding that chunk, for the chunks clients ask about
+    chunks.idx               append-only (chunk hash, xorb hash) pairs: answers global dedup queries
 
 A xorb is stored only once its chunks hash to its name; a file only once every segment's chunks exist,
 its verification hashes match and its chunks hash to its file hash. The SHA-256 is what the client
@@ -20,6 +20,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import threading
 import time
@@ -31,7 +32,6 @@ from .format import (
     FormatError,
     Xorb,
     decode_chunk,
-    dedup_eligible,
     dedup_shard,
     file_hash,
     hash_from_hex,
@@ -91,7 +91,7 @@ class Cas:
 
     def __init__(self, root: Path, tmp: Path):
         self.root, self.tmp = root, tmp
-        for sub in ("xorbs", "files", "sha256", "shards", "dedup"):
+        for sub in ("xorbs", "files", "sha256", "shards"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         self._xorbs: dict[str, Xorb] = {}  # parsed xorbs, so downloads don't re-hash them
         # Clients cache "this xorb is uploaded" per CAS URL; a new root must get a new URL, or a client
@@ -100,6 +100,11 @@ class Cas:
         if not id_file.is_file():
             _atomic_write(id_file, secrets.token_hex(8).encode(), tmp)
         self.id = id_file.read_text().strip()
+        self._chunk_index: dict[bytes, bytes] = {}
+        index = root / "chunks.idx"
+        raw = index.read_bytes() if index.is_file() else b""
+        for pos in range(0, len(raw) - len(raw) % 64, 64):  # a torn last record (crash) is ignored
+            self._chunk_index.setdefault(raw[pos:pos + 32], raw[pos + 32:pos + 64])
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ xorbs
@@ -118,24 +123,26 @@ class Cas:
         _atomic_write(path, data, self.tmp)
         with self._lock:
             self._xorbs[name] = xorb
-        # Index what a client may ask about later: the first chunk (often a file's first) and
-        # the chunks whose hash makes them eligible for global dedup queries.
-        for index, digest in enumerate(xorb.chunk_hashes):
-            if index == 0 or dedup_eligible(digest):
-                self._index_chunk(digest, name)
+        # Every chunk, not only those a client asks about once its file is registered: a rerun after a
+        # failed shard upload then finds the data already here and sends none of it again.
+        records = b"".join(digest + xorb.hash for digest in xorb.chunk_hashes)
+        with self._lock, open(self.root / "chunks.idx", "ab") as index:
+            index.write(records)
+            index.flush()
+            os.fsync(index.fileno())
+            for digest in xorb.chunk_hashes:
+                self._chunk_index.setdefault(digest, xorb.hash)
         return True
-
-    def _index_chunk(self, digest: bytes, xorb_name: str) -> None:
-        path = self.root / "dedup" / hash_hex(digest)
-        if not path.is_file():
-            _atomic_write(path, xorb_name.encode(), self.tmp)
 
     def dedup(self, chunk_name: str) -> bytes | None:
         """The answer to a global dedup query: a shard listing the xorb that holds this chunk."""
         try:
-            xorb = self.xorb((self.root / "dedup" / chunk_name).read_text().strip())
-        except (OSError, ValueError):
+            digest = hash_from_hex(chunk_name)
+        except FormatError:
             return None
+        with self._lock:
+            xorb_hash = self._chunk_index.get(digest)
+        xorb = self.xorb(hash_hex(xorb_hash)) if xorb_hash else None
         return None if xorb is None else dedup_shard([xorb], int(time.time()), 24 * 3600)
 
     def xorb(self, name: str) -> Xorb | None:
@@ -167,9 +174,6 @@ class Cas:
             if chunks != list(zip(stored.chunk_hashes, stored.chunk_sizes)):
                 raise HubError(400, f"Shard refused: its chunk list for xorb {hash_hex(name)} differs from the xorb")
         records = [self._check_file(entry) for entry in shard.files]
-        for entry in shard.files:
-            first = entry.segments[0]
-            self._index_chunk(self.xorb(hash_hex(first.xorb)).chunk_hashes[first.chunk_start], hash_hex(first.xorb))
         new = 0
         for name, record in records:
             path = _shard_path(self.root, "files", name, ".json")

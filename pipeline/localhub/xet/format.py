@@ -28,7 +28,6 @@ __all__ = [
     "Xorb",
     "chunk_hash",
     "decode_chunk",
-    "dedup_eligible",
     "dedup_shard",
     "file_hash",
     "hash_from_hex",
@@ -346,13 +345,6 @@ def _parse_sections(data: bytes, footer_size: int) -> Shard:
 
 # ---------------------------------------------------------------------- global dedup answers
 _FOOTER_SIZE = 200
-_DEDUP_MODULUS = 1024  # clients ask about a file's first chunk and chunks whose hash is 0 mod this
-
-
-def dedup_eligible(digest: bytes) -> bool:
-    return int.from_bytes(digest[24:32], "little") % _DEDUP_MODULUS == 0
-
-
 def _truncated(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little")
 

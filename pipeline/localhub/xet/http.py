@@ -58,7 +58,7 @@ def route(h: "Handler", method: str, segs: list[str]) -> None:
         return _reconstruction(h, segs[1], segs[3])
     if method == "GET" and segs[1:3] == ["v1", "chunks"] and len(segs) == 5:
         h.hub.xet_tokens.check(h.headers.get("Authorization"), "read")
-        shard = h.hub.store.xet.dedup(segs[4]) if len(segs[4]) == 64 and segs[4].isalnum() else None
+        shard = h.hub.store.xet.dedup(segs[4])
         if shard is None:
             raise HubError(404, "No xorb of this CAS holds that chunk")
         return h._send(200, shard, "application/octet-stream")

@@ -59,8 +59,9 @@ class _Server(ThreadingHTTPServer):
 class LocalHub:
     """A Hub double bound to loopback. `with LocalHub(root, token="t") as hub: HfApi(endpoint=hub.url)`.
 
-    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`) and request counts
-    (`request_counts`, `count`) are exposed here and through the admin endpoints.
+    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`; for Xet `drop_next_xorb`,
+    `corrupt_next_xorb`, `fail_next_shard`, `expire_xet_tokens`) and request counts (`request_counts`,
+    `count`) are exposed here and through the admin endpoints. Xet CAS tokens live `xet_token_ttl` s.
     """
 
     def __init__(self, root: str | os.PathLike, *, token: str | None = None, host: str = "127.0.0.1",

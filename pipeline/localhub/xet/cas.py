@@ -8,6 +8,7 @@ Layout under ``<root>/xet`` (every write atomic: temp file + fsync + rename, lik
     sha256/<sha256>.json     declared SHA-256 -> Xet file hash (how a commit's LFS pointer finds the file)
     shards/<sha256>          every accepted shard, kept as received
     chunks.idx               append-only (chunk hash, xorb hash) pairs: answers global dedup queries
+    related/<h>.json         the xorbs of the last accepted shard that used xorb h (answered together)
 
 A xorb is stored only once its chunks hash to its name; a file only once every segment's chunks exist,
 its verification hashes match and its chunks hash to its file hash. The SHA-256 is what the client
@@ -42,6 +43,8 @@ from .format import (
 )
 
 __all__ = ["Cas", "TokenIssuer"]
+
+_MAX_RELATED = 64  # xorbs in one dedup answer (about 4 GB of data)
 
 
 class TokenIssuer:
@@ -91,7 +94,7 @@ class Cas:
 
     def __init__(self, root: Path, tmp: Path):
         self.root, self.tmp = root, tmp
-        for sub in ("xorbs", "files", "sha256", "shards"):
+        for sub in ("xorbs", "files", "sha256", "shards", "related"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         self._xorbs: dict[str, Xorb] = {}  # parsed xorbs, so downloads don't re-hash them
         # Clients cache "this xorb is uploaded" per CAS URL; a new root must get a new URL, or a client
@@ -142,8 +145,15 @@ class Cas:
             return None
         with self._lock:
             xorb_hash = self._chunk_index.get(digest)
-        xorb = self.xorb(hash_hex(xorb_hash)) if xorb_hash else None
-        return None if xorb is None else dedup_shard([xorb], int(time.time()), 24 * 3600)
+        if xorb_hash is None:
+            return None
+        name = hash_hex(xorb_hash)
+        try:
+            names = json.loads((self.root / "related" / f"{name}.json").read_bytes())
+        except (OSError, ValueError):
+            names = [name]  # uploaded, but no shard registered it yet
+        xorbs = [x for x in (self.xorb(n) for n in dict.fromkeys([name, *names])) if x is not None]
+        return dedup_shard(xorbs, int(time.time()), 24 * 3600) if xorbs else None
 
     def xorb(self, name: str) -> Xorb | None:
         """The stored xorb `name` (chunk table), or None. A damaged file on disk counts as absent."""
@@ -183,6 +193,12 @@ class Cas:
             if record["sha256"]:
                 index = self.root / "sha256" / f"{record['sha256']}.json"
                 _atomic_write(index, json.dumps({"xetHash": name, "size": record["size"]}).encode(), self.tmp)
+        # A dedup answer lists the xorbs uploaded together, as the real CAS answers with the shard that
+        # registered a chunk: one query then covers a whole file, not only the xorb of the chunk asked.
+        related = list(dict.fromkeys([hash_hex(s.xorb) for f in shard.files for s in f.segments]
+                                     + [hash_hex(name) for name in shard.xorbs]))[:_MAX_RELATED]
+        for name in related:
+            _atomic_write(self.root / "related" / f"{name}.json", json.dumps(related).encode(), self.tmp)
         _atomic_write(self.root / "shards" / hashlib.sha256(data).hexdigest(), data, self.tmp)
         return new
 

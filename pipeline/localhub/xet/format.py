@@ -15,10 +15,14 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import blake3
-import lz4.frame
+try:
+    import blake3
+    import lz4.frame
+except ImportError:  # the optional extra `localhub`: without it the local Hub speaks LFS only
+    blake3 = lz4 = None
 
 __all__ = [
+    "AVAILABLE",
     "FormatError",
     "MAX_CHUNK_SIZE",
     "MAX_XORB_SIZE",
@@ -38,6 +42,7 @@ __all__ = [
     "verification_hash",
 ]
 
+AVAILABLE = blake3 is not None and lz4 is not None
 MAX_CHUNK_SIZE = 128 * 1024  # twice the 64 KiB target; the spec caps chunks here
 MAX_XORB_SIZE = 64 * 1024 * 1024  # serialized; the CAS refuses larger xorbs
 

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..store import HubError
-from .format import MAX_XORB_SIZE, FormatError, hash_from_hex
+from .format import AVAILABLE, MAX_XORB_SIZE, FormatError, hash_from_hex
 
 if TYPE_CHECKING:
     from ..handler import Handler
@@ -32,6 +32,7 @@ _URL_TTL = 3600  # seconds a signed xorb download URL stays valid
 
 def token(h: "Handler", scope: str, repo_type: str, repo_id: str, args: list[str]) -> None:
     """The Hub's xet-{read,write}-token endpoint: a short-lived CAS token, in headers and JSON."""
+    _require_extra()
     if scope == "write":
         h._writable_repo(repo_type, repo_id)
     else:
@@ -42,7 +43,14 @@ def token(h: "Handler", scope: str, repo_type: str, repo_id: str, args: list[str
                  headers={"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": access, "X-Xet-Token-Expiration": str(exp)})
 
 
+def _require_extra() -> None:
+    if not AVAILABLE:
+        raise HubError(501, "this local Hub speaks Xet only with the optional extra installed"
+                            " (pip install -e '.[localhub]': blake3, lz4); or set HF_HUB_DISABLE_XET=1 to use LFS")
+
+
 def route(h: "Handler", method: str, segs: list[str]) -> None:
+    _require_extra()
     if segs[:1] == ["data"] and len(segs) == 2 and method in ("GET", "HEAD"):
         return _xorb_data(h, segs[1])
     if segs[:1] != [h.hub.store.xet.id]:

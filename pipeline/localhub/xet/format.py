@@ -179,7 +179,7 @@ def decode_chunk(data: bytes, start: int, stop: int) -> bytes:
     return _decompress(data[start + 4], data[start + 8:stop], int.from_bytes(data[start + 5:start + 8], "little"))
 
 
-def iter_chunks(data: bytes, end: int):
+def _iter_chunks(data: bytes, end: int):
     """Yield (start, stop, scheme, uncompressed size) of each chunk in data[:end]."""
     pos = 0
     while pos < end:
@@ -215,7 +215,7 @@ def parse_xorb(data: bytes, expected_hash: bytes) -> Xorb:
         raise FormatError(f"xorb of {len(data)} bytes exceeds the {MAX_XORB_SIZE}-byte limit")
     chunks_end = _footer_bounds(data)
     hashes, ends, sizes = [], [], []
-    for start, stop, scheme, size in iter_chunks(data, chunks_end):
+    for start, stop, scheme, size in _iter_chunks(data, chunks_end):
         chunk = _decompress(scheme, data[start + 8:stop], size)
         hashes.append(chunk_hash(chunk))
         ends.append(stop)

@@ -75,8 +75,10 @@ def route(h: "Handler", method: str, segs: list[str]) -> None:
 
 def _upload_xorb(h: "Handler", name: str) -> None:
     h.hub.xet_tokens.check(h.headers.get("Authorization"), "write")
-    length = int(h.headers.get("Content-Length") or 0)
-    if length > MAX_XORB_SIZE + (1 << 20):
+    length = h.headers.get("Content-Length") or ""
+    if not length.isdigit():
+        raise HubError(411, "A xorb upload needs a Content-Length")
+    if int(length) > MAX_XORB_SIZE + (1 << 20):
         raise HubError(413, f"Xorb of {length} bytes exceeds the {MAX_XORB_SIZE}-byte limit")
     dropped, after_bytes = h.hub.faults.take_xorb_drop()
     if dropped:

@@ -33,3 +33,4 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/publish.py

@@ -2,9 +2,10 @@
 
 Every request goes through the real huggingface_hub client to ``pipeline.localhub`` over
 HTTP, on the legacy LFS path (``HF_HUB_DISABLE_XET=1``) unless a test asks for Xet (the
-``published`` runs are made once per protocol; the ``xet`` fixture switches this process). The stage is the one the real scripts build (``staged_run`` in conftest.py). The
-script runs as a subprocess where its exit code, output and files matter; the fault cases
-call :func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
+``published`` runs are made once per protocol; the ``xet`` fixture switches this process).
+The stage is the one the real scripts build (``staged_run`` in conftest.py). The script runs
+as a subprocess where its exit code, output and files matter; the fault cases call
+:func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
 The test token is random per session, so it can appear in no file by accident.
 """
 

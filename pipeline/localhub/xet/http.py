@@ -6,9 +6,11 @@
     GET  /_xet/{cas}/v1/chunks/default/{chunk hash}   (global dedup query)
     GET  /_xet/data/{xorb hash}?exp=..&sig=..   (signed, like a presigned URL; Range: bytes=a-b)
 
-`{cas}` is the random id of the CAS under this root (see cas.py). The CAS answers like the real service: 401 for a missing or expired token (the client then
-refreshes it through the Hub), 400 for a xorb or shard that does not verify, 404 for unknown
-hashes (and for the /v2 shard and upload-grant APIs, so the client uses the /v1 ones).
+`{cas}` is the random id of the CAS under this root (see cas.py). The CAS answers like the real
+service: 401 for a missing or expired token (the client refreshes a token through the Hub
+before its `exp`; a token revoked earlier fails the upload), 400 for a xorb or shard that does
+not verify, 404 for unknown hashes (and for the /v2 shard and upload-grant APIs, so the client
+falls back to the /v1 ones).
 The functions take the request handler (`pipeline.localhub.handler.Handler`) as first argument.
 """
 

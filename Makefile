@@ -1,11 +1,12 @@
 # The two commands: `make demo` runs the whole pipeline, `make test` runs the suite.
 # Both create .venv on first use; constraints.txt pins torch to the CPU build available here.
+# The local Hub speaks Xet like the real one, so the client uploads through Xet (hf_xet) by default;
+# HF_HUB_DISABLE_XET=1 in the environment selects the legacy LFS path instead.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-export HF_HUB_DISABLE_XET := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: demo test lint bench venv clean-runtime
@@ -14,7 +15,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card,sign]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card,sign,localhub]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,3 +33,4 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/publish.py

@@ -52,9 +52,10 @@ class Step:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """This environment without tokens or endpoints; the client on its LFS path, no telemetry."""
+    """This environment without tokens or endpoints, and no telemetry. The client uploads through
+    Xet, as it does to the real Hub (HF_HUB_DISABLE_XET=1 in the environment selects LFS)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    env.update({"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
 

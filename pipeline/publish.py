@@ -12,7 +12,7 @@
     commit   create_repo / create_branch if missing, then ONE create_commit(parent_commit=head)
              holding every staged file, plus deletions of files under the target folder that
              the stage no longer has (``.gitattributes`` stays)
-    verify   Hub LFS SHA-256s and downloaded small files against the audit (publish_verify)
+    verify   Hub LFS SHA-256s, downloaded Xet and small files against the audit (publish_verify)
     receipt  hub_receipts/<namespace>--<name>-<commit12>.json, outside the stage
 
 Why one commit: a trainer that pushes on every save makes one commit per save, runs into
@@ -44,15 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
-import ipaddress
 import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
-from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token
@@ -252,19 +249,6 @@ def _bounded_requests(timeout: float) -> Iterator[None]:
         session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = saved
 
 
-def _check_transfer_protocol(endpoint: str) -> None:
-    """localhub speaks the LFS upload protocol only; with hf_xet installed the client picks Xet."""
-    host = urlsplit(endpoint).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    xet = not constants.HF_HUB_DISABLE_XET and importlib.util.find_spec("hf_xet") is not None
-    if loopback and xet:
-        raise PublishError(f"{endpoint} is a local hub, which speaks only the LFS upload protocol: set "
-                           "HF_HUB_DISABLE_XET=1 in the environment before starting (make demo does)")
-
-
 def _status(exc: HfHubHTTPError) -> int | None:
     return getattr(getattr(exc, "response", None), "status_code", None)
 
@@ -334,8 +318,12 @@ def _hub_errors(target: _Target, action: str, consequence: str = _NOTHING_COMMIT
         network = _cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
-        raise UploadInterrupted(f"{_network_words(target, network)} while {action}; {consequence}; rerun: it "
-                                "skips blobs already uploaded and never makes a second commit") from None
+        # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
+        detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
+        if target.token:
+            detail = detail.replace(target.token, "<token>")
+        raise UploadInterrupted(f"{_network_words(target, network)} while {action} ({detail}); {consequence}; "
+                                "rerun: it skips blobs already uploaded and never makes a second commit") from None
 
 
 # -- reading the remote ---------------------------------------------------------------------
@@ -552,7 +540,7 @@ def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFil
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
     url = f"{target.endpoint}/{target.repo_id}/commit/{commit}"
     expected = {target.prefix + name: entry for name, entry in audited.items()}
-    say(f"verifying {commit[:12]}: Hub LFS SHA-256s, and downloaded bytes of the small files")
+    say(f"verifying {commit[:12]}: Hub LFS SHA-256s, downloaded bytes of Xet-stored and small files")
     landed = "is on the Hub" if status == "already published" else "landed"
     try:
         with _hub_errors(target, "verifying", consequence=f"commit {url} {landed}"):
@@ -657,7 +645,6 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
     prefix = _clean_prefix(path_in_repo)
     max_backoff = _max_backoff(max_backoff_s)
     timeout = _check_timeout(timeout_s)
-    _check_transfer_protocol(endpoint)
     with _bounded_requests(timeout):
         # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
         with stage_lock(stage):

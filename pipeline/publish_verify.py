@@ -1,7 +1,12 @@
 """After a publish lands: check what the Hub holds against the audit, and write the receipt.
 
-Large (LFS) files are checked by the SHA-256 the Hub records for them; small (regular) files
-are downloaded from the commit and hashed, because the Hub lists only their git blob id.
+What the Hub's SHA-256 of a large file proves depends on how it was uploaded. Over Git LFS the
+server hashed the bytes it received (the upload is refused otherwise), so that SHA-256 is the
+server's own and is checked without downloading. Over Xet the server verified chunk, xorb and
+file hashes, but the SHA-256 it lists is only what the client declared in its shard: a Xet-stored
+file (one with a ``xetHash``) is therefore downloaded from the commit, rebuilt from the CAS, and
+hashed, like the small (regular) files, of which the Hub lists only the git blob id.
+"Verified" means the same under both protocols: the audit's SHA-256 matches bytes the server holds.
 The receipt (``hub_receipts/<namespace>--<name>-<commit12>.json``) records the repo, the
 commit and its URL, the time, every file's hash and how it was checked, and the stage
 signature's key fingerprint (``signature``, null for an unsigned stage). It is written
@@ -40,7 +45,7 @@ class VerifiedFile:
     path_in_repo: str
     size: int
     sha256: str
-    storage: str  # "lfs" or "regular"
+    storage: str  # "lfs", "xet" or "regular"
     checked_by: str
     found: str | None
 
@@ -51,6 +56,11 @@ class VerifiedFile:
 
 def _check_file(api: HfApi, repo_id: str, commit: str, expected: AuditedFile, path: str, remote: Any,
                 cache_dir: Path) -> VerifiedFile:
+    if remote.lfs is not None and remote.xet_hash:
+        # The listed SHA-256 is the client's own claim here: hash what the CAS rebuilds instead.
+        downloaded = api.hf_hub_download(repo_id, path, revision=commit, cache_dir=cache_dir)
+        return VerifiedFile(path, expected.size, expected.sha256, "xet", "downloaded bytes (Xet)",
+                            sha256_file(downloaded))
     if remote.lfs is not None:
         # The Hub's own record of the LFS object: no need to download the weights again.
         found = remote.lfs.sha256 if remote.lfs.size == expected.size else None

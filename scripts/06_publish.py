@@ -4,7 +4,7 @@
     python scripts/06_publish.py --repo-id you/regression-mlp --dry-run        # plan only, no write request
     python scripts/06_publish.py --repo-id you/regression-mlp --private --message "First release"
     python scripts/06_publish.py --repo-id you/models --path-in-repo regression-mlp --revision staging
-    HF_HUB_DISABLE_XET=1 python scripts/06_publish.py --repo-id demo/m --endpoint http://127.0.0.1:8080
+    python scripts/06_publish.py --repo-id demo/m --endpoint http://127.0.0.1:8080          # a local Hub
     python scripts/06_publish.py --repo-id you/regression-mlp --verify-key release.pub   # signed stage
 
 The token is read from HF_TOKEN or the one saved by `hf auth login`; it is never a command-line

@@ -21,7 +21,7 @@ _SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script: this one, without tokens or endpoint, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
-    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"})
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     env.update(extra)
     return env
 

@@ -420,3 +420,35 @@ def test_non_loopback_host_is_refused(tmp_path):
     with pytest.raises(ValueError):
         LocalHub(tmp_path, host="0.0.0.0")
     assert check_loopback("::1") == "::1" and check_loopback("localhost") == "localhost"
+
+
+# -- Xet (the client's default path; the publish tests cover uploads, faults and verification) ----------------
+
+def test_xet_stored_file_is_served_rebuilt_by_any_byte_range_and_the_cas_checks_token_scopes(hub, api, repo,
+                                                                                             monkeypatch):
+    monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    data = os.urandom(300_000) + bytes(200_000)  # random, then zeros: several chunks of different sizes
+    api.create_commit(REPO, [CommitOperationAdd("w.safetensors", data)], commit_message="over xet")
+    assert hub.count("POST", r"/v1/xorbs/") >= 1 and hub.count("PUT") == 0
+    [entry] = api.get_paths_info(REPO, ["w.safetensors"], expand=True)
+    assert entry.xet_hash is not None and entry.lfs.sha256 == hashlib.sha256(data).hexdigest()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    # A client without Xet gets the bytes rebuilt from the CAS, whole or any range of them.
+    for first, last in ((0, len(data) - 1), (70_000, 270_123), (len(data) - 10, len(data) - 1)):
+        answer = httpx2.get(f"{hub.url}/{REPO}/resolve/main/w.safetensors",
+                            headers={**auth, "Range": f"bytes={first}-{last}"})
+        assert answer.content == data[first:last + 1] and answer.headers["X-Xet-Hash"] == entry.xet_hash
+    # The reconstruction of a range starts in the chunk holding its first byte.
+    grant = httpx2.get(f"{hub.url}/api/models/{REPO}/xet-read-token/main", headers=auth).json()
+    read = {"Authorization": f"Bearer {grant['accessToken']}"}
+    plan = httpx2.get(f"{grant['casUrl']}/v1/reconstructions/{entry.xet_hash}",
+                      headers={**read, "Range": "bytes=70000-270123"}).json()
+    covered = sum(term["unpacked_length"] for term in plan["terms"])
+    assert 0 < plan["offset_into_first_range"] < plan["terms"][0]["unpacked_length"]
+    assert covered - plan["offset_into_first_range"] >= 200_124 and covered < len(data)
+    # A read token cannot write, no token cannot read; a private repo's read token needs the Hub token.
+    assert httpx2.post(f"{grant['casUrl']}/v1/shards", content=b"x", headers=read).status_code == 403
+    assert httpx2.get(f"{grant['casUrl']}/v1/reconstructions/{entry.xet_hash}").status_code == 401
+    api.create_repo("alice/secret", private=True)
+    assert httpx2.get(f"{hub.url}/api/models/alice/secret/xet-read-token/main").status_code == 404

@@ -1,9 +1,11 @@
 """Publishing the stage (scripts/06_publish.py, pipeline.publish) against a real loopback Hub.
 
 Every request goes through the real huggingface_hub client to ``pipeline.localhub`` over
-HTTP. The stage is the one the real scripts build (``staged_run`` in conftest.py). The
-script runs as a subprocess where its exit code, output and files matter; the fault cases
-call :func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
+HTTP, on the legacy LFS path (``HF_HUB_DISABLE_XET=1``) unless a test asks for Xet (the
+``published`` runs are made once per protocol; the ``xet`` fixture switches this process).
+The stage is the one the real scripts build (``staged_run`` in conftest.py). The script runs
+as a subprocess where its exit code, output and files matter; the fault cases call
+:func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
 The test token is random per session, so it can appear in no file by accident.
 """
 
@@ -59,12 +61,16 @@ _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKE
 
 # -- fixtures ----------------------------------------------------------------------------
 
+# The Xet client waits 3 s, 6 s, ... between its retries: faults would take minutes.
+_XET_FAST_RETRIES = {"HF_XET_CLIENT_RETRY_BASE_DELAY": "10ms"}
+
+
 @pytest.fixture(autouse=True)
 def hf_env(tmp_path, monkeypatch):
     """The client in this process: LFS path, no telemetry, a private HF_HOME, no implicit token."""
     hf_home = tmp_path / "hf_home"
     for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
-                       "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
+                       "HF_HUB_DISABLE_TELEMETRY": "1", **_XET_FAST_RETRIES}.items():
         monkeypatch.setenv(key, value)
     for key in _SCRUBBED + ("PUBLISH_MAX_BACKOFF_S",):
         monkeypatch.delenv(key, raising=False)
@@ -77,6 +83,19 @@ def hf_env(tmp_path, monkeypatch):
     disable_progress_bars()
     yield
     enable_progress_bars()
+
+
+def use_protocol(monkeypatch, protocol: str) -> None:
+    """Switch the client in this process to ``protocol`` ("lfs" or "xet") for one test."""
+    if protocol == "xet":
+        monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", protocol != "xet")
+
+
+@pytest.fixture
+def xet(monkeypatch):
+    """The client in this process uploads and downloads through Xet, as it does by default."""
+    use_protocol(monkeypatch, "xet")
 
 
 @pytest.fixture
@@ -102,26 +121,30 @@ def module_hub(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def published(staged_run, module_hub, tmp_path_factory):
-    """06 run twice against a fresh repo: ``first`` publishes, ``rerun`` must find nothing to do."""
-    receipts = tmp_path_factory.mktemp("receipts")
-    repo_id = "alice/published"
-    first = run_publish(staged_run.stage, module_hub, repo_id, receipts)
+@pytest.fixture(scope="module", params=["lfs", "xet"])
+def published(request, staged_run, module_hub, tmp_path_factory):
+    """06 run twice against a fresh repo over one protocol: ``first`` publishes, ``rerun`` must
+    find nothing to do."""
+    protocol = request.param
+    receipts = tmp_path_factory.mktemp(f"receipts-{protocol}")
+    repo_id = f"alice/published-{protocol}"
+    first = run_publish(staged_run.stage, module_hub, repo_id, receipts, protocol=protocol)
     module_hub.reset_request_counts()
-    rerun = run_publish(staged_run.stage, module_hub, repo_id, receipts)
+    rerun = run_publish(staged_run.stage, module_hub, repo_id, receipts, protocol=protocol)
     return SimpleNamespace(first=first, rerun=rerun, rerun_requests=module_hub.request_counts(), repo_id=repo_id,
-                           receipts=receipts, hub=module_hub, run=staged_run)
+                           receipts=receipts, hub=module_hub, run=staged_run, protocol=protocol)
 
 
 # -- helpers -----------------------------------------------------------------------------
 
 def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args: str,
-                token: str | None = TOKEN) -> subprocess.CompletedProcess:
+                token: str | None = TOKEN, protocol: str = "lfs") -> subprocess.CompletedProcess:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    env.update({"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
-                "HF_HOME": str(receipts.parent / "hf_home_script")})
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
+    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
+                "HF_HOME": str(receipts.parent / "hf_home_script"), **_XET_FAST_RETRIES})
+    if protocol == "lfs":
+        env["HF_HUB_DISABLE_XET"] = "1"
     if token is not None:
         env["HF_TOKEN"] = token
     command = [sys.executable, "-B", str(SCRIPT), "--repo-id", repo_id, "--endpoint", hub.url,
@@ -189,21 +212,30 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
 
 
 def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
-    [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"])
+    [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"], expand=True)
     checkpoint_meta = json.loads((published.run.checkpoint / "meta.json").read_text())
     assert entry.lfs is not None and entry.lfs.sha256 == checkpoint_meta["files"]["modelo.safetensors"]["sha256"]
+    if published.protocol == "xet":  # stored in the CAS: the Hub names its Xet file hash too
+        assert entry.xet_hash is not None and len(entry.xet_hash) == 64 and int(entry.xet_hash, 16) >= 0
+        assert published.hub.store.xet.file(entry.xet_hash)["size"] == entry.size
+    else:
+        assert entry.xet_hash is None
 
 
 def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(published):
     head = api_for(published.hub).repo_info(published.repo_id).sha
     [receipt] = list(published.receipts.glob("*.json"))
     record = json.loads(receipt.read_text())
-    assert receipt.name == f"alice--published-{head[:12]}.json"
+    assert receipt.name == f"{published.repo_id.replace('/', '--')}-{head[:12]}.json"
     assert (record["repo_id"], record["commit"], record["status"], record["verified"]) == (
         published.repo_id, head, "published", True)
     assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: record["files"][name]["found"] for name in manifest} == manifest
+    # Over Xet the listed SHA-256 is the client's claim, so the weights were checked by their bytes.
+    weights = record["files"]["modelo.safetensors"]
+    expected_check = {"lfs": ("lfs", "Hub LFS SHA-256"), "xet": ("xet", "downloaded bytes (Xet)")}
+    assert (weights["storage"], weights["checked_by"]) == expected_check[published.protocol]
     assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
 
 
@@ -216,9 +248,15 @@ def test_rerun_makes_no_commit_and_says_already_published(published):
         published.rerun_requests
 
 
-def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published, tmp_path):
+def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published, tmp_path, monkeypatch):
+    use_protocol(monkeypatch, published.protocol)
+    rebuilt = published.hub.count("GET", r"/reconstructions/")
     folder = Path(snapshot_download(published.repo_id, endpoint=published.hub.url, token=TOKEN,
                                     cache_dir=tmp_path / "cache"))
+    manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
+    assert {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in manifest} == manifest
+    # Over Xet the weights came back through the CAS reconstruction API, not a plain GET.
+    assert (published.hub.count("GET", r"/reconstructions/") > rebuilt) == (published.protocol == "xet")
     meta = json.loads((folder / "meta.json").read_text())
     here = load_config(CONFIG, {"data.dir": str(published.run.data_dir), "training.device": "cpu"})
     config = evaluation_config(meta, here, source="published meta.json")
@@ -333,6 +371,105 @@ def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_ru
     result = publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
     assert result.status == "published" and len(commit_titles(hub, "alice/dropped")) == 2
     assert_holds_exactly_the_stage(hub, "alice/dropped", staged_run.stage)
+
+
+# -- Xet faults (in process, the client on its default Xet path) ------------------------------
+
+def stored(hub: LocalHub, kind: str) -> list[Path]:
+    """Files the hub's Xet CAS holds under ``kind`` ("xorbs", "shards", ...)."""
+    return sorted(p for p in (hub.store.xet.root / kind).rglob("*") if p.is_file())
+
+
+def cas_post(hub: LocalHub, repo_id: str, path: str, body: bytes) -> httpx2.Response:
+    """POST to the CAS with a write token obtained from the Hub, as the Xet client does."""
+    answer = httpx2.get(f"{hub.url}/api/models/{repo_id}/xet-write-token/main",
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+    grant = answer.json()
+    assert answer.headers["X-Xet-Access-Token"] == grant["accessToken"] and grant["exp"] > 0
+    return httpx2.post(f"{grant['casUrl']}/{path}", content=body,
+                       headers={"Authorization": f"Bearer {grant['accessToken']}"})
+
+
+def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(staged_run, hub, tmp_path, token_env, xet):
+    hub.corrupt_next_xorb(times=50)  # one byte flipped after the client hashed the xorb, every try
+    with pytest.raises(UploadInterrupted) as refused:
+        publish_here(staged_run.stage, hub, "alice/corrupted", tmp_path)
+    assert refused.value.exit_code == 2 and "400 Bad Request" in str(refused.value)
+    assert hub.count("POST", r"/commit/") == 0 and commit_titles(hub, "alice/corrupted") == ["initial commit"]
+    assert hub.count("POST", r"/v1/xorbs/") >= 1 and stored(hub, "xorbs") == []
+
+    hub.clear_faults()
+    result = publish_here(staged_run.stage, hub, "alice/corrupted", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/corrupted")) == 2
+    assert_holds_exactly_the_stage(hub, "alice/corrupted", staged_run.stage)
+
+    # The same refusal by the CAS itself, on a xorb the real client made: one byte of chunk data changed.
+    xorb = stored(hub, "xorbs")[0]
+    data = bytearray(xorb.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    answer = cas_post(hub, "alice/corrupted", f"v1/xorbs/default/{xorb.name}", bytes(data))
+    assert answer.status_code == 400 and "refused" in answer.json()["error"]
+    assert cas_post(hub, "alice/corrupted", f"v1/xorbs/default/{xorb.name}", xorb.read_bytes()).json() == {
+        "was_inserted": False}
+    # A shard whose file hash does not match its chunks is refused too, and records nothing.
+    shard = bytearray(stored(hub, "shards")[0].read_bytes())
+    shard[48] ^= 0x01  # first byte of the first file's hash
+    answer = cas_post(hub, "alice/corrupted", "v1/shards", bytes(shard))
+    assert answer.status_code == 400 and "file hash" in answer.json()["error"]
+    assert len(stored(hub, "shards")) == 1
+
+
+def test_xet_dropped_xorb_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path,
+                                                                               token_env, xet):
+    hub.drop_next_xorb(times=50)  # every try of the client is cut mid-body
+    with pytest.raises(UploadInterrupted) as refused:
+        publish_here(staged_run.stage, hub, "alice/xet-dropped", tmp_path)
+    assert refused.value.exit_code == 2 and "rerun" in str(refused.value)
+    assert hub.count("POST", r"/commit/") == 0 and stored(hub, "xorbs") == []
+
+    hub.clear_faults()
+    result = publish_here(staged_run.stage, hub, "alice/xet-dropped", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/xet-dropped")) == 2
+    assert_holds_exactly_the_stage(hub, "alice/xet-dropped", staged_run.stage)
+
+
+def test_xet_shard_failing_with_500_leaves_no_commit_and_a_rerun_sends_no_xorb_again(staged_run, hub, tmp_path,
+                                                                                   token_env, xet):
+    hub.fail_next_shard(times=50)
+    with pytest.raises(UploadInterrupted) as refused:
+        publish_here(staged_run.stage, hub, "alice/xet-shard", tmp_path)
+    assert "500" in str(refused.value) and hub.count("POST", r"/commit/") == 0
+    assert commit_titles(hub, "alice/xet-shard") == ["initial commit"]
+    uploaded = stored(hub, "xorbs")
+    assert uploaded and stored(hub, "shards") == []
+
+    hub.clear_faults()
+    hub.reset_request_counts()
+    result = publish_here(staged_run.stage, hub, "alice/xet-shard", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/xet-shard")) == 2
+    # The CAS already held the data: the rerun found it through the dedup query and sent only a shard.
+    assert hub.count("POST", r"/v1/xorbs/") == 0 and hub.count("GET", r"/v1/chunks/") >= 1
+    assert stored(hub, "xorbs") == uploaded and len(stored(hub, "shards")) == 1
+
+
+def test_xet_token_revoked_mid_upload_leaves_no_commit_and_a_rerun_lands_one(staged_run, hub, tmp_path,
+                                                                            token_env, xet):
+    hub.expire_xet_tokens(after_requests=2)  # the token dies after the dedup queries, before the xorb
+    with pytest.raises(UploadInterrupted) as refused:
+        publish_here(staged_run.stage, hub, "alice/xet-revoked", tmp_path)
+    assert "401" in str(refused.value) and commit_titles(hub, "alice/xet-revoked") == ["initial commit"]
+
+    result = publish_here(staged_run.stage, hub, "alice/xet-revoked", tmp_path)
+    assert result.status == "published" and len(commit_titles(hub, "alice/xet-revoked")) == 2
+
+
+def test_xet_tokens_expiring_during_the_upload_are_refreshed_and_one_commit_lands(staged_run, tmp_path, token_env,
+                                                                                xet):
+    with LocalHub(tmp_path / "short", token=TOKEN, xet_token_ttl=2) as hub:  # shorter than one upload
+        result = publish_here(staged_run.stage, hub, "alice/xet-refreshed", tmp_path)
+        assert result.status == "published" and len(commit_titles(hub, "alice/xet-refreshed")) == 2
+        assert hub.count("GET", r"/xet-write-token/") >= 2
+        assert_holds_exactly_the_stage(hub, "alice/xet-refreshed", staged_run.stage)
 
 
 def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env):

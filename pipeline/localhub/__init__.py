@@ -1,8 +1,10 @@
 """localhub: a loopback-only double of the Hugging Face Hub HTTP API for tests and rehearsals.
 
-It speaks what the real `huggingface_hub` client uses for create_repo, create_commit (legacy LFS
-path: run the client with HF_HUB_DISABLE_XET=1), repo/model info, refs, commits, tree, paths-info,
-file_exists, hf_hub_download, snapshot_download and whoami. State persists under ``root``.
+It speaks what the real `huggingface_hub` client uses for create_repo, create_commit (over Xet, the
+client's default when hf_xet is installed, or over the legacy LFS path with HF_HUB_DISABLE_XET=1),
+repo/model info, refs, commits, tree, paths-info, file_exists, hf_hub_download, snapshot_download
+and whoami. The Xet side (``xet/``: token endpoints, a CAS that verifies xorbs and shards, file
+reconstruction, global dedup) needs the ``localhub`` extra (blake3, lz4). State persists under ``root``.
 
     from pipeline.localhub import LocalHub
     with LocalHub(tmp_path, token="secret") as hub:

@@ -24,6 +24,10 @@ class Faults:
         self._drops: list[int | None] = []  # one entry per LFS PUT to cut: bytes to read first
         self._withheld: list[bool] = []  # one entry per commit whose answer never comes: apply it first?
         self._released = threading.Event()  # set by clear(): withheld answers stop waiting
+        self._xorb_drops: list[int | None] = []  # the same for Xet xorb uploads
+        self._xorb_corruptions = 0  # xorb uploads to damage in transit (one byte flipped)
+        self._shard_failures: list[int] = []  # one HTTP status per Xet shard upload to fail
+        self._token_expiry: list[int] = []  # CAS requests still served before every Xet token expires
         self._counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ arming
@@ -52,6 +56,25 @@ class Faults:
         with self._lock:
             self._withheld.extend([bool(apply)] * int(times))
             self._released.clear()
+    def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
+        """The next `times` xorb uploads read `after_bytes` (default: half), then drop the socket."""
+        with self._lock:
+            self._xorb_drops.extend([after_bytes] * int(times))
+
+    def corrupt_next_xorb(self, times: int = 1) -> None:
+        """The next `times` xorb uploads arrive with one byte flipped (after the client hashed them)."""
+        with self._lock:
+            self._xorb_corruptions += int(times)
+
+    def fail_next_shard(self, times: int = 1, status: int = 500) -> None:
+        """The next `times` shard uploads answer `status` and record nothing."""
+        with self._lock:
+            self._shard_failures.extend([int(status)] * int(times))
+
+    def expire_xet_tokens(self, after_requests: int = 0) -> None:
+        """After `after_requests` more CAS requests, every Xet token issued so far expires (401)."""
+        with self._lock:
+            self._token_expiry.append(int(after_requests))
 
     def clear(self) -> None:
         with self._lock:
@@ -59,6 +82,10 @@ class Faults:
             self._rate_limits.clear()
             self._drops.clear()
             self._withheld.clear()
+            self._xorb_drops.clear()
+            self._xorb_corruptions = 0
+            self._shard_failures.clear()
+            self._token_expiry.clear()
         self._released.set()
 
     def configure(self, spec: dict) -> None:
@@ -73,6 +100,14 @@ class Faults:
             self.drop_next_upload(**spec["drop_upload"])
         if "withhold_commit_answer" in spec:
             self.withhold_next_commit_answer(**spec["withhold_commit_answer"])
+        if "drop_xorb" in spec:
+            self.drop_next_xorb(**spec["drop_xorb"])
+        if "corrupt_xorb" in spec:
+            self.corrupt_next_xorb(**spec["corrupt_xorb"])
+        if "fail_shard" in spec:
+            self.fail_next_shard(**spec["fail_shard"])
+        if "expire_xet_tokens" in spec:
+            self.expire_xet_tokens(**spec["expire_xet_tokens"])
 
     def pending(self) -> dict:
         with self._lock:
@@ -81,6 +116,10 @@ class Faults:
                 "rate_limit": [dict(r) for r in self._rate_limits],
                 "drop_upload": list(self._drops),
                 "withhold_commit_answer": list(self._withheld),
+                "drop_xorb": list(self._xorb_drops),
+                "corrupt_xorb": self._xorb_corruptions,
+                "fail_shard": list(self._shard_failures),
+                "expire_xet_tokens": list(self._token_expiry),
             }
 
     # ------------------------------------------------------------------ consuming (server side)
@@ -113,6 +152,34 @@ class Faults:
             if not self._drops:
                 return False, None
             return True, self._drops.pop(0)
+
+    def take_xorb_drop(self) -> tuple[bool, int | None]:
+        with self._lock:
+            if not self._xorb_drops:
+                return False, None
+            return True, self._xorb_drops.pop(0)
+
+    def take_xorb_corruption(self) -> bool:
+        with self._lock:
+            if not self._xorb_corruptions:
+                return False
+            self._xorb_corruptions -= 1
+            return True
+
+    def take_shard_failure(self) -> int | None:
+        with self._lock:
+            return self._shard_failures.pop(0) if self._shard_failures else None
+
+    def take_token_expiry(self) -> bool:
+        """True when the tokens must expire now (called once per CAS request)."""
+        with self._lock:
+            if not self._token_expiry:
+                return False
+            if self._token_expiry[0] > 0:
+                self._token_expiry[0] -= 1
+                return False
+            self._token_expiry.pop(0)
+            return True
 
     # ------------------------------------------------------------------ counting
     def record(self, method: str, path: str) -> None:

@@ -10,6 +10,7 @@ Routes (repo ids are always "namespace/name"; `{t}` is models|datasets|spaces):
     POST /[{t}/]{id}.git/info/lfs/objects/batch  (git-lfs batch API, upload only)
     PUT  /_localhub/lfs/{type}/{id}/{oid}       POST /_localhub/lfs-verify/{type}/{id}
     HEAD|GET /[{t}/]{id}/resolve/{rev}/{path}
+    GET  /api/{t}/{id}/xet-{read,write}-token/{rev}   and the Xet CAS under /_xet/ (see xet/http.py)
     admin (token): GET|POST|DELETE /_localhub/faults, GET|DELETE /_localhub/requests; GET /_localhub/health
 """
 
@@ -23,11 +24,13 @@ import re
 import socket
 import sys
 import traceback
+from functools import partial
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .store import HubError, lfs_pointer, validate_path
+from .xet import http as xet_http
 
 if TYPE_CHECKING:
     from .hub import LocalHub
@@ -218,6 +221,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._route_localhub(method, segs[1:])
         if segs[:1] == ["api"]:
             return self._route_api(method, segs[1:])
+        if segs[:1] == ["_xet"]:
+            return xet_http.route(self, method, segs[1:])
         repo_type = "model"
         if segs[:1] in (["datasets"], ["spaces"]) and len(segs) > 3:
             repo_type, segs = _TYPES[segs[0]], segs[1:]
@@ -244,6 +249,8 @@ class Handler(BaseHTTPRequestHandler):
             ("POST", "paths-info"): self._paths_info, ("POST", "preupload"): self._preupload,
             ("POST", "commit"): self._commit, ("POST", "branch"): self._branch, ("DELETE", "branch"): self._branch,
             ("POST", "tag"): self._tag,
+            ("GET", "xet-write-token"): partial(xet_http.token, self, "write"),
+            ("GET", "xet-read-token"): partial(xet_http.token, self, "read"),
         }
         handler = routes.get((method, action))
         if handler is None or (action not in ("", "refs", "tree") and not args):
@@ -310,6 +317,8 @@ class Handler(BaseHTTPRequestHandler):
         if entry["lfs"]:
             pointer_size = len(lfs_pointer(entry["sha256"], entry["size"]))
             out["lfs"] = {"oid": entry["sha256"], "size": entry["size"], "pointerSize": pointer_size}
+        if entry.get("xetHash"):
+            out["xetHash"] = entry["xetHash"]
         return out
 
     def _info(self, repo_type: str, repo_id: str, args: list[str]) -> None:
@@ -401,6 +410,8 @@ class Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": commit_id, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if entry["lfs"]:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)})
+        if entry.get("xetHash"):
+            return xet_http.resolve(self, repo_type, repo_id, commit_id, entry, headers)
         stored = self.hub.store.object_path(entry["sha256"])
         if not stored.is_file() or stored.stat().st_size != size:
             # Say so rather than promise `size` bytes and send fewer: the client would wait

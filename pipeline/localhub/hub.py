@@ -13,6 +13,7 @@ from pathlib import Path
 from .faults import Faults
 from .handler import Handler
 from .store import Store
+from .xet.cas import TokenIssuer
 
 __all__ = ["LocalHub", "check_loopback"]
 
@@ -58,13 +59,14 @@ class _Server(ThreadingHTTPServer):
 class LocalHub:
     """A Hub double bound to loopback. `with LocalHub(root, token="t") as hub: HfApi(endpoint=hub.url)`.
 
-    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`)
-    and request counts
-    (`request_counts`, `count`) are exposed here and through the admin endpoints.
+    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`;
+    for Xet `drop_next_xorb`, `corrupt_next_xorb`, `fail_next_shard`, `expire_xet_tokens`) and request
+    counts (`request_counts`, `count`) are exposed here and through the admin endpoints. Xet CAS tokens
+    live `xet_token_ttl` s.
     """
 
     def __init__(self, root: str | os.PathLike, *, token: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, user: str = "localhub", verbose: bool = False):
+                 port: int = 0, user: str = "localhub", verbose: bool = False, xet_token_ttl: int = 3600):
         host = check_loopback(host)
         self.root = Path(root)
         self.token = token or None
@@ -73,6 +75,8 @@ class LocalHub:
         self.secret = secrets.token_bytes(32)  # signs LFS upload URLs; new each start, like expiring URLs
         self.store = Store(root)
         self.faults = Faults()
+        # CAS tokens live xet_token_ttl seconds (clients refresh them) and die with the server.
+        self.xet_tokens = TokenIssuer(self.secret, xet_token_ttl)
         try:
             self._server = _Server((host, port), self)
         except OSError:
@@ -125,6 +129,17 @@ class LocalHub:
 
     def withhold_next_commit_answer(self, times: int = 1, apply: bool = True) -> None:
         self.faults.withhold_next_commit_answer(times, apply)
+    def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
+        self.faults.drop_next_xorb(times, after_bytes)
+
+    def corrupt_next_xorb(self, times: int = 1) -> None:
+        self.faults.corrupt_next_xorb(times)
+
+    def fail_next_shard(self, times: int = 1, status: int = 500) -> None:
+        self.faults.fail_next_shard(times, status)
+
+    def expire_xet_tokens(self, after_requests: int = 0) -> None:
+        self.faults.expire_xet_tokens(after_requests)
 
     def clear_faults(self) -> None:
         self.faults.clear()

@@ -309,8 +309,11 @@ def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
         *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
           for name, entry in sorted(meta["files"].items())),
     ]
+    copied = MODEL_FILE in audited and audited[MODEL_FILE].sha256 == meta["files"][MODEL_FILE]["sha256"]
+    written = "checkpoint tensors, compared bit for bit after writing, MANIFEST.sha256"
     notes = {
-        MODEL_FILE: "checkpoint meta.json, re-hash after copy, MANIFEST.sha256",
+        **{name: written for name in audited if name.startswith(MODEL_FILE.removesuffix(".safetensors"))},
+        MODEL_FILE: "checkpoint meta.json, re-hash after copy, MANIFEST.sha256" if copied else written,
         META_FILE: "MANIFEST.sha256, its own files table",
         MANIFEST_FILE: "lists every other staged file",
     }

@@ -297,7 +297,11 @@ def _http_error(target: _Target, action: str, exc: HfHubHTTPError, consequence: 
 def _network_words(target: _Target, network: BaseException) -> str:
     if isinstance(network, httpx2.TimeoutException):
         return f"no answer from {target.endpoint} within {target.timeout:g}s ({type(network).__name__})"
-    return f"connection to {target.endpoint} lost ({type(network).__name__})"
+    # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
+    detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
+    if target.token:
+        detail = detail.replace(target.token, "<token>")
+    return f"connection to {target.endpoint} lost ({type(network).__name__}{': ' + detail if detail else ''})"
 
 
 @contextlib.contextmanager
@@ -318,11 +322,7 @@ def _hub_errors(target: _Target, action: str, consequence: str = _NOTHING_COMMIT
         network = _cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
-        # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
-        detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
-        if target.token:
-            detail = detail.replace(target.token, "<token>")
-        raise UploadInterrupted(f"{_network_words(target, network)} while {action} ({detail}); {consequence}; "
+        raise UploadInterrupted(f"{_network_words(target, network)} while {action}; {consequence}; "
                                 "rerun: it skips blobs already uploaded and never makes a second commit") from None
 
 

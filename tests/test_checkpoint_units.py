@@ -27,7 +27,7 @@ from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, Sch
 from pipeline.hashing import HashingWriter, sha256_file
 
 META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-        "training_state": {"best": math.inf}}
+        "training_state": split_state({"best": math.inf}, "state", {})}
 
 
 def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:
@@ -76,7 +76,8 @@ def test_a_damaged_latest_names_the_older_checkpoint_that_verifies(tmp_path):
 
 def test_meta_round_trips_a_python_infinity_exactly(tmp_path):
     _save(tmp_path, [1])
-    assert load_checkpoint("latest", tmp_path, tensors=False).meta["training_state"]["best"] == math.inf
+    meta = load_checkpoint("latest", tmp_path, tensors=False).meta
+    assert join_state(meta["training_state"], {})["best"] == math.inf
 
 
 def test_a_second_store_on_the_same_folder_is_refused(tmp_path):

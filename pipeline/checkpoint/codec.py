@@ -4,10 +4,13 @@ Any nested state (an optimizer's ``state_dict()``, RNG states, sampler progress)
 into a JSON tree and a flat ``{name: tensor}`` table. Tensors and NumPy arrays become
 references into the table; tuples and dicts with non-string keys get small markers so the
 round trip is exact (``betas`` comes back as a tuple, optimizer state keys as ints).
+Non-finite floats (a scheduler's ``best = inf``) get a marker too, so the tree is strict
+JSON and ``meta.json`` can be sealed by a digest of its canonical form.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,7 +22,9 @@ _TENSOR = "__tensor__"
 _NDARRAY = "__ndarray__"
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
-_MARKERS = (_TENSOR, _NDARRAY, _TUPLE, _DICT)
+_FLOAT = "__float__"
+_MARKERS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _FLOAT)
+_NONFINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
 
 
 def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -51,8 +56,8 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
-        # JSON has no inf/nan; Python's json writes them anyway and reads them back exactly.
-        return obj
+        # JSON has no inf/nan: a marker keeps the tree strict JSON (repr gives "inf", "nan").
+        return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}
     raise TypeError(f"cannot save {type(obj).__name__} at {prefix!r}: only tensors, arrays, numbers, "
                     "strings, lists, tuples and dicts are stored (no pickle)")
 
@@ -67,6 +72,8 @@ def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return np.frombuffer(raw, dtype=np.dtype(tree["dtype"])).reshape(tree["shape"]).copy()
         if _TUPLE in tree:
             return tuple(join_state(v, tensors) for v in tree[_TUPLE])
+        if _FLOAT in tree:
+            return _NONFINITE[tree[_FLOAT]]
         if _DICT in tree:
             return {_hashable(join_state(k, tensors)): join_state(v, tensors) for k, v in tree[_DICT]}
         return {k: join_state(v, tensors) for k, v in tree.items()}

@@ -15,6 +15,7 @@ checkpoints are pruned only after the new one is committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -32,13 +33,18 @@ from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .tensorfile import write_safetensors
 
-__all__ = ["SCHEMA_VERSION", "META_KEYS", "CheckpointStore", "SavedCheckpoint", "step_dir_name", "parse_step_dir",
-           "read_meta", "check_listing", "resolve"]
+__all__ = ["SCHEMA_VERSION", "META_KEYS", "SEAL_KEY", "CheckpointStore", "SavedCheckpoint", "step_dir_name",
+           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve"]
 
-SCHEMA_VERSION = "pipeline.checkpoint/1"
+SCHEMA_VERSION = "pipeline.checkpoint/2"
+# Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
+# states) was covered by no hash, so a bit flip that kept it valid JSON went unnoticed.
+_UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
+SEAL_KEY = "meta_sha256"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 META_KEYS = frozenset(
-    {"schema", "step", "created", "config", "fingerprints", "versions", "device", "model", "training_state", "files"}
+    {"schema", "step", "created", "config", "fingerprints", "versions", "device", "model", "training_state", "files",
+     SEAL_KEY}
 )
 # meta.json is parsed before anything is trusted; a bound keeps a hostile file from
 # exhausting memory.
@@ -139,11 +145,11 @@ class CheckpointStore:
                 sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
                 files[name] = {"sha256": sha256, "size": size}
             record = {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files}
+            record[SEAL_KEY] = meta_sha256(record)
             assert set(record) == META_KEYS, f"meta keys differ: {sorted(set(record) ^ META_KEYS)}"
-            # meta.json last: its presence marks a complete folder. allow_nan: the training
-            # state holds Python floats such as a scheduler's best = inf, restored exactly.
+            # meta.json last: its presence marks a complete folder.
             with HashingWriter(temporary / META_FILE) as out:
-                out.write(json_bytes(record, allow_nan=True))
+                out.write(json_bytes(record))
         self.prune()
         return SavedCheckpoint(step=step, path=final, files=files)
 
@@ -163,33 +169,72 @@ class CheckpointStore:
         return victims
 
 
+def meta_sha256(record: Mapping[str, Any]) -> str:
+    """The seal of a checkpoint's ``meta.json``: SHA-256 of its canonical JSON without the
+    ``meta_sha256`` key (sorted keys, no spaces, UTF-8, no NaN). The README shows the same
+    three lines; ``ValueError`` if the record holds a non-finite float."""
+    body = {key: value for key, value in record.items() if key != SEAL_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
-    """Parse and schema-check ``meta.json`` without touching the other files."""
+    """THE reader of a checkpoint's ``meta.json``: parse, check the schema and the seal,
+    and the fields every later step relies on, before anything in it is used.
+
+    The seal covers every value; the file must also be byte for byte what the pipeline
+    writes, so that no change to the bytes (even one that decodes to the same values,
+    such as another spelling of a float) passes.
+    """
     path = folder / META_FILE
     if not path.is_file():
         raise SchemaMismatch(f"{path} is missing: not a committed checkpoint")
     size = path.stat().st_size
     if size > MAX_META_BYTES:
         raise SchemaMismatch(f"{path} is {size} bytes, over the {MAX_META_BYTES}-byte limit for meta.json")
+    raw = path.read_bytes()
     try:
-        meta = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SchemaMismatch(f"{path} is not valid JSON ({exc.__class__.__name__}): the file is damaged") from None
+        meta = json.loads(raw, object_pairs_hook=_strict_object, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc.__class__.__name__
+        raise SchemaMismatch(f"{path} is not valid JSON ({reason}): the file is damaged") from None
     if not isinstance(meta, dict):
         raise SchemaMismatch(f"{path} is not a JSON object: the file is damaged")
     schema = meta.get("schema")
+    if schema in _UNSEALED_SCHEMAS:
+        raise SchemaMismatch(f"{path} has schema {schema!r}, which predates the meta.json checksum "
+                             f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
+                             f"start a new run from its weights with --init-from {folder / MODEL_FILE}")
     if schema != SCHEMA_VERSION:
         raise SchemaMismatch(f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
                              "the checkpoint comes from another tool or version and is not loaded")
+    seal = meta.get(SEAL_KEY)
+    if not isinstance(seal, str) or seal != meta_sha256(meta):
+        raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
+    if raw != json_bytes(meta):
+        raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
     if set(meta) != META_KEYS:
         odd = sorted(set(meta) ^ META_KEYS)
         raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
     files = meta["files"]
     if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES) or not all(
-            isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
-            for e in files.values()):
+            isinstance(e, dict) and set(e) == {"sha256", "size"} and isinstance(e["sha256"], str)
+            and type(e["size"]) is int for e in files.values()):
         raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
-    if not isinstance(meta["step"], int) or parse_step_dir(folder.name) != meta["step"]:
+    if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
         raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
     return meta
 

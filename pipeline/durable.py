@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterator
 
 from .hashing import HashingWriter
 
-__all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes", "write_json_atomic",
-           "FolderLock"]
+__all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes", "json_loads_strict",
+           "write_json_atomic", "FolderLock"]
 
 STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
 TEMP_PREFIX = ".tmp-"
@@ -154,6 +154,32 @@ def json_bytes(payload: Any, *, allow_nan: bool = False) -> bytes:
     if not allow_nan:
         _refuse_nonfinite(payload)
     return (json.dumps(payload, indent=1, sort_keys=True, allow_nan=allow_nan) + "\n").encode("utf-8")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_loads_strict(data: bytes) -> Any:
+    """The one strict JSON reader, for files that may be hostile: UTF-8 only, no key twice
+    in one object (compared after decoding escapes, so ``"a"`` and ``"\\u0061"`` collide),
+    no NaN or Infinity. Nesting deeper than the interpreter's recursion limit is refused.
+    Raises ``ValueError`` saying which rule failed."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
 
 
 def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False) -> None:

@@ -104,12 +104,13 @@ def _file(header: dict | bytes, data: bytes = b"") -> bytes:
 
 @pytest.mark.parametrize("raw, why", [
     (b"", "shorter than the 8-byte header length"),
-    ((1 << 40).to_bytes(8, "little") + b"{}", "runs past the file"),
-    (_file(b"[1, 2]"), "not a JSON object"),
+    ((1 << 40).to_bytes(8, "little") + b"{}", "over the 104857600-byte limit"),
+    ((64).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
+    (_file(b"[1, 2]"), "does not start with"),
     (_file(b"\xff\xfe"), "utf-8"),
-    (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not fit"),
-    (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 4), "do not fit"),
-    (_file({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "bad shape"),
+    (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not hold"),
+    (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 4), "does not start the data at byte 0"),
+    (_file({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "non-negative integers"),
     (_file({"t": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "X9"),
 ])
 def test_the_parser_refuses_malformed_files_naming_them(tmp_path, raw, why):

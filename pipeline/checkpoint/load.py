@@ -4,8 +4,10 @@ Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm 
 calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
 size right (cheap: catches truncation before a long hash); then each file is mapped once,
-privately, hashed on that map (both files in parallel) and compared with ``meta.json``.
-Tensors are views of the same maps, and nothing is returned before every file passed.
+privately, hashed on that map (both files in parallel; each page copied before it is
+hashed, so the hashed bytes are the used ones) and compared with ``meta.json``; then both
+headers go through the one strict parser. Tensors are views of the same maps, and nothing
+is returned before every file passed.
 
 For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
 silently resuming from older state would repeat work the user believes was saved.
@@ -74,8 +76,10 @@ def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
         if digests[name] != entry["sha256"]:
             raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
                                    "the file is damaged or was modified")
+    # Parsed even with tensors=False: a file whose hash matches may still be malformed, and
+    # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
+    model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
+    state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
     if not tensors:
         return LoadedCheckpoint(folder=folder, meta=meta, model_tensors={}, state_tensors={})
-    return LoadedCheckpoint(folder=folder, meta=meta,
-                            model_tensors=tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE]),
-                            state_tensors=tensors_from_map(folder / STATE_FILE, maps[STATE_FILE]))
+    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model, state_tensors=state)

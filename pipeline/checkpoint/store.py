@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes
+from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict
 from ..errors import CheckpointError, CheckpointLocked, ChecksumMismatch, NoCheckpoint, SchemaMismatch
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
@@ -178,19 +178,6 @@ def meta_sha256(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise ValueError(f"key {key!r} appears twice in one object")
-        seen.add(key)
-    return dict(pairs)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def read_meta(folder: Path) -> dict[str, Any]:
     """THE reader of a checkpoint's ``meta.json``: parse, check the schema and the seal,
     and the fields every later step relies on, before anything in it is used.
@@ -207,10 +194,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise SchemaMismatch(f"{path} is {size} bytes, over the {MAX_META_BYTES}-byte limit for meta.json")
     raw = path.read_bytes()
     try:
-        meta = json.loads(raw, object_pairs_hook=_strict_object, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc.__class__.__name__
-        raise SchemaMismatch(f"{path} is not valid JSON ({reason}): the file is damaged") from None
+        meta = json_loads_strict(raw)
+    except ValueError as exc:
+        raise SchemaMismatch(f"{path} is not valid JSON ({str(exc).splitlines()[0]}): the file is damaged") from None
     if not isinstance(meta, dict):
         raise SchemaMismatch(f"{path} is not a JSON object: the file is damaged")
     schema = meta.get("schema")
@@ -221,10 +207,13 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if schema != SCHEMA_VERSION:
         raise SchemaMismatch(f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
                              "the checkpoint comes from another tool or version and is not loaded")
-    seal = meta.get(SEAL_KEY)
-    if not isinstance(seal, str) or seal != meta_sha256(meta):
+    try:
+        sealed, exact = meta.get(SEAL_KEY) == meta_sha256(meta), raw == json_bytes(meta)
+    except RecursionError:  # parsed, but too deep to encode again: no writer of ours made it
+        raise SchemaMismatch(f"{path} is nested too deeply: the file is damaged") from None
+    if not sealed:
         raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
-    if raw != json_bytes(meta):
+    if not exact:
         raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
     if set(meta) != META_KEYS:
         odd = sorted(set(meta) ^ META_KEYS)

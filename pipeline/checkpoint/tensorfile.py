@@ -6,11 +6,26 @@ padded to 8 bytes, tensors back to back) straight from the tensors' memory, hash
 same buffers on a second thread, so a save costs max(hash, write) and makes no in-memory
 copy of the file.
 
-Reading maps the file once, privately (copy on write): the SHA-256 can run over that map
+Reading maps the file once, privately (copy on write): the SHA-256 runs over that map
 (:func:`sha256_mapped`, several files side by side) and the tensors are views of the same
-map (:func:`tensors_from_map`), so every byte is read once, nothing is copied, and training
-may update the tensors in place without touching the file. The one header parser is
-:func:`parse_header`.
+map (:func:`tensors_from_map`), so every byte is read once and training may update the
+tensors in place without touching the file.
+
+**The hashed bytes are the used bytes.** A private map still shows later writes to the
+file by anyone else in every page this process has not written to yet (Linux shares
+those pages with the page cache), so a concurrent writer could change a tensor after its
+hash was checked. :func:`sha256_mapped` therefore makes each chunk of the map this
+process's own copy (``MADV_POPULATE_WRITE``: copy on read, in the kernel) *before* hashing
+it; from then on no write to the file reaches the map. The cost is one page copy per
+byte, measured in ``benchmarks/checkpoint.py`` (README, "Performance").
+
+**One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
+(header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
+``__metadata__`` values, unknown dtypes, sizes that overflow, offsets that disagree with
+dtype and shape, tensors that do not tile the data from byte 0 to the end) and also a
+key twice (after decoding escapes), a tensor named ``__metadata__``, booleans or floats
+as offsets or dims, extra fields, and nesting too deep. Every refusal is a
+:class:`~pipeline.errors.SchemaMismatch` naming the file and the rule.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..durable import json_loads_strict
 from ..errors import SchemaMismatch
 
 __all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
@@ -40,6 +56,13 @@ _ADVISE = hasattr(os, "posix_fadvise")
 _HASH_CHUNK = 8 * 1024 * 1024
 # The reference implementation's bound: a larger header is not a safetensors file.
 _MAX_HEADER = 100 * 1024 * 1024
+# Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11 lacks the name): fault the
+# pages in as if written, which gives a private map its own copy of them.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE = mmap.PAGESIZE
+# A tensor's byte count must fit a signed 64-bit size (torch's and the reference's bound).
+_MAX_BYTES = 2**63 - 1
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -206,16 +229,34 @@ def map_file(path: Path) -> mmap.mmap | bytes:
     return mapped
 
 
+def _own_pages(buffer: mmap.mmap, start: int, stop: int) -> None:
+    """Make bytes ``start:stop`` of a private map this process's own copy, so no later
+    write to the file can change them (see the module docstring)."""
+    try:
+        buffer.madvise(_MADV_POPULATE_WRITE, start, stop - start)
+    except (OSError, ValueError):
+        # A kernel without MADV_POPULATE_WRITE: write each page's first byte to itself.
+        with memoryview(buffer) as view:
+            for page in range(start, stop, _PAGE):
+                view[page] = view[page]
+
+
 def _sha256(buffer: mmap.mmap | bytes) -> str:
     digest = hashlib.sha256()
+    owned = isinstance(buffer, mmap.mmap)
     with memoryview(buffer) as view:
         for start in range(0, len(view), _HASH_CHUNK):
-            digest.update(view[start:start + _HASH_CHUNK])
+            stop = min(start + _HASH_CHUNK, len(view))
+            if owned:
+                _own_pages(buffer, start, stop)
+            digest.update(view[start:stop])
     return digest.hexdigest()
 
 
 def sha256_mapped(maps: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
-    """One thread per file (hashlib drops the GIL): the files hash side by side."""
+    """SHA-256 of each map, taking its own copy of every page before hashing it (so the
+    hashed bytes are the bytes the tensors will view). One thread per file (hashlib and
+    madvise drop the GIL): the files hash side by side."""
     digests: dict[str, str] = {}
     errors: list[BaseException] = []
 
@@ -236,41 +277,90 @@ def sha256_mapped(maps: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
 
 
 def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffer``; a malformed header raises SchemaMismatch naming ``path``."""
+    """Tensors viewing ``buffer``; a malformed file raises SchemaMismatch naming ``path`` and the rule."""
     try:
         header, data_start = parse_header(buffer)
-        return {name: _tensor(buffer, data_start, entry, len(buffer) - data_start)
-                for name, entry in header.items() if name != "__metadata__"}
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
-        raise SchemaMismatch(f"{path} is not a valid safetensors file ({exc}): the file is damaged") from None
+    except ValueError as exc:
+        raise SchemaMismatch(f"{path} is not a valid safetensors file: {str(exc).splitlines()[0]}") from None
+    return {name: _tensor(buffer, data_start, entry) for name, entry in header.items() if name != "__metadata__"}
 
 
 def parse_header(buffer: mmap.mmap | bytes) -> tuple[dict[str, Any], int]:
-    """(header dict, offset of the first data byte); ``ValueError`` if malformed."""
-    if len(buffer) < 8:
+    """(header dict, offset of the first data byte), every rule of the module docstring
+    checked; ``ValueError`` naming the rule otherwise. ``header["__metadata__"]``, if present,
+    maps str to str; every other entry is a tensor that :func:`_tensor` can view."""
+    size = len(buffer)
+    if size < 8:
         raise ValueError("shorter than the 8-byte header length")
     length = int.from_bytes(buffer[:8], "little")
-    if length > min(_MAX_HEADER, len(buffer) - 8):
-        raise ValueError(f"header length {length} runs past the file")
-    header = json.loads(bytes(buffer[8:8 + length]).decode("utf-8"))
+    if length > _MAX_HEADER:
+        raise ValueError(f"header length {length} is over the {_MAX_HEADER}-byte limit")
+    if length > size - 8:
+        raise ValueError(f"header length {length} runs past the end of the file")
+    raw = bytes(buffer[8:8 + length])
+    if not raw.startswith(b"{"):
+        raise ValueError("the header does not start with '{'")
+    try:
+        header = json_loads_strict(raw)
+    except ValueError as exc:
+        raise ValueError(f"the header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+        raise ValueError("the header is not a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and
+                                     all(isinstance(value, str) for value in metadata.values())):
+        raise ValueError("__metadata__ must map strings to strings (no tensor may be named __metadata__)")
+    spans = []
+    for name, entry in header.items():
+        if name != "__metadata__":
+            spans.append((*_check_entry(name, entry), name))
+    position, data_size = 0, size - 8 - length
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else (
+                "leaves a hole before it" if position else "does not start the data at byte 0")
+            raise ValueError(f"tensor {name!r} at data bytes {begin}..{end} {what}")
+        position = end
+    if position != data_size:
+        what = "trailing bytes after the last tensor" if position < data_size else "tensors run past the end"
+        raise ValueError(f"{what} (tensors end at data byte {position}, the file holds {data_size})")
     return header, 8 + length
 
 
-def _tensor(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any], data_size: int) -> torch.Tensor:
+def _check_entry(name: str, entry: Any) -> tuple[int, int]:
+    """A tensor entry's (begin, end) data offsets, once its dtype, shape and size agree."""
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        raise ValueError(f"tensor {name!r} must have exactly dtype, shape and data_offsets")
+    dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise ValueError(f"tensor {name!r} has unknown dtype {entry['dtype']!r}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    # type() is int: JSON true/false decode to bools, which are ints to isinstance.
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"tensor {name!r}: shape must be a list of non-negative integers, not {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise ValueError(f"tensor {name!r}: data_offsets must be two non-negative integers, not {offsets!r}")
+    # Zero dims make the tensor empty, but the others must still fit: [0, 2**62, 4] is not a shape.
+    bound = dtype.itemsize
+    for dim in shape:
+        bound *= max(dim, 1)
+        if bound > _MAX_BYTES:
+            raise ValueError(f"tensor {name!r}: shape {shape} overflows a 64-bit size")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end < begin or end - begin != nbytes:
+        raise ValueError(f"tensor {name!r}: data offsets {offsets} do not hold a {entry['dtype']} tensor of "
+                         f"shape {shape} ({nbytes} bytes)")
+    return begin, end
+
+
+def _tensor(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any]) -> torch.Tensor:
     dtype = _DTYPES[entry["dtype"]]
     shape = entry["shape"]
     begin, end = entry["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise ValueError(f"bad shape {shape!r}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
-            and end - begin == nbytes):
-        raise ValueError(f"data offsets {[begin, end]} do not fit a {entry['dtype']} tensor of shape {shape}")
-    if nbytes == 0:
+    if begin == end:
         return torch.empty(shape, dtype=dtype)
     # Aligned when written by write_safetensors; like safe_open, an older file's misaligned
     # tensor is still a view (CPU kernels accept it), never a copy.
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=data_start + begin)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
     return raw.view(dtype).view(shape)

@@ -1,0 +1,81 @@
+"""Resume load of two checkouts side by side: is this change slower than its base?
+
+    python benchmarks/resume_ab.py --base /path/to/base-checkout [--sizes 0.6,0.06] [--reps 6]
+
+Each checkout's own ``benchmarks/checkpoint.py`` builds the same state, saves it with its
+own code (formats may differ between versions) and times its own ``ours_load_verified``
+(what ``train --resume`` does: verify every byte, then the tensors) and
+``ours_load_mapped`` (map and parse only), page cache evicted before every load. Workers
+of the two checkouts alternate, one fresh process per repetition, so load on the machine
+spreads over both. Printed: medians and the ratios this change / base (paired per
+repetition). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+CANDIDATES = ("ours_load_verified", "ours_load_mapped")
+
+
+def worker(root: Path, size_gb: float, folder: Path) -> dict[str, float]:
+    sys.path.insert(0, str(root / "benchmarks"))
+    import checkpoint as bench  # the checkout's own benchmark module, importing its own pipeline
+
+    import pipeline
+
+    for module in (bench, pipeline):  # not the installed checkout's
+        assert Path(module.__file__).resolve().parents[1] == root.resolve(), module
+    state = bench.Bench(size_gb, folder, with_accelerate=False)
+    state.ours_sync()
+    return {name: getattr(state, name)()[0] for name in CANDIDATES}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, required=True, help="the checkout to compare with")
+    parser.add_argument("--sizes", default="0.6,0.06")
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, args.size, args.dir)))
+        return 0
+    roots = {"base": args.base.resolve(), "this": HERE}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+        results[size] = {"base": [], "this": []}
+        for rep in range(args.reps):
+            for label in (("base", "this") if rep % 2 == 0 else ("this", "base")):
+                with tempfile.TemporaryDirectory(dir=HERE.parent) as folder:
+                    done = subprocess.run([sys.executable, __file__, "--worker", str(roots[label]), "--size", size,
+                                           "--dir", folder, "--base", "-"], capture_output=True, text=True,
+                                          cwd=roots[label])
+                if done.returncode != 0:
+                    raise SystemExit(f"{label} worker failed:\n{done.stderr}")
+                results[size][label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"command: {' '.join(sys.argv)}")
+    print("| size | candidate | base median s | this median s | this / base (paired median) |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for size, by_label in results.items():
+        for name in CANDIDATES:
+            base = [r[name] for r in by_label["base"]]
+            this = [r[name] for r in by_label["this"]]
+            paired = statistics.median(t / b for t, b in zip(this, base))
+            print(f"| {size} GB | {name} | {statistics.median(base):.3f} | {statistics.median(this):.3f} | "
+                  f"{paired:.2f} |")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

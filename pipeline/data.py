@@ -105,15 +105,27 @@ class EpochSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Checked before anything is set: a hostile checkpoint must not yield indices
+        outside the data, or a position no run could have reached."""
+        if not isinstance(state, dict) or set(state) != {"epoch", "cursor", "samples_seen", "num_rows", "permutation"}:
+            raise DataError("checkpoint's sampler state does not hold epoch, cursor, samples_seen, num_rows, "
+                            "permutation")
         if state["num_rows"] != self.num_rows:
             raise DataError(f"checkpoint's sampler covers {state['num_rows']} rows, the data has {self.num_rows}")
+        for key in ("epoch", "cursor", "samples_seen"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise DataError(f"checkpoint's sampler {key} is {state[key]!r}, expected an integer >= 0")
         permutation = state["permutation"]
-        if permutation is not None and (len(permutation) != self.num_rows or not 0 <= state["cursor"] <= self.num_rows):
-            raise DataError("checkpoint's sampler state is inconsistent with the data size")
-        self.epoch = int(state["epoch"])
-        self.cursor = int(state["cursor"])
-        self.samples_seen = int(state["samples_seen"])
-        self.permutation = None if permutation is None else np.asarray(permutation, dtype=np.int64)
+        if permutation is not None and not (
+                isinstance(permutation, np.ndarray) and permutation.dtype == np.int64 and permutation.shape == (
+                    self.num_rows,) and np.array_equal(np.sort(permutation), np.arange(self.num_rows))):
+            raise DataError(f"checkpoint's sampler permutation is not a permutation of the {self.num_rows} rows")
+        if state["cursor"] > (self.num_rows if permutation is not None else 0):
+            raise DataError(f"checkpoint's sampler cursor {state['cursor']} is past the data")
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
+        self.samples_seen = state["samples_seen"]
+        self.permutation = None if permutation is None else permutation.copy()
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:

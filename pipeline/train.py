@@ -178,7 +178,7 @@ def train(
                           log_every=config.training.log_every, enabled=progress)
         if loaded is not None:
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
-                          omit=hooks.skip_restore)
+                          omit=hooks.skip_restore, step=loaded.meta["step"])
             report.message(f"resumed from {loaded.folder} at step {run.step}")
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
         elif init_from is not None:

@@ -314,3 +314,123 @@ def test_a_hostile_file_with_rewritten_hashes_is_one_line_from_each_script(train
             "05_stage.py": ("--no-metrics",)}.get(script, ())
     line = run.refused(script, *args)
     assert "modelo.safetensors" in line and "overlaps" in line
+
+
+# -- 3. the restored tree is validated before it touches a live object -----------------------
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        tree = tree[int(key)] if isinstance(tree, list) else tree[key]
+    if isinstance(tree, list):
+        tree[int(last)] = value
+    else:
+        tree[last] = value
+
+
+def _swap_refs(meta: dict) -> None:
+    """Parameter 0's Adam moment points at parameter 1's and the other way round: every
+    tensor still used once, but the shapes are another parameter's."""
+    pairs = meta["training_state"]["optimizer"]["state"]["__dict__"]
+    first, second = pairs[0][1], pairs[1][1]
+    first["exp_avg"], second["exp_avg"] = second["exp_avg"], first["exp_avg"]
+
+
+def _alias(meta: dict) -> None:
+    entry = meta["training_state"]["optimizer"]["state"]["__dict__"][0][1]
+    entry["exp_avg_sq"] = dict(entry["exp_avg"])
+
+
+STATE_EDITS = {
+    "step as a string": (lambda m: _set(m, "training_state.progress.step", "10"), "progress.step"),
+    "step 5.9": (lambda m: _set(m, "training_state.progress.step", 9.9), "progress.step"),
+    "step -100": (lambda m: _set(m, "training_state.progress.step", -100), "progress.step"),
+    "step 10**4000": (lambda m: _set(m, "training_state.progress.step", 10**4000), "progress.step"),
+    "step 9 in a step-10 checkpoint": (lambda m: _set(m, "training_state.progress.step", 9), "progress.step"),
+    "NaN learning rate": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", {"__float__": "nan"}),
+                          "param_groups[0].lr"),
+    "infinite learning rate": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr",
+                                              {"__float__": "inf"}), "param_groups[0].lr"),
+    "learning rate as a string": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", "0.01"),
+                                  "param_groups[0].lr"),
+    "param groups as a string": (lambda m: _set(m, "training_state.optimizer.param_groups", "x"), "param_groups"),
+    "one tensor referenced twice": (_alias, "referenced twice"),
+    "moments of another parameter's shape": (_swap_refs, "optimizer.state[0].exp_avg"),
+    "cursor past the data": (lambda m: _set(m, "training_state.data.sampler.cursor", 10**6), "data.sampler"),
+    "negative epoch": (lambda m: _set(m, "training_state.data.sampler.epoch", -1), "data.sampler"),
+    "scheduler position off the step": (lambda m: _set(m, "training_state.scheduler.last_epoch", 3),
+                                        "scheduler.last_epoch"),
+    "scheduler field of the wrong type": (lambda m: _set(m, "training_state.scheduler.base_lrs", 0.01),
+                                          "scheduler.base_lrs"),
+    "broken python RNG state": (lambda m: _set(m, "training_state.rng.python", {"__tuple__": [3, [1, 2], None]}),
+                                "rng.python"),
+    "rng family missing": (lambda m: m["training_state"]["rng"].pop("torch_cpu"), "rng"),
+    "unknown marker field": (lambda m: _set(m, "training_state.optimizer.param_groups.0.betas",
+                                            {"__tuple__": [0.9, 0.999], "x": 1}), "malformed"),
+    "object dtype array": (lambda m: _set(m, "training_state.data.sampler.permutation.dtype", "|O"), "permutation"),
+}
+
+
+def test_every_malformed_state_field_is_refused_naming_it_before_anything_is_loaded(trained_run, run_copy):
+    """Sealed edits (meta_sha256 recomputed): only validation stands between them and the run."""
+    from pipeline.config import load_config
+    from pipeline.errors import StateMismatch
+    from pipeline.train import train
+
+    run = run_copy(trained_run)
+    original = (run.checkpoint / "meta.json").read_bytes()
+    config = load_config(REPO / "config.yaml", run.overrides)
+    for case, (edit, field) in STATE_EDITS.items():
+        meta = json.loads(original)
+        edit(meta)
+        write_sealed(run.checkpoint, meta)
+        with pytest.raises(StateMismatch) as caught:
+            train(config, resume="latest", progress=False)
+        message = str(caught.value)
+        assert field in message and "\n" not in message, (case, message)
+    (run.checkpoint / "meta.json").write_bytes(original)
+    assert train(config, resume="latest", progress=False).step == 10  # the unedited state passes
+
+
+def test_a_permutation_index_outside_the_data_is_refused(trained_run, run_copy):
+    import torch
+
+    from pipeline.checkpoint import read_tensors, write_safetensors
+    from pipeline.config import load_config
+    from pipeline.errors import StateMismatch
+    from pipeline.train import train
+
+    run = run_copy(trained_run)
+    path = run.checkpoint / "estado_treino.safetensors"
+    tensors = {k: v.clone() for k, v in read_tensors(path).items()}
+    permutation = tensors["data/sampler/permutation"].view(torch.int64)
+    permutation[0] = 10**6
+    path.unlink()
+    sha, size = write_safetensors(path, tensors)
+    meta = read_meta_json(run.checkpoint)
+    meta["files"]["estado_treino.safetensors"] = {"sha256": sha, "size": size}
+    write_sealed(run.checkpoint, meta)
+    with pytest.raises(StateMismatch, match="permutation"):
+        train(load_config(REPO / "config.yaml", run.overrides), resume="latest", progress=False)
+
+
+def test_split_state_refuses_two_entries_with_one_name_for_every_leaf_type():
+    import numpy as np
+    import torch
+
+    from pipeline.checkpoint.codec import split_state
+
+    for leaf in (torch.zeros(1), np.zeros(1)):
+        with pytest.raises(ValueError, match="a/b"):
+            split_state({"a/b": leaf, "a": {"b": leaf}}, "s", {})
+        with pytest.raises(ValueError, match="a/b"):
+            split_state({"a": {"b": leaf}, "a/b": leaf}, "s", {})
+
+
+def test_a_sealed_state_edit_is_one_line_from_the_real_script(trained_run, run_copy):
+    run = run_copy(trained_run)
+    meta = read_meta_json(run.checkpoint)
+    meta["training_state"]["progress"]["step"] = "10"
+    write_sealed(run.checkpoint, meta)
+    line = run.refused("02_train.py", "--quiet", "--resume", "latest")
+    assert "progress.step" in line

@@ -25,6 +25,8 @@ _DICT = "__dict__"
 _FLOAT = "__float__"
 _MARKERS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _FLOAT)
 _NONFINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+_MARKER_FIELDS = {_TENSOR: {_TENSOR}, _NDARRAY: {_NDARRAY, "dtype", "shape"}, _TUPLE: {_TUPLE}, _DICT: {_DICT},
+                  _FLOAT: {_FLOAT}}
 
 
 def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -39,6 +41,8 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
         tensors[prefix] = obj.detach()
         return {_TENSOR: prefix}
     if isinstance(obj, np.ndarray):
+        if prefix in tensors:
+            raise ValueError(f"two state entries map to the tensor name {prefix!r}")
         raw = np.ascontiguousarray(obj)
         tensors[prefix] = torch.from_numpy(raw.reshape(-1).view(np.uint8).copy())
         return {_NDARRAY: prefix, "dtype": raw.dtype.str, "shape": list(raw.shape)}
@@ -62,25 +66,78 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
                     "strings, lists, tuples and dicts are stored (no pickle)")
 
 
-def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split_state`. Missing tensors raise ``KeyError`` naming them."""
-    if isinstance(tree, dict):
-        if _TENSOR in tree:
-            return tensors[tree[_TENSOR]]
-        if _NDARRAY in tree:
-            raw = tensors[tree[_NDARRAY]].numpy().tobytes()
-            return np.frombuffer(raw, dtype=np.dtype(tree["dtype"])).reshape(tree["shape"]).copy()
-        if _TUPLE in tree:
-            return tuple(join_state(v, tensors) for v in tree[_TUPLE])
-        if _FLOAT in tree:
-            return _NONFINITE[tree[_FLOAT]]
-        if _DICT in tree:
-            return {_hashable(join_state(k, tensors)): join_state(v, tensors) for k, v in tree[_DICT]}
-        return {k: join_state(v, tensors) for k, v in tree.items()}
+def join_state(tree: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | None = None,
+               where: str = "state") -> Any:
+    """Inverse of :func:`split_state`, strict: the tree may be hostile.
+
+    Every marker must have exactly its fields; a tensor must exist and, when the caller
+    passes ``used`` (the names already taken), be referenced once only, so no two saved
+    buffers come back sharing memory. Raises ``ValueError`` naming the path in the tree.
+    """
     if isinstance(tree, list):
-        return [join_state(v, tensors) for v in tree]
-    return tree
+        return [join_state(v, tensors, used, f"{where}/{i}") for i, v in enumerate(tree)]
+    if not isinstance(tree, dict):
+        if tree is None or isinstance(tree, (bool, int, float, str)):
+            return tree
+        raise ValueError(f"{where} holds a {type(tree).__name__}")
+    markers = [m for m in _MARKERS if m in tree]
+    if not markers:
+        return {k: join_state(v, tensors, used, f"{where}/{k}") for k, v in tree.items()}
+    fields = _MARKER_FIELDS[markers[0]]
+    if len(markers) > 1 or set(tree) != fields:
+        raise ValueError(f"{where} is a malformed {markers[0]} record (fields {sorted(tree)})")
+    if _TENSOR in tree:
+        return _take(tree[_TENSOR], tensors, used, where)
+    if _NDARRAY in tree:
+        return _ndarray(tree, _take(tree[_NDARRAY], tensors, used, where), where)
+    if _FLOAT in tree:
+        if tree[_FLOAT] not in _NONFINITE:
+            raise ValueError(f"{where} holds {tree[_FLOAT]!r}, not one of {sorted(_NONFINITE)}")
+        return _NONFINITE[tree[_FLOAT]]
+    items = tree[_TUPLE] if _TUPLE in tree else tree[_DICT]
+    if not isinstance(items, list):
+        raise ValueError(f"{where}: {markers[0]} must hold a list")
+    if _TUPLE in tree:
+        return tuple(join_state(v, tensors, used, f"{where}/{i}") for i, v in enumerate(items))
+    if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+        raise ValueError(f"{where}: {_DICT} must hold [key, value] pairs")
+    joined = {_hashable(join_state(k, tensors, used, f"{where}/key{i}")): join_state(v, tensors, used, f"{where}/{i}")
+              for i, (k, v) in enumerate(items)}
+    if len(joined) != len(items):
+        raise ValueError(f"{where}: a key appears twice")
+    return joined
+
+
+def _take(name: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | None, where: str) -> torch.Tensor:
+    if not isinstance(name, str) or name not in tensors:
+        raise KeyError(name if isinstance(name, str) else where)
+    if used is not None:
+        if name in used:
+            raise ValueError(f"{where}: tensor {name!r} is referenced twice (two buffers would share memory)")
+        used.add(name)
+    return tensors[name]
+
+
+def _ndarray(tree: dict[str, Any], tensor: torch.Tensor, where: str) -> np.ndarray:
+    shape = tree["shape"]
+    if not isinstance(tree["dtype"], str) or not isinstance(shape, list) or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"{where}: malformed array dtype or shape")
+    try:
+        dtype = np.dtype(tree["dtype"])
+    except TypeError:
+        raise ValueError(f"{where}: unknown array dtype {tree['dtype']!r}") from None
+    if dtype.kind not in "biuf" or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise ValueError(f"{where}: arrays hold plain numbers as bytes, not {tree['dtype']!r}")
+    if math.prod(shape) * dtype.itemsize != tensor.numel():
+        raise ValueError(f"{where}: {tensor.numel()} bytes do not hold a {tree['dtype']} array of shape {shape}")
+    return np.frombuffer(tensor.numpy().tobytes(), dtype=dtype).reshape(shape).copy()
 
 
 def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
+    key = tuple(key) if isinstance(key, list) else key
+    try:
+        hash(key)
+    except TypeError:
+        raise ValueError(f"a {type(key).__name__} cannot be a key") from None
+    return key

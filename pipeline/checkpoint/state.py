@@ -13,16 +13,15 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import CheckpointError, StateMismatch
-from ..layout import STATE_FILE
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
-from .codec import join_state, split_state
+from .codec import split_state
+from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
 __all__ = ["OMITTABLE", "capture_state", "check_capturable", "restore_state"]
 
 OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
-_HISTORY = ("step", "loss", "lr")
 
 
 def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
@@ -42,7 +41,7 @@ def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, 
         "scaler": split_state(run.scaler.state_dict(), "scaler", tensors) if run.scaler is not None else None,
         "progress": {"step": run.step},
     }
-    for key in _HISTORY:
+    for key in HISTORY:
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
     return model_tensors, state, tensors
@@ -58,33 +57,32 @@ def check_capturable(run: TrainingRun) -> None:
         raise CheckpointError(f"this run's state cannot be checkpointed: {exc}") from None
 
 
-def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: dict[str, Any],
-                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = ()) -> None:
-    """Load weights, optimizer, scheduler, data position and scaler, then RNG states last."""
+def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: Any,
+                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = (), step: int | None = None) -> None:
+    """Validate everything first (:func:`~pipeline.checkpoint.validate.validated_state`;
+    ``step``: the checkpoint's step, which the state must agree with), then load weights,
+    optimizer, scheduler, data position and scaler, and RNG states last."""
     omit = frozenset(omit)
     unknown = omit - set(OMITTABLE)
     assert not unknown, f"unknown components to omit: {unknown}"
+    joined = validated_state(run, state, tensors, step=step)
     try:
         load_model_weights(run.model, model_tensors)
         if "optimizer" not in omit:
-            run.optimizer.load_state_dict(join_state(state["optimizer"], tensors))
+            run.optimizer.load_state_dict(joined["optimizer"])
         if "scheduler" not in omit:
-            run.scheduler.load_state_dict(join_state(state["scheduler"], tensors))
+            run.scheduler.load_state_dict(joined["scheduler"])
         if "data" not in omit:
-            run.sampler.load_state_dict(join_state(state["data"]["sampler"], tensors))
-            if state["data"]["task"] is not None:
-                run.data.load_state_dict(join_state(state["data"]["task"], tensors))
-        if "scaler" not in omit and (state["scaler"] is None) != (run.scaler is None):
-            raise StateMismatch("the checkpoint and this run disagree on AMP GradScaler use (training.amp)")
+            run.sampler.load_state_dict(joined["sampler"])
+            if joined["task"] is not None:
+                run.data.load_state_dict(joined["task"])
         if "scaler" not in omit and run.scaler is not None:
-            run.scaler.load_state_dict(join_state(state["scaler"], tensors))
-        run.step = int(state["progress"]["step"])
-        run.history = {key: tensors[f"history/{key}"].tolist() for key in _HISTORY}
+            run.scaler.load_state_dict(joined["scaler"])
+        run.step = joined["step"]
+        run.history = {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
         if "rng" not in omit:
-            restore_rng(join_state(state["rng"], tensors), run.generator, need_cuda=run.device.type == "cuda")
-    except KeyError as exc:
-        raise StateMismatch(f"{STATE_FILE} lacks {exc.args[0]!r}: the checkpoint does not fit this code") from None
-    except (ValueError, RuntimeError) as exc:
+            restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

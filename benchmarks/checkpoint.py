@@ -41,6 +41,7 @@ from pipeline.checkpoint import Checkpointer, CheckpointStore, load_checkpoint, 
 from pipeline.checkpoint.tensorfile import WRITE_CHUNK, WRITEBACK_WINDOW  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.data import EpochSampler  # noqa: E402
+from pipeline.environment import current_environment  # noqa: E402
 from pipeline.hashing import sha256_file  # noqa: E402
 from pipeline.layout import MODEL_FILE, STATE_FILE  # noqa: E402
 from pipeline.provenance import library_versions  # noqa: E402
@@ -105,7 +106,8 @@ def state_tensors(run: TrainingRun) -> list[torch.Tensor]:
 
 def _provenance() -> dict[str, Any]:
     return {"config": Config().to_dict(), "fingerprints": {"data": "bench", "code": "bench"},
-            "versions": library_versions(), "device": "cpu"}
+            "versions": library_versions(), "device": "cpu",
+            "environment": {**current_environment(torch.device("cpu")), "changes": []}}
 
 
 # -- helpers --------------------------------------------------------------------------------

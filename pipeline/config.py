@@ -46,6 +46,8 @@ RESUME_IRRELEVANT_KEYS = frozenset(
         "checkpoint.keep_last",
         "checkpoint.async",
         "training.log_every",
+        # A resume restores the thread count its checkpoint recorded (pipeline.environment).
+        "training.threads",
         "card",
     }
 )
@@ -156,6 +158,9 @@ class TrainingConfig:
     """Clip the gradient norm to this value; 0 disables clipping."""
     deterministic: bool = True
     """Ask torch for deterministic kernels (``torch.use_deterministic_algorithms``)."""
+    threads: int = 1
+    """Intra-op CPU threads, pinned at the start of a run and recorded in every checkpoint;
+    a resume restores the recorded count (the count changes how sums are split)."""
     log_every: int = 1
     """Steps between log lines when stdout is not a terminal."""
 
@@ -166,6 +171,7 @@ class TrainingConfig:
         _require(self.amp in _AMP, "training.amp", f"must be one of {_AMP} (got {self.amp!r})")
         _require(self.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (got {self.grad_clip})")
         _require(self.log_every >= 1, "training.log_every", f"must be >= 1 (got {self.log_every})")
+        _require(self.threads >= 1, "training.threads", f"must be >= 1 (got {self.threads})")
         _require(self.seed >= 0, "training.seed", f"must be >= 0 (got {self.seed})")
 
 

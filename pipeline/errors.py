@@ -13,6 +13,7 @@ __all__ = [
     "SchemaMismatch",
     "ConfigMismatch",
     "StateMismatch",
+    "EnvironmentMismatch",
     "CheckpointLocked",
     "NoCheckpoint",
     "Preempted",
@@ -71,6 +72,11 @@ class ConfigMismatch(CheckpointError, ValueError):
 
 class StateMismatch(CheckpointError, ValueError):
     """Saved tensors do not fit the objects built from the current config."""
+
+
+class EnvironmentMismatch(CheckpointError):
+    """This process cannot reproduce what the checkpoint recorded of its environment
+    (thread counts, determinism switches, device type, torch/NumPy versions)."""
 
 
 class CheckpointLocked(CheckpointError):

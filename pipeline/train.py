@@ -28,6 +28,7 @@ from .checkpoint import (
 )
 from .config import Config
 from .data import load_manifest
+from .environment import current_environment, pin_threads, reproduce_environment
 from .errors import CheckpointError, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
 from .layout import MODEL_FILE
 from .progress import Progress
@@ -149,12 +150,16 @@ def train(
     stop_at: int | None = None,
     progress: bool = True,
     hooks: TrainingHooks | None = None,
+    allow_environment_change: bool = False,
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
 
     ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
     or a checkpoint folder. ``init_from``: a checkpoint folder or safetensors file whose
     weights start a new run. ``hooks``: see :class:`TrainingHooks`.
+    ``allow_environment_change``: resume even where the recorded environment (thread
+    counts, determinism switches, device type, torch/NumPy) cannot be reproduced; the
+    change is recorded in every later checkpoint, and the run is no longer bitwise.
     """
     hooks = hooks or TrainingHooks()
     if resume is not None and init_from is not None:
@@ -172,6 +177,12 @@ def train(
         if stop_at is not None and resumed is not None and stop_at <= resumed:
             raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
 
+        pin_threads(config)
+        changes: list[dict[str, Any]] = []
+        if loaded is not None:
+            new = reproduce_environment(loaded.meta["environment"], device, allow_change=allow_environment_change,
+                                        step=resumed)
+            changes = loaded.meta["environment"]["changes"] + new
         # Build everything first, then load saved state into it (RNG states last).
         run = build_run(config, device)
         report = Progress(total=config.training.max_steps, initial=resumed or 0,
@@ -180,6 +191,9 @@ def train(
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
                           omit=hooks.skip_restore, step=loaded.meta["step"])
             report.message(f"resumed from {loaded.folder} at step {run.step}")
+            for change in new:
+                report.message(f"environment changed: {change['item']} {change['recorded']!r} -> {change['now']!r}; "
+                               "the result is no longer bitwise reproducible (recorded in meta.json)")
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
         elif init_from is not None:
             _warm_start(run, Path(init_from), report)
@@ -193,6 +207,7 @@ def train(
                              "factories": factories_fingerprint(config)},
             "versions": library_versions(),
             "device": str(device),
+            "environment": {**current_environment(device), "changes": changes},
         }
         checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
         try:

@@ -27,6 +27,9 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", help="checkpoint folder (checkpoint.dir)")
     parser.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps (checkpoint.every)")
     parser.add_argument("--keep-last", type=int, metavar="K", help="committed checkpoints to keep (checkpoint.keep_last)")
+    parser.add_argument("--allow-environment-change", action="store_true",
+                        help="resume even where the checkpoint's thread counts, determinism switches, device type or "
+                             "torch/NumPy versions cannot be reproduced (recorded; no longer bitwise)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args()
     config = config_from_args(args, {
@@ -36,7 +39,7 @@ def main() -> int:
         "checkpoint.keep_last": args.keep_last,
     })
     result = train(config, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at,
-                   progress=not args.quiet)
+                   progress=not args.quiet, allow_environment_change=args.allow_environment_change)
     final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")
     print(f"trained to step {result.step}/{config.training.max_steps}, loss {final_loss:.6g}; "
           f"checkpoint {result.checkpoint}")

@@ -26,7 +26,7 @@ from pipeline.checkpoint.weights import dedupe_shared_tensors
 from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, SchemaMismatch
 from pipeline.hashing import HashingWriter, sha256_file
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
+META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
         "training_state": split_state({"best": math.inf}, "state", {})}
 
 

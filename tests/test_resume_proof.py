@@ -118,6 +118,9 @@ def test_default_cut_lands_inside_an_epoch_with_a_reshuffle_after_the_resume(def
 def test_report_records_environment_sources_and_every_leg_command(default_proof):
     report, output = default_proof.report, default_proof.output
     assert report["environment"]["python"] and report["environment"]["torch"] and report["environment"]["numpy"]
+    reproduced = report["environment"]["reproduced"]
+    assert reproduced["intra_op_threads"] == 1 and reproduced["deterministic_algorithms"] is True
+    assert {"inter_op_threads", "cudnn_deterministic", "cudnn_benchmark", "device_type"} <= set(reproduced)
     sources = report["sources"]
     assert len(sources["config"]["sha256"]) == 64 and len(sources["data"]["fingerprint"]) == 64
     assert "pipeline/train.py" in sources["package"]["files"]

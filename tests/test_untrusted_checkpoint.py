@@ -434,3 +434,73 @@ def test_a_sealed_state_edit_is_one_line_from_the_real_script(trained_run, run_c
     write_sealed(run.checkpoint, meta)
     line = run.refused("02_train.py", "--quiet", "--resume", "latest")
     assert "progress.step" in line
+
+
+# -- 4. resume is exact across environments, or refused ----------------------------------------
+
+def test_every_checkpoint_records_what_changes_the_numbers(trained_run):
+    import numpy as np
+    import torch
+
+    environment = read_meta_json(trained_run.checkpoint)["environment"]
+    assert environment == {**environment, "intra_op_threads": 1, "deterministic_algorithms": True,
+                           "device_type": "cpu", "torch": torch.__version__, "numpy": np.__version__,
+                           "changes": []}
+    assert type(environment["inter_op_threads"]) is int
+
+
+@pytest.fixture(scope="module")
+def stopped_run(data_dir, tmp_path_factory):
+    """The default config stopped after step 5 of 10 (read-only: copy it)."""
+    from conftest import RunFolder
+
+    run = RunFolder(tmp_path_factory.mktemp("stopped_run"))
+    shutil.copytree(data_dir, run.data_dir)
+    run.ok("02_train.py", "--quiet", "--stop-at", "5")
+    return run
+
+
+def test_an_environment_that_cannot_be_reproduced_is_refused_unless_allowed(stopped_run, run_copy):
+    """A recorded item this process cannot match (another torch version here) is named; with
+    the flag the resume goes on and the change is recorded in every later checkpoint."""
+    from pipeline.config import load_config
+    from pipeline.errors import EnvironmentMismatch
+    from pipeline.train import train
+
+    run = run_copy(stopped_run)
+    meta = read_meta_json(run.checkpoint)
+    meta["environment"]["torch"] = "1.0.0"
+    write_sealed(run.checkpoint, meta)
+    with pytest.raises(EnvironmentMismatch, match=r"torch \('1.0.0' recorded"):
+        train(load_config(REPO / "config.yaml", run.overrides), resume="latest", progress=False)
+    line = run.refused("02_train.py", "--quiet", "--resume", "latest")
+    assert "torch" in line and "--allow-environment-change" in line
+    result = run.ok("02_train.py", "--resume", "latest", "--allow-environment-change")
+    assert "no longer bitwise" in result.stderr + result.stdout
+    import torch
+    changes = read_meta_json(run.checkpoint)["environment"]["changes"]
+    assert run.checkpoint.name == "step-00000010"
+    assert changes == [{"item": "torch", "recorded": "1.0.0", "now": torch.__version__, "step": 5}]
+
+
+def test_charlm_cut_with_one_thread_and_resumed_with_two_is_bitwise_the_one_thread_run(tmp_path):
+    """The issue's acceptance: OMP_NUM_THREADS=1 for the cut, 2 for the resume. A control run
+    pinned to 2 threads differs from the 1-thread run, so the equality is not luck."""
+    from support import assert_checkpoints_bitwise_equal, run_script, script_env
+
+    config = str(REPO / "examples" / "charlm" / "config.yaml")
+    common = ["--config", config, "--set", f"data.dir={tmp_path / 'data'}", "--set", "training.max_steps=6",
+              "--set", "data.params.max_chars=20000", "--quiet"]
+
+    def script(name: str, threads: str, *args: str):
+        result = run_script(name, *common[:-1] if name == "01_prepare_data.py" else common, *args,
+                            env=script_env(OMP_NUM_THREADS=threads))
+        assert result.returncode == 0, result.stderr
+    script("01_prepare_data.py", "1")
+    script("02_train.py", "1", "--checkpoint-dir", str(tmp_path / "straight"))
+    script("02_train.py", "1", "--checkpoint-dir", str(tmp_path / "cut"), "--stop-at", "3")
+    script("02_train.py", "2", "--checkpoint-dir", str(tmp_path / "cut"), "--resume", "latest")
+    assert_checkpoints_bitwise_equal(tmp_path / "straight" / "step-00000006", tmp_path / "cut" / "step-00000006")
+    script("02_train.py", "2", "--checkpoint-dir", str(tmp_path / "two"), "--set", "training.threads=2")
+    with pytest.raises(AssertionError, match="tensors differ"):
+        assert_checkpoints_bitwise_equal(tmp_path / "straight" / "step-00000006", tmp_path / "two" / "step-00000006")

@@ -43,8 +43,8 @@ _UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
 SEAL_KEY = "meta_sha256"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 META_KEYS = frozenset(
-    {"schema", "step", "created", "config", "fingerprints", "versions", "device", "model", "training_state", "files",
-     SEAL_KEY}
+    {"schema", "step", "created", "config", "fingerprints", "versions", "device", "environment", "model",
+     "training_state", "files", SEAL_KEY}
 )
 # meta.json is parsed before anything is trusted; a bound keeps a hostile file from
 # exhausting memory.

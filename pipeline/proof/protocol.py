@@ -23,6 +23,7 @@ from ..checkpoint import step_dir_name
 from ..config import Config
 from ..data import load_manifest
 from ..durable import write_json_atomic
+from ..environment import current_environment
 from ..errors import ConfigError, PipelineError, ProofIncomplete
 from ..hashing import sha256_bytes, sha256_file
 from ..provenance import PACKAGE_ROOT, code_fingerprint, factory_sources, library_versions
@@ -218,8 +219,10 @@ def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], 
         "device": str(device),
         "environment": {"device": str(device), "python": versions["python"], "torch": versions["torch"],
                         "numpy": versions["numpy"], "versions": versions, "platform": platform.platform(),
-                        "executable": sys.executable, "torch_threads": torch.get_num_threads(),
-                        "cpu_count": os.cpu_count()},
+                        "executable": sys.executable, "cpu_count": os.cpu_count(),
+                        # What each leg pins and records in its checkpoints (pipeline.environment).
+                        "reproduced": {**current_environment(device),
+                                       "intra_op_threads": config.training.threads}},
         "sources": _sources(config, config_path, manifest),
         "protocol": {
             "steps": plan.steps,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -10,7 +11,10 @@ from typing import Any, Callable
 from .config import Config, load_config, parse_set_overrides
 from .errors import PipelineError
 
-__all__ = ["add_config_arguments", "config_from_args", "run_main"]
+__all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_command"]
+
+# Options that choose where a run starts; a resume replaces them with --resume latest.
+_START_OPTIONS = ("--resume", "--init-from")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +28,20 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     overrides = parse_set_overrides(args.set)
     overrides.update({k: v for k, v in (flag_overrides or {}).items() if v is not None})
     return load_config(args.config, overrides)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
+    built with ``allow_abbrev=False``, so every option is spelled out): this interpreter,
+    the script path as invoked, every option as given (config, checkpoint folder, each
+    ``--set``) except where the run started from, then ``--resume latest``; shell-quoted."""
+    kept, rest = [], iter(argv[1:])
+    for token in rest:
+        if token in _START_OPTIONS:
+            next(rest, None)
+        elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
+            kept.append(token)
+    return shlex.join([sys.executable, argv[0], *kept, "--resume", "latest"])
 
 
 def run_main(main: Callable[[], int | None]) -> None:

@@ -151,6 +151,7 @@ def train(
     progress: bool = True,
     hooks: TrainingHooks | None = None,
     allow_environment_change: bool = False,
+    resume_hint: str = "python scripts/02_train.py --resume latest",
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
 
@@ -160,6 +161,8 @@ def train(
     ``allow_environment_change``: resume even where the recorded environment (thread
     counts, determinism switches, device type, torch/NumPy) cannot be reproduced; the
     change is recorded in every later checkpoint, and the run is no longer bitwise.
+    ``resume_hint``: the command a SIGTERM/SIGINT message tells the user to run
+    (:func:`pipeline.cli.resume_command` of the actual invocation, in script 02).
     """
     hooks = hooks or TrainingHooks()
     if resume is not None and init_from is not None:
@@ -212,7 +215,7 @@ def train(
         checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
         try:
             saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None,
-                          on_step=hooks.on_step)
+                          on_step=hooks.on_step, resume_hint=resume_hint)
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
@@ -222,7 +225,7 @@ def train(
 
 
 def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,
-          on_step: Callable[[TrainingRun], None] | None):
+          on_step: Callable[[TrainingRun], None] | None, resume_hint: str):
     """Step to the end (or a stop signal), saving on the configured steps and the last one."""
     every = run.config.checkpoint.every
     end = min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
@@ -250,7 +253,7 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
             name = signal.Signals(signals.signum).name
             where = saved.path if saved is not None else checkpointer.store.path_for(run.step)
             raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
-                            "Resume with: python scripts/02_train.py --resume latest", signals.signum)
+                            f"Resume with: {resume_hint}", signals.signum)
     return saved
 
 

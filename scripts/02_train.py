@@ -12,13 +12,16 @@ Exit codes: 0 done; 2 bad input or unusable checkpoint (nothing deleted);
 """
 
 import argparse
+import sys
 
-from pipeline.cli import add_config_arguments, config_from_args, run_main
+from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
 from pipeline.train import train
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: the resume command printed on SIGTERM is rebuilt from sys.argv.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add_config_arguments(parser)
     parser.add_argument("--max-steps", type=int, help="total optimizer steps of the run (training.max_steps)")
     parser.add_argument("--stop-at", type=int, metavar="K", help="end after step K with a checkpoint, as if interrupted")
@@ -39,7 +42,8 @@ def main() -> int:
         "checkpoint.keep_last": args.keep_last,
     })
     result = train(config, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at,
-                   progress=not args.quiet, allow_environment_change=args.allow_environment_change)
+                   progress=not args.quiet, allow_environment_change=args.allow_environment_change,
+                   resume_hint=resume_command(sys.argv))
     final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")
     print(f"trained to step {result.step}/{config.training.max_steps}, loss {final_loss:.6g}; "
           f"checkpoint {result.checkpoint}")

@@ -504,3 +504,37 @@ def test_charlm_cut_with_one_thread_and_resumed_with_two_is_bitwise_the_one_thre
     script("02_train.py", "2", "--checkpoint-dir", str(tmp_path / "two"), "--set", "training.threads=2")
     with pytest.raises(AssertionError, match="tensors differ"):
         assert_checkpoints_bitwise_equal(tmp_path / "straight" / "step-00000006", tmp_path / "two" / "step-00000006")
+
+
+# -- 5. the printed resume command is the one to run --------------------------------------------
+
+def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_dir, tmp_path):
+    """Started with its own --config, a relative --checkpoint-dir and --set overrides; the
+    printed line, run as printed from the same folder, ends bitwise equal to a straight run."""
+    import shlex
+    import signal
+    import subprocess
+
+    from support import PYTHON, assert_checkpoints_bitwise_equal, script_env
+
+    (tmp_path / "my config.yaml").write_text((REPO / "config.yaml").read_text())
+    args = ["--config", "my config.yaml", "--set", f"data.dir={data_dir}", "--set", "training.max_steps=300",
+            "--set", "checkpoint.every=1000"]
+    script = str(REPO / "scripts" / "02_train.py")
+    straight = subprocess.run([PYTHON, script, *args, "--checkpoint-dir", "runs/straight", "--quiet"], cwd=tmp_path,
+                              env=script_env(), capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    process = subprocess.Popen([PYTHON, script, *args, "--checkpoint-dir", "runs/x"], cwd=tmp_path, env=script_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if line.startswith("step 2/"):
+            break
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    printed = stderr.split("Resume with: ", 1)[1].strip()
+    assert "--checkpoint-dir runs/x" in printed and "'my config.yaml'" in printed
+    resumed = subprocess.run(shlex.split(printed), cwd=tmp_path, env=script_env(), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_checkpoints_bitwise_equal(tmp_path / "runs/straight/step-00000300", tmp_path / "runs/x/step-00000300")

@@ -16,7 +16,8 @@ from .errors import ConfigError
 from .factories import resolve
 from .rng import seed_everything
 
-__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model", "make_sampler"]
+__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model", "make_sampler",
+           "fresh_buffers"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,6 +34,9 @@ class TrainingRun:
     generator: np.random.Generator
     scaler: torch.amp.GradScaler | None
     autocast_dtype: torch.dtype | None
+    fresh_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The persistent buffers as built, before any training or loading (see
+    ``pipeline.checkpoint.weights.model_summary``)."""
     step: int = 0
     history: dict[str, list] = field(default_factory=lambda: {"step": [], "loss": [], "lr": []})
 
@@ -72,6 +76,13 @@ def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.
     return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
 
 
+def fresh_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the persistent buffers of a model just built (positions, masks, tables, and
+    still-untrained statistics), so a save can tell derived buffers from trained ones."""
+    stored = model.state_dict()
+    return {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name in stored}
+
+
 def make_sampler(data: TaskData, generator: np.random.Generator, config: Config) -> Sampler:
     """The task's own sampler if it has one, else an :class:`EpochSampler` over ``num_train``."""
     custom = getattr(data, "make_sampler", None)
@@ -99,4 +110,4 @@ def build_run(config: Config, device: torch.device) -> TrainingRun:
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
     return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                        data=data, sampler=sampler, generator=generator, scaler=scaler,
-                       autocast_dtype=autocast_dtype)
+                       autocast_dtype=autocast_dtype, fresh_buffers=fresh_buffers(model))

@@ -31,7 +31,7 @@ import torch
 
 from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock
 from .card import build_model_card, render_curve
-from .checkpoint import load_checkpoint, read_tensors
+from .checkpoint import check_derived_buffers, load_checkpoint, read_tensors
 from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
@@ -58,6 +58,7 @@ from .leaks import scan_secrets
 from .proof_stage import PROOF_FILE, read_proof
 from .provenance import PACKAGE_ROOT, factories_fingerprint
 from .redact import public_paths
+from .run import build_model
 from .signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 
 __all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
@@ -349,8 +350,12 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
-    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, tensors=False, committed=True)
+    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, committed=True)
     folder, meta = loaded.folder, loaded.meta
+    # The weights are published for this code: a derived buffer it no longer builds is refused.
+    model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
+    check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
+    del loaded, model
     record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
     meta_sha256 = sha256_file(folder / META_FILE)
     with stage_lock(stage):

@@ -20,6 +20,7 @@ from .checkpoint import (
     CheckpointStore,
     LoadedCheckpoint,
     check_capturable,
+    check_derived_buffers,
     check_resume_compatible,
     load_checkpoint,
     read_tensors,
@@ -192,7 +193,7 @@ def train(
                           log_every=config.training.log_every, enabled=progress)
         if loaded is not None:
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
-                          omit=hooks.skip_restore, step=loaded.meta["step"])
+                          omit=hooks.skip_restore, step=loaded.meta["step"], derived=loaded.derived_buffers)
             report.message(f"resumed from {loaded.folder} at step {run.step}")
             for change in new:
                 report.message(f"environment changed: {change['item']} {change['recorded']!r} -> {change['now']!r}; "
@@ -259,7 +260,12 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
 
 def _warm_start(run: TrainingRun, source: Path, report: Progress) -> None:
     if source.is_dir():
-        tensors = load_checkpoint(source).model_tensors
+        loaded = load_checkpoint(source)
+        tensors = loaded.model_tensors
+        own, derived = run.model.state_dict(), loaded.derived_buffers
+        if isinstance(derived, list):  # one this model lacks or shapes otherwise is not copied below
+            derived = [n for n in derived if n not in tensors or (n in own and own[n].shape == tensors[n].shape)]
+        check_derived_buffers(run.model, tensors, derived)
         source = source / MODEL_FILE
     elif not source.is_file():
         raise CheckpointError(f"--init-from {source}: no such checkpoint folder or safetensors file")

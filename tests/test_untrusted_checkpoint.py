@@ -538,3 +538,29 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert_checkpoints_bitwise_equal(tmp_path / "runs/straight/step-00000300", tmp_path / "runs/x/step-00000300")
+
+
+# -- 6. stale derived buffers are refused -----------------------------------------------------
+
+def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_stage(data_dir, tmp_path):
+    """``scale`` is built from a code constant; ``bn``'s statistics are trained. Edit the
+    constant after the save: resume, evaluate and stage refuse naming ``scale``; with the
+    constant unchanged all of them accept the trained statistics."""
+    from conftest import RunFolder
+
+    run = RunFolder(tmp_path)
+    module = tmp_path / "scaled_factories.py"
+    module.write_text((Path(__file__).parent / "buffer_factories.py").read_text())
+    args = ("--set", f"data.dir={data_dir}", "--set", "model.factory=scaled_factories:build_model",
+            "--set", "training.max_steps=6")
+    run.ok("02_train.py", *args, "--quiet", "--stop-at", "4")
+    derived = read_meta_json(run.checkpoint)["model"]["derived_buffers"]
+    assert "scale" in derived and not any(name.startswith("bn.") for name in derived)
+    run.ok("04_evaluate.py", *args)  # unchanged code: the trained BatchNorm statistics load
+    module.write_text(module.read_text().replace("SCALE = 1.0", "SCALE = 2.0"))
+    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest")), ("04_evaluate.py", ()),
+                          ("05_stage.py", ("--no-metrics",))):
+        line = run.refused(script, *args, *extra)
+        assert "buffer scale" in line and "code or config that builds it changed" in line, (script, line)
+    module.write_text(module.read_text().replace("SCALE = 2.0", "SCALE = 1.0"))
+    run.ok("02_train.py", *args, "--quiet", "--resume", "latest")

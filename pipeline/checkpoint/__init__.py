@@ -22,7 +22,7 @@ from .load import LoadedCheckpoint, load_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
-from .weights import load_model_weights, warm_start
+from .weights import check_derived_buffers, load_model_weights, warm_start
 
 __all__ = [
     "Checkpointer",
@@ -32,6 +32,7 @@ __all__ = [
     "SavedCheckpoint",
     "capture_state",
     "check_capturable",
+    "check_derived_buffers",
     "check_resume_compatible",
     "load_checkpoint",
     "load_model_weights",

@@ -75,7 +75,7 @@ class Checkpointer:
         meta = {
             **self.provenance,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": model_summary(run.model),
+            "model": model_summary(run.model, run.fresh_buffers),
             "training_state": state,
         }
         if not self.background:

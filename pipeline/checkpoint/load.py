@@ -38,6 +38,13 @@ class LoadedCheckpoint:
     model_tensors: dict[str, torch.Tensor]
     state_tensors: dict[str, torch.Tensor]
 
+    @property
+    def derived_buffers(self) -> Any:
+        """Names of the stored buffers that were still their freshly built value when saved
+        (checked by :func:`~pipeline.checkpoint.weights.check_derived_buffers`)."""
+        model = self.meta["model"]
+        return model.get("derived_buffers") if isinstance(model, dict) else None
+
 
 def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool = True,
                     committed: bool = False) -> LoadedCheckpoint:

@@ -58,16 +58,18 @@ def check_capturable(run: TrainingRun) -> None:
 
 
 def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: Any,
-                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = (), step: int | None = None) -> None:
+                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = (), step: int | None = None,
+                  derived: Any = ()) -> None:
     """Validate everything first (:func:`~pipeline.checkpoint.validate.validated_state`;
-    ``step``: the checkpoint's step, which the state must agree with), then load weights,
+    ``step``: the checkpoint's step, which the state must agree with; ``derived``: the
+    checkpoint's derived buffers, compared with this run's fresh ones), then load weights,
     optimizer, scheduler, data position and scaler, and RNG states last."""
     omit = frozenset(omit)
     unknown = omit - set(OMITTABLE)
     assert not unknown, f"unknown components to omit: {unknown}"
     joined = validated_state(run, state, tensors, step=step)
     try:
-        load_model_weights(run.model, model_tensors)
+        load_model_weights(run.model, model_tensors, derived=derived)
         if "optimizer" not in omit:
             run.optimizer.load_state_dict(joined["optimizer"])
         if "scheduler" not in omit:

@@ -15,7 +15,7 @@ import torch
 from ..errors import StateMismatch
 from ..layout import MODEL_FILE
 
-__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary"]
+__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary", "check_derived_buffers"]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, int] | None:
@@ -83,8 +83,27 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     return kept
 
 
-def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE) -> None:
-    """Strict load: the same names (tied weights stored once), shapes and dtypes, or an error naming them."""
+def check_derived_buffers(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], derived: Any,
+                          *, source: str = MODEL_FILE) -> None:
+    """Before loading: each buffer the checkpoint recorded as derived (still equal to its
+    freshly built value when saved) must equal, bit for bit, what this code builds now.
+    Otherwise the load would silently put back a value the current code no longer computes."""
+    stored = model.state_dict()
+    if not isinstance(derived, list) or not all(isinstance(name, str) and name in tensors for name in derived):
+        raise StateMismatch(f"{source}: the derived-buffer list in meta.json is malformed: the checkpoint is damaged")
+    for name in derived:
+        built, saved = stored.get(name), tensors[name]
+        if built is None or built.shape != saved.shape or built.dtype != saved.dtype or not torch.equal(
+                built.detach().cpu(), saved):
+            raise StateMismatch(f"{source}: buffer {name} differs from the value this code builds (the code or config "
+                                "that builds it changed since the checkpoint was saved); restore that code, or start "
+                                "a new run")
+
+
+def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE,
+                       derived: Any = ()) -> None:
+    """Strict load: the same names (tied weights stored once), shapes and dtypes, or an error
+    naming them; ``derived`` buffers first checked by :func:`check_derived_buffers`."""
     expected = dedupe_shared_tensors(model.state_dict())
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -101,6 +120,7 @@ def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
         if saved.shape != current.shape or saved.dtype != current.dtype:
             raise StateMismatch(f"{source}: tensor {name} is {saved.dtype} {tuple(saved.shape)}, the model expects "
                                 f"{current.dtype} {tuple(current.shape)}")
+    check_derived_buffers(model, tensors, list(derived), source=source)
     full = dict(tensors)
     # Tied aliases point at the kept tensor so a strict load_state_dict accepts them.
     state_dict = model.state_dict()
@@ -129,11 +149,15 @@ def warm_start(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
     return report
 
 
-def model_summary(model: torch.nn.Module) -> dict[str, Any]:
-    """Names, dtypes and shapes of the stored weights, recorded in meta.json."""
+def model_summary(model: torch.nn.Module, fresh: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Names, dtypes and shapes of the stored weights, recorded in meta.json, and the
+    ``derived_buffers``: stored buffers that still equal their ``fresh`` value (built from
+    code and config, not trained; a BatchNorm's statistics move, so they are not)."""
     stored = dedupe_shared_tensors(model.state_dict())
     full = model.state_dict()
     return {
+        "derived_buffers": sorted(name for name, value in fresh.items() if name in stored and torch.equal(
+            stored[name].detach().cpu(), value.cpu())),
         "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                     for name, t in sorted(stored.items())},
         "tied": sorted(name for name in full if name not in stored),

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.audit import audit_stage
 from pipeline.checkpoint import load_model_weights
+from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
 from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
@@ -65,6 +66,7 @@ def rewrite_meta(checkpoint: Path, change: Callable[[dict], None]) -> None:
     path = checkpoint / "meta.json"
     meta = json.loads(path.read_text())
     change(meta)
+    meta["meta_sha256"] = meta_sha256(meta)  # resealed, as a real save would: only the change is tested
     path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
 
 

@@ -40,6 +40,8 @@ from pipeline.publish import COMMIT_ATTEMPTS, format_plan, publish
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
+from support import TREE_PATH
+
 # The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
@@ -141,7 +143,7 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
                 token: str | None = TOKEN, protocol: str = "lfs") -> subprocess.CompletedProcess:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
-    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
+    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
                 "HF_HOME": str(receipts.parent / "hf_home_script"), **_XET_FAST_RETRIES})
     if protocol == "lfs":
         env["HF_HUB_DISABLE_XET"] = "1"

@@ -16,18 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from support import TREE_PATH
+
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+
 PYTHON = sys.executable
 CONTROLS = ("rng", "optimizer", "scheduler", "data")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # proof_factories must import in the proof and in every leg it starts.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    # The tree under test and tests/ (proof_factories must import in the proof and every leg).
+    return {**os.environ, "PYTHONPATH": TREE_PATH, "PYTHONUNBUFFERED": "1"}
 
 
 def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

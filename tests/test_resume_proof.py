@@ -183,3 +183,15 @@ def test_run_that_draws_no_randomness_reports_rng_not_exercised(data_dir, tmp_pa
     assert proof.report["protocol"]["legs"]["omit-rng"]["exit_code"] == 0 and controls["rng"]["diverged_checks"] == {}
     assert [controls[c]["result"] for c in ("optimizer", "scheduler", "data")] == ["detected"] * 3
     assert proof.summary["all_checks_passed"] is True
+
+
+def test_control_that_cannot_diverge_fails_the_proof_with_exit_1_naming_the_component(data_dir, tmp_path):
+    proof = _prove(data_dir, tmp_path, "--set", "scheduler.factory=proof_factories:settling_scheduler",
+                   "--steps", "10", "--cut", "5", *FAST)
+    assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
+    summary, scheduler = proof.summary, proof.report["components"]["negative"]["scheduler"]
+    assert summary["positive"] is True and summary["negative_divergence_detected"] is False
+    assert summary["all_checks_passed"] is False and summary["failed_components"] == ["scheduler"]
+    assert scheduler["result"] == "not detected" and scheduler["exercised"] and scheduler["diverged_checks"] == {}
+    assert [proof.report["components"]["negative"][c]["result"] for c in ("rng", "optimizer", "data")] == \
+        ["detected"] * 3

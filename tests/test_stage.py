@@ -22,8 +22,9 @@ from pipeline.checkpoint import load_model_weights
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
 from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
+from pipeline.hashing import CHUNK
 from pipeline.run import build_model
-from pipeline.stage import build_stage
+from pipeline.stage import build_stage, scan_secrets
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256", "config.json",
@@ -325,3 +326,40 @@ def test_audit_rejects_a_stage_changed_after_it_was_built(staged_run, tmp_path, 
     named = tamper(stage)
     with pytest.raises(StageAuditError, match=named):
         audit_stage(stage)
+
+
+def _same_size_edit(path: Path) -> None:
+    """Change one byte, keeping the size (and, for meta.json, valid JSON: a metric's digit)."""
+    data = bytearray(path.read_bytes())
+    if path.name == "meta.json":
+        at = data.index(b'"mse": ') + len(b'"mse": ') + 3  # a digit after "0.9"
+        data[at] = ord("1") if data[at] != ord("1") else ord("2")
+        json.loads(bytes(data))
+    elif path.name == "MANIFEST.sha256":
+        data[0] = ord("a") if data[0] != ord("a") else ord("b")
+    else:
+        data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", sorted(STAGED))
+def test_audit_refuses_a_same_size_edit_of_each_staged_file(staged_run, tmp_path, name):
+    stage = tmp_path / "hub_stage"
+    shutil.copytree(staged_run.stage, stage)
+    named = sorted(STAGED - {"MANIFEST.sha256"})[0] if name == "MANIFEST.sha256" else name  # its first line's file
+    _same_size_edit(stage / name)
+    assert (stage / name).stat().st_size == (staged_run.stage / name).stat().st_size
+    with pytest.raises(StageAuditError, match=named):
+        audit_stage(stage)
+
+
+def test_a_token_across_a_read_chunk_boundary_is_found(tmp_path):
+    token = b"hf_" + b"Ab1" * 12
+    data = bytearray(CHUNK + 4096)
+    at = CHUNK - len(token) // 2  # half in the first chunk, half in the second
+    data[at:at + len(token)] = token
+    (tmp_path / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(SecretInStage, match="weights.bin would contain an hf_ token pattern"):
+        scan_secrets(tmp_path, environ={})
+    (tmp_path / "weights.bin").write_bytes(bytes(data[:at] + data[at + 1:]))  # the token broken: nothing found
+    scan_secrets(tmp_path, environ={})

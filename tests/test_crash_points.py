@@ -37,8 +37,9 @@ PROTOCOLS = {
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-def test_every_crash_point_of_every_commit_protocol_recovers(protocol, staged_run, tmp_path):
-    source = [str(staged_run.root)] if protocol == "stage" else []
+def test_every_crash_point_of_every_commit_protocol_recovers(protocol, request, tmp_path):
+    # Only the stage swap needs a trained, evaluated and staged run (a session fixture).
+    source = [str(request.getfixturevalue("staged_run").root)] if protocol == "stage" else []
     result = subprocess.run([PYTHON, "-B", str(REPO / "tests" / "crash_child.py"), protocol, str(tmp_path / "work"),
                              *source], env=script_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

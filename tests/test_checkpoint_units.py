@@ -104,6 +104,7 @@ def _file(header: dict | bytes, data: bytes = b"") -> bytes:
 @pytest.mark.parametrize("raw, why", [
     (b"", "shorter than the 8-byte header length"),
     ((1 << 40).to_bytes(8, "little") + b"{}", "runs past the file"),
+    ((1000).to_bytes(8, "little") + b"{}", "runs past the file"),  # under the header cap, past the end
     (_file(b"[1, 2]"), "not a JSON object"),
     (_file(b"\xff\xfe"), "utf-8"),
     (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not fit"),

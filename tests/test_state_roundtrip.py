@@ -86,6 +86,8 @@ def test_sampler_resumes_mid_epoch_and_reshuffles_identically(tmp_path):
     straight = EpochSampler(10, 4, np.random.Generator(np.random.PCG64(3)))
     batches = [straight.next_indices() for _ in range(7)]
     assert [len(b) for b in batches[:3]] == [4, 4, 2], "the last batch of an epoch is short without drop_last"
+    epochs = [sum(batches[:3], []), sum(batches[3:6], [])]
+    assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1], "each epoch reshuffles"
 
     generator = np.random.Generator(np.random.PCG64(3))
     first = EpochSampler(10, 4, generator)

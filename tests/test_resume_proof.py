@@ -195,3 +195,17 @@ def test_control_that_cannot_diverge_fails_the_proof_with_exit_1_naming_the_comp
     assert scheduler["result"] == "not detected" and scheduler["exercised"] and scheduler["diverged_checks"] == {}
     assert [proof.report["components"]["negative"][c]["result"] for c in ("rng", "optimizer", "data")] == \
         ["detected"] * 3
+
+
+def test_a_comparison_fails_on_any_difference_beyond_atol_and_measures_it():
+    import torch
+
+    from pipeline.proof.compare import compare
+
+    same = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.0]), "n": 3}, 0.0)
+    assert same.passed and same.max_abs_diff == 0.0 and same.differing == 0
+    off = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.5]), "n": 3}, 0.0)
+    assert not off.passed and off.max_abs_diff == 0.5 and off.differing == 1 and off.first_difference == "w"
+    assert compare("x", "model", {"w": torch.tensor([2.0])}, {"w": torch.tensor([2.5])}, 0.5).passed
+    assert not compare("x", "model", 0.0, -0.0, 0.0).passed  # bitwise at atol 0
+    assert not compare("x", "rng", {"n": 3}, {"n": 4}, 10.0).passed  # counters match exactly at any atol

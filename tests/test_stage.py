@@ -232,10 +232,11 @@ def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, 
     assert snapshot(run.stage) == before
 
 
-def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy):
+@pytest.mark.parametrize("other", [{"step": 5, "modelo_sha256": "0" * 64}, {"modelo_sha256": "0" * 64}])
+def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy, other):
     run = run_copy(evaluated_run)
     record = json.loads(run.metrics.read_text())
-    record["step"], record["modelo_sha256"] = 5, "0" * 64
+    record.update(other)  # another step, or the same step of other weights
     run.metrics.write_text(json.dumps(record))
     with pytest.raises(StageError, match="rerun scripts/04_evaluate.py"):
         build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)

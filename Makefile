@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test lint bench venv clean-runtime
+.PHONY: demo test lint bench mutate venv clean-runtime
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # is bound by interpreter starts and fits both cores without oversubscribing them.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
+
+# Mutation score (not part of `make test`): plant each defect of tests/mutations.toml alone in a
+# scratch copy, run the tests named for it, report the kill rate and the survivors.
+mutate: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) tests/mutate.py
 
 # Lint and import order (ruff, configured in pyproject.toml); .ci/run runs it before the tests.
 lint: $(STAMP)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .config import Config
-from .durable import atomic_folder, json_bytes
+from .durable import atomic_folder, json_bytes, recover
 from .errors import DataError
 from .factories import resolve
 from .hashing import fingerprint_table, sha256_file
@@ -149,6 +149,7 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover(target)  # what a crashed earlier run left beside data.dir (only our .tmp-/.old- names)
     existing = None
     try:
         with atomic_folder(target) as staging:

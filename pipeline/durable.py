@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import math
 import os
@@ -183,9 +184,13 @@ def json_loads_strict(data: bytes) -> Any:
 
 
 def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False) -> None:
-    """Write JSON beside ``path``, fsync, rename over it, fsync the folder."""
+    """Write JSON beside ``path``, fsync, rename over it, fsync the folder. Temporaries of
+    ``path`` left by a crash are removed first."""
     path = Path(path)
     data = json_bytes(payload, allow_nan=allow_nan)
+    # A crash before the rename leaves a hidden temporary of this very file: drop it now.
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         with HashingWriter(temporary) as out:

@@ -36,9 +36,18 @@ from typing import Callable, Mapping
 
 import pytest
 
-from support import REPO, prepare_data, script_env
+from support import REPO, prepare_data, script_env, use_tree_under_test
+
+use_tree_under_test()
 
 CONFIG = REPO / "config.yaml"
+
+
+def pytest_sessionstart(session) -> None:
+    import pipeline
+
+    where = Path(pipeline.__file__).resolve()
+    assert where.is_relative_to(REPO), f"the tests import {where}, not the tree under test {REPO}"
 
 
 @pytest.fixture(scope="session")

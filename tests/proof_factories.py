@@ -6,6 +6,11 @@ Both wrap the default regression data (same prepared files), changing one thing 
   ``random`` (with dropout 0 and shuffle off, no RNG family is consumed at all);
 - ``build_forgetful_data``: a sampler that saves its position but ignores it on load, the
   classic "resume restarts the epoch" bug the proof must name.
+
+And one scheduler, ``settling_scheduler``: a constant learning rate whose saved state (a
+counter that stops at 2) differs from a fresh one at any cut after step 2, yet converges
+again two steps after a resume that forgets it, so leaving it out changes nothing the
+proof can observe: its negative control must come out "not detected".
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pipeline.config import Config
 from pipeline.data import EpochSampler
 from pipeline.tasks.regression import RegressionData, build_data
 
-__all__ = ["build_quiet_data", "build_forgetful_data", "ForgetfulSampler"]
+__all__ = ["build_quiet_data", "build_forgetful_data", "ForgetfulSampler", "settling_scheduler"]
 
 
 class _Wrapped:
@@ -61,3 +66,18 @@ def build_quiet_data(config: Config, data_dir: Path) -> QuietData:
 
 def build_forgetful_data(config: Config, data_dir: Path) -> ForgetfulData:
     return ForgetfulData(build_data(config, data_dir))
+
+
+class SettlingConstantLR(torch.optim.lr_scheduler.LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, lambda step: 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"settled": min(self.last_epoch, 2)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = state["settled"]
+
+
+def settling_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> SettlingConstantLR:
+    return SettlingConstantLR(optimizer)

@@ -11,7 +11,24 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 PYTHON = sys.executable
+
+# The tree under test, first on every import path: this process's (imports of pipeline and
+# the tests' helpers) and every subprocess's (scripts, proof legs, forkserver trainers,
+# the local Hub). Otherwise the editable install of some other checkout, a worktree or a
+# scratch copy made by `make mutate`, would be what runs, and its tests would prove nothing.
+TREE_PATH = os.pathsep.join([str(REPO), str(TESTS)])
+
+
+def use_tree_under_test() -> None:
+    """Put this tree first on ``sys.path`` and ``PYTHONPATH`` (called once by conftest)."""
+    for entry in (str(TESTS), str(REPO)):
+        if entry in sys.path:
+            sys.path.remove(entry)
+        sys.path.insert(0, entry)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(TESTS))]
+    os.environ["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
 
 
 # Variables that would change what a script does (a real token, a real endpoint).
@@ -19,9 +36,12 @@ _SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
 
 
 def script_env(**extra: str) -> dict[str, str]:
-    """The environment for a script: this one, without tokens or endpoint, plus ``extra``."""
+    """The environment for a script: this one, without tokens or endpoint, the tree under test
+    first on ``PYTHONPATH``, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(TESTS))]
+    env["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
     env.update(extra)
     return env
 

@@ -106,6 +106,7 @@ def _file(header: dict | bytes, data: bytes = b"") -> bytes:
     (b"", "shorter than the 8-byte header length"),
     ((1 << 40).to_bytes(8, "little") + b"{}", "over the 104857600-byte limit"),
     ((64).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
+    ((1000).to_bytes(8, "little") + b"{}", "runs past the end of the file"),  # under the header cap, past the end
     (_file(b"[1, 2]"), "does not start with"),
     (_file(b"\xff\xfe"), "utf-8"),
     (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not hold"),

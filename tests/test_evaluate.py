@@ -62,3 +62,15 @@ def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_co
     weights.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatch, match="modelo.safetensors"):
         evaluate_checkpoint(load_config(CONFIG, run.overrides))
+
+
+@pytest.mark.parametrize("name", ["train.safetensors", "heldout.safetensors"])
+def test_a_same_size_in_place_edit_of_a_prepared_data_file_is_refused_by_02_and_04(trained_run, run_copy, name):
+    run = run_copy(trained_run)
+    path = run.data_dir / name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # same size, one bit of the last value
+    path.write_bytes(bytes(data))
+    for script, args in (("02_train.py", ("--resume", "latest", "--quiet")), ("04_evaluate.py", ())):
+        line = run.refused(script, *args)
+        assert name in line and "changed since it was prepared" in line, (script, line)

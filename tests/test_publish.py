@@ -33,12 +33,14 @@ from pipeline.audit import parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
-from pipeline.errors import HubUnavailable, StaleBranch, UploadInterrupted, VerificationFailed
+from pipeline.errors import HubUnavailable, StageChanged, StaleBranch, UploadInterrupted, VerificationFailed
 from pipeline.evaluate import evaluation_config
 from pipeline.localhub import LocalHub
 from pipeline.publish import COMMIT_ATTEMPTS, format_plan, publish
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
+
+from support import TREE_PATH
 
 # The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -141,7 +143,7 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
                 token: str | None = TOKEN, protocol: str = "lfs") -> subprocess.CompletedProcess:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
-    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
+    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
                 "HF_HOME": str(receipts.parent / "hf_home_script"), **_XET_FAST_RETRIES})
     if protocol == "lfs":
         env["HF_HUB_DISABLE_XET"] = "1"
@@ -597,3 +599,35 @@ def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(sta
     proposed = api.hf_hub_download("alice/tagged", "README.md", revision="refs/pr/1", cache_dir=tmp_path / "c2")
     assert Path(proposed).read_bytes() == (changed.stage / "README.md").read_bytes()
     assert api.list_repo_commits("alice/tagged", revision="refs/pr/1")[0].commit_id == pulls[0].target_commit
+
+
+def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(staged_run, hub, tmp_path,
+                                                                                         token_env):
+    hub.store_other_lfs_bytes()  # the first LFS file of the next commit: modelo.safetensors
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/lost-bytes", tmp_path)
+    assert failed.value.exit_code == 1 and "modelo.safetensors" in str(failed.value)
+    [receipt] = list((tmp_path / "receipts").glob("*.json"))
+    record = json.loads(receipt.read_text())
+    weights = record["files"]["modelo.safetensors"]
+    assert record["verified"] is False and weights["storage"] == "lfs" and not weights["ok"]
+    assert [name for name, entry in record["files"].items() if not entry["ok"]] == ["modelo.safetensors"]
+    listed = {f.path: f for f in api_for(hub).list_repo_tree("alice/lost-bytes") if hasattr(f, "blob_id")}
+    assert listed["modelo.safetensors"].size == weights["size"]  # same size, other bytes
+
+
+def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
+        staged_run, run_copy, hub, tmp_path, token_env):
+    stage = run_copy(staged_run).stage
+
+    def edit_when_committing(line: str) -> None:
+        if line.startswith("committing"):  # said after the audit and the plan, right before the commit
+            card = stage / "README.md"
+            data = bytearray(card.read_bytes())
+            data[-2] ^= 0x01
+            card.write_bytes(bytes(data))
+
+    with pytest.raises(StageChanged, match="README.md"):
+        publish_here(stage, hub, "alice/edited", tmp_path, say=edit_when_committing)
+    assert not [title for title in commit_titles(hub, "alice/edited") if title.startswith("Publish")]
+    assert hub.count("POST", r"/commit/") == 0

@@ -91,6 +91,11 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
         trainer = context.Process(target=train_until_killed, args=(str(REPO / "config.yaml"), overrides, started))
         trainer.start()
         if started.wait(timeout=60):
+            # Under load the first kill could land before the first save committed, which
+            # proves nothing; wait until a checkpoint is in the folder (later runs resume from one).
+            deadline = time.monotonic() + 60
+            while not CheckpointStore(killed_dir).committed_steps() and time.monotonic() < deadline:
+                time.sleep(0.005)
             time.sleep(chooser.uniform(0.0, 0.05))
             os.kill(trainer.pid, signal.SIGKILL)
             kills += 1

@@ -16,18 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from support import TREE_PATH
+
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+
 PYTHON = sys.executable
 CONTROLS = ("rng", "optimizer", "scheduler", "data")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # proof_factories must import in the proof and in every leg it starts.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    # The tree under test and tests/ (proof_factories must import in the proof and every leg).
+    return {**os.environ, "PYTHONPATH": TREE_PATH, "PYTHONUNBUFFERED": "1"}
 
 
 def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -187,3 +186,29 @@ def test_run_that_draws_no_randomness_reports_rng_not_exercised(data_dir, tmp_pa
     assert proof.report["protocol"]["legs"]["omit-rng"]["exit_code"] == 0 and controls["rng"]["diverged_checks"] == {}
     assert [controls[c]["result"] for c in ("optimizer", "scheduler", "data")] == ["detected"] * 3
     assert proof.summary["all_checks_passed"] is True
+
+
+def test_control_that_cannot_diverge_fails_the_proof_with_exit_1_naming_the_component(data_dir, tmp_path):
+    proof = _prove(data_dir, tmp_path, "--set", "scheduler.factory=proof_factories:settling_scheduler",
+                   "--steps", "10", "--cut", "5", *FAST)
+    assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
+    summary, scheduler = proof.summary, proof.report["components"]["negative"]["scheduler"]
+    assert summary["positive"] is True and summary["negative_divergence_detected"] is False
+    assert summary["all_checks_passed"] is False and summary["failed_components"] == ["scheduler"]
+    assert scheduler["result"] == "not detected" and scheduler["exercised"] and scheduler["diverged_checks"] == {}
+    assert [proof.report["components"]["negative"][c]["result"] for c in ("rng", "optimizer", "data")] == \
+        ["detected"] * 3
+
+
+def test_a_comparison_fails_on_any_difference_beyond_atol_and_measures_it():
+    import torch
+
+    from pipeline.proof.compare import compare
+
+    same = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.0]), "n": 3}, 0.0)
+    assert same.passed and same.max_abs_diff == 0.0 and same.differing == 0
+    off = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.5]), "n": 3}, 0.0)
+    assert not off.passed and off.max_abs_diff == 0.5 and off.differing == 1 and off.first_difference == "w"
+    assert compare("x", "model", {"w": torch.tensor([2.0])}, {"w": torch.tensor([2.5])}, 0.5).passed
+    assert not compare("x", "model", 0.0, -0.0, 0.0).passed  # bitwise at atol 0
+    assert not compare("x", "rng", {"n": 3}, {"n": 4}, 10.0).passed  # counters match exactly at any atol

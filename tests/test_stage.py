@@ -233,10 +233,11 @@ def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, 
     assert snapshot(run.stage) == before
 
 
-def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy):
+@pytest.mark.parametrize("other", [{"step": 5, "modelo_sha256": "0" * 64}, {"modelo_sha256": "0" * 64}])
+def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy, other):
     run = run_copy(evaluated_run)
     record = json.loads(run.metrics.read_text())
-    record["step"], record["modelo_sha256"] = 5, "0" * 64
+    record.update(other)  # another step, or the same step of other weights
     run.metrics.write_text(json.dumps(record))
     with pytest.raises(StageError, match="rerun scripts/04_evaluate.py"):
         build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
@@ -327,3 +328,29 @@ def test_audit_rejects_a_stage_changed_after_it_was_built(staged_run, tmp_path, 
     named = tamper(stage)
     with pytest.raises(StageAuditError, match=named):
         audit_stage(stage)
+
+
+def _same_size_edit(path: Path) -> None:
+    """Change one byte, keeping the size (and, for meta.json, valid JSON: a metric's digit)."""
+    data = bytearray(path.read_bytes())
+    if path.name == "meta.json":
+        at = data.index(b'"mse": ') + len(b'"mse": ') + 3  # a digit after "0.9"
+        data[at] = ord("1") if data[at] != ord("1") else ord("2")
+        json.loads(bytes(data))
+    elif path.name == "MANIFEST.sha256":
+        data[0] = ord("a") if data[0] != ord("a") else ord("b")
+    else:
+        data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", sorted(STAGED))
+def test_audit_refuses_a_same_size_edit_of_each_staged_file(staged_run, tmp_path, name):
+    stage = tmp_path / "hub_stage"
+    shutil.copytree(staged_run.stage, stage)
+    named = sorted(STAGED - {"MANIFEST.sha256"})[0] if name == "MANIFEST.sha256" else name  # its first line's file
+    _same_size_edit(stage / name)
+    assert (stage / name).stat().st_size == (staged_run.stage / name).stat().st_size
+    with pytest.raises(StageAuditError, match=named):
+        audit_stage(stage)
+

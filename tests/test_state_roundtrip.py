@@ -86,6 +86,8 @@ def test_sampler_resumes_mid_epoch_and_reshuffles_identically(tmp_path):
     straight = EpochSampler(10, 4, np.random.Generator(np.random.PCG64(3)))
     batches = [straight.next_indices() for _ in range(7)]
     assert [len(b) for b in batches[:3]] == [4, 4, 2], "the last batch of an epoch is short without drop_last"
+    epochs = [sum(batches[:3], []), sum(batches[3:6], [])]
+    assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1], "each epoch reshuffles"
 
     generator = np.random.Generator(np.random.PCG64(3))
     first = EpochSampler(10, 4, generator)
@@ -195,3 +197,47 @@ def test_state_that_cannot_be_saved_fails_before_the_first_step(data_dir, tmp_pa
     with pytest.raises(CheckpointError, match=r"cannot be checkpointed: cannot save set at 'scheduler/lr_lambdas"):
         train(config, progress=False, hooks=TrainingHooks(on_step=lambda run: steps.append(run.step)))
     assert steps == []
+
+
+def test_amp_grad_scaler_state_round_trips_and_a_mismatch_is_refused(data_dir):
+    from pipeline.checkpoint.state import capture_state, restore_state
+    from pipeline.config import load_config
+    from pipeline.errors import StateMismatch
+    from pipeline.run import build_run
+
+    from support import REPO
+
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "training.amp": "fp16"})
+    source = build_run(config, torch.device("cpu"))
+    saved = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+             "_growth_tracker": 7}
+    source.scaler.load_state_dict(saved)
+    model_tensors, state, tensors = capture_state(source)
+    target = build_run(config, torch.device("cpu"))
+    assert target.scaler.state_dict() != saved
+    restore_state(target, model_tensors, state, tensors)
+    assert target.scaler.state_dict() == saved
+    plain = build_run(load_config(REPO / "config.yaml", {"data.dir": str(data_dir)}), torch.device("cpu"))
+    with pytest.raises(StateMismatch, match="GradScaler"):
+        restore_state(plain, model_tensors, state, tensors)
+
+
+def test_warmup_cosine_rises_linearly_then_decays_to_the_floor_at_max_steps():
+    from pipeline.config import load_config
+    from pipeline.factories import warmup_cosine
+
+    from support import REPO
+
+    config = load_config(REPO / "config.yaml", {"training.max_steps": 12, "scheduler.params": {
+        "warmup_steps": 4, "min_ratio": 0.1}})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = warmup_cosine(optimizer, config)
+    rates = []
+    for _ in range(12):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    rates.append(optimizer.param_groups[0]["lr"])
+    assert rates[:5] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
+    assert rates[8] == pytest.approx(0.2 + 1.8 * 0.5) and rates[12] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(rates[4:], rates[5:]))

@@ -28,6 +28,7 @@ class Faults:
         self._xorb_corruptions = 0  # xorb uploads to damage in transit (one byte flipped)
         self._shard_failures: list[int] = []  # one HTTP status per Xet shard upload to fail
         self._token_expiry: list[int] = []  # CAS requests still served before every Xet token expires
+        self._other_bytes = 0  # commits whose first LFS file is stored with other bytes
         self._counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ arming
@@ -76,6 +77,12 @@ class Faults:
         with self._lock:
             self._token_expiry.append(int(after_requests))
 
+    def store_other_lfs_bytes(self, times: int = 1) -> None:
+        """The next `times` commits store their first LFS file with other bytes of the same size
+        (one bit flipped), and list the SHA-256 of what they stored: a Hub that lost the bytes."""
+        with self._lock:
+            self._other_bytes += int(times)
+
     def clear(self) -> None:
         with self._lock:
             self._commit_failures.clear()
@@ -86,6 +93,7 @@ class Faults:
             self._xorb_corruptions = 0
             self._shard_failures.clear()
             self._token_expiry.clear()
+            self._other_bytes = 0
         self._released.set()
 
     def configure(self, spec: dict) -> None:
@@ -108,6 +116,8 @@ class Faults:
             self.fail_next_shard(**spec["fail_shard"])
         if "expire_xet_tokens" in spec:
             self.expire_xet_tokens(**spec["expire_xet_tokens"])
+        if "other_lfs_bytes" in spec:
+            self.store_other_lfs_bytes(**spec["other_lfs_bytes"])
 
     def pending(self) -> dict:
         with self._lock:
@@ -120,6 +130,7 @@ class Faults:
                 "corrupt_xorb": self._xorb_corruptions,
                 "fail_shard": list(self._shard_failures),
                 "expire_xet_tokens": list(self._token_expiry),
+                "other_lfs_bytes": self._other_bytes,
             }
 
     # ------------------------------------------------------------------ consuming (server side)
@@ -146,6 +157,13 @@ class Faults:
                     self._rate_limits.remove(rule)
                 return rule["retry_after"]
         return None
+
+    def take_other_lfs_bytes(self) -> bool:
+        with self._lock:
+            if not self._other_bytes:
+                return False
+            self._other_bytes -= 1
+            return True
 
     def take_drop(self) -> tuple[bool, int | None]:
         with self._lock:

@@ -496,6 +496,9 @@ class Handler(BaseHTTPRequestHandler):
         commit_id, number = self.hub.store.commit(repo_type, repo_id, args[0], lines[0].get("value") or {},
                                                   lines[1:], author=self.hub.user,
                                                   create_pr=_truthy(self._query.get("create_pr")))
+        lfs_paths = [(op.get("value") or {}).get("path") for op in lines[1:] if op.get("key") == "lfsFile"]
+        if lfs_paths and self.hub.faults.take_other_lfs_bytes():
+            self.hub.store.store_other_bytes(repo_type, repo_id, commit_id, lfs_paths[0])
         if withheld:
             self._withhold_answer()
         pr_url = None if number is None else f"{self._repo_url(repo_type, repo_id)}/discussions/{number}"

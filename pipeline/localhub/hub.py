@@ -59,7 +59,8 @@ class _Server(ThreadingHTTPServer):
 class LocalHub:
     """A Hub double bound to loopback. `with LocalHub(root, token="t") as hub: HfApi(endpoint=hub.url)`.
 
-    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`;
+    Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`,
+    `store_other_lfs_bytes`;
     for Xet `drop_next_xorb`, `corrupt_next_xorb`, `fail_next_shard`, `expire_xet_tokens`) and request
     counts (`request_counts`, `count`) are exposed here and through the admin endpoints. Xet CAS tokens
     live `xet_token_ttl` s.
@@ -140,6 +141,9 @@ class LocalHub:
 
     def expire_xet_tokens(self, after_requests: int = 0) -> None:
         self.faults.expire_xet_tokens(after_requests)
+
+    def store_other_lfs_bytes(self, times: int = 1) -> None:
+        self.faults.store_other_lfs_bytes(times)
 
     def clear_faults(self) -> None:
         self.faults.clear()

@@ -398,6 +398,20 @@ class Store:
             self._save(new_repo)
             return commit_id, number
 
+    def store_other_bytes(self, repo_type: str, repo_id: str, commit_id: str, path: str) -> None:
+        """Injected fault: the LFS file `path` of `commit_id` now holds other bytes of the same size
+        (content-addressed under their own SHA-256, which the listing then reports)."""
+        with self.lock:
+            repo = self.get_repo(repo_type, repo_id)
+            entry = repo["commits"][commit_id]["files"][path]
+            data = bytearray(self.object_path(entry["sha256"]).read_bytes())
+            data[-1] ^= 0x01
+            sha = self.put_bytes(bytes(data))
+            files = {**repo["commits"][commit_id]["files"],
+                     path: {**entry, "sha256": sha, "oid": git_blob_sha1(lfs_pointer(sha, len(data)))}}
+            commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
+            self._save({**repo, "commits": commits, "lfsObjects": repo["lfsObjects"] + [sha]})
+
     def _apply(self, repo: dict, files: dict, pending: dict, op: dict) -> None:
         key, value = op.get("key"), op.get("value") or {}
         raw_path = value.get("path")

@@ -1,0 +1,156 @@
+"""`make mutate`: plant each realistic defect of tests/mutations.toml alone and check a test fails.
+
+For every mutation: copy the tree (sources only: no .git, .venv or run outputs) into a scratch
+folder, apply its exact search/replace edits, and run the tests it names with this project's
+interpreter against the copy (the copy first on PYTHONPATH; tests/conftest.py checks that the
+package imported is the copy's). The mutation is *killed* when pytest reports a failure.
+Prints each result, the kill rate and the survivors; exits 1 if any mutation survived or
+could not be applied (a search string that no longer matches the code is an error, never a
+silent skip). Two mutations run at a time, each pytest on one thread.
+
+    python tests/mutate.py [--only NAME_SUBSTRING] [--jobs 2] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib  # Python >= 3.11; `make mutate` is a developer tool, the package needs 3.10
+except ModuleNotFoundError:  # pragma: no cover
+    raise SystemExit("error: make mutate needs Python >= 3.11 (tomllib) for tests/mutations.toml") from None
+
+REPO = Path(__file__).resolve().parents[1]
+MUTATIONS = REPO / "tests" / "mutations.toml"
+# Not part of the tree under test: version control, environments, caches and run outputs.
+IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
+                                 "estados_local", "hub_stage", "hub_receipts", "runs", ".localhub", "metrics.json")
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Edit:
+    file: str
+    search: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    area: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+
+
+def load(path: Path = MUTATIONS) -> list[Mutation]:
+    raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    mutations = []
+    for entry in raw["mutation"]:
+        edits = tuple(Edit(e["file"], e["search"], e["replace"]) for e in entry["edit"])
+        mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"])))
+    names = [m.name for m in mutations]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise SystemExit(f"error: {path.name} names a mutation twice: {', '.join(duplicates)}")
+    return mutations
+
+
+def check_applies(mutation: Mutation, root: Path = REPO) -> str | None:
+    """None when every edit's search string occurs exactly once in its file; else why not."""
+    for edit in mutation.edits:
+        path = root / edit.file
+        if not path.is_file():
+            return f"{edit.file} does not exist"
+        count = path.read_text(encoding="utf-8").count(edit.search)
+        if count != 1:
+            return f"search string found {count} times in {edit.file} (must be exactly once): update the mutation"
+        if edit.search == edit.replace:
+            return f"the edit of {edit.file} changes nothing"
+    return None
+
+
+def apply(mutation: Mutation, root: Path) -> None:
+    for edit in mutation.edits:
+        path = root / edit.file
+        path.write_text(path.read_text(encoding="utf-8").replace(edit.search, edit.replace, 1), encoding="utf-8")
+
+
+def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
+    """(status, detail, seconds); status is killed, survived or error."""
+    started = time.monotonic()
+    why = check_applies(mutation)
+    if why is not None:
+        return "error", why, 0.0
+    tree = Path(tempfile.mkdtemp(prefix="m-", dir=scratch_parent)) / "tree"
+    shutil.copytree(REPO, tree, ignore=IGNORED, symlinks=True)
+    try:
+        apply(mutation, tree)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")]),
+               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                   *mutation.tests]
+        try:
+            result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return "killed", f"the tests ran past {TIMEOUT_S}s", time.monotonic() - started
+        tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
+        if result.returncode == 1:
+            return "killed", tail[0], time.monotonic() - started
+        if result.returncode == 0:
+            return "survived", tail[0], time.monotonic() - started
+        detail = (result.stdout + result.stderr).strip().splitlines()[-3:]
+        # 2: collection failed (the edit broke an import): killed, but say so.
+        status = "killed" if result.returncode == 2 else "error"
+        return status, f"pytest exit {result.returncode}: {' | '.join(detail)}", time.monotonic() - started
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run only mutations whose name contains this text")
+    parser.add_argument("--jobs", type=int, default=2, help="mutations run at the same time (default 2)")
+    parser.add_argument("--list", action="store_true", help="check that every mutation applies, run nothing")
+    args = parser.parse_args(argv)
+    mutations = [m for m in load() if args.only is None or args.only in m.name]
+    if not mutations:
+        print(f"error: no mutation matches {args.only!r}", file=sys.stderr)
+        return 2
+    if args.list:
+        errors = [(m, check_applies(m)) for m in mutations]
+        for mutation, why in errors:
+            print(f"{'ok   ' if why is None else 'ERROR'}  [{mutation.area}] {mutation.name}" + (f": {why}" if why else ""))
+        return 1 if any(why for _, why in errors) else 0
+    print(f"{len(mutations)} mutations, {args.jobs} at a time, each in a scratch copy of {REPO}", flush=True)
+    results: dict[str, tuple[str, str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="mutate-") as scratch, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {m.name: pool.submit(run_one, m, Path(scratch)) for m in mutations}
+        for mutation in mutations:
+            status, detail, seconds = results[mutation.name] = futures[mutation.name].result()
+            print(f"{status:<8} {seconds:6.1f}s  [{mutation.area}] {mutation.name}: {detail}", flush=True)
+    killed = [n for n, r in results.items() if r[0] == "killed"]
+    survived = [n for n, r in results.items() if r[0] == "survived"]
+    errors = [n for n, r in results.items() if r[0] == "error"]
+    print(f"\nkill rate: {len(killed)}/{len(mutations)} ({100.0 * len(killed) / len(mutations):.1f}%)")
+    areas = sorted({m.area for m in mutations})
+    print(f"areas covered: {', '.join(areas)}")
+    for title, names in (("survivors", survived), ("errors (not applied or not run)", errors)):
+        if names:
+            print(f"{title}:")
+            for name in names:
+                print(f"  - {name}")
+    return 0 if not survived and not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

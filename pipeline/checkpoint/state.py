@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, StateMismatch
+from ..errors import CheckpointError, InternalError, StateMismatch
 from ..layout import STATE_FILE
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
@@ -63,7 +63,8 @@ def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], s
     """Load weights, optimizer, scheduler, data position and scaler, then RNG states last."""
     omit = frozenset(omit)
     unknown = omit - set(OMITTABLE)
-    assert not unknown, f"unknown components to omit: {unknown}"
+    if unknown:
+        raise InternalError(f"unknown components to omit: {sorted(unknown)}; choose from {OMITTABLE}")
     try:
         load_model_weights(run.model, model_tensors)
         if "optimizer" not in omit:

@@ -82,7 +82,7 @@ def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool) -> Lo
         for candidate in older:
             try:
                 _load(candidate, tensors=False)
-            except CheckpointError:
+            except (CheckpointError, OSError):  # damaged too, or pruned meanwhile by a trainer
                 continue
             raise CheckpointError(f"{damage} The older checkpoint {candidate} verifies: resume from it with "
                                   f"--resume {candidate} (nothing was deleted).") from None

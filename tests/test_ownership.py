@@ -31,8 +31,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 def _sha256sum_manifest(folder: Path) -> None:
     """A manifest in `sha256sum` format over the folder, as a user's release script writes it."""
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(folder.iterdir())
-             if p.name != "MANIFEST.sha256"]
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(folder).as_posix()}\n"
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in ("MANIFEST.sha256", "model.sig")]
     (folder / "MANIFEST.sha256").write_text("".join(lines))
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "weight_files",
     "parse_manifest",
     "stage_lock",
+    "stage_marker_problem",
     "format_audit_table",
 ]
 
@@ -111,8 +112,9 @@ def _read_small(path: Path) -> bytes:
 
 
 def _read_json(path: Path) -> Any:
+    raw = _read_small(path)  # its own error for a missing or oversize file, outside the JSON check
     try:
-        return json.loads(_read_small(path))
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise StageAuditError(f"{path} is not valid JSON") from None
 
@@ -201,6 +203,36 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
         audited[SIGNATURE_FILE] = AuditedFile(SIGNATURE_FILE, len(data), sha256_bytes(data),
                                               "model-signing (checked by 06)")
     return dict(sorted(audited.items()))
+
+
+def stage_marker_problem(stage_dir: str | Path) -> str | None:
+    """``None`` if ``stage_dir`` carries the marker of a stage built by script 05, else why not.
+
+    The marker is the staged ``meta.json`` itself: a ``pipeline.stage/1`` record naming its
+    source checkpoint, listed with its SHA-256 in a ``MANIFEST.sha256`` that parses. A
+    folder that merely holds a file called ``MANIFEST.sha256`` (a user's own ``sha256sum``
+    release folder) has no such record, so 05 never replaces it. Only the marker is checked:
+    a stage whose card was edited afterwards is still ours to replace. Reads only.
+    """
+    stage = Path(stage_dir)
+    manifest_path, meta_path = stage / MANIFEST_FILE, stage / META_FILE
+    try:
+        if stage.is_symlink() or not stage.is_dir():
+            return "it is not a folder"
+        if not manifest_path.exists():
+            return f"it holds no {MANIFEST_FILE}"
+        expected = parse_manifest(_read_small(manifest_path), where=str(manifest_path))
+        if META_FILE not in expected:
+            return f"its {MANIFEST_FILE} does not list {META_FILE}"
+        if sha256_file(meta_path) != expected[META_FILE]:
+            return f"its {META_FILE} differs from the SHA-256 in {MANIFEST_FILE}"
+        meta = _read_json(meta_path)
+    except (StageAuditError, OSError) as exc:
+        return str(exc)
+    source = meta.get("source_checkpoint") if isinstance(meta, dict) else None
+    if meta.get("schema") != STAGE_SCHEMA or not isinstance(source, dict) or not isinstance(source.get("folder"), str):
+        return f"its {META_FILE} is not a {STAGE_SCHEMA} record naming a source checkpoint"
+    return None
 
 
 @contextlib.contextmanager

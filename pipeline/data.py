@@ -7,6 +7,7 @@ the middle of an epoch without replaying batches.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -140,26 +141,47 @@ def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def _is_empty_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def _check_target(target: Path) -> None:
+    """Say exactly what is in the way of ``data.dir``: only an empty folder, or data that
+    script 01 prepared there (it holds manifest.json), is ever used; nothing else is touched."""
+    if not os.path.lexists(target) or _is_empty_folder(target):
+        return
+    hint = "move it away or point data.dir elsewhere (--set data.dir=PATH)"
+    if target.is_symlink() or not target.is_dir():
+        raise DataError(f"data.dir {target} exists and is not a folder: {hint}")
+    if not (target / DATA_MANIFEST_FILE).is_file():
+        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise DataError(f"data.dir {target}/ already holds {shown} but no {DATA_MANIFEST_FILE}, so it is not "
+                        f"data prepared by scripts/01_prepare_data.py; nothing was touched: {hint}")
+
+
 def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     """Run ``data.prepare`` into a temporary folder, fingerprint it, and move it into place.
 
     Returns ``(folder, manifest, changed)``. Existing data with the same fingerprint is kept
-    as is; different existing data is never overwritten (checkpoints depend on it).
+    as is; different existing data is never overwritten (checkpoints depend on it); a folder
+    that is neither empty nor prepared data is refused, naming what it holds.
     """
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
+    _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target)  # what a crashed earlier run left beside data.dir (only our .tmp-/.old- names)
     existing = None
     try:
-        with atomic_folder(target) as staging:
+        with atomic_folder(target, owned=_is_empty_folder) as staging:
             prepare(config, staging)
             files = _files_table(staging)
             if not files:
                 raise DataError(f"{config.data.prepare} wrote no files")
             manifest = {"schema": "pipeline.data/1", "prepare": config.data.prepare, "seed": config.data.seed,
                         "params": config.data.params, "files": files, "fingerprint": fingerprint_table(files)}
-            if target.exists():
+            if target.exists() and not _is_empty_folder(target):
                 existing = load_manifest(config)
                 if existing["fingerprint"] != manifest["fingerprint"]:
                     raise DataError(f"{target}/ already holds different data (fingerprint "

@@ -28,11 +28,13 @@ import glob
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .errors import InternalError
 from .hashing import HashingWriter
 
 __all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes", "json_loads_strict",
@@ -41,11 +43,13 @@ __all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes
 STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
 TEMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
+_SUFFIX_HEX = 8  # secrets.token_hex(4)
 
 
 def step(name: str, call: Callable[..., Any], *args: Any) -> Any:
     """Run one named step of the atomic-folder protocol (``name`` is one of :data:`STEPS`)."""
-    assert name in STEPS, name
+    if name not in STEPS:
+        raise InternalError(f"unknown atomic-folder step {name!r}")
     return call(*args)
 
 
@@ -88,9 +92,14 @@ def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = No
     step("mkdir", os.mkdir, temporary)
     try:
         yield temporary
-        for entry in [] if files_synced else sorted(temporary.rglob("*")):
-            if entry.is_file() and not entry.is_symlink():
+        # Deepest first: a file, then the folder that names it, up to the temporary folder.
+        for entry in sorted(temporary.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+            if entry.is_symlink():
+                continue
+            if entry.is_file() and not files_synced:
                 step("fsync_file", _fsync_file, entry)
+            elif entry.is_dir():
+                step("fsync_temp", fsync_dir, entry)
         step("fsync_temp", fsync_dir, temporary)
         previous = None
         if os.path.lexists(dest):
@@ -105,8 +114,10 @@ def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = No
                 os.rename(previous, dest)
             raise
         step("fsync_parent", fsync_dir, dest.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno is not None and not exc.filename:
+            exc.filename = str(temporary)  # a write through a descriptor names no path: name the folder
         raise
     if previous is not None:
         step("remove_old", shutil.rmtree, previous)
@@ -121,8 +132,10 @@ def recover(dest: str | Path) -> list[Path]:
     if not dest.parent.is_dir():
         return removed
     for prefix in (TEMP_PREFIX, OLD_PREFIX):
+        # Only the exact names _sibling gives: a user's ".tmp-<name>-notes" is not ours.
+        ours = re.compile(re.escape(f"{prefix}{dest.name}-") + f"[0-9a-f]{{{_SUFFIX_HEX}}}")
         for entry in sorted(dest.parent.iterdir()):
-            if not (entry.name.startswith(f"{prefix}{dest.name}-") and entry.is_dir() and not entry.is_symlink()):
+            if not (ours.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
                 continue
             if prefix == OLD_PREFIX and not os.path.lexists(dest):
                 os.rename(entry, dest)

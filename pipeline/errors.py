@@ -4,6 +4,8 @@ scripts can print a single line that says what is wrong and what to do, and exit
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "PipelineError",
     "ConfigError",
@@ -35,7 +37,26 @@ __all__ = [
     "ReceiptNotWritten",
     "SigningError",
     "DemoFailed",
+    "InternalError",
+    "describe_os_error",
 ]
+
+# The causes a user can act on, in words (strerror's wording varies by platform).
+_OS_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``"<path>: <cause>"`` for an operating-system error (the cause alone when the call
+    named no path), e.g. ``"estados_local/.tmp-step-…: no space left on the device"``."""
+    cause = _OS_CAUSES.get(exc.errno or 0) or exc.strerror or str(exc) or exc.__class__.__name__
+    path = f"{exc.filename} -> {exc.filename2}" if exc.filename and exc.filename2 else exc.filename
+    return f"{path}: {cause}" if path else cause
 
 
 class PipelineError(Exception):
@@ -177,6 +198,11 @@ class ReceiptNotWritten(PublishError):
 
 class SigningError(PipelineError):
     """A stage cannot be signed, or its signature does not verify with the expected key."""
+
+
+class InternalError(PipelineError):
+    """A precondition of the pipeline's own code does not hold (a bug, not bad input):
+    checked explicitly, never with ``assert``, so it holds under ``python -O`` too."""
 
 
 class DemoFailed(PipelineError):

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import load_checkpoint, load_model_weights
+from .checkpoint import load_model_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
@@ -80,7 +80,10 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     Every file of the checkpoint is verified against its ``meta.json`` first, and the data
     folder against both its manifest and the checkpoint's data fingerprint.
     """
-    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, committed=True)
+    # Pinned while its files are read: a trainer running beside us cannot prune it away.
+    # The tensors are views of maps that stay valid after that.
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, committed=True) as loaded:
+        meta_sha256 = sha256_file(loaded.folder / META_FILE)
     folder, meta = loaded.folder, loaded.meta
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
@@ -109,7 +112,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         "checkpoint": str(folder),
         # Verified a moment ago by load_checkpoint: these are the bytes that were evaluated.
         "modelo_sha256": meta["files"][MODEL_FILE]["sha256"],
-        "meta_sha256": sha256_file(folder / META_FILE),
+        "meta_sha256": meta_sha256,
         "split": HELDOUT_SPLIT,
         "metrics": metrics,
         "sample": text,

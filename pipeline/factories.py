@@ -33,12 +33,18 @@ def resolve(path: str, key: str) -> Callable[..., Any]:
         raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
     # Scripts run as `python scripts/NN_x.py` put scripts/ on sys.path, not the folder the
     # user works in; a factory module beside config.yaml (or examples/...) must still import.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    # Only for this import: a working folder left on sys.path would shadow modules for good.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     target = module
     for part in attr.split("."):
         target = getattr(target, part, None)

@@ -29,9 +29,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock
+from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from .card import build_model_card, render_curve
-from .checkpoint import check_derived_buffers, load_checkpoint, read_tensors
+from .checkpoint import check_derived_buffers, pinned_checkpoint, read_tensors
 from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
@@ -101,25 +101,26 @@ def find_nonfinite(path: str | Path) -> list[str]:
 
 # -- building -----------------------------------------------------------------------------
 
+def _why_not_replaceable(stage: Path) -> str | None:
+    """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
+    (:func:`~pipeline.audit.stage_marker_problem`), or an empty folder / the repository's
+    placeholder. A mistyped --stage must never delete someone's folder."""
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        return "it is not a folder"
+    if not stage.is_dir() or not {entry.name for entry in stage.iterdir()} - {_GITKEEP}:
+        return None
+    return stage_marker_problem(stage)
+
+
 def _built_by_us(stage: Path) -> bool:
-    """The marker that lets a stage be replaced: an earlier stage (it holds the manifest),
-    or an empty folder / the repository's placeholder."""
-    if stage.is_symlink() or not stage.is_dir():
-        return False
-    names = {entry.name for entry in stage.iterdir()} - {_GITKEEP}
-    return not names or MANIFEST_FILE in names
+    return _why_not_replaceable(stage) is None
 
 
 def _check_replaceable(stage: Path) -> None:
-    """Only an empty folder, the repo's placeholder or an earlier stage may be replaced:
-    a mistyped --stage must never delete someone's folder."""
-    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
-        raise StageError(f"{stage} exists and is not a folder; refusing to replace it")
-    if stage.is_dir():
-        names = {entry.name for entry in stage.iterdir()} - {_GITKEEP}
-        if names and MANIFEST_FILE not in names:
-            raise StageError(f"{stage}/ holds files but no {MANIFEST_FILE}, so it was not built by "
-                             "scripts/05_stage.py; refusing to replace it (move it away or pass another --stage)")
+    problem = _why_not_replaceable(stage) if os.path.lexists(stage) else None
+    if problem is not None:
+        raise StageError(f"{stage} exists and was not built by scripts/05_stage.py ({problem}); refusing to "
+                         "replace it, nothing was touched: move it away or pass another --stage")
 
 
 def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -350,15 +351,15 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
-    loaded = load_checkpoint(checkpoint, config.checkpoint.dir, committed=True)
-    folder, meta = loaded.folder, loaded.meta
-    # The weights are published for this code: a derived buffer it no longer builds is refused.
-    model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
-    check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
-    del loaded, model
-    record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
-    meta_sha256 = sha256_file(folder / META_FILE)
-    with stage_lock(stage):
+    # Pinned until copied: a trainer running beside us cannot prune it away.
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, committed=True) as loaded, stage_lock(stage):
+        folder, meta = loaded.folder, loaded.meta
+        # The weights are published for this code: a derived buffer it no longer builds is refused.
+        model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
+        check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
+        del model
+        record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
+        meta_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
         with atomic_folder(stage, owned=_built_by_us) as built:

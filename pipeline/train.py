@@ -235,7 +235,9 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
     with _StopSignals() as signals:
         while run.step < end and signals.signum is None:
             loss, lr = train_step(run)
-            if run.scaler is None and not math.isfinite(loss):
+            # With fp16 AMP too: the GradScaler skips steps whose gradients overflow, but a
+            # non-finite loss is a diverged model, not an overflow to wait out.
+            if not math.isfinite(loss):
                 raise TrainingDiverged(f"loss is {loss} at step {run.step}; nothing was saved for this step and "
                                        f"the last checkpoint ({last_saved}) is kept: lower optimizer.lr or check "
                                        "the data")

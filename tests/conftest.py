@@ -3,7 +3,7 @@
 Each fixture is a :class:`RunFolder`, a temporary folder that is the working directory of
 the scripts run in it, so it holds the same on-disk names as the real flow::
 
-    <root>/data/                            01_prepare_data.py (data.dir)
+    <root>/data/regression/                 01_prepare_data.py (data.dir)
     <root>/estados_local/step-00000010/     02_train.py        (checkpoint.dir)
     <root>/metrics.json                     04_evaluate.py
     <root>/hub_stage/                       05_stage.py
@@ -66,7 +66,7 @@ class RunFolder:
 
     @property
     def data_dir(self) -> Path:
-        return self.root / "data"
+        return self.root / "data" / "regression"
 
     @property
     def checkpoint_dir(self) -> Path:

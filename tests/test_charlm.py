@@ -5,7 +5,7 @@ the tied embedding is stored once and loads strictly with safetensors alone, the
 the curve and a deterministic sample, the checkpoint holds the short batch at the end of an
 epoch and the task's own offset generator, and scripts/03 proves the resume exact. Also:
 the example's data prepared inside the default data folder (data/charlm/ in data/) leaves
-both verifiable.
+both verifiable, and each shipped task has a data folder of its own.
 """
 
 from __future__ import annotations
@@ -333,3 +333,17 @@ def test_example_data_prepared_inside_the_default_data_folder_leaves_both_verifi
     (tmp_path / "data" / "extra.bin").write_bytes(b"x")
     with pytest.raises(DataError, match="extra.bin added or missing"):
         load_manifest(default)
+
+
+def test_each_shipped_task_has_its_own_data_folder_so_examples_run_in_any_order(tmp_path, monkeypatch):
+    """The trap of issue #11: the example's data first, then the default config's 01."""
+    from pipeline.data import load_manifest, prepare_data
+
+    monkeypatch.chdir(tmp_path)  # the configs' own relative data.dir, as a user runs them
+    default, example = load_config(REPO / "config.yaml", {}), _config(TINY)
+    assert (default.data.dir, example.data.dir) == ("data/regression", "data/charlm")
+    for config in (example, default):
+        _, _, changed = prepare_data(config)
+        assert changed
+    assert load_manifest(default)["fingerprint"] != load_manifest(example)["fingerprint"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["charlm", "regression"]

@@ -18,7 +18,7 @@ Other packages import from here, not from the submodules.
 
 from .checkpointer import Checkpointer
 from .compat import check_resume_compatible
-from .load import LoadedCheckpoint, load_checkpoint
+from .load import LoadedCheckpoint, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
@@ -37,6 +37,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "parse_step_dir",
+    "pinned_checkpoint",
     "read_tensors",
     "restore_state",
     "step_dir_name",

@@ -11,22 +11,31 @@ is returned before every file passed.
 
 For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
 silently resuming from older state would repeat work the user believes was saved.
+
+:func:`pinned_checkpoint` is the same load for readers that run beside a trainer (scripts
+04 and 05): it pins the folder (see :func:`pipeline.checkpoint.store.pin`) until the block
+ends, and for "latest" takes the newest checkpoint again if a prune won the race.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint
 from ..layout import CHECKPOINT_DIR, MODEL_FILE, STATE_FILE
-from .store import check_listing, parse_step_dir, read_meta, resolve, step_dir_name
+from .store import check_listing, parse_step_dir, pin, read_meta, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint"]
+__all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint"]
+
+# A trainer that saves and prunes every step can win the race between listing and pinning
+# a few times in a row; it cannot win forever.
+_PIN_ATTEMPTS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +64,34 @@ def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
     folder, older = resolve(spec, root, committed=committed)
+    return _load_or_name_older(folder, older, tensors=tensors)
+
+
+@contextlib.contextmanager
+def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool = True,
+                      committed: bool = False) -> Iterator[LoadedCheckpoint]:
+    """:func:`load_checkpoint`, with the folder pinned against pruning until the block ends,
+    so every later read of its files (a copy, a hash) sees the verified bytes."""
+    with contextlib.ExitStack() as held:
+        for attempt in range(_PIN_ATTEMPTS):
+            folder, older = resolve(spec, root, committed=committed)
+            try:
+                held.enter_context(pin(folder))
+                break
+            except NoCheckpoint:
+                if str(spec) != "latest" or attempt == _PIN_ATTEMPTS - 1:
+                    raise
+        yield _load_or_name_older(folder, older, tensors=tensors)
+
+
+def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool) -> LoadedCheckpoint:
     try:
         return _load(folder, tensors=tensors)
     except CheckpointError as damage:
         for candidate in older:
             try:
                 _load(candidate, tensors=False)
-            except CheckpointError:
+            except (CheckpointError, OSError):  # damaged too, or pruned meanwhile by a trainer
                 continue
             raise CheckpointError(f"{damage} The older checkpoint {candidate} verifies: resume from it with "
                                   f"--resume {candidate} (nothing was deleted).") from None

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, StateMismatch
+from ..errors import CheckpointError, InternalError, StateMismatch
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
 from .codec import split_state
@@ -66,7 +66,8 @@ def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], s
     optimizer, scheduler, data position and scaler, and RNG states last."""
     omit = frozenset(omit)
     unknown = omit - set(OMITTABLE)
-    assert not unknown, f"unknown components to omit: {unknown}"
+    if unknown:
+        raise InternalError(f"unknown components to omit: {sorted(unknown)}; choose from {OMITTABLE}")
     joined = validated_state(run, state, tensors, step=step)
     try:
         load_model_weights(run.model, model_tensors, derived=derived)

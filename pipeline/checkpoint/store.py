@@ -10,31 +10,47 @@ Layout of one checkpoint::
 A save writes into ``.tmp-step-…`` (every file fsynced, ``meta.json`` last), renames the
 folder into place and fsyncs the parent. Only folders named by :func:`step_dir_name` and
 holding ``meta.json`` count as checkpoints; "latest" is the highest integer step. Old
-checkpoints are pruned only after the new one is committed.
+checkpoints are pruned only after the new one is committed; a prune that fails is a warning
+(the new checkpoint is safe) and the next save retries it.
+
+Readers (scripts 04 and 05) :func:`pin` the folder they read with a shared ``flock``;
+:meth:`CheckpointStore.prune` takes an exclusive one without waiting and skips a pinned
+folder, so a running trainer never pulls a checkpoint away from under a reader.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict
-from ..errors import CheckpointError, CheckpointLocked, ChecksumMismatch, NoCheckpoint, SchemaMismatch
+from ..errors import (
+    CheckpointError,
+    CheckpointLocked,
+    ChecksumMismatch,
+    InternalError,
+    NoCheckpoint,
+    SchemaMismatch,
+    describe_os_error,
+)
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .tensorfile import write_safetensors
 
 __all__ = ["SCHEMA_VERSION", "META_KEYS", "SEAL_KEY", "CheckpointStore", "SavedCheckpoint", "step_dir_name",
-           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve"]
+           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve", "pin"]
 
 SCHEMA_VERSION = "pipeline.checkpoint/2"
 # Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
@@ -51,8 +67,11 @@ META_KEYS = frozenset(
 MAX_META_BYTES = 64 * 1024 * 1024
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TEMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".deleting-"
+# Exactly the names this module gives a save in progress (durable.atomic_folder) or a
+# checkpoint being pruned: nothing else in the folder is ever deleted.
+_STALE_DIR = re.compile(r"^\.(?:tmp|deleting)-step-\d{8,}-[0-9a-f]{8}$")
+_log = logging.getLogger(__name__)
 
 
 def step_dir_name(step: int) -> str:
@@ -118,13 +137,18 @@ class CheckpointStore:
     def path_for(self, step: int) -> Path:
         return self.root / step_dir_name(step)
 
+    def _require_lock(self, action: str) -> None:
+        if not self._lock.held:
+            raise InternalError(f"{action} in {self.root}/ without holding its lock (a bug in the caller)")
+
     def clean_stale(self) -> list[Path]:
-        """Remove temporary and half-deleted folders left by a crash. Requires the lock."""
-        assert self._lock.held, "clean_stale needs the store's lock"
+        """Remove the temporary and half-deleted folders a crash left (only names this
+        module gives them). Requires the lock."""
+        self._require_lock("clean_stale")
         removed = []
         if self.root.is_dir():
             for entry in self.root.iterdir():
-                if entry.is_dir() and entry.name.startswith((_TEMP_PREFIX, _TRASH_PREFIX)):
+                if _STALE_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
                     removed.append(entry)
         if removed:
@@ -134,8 +158,12 @@ class CheckpointStore:
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
              meta: Mapping[str, Any]) -> SavedCheckpoint:
-        """Write one checkpoint atomically, then prune. Requires the lock."""
-        assert self._lock.held, "save needs the store's lock"
+        """Write one checkpoint atomically, then prune. Requires the lock.
+
+        An error before the commit raises (the temporary folder is removed, older checkpoints
+        are untouched). A prune that fails after the commit only logs a warning: the new
+        checkpoint is safe, and the next save retries the prune."""
+        self._require_lock("save")
         final = self.path_for(step)
         if final.exists():
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
@@ -146,27 +174,76 @@ class CheckpointStore:
                 files[name] = {"sha256": sha256, "size": size}
             record = {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files}
             record[SEAL_KEY] = meta_sha256(record)
-            assert set(record) == META_KEYS, f"meta keys differ: {sorted(set(record) ^ META_KEYS)}"
+            if set(record) != META_KEYS:
+                raise InternalError(f"checkpoint meta keys differ: {sorted(set(record) ^ META_KEYS)}")
             # meta.json last: its presence marks a complete folder.
             with HashingWriter(temporary / META_FILE) as out:
                 out.write(json_bytes(record))
-        self.prune()
+        try:
+            self.prune()
+        except OSError as exc:
+            _log.warning("warning: step %d is committed, but pruning older checkpoints in %s/ failed (%s); "
+                         "training goes on and the next save retries", step, self.root, describe_os_error(exc))
         return SavedCheckpoint(step=step, path=final, files=files)
 
     def prune(self) -> list[int]:
-        """Delete all but the newest ``keep_last`` committed checkpoints, oldest first.
+        """Delete all but the newest ``keep_last`` committed checkpoints, oldest first;
+        returns the steps deleted. Requires the lock.
 
-        Each victim is first renamed out of the step namespace (atomic), so a crash while
+        A folder a reader has pinned (:func:`pin`) is skipped this time, and so is one whose
+        meta.json is not ours (it stays for the user to look at). Each victim is renamed out
+        of the step namespace (atomic) while its exclusive lock is held, so a crash while
         deleting never leaves a half-deleted folder that looks like a checkpoint.
         """
+        self._require_lock("prune")
         steps = self.committed_steps()
         victims = steps[:-self.keep_last] if len(steps) > self.keep_last else []
+        pruned = []
         for step in victims:
+            folder = self.path_for(step)
+            try:
+                read_meta(folder)
+            except SchemaMismatch as exc:
+                _log.warning("warning: not pruning %s: %s", folder, exc)
+                continue
             doomed = self.root / f"{_TRASH_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
-            os.rename(self.path_for(step), doomed)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a reader holds it: retried at the next save
+                os.rename(folder, doomed)
+            finally:
+                os.close(fd)
             fsync_dir(self.root)
             shutil.rmtree(doomed)
-        return victims
+            pruned.append(step)
+        return pruned
+
+
+@contextlib.contextmanager
+def pin(folder: str | Path) -> Iterator[Path]:
+    """Hold a shared ``flock`` on a checkpoint folder while reading it, so that a trainer's
+    :meth:`CheckpointStore.prune` leaves it alone. Raises :class:`NoCheckpoint` if the folder
+    is gone (pruned before it could be pinned)."""
+    folder = Path(folder)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NoCheckpoint(f"{folder} is not a checkpoint folder (or was just pruned by a running trainer)") from None
+    try:
+        # Waits only while a prune renames the folder away; then it no longer has this name.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(folder))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise NoCheckpoint(f"{folder} was pruned by a running trainer before it could be read")
+        yield folder
+    finally:
+        os.close(fd)
 
 
 def meta_sha256(record: Mapping[str, Any]) -> str:

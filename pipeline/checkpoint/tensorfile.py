@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import torch
 
 from ..durable import json_loads_strict
-from ..errors import SchemaMismatch
+from ..errors import InternalError, SchemaMismatch
 
 __all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
            "tensors_from_map", "parse_header"]
@@ -199,7 +199,8 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
         hasher.cancelled.set()
         hasher.join()
         os.close(fd)
-    assert size == sum(len(c) for c in chunks)
+    if size != sum(len(c) for c in chunks):
+        raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
     return hasher.digest.hexdigest(), size
 
 

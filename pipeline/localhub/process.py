@@ -58,7 +58,8 @@ class LocalHubProcess:
         return self
 
     def _read_url(self) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
+        if self.proc is None or self.proc.stdout is None:
+            raise RuntimeError("the local Hub process was not started")
         lines: queue.Queue[str] = queue.Queue()
 
         def pump(stream) -> None:  # keep draining stdout so the child can never block on a full pipe

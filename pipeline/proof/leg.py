@@ -24,6 +24,7 @@ from ..checkpoint import capture_state, write_safetensors
 from ..cli import run_main
 from ..config import config_from_dict
 from ..durable import write_json_atomic
+from ..errors import InternalError
 from ..layout import MODEL_FILE, STATE_FILE
 from ..rng import peek_next_draws
 from ..run import TrainingRun
@@ -82,7 +83,8 @@ class LegRecorder:
 
     def finish(self, step: int, checkpoint: Path | None, resumed_from: int | None) -> dict[str, Any]:
         run = self.run
-        assert run is not None, "train() never called on_start"
+        if run is None:
+            raise InternalError("train() never called on_start")
         # Peek before evaluating: evaluation is the user's code and may draw.
         end_draws = peek_next_draws(run.generator)
         metric = {key: float(value) for key, value in run.data.evaluate(run.model, run.device).items()}

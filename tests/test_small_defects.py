@@ -1,0 +1,105 @@
+"""The smaller defects of issue #11, one test each: the NaN check under fp16 AMP, prepared
+data fsynced (files, every folder, the parent), ``factories.resolve`` leaving ``sys.path``
+as it was, an oversize staged meta.json named as such, and 01 naming what is in its way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipeline.durable as durable
+from pipeline.audit import audit_stage
+from pipeline.config import load_config
+from pipeline.data import load_manifest, prepare_data
+from pipeline.errors import DataError, StageAuditError, TrainingDiverged
+from pipeline.factories import resolve
+
+from support import REPO
+
+CONFIG = REPO / "config.yaml"
+
+
+def test_a_nan_loss_stops_training_under_fp16_amp_too(data_dir, tmp_path):
+    from pipeline.train import train
+
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"),
+                                  "data.factory": "failure_factories:build_nan_after_data",
+                                  "training.amp": "fp16", "training.dtype": "float32"})
+    with pytest.raises(TrainingDiverged, match="loss is nan at step 3"):
+        train(config, progress=False)
+
+
+def test_prepared_data_is_fsynced_file_by_file_folder_by_folder_and_the_parent(tmp_path, monkeypatch):
+    synced: list[tuple[str, Path]] = []
+    real = durable.step
+
+    def recording_step(name, call, *args):
+        if name in ("fsync_file", "fsync_temp", "fsync_parent"):
+            synced.append((name, Path(args[0])))
+        return real(name, call, *args)
+
+    monkeypatch.setattr(durable, "step", recording_step)
+    target = tmp_path / "data" / "nested"
+    config = load_config(CONFIG, {"data.dir": str(target), "data.prepare": "failure_factories:prepare_nested"})
+    prepare_data(config)
+    temporary = next(p for name, p in synced if name == "fsync_temp" and p.parent == target.parent)
+    relative = {(name, p.relative_to(temporary).as_posix()) for name, p in synced if p.is_relative_to(temporary)}
+    files = {"top.bin", "sub/middle.bin", "sub/deeper/bottom.bin", "manifest.json"}
+    assert {("fsync_file", f) for f in files} <= relative
+    assert {("fsync_temp", f) for f in (".", "sub", "sub/deeper")} <= relative
+    assert ("fsync_parent", target.parent) in synced
+    assert load_manifest(config)["files"].keys() == files - {"manifest.json"}
+
+
+def test_resolve_imports_from_the_working_folder_and_leaves_sys_path_as_it_was(tmp_path, monkeypatch):
+    (tmp_path / "my_task_factories_11.py").write_text("def build(config):\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    assert resolve("my_task_factories_11:build", "model.factory")(None) == 42
+    assert sys.path == before
+
+
+def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged_run, run_copy):
+    run = run_copy(staged_run)
+    meta_path = run.stage / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta) + " " * (16 * 1024 * 1024))  # still valid JSON
+    digest = hashlib.sha256(meta_path.read_bytes()).hexdigest()
+    manifest = run.stage / "MANIFEST.sha256"
+    manifest.write_text("".join(line if not line.endswith("  meta.json\n") else f"{digest}  meta.json\n"
+                                for line in manifest.read_text().splitlines(keepends=True)))
+    with pytest.raises(StageAuditError, match="meta.json is .* bytes, over the 16777216-byte limit"):
+        audit_stage(run.stage)
+
+
+@pytest.mark.parametrize("in_the_way, expected", [
+    ({"notes.txt": "mine", "old/": None, "a.bin": "x", "b.bin": "y"},
+     r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json"),
+    ("a file", r"exists and is not a folder"),
+])
+def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_the_way, expected):
+    target = tmp_path / "data"
+    if isinstance(in_the_way, dict):
+        target.mkdir()
+        for name, text in in_the_way.items():
+            (target / name).mkdir() if text is None else (target / name).write_text(text)
+    else:
+        target.write_text(in_the_way)
+    before = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
+                    for p in tmp_path.rglob("*"))
+    with pytest.raises(DataError, match=expected):
+        prepare_data(load_config(CONFIG, {"data.dir": str(target)}))
+    after = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
+                   for p in tmp_path.rglob("*"))
+    assert after == before
+
+
+def test_01_prepares_into_an_empty_folder(tmp_path):
+    target = tmp_path / "data"
+    target.mkdir()
+    folder, manifest, changed = prepare_data(load_config(CONFIG, {"data.dir": str(target)}))
+    assert changed and (target / "manifest.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["data"]

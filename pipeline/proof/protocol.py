@@ -222,7 +222,8 @@ def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], 
                         "executable": sys.executable, "cpu_count": os.cpu_count(),
                         # What each leg pins and records in its checkpoints (pipeline.environment).
                         "reproduced": {**current_environment(device),
-                                       "intra_op_threads": config.training.threads}},
+                                       "intra_op_threads": config.training.threads,
+                                       "deterministic_algorithms": config.training.deterministic}},
         "sources": _sources(config, config_path, manifest),
         "protocol": {
             "steps": plan.steps,

@@ -21,7 +21,6 @@ The real code runs unchanged; only the calls are intercepted, from this test-own
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -70,8 +69,8 @@ class Protocol:
 
 # -- checkpoint save and prune ---------------------------------------------------------------
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-        "training_state": {"best": math.inf}}
+META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "training_state": {"best": 0.5}}
 
 
 def _tensors(step: int) -> tuple[dict, dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -24,8 +23,8 @@ from pipeline.checkpoint import CheckpointStore
 
 from support import assert_checkpoints_bitwise_equal, one_line_error, run_script, verify_checkpoint
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-        "training_state": {"best": math.inf}}
+META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "training_state": {"best": 0.5}}
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ import ast
 import errno
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from pipeline.errors import InternalError
 
 from support import REPO
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-        "training_state": {"best": math.inf}}
+META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "training_state": {"best": 0.5}}
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

@@ -73,9 +73,9 @@ def signed_run(evaluated_run, keys, tmp_path_factory):
 def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     run, result = signed_run
     stage = run.stage
-    names = sorted(p.name for p in stage.iterdir())
-    assert names == ["MANIFEST.sha256", "README.md", "meta.json", "model.sig", "modelo.safetensors",
-                     "signing_key.pub", "training_curve.png"]
+    names = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    assert {"MANIFEST.sha256", "README.md", "meta.json", "model.sig", "modelo.safetensors", "signing_key.pub",
+            "training_curve.png", "config.json", "model.safetensors.index.json"} <= set(names)
     # The manifest lists everything but the signature; the signature covers everything else.
     manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
     assert set(manifest) == set(names) - {"MANIFEST.sha256", "model.sig"}
@@ -95,7 +95,7 @@ def test_the_private_key_is_never_staged_or_printed(signed_run, keys):
     run, result = signed_run
     secret = keys["private"].read_bytes()
     body = b"".join(line for line in secret.splitlines()[1:-1])
-    for path in run.stage.iterdir():
+    for path in (p for p in run.stage.rglob("*") if p.is_file()):
         data = path.read_bytes()
         assert b"PRIVATE KEY" not in data and body[:40] not in data, path.name
     assert "PRIVATE KEY" not in result.stdout + result.stderr and body[:40].decode() not in result.stdout
@@ -110,7 +110,7 @@ def test_an_unsigned_stage_says_so_in_its_card(staged_run):
 def test_a_key_inside_the_stage_or_of_an_unsupported_kind_is_refused(evaluated_run, run_copy, tmp_path):
     run = run_copy(evaluated_run)
     run.ok("05_stage.py")
-    before = {p.name: p.read_bytes() for p in run.stage.iterdir()}
+    before = {p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob('*') if p.is_file()}
     inside, _ = write_key(tmp_path, "inside")
     shutil.copy(inside, run.stage / "key.pem")
     line = run.refused("05_stage.py", "--sign-key", str(run.stage / "key.pem"))
@@ -119,7 +119,7 @@ def test_a_key_inside_the_stage_or_of_an_unsupported_kind_is_refused(evaluated_r
     edwards, _ = write_key(tmp_path, "edwards", ed25519.Ed25519PrivateKey.generate())
     line = run.refused("05_stage.py", "--sign-key", str(edwards))
     assert "ECDSA keys only" in line
-    assert {p.name: p.read_bytes() for p in run.stage.iterdir()} == before
+    assert {p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob('*') if p.is_file()} == before
 
 
 def test_sigstore_keyless_signing_refuses_in_one_line_when_offline(evaluated_run, run_copy, tmp_path):

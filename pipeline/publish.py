@@ -33,8 +33,10 @@ on 429 and 5xx only, at most ``COMMIT_ATTEMPTS`` times, waiting ``Retry-After`` 
 (else 1, 2, 4 s), never longer than ``max_backoff_s``. 412 is never retried.
 
 Bounded time: every request waits at most ``timeout_s`` (default 60 s) for the Hub, the
-commit included: it is set on the client's shared session (``get_session().timeout``) and
-on its documented download and metadata timeouts, and restored afterwards. When the commit
+commit included: a request hook on the client's shared session sets the bound on every
+request it sends (also those the client sends with its own ``timeout=``), and the documented
+download and metadata timeouts follow; all is restored afterwards. The client may retry a
+timed-out read a few times, each attempt bounded the same way. When the commit
 request times out or its answer is lost, the branch head is read again: if it holds our
 commit, publishing goes on to verification and succeeds, saying the answer was lost; if
 not, nothing was committed (exit 2). A rerun never makes a second commit.
@@ -238,15 +240,28 @@ def _prepare_receipt_dir(folder: Path) -> None:
 
 @contextlib.contextmanager
 def _bounded_requests(timeout: float) -> Iterator[None]:
-    """Every Hub request of this block waits at most ``timeout`` seconds (see the module docstring)."""
+    """Every Hub request of this block waits at most ``timeout`` seconds (see the module docstring).
+
+    The client passes its own ``timeout=`` on some calls (``repo_info`` passes ``None``, which in
+    httpx means "wait forever"), so a client-wide default is not enough: a request hook, run by
+    httpx just before each request is sent, sets the bound on the request itself.
+    """
+    bound = httpx2.Timeout(timeout).as_dict()
+
+    def bound_this_request(request: httpx2.Request) -> None:
+        request.extensions["timeout"] = bound
+
     session = get_session()
     saved = session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT
+    hooks = session.event_hooks
+    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound_this_request]}
     session.timeout = httpx2.Timeout(timeout)
     constants.HF_HUB_ETAG_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT = timeout
     try:
         yield
     finally:
         session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = saved
+        session.event_hooks = hooks
 
 
 def _status(exc: HfHubHTTPError) -> int | None:

@@ -164,3 +164,26 @@ def test_the_stage_lock_is_beside_the_stage_not_on_its_parent(staged_run, tmp_pa
 def test_a_non_positive_timeout_is_refused(staged_run, hub, tmp_path, token_env):
     with pytest.raises(PublishError, match="--timeout 0 must be a positive number"):
         publish_here(staged_run.stage, hub, "alice/t", tmp_path, timeout_s=0)
+
+
+def test_a_hub_that_accepts_but_never_answers_a_read_is_one_line_within_the_timeout(staged_run, tmp_path):
+    """The first request of 06 is a read (the branch head); a listener that accepts the
+    connection and never replies must not hold 06 longer than --timeout per attempt."""
+    import socket
+    from types import SimpleNamespace
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes the handshakes; nobody ever reads or replies
+    silent = SimpleNamespace(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        started = time.monotonic()
+        result = run_publish(staged_run.stage, silent, "alice/silent", tmp_path / "receipts", "--timeout", "1")
+        elapsed = time.monotonic() - started
+    finally:
+        listener.close()
+    line = one_error_line(result)
+    assert f"no answer from {silent.url} within 1s" in line and "nothing was committed" in line, line
+    # Unbounded, the read waits for the listener to close (the finally above, after
+    # subprocess.run's 300 s); bounded, each attempt waits 1 s and the client retries a few times.
+    assert elapsed < 60, elapsed

@@ -6,8 +6,9 @@ sets up the protocol's previous committed state in a pristine folder, then:
 1. runs the protocol once in a forked process under :class:`oprecorder.Recorder`, which
    records every mkdir, create, fsync, rename, unlink and rmtree under the folder, and
    checks their order (:func:`oprecorder.ordering_problems`);
-2. for each recorded call N, and each way of failing (``exit``: the process ends with
-   ``os._exit`` right before call N, as a crash or SIGKILL would; ``raise``: call N raises
+2. for each crash point N (:func:`crash_points`: every call, except that the calls inside a
+   temporary folder not yet renamed into place are reduced to the first and last of each
+   kind), and each way of failing (``exit``: the process ends with ``os._exit`` right before call N, as a crash or SIGKILL would; ``raise``: call N raises
    ``OSError(EIO)`` and the code's own cleanup runs), runs the protocol on a fresh copy of
    the pristine folder in a forked process, then checks the recovery invariants: before
    and after the next start's cleanup, the previous committed state verifies or the new
@@ -276,6 +277,36 @@ def _fresh(pristine: Path, case: Path) -> Path:
     return case
 
 
+def crash_points(ops: list) -> list[int]:
+    """The indices of the calls to fail: every call, except that of the calls made inside a
+    temporary folder not yet renamed into place, only the first and last of each kind are kept.
+
+    Until its rename, a temporary folder is invisible to every reader and removed whole by the
+    next start, so failing at its 3rd or its 30th file write leaves the same state to recover
+    from (a stage writes one file per exported source file: 128 calls, nearly all alike). The
+    calls that change what a reader can see (renames, removals, the lock, the parent's fsync)
+    are all kept.
+    """
+    def temp_root(op) -> str | None:
+        parts = Path(op.path).parts
+        for depth, part in enumerate(parts):
+            if part.startswith(".tmp-") and op.kind != "rename":
+                return str(Path(*parts[:depth + 1]))
+        return None
+
+    kept: dict[tuple, list[int]] = {}
+    chosen = []
+    for index, op in enumerate(ops):
+        root = temp_root(op)
+        if root is None:
+            chosen.append(index)
+        else:
+            kept.setdefault((root, op.kind, op.is_dir), []).append(index)
+    for indices in kept.values():
+        chosen += sorted({indices[0], indices[-1]})
+    return sorted(chosen)
+
+
 def explore(protocol: Protocol, work: Path) -> dict:
     pristine = work / "pristine"
     pristine.mkdir(parents=True)
@@ -297,7 +328,8 @@ def explore(protocol: Protocol, work: Path) -> dict:
     problems += [f"order: {p}" for p in ordering_problems(ops)]
     protocol.learn(case)
     problems += [f"after a complete run: {p}" for p in protocol.check(case, recovered=True)]
-    for index, op in enumerate(ops):
+    for index in crash_points(ops):
+        op = ops[index]
         for how in ("exit", "raise"):
             where = f"{how} before #{index} {op.kind} {os.path.relpath(op.path, case)}"
 
@@ -321,7 +353,8 @@ def explore(protocol: Protocol, work: Path) -> dict:
                 problems.append(f"{where}: the next start failed: {exc}")
                 continue
             problems += [f"{where}, after the next start: {p}" for p in protocol.check(case, recovered=True)]
-    return {"ops": [str(op).replace(str(case), "") for op in ops], "problems": problems}
+    return {"ops": [str(op).replace(str(case), "") for op in ops], "crashed_at": crash_points(ops),
+            "problems": problems}
 
 
 def protocol_named(name: str, source: Path | None) -> Protocol:

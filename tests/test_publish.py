@@ -64,7 +64,7 @@ _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKE
 # -- fixtures ----------------------------------------------------------------------------
 
 # The Xet client waits 3 s, 6 s, ... between its retries: faults would take minutes.
-_XET_FAST_RETRIES = {"HF_XET_CLIENT_RETRY_BASE_DELAY": "10ms"}
+_XET_FAST_RETRIES = {"HF_XET_CLIENT_RETRY_BASE_DELAY": "10ms", "HF_XET_CLIENT_RETRY_MAX_ATTEMPTS": "3"}
 
 
 @pytest.fixture(autouse=True)

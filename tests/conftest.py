@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 import pytest
 
-from support import REPO, prepare_data, script_env, use_tree_under_test
+from support import REPO, prepare_data, run_python, script_env, use_tree_under_test
 
 use_tree_under_test()
 
@@ -96,9 +95,8 @@ class RunFolder:
                timeout: float = 300) -> subprocess.CompletedProcess:
         """Run ``scripts/<name> --config <repo>/config.yaml *args`` here; never raises.
         ``env`` adds variables to :func:`script_env`."""
-        command = [sys.executable, "-B", str(REPO / "scripts" / name), "--config", str(CONFIG), *args]
-        return subprocess.run(command, cwd=self.root, env=script_env(**(env or {})), capture_output=True, text=True,
-                              timeout=timeout)
+        return run_python([REPO / "scripts" / name, "--config", CONFIG, *args], cwd=self.root,
+                          env=script_env(**(env or {})), timeout=timeout)
 
     def ok(self, name: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
         result = self.script(name, *args, **kwargs)

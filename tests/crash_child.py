@@ -8,8 +8,9 @@ sets up the protocol's previous committed state in a pristine folder, then:
    checks their order (:func:`oprecorder.ordering_problems`);
 2. for each crash point N (:func:`crash_points`: every call, except that the calls inside a
    temporary folder not yet renamed into place are reduced to the first and last of each
-   kind), and each way of failing (``exit``: the process ends with ``os._exit`` right before call N, as a crash or SIGKILL would; ``raise``: call N raises
-   ``OSError(EIO)`` and the code's own cleanup runs), runs the protocol on a fresh copy of
+   kind), and each way of failing (``exit``: the process ends with ``os._exit`` right before
+   call N, as a crash or SIGKILL would; ``raise``: call N raises ``OSError(EIO)`` and the
+   code's own cleanup runs), runs the protocol on a fresh copy of
    the pristine folder in a forked process, then checks the recovery invariants: before
    and after the next start's cleanup, the previous committed state verifies or the new
    one does, complete; nothing foreign was deleted; after the cleanup nothing temporary

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors.torch import load_file
@@ -46,11 +47,122 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# -- running a script: ``python -B SCRIPT ARGS``, forked from tests/zygote.py when that is the same ----
+
+# Read when torch, NumPy or their OpenMP runtime load (or at interpreter start): a script forked
+# from the zygote would not see a change in them, so such a run is a real exec.
+_LOAD_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "LD_", "MALLOC",
+                  "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONDEVMODE")
+
+
+class _Zygote:
+    """This test process's fork server (tests/zygote.py), started on first use, stopped at exit."""
+
+    started: "_Zygote | None" = None
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.socket = os.path.join(self.folder, "socket")
+        self.env = script_env()
+        self.process = subprocess.Popen([PYTHON, "-B", str(TESTS / "zygote.py"), self.socket], env=self.env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError("tests/zygote.py did not start")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        import shutil
+
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        keys = {k for k in (*env, *self.env) if k.startswith(_LOAD_TIME_ENV)}
+        return self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+
+    @classmethod
+    def get(cls) -> "_Zygote":
+        if cls.started is None:
+            cls.started = cls()
+        return cls.started
+
+    def run(self, argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import io
+        import json
+        import selectors
+        import signal
+        import socket
+        import time
+
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(self.socket)
+            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": dict(env)}).encode() + b"\n"
+            socket.send_fds(connection, [request], [stdin, out_write, err_write])
+        finally:
+            for fd in (stdin, out_write, err_write):
+                os.close(fd)
+        chunks: dict[object, list[bytes]] = {out_read: [], err_read: [], connection: []}
+        selector = selectors.DefaultSelector()
+        for fd in (out_read, err_read):
+            selector.register(fd, selectors.EVENT_READ)
+        selector.register(connection, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        try:
+            while selector.get_map():
+                remaining = deadline - time.monotonic()
+                events = selector.select(timeout=max(remaining, 0))
+                if not events and remaining <= 0:
+                    status = b"".join(chunks[connection]).split()
+                    if status:
+                        try:
+                            os.kill(int(status[0]), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    raise subprocess.TimeoutExpired([PYTHON, "-B", *argv], timeout)
+                for key, _ in events:
+                    source = key.fileobj
+                    data = source.recv(65536) if source is connection else os.read(source, 65536)
+                    if data:
+                        chunks[source].append(data)
+                    else:
+                        selector.unregister(source)
+        finally:
+            selector.close()
+            connection.close()
+            os.close(out_read)
+            os.close(err_read)
+        pid, status = b"".join(chunks[connection]).split()
+
+        def text(fd: int) -> str:  # as subprocess.run(text=True): locale encoding, universal newlines
+            return io.TextIOWrapper(io.BytesIO(b"".join(chunks[fd]))).read()
+
+        return subprocess.CompletedProcess([PYTHON, "-B", *argv], int(status), text(out_read), text(err_read))
+
+
+def run_python(argv: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float = 300
+               ) -> subprocess.CompletedProcess:
+    """``python -B *argv`` (a script and its arguments) with stdout and stderr captured as text;
+    never raises on a non-zero exit. Forked from the zygote unless ``env`` differs from it in
+    what the preloaded modules read at load time; then a real exec."""
+    zygote = _Zygote.get()
+    if zygote.serves(env):
+        return zygote.run([str(a) for a in argv], cwd, env, timeout)
+    return subprocess.run([PYTHON, "-B", *map(str, argv)], cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_script(name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``scripts/<name>`` with the test interpreter; never raises on a non-zero exit."""
-    return subprocess.run([PYTHON, "-B", str(REPO / "scripts" / name), *args], cwd=cwd, env=env or script_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python([str(REPO / "scripts" / name), *args], cwd=cwd, env=env or script_env(), timeout=timeout)
 
 
 def data_args(data_dir: Path) -> list[str]:

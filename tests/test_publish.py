@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +39,7 @@ from pipeline.publish import COMMIT_ATTEMPTS, format_plan, publish
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
-from support import TREE_PATH
+from support import TREE_PATH, run_python
 
 # The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -149,9 +148,8 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
         env["HF_HUB_DISABLE_XET"] = "1"
     if token is not None:
         env["HF_TOKEN"] = token
-    command = [sys.executable, "-B", str(SCRIPT), "--repo-id", repo_id, "--endpoint", hub.url,
-               "--stage", str(stage), "--receipt-dir", str(receipts), *args]
-    result = subprocess.run(command, cwd=stage.parent, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python([SCRIPT, "--repo-id", repo_id, "--endpoint", hub.url, "--stage", stage,
+                         "--receipt-dir", receipts, *args], cwd=stage.parent, env=env)
     for secret in SECRETS:
         assert secret not in result.stdout + result.stderr, "a token was printed"
     return result

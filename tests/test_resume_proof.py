@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import TREE_PATH
+from support import TREE_PATH, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,8 @@ def _env() -> dict[str, str]:
 
 def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     # The timeout only stops a hung run from blocking the suite; nothing asserts on time.
-    return subprocess.run([PYTHON, "-B", str(REPO / "scripts" / name), "--config", str(REPO / "config.yaml"), *args],
-                          cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900)
+    return run_python([REPO / "scripts" / name, "--config", REPO / "config.yaml", *args], cwd=cwd, env=_env(),
+                      timeout=900)
 
 
 @dataclass

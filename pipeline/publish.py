@@ -131,6 +131,9 @@ class PublishPlan:
     description: str
     files: tuple[PlannedFile, ...]
     deletions: tuple[str, ...]
+    # With create_pr: the pull requests (refs/pr/N) open before the commit, so that after a
+    # lost answer a new one holding the stage is known to be ours.
+    pull_requests: tuple[str, ...] = ()
 
     @property
     def repo_url(self) -> str:
@@ -352,6 +355,16 @@ def _read_head(target: _Target, revision: str) -> str | None:
             return None
 
 
+def _pull_requests(target: _Target) -> dict[str, str]:
+    """``{"refs/pr/N": commit}`` of every pull request of the repo (empty while it does not exist)."""
+    with _hub_errors(target, "listing the pull requests"):
+        try:
+            refs = target.api.list_repo_refs(target.repo_id, include_pull_requests=True)
+        except RepositoryNotFoundError:
+            return {}
+    return {ref.ref: ref.target_commit for ref in refs.pull_requests or ()}
+
+
 def _remote_files(target: _Target, commit: str) -> dict[str, Any]:
     """``{path: RepoFile}`` under the target folder (the whole repo for the root) at ``commit``."""
     with _hub_errors(target, "listing the repo files"):
@@ -413,9 +426,11 @@ def _read_plan(target: _Target, stage: Path, audited: Mapping[str, AuditedFile],
                     else None)
     files, deletions = _compare(stage, audited, _remote_files(target, base) if base else {}, target.prefix)
     step, sha, title, description = _messages(stage, audited, message)
+    pulls = tuple(_pull_requests(target)) if target.create_pr and base is not None else ()
     return PublishPlan(endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
                        path_in_repo=target.prefix.rstrip("/"), repo_exists=base is not None, head=head, step=step,
-                       model_sha256=sha, title=title, description=description, files=files, deletions=deletions)
+                       model_sha256=sha, title=title, description=description, files=files, deletions=deletions,
+                       pull_requests=pulls)
 
 
 def _create_missing(target: _Target, plan: PublishPlan, private: bool | None, say: Callable[[str], None]) -> None:
@@ -494,13 +509,23 @@ def _wait(exc: HfHubHTTPError, attempt: int, max_backoff: float, target: _Target
     return wait
 
 
+def _holds_the_stage(target: _Target, commit: str, stage: Path, audited: Mapping[str, AuditedFile]) -> bool:
+    files, deletions = _compare(stage, audited, _remote_files(target, commit), target.prefix)
+    return not deletions and all(f.action == "unchanged" for f in files)
+
+
 def _landed(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile]) -> str | None:
-    """After an error answer: the new head, if the branch moved and holds exactly our stage."""
+    """After an error answer: the commit, if it landed. Pushed to a branch, the branch moved
+    and holds exactly our stage; as a pull request (which leaves the branch where it was), a
+    pull request opened since the plan was read holds exactly our stage."""
+    if target.create_pr:
+        opened = {ref: commit for ref, commit in _pull_requests(target).items() if ref not in plan.pull_requests}
+        return next((commit for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
+                     if _holds_the_stage(target, commit, stage, audited)), None)
     head = _read_head(target, target.revision)
-    if head is None or head == plan.head or target.create_pr:  # a pull request leaves the branch where it was
+    if head is None or head == plan.head:
         return None
-    files, deletions = _compare(stage, audited, _remote_files(target, head), target.prefix)
-    return head if not deletions and all(f.action == "unchanged" for f in files) else None
+    return head if _holds_the_stage(target, head, stage, audited) else None
 
 
 def _after_lost_answer(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],

@@ -187,3 +187,23 @@ def test_a_hub_that_accepts_but_never_answers_a_read_is_one_line_within_the_time
     # Unbounded, the read waits for the listener to close (the finally above, after
     # subprocess.run's 300 s); bounded, each attempt waits 1 s and the client retries a few times.
     assert elapsed < 60, elapsed
+
+
+def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(staged_run, run_copy, hub, tmp_path,
+                                                                           token_env):
+    first = publish_here(staged_run.stage, hub, "alice/pr-lost", tmp_path)
+    assert first.status == "published"
+    changed = run_copy(staged_run)
+    changed.ok("05_stage.py", "--set", "card.description=A second version.")
+    api = api_for(hub)
+    api.upload_file(path_or_fileobj=b"a note\n", path_in_repo="notes.txt", repo_id="alice/pr-lost",
+                    commit_message="someone else's pull request", create_pr=True)
+    hub.withhold_next_commit_answer()  # our pull request is opened, then its answer never comes
+    lines: list[str] = []
+    result = publish_here(changed.stage, hub, "alice/pr-lost", tmp_path, create_pr=True, timeout_s=2,
+                          say=lines.append)
+    assert result.status == "published", result
+    assert any("the answer to the commit was lost, but the commit landed" in line for line in lines), lines
+    pulls = api.list_repo_refs("alice/pr-lost", include_pull_requests=True).pull_requests
+    assert [p.ref for p in pulls] == ["refs/pr/1", "refs/pr/2"], pulls
+    assert result.commit == pulls[1].target_commit and api.repo_info("alice/pr-lost").sha == first.commit

@@ -44,37 +44,45 @@ not, nothing was committed (exit 2). A rerun never makes a second commit.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import httpx2
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
-    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
-    RevisionNotFoundError,
 )
 from huggingface_hub.utils import validate_repo_id
 
 from .audit import AuditedFile, audit_stage, stage_lock
 from .errors import (
     HubUnavailable,
-    PipelineError,
     PublishError,
     ReceiptNotWritten,
     StageChanged,
-    StaleBranch,
     TokenRejected,
     UploadInterrupted,
     VerificationFailed,
+)
+from .hub_client import (
+    DEFAULT_TIMEOUT_S,
+    Target,
+    bounded_requests,
+    find_cause,
+    http_status,
+    hub_errors,
+    network_words,
+    pull_requests,
+    read_head,
+    remote_files,
+    retry_after,
 )
 from .layout import INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR
 from .leaks import leak_rules, scan_secrets
@@ -94,8 +102,6 @@ __all__ = [
 COMMIT_ATTEMPTS = 4
 # Longest single wait before retrying the commit; PUBLISH_MAX_BACKOFF_S overrides it.
 DEFAULT_MAX_BACKOFF_S = 60.0
-# Longest wait for any one Hub request (06 --timeout).
-DEFAULT_TIMEOUT_S = 60.0
 # Kept in the repo although not staged: the Hub writes it, and it routes files to LFS.
 KEPT_REMOTE_FILES = frozenset({".gitattributes"})
 _RETRYABLE = frozenset({429, 500, 502, 503, 504})
@@ -160,20 +166,6 @@ class PublishResult:
     answer_lost: bool = False
     """The commit's answer timed out or was cut; the commit was found on the branch."""
     signature: SignatureCheck | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """Where we publish: the client, and what error messages need to name."""
-
-    api: HfApi = field(repr=False)  # holds the token
-    endpoint: str
-    repo_id: str
-    revision: str
-    prefix: str  # "" for the repo root, else "folder/"
-    token: str | None = field(repr=False)
-    timeout: float = DEFAULT_TIMEOUT_S
-    create_pr: bool = False  # open a pull request against `revision` instead of pushing to it
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -241,140 +233,7 @@ def _prepare_receipt_dir(folder: Path) -> None:
         raise PublishError(f"--receipt-dir {folder} is not writable; nothing was published")
 
 
-@contextlib.contextmanager
-def _bounded_requests(timeout: float) -> Iterator[None]:
-    """Every Hub request of this block waits at most ``timeout`` seconds (see the module docstring).
-
-    The client passes its own ``timeout=`` on some calls (``repo_info`` passes ``None``, which in
-    httpx means "wait forever"), so a client-wide default is not enough: a request hook, run by
-    httpx just before each request is sent, sets the bound on the request itself.
-    """
-    bound = httpx2.Timeout(timeout).as_dict()
-
-    def bound_this_request(request: httpx2.Request) -> None:
-        request.extensions["timeout"] = bound
-
-    session = get_session()
-    saved = session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT
-    hooks = session.event_hooks
-    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound_this_request]}
-    session.timeout = httpx2.Timeout(timeout)
-    constants.HF_HUB_ETAG_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT = timeout
-    try:
-        yield
-    finally:
-        session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = saved
-        session.event_hooks = hooks
-
-
-def _status(exc: HfHubHTTPError) -> int | None:
-    return getattr(getattr(exc, "response", None), "status_code", None)
-
-
-def _retry_after(exc: HfHubHTTPError) -> float | None:
-    response = getattr(exc, "response", None)
-    raw = response.headers.get("Retry-After") if response is not None else None
-    try:
-        return max(0.0, float(raw)) if raw is not None else None
-    except ValueError:
-        return None  # an HTTP date: use our own backoff
-
-
-def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
-    """The first exception of ``kinds`` in ``exc``'s chain (failed uploads come wrapped in RuntimeError)."""
-    seen: BaseException | None = exc
-    for _ in range(16):
-        if seen is None or isinstance(seen, kinds):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-# -- error translation ----------------------------------------------------------------------
-
-_NOTHING_COMMITTED = "nothing was committed"
-
-
-def _http_error(target: _Target, action: str, exc: HfHubHTTPError, consequence: str) -> PublishError:
-    status = _status(exc)
-    if status in (401, 403):
-        return TokenRejected(f"token rejected or no write access to {target.repo_id} at {target.endpoint} "
-                             f"(HTTP {status} while {action}): check HF_TOKEN / `hf auth login` and that the token "
-                             f"may write to this namespace; {consequence}")
-    if status == 412:
-        return StaleBranch(f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
-                           "was written; rerun to publish on top of the new head")
-    detail = getattr(exc, "server_message", None) or (str(exc).strip().splitlines() or [""])[0]
-    detail = " ".join(str(detail).split())
-    if target.token:
-        detail = detail.replace(target.token, "<token>")
-    return PublishError(f"the Hub answered HTTP {status} while {action} on {target.repo_id}: {detail}; "
-                        f"{consequence}")
-
-
-def _network_words(target: _Target, network: BaseException) -> str:
-    if isinstance(network, httpx2.TimeoutException):
-        return f"no answer from {target.endpoint} within {target.timeout:g}s ({type(network).__name__})"
-    # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
-    detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
-    if target.token:
-        detail = detail.replace(target.token, "<token>")
-    return f"connection to {target.endpoint} lost ({type(network).__name__}{': ' + detail if detail else ''})"
-
-
-@contextlib.contextmanager
-def _hub_errors(target: _Target, action: str, consequence: str = _NOTHING_COMMITTED) -> Iterator[None]:
-    """Turn client exceptions into one-line domain errors (none of which contains the token).
-    ``consequence`` ends the message: what this failure means for the repo."""
-    try:
-        yield
-    except PipelineError:
-        raise
-    except HFValidationError as exc:
-        detail = " ".join(str(exc).split())
-        raise PublishError(f"the Hub client refused a value while {action}: {detail}; {consequence}") from None
-    except Exception as exc:
-        http = _cause(exc, (HfHubHTTPError,))
-        if http is not None:
-            raise _http_error(target, action, http, consequence) from None  # type: ignore[arg-type]
-        network = _cause(exc, (httpx2.TransportError, ConnectionError))
-        if network is None:
-            raise
-        raise UploadInterrupted(f"{_network_words(target, network)} while {action}; {consequence}; "
-                                "rerun: it skips blobs already uploaded and never makes a second commit") from None
-
-
-# -- reading the remote ---------------------------------------------------------------------
-
-def _read_head(target: _Target, revision: str) -> str | None:
-    """Commit id at the head of ``revision``, or None when the repo or the branch is missing."""
-    with _hub_errors(target, f"reading branch {revision}"):
-        try:
-            return target.api.repo_info(target.repo_id, revision=revision).sha
-        except (RepositoryNotFoundError, RevisionNotFoundError):
-            return None
-
-
-def _pull_requests(target: _Target) -> dict[str, str]:
-    """``{"refs/pr/N": commit}`` of every pull request of the repo (empty while it does not exist)."""
-    with _hub_errors(target, "listing the pull requests"):
-        try:
-            refs = target.api.list_repo_refs(target.repo_id, include_pull_requests=True)
-        except RepositoryNotFoundError:
-            return {}
-    return {ref.ref: ref.target_commit for ref in refs.pull_requests or ()}
-
-
-def _remote_files(target: _Target, commit: str) -> dict[str, Any]:
-    """``{path: RepoFile}`` under the target folder (the whole repo for the root) at ``commit``."""
-    with _hub_errors(target, "listing the repo files"):
-        try:
-            entries = target.api.list_repo_tree(target.repo_id, target.prefix.rstrip("/") or None,
-                                                recursive=True, revision=commit)
-            return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
-        except RemoteEntryNotFoundError:
-            return {}  # the folder does not exist yet
-
+# -- comparing with the remote ---------------------------------------------------------------
 
 def _action(stage: Path, audited: AuditedFile, remote: Any | None) -> str:
     """Compare one staged file with the remote entry at the same path."""
@@ -419,29 +278,29 @@ def _messages(stage: Path, audited: Mapping[str, AuditedFile], message: str | No
     return step, sha, title, f"Step {step}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n"
 
 
-def _read_plan(target: _Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> PublishPlan:
+def _read_plan(target: Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> PublishPlan:
     """The plan from read requests only; a missing branch is compared with main, where it would start."""
-    head = _read_head(target, target.revision)
-    base = head or (_read_head(target, constants.DEFAULT_REVISION) if target.revision != constants.DEFAULT_REVISION
+    head = read_head(target, target.revision)
+    base = head or (read_head(target, constants.DEFAULT_REVISION) if target.revision != constants.DEFAULT_REVISION
                     else None)
-    files, deletions = _compare(stage, audited, _remote_files(target, base) if base else {}, target.prefix)
+    files, deletions = _compare(stage, audited, remote_files(target, base) if base else {}, target.prefix)
     step, sha, title, description = _messages(stage, audited, message)
-    pulls = tuple(_pull_requests(target)) if target.create_pr and base is not None else ()
+    pulls = tuple(pull_requests(target)) if target.create_pr and base is not None else ()
     return PublishPlan(endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
                        path_in_repo=target.prefix.rstrip("/"), repo_exists=base is not None, head=head, step=step,
                        model_sha256=sha, title=title, description=description, files=files, deletions=deletions,
                        pull_requests=pulls)
 
 
-def _create_missing(target: _Target, plan: PublishPlan, private: bool | None, say: Callable[[str], None]) -> None:
+def _create_missing(target: Target, plan: PublishPlan, private: bool | None, say: Callable[[str], None]) -> None:
     """Create the repo and the branch when missing: the only writes before the commit."""
     if not plan.repo_exists:
         say(f"creating repo {target.repo_id} at {target.endpoint}")
-        with _hub_errors(target, "creating the repo"):
+        with hub_errors(target, "creating the repo"):
             target.api.create_repo(target.repo_id, private=private, exist_ok=True)
     if target.revision != constants.DEFAULT_REVISION:
         say(f"creating branch {target.revision} from {constants.DEFAULT_REVISION}")
-        with _hub_errors(target, f"creating branch {target.revision}"):
+        with hub_errors(target, f"creating branch {target.revision}"):
             target.api.create_branch(target.repo_id, branch=target.revision, exist_ok=True)
 
 
@@ -476,11 +335,11 @@ def _operations(stage: Path, plan: PublishPlan, audited: Mapping[str, AuditedFil
     return ops + [CommitOperationDelete(path_in_repo=path) for path in plan.deletions]
 
 
-def _try_commit(target: _Target, plan: PublishPlan, stage: Path,
+def _try_commit(target: Target, plan: PublishPlan, stage: Path,
                 audited: Mapping[str, AuditedFile]) -> str | HfHubHTTPError | BaseException:
     """One attempt: the new commit id, the 429/5xx answer to retry on, or the network error
     (timeout, cut connection) after which only the branch head can tell what happened."""
-    with _hub_errors(target, "uploading and committing"):
+    with hub_errors(target, "uploading and committing"):
         try:
             info = target.api.create_commit(
                 target.repo_id, _operations(stage, plan, audited), commit_message=plan.title,
@@ -488,50 +347,50 @@ def _try_commit(target: _Target, plan: PublishPlan, stage: Path,
                 create_pr=target.create_pr)
             return info.oid
         except HfHubHTTPError as exc:
-            if _status(exc) in _RETRYABLE:
+            if http_status(exc) in _RETRYABLE:
                 return exc
             raise
         except Exception as exc:
-            network = _cause(exc, (httpx2.TransportError, ConnectionError))
-            if network is None or _cause(exc, (HfHubHTTPError,)) is not None:
+            network = find_cause(exc, (httpx2.TransportError, ConnectionError))
+            if network is None or find_cause(exc, (HfHubHTTPError,)) is not None:
                 raise
             return network
 
 
-def _wait(exc: HfHubHTTPError, attempt: int, max_backoff: float, target: _Target) -> float:
+def _wait(exc: HfHubHTTPError, attempt: int, max_backoff: float, target: Target) -> float:
     """Seconds before the next attempt: Retry-After when given, else 1, 2, 4; refuse past the budget."""
-    asked = _retry_after(exc)
+    asked = retry_after(exc)
     wait = asked if asked is not None else min(max_backoff, float(2 ** (attempt - 1)))
     if wait > max_backoff:
-        raise HubUnavailable(f"the Hub answered HTTP {_status(exc)} to the commit on {target.repo_id} and asks to "
+        raise HubUnavailable(f"the Hub answered HTTP {http_status(exc)} to the commit on {target.repo_id} and asks to "
                              f"wait {wait:.0f}s, over this run's {max_backoff:g}s limit (PUBLISH_MAX_BACKOFF_S); "
                              "nothing was committed; rerun after that")
     return wait
 
 
-def _holds_the_stage(target: _Target, commit: str, stage: Path, audited: Mapping[str, AuditedFile]) -> bool:
-    files, deletions = _compare(stage, audited, _remote_files(target, commit), target.prefix)
+def _holds_the_stage(target: Target, commit: str, stage: Path, audited: Mapping[str, AuditedFile]) -> bool:
+    files, deletions = _compare(stage, audited, remote_files(target, commit), target.prefix)
     return not deletions and all(f.action == "unchanged" for f in files)
 
 
-def _landed(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile]) -> str | None:
+def _landed(target: Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile]) -> str | None:
     """After an error answer: the commit, if it landed. Pushed to a branch, the branch moved
     and holds exactly our stage; as a pull request (which leaves the branch where it was), a
     pull request opened since the plan was read holds exactly our stage."""
     if target.create_pr:
-        opened = {ref: commit for ref, commit in _pull_requests(target).items() if ref not in plan.pull_requests}
+        opened = {ref: commit for ref, commit in pull_requests(target).items() if ref not in plan.pull_requests}
         return next((commit for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
                      if _holds_the_stage(target, commit, stage, audited)), None)
-    head = _read_head(target, target.revision)
+    head = read_head(target, target.revision)
     if head is None or head == plan.head:
         return None
     return head if _holds_the_stage(target, head, stage, audited) else None
 
 
-def _after_lost_answer(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
+def _after_lost_answer(target: Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
                        network: BaseException, say: Callable[[str], None]) -> str:
     """The commit (or an upload before it) got no answer: the branch head says whether it landed."""
-    what = _network_words(target, network)
+    what = network_words(target, network)
     say(f"{what} while uploading and committing; reading the branch head to see whether the commit landed")
     try:
         landed = _landed(target, plan, stage, audited)
@@ -546,7 +405,7 @@ def _after_lost_answer(target: _Target, plan: PublishPlan, stage: Path, audited:
     return landed
 
 
-def _commit(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
+def _commit(target: Target, plan: PublishPlan, stage: Path, audited: Mapping[str, AuditedFile],
             snapshot: Mapping[str, tuple[int, int, int]], *, sleep: Callable[[float], None], max_backoff: float,
             say: Callable[[str], None]) -> tuple[str, bool]:
     """ONE create_commit naming ``plan.head`` as parent, retried on 429/5xx only. Returns the
@@ -561,20 +420,20 @@ def _commit(target: _Target, plan: PublishPlan, stage: Path, audited: Mapping[st
         if attempt == COMMIT_ATTEMPTS:
             break
         wait = _wait(answer, attempt, max_backoff, target)
-        say(f"the commit got HTTP {_status(answer)}; retrying in {wait:g}s (attempt {attempt + 1} of {COMMIT_ATTEMPTS})")
+        say(f"the commit got HTTP {http_status(answer)}; retrying in {wait:g}s (attempt {attempt + 1} of {COMMIT_ATTEMPTS})")
         sleep(wait)
         # The answer can be lost after the commit landed: then there is nothing left to retry.
         landed = _landed(target, plan, stage, audited)
         if landed is not None:
             say(f"the commit had landed despite the error answer: {landed}")
             return landed, True
-    raise HubUnavailable(f"the Hub answered HTTP {_status(answer)} to the commit on {target.repo_id} "
+    raise HubUnavailable(f"the Hub answered HTTP {http_status(answer)} to the commit on {target.repo_id} "
                          f"{COMMIT_ATTEMPTS} times; nothing was committed; rerun later (uploaded blobs are kept)")
 
 
 # -- verification and receipt ---------------------------------------------------------------
 
-def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFile], commit: str, status: str,
+def _finish(target: Target, plan: PublishPlan, audited: Mapping[str, AuditedFile], commit: str, status: str,
             receipts: Path, say: Callable[[str], None], *, answer_lost: bool = False,
             signature: SignatureCheck | None = None) -> PublishResult:
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
@@ -583,8 +442,8 @@ def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFil
     say(f"verifying {commit[:12]}: Hub LFS SHA-256s, downloaded bytes of Xet-stored and small files")
     landed = "is on the Hub" if status == "already published" else "landed"
     try:
-        with _hub_errors(target, "verifying", consequence=f"commit {url} {landed}"):
-            remote = _remote_files(target, commit)
+        with hub_errors(target, "verifying", consequence=f"commit {url} {landed}"):
+            remote = remote_files(target, commit)
             files, problems = verify_commit(target.api, target.repo_id, commit, expected, remote,
                                             KEPT_REMOTE_FILES if not target.prefix else frozenset())
     except PublishError as exc:
@@ -611,8 +470,8 @@ def _finish(target: _Target, plan: PublishPlan, audited: Mapping[str, AuditedFil
     return PublishResult(plan, status, commit, url, path, not keep, tuple(files), answer_lost, signature)
 
 
-def _existing_tag(target: _Target, tag: str) -> str | None:
-    with _hub_errors(target, f"reading the tags of {target.repo_id}"):
+def _existing_tag(target: Target, tag: str) -> str | None:
+    with hub_errors(target, f"reading the tags of {target.repo_id}"):
         try:
             refs = target.api.list_repo_refs(target.repo_id)
         except RepositoryNotFoundError:
@@ -620,7 +479,7 @@ def _existing_tag(target: _Target, tag: str) -> str | None:
     return next((ref.target_commit for ref in refs.tags if ref.name == tag), None)
 
 
-def _check_tag(target: _Target, tag: str | None, plan: PublishPlan) -> None:
+def _check_tag(target: Target, tag: str | None, plan: PublishPlan) -> None:
     """Before any write: an existing tag may only already name the commit that holds this stage."""
     existing = _existing_tag(target, tag) if tag else None
     if existing is not None and not (plan.up_to_date and existing == plan.head):
@@ -628,10 +487,10 @@ def _check_tag(target: _Target, tag: str | None, plan: PublishPlan) -> None:
                            "hold this stage; tags are never moved: choose another --tag; nothing was sent")
 
 
-def _tagged(target: _Target, tag: str | None, result: PublishResult, say: Callable[[str], None]) -> PublishResult:
+def _tagged(target: Target, tag: str | None, result: PublishResult, say: Callable[[str], None]) -> PublishResult:
     """Tag the verified commit (kept as it is when the tag already names it)."""
     if tag and _existing_tag(target, tag) is None:
-        with _hub_errors(target, f"tagging {tag}"):
+        with hub_errors(target, f"tagging {tag}"):
             target.api.create_tag(target.repo_id, tag=tag, revision=result.commit)
         say(f"tagged {result.commit[:12]} as {tag}")
     return result
@@ -685,7 +544,7 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
     prefix = _clean_prefix(path_in_repo)
     max_backoff = _max_backoff(max_backoff_s)
     timeout = _check_timeout(timeout_s)
-    with _bounded_requests(timeout):
+    with bounded_requests(timeout):
         # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
         with stage_lock(stage):
             # Re-audit every staged file right before uploading; any difference refuses before any request.
@@ -698,7 +557,7 @@ def publish(stage_dir: str | Path, repo_id: str, *, endpoint: str | None = None,
                 say(f"signature {stage}/model.sig verified ({signature.kind}, {signature.fingerprint or 'Sigstore'}, "
                     f"expected key from {signature.key_source})")
             token = _token(dry_run)
-            target = _Target(HfApi(endpoint=endpoint, token=token), endpoint, repo_id,
+            target = Target(HfApi(endpoint=endpoint, token=token), endpoint, repo_id,
                              revision or constants.DEFAULT_REVISION, prefix, token, timeout, create_pr)
             # Read the branch head and compare the files under it with the audit (read requests only).
             plan = _read_plan(target, stage, audited, message)

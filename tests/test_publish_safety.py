@@ -20,7 +20,7 @@ from test_publish import TOKEN, api_for, commit_titles, one_error_line, publish_
 
 from pipeline.audit import parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
-from pipeline.publish import _Target
+from pipeline.hub_client import Target
 
 # The loopback Hub fixtures of test_publish.py (hf_env is autouse there, and so here).
 hf_env, hub, token_env, no_client_sleep = (test_publish.hf_env, test_publish.hub, test_publish.token_env,
@@ -142,7 +142,7 @@ def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_c
 
 
 def test_the_token_is_not_in_the_repr_of_the_publish_target():
-    target = _Target(HfApi(endpoint="http://127.0.0.1:1", token=TOKEN), "http://127.0.0.1:1", "alice/x", "main",
+    target = Target(HfApi(endpoint="http://127.0.0.1:1", token=TOKEN), "http://127.0.0.1:1", "alice/x", "main",
                      "", TOKEN)
     assert TOKEN not in repr(target) and "alice/x" in repr(target)
 

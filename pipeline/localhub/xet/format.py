@@ -295,14 +295,19 @@ def parse_shard(data: bytes) -> Shard:
     return _parse_sections(data, footer_size)
 
 
+def _entry_header(data: bytes, pos: int, section: str) -> tuple[bytes | None, int]:
+    """The entry header at ``pos`` and the position after it; None at the section's end marker."""
+    if pos + _ENTRY > len(data):
+        raise FormatError(f"shard {section} section is truncated (no end marker)")
+    header = data[pos:pos + _ENTRY]
+    return (None if header[:32] == _BOOKEND else header), pos + _ENTRY
+
+
 def _parse_sections(data: bytes, footer_size: int) -> Shard:
     pos, files = 48, []
     while True:
-        if pos + _ENTRY > len(data):
-            raise FormatError("shard file section is truncated (no end marker)")
-        header = data[pos:pos + _ENTRY]
-        pos += _ENTRY
-        if header[:32] == _BOOKEND:
+        header, pos = _entry_header(data, pos, "file")
+        if header is None:
             break
         flags, count = struct.unpack_from("<II", header, 32)
         needed = count * (2 if flags & _FLAG_VERIFICATION else 1) + (1 if flags & _FLAG_METADATA_EXT else 0)
@@ -326,11 +331,8 @@ def _parse_sections(data: bytes, footer_size: int) -> Shard:
         files.append(ShardFile(header[:32], segments, sha256))
     xorbs: dict[bytes, list[tuple[bytes, int]]] = {}
     while True:
-        if pos + _ENTRY > len(data):
-            raise FormatError("shard xorb section is truncated (no end marker)")
-        header = data[pos:pos + _ENTRY]
-        pos += _ENTRY
-        if header[:32] == _BOOKEND:
+        header, pos = _entry_header(data, pos, "xorb")
+        if header is None:
             break
         _flags, count = struct.unpack_from("<II", header, 32)
         if pos + count * _ENTRY > len(data):

@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .lfs import LfsRoutes
 from .store import HubError, lfs_pointer, validate_path
 from .xet import http as xet_http
 
@@ -39,7 +40,6 @@ __all__ = ["Handler"]
 
 _TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _MAX_DRAIN = 64 << 20  # above this, close the connection instead of reading an unwanted body
 _WITHHELD_ANSWER_S = 120.0  # how long a withheld commit answer is held at most (faults.py)
 
@@ -52,7 +52,7 @@ def _truthy(values: list[str] | None) -> bool:
     return bool(values) and values[-1].lower() in ("1", "true", "yes")
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(LfsRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like the Hub; every response carries Content-Length
     server_version = "localhub"
     timeout = 120  # idle keep-alive connections end eventually
@@ -527,51 +527,6 @@ class Handler(BaseHTTPRequestHandler):
         self.hub.store.create_tag(repo_type, repo_id, str(tag or ""), "/".join(args))
         self._send_json({})
 
-    # ------------------------------------------------------------------ LFS
-    def _upload_signature(self, repo_type: str, repo_id: str, oid: str, size: int) -> str:
-        # Upload URLs carry no Authorization header (the client treats them like presigned S3 URLs).
-        message = f"{repo_type}/{repo_id}/{oid}/{size}".encode()
-        return hmac.new(self.hub.secret, message, hashlib.sha256).hexdigest()
-
-    def _lfs_batch(self, repo_type: str, repo_id: str) -> None:
-        repo = self._writable_repo(repo_type, repo_id)
-        body = self._json_body()
-        if body.get("operation") != "upload":
-            raise HubError(422, "localhub's LFS batch endpoint only supports operation=upload")
-        objects = []
-        for obj in body.get("objects", []):
-            oid, size = str(obj.get("oid", "")), obj.get("size")
-            if not _SHA256_RE.match(oid) or not isinstance(size, int) or size < 0:
-                error = {"code": 422, "message": "Invalid oid (sha256 hex) or size"}
-                objects.append({"oid": oid, "size": size if isinstance(size, int) else 0, "error": error})
-            elif self.hub.store.has_lfs_object(repo, oid, size):
-                objects.append({"oid": oid, "size": size, "authenticated": True})  # no actions: already stored
-            else:
-                base = f"{self.hub.url}/_localhub"
-                sig = self._upload_signature(repo_type, repo_id, oid, size)
-                objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
-                    "upload": {"href": f"{base}/lfs/{repo_type}/{repo_id}/{oid}?size={size}&sig={sig}"},
-                    "verify": {"href": f"{base}/lfs-verify/{repo_type}/{repo_id}"},
-                }})
-        self._send_json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                        content_type="application/vnd.git-lfs+json")
-
-    def _lfs_upload(self, repo_type: str, repo_id: str, oid: str) -> None:
-        if not _SHA256_RE.match(oid):
-            raise HubError(400, f"Invalid LFS oid: {oid!r}")
-        size_values = self._query.get("size", [""])
-        size = int(size_values[-1]) if size_values[-1].isdigit() else -1
-        expected = self._upload_signature(repo_type, repo_id, oid, size)
-        if not hmac.compare_digest(self._query.get("sig", [""])[-1], expected):
-            raise HubError(403, "Invalid upload signature: get upload URLs from the LFS batch endpoint")
-        self.hub.store.get_repo(repo_type, repo_id)
-        dropped, after_bytes = self.hub.faults.take_drop()
-        if dropped:
-            self._drop_connection(after_bytes)
-        self.hub.store.put_stream(self._body_chunks(), oid, size)
-        self.hub.store.add_lfs_object(repo_type, repo_id, oid)
-        self._send(200, b"", headers={"ETag": f'"{oid}"'})
-
     def _drop_connection(self, after_bytes: int | None) -> None:
         """Injected fault: read part of the upload, then hang up without answering (nothing stored)."""
         length = int(self.headers.get("Content-Length") or 2)
@@ -582,13 +537,6 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
         raise _ClientGone()
-
-    def _lfs_verify(self, repo_type: str, repo_id: str) -> None:
-        repo = self._writable_repo(repo_type, repo_id)
-        body = self._json_body()
-        if not self.hub.store.has_lfs_object(repo, str(body.get("oid")), body.get("size")):
-            raise HubError(404, f"LFS object {body.get('oid')} (size {body.get('size')}) is not stored")
-        self._send_json({})
 
     # ------------------------------------------------------------------ admin
     def _admin(self, method: str, what: str) -> None:

@@ -139,7 +139,7 @@ def published(request, staged_run, module_hub, tmp_path_factory):
 # -- helpers -----------------------------------------------------------------------------
 
 def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args: str,
-                token: str | None = TOKEN, protocol: str = "lfs") -> subprocess.CompletedProcess:
+                token: str | None = TOKEN, protocol: str = "lfs", timeout: float = 300) -> subprocess.CompletedProcess:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
     env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
@@ -149,7 +149,7 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
     if token is not None:
         env["HF_TOKEN"] = token
     result = run_python([SCRIPT, "--repo-id", repo_id, "--endpoint", hub.url, "--stage", stage,
-                         "--receipt-dir", receipts, *args], cwd=stage.parent, env=env)
+                         "--receipt-dir", receipts, *args], cwd=stage.parent, env=env, timeout=timeout)
     for secret in SECRETS:
         assert secret not in result.stdout + result.stderr, "a token was printed"
     return result

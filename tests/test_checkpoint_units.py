@@ -234,6 +234,33 @@ def test_atomic_folder_failing_at_any_step_leaves_the_old_or_the_new_folder(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("crashing", durable.STEPS)
+def test_a_crash_before_any_step_of_atomic_folder_is_undone_by_recover(tmp_path, monkeypatch, crashing):
+    """As above, but the process dies before the step (no cleanup runs): recover() alone must
+    bring back the old folder, or keep the new one once it was renamed in."""
+    dest = tmp_path / "out"
+    with durable.atomic_folder(dest) as built:
+        _fill(built, "old")
+    real = durable.step
+
+    def step(name, call, *args):
+        if name == crashing:
+            os._exit(0)  # a crash: no except or finally runs
+        return real(name, call, *args)
+
+    pid = os.fork()
+    if pid == 0:
+        monkeypatch.setattr(durable, "step", step)
+        with durable.atomic_folder(dest, owned=lambda d: (d / "f.txt").is_file()) as built:
+            _fill(built, "new")
+        os._exit(3)  # not reached: every step is a crash point
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    durable.recover(dest)
+    committed = crashing in ("fsync_parent", "remove_old")  # the rename had happened
+    assert (dest / "f.txt").read_text() == ("new" if committed else "old")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_atomic_folder_never_replaces_a_folder_it_cannot_prove_it_built(tmp_path):
     dest = tmp_path / "theirs"
     dest.mkdir()

@@ -34,12 +34,14 @@ def use_tree_under_test() -> None:
 
 # Variables that would change what a script does (a real token, a real endpoint).
 _SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
+# This process's environment when the session started, before any test changed it: the zygote's.
+_SESSION_ENV = dict(os.environ)
 
 
-def script_env(**extra: str) -> dict[str, str]:
+def script_env(_base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment for a script: this one, without tokens or endpoint, the tree under test
     first on ``PYTHONPATH``, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env = {k: v for k, v in (os.environ if _base is None else _base).items() if k not in _SCRUBBED_ENV}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(TESTS))]
     env["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
@@ -66,7 +68,7 @@ class _Zygote:
 
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.socket = os.path.join(self.folder, "socket")
-        self.env = script_env()
+        self.env = script_env(_SESSION_ENV)
         self.process = subprocess.Popen([PYTHON, "-B", str(TESTS / "zygote.py"), self.socket], env=self.env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         if self.process.stdout.readline().strip() != "ready":
@@ -82,12 +84,12 @@ class _Zygote:
 
     def serves(self, env: Mapping[str, str]) -> bool:
         keys = {k for k in (*env, *self.env) if k.startswith(_LOAD_TIME_ENV)}
-        return self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+        return all(env.get(k) == self.env.get(k) for k in keys)
 
     @classmethod
     def get(cls) -> "_Zygote":
-        if cls.started is None:
-            cls.started = cls()
+        if cls.started is None or cls.started.process.poll() is not None:
+            cls.started = cls()  # first use, or the server died: a new one, never a silent fallback
         return cls.started
 
     def run(self, argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:

@@ -87,14 +87,17 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     chooser = random.Random(20261130)
     kills, steps_seen = 0, []
     while kills < 20:
+        committed_before = max(CheckpointStore(killed_dir).committed_steps(), default=0)
         started = context.Event()
         trainer = context.Process(target=train_until_killed, args=(str(REPO / "config.yaml"), overrides, started))
         trainer.start()
         if started.wait(timeout=60):
-            # Under load the first kill could land before the first save committed, which
-            # proves nothing; wait until a checkpoint is in the folder (later runs resume from one).
+            # Under load a kill could land before this run committed anything, which proves
+            # nothing and, repeated, never moves the run on: wait for a save newer than the one
+            # it resumed from, then kill at a random instant of the saves that follow.
             deadline = time.monotonic() + 60
-            while not CheckpointStore(killed_dir).committed_steps() and time.monotonic() < deadline:
+            while (max(CheckpointStore(killed_dir).committed_steps(), default=0) <= committed_before
+                   and time.monotonic() < deadline):
                 time.sleep(0.005)
             time.sleep(chooser.uniform(0.0, 0.05))
             os.kill(trainer.pid, signal.SIGKILL)

@@ -116,24 +116,32 @@ def serve(path: str) -> None:
                 connection.close()
         if listener in readable:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-            while not message.endswith(b"\n"):
-                more = connection.recv(1 << 20)
-                if not more:
-                    break
-                message += more
-            request = json.loads(message)
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                connection.close()
-                os.close(wake_read)
-                os.close(wake_write)
-                _run_child(request, fds)
-            for fd in fds:
-                os.close(fd)
-            waiting[pid] = connection
-            connection.sendall(f"{pid}\n".encode())
+            fds: list[int] = []
+            try:
+                message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+                while not message.endswith(b"\n"):
+                    more = connection.recv(1 << 20)
+                    if not more:
+                        break
+                    message += more
+                request = json.loads(message)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    connection.close()
+                    os.close(wake_read)
+                    os.close(wake_write)
+                    _run_child(request, fds)
+                waiting[pid] = connection
+                connection.sendall(f"{pid}\n".encode())
+            except (OSError, ValueError) as exc:
+                # One client's broken request or hung-up socket must not end the server for the others.
+                print(f"zygote: dropped a request: {exc!r}", file=sys.stderr, flush=True)
+                if connection not in waiting.values():
+                    connection.close()
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,8 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256
             "final_loss": history["loss"][-1] if history["loss"] else None,
             "final_lr": history["lr"][-1] if history["lr"] else None,
             "history_points": len(history["step"]),
+            # Each --extend-to of the run: max_steps before and after, and the step it happened at.
+            "lineage": meta["lineage"],
         },
         "metrics": None if record is None else {
             "split": record["split"],

@@ -17,7 +17,7 @@ Other packages import from here, not from the submodules.
 """
 
 from .checkpointer import Checkpointer
-from .compat import check_resume_compatible
+from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
@@ -34,6 +34,7 @@ __all__ = [
     "check_capturable",
     "check_derived_buffers",
     "check_resume_compatible",
+    "continued_config",
     "load_checkpoint",
     "load_model_weights",
     "parse_step_dir",

@@ -296,7 +296,7 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
     versions = ", ".join(f"{name} {value}" for name, value in sorted(provenance["versions"].items())
                          if value is not None)
     rows = [
-        ("source checkpoint", f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_sha256']}`)"),
+        ("source checkpoint", f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_file_sha256']}`)"),
         ("checkpoint written", str(meta["training"]["created"])),
         ("code fingerprint", f"`{provenance['fingerprints']['code']}`"),
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),

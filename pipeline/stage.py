@@ -173,8 +173,8 @@ def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
     return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
 
 
-def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256: str, history: dict[str, list],
-                 record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
+def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_file_sha256: str,
+                 history: dict[str, list], record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
                  export: dict[str, Any], repo_id: str | None) -> dict[str, Any]:
     """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
     return {
@@ -200,7 +200,8 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256
             "device": record["device"],
         },
         "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},
-        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_sha256": meta_sha256},
+        # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
+        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_file_sha256": meta_file_sha256},
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,
     }
@@ -255,7 +256,7 @@ def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: str, config: Config,
+def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_file_sha256: str, config: Config,
                 record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
                 max_shard_size: int, proof: Path | None, signer: StageSigner | None) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
@@ -289,8 +290,8 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
     described = {"transformers": export.is_transformers, "architecture": export.architecture,
                  "weights": list(plan.files), "renamed": plan.renames, "total_size": plan.total_size}
-    staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files), described,
-                          repo_id)
+    staged = _staged_meta(meta, config, folder, meta_file_sha256, history, record, nonfinite, dict(files),
+                          described, repo_id)
     staged["proof"] = verdict
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
     if signer is not None and signer.public_pem is not None:
@@ -304,11 +305,11 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
     return nonfinite
 
 
-def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
+def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str,
             audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
     source = [
-        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_sha256,
+        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_file_sha256,
                     "schema, exact file list"),
         *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
           for name, entry in sorted(meta["files"].items())),
@@ -361,11 +362,11 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
         check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
         del model
         record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
-        meta_sha256 = sha256_file(folder / META_FILE)
+        meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
         with atomic_folder(stage, owned=_built_by_us) as built:
-            nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
+            nonfinite = _build_into(built, folder, meta, meta_file_sha256, config, record,
                                     allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,
                                     proof=None if proof is None else Path(proof), signer=signer)
             if signer is not None:
@@ -375,6 +376,6 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
-    report, staged = _report(folder, meta, meta_sha256, audited)
+    report, staged = _report(folder, meta, meta_file_sha256, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

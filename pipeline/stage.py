@@ -31,7 +31,7 @@ import torch
 
 from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from .card import build_model_card, render_curve
-from .checkpoint import check_derived_buffers, pinned_checkpoint, read_tensors
+from .checkpoint import WEIGHTS_ONLY, check_derived_buffers, pinned_checkpoint, read_tensors
 from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
@@ -355,7 +355,8 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
     # Pinned until copied: a trainer running beside us cannot prune it away.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, committed=True) as loaded, stage_lock(stage):
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded, \
+            stage_lock(stage):
         folder, meta = loaded.folder, loaded.meta
         # The weights are published for this code: a derived buffer it no longer builds is refused.
         model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))

@@ -107,7 +107,7 @@ def state_tensors(run: TrainingRun) -> list[torch.Tensor]:
 def _provenance() -> dict[str, Any]:
     return {"config": Config().to_dict(), "fingerprints": {"data": "bench", "code": "bench"},
             "versions": library_versions(), "device": "cpu",
-            "environment": {**current_environment(torch.device("cpu")), "changes": []}}
+            "environment": {**current_environment(torch.device("cpu")), "changes": []}, "lineage": []}
 
 
 # -- helpers --------------------------------------------------------------------------------

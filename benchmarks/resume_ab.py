@@ -4,11 +4,13 @@
 
 Each checkout's own ``benchmarks/checkpoint.py`` builds the same state, saves it with its
 own code (formats may differ between versions) and times its own ``ours_load_verified``
-(what ``train --resume`` does: verify every byte, then the tensors) and
-``ours_load_mapped`` (map and parse only), page cache evicted before every load. Workers
-of the two checkouts alternate, one fresh process per repetition, so load on the machine
-spreads over both. Printed: medians and the ratios this change / base (paired per
-repetition). A benchmark, not a test.
+(what ``train --resume`` does: verify every byte, then the tensors),
+``ours_load_mapped`` (map and parse only) and ``torch_load`` (``torch.load(weights_only=True)``
+of a ``torch.save`` of the same state: the yardstick), page cache evicted before every load.
+Workers of the two checkouts alternate, one fresh process per repetition, so load on the
+machine spreads over both. Printed: medians, the ratios this change / base (paired per
+repetition), and each checkout's loads / ``torch.load`` (paired within one process, so
+load on the machine cancels). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-CANDIDATES = ("ours_load_verified", "ours_load_mapped")
+CANDIDATES = ("ours_load_verified", "ours_load_mapped", "torch_load")
 
 
 def worker(root: Path, size_gb: float, folder: Path) -> dict[str, float]:
@@ -35,6 +37,7 @@ def worker(root: Path, size_gb: float, folder: Path) -> dict[str, float]:
         assert Path(module.__file__).resolve().parents[1] == root.resolve(), module
     state = bench.Bench(size_gb, folder, with_accelerate=False)
     state.ours_sync()
+    state.torch_save()  # the yardstick: torch.load(weights_only=True) of the same state, same process
     return {name: getattr(state, name)()[0] for name in CANDIDATES}
 
 
@@ -73,6 +76,14 @@ def main() -> int:
             paired = statistics.median(t / b for t, b in zip(this, base))
             print(f"| {size} GB | {name} | {statistics.median(base):.3f} | {statistics.median(this):.3f} | "
                   f"{paired:.2f} |")
+    print("| size | checkout | verified / torch.load (paired median) | mapped / torch.load |")
+    print("| --- | --- | ---: | ---: |")
+    for size, by_label in results.items():
+        for label in ("base", "this"):
+            runs = by_label[label]
+            verified = statistics.median(r["ours_load_verified"] / r["torch_load"] for r in runs)
+            mapped = statistics.median(r["ours_load_mapped"] / r["torch_load"] for r in runs)
+            print(f"| {size} GB | {label} | {verified:.2f} | {mapped:.2f} |")
     print(json.dumps(results))
     return 0
 

@@ -150,8 +150,12 @@ def _progress_line(meta: Mapping[str, Any]) -> str:
     step, planned = meta["step"], meta["config"]["training"]["max_steps"]
     run = ("the last step of its run" if step >= planned
            else f"an intermediate checkpoint of a run configured for {planned:,} steps")
+    extended = "".join(f" The run, planned for {entry['from_max_steps']:,} steps, was extended at step "
+                       f"{entry['at_step']:,} to {entry['to_max_steps']:,} (optimizer, data order and random "
+                       "states continued; the learning-rate schedule kept its first length)."
+                       for entry in meta["training"]["lineage"])
     return (f"This is step **{step:,}**, {run}; {meta['model']['num_parameters']:,} parameters in "
-            f"{_weights_phrase(meta)}.")
+            f"{_weights_phrase(meta)}.{extended}")
 
 
 def _check_hashes_code(files: Mapping[str, Mapping[str, Any]]) -> str:
@@ -292,7 +296,7 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
     versions = ", ".join(f"{name} {value}" for name, value in sorted(provenance["versions"].items())
                          if value is not None)
     rows = [
-        ("source checkpoint", f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_sha256']}`)"),
+        ("source checkpoint", f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_file_sha256']}`)"),
         ("checkpoint written", str(meta["training"]["created"])),
         ("code fingerprint", f"`{provenance['fingerprints']['code']}`"),
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),

@@ -14,8 +14,9 @@ from .errors import PipelineError, describe_os_error
 
 __all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_command"]
 
-# Options that choose where a run starts; a resume replaces them with --resume latest.
-_START_OPTIONS = ("--resume", "--init-from")
+# Options that choose where a run starts, or extend it (the checkpoint then records the new
+# length); a resume replaces them with --resume latest.
+_START_OPTIONS = ("--resume", "--init-from", "--extend-to")
 
 _OS_HINTS = {
     errno.ENOSPC: "; nothing half-written was kept: free some space and run the command again",
@@ -43,7 +44,8 @@ def resume_command(argv: list[str]) -> str:
     """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
     built with ``allow_abbrev=False``, so every option is spelled out): this interpreter,
     the script path as invoked, every option as given (config, checkpoint folder, each
-    ``--set``) except where the run started from, then ``--resume latest``; shell-quoted."""
+    ``--set``) except where the run started from and ``--extend-to``, then ``--resume latest``;
+    shell-quoted."""
     kept, rest = [], iter(argv[1:])
     for token in rest:
         if token in _START_OPTIONS:

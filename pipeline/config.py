@@ -147,7 +147,9 @@ class TrainingConfig:
     seed: int = 0
     """Seed of every training RNG: Python, NumPy (Generator and legacy) and torch."""
     max_steps: int = 10
-    """Total optimizer steps of the run; the schedule depends on it."""
+    """Total optimizer steps of the run; the schedule depends on it. ``--extend-to`` raises
+    it for a run that exists; the schedule then keeps the run's first length (a schedule
+    over max_steps holds its final value instead of jumping back up)."""
     device: str = "cpu"
     """'cpu', 'cuda', or 'auto' (cuda when available)."""
     dtype: str = "float64"

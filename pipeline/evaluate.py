@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import load_model_weights, pinned_checkpoint
+from .checkpoint import WEIGHTS_ONLY, load_model_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
@@ -34,9 +34,12 @@ __all__ = ["evaluation_config", "evaluate_checkpoint", "write_metrics", "read_me
 METRICS_SCHEMA = "pipeline.metrics/1"
 HELDOUT_SPLIT = "heldout"
 METRICS_KEYS = frozenset(
-    {"schema", "step", "checkpoint", "modelo_sha256", "meta_sha256", "split", "metrics", "sample", "fingerprints",
+    {"schema", "step", "checkpoint", "modelo_sha256", "meta_file_sha256", "split", "metrics", "sample", "fingerprints",
      "device", "created"}
 )
+# Records written before the rename called the SHA-256 of the checkpoint's meta.json file
+# "meta_sha256", the name of meta.json's own seal (a hash of its content without that key).
+_OLD_META_FILE_KEY = "meta_sha256"
 # metrics.json is small; the bound keeps a stray huge file from being parsed.
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
 
@@ -82,8 +85,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     """
     # Pinned while its files are read: a trainer running beside us cannot prune it away.
     # The tensors are views of maps that stay valid after that.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, committed=True) as loaded:
-        meta_sha256 = sha256_file(loaded.folder / META_FILE)
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded:
+        meta_file_sha256 = sha256_file(loaded.folder / META_FILE)
     folder, meta = loaded.folder, loaded.meta
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
@@ -112,7 +115,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         "checkpoint": str(folder),
         # Verified a moment ago by load_checkpoint: these are the bytes that were evaluated.
         "modelo_sha256": meta["files"][MODEL_FILE]["sha256"],
-        "meta_sha256": meta_sha256,
+        "meta_file_sha256": meta_file_sha256,
         "split": HELDOUT_SPLIT,
         "metrics": metrics,
         "sample": text,
@@ -143,6 +146,8 @@ def read_metrics(path: str | Path = METRICS_FILE) -> dict[str, Any]:
         record = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError):
         raise MetricsError(f"{path} is not valid JSON: rerun scripts/04_evaluate.py") from None
+    if isinstance(record, dict) and _OLD_META_FILE_KEY in record and "meta_file_sha256" not in record:
+        record["meta_file_sha256"] = record.pop(_OLD_META_FILE_KEY)
     if not isinstance(record, dict) or record.get("schema") != METRICS_SCHEMA or set(record) != METRICS_KEYS:
         raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun scripts/04_evaluate.py")
     if not isinstance(record["step"], int) or not isinstance(record["modelo_sha256"], str):

@@ -126,7 +126,7 @@ def constant(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_ratio`` of the base rate
-    at ``training.max_steps``."""
+    at ``training.max_steps`` (an extended run's first length), held after it."""
     params = read_params(config.scheduler.params, "scheduler.params",
                          {"warmup_steps": (int, 10), "min_ratio": (float, 0.1)})
     warmup, floor, total = params["warmup_steps"], params["min_ratio"], config.training.max_steps

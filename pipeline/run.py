@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -92,16 +93,20 @@ def make_sampler(data: TaskData, generator: np.random.Generator, config: Config)
                         shuffle=config.data.shuffle, drop_last=config.data.drop_last)
 
 
-def build_run(config: Config, device: torch.device) -> TrainingRun:
+def build_run(config: Config, device: torch.device, *, schedule_steps: int | None = None) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
+    ``schedule_steps``: the ``training.max_steps`` the scheduler factory sees, when it is not
+    the run's (an extended run keeps the schedule of its first length; see ``train``).
     """
     generator = seed_everything(config.training.seed)
     model = build_model(config, device)
     optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
-    scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, config)
+    schedule_config = config if schedule_steps is None else dataclasses.replace(
+        config, training=dataclasses.replace(config.training, max_steps=schedule_steps))
+    scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, schedule_config)
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
     configure_determinism(config)

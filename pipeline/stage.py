@@ -31,7 +31,7 @@ import torch
 
 from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from .card import build_model_card, render_curve
-from .checkpoint import check_derived_buffers, pinned_checkpoint, read_tensors
+from .checkpoint import WEIGHTS_ONLY, check_derived_buffers, pinned_checkpoint, read_tensors
 from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
@@ -173,8 +173,8 @@ def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
     return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
 
 
-def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256: str, history: dict[str, list],
-                 record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
+def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_file_sha256: str,
+                 history: dict[str, list], record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
                  export: dict[str, Any], repo_id: str | None) -> dict[str, Any]:
     """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
     return {
@@ -190,6 +190,8 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256
             "final_loss": history["loss"][-1] if history["loss"] else None,
             "final_lr": history["lr"][-1] if history["lr"] else None,
             "history_points": len(history["step"]),
+            # Each --extend-to of the run: max_steps before and after, and the step it happened at.
+            "lineage": meta["lineage"],
         },
         "metrics": None if record is None else {
             "split": record["split"],
@@ -198,7 +200,8 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_sha256
             "device": record["device"],
         },
         "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},
-        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_sha256": meta_sha256},
+        # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
+        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_file_sha256": meta_file_sha256},
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,
     }
@@ -253,7 +256,7 @@ def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: str, config: Config,
+def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_file_sha256: str, config: Config,
                 record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
                 max_shard_size: int, proof: Path | None, signer: StageSigner | None) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
@@ -287,8 +290,8 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
     described = {"transformers": export.is_transformers, "architecture": export.architecture,
                  "weights": list(plan.files), "renamed": plan.renames, "total_size": plan.total_size}
-    staged = _staged_meta(meta, config, folder, meta_sha256, history, record, nonfinite, dict(files), described,
-                          repo_id)
+    staged = _staged_meta(meta, config, folder, meta_file_sha256, history, record, nonfinite, dict(files),
+                          described, repo_id)
     staged["proof"] = verdict
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
     if signer is not None and signer.public_pem is not None:
@@ -302,11 +305,11 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_sha256: st
     return nonfinite
 
 
-def _report(folder: Path, meta: dict[str, Any], meta_sha256: str,
+def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str,
             audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
     source = [
-        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_sha256,
+        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_file_sha256,
                     "schema, exact file list"),
         *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
           for name, entry in sorted(meta["files"].items())),
@@ -352,18 +355,19 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
     # Pinned until copied: a trainer running beside us cannot prune it away.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, committed=True) as loaded, stage_lock(stage):
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded, \
+            stage_lock(stage):
         folder, meta = loaded.folder, loaded.meta
         # The weights are published for this code: a derived buffer it no longer builds is refused.
         model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
         check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
         del model
         record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
-        meta_sha256 = sha256_file(folder / META_FILE)
+        meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
         with atomic_folder(stage, owned=_built_by_us) as built:
-            nonfinite = _build_into(built, folder, meta, meta_sha256, config, record,
+            nonfinite = _build_into(built, folder, meta, meta_file_sha256, config, record,
                                     allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,
                                     proof=None if proof is None else Path(proof), signer=signer)
             if signer is not None:
@@ -373,6 +377,6 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
-    report, staged = _report(folder, meta, meta_sha256, audited)
+    report, staged = _report(folder, meta, meta_file_sha256, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

@@ -21,7 +21,7 @@ from .checkpoint import (
     LoadedCheckpoint,
     check_capturable,
     check_derived_buffers,
-    check_resume_compatible,
+    continued_config,
     load_checkpoint,
     read_tensors,
     restore_state,
@@ -61,6 +61,8 @@ class TrainingHooks:
 @dataclass(slots=True)
 class TrainResult:
     step: int
+    max_steps: int
+    """The run's length (``--extend-to`` raises it above the config's)."""
     checkpoint: Path | None
     history: dict[str, list]
     resumed_from: int | None
@@ -117,9 +119,10 @@ def train_step(run: TrainingRun) -> tuple[float, float]:
     return value, lr
 
 
-def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
-                    data_fingerprint: str) -> LoadedCheckpoint | None:
-    """The verified checkpoint to resume from, or ``None`` for a fresh run.
+def _starting_point(store: CheckpointStore, resume: str | None, config: Config, data_fingerprint: str,
+                    extend_to: int | None) -> tuple[LoadedCheckpoint | None, Config, list[dict[str, int]]]:
+    """The verified checkpoint to resume from (``None`` for a fresh run), the config the run
+    continues with and its lineage (see :func:`pipeline.checkpoint.continued_config`).
 
     Refuses to start fresh over committed checkpoints, or to resume behind newer ones:
     either would interleave two runs' steps in one folder.
@@ -131,16 +134,19 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
         if existing:
             raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
                                   "with --resume latest, or pass another --checkpoint-dir for a new run")
-        return None
+        if extend_to is not None:
+            raise PipelineError(f"--extend-to continues a run, but {store.root}/ holds no checkpoint to continue: "
+                                "train it first (--max-steps sets the length of a new run)")
+        return None, config, []
     # Verified and memory-mapped in one pass over the files (see pipeline.checkpoint.load).
     loaded = load_checkpoint(resume, store.root)
-    check_resume_compatible(loaded.meta, config, data_fingerprint)
+    config, lineage = continued_config(loaded.meta, config, data_fingerprint, extend_to=extend_to)
     step = loaded.meta["step"]
     newer = [s for s in existing if s > step]
     if newer and Path(loaded.folder).resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
                               "resume from latest, or use another --checkpoint-dir")
-    return loaded
+    return loaded, config, lineage
 
 
 def train(
@@ -149,6 +155,7 @@ def train(
     resume: str | None = None,
     init_from: str | None = None,
     stop_at: int | None = None,
+    extend_to: int | None = None,
     progress: bool = True,
     hooks: TrainingHooks | None = None,
     allow_environment_change: bool = False,
@@ -158,7 +165,10 @@ def train(
 
     ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
     or a checkpoint folder. ``init_from``: a checkpoint folder or safetensors file whose
-    weights start a new run. ``hooks``: see :class:`TrainingHooks`.
+    weights start a new run. ``extend_to``: with ``resume``, continue the run to this larger
+    ``max_steps`` (recorded in ``meta.json`` ``lineage``); the schedule keeps the run's first
+    length, so schedules defined over ``max_steps`` hold their final value past it (no jump
+    of the learning rate), and per-step ones go on as defined. ``hooks``: see :class:`TrainingHooks`.
     ``allow_environment_change``: resume even where the recorded environment (thread
     counts, determinism switches, device type, torch/NumPy) cannot be reproduced; the
     change is recorded in every later checkpoint, and the run is no longer bitwise.
@@ -168,6 +178,8 @@ def train(
     hooks = hooks or TrainingHooks()
     if resume is not None and init_from is not None:
         raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
+    if extend_to is not None and resume is None:
+        raise PipelineError("--extend-to continues a run: use it with --resume latest (or a checkpoint folder)")
     if stop_at is not None and stop_at < 1:
         raise PipelineError(f"--stop-at must be >= 1 (got {stop_at})")
     device = resolve_device(config)
@@ -176,7 +188,7 @@ def train(
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     with store:
         store.clean_stale()
-        loaded = _starting_point(store, resume, config, manifest["fingerprint"])
+        loaded, config, lineage = _starting_point(store, resume, config, manifest["fingerprint"], extend_to)
         resumed = loaded.meta["step"] if loaded is not None else None
         if stop_at is not None and resumed is not None and stop_at <= resumed:
             raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
@@ -188,13 +200,17 @@ def train(
                                         step=resumed)
             changes = loaded.meta["environment"]["changes"] + new
         # Build everything first, then load saved state into it (RNG states last).
-        run = build_run(config, device)
+        # An extended run keeps the schedule it was started with (see the docstring).
+        run = build_run(config, device, schedule_steps=lineage[0]["from_max_steps"] if lineage else None)
         report = Progress(total=config.training.max_steps, initial=resumed or 0,
                           log_every=config.training.log_every, enabled=progress)
         if loaded is not None:
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
                           omit=hooks.skip_restore, step=loaded.meta["step"], derived=loaded.derived_buffers)
             report.message(f"resumed from {loaded.folder} at step {run.step}")
+            if extend_to is not None:
+                report.message(f"extended from max_steps {lineage[-1]['from_max_steps']} to {extend_to} "
+                               f"(recorded in meta.json lineage)")
             for change in new:
                 report.message(f"environment changed: {change['item']} {change['recorded']!r} -> {change['now']!r}; "
                                "the result is no longer bitwise reproducible (recorded in meta.json)")
@@ -212,6 +228,7 @@ def train(
             "versions": library_versions(),
             "device": str(device),
             "environment": {**current_environment(device), "changes": changes},
+            "lineage": lineage,
         }
         checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
         try:
@@ -222,7 +239,8 @@ def train(
             checkpointer.close()  # waits for a save in flight; may raise its error
         checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
                                                            store.committed_steps() else None)
-        return TrainResult(step=run.step, checkpoint=checkpoint, history=run.history, resumed_from=resumed)
+        return TrainResult(step=run.step, max_steps=config.training.max_steps, checkpoint=checkpoint,
+                           history=run.history, resumed_from=resumed)
 
 
 def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,

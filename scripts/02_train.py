@@ -4,6 +4,7 @@
     python scripts/02_train.py --stop-at 5              # stop after step 5 with a checkpoint
     python scripts/02_train.py --resume latest          # continue bitwise-identically
     python scripts/02_train.py --resume auto            # resume if a checkpoint exists, else start
+    python scripts/02_train.py --resume latest --extend-to 40   # train a finished run on to step 40
     python scripts/02_train.py --init-from estados_local/step-00000010 --checkpoint-dir runs/ft
     python scripts/02_train.py --config examples/charlm/config.yaml
 
@@ -26,6 +27,9 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, help="total optimizer steps of the run (training.max_steps)")
     parser.add_argument("--stop-at", type=int, metavar="K", help="end after step K with a checkpoint, as if interrupted")
     parser.add_argument("--resume", metavar="latest|auto|PATH", help="continue from a checkpoint")
+    parser.add_argument("--extend-to", type=int, metavar="N",
+                        help="with --resume: continue the run to N steps (N above its step and max_steps); "
+                             "optimizer, data position and RNGs continue, the schedule keeps its first length")
     parser.add_argument("--init-from", metavar="PATH", help="warm-start weights only (shape-tolerant); a new run")
     parser.add_argument("--checkpoint-dir", help="checkpoint folder (checkpoint.dir)")
     parser.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps (checkpoint.every)")
@@ -42,10 +46,11 @@ def main() -> int:
         "checkpoint.keep_last": args.keep_last,
     })
     result = train(config, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at,
-                   progress=not args.quiet, allow_environment_change=args.allow_environment_change,
+                   extend_to=args.extend_to, progress=not args.quiet,
+                   allow_environment_change=args.allow_environment_change,
                    resume_hint=resume_command(sys.argv))
     final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")
-    print(f"trained to step {result.step}/{config.training.max_steps}, loss {final_loss:.6g}; "
+    print(f"trained to step {result.step}/{result.max_steps}, loss {final_loss:.6g}; "
           f"checkpoint {result.checkpoint}")
     return 0
 

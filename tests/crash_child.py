@@ -72,6 +72,7 @@ class Protocol:
 # -- checkpoint save and prune ---------------------------------------------------------------
 
 META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "lineage": [],
         "training_state": {"best": 0.5}}
 
 

@@ -55,7 +55,7 @@ def _provenance() -> dict:
     from pipeline.environment import current_environment
 
     return {"config": {}, "fingerprints": {"data": "d", "code": "c"}, "versions": {}, "device": "cpu",
-            "environment": {**current_environment(torch.device("cpu")), "changes": []}}
+            "environment": {**current_environment(torch.device("cpu")), "changes": []}, "lineage": []}
 
 
 def _temporary_folders(root: Path) -> list[str]:
@@ -262,7 +262,7 @@ def test_mixed_dtypes_are_stored_aligned_and_load_as_aligned_views_of_the_file(t
              "b/flag": torch.tensor([True, False, True]), "b/exp_avg": torch.randn(7, dtype=torch.float64),
              "c/ids": torch.arange(3, dtype=torch.int16), "empty": torch.zeros(0)}
     meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-            "environment": {}, "training_state": {}}
+            "environment": {}, "lineage": [], "training_state": {}}
     with CheckpointStore(tmp_path) as store:
         folder = store.save(1, mixed, mixed, meta).path
     for name, tensors in ((MODEL_FILE, load_checkpoint(folder).model_tensors),

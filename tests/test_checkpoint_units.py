@@ -27,6 +27,7 @@ from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, Sch
 from pipeline.hashing import HashingWriter, sha256_file
 
 META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "lineage": [],
         "training_state": split_state({"best": math.inf}, "state", {})}
 
 

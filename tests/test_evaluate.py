@@ -30,6 +30,18 @@ def test_metrics_json_names_the_step_and_sha256_of_the_evaluated_weights(evaluat
     assert record["split"] == "heldout"
     assert record["fingerprints"]["data"] == meta["fingerprints"]["data"]
     assert set(record["metrics"]) == {"mse", "rmse"}
+    # The hash of the meta.json file, named apart from meta.json's own seal (meta_sha256).
+    assert record["meta_file_sha256"] == hashlib.sha256((checkpoint / "meta.json").read_bytes()).hexdigest()
+    assert "meta_sha256" not in record
+
+
+def test_a_metrics_record_written_before_the_rename_is_still_read(evaluated_run, tmp_path):
+    from pipeline.evaluate import read_metrics
+
+    record = json.loads(evaluated_run.metrics.read_text())
+    old = {("meta_sha256" if key == "meta_file_sha256" else key): value for key, value in record.items()}
+    (tmp_path / "metrics.json").write_text(json.dumps(old))
+    assert read_metrics(tmp_path / "metrics.json") == record
 
 
 def test_metric_is_the_error_on_the_heldout_rows_not_the_training_rows(evaluated_run):

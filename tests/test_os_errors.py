@@ -24,6 +24,7 @@ from pipeline.checkpoint import CheckpointStore
 from support import assert_checkpoints_bitwise_equal, one_line_error, run_script, verify_checkpoint
 
 META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "lineage": [],
         "training_state": {"best": 0.5}}
 
 

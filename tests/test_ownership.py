@@ -21,6 +21,7 @@ from pipeline.errors import InternalError
 from support import REPO
 
 META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
+        "lineage": [],
         "training_state": {"best": 0.5}}
 
 

@@ -103,7 +103,7 @@ def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
     assert meta["step"] == source["step"] == 10
     assert meta["files"]["modelo.safetensors"] == source["files"]["modelo.safetensors"]
     assert meta["source_checkpoint"] == {"folder": "step-00000010", "schema": source["schema"],
-                                         "meta_sha256": sha256(checkpoint / "meta.json")}
+                                         "meta_file_sha256": sha256(checkpoint / "meta.json")}
     assert meta["provenance"]["fingerprints"] == source["fingerprints"]
     assert meta["provenance"]["versions"] == source["versions"]
     assert meta["metrics"]["values"] == json.loads(staged_run.metrics.read_text())["metrics"]

@@ -252,19 +252,34 @@ def test_a_file_written_by_safetensors_itself_reads_back_identically(tmp_path):
     assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
-def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensors(folder):
-    """The hashed bytes are the used bytes: the pages were copied before they were hashed."""
+@pytest.mark.parametrize("tensors", [True, "weights"])
+def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensors(tmp_path, tensors):
+    """The hashed bytes are the used bytes: the pages were copied before they were hashed.
+    Evaluate and stage (``WEIGHTS_ONLY``) get the weights alone, owned the same way. The
+    tensors span many pages past the header's (whose pages are always owned)."""
     import torch
 
-    loaded = load_checkpoint(folder)
-    before = {name: tensor.clone() for name, tensor in loaded.model_tensors.items()}
-    path = folder / "modelo.safetensors"
-    size = path.stat().st_size
-    with open(path, "r+b") as handle:  # a concurrent writer: same size, every data byte changed
-        length = int.from_bytes(handle.read(8), "little")
-        handle.seek(8 + length)
-        handle.write(b"\x7f" * (size - 8 - length))
-    assert all(torch.equal(loaded.model_tensors[name], value) for name, value in before.items())
+    from pipeline.checkpoint import WEIGHTS_ONLY, CheckpointStore
+
+    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
+            "environment": {}, "lineage": [], "training_state": {}}
+    with CheckpointStore(tmp_path) as store:
+        folder = store.save(1, {"w": torch.randn(65536, dtype=torch.float64)},
+                            {"s": torch.randn(65536, dtype=torch.float64)}, meta).path
+    loaded = load_checkpoint(folder, tensors=tensors)
+    assert bool(loaded.state_tensors) is (tensors is True) and loaded.model_tensors
+    assert tensors is True or tensors == WEIGHTS_ONLY
+    owned = {"modelo.safetensors": loaded.model_tensors, "estado_treino.safetensors": loaded.state_tensors}
+    before = {file: {name: tensor.clone() for name, tensor in held.items()} for file, held in owned.items()}
+    for file in owned:
+        path = folder / file
+        size = path.stat().st_size
+        with open(path, "r+b") as handle:  # a concurrent writer: same size, every data byte changed
+            length = int.from_bytes(handle.read(8), "little")
+            handle.seek(8 + length)
+            handle.write(b"\x7f" * (size - 8 - length))
+    for file, held in owned.items():
+        assert all(torch.equal(held[name], value) for name, value in before[file].items())
 
 
 def install_hostile(folder: Path, name: str, raw: bytes) -> None:

@@ -17,8 +17,8 @@ Other packages import from here, not from the submodules.
 """
 
 from .checkpointer import Checkpointer
-from .compat import check_resume_compatible
-from .load import LoadedCheckpoint, load_checkpoint, pinned_checkpoint
+from .compat import check_resume_compatible, continued_config
+from .load import WEIGHTS_ONLY, LoadedCheckpoint, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
@@ -34,6 +34,7 @@ __all__ = [
     "check_capturable",
     "check_derived_buffers",
     "check_resume_compatible",
+    "continued_config",
     "load_checkpoint",
     "load_model_weights",
     "parse_step_dir",
@@ -42,5 +43,6 @@ __all__ = [
     "restore_state",
     "step_dir_name",
     "warm_start",
+    "WEIGHTS_ONLY",
     "write_safetensors",
 ]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from ..errors import ConfigError, ConfigMismatch
 
-__all__ = ["check_resume_compatible"]
+__all__ = ["check_resume_compatible", "continued_config"]
 
 
 def _compared_keys(flat: dict[str, Any]) -> dict[str, Any]:
@@ -15,12 +16,49 @@ def _compared_keys(flat: dict[str, Any]) -> dict[str, Any]:
             if key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS}
 
 
-def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerprint: str) -> None:
-    """Refuse a checkpoint from a different model, optimizer, schedule, data or training setup."""
+def _saved_config(meta: dict[str, Any]) -> Config:
     try:
-        saved_config = config_from_dict(meta["config"], source="checkpoint meta.json")
+        return config_from_dict(meta["config"], source="checkpoint meta.json")
     except ConfigError as exc:
         raise ConfigMismatch(f"the checkpoint's config is not valid for this version: {exc}") from None
+
+
+def _with_max_steps(config: Config, max_steps: int) -> Config:
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, max_steps=max_steps))
+
+
+def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str, *,
+                     extend_to: int | None) -> tuple[Config, list[dict]]:
+    """The config a resume continues with, and the run's lineage (``meta.json`` ``lineage``),
+    after :func:`check_resume_compatible`.
+
+    Once a run was extended, its length is recorded state: ``config``'s ``training.max_steps``
+    may be any length the run has had (the config file usually keeps the first one), and the
+    run continues to the checkpoint's. ``extend_to`` raises it further: it must exceed the
+    checkpoint's step and max_steps, and adds an entry to the lineage. Every other key is
+    compared.
+    """
+    recorded, step, lineage = _saved_config(meta).training.max_steps, meta["step"], list(meta["lineage"])
+    lengths = [entry["from_max_steps"] for entry in lineage] + [recorded]
+    if config.training.max_steps not in lengths:
+        history = f" (extended from {lengths[0]})" if lineage else ""
+        raise ConfigMismatch(f"training.max_steps is {config.training.max_steps}, but the checkpoint's run is "
+                             f"{recorded} steps{history}: resume it as it is, or train it further with "
+                             f"--extend-to N (N > {max(recorded, step)})")
+    config = _with_max_steps(config, recorded)
+    check_resume_compatible(meta, config, data_fingerprint)
+    if extend_to is None:
+        return config, lineage
+    if extend_to <= step or extend_to <= recorded:
+        raise ConfigError(f"--extend-to {extend_to} must exceed the checkpoint's step {step} and its max_steps "
+                          f"{recorded}")
+    lineage.append({"from_max_steps": recorded, "at_step": step, "to_max_steps": extend_to})
+    return _with_max_steps(config, extend_to), lineage
+
+
+def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerprint: str) -> None:
+    """Refuse a checkpoint from a different model, optimizer, schedule, data or training setup."""
+    saved_config = _saved_config(meta)
     saved, current = _compared_keys(saved_config.flat()), _compared_keys(config.flat())
     differing = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
     if differing:

@@ -4,8 +4,9 @@ Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm 
 calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
 size right (cheap: catches truncation before a long hash); then each file is mapped once,
-privately, hashed on that map (both files in parallel; each page copied before it is
-hashed, so the hashed bytes are the used ones) and compared with ``meta.json``; then both
+privately, hashed on that map (both files in parallel; each page of a file whose tensors
+are handed out copied before it is hashed, so the hashed bytes are the used ones) and
+compared with ``meta.json``; then both
 headers go through the one strict parser. Tensors are views of the same maps, and nothing
 is returned before every file passed.
 
@@ -31,7 +32,13 @@ from ..layout import CHECKPOINT_DIR, MODEL_FILE, STATE_FILE
 from .store import check_listing, parse_step_dir, pin, read_meta, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint"]
+__all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint", "WEIGHTS_ONLY"]
+
+# load_checkpoint(tensors=WEIGHTS_ONLY): the weights' tensors, not the training state's
+# (evaluate, stage); its bytes are verified all the same.
+WEIGHTS_ONLY = "weights"
+# The files whose tensors each ``tensors`` value hands out.
+_USED = {True: (MODEL_FILE, STATE_FILE), WEIGHTS_ONLY: (MODEL_FILE,), False: ()}
 
 # A trainer that saves and prunes every step can win the race between listing and pinning
 # a few times in a row; it cannot win forever.
@@ -40,7 +47,7 @@ _PIN_ATTEMPTS = 50
 
 @dataclass(frozen=True, slots=True)
 class LoadedCheckpoint:
-    """A verified checkpoint. The tensors are empty when loaded with ``tensors=False``."""
+    """A verified checkpoint. The tensors of a file not asked for (``tensors=``) are empty."""
 
     folder: Path
     meta: dict[str, Any]
@@ -55,11 +62,12 @@ class LoadedCheckpoint:
         return model.get("derived_buffers") if isinstance(model, dict) else None
 
 
-def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool = True,
+def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool | str = True,
                     committed: bool = False) -> LoadedCheckpoint:
     """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
 
-    ``tensors=False`` verifies every byte but builds no tensors (stage, diagnostics).
+    ``tensors=False`` verifies every byte but builds no tensors (diagnostics);
+    ``tensors=WEIGHTS_ONLY`` builds the weights' tensors only (evaluate, stage).
     ``committed``: see :func:`pipeline.checkpoint.store.resolve`. Raises
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
@@ -68,7 +76,7 @@ def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
 
 
 @contextlib.contextmanager
-def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool = True,
+def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool | str = True,
                       committed: bool = False) -> Iterator[LoadedCheckpoint]:
     """:func:`load_checkpoint`, with the folder pinned against pruning until the block ends,
     so every later read of its files (a copy, a hash) sees the verified bytes."""
@@ -84,7 +92,7 @@ def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT
         yield _load_or_name_older(folder, older, tensors=tensors)
 
 
-def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool) -> LoadedCheckpoint:
+def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool | str) -> LoadedCheckpoint:
     try:
         return _load(folder, tensors=tensors)
     except CheckpointError as damage:
@@ -98,7 +106,7 @@ def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool) -> Lo
         raise
 
 
-def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
+def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
     if not folder.is_dir():
         raise NoCheckpoint(f"{folder} is not a checkpoint folder")
     if parse_step_dir(folder.name) is None:
@@ -108,7 +116,9 @@ def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
     meta = read_meta(folder)
     check_listing(folder, meta)
     maps = {name: map_file(folder / name) for name in meta["files"]}
-    digests = sha256_mapped(maps)
+    used = _USED[tensors]
+    # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
+    digests = sha256_mapped(maps, own=used)
     for name, entry in sorted(meta["files"].items()):
         if digests[name] != entry["sha256"]:
             raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
@@ -117,6 +127,5 @@ def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
     # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
     model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
-    if not tensors:
-        return LoadedCheckpoint(folder=folder, meta=meta, model_tensors={}, state_tensors={})
-    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model, state_tensors=state)
+    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model if MODEL_FILE in used else {},
+                            state_tensors=state if STATE_FILE in used else {})

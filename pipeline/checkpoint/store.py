@@ -50,7 +50,7 @@ from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .tensorfile import write_safetensors
 
 __all__ = ["SCHEMA_VERSION", "META_KEYS", "SEAL_KEY", "CheckpointStore", "SavedCheckpoint", "step_dir_name",
-           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve", "pin"]
+           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve", "pin", "LINEAGE_KEYS"]
 
 SCHEMA_VERSION = "pipeline.checkpoint/2"
 # Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
@@ -60,8 +60,11 @@ SEAL_KEY = "meta_sha256"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 META_KEYS = frozenset(
     {"schema", "step", "created", "config", "fingerprints", "versions", "device", "environment", "model",
-     "training_state", "files", SEAL_KEY}
+     "training_state", "lineage", "files", SEAL_KEY}
 )
+# One entry of meta.json "lineage" per --extend-to, oldest first: the run's max_steps before
+# and after, and the step it was extended at.
+LINEAGE_KEYS = frozenset({"from_max_steps", "at_step", "to_max_steps"})
 # meta.json is parsed before anything is trusted; a bound keeps a hostile file from
 # exhausting memory.
 MAX_META_BYTES = 64 * 1024 * 1024
@@ -292,6 +295,8 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
     if not exact:
         raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
+    if set(meta) == META_KEYS - {"lineage"}:
+        meta["lineage"] = []  # written before runs could be extended (same schema): never extended
     if set(meta) != META_KEYS:
         odd = sorted(set(meta) ^ META_KEYS)
         raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
@@ -302,7 +307,22 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
     if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
         raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
+    _check_lineage(path, meta["lineage"], meta["step"])
     return meta
+
+
+def _check_lineage(path: Path, lineage: Any, step: int) -> None:
+    """Each extension starts where the previous one ended, raises max_steps, and happened
+    at or before this checkpoint's step."""
+    previous = None
+    for entry in lineage if isinstance(lineage, list) else [None]:
+        if not (isinstance(entry, dict) and set(entry) == LINEAGE_KEYS and all(type(v) is int for v in entry.values())
+                and 0 <= entry["at_step"] <= step and entry["at_step"] < entry["to_max_steps"]
+                and 1 <= entry["from_max_steps"] < entry["to_max_steps"]
+                and (previous is None or (entry["from_max_steps"] == previous["to_max_steps"]
+                                          and entry["at_step"] >= previous["at_step"]))):
+            raise SchemaMismatch(f"{path} has a malformed lineage entry ({str(entry)[:120]}): the file is damaged")
+        previous = entry
 
 
 def check_listing(folder: Path, meta: dict[str, Any]) -> None:

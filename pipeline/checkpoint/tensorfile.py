@@ -17,7 +17,9 @@ those pages with the page cache), so a concurrent writer could change a tensor a
 hash was checked. :func:`sha256_mapped` therefore makes each chunk of the map this
 process's own copy (``MADV_POPULATE_WRITE``: copy on read, in the kernel) *before* hashing
 it; from then on no write to the file reaches the map. The cost is one page copy per
-byte, measured in ``benchmarks/checkpoint.py`` (README, "Performance").
+byte (a fresh page each: reading into a new buffer costs as much, plus zeroing it), so a
+file whose tensors nobody will use is hashed on the shared pages, owning only its header,
+which the parser reads (``benchmarks/README.md``, "Resume load").
 
 **One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
@@ -37,7 +39,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -242,28 +244,37 @@ def _own_pages(buffer: mmap.mmap, start: int, stop: int) -> None:
                 view[page] = view[page]
 
 
-def _sha256(buffer: mmap.mmap | bytes) -> str:
+def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
     digest = hashlib.sha256()
-    owned = isinstance(buffer, mmap.mmap)
+    if not isinstance(buffer, mmap.mmap):
+        own = False  # bytes are this process's own already
     with memoryview(buffer) as view:
-        for start in range(0, len(view), _HASH_CHUNK):
-            stop = min(start + _HASH_CHUNK, len(view))
-            if owned:
+        size = len(view)
+        if isinstance(buffer, mmap.mmap) and not own:
+            # Nothing will view the data, but the header is parsed: own it, so the parsed
+            # header is the hashed one.
+            _own_pages(buffer, 0, min(size, 8))
+            _own_pages(buffer, 0, min(size, 8 + min(int.from_bytes(view[:8], "little"), _MAX_HEADER)))
+        for start in range(0, size, _HASH_CHUNK):
+            stop = min(start + _HASH_CHUNK, size)
+            if own:
                 _own_pages(buffer, start, stop)
             digest.update(view[start:stop])
     return digest.hexdigest()
 
 
-def sha256_mapped(maps: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
+def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None) -> dict[str, str]:
     """SHA-256 of each map, taking its own copy of every page before hashing it (so the
     hashed bytes are the bytes the tensors will view). One thread per file (hashlib and
-    madvise drop the GIL): the files hash side by side."""
+    madvise drop the GIL): the files hash side by side. ``own``: the names whose tensors
+    will be used (default: all); of the others, whose data nothing views, only the header's
+    pages are copied (the parser reads them), saving a page copy per data byte."""
     digests: dict[str, str] = {}
     errors: list[BaseException] = []
 
     def work(name: str) -> None:
         try:
-            digests[name] = _sha256(maps[name])
+            digests[name] = _sha256(maps[name], own=own is None or name in own)
         except BaseException as exc:  # raised below, in the calling thread
             errors.append(exc)
 

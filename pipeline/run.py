@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -92,14 +92,19 @@ def make_sampler(data: TaskData, generator: np.random.Generator, config: Config)
                         shuffle=config.data.shuffle, drop_last=config.data.drop_last)
 
 
-def build_run(config: Config, device: torch.device) -> TrainingRun:
+def build_run(config: Config, device: torch.device,
+              wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
+    ``wrap`` (DDP, FSDP2) is applied to the model before the optimizer takes its parameters.
     """
     generator = seed_everything(config.training.seed)
     model = build_model(config, device)
+    fresh = fresh_buffers(model)  # under the plain module's names, before a wrapper prefixes them
+    if wrap is not None:
+        model = wrap(model)
     optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
     scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, config)
     data = load_task_data(config)
@@ -110,4 +115,4 @@ def build_run(config: Config, device: torch.device) -> TrainingRun:
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
     return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                        data=data, sampler=sampler, generator=generator, scaler=scaler,
-                       autocast_dtype=autocast_dtype, fresh_buffers=fresh_buffers(model))
+                       autocast_dtype=autocast_dtype, fresh_buffers=fresh)

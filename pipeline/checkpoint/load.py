@@ -1,7 +1,9 @@
 """Verify a checkpoint and load it, in one function and one pass over the bytes.
 
 Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm start)
-calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
+calls :func:`load_checkpoint`; a distributed (torchrun) checkpoint goes through the same
+checks, plus every shard's coverage (:mod:`.shards`), and its ``model_tensors`` are the
+consolidated weights a single process would have saved. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
 size right (cheap: catches truncation before a long hash); then each file is mapped once,
 privately, hashed on that map (both files in parallel; each page copied before it is
@@ -27,8 +29,9 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint
-from ..layout import CHECKPOINT_DIR, MODEL_FILE, STATE_FILE
-from .store import check_listing, parse_step_dir, pin, read_meta, resolve, step_dir_name
+from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
+from .shards import consolidate, shard_tensors
+from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint"]
@@ -115,8 +118,19 @@ def _load(folder: Path, *, tensors: bool) -> LoadedCheckpoint:
                                    "the file is damaged or was modified")
     # Parsed even with tensors=False: a file whose hash matches may still be malformed, and
     # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
-    model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
+    if is_distributed(meta):
+        # Every shard header parsed and every tensor's coverage checked before torch's
+        # reader (resume) or the consolidation below (evaluate, stage) reads a value.
+        model_pieces = shard_tensors(folder, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], maps)
+        shard_tensors(folder, DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], maps)
+        for name in meta["files"]:
+            if name.startswith(f"{DIST_OPTIM_DIR}/") or name.startswith(f"{DIST_MODEL_DIR}/"):
+                continue
+            tensors_from_map(folder / name, maps[name])
+        model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if tensors else {}
+    else:
+        model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
     if not tensors:
         return LoadedCheckpoint(folder=folder, meta=meta, model_tensors={}, state_tensors={})
     return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model, state_tensors=state)

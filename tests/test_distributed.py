@@ -67,11 +67,7 @@ def legs(data_dir, tmp_path_factory):
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
              {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / "results.json"), "runs": runs}))
-    result = torchrun(2, str(REPO / "tests" / "dist_leg.py"), str(plan), cwd=root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root, json.loads((root / "results.json").read_text())
+    return root, launch_plan(2, root, "legs", runs)
 
 
 def verify_distributed(folder: Path) -> dict:
@@ -194,23 +190,55 @@ def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
         verify_distributed(folder)
 
 
+def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
+    """Run ``runs`` in one launch of tests/dist_leg.py; their results (rank 0's)."""
+    plan = root / f"{name}.json"
+    plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / f"{name}-results.json"), "runs": runs}))
+    result = torchrun(nproc, str(REPO / "tests" / "dist_leg.py"), str(plan), cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((root / f"{name}-results.json").read_text())
+
+
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
+    """One 1-process launch: the refusal, a forged state refused by the validated restore,
+    then the 2->1 reshard."""
     root, results = legs
     assert results[-1]["step"] == 6
-    quiet = [arg for key, value in QUIET_RNG.items() for arg in ("--set", f"{key}={value}")]
-    args = train_args(data_dir, root / "quiet_cut", "--quiet", "--resume", "latest", *quiet)
-    refused = torchrun(1, *args, cwd=tmp_path)
-    assert refused.returncode != 0
-    lines = error_lines(refused.stderr)
-    assert len(lines) == 1 and "written by 2 processes, this launch has 1" in lines[0], refused.stderr[-2000:]
-    resharded = torchrun(1, *args, "--reshard", cwd=tmp_path)
-    assert resharded.returncode == 0, resharded.stderr[-3000:]
-    meta = json.loads((root / "quiet_cut" / "step-00000010" / "meta.json").read_text())
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
+    resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}
+    refused, forged, resharded = launch_plan(1, tmp_path, "reshard", [
+        resume,
+        {**resume, "reshard": True, "overrides": {**base, "checkpoint.dir": str(tmp_path / "forged")},
+         "forge": {"from": str(root / "quiet_cut"), "to": str(tmp_path / "forged"),
+                   "key": ["training_state", "scheduler", "last_epoch"], "value": 5}},
+        {**resume, "reshard": True}])
+    assert refused["error"] == "WorldSizeMismatch", refused
+    assert "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
+    assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged
+    assert resharded["step"] == 10, resharded
+    meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1
     got = load_file(stage(root / "quiet_cut" / "step-00000010", tmp_path / "resharded"))
     want = load_file(stage(root / "quiet_full" / "step-00000010", tmp_path / "full"))
     worst = max((got[name] - want[name]).abs().max().item() for name in want)
     assert worst <= 1e-9, worst
+
+
+def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp"}
+    cut, resumed, full = launch_plan(4, tmp_path, "four", [
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "stop_at": 6},
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "resume": "latest"},
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "full")}}])
+    assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
+    assert resumed["loss"] == full["loss"]
+    for folder in (tmp_path / "cut" / "step-00000010", tmp_path / "full" / "step-00000010"):
+        meta = verify_distributed(folder)
+        assert meta["parallel"] == {"mode": "ddp", "world_size": 4, "ddp_find_unused_parameters": True}
+        assert meta["config"]["training"]["ddp_find_unused_parameters"] is True
+    staged = stage(tmp_path / "cut" / "step-00000010", tmp_path / "resumed")
+    reference = stage(tmp_path / "full" / "step-00000010", tmp_path / "uninterrupted")
+    assert staged.read_bytes() == reference.read_bytes()
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from oprecorder import Op, ordering_problems
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -62,7 +63,8 @@ def legs(data_dir, tmp_path_factory):
     for mode in ("ddp", "fsdp2"):
         base = {"data.dir": str(data_dir), "training.parallel": mode}
         runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "stop_at": 6},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "resume": "latest"},
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "resume": "latest",
+                  "record": str(root / f"ops_{mode}")},
                  {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}")}}]
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
@@ -100,6 +102,28 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     # Same names and header as a single-process checkpoint's modelo.safetensors.
     meta = json.loads((root / f"full_{mode}" / "step-00000010" / "meta.json").read_text())
     assert sorted(weights) == sorted(meta["model"]["tensors"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs, mode):
+    """The ordering check of the crash-point harness (tests/oprecorder.py) on the resumed
+    run's calls from both ranks, merged by completion time: it saved step 10 and pruned
+    step 6 (keep_last 1)."""
+    root, _ = legs
+    ops = []
+    for rank in (0, 1):
+        record = json.loads((root / f"ops_{mode}-rank{rank}.json").read_text())
+        ops += [(done, rank, Op(**op)) for op, done in zip(record["ops"], record["done"], strict=True)
+                if done is not None]  # a call that raised changed nothing
+    ops = [op for _, _, op in sorted(ops, key=lambda item: item[:2])]
+    assert ordering_problems(ops) == [], "\n".join(ordering_problems(ops))
+    created = [op.path.split("/.tmp-step-00000010-")[-1] for op in ops if op.kind == "create" and ".tmp-step" in op.path]
+    assert {name.split("/", 1)[1] for name in created} >= {"meta.json", "estado_treino.safetensors",
+                                                           "rng/rank-00000.safetensors", "rng/rank-00001.safetensors"}
+    assert sum("/model/" in name for name in created) == 2 and sum("/optim/" in name for name in created) == 2
+    kinds = [(op.kind, os.path.basename(op.target or op.path)) for op in ops]
+    assert ("rename", "step-00000010") in kinds and ("rmtree", kinds[-1][1]) == kinds[-1]
+    assert any(kind == "rename" and name.startswith(".deleting-step-00000006") for kind, name in kinds)
 
 
 def test_checkpoint_is_safetensors_only_and_fully_listed(legs):

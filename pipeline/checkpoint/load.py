@@ -1,15 +1,17 @@
 """Verify a checkpoint and load it, in one function and one pass over the bytes.
 
 Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm start)
-calls :func:`load_checkpoint`; a distributed (torchrun) checkpoint goes through the same
-checks, plus every shard's coverage (:mod:`.shards`), and its ``model_tensors`` are the
-consolidated weights a single process would have saved. Its checks, in order: the folder exists and is named
+calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
 size right (cheap: catches truncation before a long hash); then each file is mapped once,
 privately, hashed on that map (both files in parallel; each page copied before it is
 hashed, so the hashed bytes are the used ones) and compared with ``meta.json``; then both
 headers go through the one strict parser. Tensors are views of the same maps, and nothing
 is returned before every file passed.
+
+A distributed (torchrun) checkpoint goes through the same checks, every file through
+the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tensors`` are
+the consolidated weights a single process would have saved.
 
 For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
 silently resuming from older state would repeat work the user believes was saved.

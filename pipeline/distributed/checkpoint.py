@@ -201,13 +201,14 @@ def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[st
 
 
 def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict[str, Any], *,
-                        reshard: bool, omit: Iterable[str] = ()) -> None:
+                        reshard: bool) -> None:
     """Load a verified checkpoint (rank 0 ran :func:`pipeline.checkpoint.load_checkpoint`
     on it: hashes, strict headers, shard coverage; every rank read its sealed meta.json)
     into a built, wrapped run: model and optimizer through DCP (resharding if the world
-    size changed), validated with the single-process rules before anything live changes,
-    then the shared state, and this rank's RNGs last (re-derived when resharded).
-    ``omit``: components left unrestored (the resume proof's negative controls)."""
+    size changed; DCP loads into the run's own tensors, so a refusal after it ends the run,
+    and nothing on disk changes), then the JSON state, validated with the single-process
+    rules (:func:`~pipeline.checkpoint.validate.validated_state`) and derived buffers
+    checked before any of it is set, and this rank's RNGs last (re-derived when resharded)."""
     saved_world = meta["parallel"]["world_size"]
     if saved_world != world.world_size and not reshard:
         raise WorldSizeMismatch(f"{folder} was written by {saved_world} processes, this launch has "
@@ -229,22 +230,16 @@ def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict
     joined = validated_state(run, state, {**shared, **optimizer, **rng_tensors}, step=meta["step"], optimizer=live)
     check_derived_buffers(getattr(run.model, "module", run.model), model, meta["model"]["derived_buffers"],
                           source=str(folder / DIST_MODEL_DIR))
-    omit = frozenset(omit)
     try:
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
-        if "optimizer" not in omit:
-            set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
-        if "scheduler" not in omit:
-            run.scheduler.load_state_dict(joined["scheduler"])
-        if "data" not in omit:
-            run.sampler.load_state_dict(joined["sampler"])
-            if joined["task"] is not None:
-                run.data.load_state_dict(joined["task"])
+        set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
+        run.scheduler.load_state_dict(joined["scheduler"])
+        run.sampler.load_state_dict(joined["sampler"])
+        if joined["task"] is not None:
+            run.data.load_state_dict(joined["task"])
         run.step = joined["step"]
         run.history = {key: shared[f"history/{key}"].tolist() for key in HISTORY}
-        if "rng" in omit:
-            pass
-        elif not resharded:
+        if not resharded:
             restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
         else:
             run.generator.bit_generator.state = joined["rng"]["numpy_generator"]

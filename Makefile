@@ -23,8 +23,9 @@ demo: $(STAMP)
 
 # Two workers, one thread each: most tests start real training processes, so the suite
 # is bound by interpreter starts and fits both cores without oversubscribing them.
+# loadgroup: a module marked xdist_group (test_distributed) shares its launches on one worker.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
 # Mutation score (not part of `make test`): plant each defect of tests/mutations.toml alone in a
 # scratch copy, run the tests named for it, report the kill rate and the survivors.

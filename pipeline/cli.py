@@ -40,19 +40,19 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     return load_config(args.config, overrides)
 
 
-def resume_command(argv: list[str]) -> str:
+def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
     """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
-    built with ``allow_abbrev=False``, so every option is spelled out): this interpreter,
-    the script path as invoked, every option as given (config, checkpoint folder, each
-    ``--set``) except where the run started from and ``--extend-to``, then ``--resume latest``;
-    shell-quoted."""
+    built with ``allow_abbrev=False``, so every option is spelled out): this interpreter
+    (or ``launcher``: a torchrun launch), the script path as invoked, every option as given
+    (config, checkpoint folder, each ``--set``) except where the run started from and
+    ``--extend-to``, then ``--resume latest``; shell-quoted."""
     kept, rest = [], iter(argv[1:])
     for token in rest:
         if token in _START_OPTIONS:
             next(rest, None)
         elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
             kept.append(token)
-    return shlex.join([sys.executable, argv[0], *kept, "--resume", "latest"])
+    return shlex.join([*(launcher or [sys.executable]), argv[0], *kept, "--resume", "latest"])
 
 
 def run_main(main: Callable[[], int | None]) -> None:
@@ -67,7 +67,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except PipelineError as exc:
-        _error(str(exc))
+        if not getattr(exc, "quiet", False):
+            _error(str(exc))
         sys.exit(getattr(exc, "exit_code", 2))
     except OSError as exc:
         _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))

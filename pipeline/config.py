@@ -138,6 +138,7 @@ class SchedulerConfig:
 _DEVICES = ("cpu", "cuda", "auto")
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 _AMP = ("none", "fp16", "bf16")
+_PARALLEL = ("none", "ddp", "fsdp2")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,6 +166,13 @@ class TrainingConfig:
     a resume restores the recorded count (the count changes how sums are split)."""
     log_every: int = 1
     """Steps between log lines when stdout is not a terminal."""
+    parallel: str = "none"
+    """'none' (one process, ``python scripts/02_train.py``), or 'ddp' / 'fsdp2' under
+    ``torchrun --nproc-per-node N scripts/02_train.py`` (gloo on CPU, nccl on CUDA)."""
+    ddp_find_unused_parameters: bool = True
+    """DDP only. True also stops DDP from rebuilding its gradient buckets after the first
+    step of each process, so a resumed run reduces in the same order as an uninterrupted
+    one (bitwise resume); false is faster for large models and resumes within rounding."""
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, "training.max_steps", f"must be >= 1 (got {self.max_steps})")
@@ -175,6 +183,8 @@ class TrainingConfig:
         _require(self.log_every >= 1, "training.log_every", f"must be >= 1 (got {self.log_every})")
         _require(self.threads >= 1, "training.threads", f"must be >= 1 (got {self.threads})")
         _require(self.seed >= 0, "training.seed", f"must be >= 0 (got {self.seed})")
+        _require(self.parallel in _PARALLEL, "training.parallel",
+                 f"must be one of {_PARALLEL} (got {self.parallel!r})")
 
 
 @dataclass(kw_only=True, slots=True)

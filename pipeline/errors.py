@@ -18,6 +18,8 @@ __all__ = [
     "EnvironmentMismatch",
     "CheckpointLocked",
     "NoCheckpoint",
+    "WorldSizeMismatch",
+    "PeerFailed",
     "Preempted",
     "TrainingDiverged",
     "ProofIncomplete",
@@ -109,6 +111,21 @@ class NoCheckpoint(CheckpointError, FileNotFoundError):
 
 
 # -- training (pipeline.train, pipeline.proof) ---------------------------------------------
+
+class WorldSizeMismatch(CheckpointError):
+    """A distributed checkpoint was written by another number of processes (see --reshard)."""
+
+
+class PeerFailed(PipelineError):
+    """Another rank of a distributed run failed and printed why; this rank stops with the
+    same exit code and prints nothing more (``quiet``), so a refusal reads as one line."""
+
+    quiet = True
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 class Preempted(PipelineError):
     """SIGTERM/SIGINT arrived; the current step finished and a checkpoint was written.

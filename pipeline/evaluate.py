@@ -18,11 +18,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import WEIGHTS_ONLY, load_model_weights, pinned_checkpoint
+from .checkpoint import WEIGHTS_ONLY, is_distributed, load_model_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
-from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
+from .errors import CheckpointError, ConfigError, ConfigMismatch, DataError, MetricsError
 from .hashing import sha256_file
 from .layout import META_FILE, METRICS_FILE, MODEL_FILE
 from .provenance import code_fingerprint
@@ -88,6 +88,10 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded:
         meta_file_sha256 = sha256_file(loaded.folder / META_FILE)
     folder, meta = loaded.folder, loaded.meta
+    if is_distributed(meta):
+        # metrics.json names the weights by their modelo.safetensors hash, which only the stage writes.
+        raise CheckpointError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not "
+                              "read those yet; stage it with scripts/05_stage.py --no-metrics")
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
     trained_on = meta["fingerprints"].get("data")

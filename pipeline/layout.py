@@ -7,6 +7,7 @@ __all__ = [
     "MANIFEST_FILE", "README_FILE", "CURVE_FILE", "METRICS_FILE", "DATA_MANIFEST_FILE", "LOCK_FILE",
     "SIGNATURE_FILE", "PUBLIC_KEY_FILE",
     "CONFIG_FILE", "GENERATION_CONFIG_FILE", "INDEX_FILE", "CODE_DIR", "shard_name",
+    "DIST_MODEL_DIR", "DIST_OPTIM_DIR", "DIST_RNG_DIR", "rank_rng_file",
 ]
 
 # Default folders (config.yaml / command-line flags may point elsewhere).
@@ -31,6 +32,20 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 # The model's source files, kept under their import paths so the card's snippet can import them.
 CODE_DIR = "code"
+
+# A distributed checkpoint (torchrun): model and optimizer shards as written by
+# torch.distributed.checkpoint's HuggingFaceStorageWriter (plain safetensors, one file per
+# writing rank, named by torch), each rank's RNG states in its own file, and the
+# rank-independent training state once, in STATE_FILE.
+DIST_MODEL_DIR = "model"
+DIST_OPTIM_DIR = "optim"
+DIST_RNG_DIR = "rng"
+
+
+def rank_rng_file(rank: int) -> str:
+    """``rng/rank-00003.safetensors``: rank 3's RNG states."""
+    return f"{DIST_RNG_DIR}/rank-{rank:05d}.safetensors"
+
 
 # Elsewhere.
 METRICS_FILE = "metrics.json"

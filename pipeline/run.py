@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -93,16 +93,21 @@ def make_sampler(data: TaskData, generator: np.random.Generator, config: Config)
                         shuffle=config.data.shuffle, drop_last=config.data.drop_last)
 
 
-def build_run(config: Config, device: torch.device, *, schedule_steps: int | None = None) -> TrainingRun:
+def build_run(config: Config, device: torch.device, *, schedule_steps: int | None = None,
+              wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
     ``schedule_steps``: the ``training.max_steps`` the scheduler factory sees, when it is not
     the run's (an extended run keeps the schedule of its first length; see ``train``).
+    ``wrap`` (DDP, FSDP2) is applied to the model before the optimizer takes its parameters.
     """
     generator = seed_everything(config.training.seed)
     model = build_model(config, device)
+    fresh = fresh_buffers(model)  # under the plain module's names, before a wrapper prefixes them
+    if wrap is not None:
+        model = wrap(model)
     optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
     schedule_config = config if schedule_steps is None else dataclasses.replace(
         config, training=dataclasses.replace(config.training, max_steps=schedule_steps))
@@ -115,4 +120,4 @@ def build_run(config: Config, device: torch.device, *, schedule_steps: int | Non
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
     return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                        data=data, sampler=sampler, generator=generator, scaler=scaler,
-                       autocast_dtype=autocast_dtype, fresh_buffers=fresh_buffers(model))
+                       autocast_dtype=autocast_dtype, fresh_buffers=fresh)

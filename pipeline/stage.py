@@ -22,7 +22,9 @@ uploading and reuses the hashes it returns.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,7 +33,14 @@ import torch
 
 from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from .card import build_model_card, render_curve
-from .checkpoint import WEIGHTS_ONLY, check_derived_buffers, pinned_checkpoint, read_tensors
+from .checkpoint import (
+    WEIGHTS_ONLY,
+    check_derived_buffers,
+    is_distributed,
+    pinned_checkpoint,
+    read_tensors,
+    write_safetensors,
+)
 from .code_export import local_sources
 from .config import Config
 from .durable import atomic_folder, fsync_dir, json_bytes, recover
@@ -211,15 +220,14 @@ def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
     return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
 
 
-def _write_weights(built: Path, folder: Path, meta: dict[str, Any], plan: Any) -> dict[str, Any]:
+def _write_weights(built: Path, weights: Path, entry: Mapping[str, Any], plan: Any) -> dict[str, Any]:
     """The checkpoint's weights as planned: a byte-for-byte copy when nothing is renamed or
     split, else rewritten tensor by tensor from the verified file and compared on read-back."""
-    entry = meta["files"][MODEL_FILE]
     if plan.copies_source:
-        return {MODEL_FILE: _copy_verified(folder / MODEL_FILE, built / MODEL_FILE, entry)}
-    if sha256_file(folder / MODEL_FILE) != entry["sha256"]:
-        raise ChecksumMismatch(f"{folder / MODEL_FILE} changed after it was verified (SHA-256 differs from its meta.json)")
-    return write_weights(built, folder / MODEL_FILE, plan)
+        return {MODEL_FILE: _copy_verified(weights, built / MODEL_FILE, entry)}
+    if sha256_file(weights) != entry["sha256"]:
+        raise ChecksumMismatch(f"{weights} changed after it was verified (SHA-256 differs from its meta.json)")
+    return write_weights(built, weights, plan)
 
 
 def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
@@ -258,14 +266,17 @@ def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
 
 def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_file_sha256: str, config: Config,
                 record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
-                max_shard_size: int, proof: Path | None, signer: StageSigner | None) -> list[str]:
-    """Write every stage file into ``built``; returns the non-finite tensor names."""
+                max_shard_size: int, proof: Path | None, signer: StageSigner | None,
+                weights: Path, weights_entry: Mapping[str, Any]) -> list[str]:
+    """Write every stage file into ``built``; returns the non-finite tensor names.
+    ``weights``: the verified modelo.safetensors (the checkpoint's, or consolidated from a
+    distributed checkpoint's shards) and ``weights_entry`` its SHA-256 and size."""
     public_config = _public_config(meta, config)
     model_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     export = inspect_model(model_config, public_config)
-    plan = plan_weights(folder / MODEL_FILE, export.renames, max_shard_size)
-    files = _write_weights(built, folder, meta, plan)
-    nonfinite = sorted({plan.renames.get(name, name) for name in find_nonfinite(folder / MODEL_FILE)})
+    plan = plan_weights(weights, export.renames, max_shard_size)
+    files = _write_weights(built, weights, weights_entry, plan)
+    nonfinite = sorted({plan.renames.get(name, name) for name in find_nonfinite(weights)})
     if nonfinite and not allow_nonfinite:
         more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
         raise NonFiniteWeights(f"{folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
@@ -305,8 +316,8 @@ def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_file_sha25
     return nonfinite
 
 
-def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str,
-            audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
+def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str, audited: dict[str, AuditedFile],
+            weights_entry: Mapping[str, Any]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
     source = [
         AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_file_sha256,
@@ -314,7 +325,7 @@ def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str,
         *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
           for name, entry in sorted(meta["files"].items())),
     ]
-    copied = MODEL_FILE in audited and audited[MODEL_FILE].sha256 == meta["files"][MODEL_FILE]["sha256"]
+    copied = MODEL_FILE in audited and audited[MODEL_FILE].sha256 == weights_entry["sha256"]
     written = "checkpoint tensors, compared bit for bit after writing, MANIFEST.sha256"
     notes = {
         **{name: written for name in audited if name.startswith(MODEL_FILE.removesuffix(".safetensors"))},
@@ -356,20 +367,31 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     shard_bytes = parse_size(max_shard_size)
     # Pinned until copied: a trainer running beside us cannot prune it away.
     with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded, \
-            stage_lock(stage):
+            stage_lock(stage), contextlib.ExitStack() as scratch:
         folder, meta = loaded.folder, loaded.meta
         # The weights are published for this code: a derived buffer it no longer builds is refused.
         model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
         check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
         del model
+        if metrics is not None and is_distributed(meta):
+            raise StageError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not read "
+                             "those yet; stage it with --no-metrics")
         record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
+        if MODEL_FILE in meta["files"]:
+            weights, weights_entry = folder / MODEL_FILE, meta["files"][MODEL_FILE]
+        else:  # distributed: the shards, verified and consolidated by the load, written beside the stage
+            weights = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent))) / MODEL_FILE
+            sha256, size = write_safetensors(weights, loaded.model_tensors,
+                                             metadata={"format": "pt", "step": str(meta["step"])})
+            weights_entry = {"sha256": sha256, "size": size}
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, folder, meta, meta_file_sha256, config, record,
                                     allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,
-                                    proof=None if proof is None else Path(proof), signer=signer)
+                                    proof=None if proof is None else Path(proof), signer=signer,
+                                    weights=weights, weights_entry=weights_entry)
             if signer is not None:
                 sign_stage(built, signer)
             audited = audit_stage(built)
@@ -377,6 +399,6 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
-    report, staged = _report(folder, meta, meta_file_sha256, audited)
+    report, staged = _report(folder, meta, meta_file_sha256, audited, weights_entry)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

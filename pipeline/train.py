@@ -22,6 +22,7 @@ from .checkpoint import (
     check_capturable,
     check_derived_buffers,
     continued_config,
+    is_distributed,
     load_checkpoint,
     read_tensors,
     restore_state,
@@ -29,8 +30,9 @@ from .checkpoint import (
 )
 from .config import Config
 from .data import load_manifest
+from .distributed.world import World
 from .environment import current_environment, pin_threads, reproduce_environment
-from .errors import CheckpointError, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
+from .errors import CheckpointError, ConfigError, PeerFailed, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
 from .layout import MODEL_FILE
 from .progress import Progress
 from .provenance import code_fingerprint, factories_fingerprint, library_versions
@@ -66,6 +68,8 @@ class TrainResult:
     checkpoint: Path | None
     history: dict[str, list]
     resumed_from: int | None
+    rank: int = 0
+    """Under torchrun, the rank that returned this (every rank returns the same result)."""
 
 
 class _StopSignals:
@@ -89,12 +93,19 @@ class _StopSignals:
             signal.signal(signum, handler)
 
 
-def train_step(run: TrainingRun) -> tuple[float, float]:
-    """One optimizer step; returns (loss, learning rate used)."""
+def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, float]:
+    """One optimizer step; returns (loss, learning rate used). Under torchrun (``world``)
+    every rank draws the same global batch and trains on its slice of it; the loss
+    returned is the global batch's."""
     run.model.train()
-    batch = run.data.get_batch(run.sampler.next_indices(), run.device)
+    indices, scale = run.sampler.next_indices(), 1.0
+    if world is not None:
+        indices, scale = world.slice(indices)
+    batch = run.data.get_batch(indices, run.device)
     with torch.autocast(run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
         loss = run.data.loss(run.model, batch)
+    if world is not None:
+        loss = loss * scale
     run.optimizer.zero_grad(set_to_none=True)
     clip = run.config.training.grad_clip
     if run.scaler is not None:
@@ -112,7 +123,7 @@ def train_step(run: TrainingRun) -> tuple[float, float]:
     lr = float(run.optimizer.param_groups[0]["lr"])
     run.scheduler.step()
     run.step += 1
-    value = float(loss.detach())
+    value = float(loss.detach()) if world is None else world.global_loss(loss)
     run.history["step"].append(run.step)
     run.history["loss"].append(value)
     run.history["lr"].append(lr)
@@ -140,6 +151,9 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
         return None, config, []
     # Verified and memory-mapped in one pass over the files (see pipeline.checkpoint.load).
     loaded = load_checkpoint(resume, store.root)
+    if is_distributed(loaded.meta):
+        raise SchemaMismatch(f"{loaded.folder} is a distributed checkpoint: resume it under torchrun (README, "
+                             "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
     config, lineage = continued_config(loaded.meta, config, data_fingerprint, extend_to=extend_to)
     step = loaded.meta["step"]
     newer = [s for s in existing if s > step]
@@ -147,6 +161,22 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
                               "resume from latest, or use another --checkpoint-dir")
     return loaded, config, lineage
+
+
+def run_provenance(config: Config, manifest: dict, device: torch.device, changes: list[dict[str, Any]],
+                   lineage: list[dict[str, int]] | None = None) -> dict:
+    """What every checkpoint of a run records about where it came from, and the
+    environment it computes in (``changes``: accepted environment changes so far;
+    ``lineage``: its --extend-to history)."""
+    return {
+        "config": config.to_dict(),
+        "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(),
+                         "factories": factories_fingerprint(config)},
+        "versions": library_versions(),
+        "device": str(device),
+        "environment": {**current_environment(device), "changes": changes},
+        "lineage": list(lineage or []),
+    }
 
 
 def train(
@@ -176,6 +206,9 @@ def train(
     (:func:`pipeline.cli.resume_command` of the actual invocation, in script 02).
     """
     hooks = hooks or TrainingHooks()
+    if config.training.parallel != "none":
+        raise ConfigError(f"{config.source}: training.parallel is {config.training.parallel!r}: launch with "
+                          "torchrun --standalone --nproc-per-node N scripts/02_train.py (README, 'Distributed')")
     if resume is not None and init_from is not None:
         raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
     if extend_to is not None and resume is None:
@@ -221,16 +254,8 @@ def train(
         if hooks.on_start is not None:
             hooks.on_start(run)
 
-        provenance = {
-            "config": config.to_dict(),
-            "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(),
-                             "factories": factories_fingerprint(config)},
-            "versions": library_versions(),
-            "device": str(device),
-            "environment": {**current_environment(device), "changes": changes},
-            "lineage": lineage,
-        }
-        checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
+        checkpointer = Checkpointer(store, run_provenance(config, manifest, device, changes, lineage),
+                                    background=config.checkpoint.async_)
         try:
             saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None,
                           on_step=hooks.on_step, resume_hint=resume_hint)
@@ -244,15 +269,23 @@ def train(
 
 
 def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,
-          on_step: Callable[[TrainingRun], None] | None, resume_hint: str):
-    """Step to the end (or a stop signal), saving on the configured steps and the last one."""
+          on_step: Callable[[TrainingRun], None] | None, resume_hint: str, world: World | None = None):
+    """Step to the end (or a stop signal), saving on the configured steps and the last one.
+
+    Under torchrun a signal seen by any rank is agreed on at the top of each step (one
+    small all-reduce), so every rank stops after the same step and saves it together.
+    """
     every = run.config.checkpoint.every
     end = min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
     last_saved = run.step if resumed else None
     saved = None
     with _StopSignals() as signals:
-        while run.step < end and signals.signum is None:
-            loss, lr = train_step(run)
+        def stop_requested() -> int | None:
+            return signals.signum if world is None else world.agree_signal(signals.signum)
+
+        stop = None
+        while run.step < end and (stop := stop_requested()) is None:
+            loss, lr = train_step(run, world)
             # With fp16 AMP too: the GradScaler skips steps whose gradients overflow, but a
             # non-finite loss is a diverged model, not an overflow to wait out.
             if not math.isfinite(loss):
@@ -265,16 +298,20 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
             if run.step % every == 0 or run.step == end:
                 saved = checkpointer.save(run)
                 last_saved = run.step
-        if signals.signum is not None and last_saved != run.step:
+        stop = stop_requested()
+        if stop is not None and last_saved != run.step:
             saved = checkpointer.save(run)
         # A background save commits here, while SIGTERM/SIGINT are still only recorded,
         # exactly as a synchronous save would have.
         checkpointer.wait()
-        if signals.signum is not None:
-            name = signal.Signals(signals.signum).name
+        if stop is not None:
+            name = signal.Signals(stop).name
             where = saved.path if saved is not None else checkpointer.store.path_for(run.step)
-            raise Preempted(f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
-                            f"Resume with: {resume_hint}", signals.signum)
+            message = (f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
+                       f"Resume with: {resume_hint}")
+            if world is not None and world.rank != 0:
+                raise PeerFailed(message, 128 + stop)  # rank 0 says it once
+            raise Preempted(message, stop)
     return saved
 
 

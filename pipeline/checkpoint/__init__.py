@@ -7,6 +7,7 @@
 ``store``                 one ``estados_local/``: lock, list, resolve "latest or path",
                           atomic save, prune
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
+``shards``                a distributed checkpoint's launch record and shard coverage
 ``state``                 capture / restore a training run's full state
 ``weights``               tied-weight dedupe, strict load, warm start, model summary
 ``compat``                may this checkpoint resume this config?
@@ -20,7 +21,7 @@ from .checkpointer import Checkpointer
 from .compat import check_resume_compatible, continued_config
 from .load import WEIGHTS_ONLY, LoadedCheckpoint, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
-from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, step_dir_name
+from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, resolve, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
 from .weights import check_derived_buffers, load_model_weights, warm_start
 
@@ -35,11 +36,13 @@ __all__ = [
     "check_derived_buffers",
     "check_resume_compatible",
     "continued_config",
+    "is_distributed",
     "load_checkpoint",
     "load_model_weights",
     "parse_step_dir",
     "pinned_checkpoint",
     "read_tensors",
+    "resolve",
     "restore_state",
     "step_dir_name",
     "warm_start",

@@ -10,6 +10,10 @@ compared with ``meta.json``; then both
 headers go through the one strict parser. Tensors are views of the same maps, and nothing
 is returned before every file passed.
 
+A distributed (torchrun) checkpoint goes through the same checks, every file through
+the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tensors`` are
+the consolidated weights a single process would have saved.
+
 For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
 silently resuming from older state would repeat work the user believes was saved.
 
@@ -28,8 +32,9 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint
-from ..layout import CHECKPOINT_DIR, MODEL_FILE, STATE_FILE
-from .store import check_listing, parse_step_dir, pin, read_meta, resolve, step_dir_name
+from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
+from .shards import consolidate, shard_tensors
+from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint", "WEIGHTS_ONLY"]
@@ -117,6 +122,9 @@ def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
     check_listing(folder, meta)
     maps = {name: map_file(folder / name) for name in meta["files"]}
     used = _USED[tensors]
+    if is_distributed(meta) and MODEL_FILE in used:
+        # The consolidated weights are built from the model shards' mapped pages.
+        used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
     # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
     digests = sha256_mapped(maps, own=used)
     for name, entry in sorted(meta["files"].items()):
@@ -125,7 +133,18 @@ def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
                                    "the file is damaged or was modified")
     # Parsed even with tensors=False: a file whose hash matches may still be malformed, and
     # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
-    model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
+    if is_distributed(meta):
+        # Every shard header parsed and every tensor's coverage checked before torch's
+        # reader (resume) or the consolidation below (evaluate, stage) reads a value.
+        model_pieces = shard_tensors(folder, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], maps)
+        shard_tensors(folder, DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], maps)
+        for name in meta["files"]:
+            if name.startswith(f"{DIST_OPTIM_DIR}/") or name.startswith(f"{DIST_MODEL_DIR}/"):
+                continue
+            tensors_from_map(folder / name, maps[name])
+        model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
+    else:
+        model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
     return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model if MODEL_FILE in used else {},
                             state_tensors=state if STATE_FILE in used else {})

@@ -47,12 +47,17 @@ from ..errors import (
 )
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
+from .shards import check_launch_record
 from .tensorfile import write_safetensors
 
-__all__ = ["SCHEMA_VERSION", "META_KEYS", "SEAL_KEY", "CheckpointStore", "SavedCheckpoint", "step_dir_name",
-           "parse_step_dir", "meta_sha256", "read_meta", "check_listing", "resolve", "pin", "LINEAGE_KEYS"]
+__all__ = ["SCHEMA_VERSION", "DIST_SCHEMA", "META_KEYS", "DIST_META_KEYS", "SEAL_KEY", "CheckpointStore",
+           "SavedCheckpoint", "step_dir_name", "parse_step_dir", "meta_sha256", "read_meta", "write_meta",
+           "is_distributed", "check_listing", "resolve", "pin", "LINEAGE_KEYS"]
 
 SCHEMA_VERSION = "pipeline.checkpoint/2"
+# A torchrun checkpoint (pipeline.distributed): the same sealed meta.json and the same
+# readers, plus the launch that wrote it and every tensor's full shape (see ``shards``).
+DIST_SCHEMA = "pipeline.checkpoint.distributed/2"
 # Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
 # states) was covered by no hash, so a bit flip that kept it valid JSON went unnoticed.
 _UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
@@ -65,6 +70,7 @@ META_KEYS = frozenset(
 # One entry of meta.json "lineage" per --extend-to, oldest first: the run's max_steps before
 # and after, and the step it was extended at.
 LINEAGE_KEYS = frozenset({"from_max_steps", "at_step", "to_max_steps"})
+DIST_META_KEYS = META_KEYS | {"parallel", "tensors", "resharded_from"}
 # meta.json is parsed before anything is trusted; a bound keeps a hostile file from
 # exhausting memory.
 MAX_META_BYTES = 64 * 1024 * 1024
@@ -175,19 +181,18 @@ class CheckpointStore:
             for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors)):
                 sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
                 files[name] = {"sha256": sha256, "size": size}
-            record = {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files}
-            record[SEAL_KEY] = meta_sha256(record)
-            if set(record) != META_KEYS:
-                raise InternalError(f"checkpoint meta keys differ: {sorted(set(record) ^ META_KEYS)}")
-            # meta.json last: its presence marks a complete folder.
-            with HashingWriter(temporary / META_FILE) as out:
-                out.write(json_bytes(record))
+            write_meta(temporary, {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files})
+        self.prune_after_commit(step)
+        return SavedCheckpoint(step=step, path=final, files=files)
+
+    def prune_after_commit(self, step: int) -> None:
+        """:meth:`prune` once ``step`` is committed (durable): a failure is a warning, as the
+        new checkpoint is safe, and the next save retries. Requires the lock."""
         try:
             self.prune()
         except OSError as exc:
             _log.warning("warning: step %d is committed, but pruning older checkpoints in %s/ failed (%s); "
                          "training goes on and the next save retries", step, self.root, describe_os_error(exc))
-        return SavedCheckpoint(step=step, path=final, files=files)
 
     def prune(self) -> list[int]:
         """Delete all but the newest ``keep_last`` committed checkpoints, oldest first;
@@ -249,6 +254,35 @@ def pin(folder: str | Path) -> Iterator[Path]:
         os.close(fd)
 
 
+def write_meta(temporary: Path, record: Mapping[str, Any]) -> None:
+    """Seal ``record`` and write it as ``meta.json``, last: its presence marks a complete
+    folder (fsynced by the writer; the folder's commit makes the name durable)."""
+    record = {**record, SEAL_KEY: meta_sha256(record)}
+    keys = DIST_META_KEYS if record["schema"] == DIST_SCHEMA else META_KEYS
+    if set(record) != keys:
+        raise InternalError(f"checkpoint meta keys differ: {sorted(set(record) ^ keys)}")
+    with HashingWriter(temporary / META_FILE) as out:
+        out.write(json_bytes(record))
+
+
+def is_distributed(meta: Mapping[str, Any]) -> bool:
+    """Whether a meta.json returned by :func:`read_meta` is a torchrun checkpoint's."""
+    return meta["schema"] == DIST_SCHEMA
+
+
+def _files_ok(files: Any, distributed: bool) -> bool:
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and set(e) == {"sha256", "size"} and isinstance(e["sha256"], str)
+            and type(e["size"]) is int for e in files.values()):
+        return False
+    if not distributed:
+        return set(files) == set(CHECKPOINT_FILES)
+    # Relative safetensors paths inside the folder, nothing else (no "..", no absolute path).
+    return STATE_FILE in files and all(
+        isinstance(name, str) and name.endswith(".safetensors") and name.count("/") <= 1
+        and all(part not in ("", ".", "..") for part in name.split("/")) for name in files)
+
+
 def meta_sha256(record: Mapping[str, Any]) -> str:
     """The seal of a checkpoint's ``meta.json``: SHA-256 of its canonical JSON without the
     ``meta_sha256`` key (sorted keys, no spaces, UTF-8, no NaN). The README shows the same
@@ -284,7 +318,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise SchemaMismatch(f"{path} has schema {schema!r}, which predates the meta.json checksum "
                              f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
                              f"start a new run from its weights with --init-from {folder / MODEL_FILE}")
-    if schema != SCHEMA_VERSION:
+    if schema not in (SCHEMA_VERSION, DIST_SCHEMA):
         raise SchemaMismatch(f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
                              "the checkpoint comes from another tool or version and is not loaded")
     try:
@@ -295,19 +329,20 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
     if not exact:
         raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
-    if set(meta) == META_KEYS - {"lineage"}:
+    distributed = schema == DIST_SCHEMA
+    keys = DIST_META_KEYS if distributed else META_KEYS
+    if set(meta) == keys - {"lineage"}:
         meta["lineage"] = []  # written before runs could be extended (same schema): never extended
-    if set(meta) != META_KEYS:
-        odd = sorted(set(meta) ^ META_KEYS)
+    if set(meta) != keys:
+        odd = sorted(set(meta) ^ keys)
         raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
-    files = meta["files"]
-    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES) or not all(
-            isinstance(e, dict) and set(e) == {"sha256", "size"} and isinstance(e["sha256"], str)
-            and type(e["size"]) is int for e in files.values()):
+    if not _files_ok(meta["files"], distributed):
         raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
     if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
         raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
     _check_lineage(path, meta["lineage"], meta["step"])
+    if distributed:
+        check_launch_record(path, meta)
     return meta
 
 
@@ -328,7 +363,13 @@ def _check_lineage(path: Path, lineage: Any, step: int) -> None:
 def check_listing(folder: Path, meta: dict[str, Any]) -> None:
     """The checks short of hashing: no stray file, none missing, every size right (cheap,
     and catches truncation before a long hash)."""
-    unexpected = sorted({p.name for p in folder.iterdir()} - set(meta["files"]) - {META_FILE})
+    listed = set(meta["files"]) | {META_FILE}
+    # A distributed checkpoint nests its shards one level down (model/, optim/, rng/).
+    folders = {name.rsplit("/", 1)[0] for name in listed if "/" in name}
+    present = {p.relative_to(folder).as_posix() for p in folder.iterdir()}
+    present |= {p.relative_to(folder).as_posix() for sub in sorted(folders) if (folder / sub).is_dir()
+                and not (folder / sub).is_symlink() for p in (folder / sub).iterdir()}
+    unexpected = sorted(present - listed - folders)
     if unexpected:
         raise ChecksumMismatch(f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified")
     for name, entry in sorted(meta["files"].items()):

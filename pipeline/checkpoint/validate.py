@@ -138,9 +138,13 @@ def _scratch_rng(rng: Any, generator: np.random.Generator) -> None:
 
 
 def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Tensor], *,
-                    step: int | None = None) -> dict[str, Any]:
+                    step: int | None = None, optimizer: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Join and check every component of ``state`` against ``run`` (nothing is loaded):
-    ``{"optimizer", "scheduler", "sampler", "task", "scaler", "rng", "step"}``."""
+    ``{"optimizer", "scheduler", "sampler", "task", "scaler", "rng", "step"}``.
+
+    ``optimizer``: for a torchrun run, this rank's live optimizer state in
+    ``torch.distributed.checkpoint``'s flattened form (what its checkpoints hold); the
+    saved one must have its structure and types (default: torch's ``state_dict`` form)."""
     if not isinstance(state, dict) or set(state) != _STATE_KEYS:
         raise _fail("", "does not hold exactly optimizer, scheduler, data, rng, scaler, progress")
     data = state["data"]
@@ -166,7 +170,10 @@ def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Te
     if unused:
         raise _fail("", f"does not reference tensor {unused[0]!r} of the state file")
     joined["step"] = _progress(state, tensors, run, step)
-    _optimizer(joined["optimizer"], run.optimizer)
+    if optimizer is None:
+        _optimizer(joined["optimizer"], run.optimizer)
+    else:
+        _like(joined["optimizer"], dict(optimizer), "optimizer")
     _like(joined["scheduler"], run.scheduler.state_dict(), "scheduler")
     last_epoch = joined["scheduler"].get("last_epoch")
     if last_epoch is not None and last_epoch != joined["step"]:

@@ -15,7 +15,8 @@ import torch
 from ..errors import StateMismatch
 from ..layout import MODEL_FILE
 
-__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary", "check_derived_buffers"]
+__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary", "derived_buffer_names",
+           "check_derived_buffers"]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, int] | None:
@@ -149,6 +150,12 @@ def warm_start(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
     return report
 
 
+def derived_buffer_names(stored: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Tensor]) -> list[str]:
+    """The stored buffers still equal to their ``fresh`` value (see :func:`model_summary`)."""
+    return sorted(name for name, value in fresh.items() if name in stored and torch.equal(
+        stored[name].detach().cpu(), value.cpu()))
+
+
 def model_summary(model: torch.nn.Module, fresh: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Names, dtypes and shapes of the stored weights, recorded in meta.json, and the
     ``derived_buffers``: stored buffers that still equal their ``fresh`` value (built from
@@ -156,8 +163,7 @@ def model_summary(model: torch.nn.Module, fresh: Mapping[str, torch.Tensor]) -> 
     stored = dedupe_shared_tensors(model.state_dict())
     full = model.state_dict()
     return {
-        "derived_buffers": sorted(name for name, value in fresh.items() if name in stored and torch.equal(
-            stored[name].detach().cpu(), value.cpu())),
+        "derived_buffers": derived_buffer_names(stored, fresh),
         "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                     for name, t in sorted(stored.items())},
         "tied": sorted(name for name in full if name not in stored),

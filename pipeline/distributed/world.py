@@ -1,0 +1,191 @@
+"""One process of a ``torchrun`` launch: its rank, the process group, and the handful of
+collectives the training loop and the checkpoint protocol agree through.
+
+Every collective here is small (a few integers or one float per step). Errors are agreed
+on too (:meth:`World.together`): a rank that fails tells the others, so no rank is left
+waiting in a collective for a peer that has already given up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..cli import resume_command
+from ..config import Config
+from ..errors import ConfigError, DataError, PeerFailed, PipelineError
+
+__all__ = ["World", "launched_by_torchrun", "derive_rank_rng"]
+
+# What torchrun (and any launcher following its convention) sets for every worker.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in _LAUNCH_ENV)
+
+
+def derive_rank_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this rank's own RNG families (Python, NumPy's legacy state, torch CPU and CUDA)
+    from ``SeedSequence([seed, step, rank])``: at the start of a run (step 0) and when a
+    resume changes the world size. The run's NumPy ``Generator`` orders the data and is the
+    same on every rank, so it is not touched here."""
+    words = np.random.SeedSequence([seed, step, rank]).generate_state(4, dtype=np.uint64)
+    random.seed(int(words[0]))
+    np.random.seed(int(words[1]) % 2**32)
+    torch.manual_seed(int(words[2]))  # also seeds every CUDA device
+
+
+@contextlib.contextmanager
+def _peer_loss() -> Iterator[None]:
+    """A collective that fails because a peer process died is a one-line error here."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed.DistBackendError and gloo's errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PipelineError(f"lost contact with another process of the launch ({first[:200]}); the last "
+                            "committed checkpoint is intact: relaunch with --resume latest") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class World:
+    """This process's place in the launch (``rank`` of ``world_size``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mode: str
+    find_unused_parameters: bool = True
+    """DDP's ``find_unused_parameters`` (``training.ddp_find_unused_parameters``)."""
+
+    @classmethod
+    def start(cls, config: Config) -> "World":
+        """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
+        mode = config.training.parallel
+        if mode == "none":
+            raise ConfigError(f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
+                              "training.parallel is 'none': set it to 'ddp' or 'fsdp2' (--set training.parallel=ddp)")
+        if config.training.amp == "fp16":
+            raise ConfigError(f"{config.source}: training.amp 'fp16' (GradScaler) is not supported with "
+                              f"training.parallel {mode!r}; use 'bf16' or 'none'")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        wanted = config.training.device
+        cuda = wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
+        if cuda and not torch.cuda.is_available():
+            raise ConfigError(f"{config.source}: training.device is 'cuda' but no CUDA device is available")
+        if cuda:
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                   device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters)
+
+    def describe(self) -> dict[str, Any]:
+        """What meta.json records about the launch that wrote a checkpoint: the DDP bucket
+        setting too, as it changes the reduction order and so the numbers."""
+        return {"mode": self.mode, "world_size": self.world_size,
+                "ddp_find_unused_parameters": self.find_unused_parameters}
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- data ----------------------------------------------------------------------------
+    def slice(self, indices: Sequence[int]) -> tuple[list[int], float]:
+        """This rank's contiguous part of one global batch, and the factor that makes the
+        mean of the ranks' scaled losses (what DDP and FSDP2 average) the global batch's
+        mean loss, however unevenly the batch divides."""
+        total = len(indices)
+        if total < self.world_size:
+            # Every rank sees the same batch size, so every rank refuses together.
+            raise DataError(f"a batch of {total} rows cannot be split over {self.world_size} processes: raise "
+                            "data.batch_size, set data.drop_last, or launch fewer processes")
+        start, stop = (total * self.rank) // self.world_size, (total * (self.rank + 1)) // self.world_size
+        return list(indices[start:stop]), (stop - start) * self.world_size / total
+
+    def global_loss(self, scaled_loss: torch.Tensor) -> float:
+        """The global batch's loss, the same float on every rank."""
+        value = scaled_loss.detach().to(torch.float64).reshape(1).clone()
+        with _peer_loss():
+            dist.all_reduce(value)
+        return float(value) / self.world_size
+
+    # -- agreement -----------------------------------------------------------------------
+    def _max(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
+        with _peer_loss():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def agree_signal(self, signum: int | None) -> int | None:
+        """A stop signal received by any rank, known to all (each step, so all stop together)."""
+        (agreed,) = self._max([signum or 0])
+        return agreed or None
+
+    @contextlib.contextmanager
+    def together(self, what: str) -> Iterator[None]:
+        """Run a block on every rank; if it fails on any, it fails on all. The failing rank
+        raises its own error; the others raise a quiet :class:`PeerFailed` with its exit code."""
+        error: BaseException | None = None
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+        code = getattr(error, "exit_code", 2 if isinstance(error, PipelineError) else 1) if error else 0
+        (agreed,) = self._max([code])
+        if error is not None:
+            raise error
+        if agreed:
+            raise PeerFailed(f"{what} failed on another rank (its message is above)", agreed)
+
+    def broadcast_text(self, text: str | None) -> str:
+        """Rank 0's ``text``, on every rank."""
+        data = (text or "").encode("utf-8") if self.rank == 0 else b""
+        (length,) = self._max([len(data)])
+        buffer = torch.zeros(length, dtype=torch.uint8, device=self._comm_device)
+        if self.rank == 0 and length:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        with _peer_loss():
+            dist.broadcast(buffer, src=0)
+        return bytes(buffer.cpu().tolist()).decode("utf-8")
+
+    def barrier(self) -> None:
+        self._max([0])
+
+    # -- model ---------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module, config: Config) -> torch.nn.Module:
+        """DDP or FSDP2 around the freshly built model (before the optimizer sees it)."""
+        if self.mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            return DistributedDataParallel(
+                model, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                find_unused_parameters=self.find_unused_parameters)
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard(model)
+
+    def resume_command(self, argv: Sequence[str] | None = None) -> str:
+        """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind
+        torchrun with this launch's shape)."""
+        nodes = self.world_size // max(self.local_world_size, 1)
+        launch = ["torchrun", "--standalone"] if nodes == 1 else \
+            ["torchrun", f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
+        return resume_command(list(sys.argv if argv is None else argv),
+                              launcher=[*launch, f"--nproc-per-node={self.local_world_size}"])

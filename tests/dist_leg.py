@@ -1,0 +1,79 @@
+"""Several distributed trainings in one torchrun launch (a launch costs seconds here).
+
+    torchrun --standalone --nproc-per-node N tests/dist_leg.py PLAN.json
+
+PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": ...,
+"stop_at": ..., "reshard": ..., "forge": {...}}, ...]}. ``forge`` (rank 0, before the run):
+copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
+to ``value``, resealed as a forger would. ``record``: each rank records its file-system
+calls under ``checkpoint.dir`` (tests/oprecorder.py) with the time each completed (null
+for a call that raised, such as a mkdir of a folder that exists), into
+``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
+Rank 0 writes one result per run (step, losses,
+checkpoint, or the refusal's type and message) to ``results``.
+"""
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from oprecorder import Recorder
+
+from pipeline.checkpoint.store import meta_sha256
+from pipeline.config import load_config
+from pipeline.distributed.training import train_distributed
+from pipeline.distributed.world import World
+from pipeline.durable import json_bytes
+from pipeline.errors import PipelineError
+
+
+def forge(spec: dict) -> None:
+    shutil.copytree(spec["from"], spec["to"])
+    for meta_path in Path(spec["to"]).glob("step-*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        *parents, last = spec["key"]
+        node = meta
+        for key in parents:
+            node = node[key]
+        node[last] = spec["value"]
+        meta["meta_sha256"] = meta_sha256(meta)
+        meta_path.write_bytes(json_bytes(meta))
+
+
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    world = World.start(load_config(plan["config"], plan["runs"][0]["overrides"]))
+    results = []
+    try:
+        for run in plan["runs"]:
+            config = load_config(plan["config"], run["overrides"])
+            if "forge" in run and world.rank == 0:
+                forge(run["forge"])
+            world.barrier()
+            done: dict[int, int] = {}  # op index -> completion time (a call that raised has none)
+            recorder = Recorder(config.checkpoint.dir, after=lambda op: done.setdefault(
+                len(recorder.ops) - 1, time.monotonic_ns())) if "record" in run else contextlib.nullcontext()
+            try:
+                with recorder:
+                    result = train_distributed(config, world=dataclasses.replace(world, mode=config.training.parallel),
+                                               resume=run.get("resume"), stop_at=run.get("stop_at"), progress=False,
+                                               reshard=run.get("reshard", False))
+                results.append({"step": result.step, "loss": result.history["loss"],
+                                "checkpoint": str(result.checkpoint)})
+            except PipelineError as exc:
+                results.append({"error": type(exc).__name__, "message": str(exc)})
+            if "record" in run:
+                Path(f"{run['record']}-rank{world.rank}.json").write_text(json.dumps(
+                    {"ops": [op.to_dict() for op in recorder.ops], "done": [done.get(i) for i in range(len(recorder.ops))]}))
+    finally:
+        world.close()
+    if world.rank == 0:
+        Path(plan["results"]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

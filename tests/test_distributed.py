@@ -1,0 +1,359 @@
+"""torchrun DDP and FSDP2: exact resume, pickle-free atomic checkpoints, resharding, one
+consolidated publish, stopping together. Launches are few and shared (each costs seconds):
+one 2-process launch runs eight trainings (tests/dist_leg.py); the refusals, the reshard,
+the signal and the kill use the real script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from oprecorder import Op, ordering_problems
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint.store import meta_sha256
+from pipeline.config import load_config
+from pipeline.distributed.world import World
+from pipeline.durable import json_bytes
+from pipeline.errors import CheckpointError, ChecksumMismatch, DataError, SchemaMismatch, StageError
+from pipeline.evaluate import evaluate_checkpoint
+from pipeline.stage import build_stage
+from pipeline.train import train
+
+from support import REPO, script_env
+
+CONFIG = REPO / "config.yaml"
+# One worker runs the whole module, so the shared launch runs once (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("distributed")
+QUIET_RNG = {"model.params.dropout": 0.0, "data.params.augment_std": 0.0}
+
+
+def torchrun(nproc: int, *args: str, cwd: Path, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(command, cwd=cwd, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def train_args(data_dir: Path, checkpoint_dir: Path, *extra: str, parallel: str = "ddp") -> list[str]:
+    return [str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set", f"data.dir={data_dir}",
+            "--set", f"training.parallel={parallel}", "--checkpoint-dir", str(checkpoint_dir), *extra]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def legs(data_dir, tmp_path_factory):
+    """Two processes: per mode, cut at step 6 + resume, and uninterrupted; and, without
+    dropout or augmentation noise (the streams a reshard re-derives), uninterrupted and cut."""
+    root = tmp_path_factory.mktemp("dist")
+    runs = []
+    for mode in ("ddp", "fsdp2"):
+        base = {"data.dir": str(data_dir), "training.parallel": mode}
+        runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "stop_at": 6},
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "resume": "latest",
+                  "record": str(root / f"ops_{mode}")},
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}")}}]
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
+    runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
+             {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
+    return root, launch_plan(2, root, "legs", runs)
+
+
+def verify_distributed(folder: Path) -> dict:
+    """The verification every reader runs (resume on rank 0, evaluate, stage)."""
+    return load_checkpoint(folder, tensors=False).meta
+
+
+def stage(checkpoint: Path, out: Path) -> Path:
+    """Script 05's step, in this process (the script itself is covered by test_stage)."""
+    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, metrics=None)
+    return out / "modelo.safetensors"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, tmp_path):
+    root, results = legs
+    offset = 0 if mode == "ddp" else 3
+    cut, resumed, full = results[offset:offset + 3]
+    assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
+    assert resumed["loss"] == full["loss"]  # the whole history, bit for bit
+    staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
+    reference = stage(root / f"full_{mode}" / "step-00000010", tmp_path / "full")
+    assert staged.read_bytes() == reference.read_bytes()
+    # The consolidated file equals a full-state load of the shards by torch's own reader.
+    weights = load_file(staged)
+    gathered = {name: torch.zeros_like(tensor) for name, tensor in weights.items()}
+    dcp.load(gathered, storage_reader=HuggingFaceStorageReader(str(root / f"cut_{mode}" / "step-00000010" / "model")),
+             no_dist=True)
+    assert all(torch.equal(gathered[name], weights[name]) for name in weights)
+    # Same names and header as a single-process checkpoint's modelo.safetensors.
+    meta = json.loads((root / f"full_{mode}" / "step-00000010" / "meta.json").read_text())
+    assert sorted(weights) == sorted(meta["model"]["tensors"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs, mode):
+    """The ordering check of the crash-point harness (tests/oprecorder.py) on the resumed
+    run's calls from both ranks, merged by completion time: it saved step 10 and pruned
+    step 6 (keep_last 1)."""
+    root, _ = legs
+    ops = []
+    for rank in (0, 1):
+        record = json.loads((root / f"ops_{mode}-rank{rank}.json").read_text())
+        ops += [(done, rank, Op(**op)) for op, done in zip(record["ops"], record["done"], strict=True)
+                if done is not None]  # a call that raised changed nothing
+    ops = [op for _, _, op in sorted(ops, key=lambda item: item[:2])]
+    assert ordering_problems(ops) == [], "\n".join(ordering_problems(ops))
+    created = [op.path.split("/.tmp-step-00000010-")[-1] for op in ops if op.kind == "create" and ".tmp-step" in op.path]
+    assert {name.split("/", 1)[1] for name in created} >= {"meta.json", "estado_treino.safetensors",
+                                                           "rng/rank-00000.safetensors", "rng/rank-00001.safetensors"}
+    assert sum("/model/" in name for name in created) == 2 and sum("/optim/" in name for name in created) == 2
+    kinds = [(op.kind, os.path.basename(op.target or op.path)) for op in ops]
+    assert ("rename", "step-00000010") in kinds and ("rmtree", kinds[-1][1]) == kinds[-1]
+    assert any(kind == "rename" and name.startswith(".deleting-step-00000006") for kind, name in kinds)
+
+
+def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
+    root, _ = legs
+    for mode in ("ddp", "fsdp2"):
+        folder = root / f"full_{mode}" / "step-00000010"
+        meta = verify_distributed(folder)
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        assert sorted(meta["files"]) == [f for f in files if f != "meta.json"]
+        assert all(f.endswith(".safetensors") for f in meta["files"])
+        assert not [f for f in files if f.endswith((".metadata", ".distcp", ".pkl", ".pt"))]
+        for name in files:
+            assert not (folder / name).read_bytes().startswith(b"PK"), f"{name} is a zip (torch.save) file"
+        assert {"rng/rank-00000.safetensors", "rng/rank-00001.safetensors"} <= set(meta["files"])
+        assert meta["parallel"] == {"mode": mode, "world_size": 2, "ddp_find_unused_parameters": True}
+        assert meta["resharded_from"] is None and meta["schema"] == "pipeline.checkpoint.distributed/2"
+        # Sealed like a single-process meta.json, and the environment recorded.
+        assert meta["meta_sha256"] == meta_sha256(meta)
+        assert meta["environment"]["intra_op_threads"] == 1 and meta["environment"]["changes"] == []
+
+
+def _damaged_copy(legs, tmp_path) -> Path:
+    folder = tmp_path / "step-00000010"
+    shutil.copytree(legs[0] / "full_fsdp2" / "step-00000010", folder)
+    return folder
+
+
+def test_missing_or_altered_shard_is_refused(legs, tmp_path):
+    folder = _damaged_copy(legs, tmp_path)
+    shard = sorted((folder / "model").iterdir())[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch, match="SHA-256 differs"):
+        verify_distributed(folder)
+    shard.unlink()
+    with pytest.raises(ChecksumMismatch, match="is missing"):
+        verify_distributed(folder)
+
+
+def _reseal(folder: Path, edit) -> None:
+    """Edit meta.json and reseal it, as a forger (or a buggy writer) would."""
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    meta["meta_sha256"] = meta_sha256(meta)
+    (folder / "meta.json").write_bytes(json_bytes(meta))
+
+
+def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(legs, tmp_path):
+    folder = _damaged_copy(legs, tmp_path)
+    text = (folder / "meta.json").read_text()
+    (folder / "meta.json").write_text(text.replace('"world_size": 2', '"world_size": 1'))
+    with pytest.raises(ChecksumMismatch, match="meta_sha256 does not match"):
+        verify_distributed(folder)
+    (folder / "meta.json").write_text(text)
+    (folder / "model" / ".metadata").write_bytes(b"\x80\x04pickle")  # what FileSystemWriter would add
+    with pytest.raises(ChecksumMismatch, match=r"model/\.metadata is not listed in meta.json"):
+        verify_distributed(folder)
+    (folder / "model" / ".metadata").unlink()
+    _reseal(folder, lambda meta: meta["parallel"].update(mode="tp"))
+    with pytest.raises(SchemaMismatch, match="malformed parallel record"):
+        verify_distributed(folder)
+    _reseal(folder, lambda meta: (meta["parallel"].update(mode="fsdp2"),
+                                  meta["files"].pop("rng/rank-00001.safetensors")))
+    with pytest.raises(SchemaMismatch, match="does not list rng/rank-00001.safetensors"):
+        verify_distributed(folder)
+
+
+def test_single_process_readers_refuse_a_distributed_checkpoint_in_one_line(legs, data_dir, tmp_path):
+    folder = _damaged_copy(legs, tmp_path)  # intact copy in tmp_path/step-00000010
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path)})
+    with pytest.raises(SchemaMismatch, match="is a distributed checkpoint: resume it under torchrun"):
+        train(config, resume="latest", progress=False)
+    with pytest.raises(CheckpointError, match="04_evaluate.py does not read those yet"):
+        evaluate_checkpoint(config, folder)
+    with pytest.raises(StageError, match="stage it with --no-metrics"):
+        build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=tmp_path / "metrics.json")
+
+
+def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
+    # A shard removed and struck from meta.json passes the hashes; only coverage catches it
+    # (DCP's reader would load half the rows without a word).
+    folder = _damaged_copy(legs, tmp_path)
+    shard = sorted((folder / "model").iterdir())[0]
+    _reseal(folder, lambda meta: meta["files"].pop(f"model/{shard.name}"))
+    shard.unlink()
+    with pytest.raises(ChecksumMismatch, match="cover|no shard"):
+        verify_distributed(folder)
+
+
+def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
+    """Run ``runs`` in one launch of tests/dist_leg.py; their results (rank 0's)."""
+    plan = root / f"{name}.json"
+    plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / f"{name}-results.json"), "runs": runs}))
+    result = torchrun(nproc, str(REPO / "tests" / "dist_leg.py"), str(plan), cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((root / f"{name}-results.json").read_text())
+
+
+def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
+    """One 1-process launch: the refusal, a forged state refused by the validated restore,
+    then the 2->1 reshard."""
+    root, results = legs
+    assert results[-1]["step"] == 6
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
+    resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}
+    refused, forged, resharded = launch_plan(1, tmp_path, "reshard", [
+        resume,
+        {**resume, "reshard": True, "overrides": {**base, "checkpoint.dir": str(tmp_path / "forged")},
+         "forge": {"from": str(root / "quiet_cut"), "to": str(tmp_path / "forged"),
+                   "key": ["training_state", "scheduler", "last_epoch"], "value": 5}},
+        {**resume, "reshard": True}])
+    assert refused["error"] == "WorldSizeMismatch", refused
+    assert "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
+    assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged
+    assert resharded["step"] == 10, resharded
+    meta = verify_distributed(root / "quiet_cut" / "step-00000010")
+    assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1
+    got = load_file(stage(root / "quiet_cut" / "step-00000010", tmp_path / "resharded"))
+    want = load_file(stage(root / "quiet_full" / "step-00000010", tmp_path / "full"))
+    worst = max((got[name] - want[name]).abs().max().item() for name in want)
+    assert worst <= 1e-9, worst
+
+
+def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp"}
+    cut, resumed, full = launch_plan(4, tmp_path, "four", [
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "stop_at": 6},
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "resume": "latest"},
+        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "full")}}])
+    assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
+    assert resumed["loss"] == full["loss"]
+    for folder in (tmp_path / "cut" / "step-00000010", tmp_path / "full" / "step-00000010"):
+        meta = verify_distributed(folder)
+        assert meta["parallel"] == {"mode": "ddp", "world_size": 4, "ddp_find_unused_parameters": True}
+        assert meta["config"]["training"]["ddp_find_unused_parameters"] is True
+    staged = stage(tmp_path / "cut" / "step-00000010", tmp_path / "resumed")
+    reference = stage(tmp_path / "full" / "step-00000010", tmp_path / "uninterrupted")
+    assert staged.read_bytes() == reference.read_bytes()
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the launcher's workers."""
+    ranks = {}
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        for entry in environ:
+            if entry.startswith(b"RANK="):
+                ranks[int(entry[5:])] = pid
+    return ranks
+
+
+def _launch(data_dir: Path, checkpoint_dir: Path, log: Path, *extra: str, parallel: str = "ddp") -> subprocess.Popen:
+    command = [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               *train_args(data_dir, checkpoint_dir, "--max-steps", "1000000", *extra, parallel=parallel)]
+    return subprocess.Popen(command, cwd=log.parent, env=script_env(OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+
+def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert launcher.poll() is None, f"the launch ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
+    log = tmp_path / "log.txt"
+    checkpoints = tmp_path / "ck"
+    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1000000", "--set", "training.log_every=20",
+                       parallel="fsdp2")
+    try:
+        _wait_for(lambda: "step 20/" in log.read_text(), launcher, "step 20")
+        os.kill(_ranks(launcher)[1], signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        launcher.kill()
+    text = log.read_text()
+    lines = error_lines(text)
+    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], text[-3000:]
+    step = int(lines[0].split("after step ")[1].split(";")[0])
+    assert "exitcode: 143" in text or "exitcode  : 143" in text, text[-3000:]
+    assert "torchrun --standalone --nproc-per-node=2" in lines[0] and "--resume latest" in lines[0]
+    committed = sorted(checkpoints.glob("step-*"))
+    assert [p.name for p in committed] == [f"step-{step:08d}"]
+    verify_distributed(committed[0])
+
+
+def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path):
+    log = tmp_path / "log.txt"
+    checkpoints = tmp_path / "ck"
+    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet")
+    try:
+        _wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()),
+                  launcher, "a first checkpoint")
+        _wait_for(lambda: any(p.name.startswith(".tmp-step-") for p in checkpoints.iterdir()), launcher,
+                  "a save in progress")
+        os.kill(_ranks(launcher)[1], signal.SIGKILL)
+        launcher.wait(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    committed = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-"))
+    assert committed, "the previous checkpoint is gone"
+    for folder in committed:  # every step folder is complete: none half-made
+        verify_distributed(folder)
+
+
+def _world(rank: int, size: int) -> World:
+    return World(rank=rank, world_size=size, local_rank=rank, local_world_size=size, device=torch.device("cpu"),
+                 mode="ddp")
+
+
+def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
+    for total, size in ((4, 2), (5, 2), (7, 3), (3, 3)):
+        batch = list(range(100, 100 + total))
+        parts = [_world(rank, size).slice(batch) for rank in range(size)]
+        assert [i for part, _ in parts for i in part] == batch
+        # mean over ranks of (scale x local mean) == global mean, for any per-row losses
+        rows = [float(i * i) for i in batch]
+        local = [(scale * sum(rows[batch.index(i)] for i in part) / len(part)) for part, scale in parts]
+        assert sum(local) / size == pytest.approx(sum(rows) / total, rel=1e-15)
+    with pytest.raises(DataError, match="cannot be split over 3 processes"):
+        _world(0, 3).slice([1, 2])
+
+
+def test_resume_command_repeats_the_launch_with_resume_latest():
+    command = _world(0, 2).resume_command(["scripts/02_train.py", "--set", "training.parallel=fsdp2",
+                                           "--resume=auto", "--quiet"])
+    assert command == ("torchrun --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
+                       "--quiet --resume latest")

@@ -12,7 +12,8 @@ from pipeline.errors import ConfigError, ConfigMismatch
 from pipeline.stage import build_stage
 from pipeline.train import train
 
-from support import REPO, assert_checkpoints_bitwise_equal, one_line_error, train as train_script, verify_checkpoint
+from support import REPO, assert_checkpoints_bitwise_equal, one_line_error, verify_checkpoint
+from support import train as train_script
 
 COSINE = {"scheduler.factory": "pipeline.factories:warmup_cosine",
           "scheduler.params": {"warmup_steps": 2, "min_ratio": 0.1}}

@@ -103,7 +103,7 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
                 summary.update(model_summary(model, fresh_buffers(model)))  # names as one process stores them
                 return world.wrap(model, config)
 
-            run = build_run(config, world.device, wrap)
+            run = build_run(config, world.device, wrap=wrap)
             if meta is not None:
                 restore_distributed(run, world, Path(folder_name), meta, reshard=reshard)
             else:

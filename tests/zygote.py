@@ -1,4 +1,5 @@
-"""A fork server for the scripts the tests run: torch is imported once, every script run is
+"""A fork server for the scripts the tests run: torch (and ``torch._dynamo``, which the first
+``Optimizer()`` of every training process imports) is imported once, every script run is
 a forked child of this process (``python -B tests/zygote.py SOCKET``, started by tests/support.py).
 
 Importing torch costs 2-4 s of CPU on the 2-core test machine, and the suite runs a few hundred
@@ -35,6 +36,7 @@ import traceback
 import numpy  # noqa: F401 - the point of this process: imported once, inherited by every child
 import safetensors.torch  # noqa: F401
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401 - what the first Optimizer() imports (about 2 s here)
 import yaml  # noqa: F401
 
 _PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import pipeline
 
 from support import PYTHON, REPO, run_python, script_env
@@ -30,6 +32,9 @@ def test_this_process_and_script_subprocesses_import_the_tree_under_test(tmp_pat
 def test_a_script_forked_from_the_zygote_sees_what_a_real_exec_sees(tmp_path):
     """tests/zygote.py forks the scripts the tests run; what the script sees must be what
     ``python -B SCRIPT ARGS`` would give it, and a load-time variable must force a real exec."""
+    # As any test building an optimizer in this process does: torch then sets variables of its
+    # own here (TORCHINDUCTOR_CACHE_DIR), which must not turn every later run into an exec.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     probe = tmp_path / "probe.py"
     probe.write_text("import json, os, sys, pipeline\n"
                      "print(json.dumps([sys.argv, os.getcwd(), os.environ.get('PROBE'), pipeline.__file__,\n"

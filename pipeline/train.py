@@ -138,13 +138,8 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
     Refuses to start fresh over committed checkpoints, or to resume behind newer ones:
     either would interleave two runs' steps in one folder.
     """
-    existing = store.committed_steps()
-    if resume == "auto":
-        resume = "latest" if existing else None
+    resume = store.resume_target(resume)
     if resume is None:
-        if existing:
-            raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
-                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
         if extend_to is not None:
             raise PipelineError(f"--extend-to continues a run, but {store.root}/ holds no checkpoint to continue: "
                                 "train it first (--max-steps sets the length of a new run)")
@@ -156,7 +151,7 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
                              "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
     config, lineage = continued_config(loaded.meta, config, data_fingerprint, extend_to=extend_to)
     step = loaded.meta["step"]
-    newer = [s for s in existing if s > step]
+    newer = [s for s in store.committed_steps() if s > step]
     if newer and Path(loaded.folder).resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
                               "resume from latest, or use another --checkpoint-dir")

@@ -132,6 +132,18 @@ class CheckpointStore:
         self._lock.release()
 
     # -- listing -------------------------------------------------------------------------
+    def resume_target(self, resume: str | None) -> str | None:
+        """What a trainer started with ``--resume resume`` continues from: ``None`` for a fresh
+        run (``auto`` in an empty store), else the spec to load (``auto`` -> ``latest``). A fresh
+        run over committed checkpoints is refused: two runs' steps would interleave here."""
+        existing = self.committed_steps()
+        if resume == "auto":
+            resume = "latest" if existing else None
+        if resume is None and existing:
+            raise CheckpointError(f"{self.root}/ already holds checkpoints up to step {existing[-1]}: continue "
+                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
+        return resume
+
     def committed_steps(self) -> list[int]:
         """Steps of committed checkpoints, ascending as integers."""
         if not self.root.is_dir():

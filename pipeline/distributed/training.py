@@ -50,20 +50,15 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
     """Rank 0: the verified checkpoint to resume from (the single-process verification:
     sealed meta.json, every file hashed and parsed, plus every shard's coverage), or
     ``None`` for a fresh run. Same refusals as single-process."""
-    existing = store.committed_steps()
-    if resume == "auto":
-        resume = "latest" if existing else None
+    resume = store.resume_target(resume)
     if resume is None:
-        if existing:
-            raise CheckpointError(f"{store.root}/ already holds checkpoints up to step {existing[-1]}: continue "
-                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
         return None
     loaded = load_checkpoint(resume, store.root, tensors=False)
     if not is_distributed(loaded.meta):
         raise SchemaMismatch(f"{loaded.folder} is a single-process checkpoint: resume it with python "
                              "scripts/02_train.py (training.parallel: none)")
     check_resume_compatible(loaded.meta, config, fingerprint)
-    newer = [s for s in existing if s > loaded.meta["step"]]
+    newer = [s for s in store.committed_steps() if s > loaded.meta["step"]]
     if newer and loaded.folder.resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "
                               f"{loaded.meta['step']}: resume from latest, or use another --checkpoint-dir")

@@ -311,3 +311,15 @@ def test_public_api_resolves_every_name_and_the_publish_path_stays_torch_free():
             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_resume_target_refuses_a_fresh_run_over_committed_checkpoints(tmp_path):
+    from pipeline.errors import CheckpointError
+
+    store = CheckpointStore(tmp_path / "ck")
+    assert store.resume_target("auto") is None and store.resume_target(None) is None
+    (tmp_path / "ck" / "step-00000003").mkdir(parents=True)
+    (tmp_path / "ck" / "step-00000003" / "meta.json").write_text("{}")
+    assert store.resume_target("auto") == "latest" and store.resume_target("latest") == "latest"
+    with pytest.raises(CheckpointError, match="already holds checkpoints up to step 3: continue with --resume latest"):
+        store.resume_target(None)

@@ -314,7 +314,6 @@ def test_public_api_resolves_every_name_and_the_publish_path_stays_torch_free():
 
 
 def test_resume_target_refuses_a_fresh_run_over_committed_checkpoints(tmp_path):
-
     store = CheckpointStore(tmp_path / "ck")
     assert store.resume_target("auto") is None and store.resume_target(None) is None
     (tmp_path / "ck" / "step-00000003").mkdir(parents=True)

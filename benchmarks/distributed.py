@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         summary.update(model_summary(model, fresh_buffers(model)))
         return world.wrap(model, config)
 
-    run = build_run(config, world.device, wrap)
+    run = build_run(config, world.device, wrap=wrap)
     train_step(run, world)  # the optimizer's state exists from the first step on
     store = CheckpointStore(config.checkpoint.dir, keep_last=1)
     if world.rank == 0:

@@ -15,10 +15,14 @@ Format (``meta.json`` schema ``pipeline.checkpoint.distributed/2``)::
                                       bucket setting)
 
 Commit protocol: rank 0 opens :func:`pipeline.durable.atomic_folder` and broadcasts the
-temporary folder's name; every rank writes its files (each fsynced by its writer); all
-agree; rank 0 hashes every file, writes ``meta.json`` (:func:`~pipeline.checkpoint.store.write_meta`)
-and leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree;
-rank 0 prunes through the store (pinned readers respected). A rank killed at any instant
+temporary folder's name; every rank writes its files (each fsynced by its writer) and
+hashes its share of them while they are still in its page cache (its own RNG file as it
+writes it; of DCP's files, its rank's slice of each folder's sorted listing, which is the
+file DCP named after it); all agree; the ranks' ``{file: sha256, size}`` records go to rank
+0 as JSON (:meth:`World.gather_text`, no pickle); rank 0 checks they list exactly the
+folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.store.write_meta`) and
+leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree; rank 0
+prunes through the store (pinned readers respected). A rank killed at any instant
 leaves only a ``.tmp-…`` folder, which the next run's lock holder removes.
 """
 
@@ -83,10 +87,25 @@ def _dcp_save(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
 
 
-def _write_rng(path: Path, generator: Any) -> None:
+def _write_rng(path: Path, generator: Any) -> tuple[str, int]:
     tensors: dict[str, torch.Tensor] = {}
     tree = split_state(capture_rng(generator), _RNG_KEY, tensors)
-    write_safetensors(path, tensors, metadata={"format": "pt", _RNG_KEY: json.dumps(tree, allow_nan=False)})
+    return write_safetensors(path, tensors, metadata={"format": "pt", _RNG_KEY: json.dumps(tree, allow_nan=False)})
+
+
+def _hash_share(folder: Path, world: World) -> dict[str, tuple[str, int]]:
+    """SHA-256 and size of this rank's share of the files DCP wrote, just after DCP fsynced
+    them. The share is this rank's slice of each folder's sorted listing: DCP names each
+    rank's file after its rank (``shard-0000{rank + 1}-…``), so that is the file this rank
+    wrote and still has in its page cache; were it not, the share would only be slower,
+    and rank 0 still checks that the shares list every file exactly once."""
+    paths = {}
+    for sub in (DIST_MODEL_DIR, DIST_OPTIM_DIR):
+        names = sorted(entry.name for entry in (folder / sub).iterdir())
+        paths.update({f"{sub}/{name}": folder / sub / name for name in names[world.rank::world.world_size]})
+    maps = {name: map_file(path) for name, path in paths.items()}
+    digests = sha256_mapped(maps, own=())  # nothing views these bytes: no page copies
+    return {name: (digests[name], len(maps[name])) for name in paths}
 
 
 def _read_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -149,14 +168,18 @@ class DistributedCheckpointer:
                 _dcp_save(model, temporary / DIST_MODEL_DIR)
                 _dcp_save(optimizer, temporary / DIST_OPTIM_DIR)
                 (temporary / DIST_RNG_DIR).mkdir(exist_ok=True)
-                _write_rng(temporary / rank_rng_file(world.rank), run.generator)
+                hashed = {rank_rng_file(world.rank): _write_rng(temporary / rank_rng_file(world.rank), run.generator)}
                 if world.rank == 0:
-                    write_safetensors(temporary / STATE_FILE, shared, metadata={"format": "pt", "step": str(step)})
+                    hashed[STATE_FILE] = write_safetensors(temporary / STATE_FILE, shared,
+                                                           metadata={"format": "pt", "step": str(step)})
+                hashed.update(_hash_share(temporary, world))
+            records = world.gather_text(json.dumps(hashed))
             files: dict[str, dict[str, Any]] = {}
             with world.together(f"committing step {step}"):
                 if world.rank == 0:
                     summary = {**self.model_summary, "derived_buffers": derived_buffer_names(model, run.fresh_buffers)}
-                    files = self._seal(temporary, step, summary, model, optimizer, training_state)
+                    files = self._seal(temporary, step, summary, model, optimizer, training_state,
+                                       _listed(temporary, records))
                     commit.close()  # atomic_folder: fsync the folders, rename into place, fsync the parent
         with world.together(f"pruning after step {step}"):
             if world.rank == 0:
@@ -165,17 +188,8 @@ class DistributedCheckpointer:
         return SavedCheckpoint(step=step, path=final, files=files)
 
     def _seal(self, temporary: Path, step: int, summary: dict, model: dict, optimizer: dict,
-              training_state: dict) -> dict[str, dict[str, Any]]:
-        """Hash every file the ranks wrote and write the sealed meta.json last (rank 0)."""
-        names = sorted(p.relative_to(temporary).as_posix() for p in temporary.rglob("*") if not p.is_dir())
-        for name in names:
-            # What torch writes besides safetensors (.metadata, .distcp) is pickle.
-            if not name.endswith(".safetensors"):
-                raise CheckpointError(f"{temporary / name}: a distributed checkpoint holds safetensors files only")
-        maps = {name: map_file(temporary / name) for name in names}
-        digests = sha256_mapped(maps)
-        files = {name: {"sha256": digests[name], "size": len(maps[name])} for name in names}
-        del maps
+              training_state: dict, files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Write the sealed meta.json last (rank 0)."""
         write_meta(temporary, {
             **self.provenance,
             "schema": DIST_SCHEMA,
@@ -189,6 +203,25 @@ class DistributedCheckpointer:
             "resharded_from": self.resharded_from,
         })
         return files
+
+
+def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
+    """The ranks' hash records joined (rank 0): every file in the folder exactly once."""
+    files: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for name, (digest, size) in json_loads_strict(record.encode("utf-8")).items():
+            if name in files:
+                raise CheckpointError(f"{temporary / name} was hashed by two ranks: their listings of the folder differ")
+            files[name] = {"sha256": digest, "size": size}
+    present = sorted(p.relative_to(temporary).as_posix() for p in temporary.rglob("*") if not p.is_dir())
+    for name in present:
+        # What torch writes besides safetensors (.metadata, .distcp) is pickle.
+        if not name.endswith(".safetensors"):
+            raise CheckpointError(f"{temporary / name}: a distributed checkpoint holds safetensors files only")
+    if sorted(files) != present:
+        odd = sorted(set(files) ^ set(present))[0]
+        raise CheckpointError(f"{temporary / odd}: the ranks' hashes and the folder's files differ")
+    return dict(sorted(files.items()))
 
 
 def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str) -> None:

@@ -167,6 +167,23 @@ class World:
             dist.broadcast(buffer, src=0)
         return bytes(buffer.cpu().tolist()).decode("utf-8")
 
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order, on every rank. UTF-8 bytes in a tensor, not
+        ``all_gather_object``: that pickles, and a record from another process is parsed here
+        by the strict JSON reader like any file, never unpickled."""
+        data = text.encode("utf-8")
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self._comm_device) for _ in range(self.world_size)]
+        with _peer_loss():
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device))
+        longest = max(int(size) for size in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self._comm_device)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _peer_loss():
+            dist.all_gather(parts, mine)
+        return [bytes(part[:int(size)].cpu().numpy()).decode("utf-8") for part, size in zip(parts, sizes)]
+
     def barrier(self) -> None:
         self._max([0])
 

@@ -53,6 +53,9 @@ class TrainingHooks:
     """Called once the run is built and restored, before the first step."""
     on_step: Callable[[TrainingRun], None] | None = None
     """Called after every optimizer step, before that step's checkpoint is saved."""
+    swap_rng: bool = False
+    """Under torchrun: ranks 0 and 1 restore each other's RNG streams (the proof's control
+    for per-rank RNG state)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.skip_restore) - set(OMITTABLE)

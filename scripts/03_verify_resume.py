@@ -4,12 +4,18 @@
     python -B scripts/03_verify_resume.py --output runs/proof-20 --steps 20 --cut 7
     python -B scripts/03_verify_resume.py --output runs/proof-charlm --config examples/charlm/config.yaml
     python -B scripts/03_verify_resume.py --output runs/proof-gpu --set training.device=cuda --atol 1e-6
+    python -B scripts/03_verify_resume.py --output runs/proof-ddp --nproc-per-node 2 --set training.parallel=ddp
 
 Each in its own process, with this interpreter: N uninterrupted steps; the same run cut at
 step K with a checkpoint; a resume from it to N; and one resume per saved component (RNG,
 optimizer, scheduler, data) that leaves it unrestored and must diverge. Everything lands
 in the new --output folder (never in checkpoint.dir); OUTPUT/verification.json holds every
 check with its measured difference. The last stdout line is a one-line JSON summary.
+
+With --nproc-per-node N (training.parallel ddp or fsdp2) the proof runs at that world
+size: two torchrun launches, the uninterrupted run (which also saves the cut checkpoint),
+then the resume and the controls, which add a swap of ranks 0 and 1's RNG streams; the
+final checkpoints are compared bit for bit (pipeline/proof/distributed.py).
 
 Exit codes: 0 proven; 1 a comparison failed (or an omission went undetected); 2 the
 protocol could not complete (bad input, existing --output, unprepared data, a failed leg).
@@ -21,7 +27,7 @@ from pathlib import Path
 
 from pipeline.cli import add_config_arguments, config_from_args, run_main
 from pipeline.errors import PipelineError, ProofIncomplete
-from pipeline.proof import describe, summary_line, verify_resume
+from pipeline.proof import describe, summary_line, verify_resume, verify_resume_distributed
 
 
 def main() -> int:
@@ -36,6 +42,8 @@ def main() -> int:
                         help="absolute tolerance for floating values, rtol 0 (default 0: bitwise)")
     parser.add_argument("--jobs", type=int, metavar="J", help="legs run at once (default: all of a phase on CPU, "
                         "1 on CUDA)")
+    parser.add_argument("--nproc-per-node", type=int, metavar="P", help="prove the resume of a torchrun run "
+                        "with P processes (training.parallel ddp or fsdp2); each leg is a torchrun launch")
     args = parser.parse_args()
     if args.output.exists() or args.output.is_symlink():
         # Checked before anything else is read: an existing folder is left exactly as it is.
@@ -45,8 +53,13 @@ def main() -> int:
         raise PipelineError(f"--jobs must be >= 1 (got {args.jobs})")
     config = config_from_args(args)
     try:
-        report = verify_resume(config, output=args.output, steps=args.steps, cut=args.cut, atol=args.atol,
-                               config_path=args.config, jobs=args.jobs, echo=lambda line: print(line, flush=True))
+        if args.nproc_per_node is not None:
+            report = verify_resume_distributed(config, output=args.output, nproc=args.nproc_per_node,
+                                               steps=args.steps, cut=args.cut, atol=args.atol,
+                                               echo=lambda line: print(line, flush=True))
+        else:
+            report = verify_resume(config, output=args.output, steps=args.steps, cut=args.cut, atol=args.atol,
+                                   config_path=args.config, jobs=args.jobs, echo=lambda line: print(line, flush=True))
     except ProofIncomplete as exc:
         print(json.dumps(summary_line(exc.report, args.output)), flush=True)
         raise

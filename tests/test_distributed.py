@@ -28,6 +28,8 @@ from pipeline.distributed.world import World
 from pipeline.durable import json_bytes
 from pipeline.errors import CheckpointError, ChecksumMismatch, DataError, SchemaMismatch, StageError
 from pipeline.evaluate import evaluate_checkpoint
+from pipeline.proof.checks import control_verdict, judge
+from pipeline.proof.compare import compare
 from pipeline.stage import build_stage
 from pipeline.train import train
 
@@ -263,6 +265,47 @@ def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_
     staged = stage(tmp_path / "cut" / "step-00000010", tmp_path / "resumed")
     reference = stage(tmp_path / "full" / "step-00000010", tmp_path / "uninterrupted")
     assert staged.read_bytes() == reference.read_bytes()
+
+
+def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(data_dir, tmp_path):
+    """scripts/03 with --nproc-per-node 2: two launches (reference with the cut; resume and
+    the five controls, swap of two ranks' RNG streams included), compared bit for bit."""
+    output = tmp_path / "proof"
+    result = subprocess.run(
+        [sys.executable, "-B", str(REPO / "scripts" / "03_verify_resume.py"), "--config", str(CONFIG), "--set",
+         f"data.dir={data_dir}", "--set", "training.parallel=fsdp2", "--set", "training.deterministic=false",
+         "--nproc-per-node", "2", "--steps", "8", "--output", str(output)],
+        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["all_checks_passed"] and summary["positive"] and summary["negative_divergence_detected"]
+    report = json.loads((output / "verification.json").read_text())
+    assert sorted(report["protocol"]["launches"]) == ["reference", "resume-and-controls"]
+    assert all("--nproc-per-node=2" in launch["command"] for launch in report["protocol"]["launches"].values())
+    positive = report["checks"]["positive"]
+    assert {c["name"] for c in positive} >= {"final.model", "final.optimizer", "final.rng", "final.losses"}
+    assert all(c["passed"] and c["max_abs_diff"] == 0.0 for c in positive), positive
+    controls = report["components"]["negative"]
+    assert sorted(controls) == ["data", "optimizer", "rank_rng", "rng", "scheduler"]
+    assert all(c["result"] == "detected" and c["exercised"] for c in controls.values()), controls
+    assert controls["rank_rng"]["leg"] == "swap-rng" and "final.rng" in controls["rank_rng"]["diverged_checks"]
+    # The resume really started at the cut, from the reference's checkpoint.
+    resumed = load_checkpoint(output / "resume" / "checkpoints" / "step-00000008", tensors=False).meta
+    assert resumed["parallel"]["world_size"] == 2 and report["boundary"]["cut"] < 8
+
+
+def test_a_control_that_does_not_diverge_fails_the_proof_naming_it():
+    """The verdict both proofs share: a control whose omission restored other values
+    (exercised) but changed no outcome is 'not detected', and the proof fails (exit 1)."""
+    exercise = compare("exercise.rng", "rng", {"rank-1": 7}, {"rank-1": 8}, 0.0)
+    outcome = [compare("final.model", "model", {"w": torch.ones(2)}, {"w": torch.ones(2)}, 0.0)]
+    verdict = control_verdict("rank_rng", exercise, outcome, None)
+    assert verdict["result"] == "not detected" and verdict["exercised"] and verdict["diverged_checks"] == {}
+    detected = control_verdict("optimizer", exercise, [compare("final.model", "model", 1.0, 2.0, 0.0)], 7)
+    report = judge(outcome, {"rank_rng": verdict, "optimizer": detected})
+    assert report["positive"] is True and report["negative_divergence_detected"] is False
+    assert report["all_checks_passed"] is False and report["failed_components"] == ["rank_rng"]
+    assert judge(outcome, {"optimizer": detected})["all_checks_passed"] is True
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:

@@ -29,6 +29,7 @@ leaves only a ``.tmp-…`` folder, which the next run's lock holder removes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
 import json
 from pathlib import Path
@@ -59,7 +60,7 @@ from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
 from .world import World, derive_rank_rng
 
-__all__ = ["DistributedCheckpointer", "restore_distributed"]
+__all__ = ["DistributedCheckpointer", "restore_distributed", "live_components", "read_rank_rng"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _RNG_KEY = "rng"
@@ -108,7 +109,19 @@ def _hash_share(folder: Path, world: World) -> dict[str, tuple[str, int]]:
     return {name: (digests[name], len(maps[name])) for name in paths}
 
 
-def _read_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+def live_components(run: TrainingRun) -> dict[str, Any]:
+    """This rank's live state of each saved component besides the model (copies): what
+    the resume proof compares to see whether a control changed what was restored."""
+    _, optimizer, _ = _optimizer_state(run)
+    task_state = getattr(run.data, "state_dict", None)
+    return {"optimizer": {name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+                          for name, t in optimizer.items()},
+            "scheduler": copy.deepcopy(run.scheduler.state_dict()),
+            "data": copy.deepcopy({"sampler": run.sampler.state_dict(), "task": task_state() if task_state else None}),
+            "rng": capture_rng(run.generator)}
+
+
+def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """(JSON tree, tensors) of one rank's RNG file, through the strict parser."""
     tensors = read_tensors(path)
     header, _ = parse_header(map_file(path))
@@ -234,14 +247,19 @@ def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[st
 
 
 def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict[str, Any], *,
-                        reshard: bool) -> None:
+                        reshard: bool, omit: Iterable[str] = (), swap_rng: bool = False) -> None:
     """Load a verified checkpoint (rank 0 ran :func:`pipeline.checkpoint.load_checkpoint`
     on it: hashes, strict headers, shard coverage; every rank read its sealed meta.json)
     into a built, wrapped run: model and optimizer through DCP (resharding if the world
     size changed; DCP loads into the run's own tensors, so a refusal after it ends the run,
     and nothing on disk changes), then the JSON state, validated with the single-process
     rules (:func:`~pipeline.checkpoint.validate.validated_state`) and derived buffers
-    checked before any of it is set, and this rank's RNGs last (re-derived when resharded)."""
+    checked before any of it is set, and this rank's RNGs last (re-derived when resharded).
+
+    ``omit`` and ``swap_rng``: the resume proof's negative controls
+    (:class:`pipeline.train.TrainingHooks`). An omitted component keeps what the fresh
+    build gave it (the RNGs: the streams a fresh run derives at step 0)."""
+    omit = frozenset(omit)
     saved_world = meta["parallel"]["world_size"]
     if saved_world != world.world_size and not reshard:
         raise WorldSizeMismatch(f"{folder} was written by {saved_world} processes, this launch has "
@@ -250,13 +268,15 @@ def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
     _, optimizer, _ = _optimizer_state(run)
-    _dcp_load(optimizer, folder / DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], "optimizer")
+    if "optimizer" not in omit:
+        _dcp_load(optimizer, folder / DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], "optimizer")
     model = _model_state(run, meta["tensors"][DIST_MODEL_DIR])
     _dcp_load(model, folder / DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], "model")
     resharded = saved_world != world.world_size
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
     # over; the per-rank streams have no counterpart at another world size.
-    rng_tree, rng_tensors = _read_rng(folder / rank_rng_file(0 if resharded else world.rank))
+    source = 0 if resharded else (1 - world.rank if swap_rng and world.rank < 2 else world.rank)
+    rng_tree, rng_tensors = read_rank_rng(folder / rank_rng_file(source))
     shared = read_tensors(folder / STATE_FILE)
     state = {**meta["training_state"], "rng": rng_tree}
     _, _, live = _optimizer_state(run)
@@ -265,14 +285,19 @@ def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict
                           source=str(folder / DIST_MODEL_DIR))
     try:
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
-        run.scheduler.load_state_dict(joined["scheduler"])
-        run.sampler.load_state_dict(joined["sampler"])
-        if joined["task"] is not None:
-            run.data.load_state_dict(joined["task"])
+        if "optimizer" not in omit:
+            set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
+        if "scheduler" not in omit:
+            run.scheduler.load_state_dict(joined["scheduler"])
+        if "data" not in omit:
+            run.sampler.load_state_dict(joined["sampler"])
+            if joined["task"] is not None:
+                run.data.load_state_dict(joined["task"])
         run.step = joined["step"]
         run.history = {key: shared[f"history/{key}"].tolist() for key in HISTORY}
-        if not resharded:
+        if "rng" in omit:
+            derive_rank_rng(run.config.training.seed, 0, world.rank)
+        elif not resharded:
             restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
         else:
             run.generator.bit_generator.state = joined["rng"]["numpy_generator"]

@@ -15,7 +15,7 @@ from ..environment import pin_threads, reproduce_environment
 from ..errors import CheckpointError, PipelineError, SchemaMismatch
 from ..progress import Progress
 from ..run import build_run, configure_determinism, fresh_buffers
-from ..train import TrainResult, _loop, run_provenance
+from ..train import TrainingHooks, TrainResult, _loop, run_provenance
 from .checkpoint import DistributedCheckpointer, restore_distributed
 from .world import World, derive_rank_rng
 
@@ -24,23 +24,25 @@ __all__ = ["train_distributed"]
 
 def train_distributed(config: Config, *, resume: str | None = None, stop_at: int | None = None,
                       progress: bool = True, reshard: bool = False, allow_environment_change: bool = False,
-                      world: World | None = None) -> TrainResult:
+                      world: World | None = None, hooks: TrainingHooks | None = None) -> TrainResult:
     """Train as one rank of a torchrun launch (``training.parallel``: ddp | fsdp2).
 
     ``resume`` and ``allow_environment_change`` as in :func:`pipeline.train.train`;
     ``reshard``: accept a checkpoint written by another number of processes. ``world``: a
     process group the caller started (and will close) to run several trainings in one
-    launch; by default one is joined and left here. Every rank returns the same result.
+    launch; by default one is joined and left here. ``hooks``: as for :func:`pipeline.train.train`
+    (the distributed resume proof, ``pipeline.proof.distributed``). Every rank returns the same result.
     """
+    hooks = hooks or TrainingHooks()
     if world is not None:
         if world.mode != config.training.parallel:
             raise PipelineError(f"the launch runs {world.mode}, the config asks for {config.training.parallel}")
         return _train(world, config, resume=resume, stop_at=stop_at, progress=progress, reshard=reshard,
-                      allow_environment_change=allow_environment_change)
+                      allow_environment_change=allow_environment_change, hooks=hooks)
     world = World.start(config)
     try:
         return _train(world, config, resume=resume, stop_at=stop_at, progress=progress, reshard=reshard,
-                      allow_environment_change=allow_environment_change)
+                      allow_environment_change=allow_environment_change, hooks=hooks)
     finally:
         world.close()
 
@@ -66,7 +68,7 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
 
 
 def _train(world: World, config: Config, *, resume: str | None, stop_at: int | None, progress: bool,
-           reshard: bool, allow_environment_change: bool) -> TrainResult:
+           reshard: bool, allow_environment_change: bool, hooks: TrainingHooks) -> TrainResult:
     if stop_at is not None and stop_at < 1:
         raise PipelineError(f"--stop-at must be >= 1 (got {stop_at})")
     configure_determinism(config)
@@ -100,9 +102,12 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
 
             run = build_run(config, world.device, wrap=wrap)
             if meta is not None:
-                restore_distributed(run, world, Path(folder_name), meta, reshard=reshard)
+                restore_distributed(run, world, Path(folder_name), meta, reshard=reshard, omit=hooks.skip_restore,
+                                    swap_rng=hooks.swap_rng)
             else:
                 derive_rank_rng(config.training.seed, 0, world.rank)
+            if hooks.on_start is not None:
+                hooks.on_start(run)
         report = Progress(total=config.training.max_steps, initial=resumed or 0,
                           log_every=config.training.log_every, enabled=progress and world.rank == 0)
         if meta is not None:
@@ -114,7 +119,7 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
         checkpointer = DistributedCheckpointer(store, world, run_provenance(config, manifest, world.device, changes),
                                                summary, resharded_from=resharded_from)
         try:
-            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None, on_step=None,
+            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None, on_step=hooks.on_step,
                           resume_hint=world.resume_command(), world=world)
         finally:
             report.close()

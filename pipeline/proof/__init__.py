@@ -10,8 +10,9 @@ point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparison
 :mod:`.protocol` (orchestration and report), :mod:`.layout` (file names).
 """
 
+from .distributed import verify_resume_distributed
 from .plan import CONTROLS, DEFAULT_STEPS, plan_cut
 from .protocol import REPORT_SCHEMA, describe, summary_line, verify_resume
 
 __all__ = ["CONTROLS", "DEFAULT_STEPS", "REPORT_SCHEMA", "plan_cut", "verify_resume",
-           "summary_line", "describe"]
+           "summary_line", "describe", "verify_resume_distributed"]

@@ -22,6 +22,7 @@ __all__ = [
     "exercise_check",
     "first_divergent_step",
     "control_verdict",
+    "judge",
 ]
 
 # Parts of a checkpoint's training state, each compared on its own (the ``data`` part holds
@@ -123,4 +124,28 @@ def control_verdict(component: str, exercise: Check, outcome: list[Check], first
                          "values",
         "diverged_checks": {check.name: check.max_abs_diff for check in diverged},
         "first_divergent_loss_step": first_step,
+    }
+
+
+def judge(positive: list[Check], controls: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The verdict over the positive checks and the controls' verdicts: proven only if every
+    positive check passed and no exercised control went undetected (one process or torchrun)."""
+    positive_ok = all(check.passed for check in positive)
+    negative_ok = all(c["result"] != "not detected" for c in controls.values())
+    by_component: dict[str, bool] = {}
+    for check in positive:
+        by_component[check.component] = by_component.get(check.component, True) and check.passed
+    # Checks are in causal order (prefix, boundary, after the cut, final): the first name is
+    # where the difference entered, e.g. the part that was restored wrongly.
+    failed = list(dict.fromkeys(check.component for check in positive if not check.passed))
+    failed += [name for name, c in controls.items() if c["result"] == "not detected" and name not in failed]
+    return {
+        "all_checks_passed": positive_ok and negative_ok,
+        "positive": positive_ok,
+        "negative_divergence_detected": negative_ok,
+        "failed_components": failed,
+        "components": {
+            "positive": {name: "matched" if ok else "diverged" for name, ok in by_component.items()},
+            "negative": controls,
+        },
     }

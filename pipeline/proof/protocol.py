@@ -34,6 +34,7 @@ from .checks import (
     control_verdict,
     exercise_check,
     first_divergent_step,
+    judge,
     prefix_checks,
     state_checks,
 )
@@ -181,25 +182,9 @@ _NO_SCALER = {"component": "scaler", "leg": None, "result": "not exercised", "ex
 
 def _verdict(plan: Plan, runs: dict[str, Any], positive: list[Check], controls: dict[str, Any],
              control_checks: dict[str, Any]) -> dict[str, Any]:
-    positive_ok = all(check.passed for check in positive)
-    negative_ok = all(c["result"] != "not detected" for c in controls.values())
-    by_component: dict[str, bool] = {}
-    for check in positive:
-        by_component[check.component] = by_component.get(check.component, True) and check.passed
-    # Checks are in causal order (prefix, boundary, after the cut, final): the first name is
-    # where the difference entered, e.g. the part that was restored wrongly.
-    failed = list(dict.fromkeys(check.component for check in positive if not check.passed))
-    failed += [name for name, c in controls.items() if c["result"] == "not detected" and name not in failed]
     cut_summary = runs["cut"]
     return {
-        "all_checks_passed": positive_ok and negative_ok,
-        "positive": positive_ok,
-        "negative_divergence_detected": negative_ok,
-        "failed_components": failed,
-        "components": {
-            "positive": {name: "matched" if ok else "diverged" for name, ok in by_component.items()},
-            "negative": controls,
-        },
+        **judge(positive, controls),
         "boundary": {**plan.to_dict(), "checkpoint": f"cut/{CHECKPOINTS_DIR}/{step_dir_name(plan.cut)}",
                      "sampler_at_cut": cut_summary["end"]["sampler"]},
         "final_metrics": {name: run["end"]["metric"] for name, run in runs.items()},

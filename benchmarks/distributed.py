@@ -15,6 +15,12 @@ per repetition, in an order rotated by the repetition:
 
 and for the resume: ``ours`` = ``load_checkpoint`` (rank 0: hashes, strict headers, shard
 coverage) + ``restore_distributed``; ``dcp_fs`` = ``dcp.load`` with ``FileSystemReader``.
+
+The async save (``checkpoint.async``): ``stall/async`` is how long ``save`` keeps training
+waiting (state dicts, RNG capture, the copy into the reused CPU buffers, the thread's
+start), the commit then runs in the background and is waited for untimed;
+``stall/memcpy`` is one copy of this rank's local model and optimizer shards into
+preallocated buffers, the floor any snapshot pays.
 Files go to ``$BENCH_DIR`` (default: the temporary folder). Rank 0 prints medians and
 the ratios, and writes ``--out`` (JSON).
 """
@@ -44,6 +50,8 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -82,8 +90,12 @@ def worker(args: argparse.Namespace) -> None:
         store.acquire()
     checkpointer = DistributedCheckpointer(store, world, run_provenance(config, load_manifest(config), world.device,
                                                                         []), summary)
+    background = DistributedCheckpointer(CheckpointStore(root / "async", keep_last=1), world,
+                                         checkpointer.provenance, summary, background=True)
+    if world.rank == 0:
+        background.store.acquire()
     times: dict[str, list[float]] = {"save/ours": [], "save/dcp_fs": [], "save/dcp_hf": [], "load/ours": [],
-                                     "load/dcp_fs": []}
+                                     "load/dcp_fs": [], "stall/async": [], "stall/memcpy": []}
 
     def timed(key, call):
         world.barrier()
@@ -119,6 +131,16 @@ def worker(args: argparse.Namespace) -> None:
         state = {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.optimizer)}
         dcp.load(state, storage_reader=FileSystemReader(str(root / "dcp_fs")))
 
+    def local_shards() -> list:
+        tensors = {**_model_state(run, summary["tensors"]), **_optimizer_state(run)[1]}
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+
+    floor = [torch.empty_like(t) for t in local_shards()]
+
+    def memcpy():
+        for target, source in zip(floor, local_shards()):
+            np.copyto(target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
+
     saves = [("save/ours", save_ours), ("save/dcp_fs", save_fs), ("save/dcp_hf", save_hf)]
     for rep in range(args.reps):
         train_step(run, world)  # untimed: a new step folder per repetition (keep_last 1 prunes the last)
@@ -126,15 +148,21 @@ def worker(args: argparse.Namespace) -> None:
             timed(key, call)
         timed("load/ours", load_ours)
         timed("load/dcp_fs", load_fs)
+        timed("stall/memcpy", memcpy)
+        timed("stall/async", lambda: background.save(run))
+        background.wait()  # untimed: the commit in the background
+    background.close()
     if world.rank == 0:
         store.release()
+        background.store.release()
         medians = {key: statistics.median(values) for key, values in times.items()}
         state_bytes = sum(t.numel() * t.element_size() for t in _model_state(run, summary["tensors"]).values())
         result = {"nproc": world.world_size, "mode": args.mode, "params": summary["num_parameters"],
                   "model_bytes_full": state_bytes, "reps": args.reps, "seconds": times, "median": medians,
                   "ratios": {"save ours / dcp_hf": medians["save/ours"] / medians["save/dcp_hf"],
                              "save ours / dcp_fs": medians["save/ours"] / medians["save/dcp_fs"],
-                             "load ours / dcp_fs": medians["load/ours"] / medians["load/dcp_fs"]}}
+                             "load ours / dcp_fs": medians["load/ours"] / medians["load/dcp_fs"],
+                             "async stall / memcpy": medians["stall/async"] / medians["stall/memcpy"]}}
         for key, value in medians.items():
             print(f"{key:14s} median {value * 1000:8.1f} ms  (min {min(times[key]) * 1000:.1f}, "
                   f"max {max(times[key]) * 1000:.1f})")

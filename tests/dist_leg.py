@@ -10,7 +10,7 @@ calls under ``checkpoint.dir`` (tests/oprecorder.py) with the time each complete
 for a call that raised, such as a mkdir of a folder that exists), into
 ``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
 Rank 0 writes one result per run (step, losses,
-checkpoint, or the refusal's type and message) to ``results``.
+checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
 """
 
 import contextlib
@@ -62,10 +62,13 @@ def main(plan_path: str) -> None:
                     result = train_distributed(config, world=dataclasses.replace(world, mode=config.training.parallel),
                                                resume=run.get("resume"), stop_at=run.get("stop_at"), progress=False,
                                                reshard=run.get("reshard", False))
-                results.append({"step": result.step, "loss": result.history["loss"],
-                                "checkpoint": str(result.checkpoint)})
-            except PipelineError as exc:
-                results.append({"error": type(exc).__name__, "message": str(exc)})
+                outcome = {"step": result.step, "loss": result.history["loss"], "checkpoint": str(result.checkpoint)}
+            except (PipelineError, OSError) as exc:
+                # An OSError is exit 2 in a script (pipeline.cli.run_main).
+                outcome = {"error": type(exc).__name__, "message": str(exc), "exit_code": getattr(exc, "exit_code", 2)}
+            # Every rank's exit code: a refusal must end every rank, with the same code.
+            codes = [json.loads(text) for text in world.gather_text(json.dumps(outcome.get("exit_code", 0)))]
+            results.append({**outcome, "exit_codes": codes})
             if "record" in run:
                 Path(f"{run['record']}-rank{world.rank}.json").write_text(json.dumps(
                     {"ops": [op.to_dict() for op in recorder.ops], "done": [done.get(i) for i in range(len(recorder.ops))]}))

@@ -58,20 +58,38 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def legs(data_dir, tmp_path_factory):
-    """Two processes: per mode, cut at step 6 + resume, and uninterrupted; and, without
-    dropout or augmentation noise (the streams a reshard re-derives), uninterrupted and cut."""
+    """Two processes: per mode, cut at step 6 + resume, and uninterrupted (DDP saving
+    synchronously, FSDP2 in the background: checkpoint.async); a resume from the FSDP2 run's
+    step 5, saved in the background while steps 6 to 10 trained; and, without dropout or
+    augmentation noise (the streams a reshard re-derives), uninterrupted and cut."""
     root = tmp_path_factory.mktemp("dist")
     runs = []
-    for mode in ("ddp", "fsdp2"):
-        base = {"data.dir": str(data_dir), "training.parallel": mode}
+    for mode, background in (("ddp", False), ("fsdp2", True)):
+        base = {"data.dir": str(data_dir), "training.parallel": mode, "checkpoint.async": background}
         runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "stop_at": 6},
                  {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "resume": "latest",
                   "record": str(root / f"ops_{mode}")},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}")}}]
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}"), "checkpoint.keep_last": 2}}]
+    runs.append({"overrides": {**base, "checkpoint.dir": str(root / "mid_fsdp2")},
+                 "resume": str(root / "full_fsdp2" / "step-00000005")})
+    # A background save that fails: checkpoints on a real 64 KiB tmpfs (a step takes 20 pages).
+    full_disk = root / "full_disk"
+    mounted = os.geteuid() == 0 and _mount_tmpfs(full_disk, "size=64k")
+    runs.append({"overrides": {**base, "checkpoint.dir": str(full_disk)}} if mounted else
+                {"overrides": {**base, "checkpoint.dir": str(root / "not_mounted")}, "stop_at": 1})
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
              {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
-    return root, launch_plan(2, root, "legs", runs)
+    try:
+        return root, launch_plan(2, root, "legs", runs), mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(full_disk)], check=False)
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(where)], capture_output=True).returncode == 0
 
 
 def verify_distributed(folder: Path) -> dict:
@@ -87,7 +105,7 @@ def stage(checkpoint: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, tmp_path):
-    root, results = legs
+    root, results, _ = legs
     offset = 0 if mode == "ddp" else 3
     cut, resumed, full = results[offset:offset + 3]
     assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
@@ -106,12 +124,35 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     assert sorted(weights) == sorted(meta["model"]["tensors"])
 
 
+def test_a_background_save_holds_its_step_while_training_goes_on(legs, tmp_path):
+    """FSDP2 with checkpoint.async: step 5 was committed in the background while steps 6 to
+    10 trained; resumed from it, the run ends bitwise where the uninterrupted one did (a save
+    that wrote the live shards instead of its snapshot would hold later weights)."""
+    root, results, _ = legs
+    full, mid = results[5], results[6]
+    assert mid["step"] == full["step"] == 10 and mid["loss"] == full["loss"]
+    staged = stage(root / "mid_fsdp2" / "step-00000010", tmp_path / "mid")
+    assert staged.read_bytes() == stage(root / "full_fsdp2" / "step-00000010", tmp_path / "full").read_bytes()
+    assert verify_distributed(root / "full_fsdp2" / "step-00000005")["config"]["checkpoint"]["async"] is True
+
+
+def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
+    root, results, mounted = legs
+    if not mounted:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    failed = results[7]
+    assert failed["error"] in ("OSError", "CheckpointError", "PeerFailed"), failed
+    assert "No space left on device" in failed["message"] or "failed on another rank" in failed["message"], failed
+    assert "\n" not in failed["message"] and failed["exit_codes"] == [2, 2], failed
+    assert not list((root / "full_disk").glob("step-*")), "a failed save left a step folder"
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs, mode):
     """The ordering check of the crash-point harness (tests/oprecorder.py) on the resumed
     run's calls from both ranks, merged by completion time: it saved step 10 and pruned
     step 6 (keep_last 1)."""
-    root, _ = legs
+    root, _, _ = legs
     ops = []
     for rank in (0, 1):
         record = json.loads((root / f"ops_{mode}-rank{rank}.json").read_text())
@@ -129,7 +170,7 @@ def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs,
 
 
 def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
-    root, _ = legs
+    root, _, _ = legs
     for mode in ("ddp", "fsdp2"):
         folder = root / f"full_{mode}" / "step-00000010"
         meta = verify_distributed(folder)
@@ -228,7 +269,7 @@ def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dic
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
     then the 2->1 reshard."""
-    root, results = legs
+    root, results, _ = legs
     assert results[-1]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}

@@ -23,7 +23,9 @@ file DCP named after it); all agree; the ranks' ``{file: sha256, size}`` records
 folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.store.write_meta`) and
 leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree; rank 0
 prunes through the store (pinned readers respected). A rank killed at any instant
-leaves only a ``.tmp-…`` folder, which the next run's lock holder removes.
+leaves only a ``.tmp-…`` folder, which the next run's lock holder removes. With
+``checkpoint.async`` the same protocol runs in a thread, from a snapshot, on a process
+group of its own (:class:`DistributedCheckpointer`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import contextlib
 import copy
 import datetime as _dt
 import json
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -45,16 +48,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint import CheckpointStore, SavedCheckpoint, check_derived_buffers
+from ..checkpoint.checkpointer import PendingSave
 from ..checkpoint.codec import split_state
 from ..checkpoint.shards import tensor_specs
+from ..checkpoint.snapshot import SnapshotBuffers
 from ..checkpoint.store import DIST_SCHEMA, write_meta
 from ..checkpoint.tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
 from ..checkpoint.validate import HISTORY, validated_state
 from ..checkpoint.weights import derived_buffer_names
 from ..durable import atomic_folder, json_loads_strict
-from ..errors import CheckpointError, StateMismatch, WorldSizeMismatch
+from ..errors import CheckpointError, PipelineError, StateMismatch, WorldSizeMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
@@ -79,19 +85,14 @@ def _optimizer_state(run: TrainingRun) -> tuple[Any, dict[str, torch.Tensor], di
     return split_state(live, DIST_OPTIM_DIR, tensors), tensors, live
 
 
-def _dcp_save(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+def _dcp_save(tensors: dict[str, torch.Tensor], folder: Path, world: World) -> None:
     # HuggingFaceStorageWriter stores tensors only; anything else would silently become a
     # torch.save (zip, pickle) entry, so it is refused here first.
     odd = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if odd:
         raise CheckpointError(f"{odd[0]} is not a tensor: a distributed checkpoint holds tensors only")
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
-
-
-def _write_rng(path: Path, generator: Any) -> tuple[str, int]:
-    tensors: dict[str, torch.Tensor] = {}
-    tree = split_state(capture_rng(generator), _RNG_KEY, tensors)
-    return write_safetensors(path, tensors, metadata={"format": "pt", _RNG_KEY: json.dumps(tree, allow_nan=False)})
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
+             process_group=world.group)
 
 
 def _hash_share(folder: Path, world: World) -> dict[str, tuple[str, int]]:
@@ -133,26 +134,50 @@ def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 
 class DistributedCheckpointer:
     """The distributed counterpart of :class:`pipeline.checkpoint.Checkpointer` (same
-    ``save`` / ``wait`` / ``close`` / ``store``). Saves are synchronous."""
+    ``save`` / ``wait`` / ``close`` / ``store``).
+
+    With ``background=True`` (``checkpoint.async``), :meth:`save` copies this rank's model
+    and optimizer shards, RNG states and the shared state into reused CPU buffers
+    (:class:`~pipeline.checkpoint.snapshot.SnapshotBuffers`), returns a
+    :class:`~pipeline.checkpoint.checkpointer.PendingSave`, and a thread commits with the
+    same protocol. The thread's collectives (DCP's plan exchange, the agreements, the hash
+    records) run on a gloo group of their own, created here on every rank at the same point
+    of the run, so they can never pair up with a training step's all-reduce on another
+    rank: the deadlock of a shared group. One save in flight: the next :meth:`save` and
+    :meth:`close` wait for it and raise its error in the training thread.
+    """
 
     def __init__(self, store: CheckpointStore, world: World, provenance: dict[str, Any], model_summary: dict,
-                 *, resharded_from: int | None = None) -> None:
+                 *, resharded_from: int | None = None, background: bool = False) -> None:
         self.store = store
         self.world = world
         self.provenance = provenance
         self.model_summary = model_summary
         self.resharded_from = resharded_from
+        self.background = background
         self.last_saved_step: int | None = None
+        self.snapshot = SnapshotBuffers()
+        self._in_flight: PendingSave | None = None
+        self._committer = world.own_group() if background else world
 
-    def wait(self) -> None:
-        return None
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the save in flight commits; raise its error here. ``None`` if idle."""
+        pending, self._in_flight = self._in_flight, None
+        return pending.result() if pending is not None else None
 
     def close(self) -> None:
-        return None
+        """Wait for the save in flight (raising its error), then free the buffers and the group."""
+        try:
+            self.wait()
+        finally:
+            self.snapshot.release()
+            if self._committer is not self.world:
+                self._committer.leave_group()
+                self._committer = self.world
 
-    def save(self, run: TrainingRun) -> SavedCheckpoint:
-        world, step = self.world, run.step
-        final = self.store.path_for(step)
+    def save(self, run: TrainingRun) -> SavedCheckpoint | PendingSave:
+        self.wait()  # the buffers are reused, and a failed save must stop training now
+        step = run.step
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)
         shared: dict[str, torch.Tensor] = {}
@@ -169,6 +194,47 @@ class DistributedCheckpointer:
         for key in HISTORY:
             shared[f"history/{key}"] = torch.tensor(run.history[key],
                                                     dtype=torch.int64 if key == "step" else torch.float64)
+        rng: dict[str, torch.Tensor] = {}
+        rng_tree = split_state(capture_rng(run.generator), _RNG_KEY, rng)
+        record = {"step": step, "training_state": training_state, "rng_tree": rng_tree,
+                  "tensors": {DIST_MODEL_DIR: tensor_specs(model), DIST_OPTIM_DIR: tensor_specs(optimizer)},
+                  "model": {**self.model_summary, "derived_buffers": derived_buffer_names(model, run.fresh_buffers)}
+                  if self.world.rank == 0 else None}
+        if not self.background:
+            saved = self._commit(self.world, record, model, optimizer, rng, shared)
+            self.last_saved_step = step
+            return saved
+        copies = self.snapshot.copy({"model": _local(model), "optim": _local(optimizer), "rng": rng,
+                                     "shared": shared})
+        pending = PendingSave(step, self.store.path_for(step))
+        # Not a daemon: an interpreter exiting without close() still waits for the commit.
+        pending._thread = threading.Thread(
+            target=self._write, name=f"checkpoint-step-{step}", daemon=False,
+            args=(pending, copy.deepcopy(record), _like(copies["model"], model), _like(copies["optim"], optimizer),
+                  copies["rng"], copies["shared"]))
+        self._in_flight = pending
+        pending._thread.start()
+        return pending
+
+    def _write(self, pending: PendingSave, *args: Any) -> None:
+        try:
+            saved = self._commit(self._committer, *args)
+        except BaseException as exc:  # re-raised in the training thread by PendingSave.result
+            if not isinstance(exc, (PipelineError, OSError)):
+                # DCP's own failure type is not an Exception; the run ends with one line.
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                exc = CheckpointError(f"the background save of step {pending.step} failed: {first[:300]}")
+            pending._future.set_exception(exc)
+            return
+        self.last_saved_step = saved.step
+        pending._future.set_result(saved)
+
+    def _commit(self, world: World, record: dict[str, Any], model: dict[str, torch.Tensor],
+                optimizer: dict[str, torch.Tensor], rng: dict[str, torch.Tensor],
+                shared: dict[str, torch.Tensor]) -> SavedCheckpoint:
+        """The commit protocol (module docstring) on ``world``'s process group."""
+        step = record["step"]
+        final = self.store.path_for(step)
         with contextlib.ExitStack() as commit:
             temporary = None
             with world.together(f"saving step {step}"):
@@ -178,10 +244,12 @@ class DistributedCheckpointer:
                     temporary = commit.enter_context(atomic_folder(final, files_synced=True))
             temporary = self.store.root / world.broadcast_text(temporary.name if temporary else None)
             with world.together(f"writing step {step}"):
-                _dcp_save(model, temporary / DIST_MODEL_DIR)
-                _dcp_save(optimizer, temporary / DIST_OPTIM_DIR)
+                _dcp_save(model, temporary / DIST_MODEL_DIR, world)
+                _dcp_save(optimizer, temporary / DIST_OPTIM_DIR, world)
                 (temporary / DIST_RNG_DIR).mkdir(exist_ok=True)
-                hashed = {rank_rng_file(world.rank): _write_rng(temporary / rank_rng_file(world.rank), run.generator)}
+                hashed = {rank_rng_file(world.rank): write_safetensors(
+                    temporary / rank_rng_file(world.rank), rng,
+                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)})}
                 if world.rank == 0:
                     hashed[STATE_FILE] = write_safetensors(temporary / STATE_FILE, shared,
                                                            metadata={"format": "pt", "step": str(step)})
@@ -190,32 +258,43 @@ class DistributedCheckpointer:
             files: dict[str, dict[str, Any]] = {}
             with world.together(f"committing step {step}"):
                 if world.rank == 0:
-                    summary = {**self.model_summary, "derived_buffers": derived_buffer_names(model, run.fresh_buffers)}
-                    files = self._seal(temporary, step, summary, model, optimizer, training_state,
-                                       _listed(temporary, records))
+                    files = self._seal(temporary, record, _listed(temporary, records))
                     commit.close()  # atomic_folder: fsync the folders, rename into place, fsync the parent
         with world.together(f"pruning after step {step}"):
             if world.rank == 0:
                 self.store.prune_after_commit(step)
-        self.last_saved_step = step
         return SavedCheckpoint(step=step, path=final, files=files)
 
-    def _seal(self, temporary: Path, step: int, summary: dict, model: dict, optimizer: dict,
-              training_state: dict, files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def _seal(self, temporary: Path, record: dict[str, Any], files: dict[str, dict[str, Any]]
+              ) -> dict[str, dict[str, Any]]:
         """Write the sealed meta.json last (rank 0)."""
         write_meta(temporary, {
             **self.provenance,
             "schema": DIST_SCHEMA,
-            "step": step,
+            "step": record["step"],
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": summary,
-            "training_state": training_state,
+            "model": record["model"],
+            "training_state": record["training_state"],
             "files": files,
             "parallel": self.world.describe(),
-            "tensors": {DIST_MODEL_DIR: tensor_specs(model), DIST_OPTIM_DIR: tensor_specs(optimizer)},
+            "tensors": record["tensors"],
             "resharded_from": self.resharded_from,
         })
         return files
+
+
+def _local(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of each tensor (an FSDP2 shard's local tensor)."""
+    return {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+
+
+def _like(copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
+    the same mesh, placements and global shape (no communication), so DCP writes the same
+    chunks at the same offsets."""
+    return {name: DTensor.from_local(copies[name], t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                     stride=t.stride()) if isinstance(t, DTensor) else copies[name]
+            for name, t in live.items()}
 
 
 def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:

@@ -117,12 +117,14 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
         resharded_from = saved_world if saved_world not in (None, world.world_size) else (
             meta["resharded_from"] if meta else None)
         checkpointer = DistributedCheckpointer(store, world, run_provenance(config, manifest, world.device, changes),
-                                               summary, resharded_from=resharded_from)
+                                               summary, resharded_from=resharded_from,
+                                               background=config.checkpoint.async_)
         try:
             saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=resumed is not None, on_step=hooks.on_step,
                           resume_hint=world.resume_command(), world=world)
         finally:
             report.close()
+            checkpointer.close()  # waits for a save in flight; may raise its error
         checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
                                                            store.committed_steps() else None)
         return TrainResult(step=run.step, max_steps=config.training.max_steps, checkpoint=checkpoint,

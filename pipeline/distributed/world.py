@@ -9,6 +9,7 @@ waiting in a collective for a peer that has already given up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
@@ -67,6 +68,10 @@ class World:
     mode: str
     find_unused_parameters: bool = True
     """DDP's ``find_unused_parameters`` (``training.ddp_find_unused_parameters``)."""
+    group: Any = None
+    """The process group of this object's collectives: ``None``, the launch's default one;
+    a background save's own gloo group (:meth:`own_group`), so its agreements never
+    interleave with the training loop's."""
 
     @classmethod
     def start(cls, config: Config) -> "World":
@@ -93,6 +98,16 @@ class World:
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
                    device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters)
+
+    def own_group(self) -> "World":
+        """This rank on a new gloo process group of every rank (CPU collectives, whatever
+        the training backend). Every rank must call it at the same point, in the same order."""
+        return dataclasses.replace(self, group=dist.new_group(backend="gloo"))
+
+    def leave_group(self) -> None:
+        """Destroy the group :meth:`own_group` made (every rank, once its last collective is done)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
 
     def describe(self) -> dict[str, Any]:
         """What meta.json records about the launch that wrote a checkpoint: the DDP bucket
@@ -121,19 +136,19 @@ class World:
         """The global batch's loss, the same float on every rank."""
         value = scaled_loss.detach().to(torch.float64).reshape(1).clone()
         with _peer_loss():
-            dist.all_reduce(value)
+            dist.all_reduce(value, group=self.group)
         return float(value) / self.world_size
 
     # -- agreement -----------------------------------------------------------------------
     def _max(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
         with _peer_loss():
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
     @property
     def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+        return self.device if self.device.type == "cuda" and self.group is None else torch.device("cpu")
 
     def agree_signal(self, signum: int | None) -> int | None:
         """A stop signal received by any rank, known to all (each step, so all stop together)."""
@@ -149,7 +164,7 @@ class World:
             yield
         except Exception as exc:
             error = exc
-        code = getattr(error, "exit_code", 2 if isinstance(error, PipelineError) else 1) if error else 0
+        code = getattr(error, "exit_code", 2 if isinstance(error, (PipelineError, OSError)) else 1) if error else 0
         (agreed,) = self._max([code])
         if error is not None:
             raise error
@@ -164,7 +179,7 @@ class World:
         if self.rank == 0 and length:
             buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         with _peer_loss():
-            dist.broadcast(buffer, src=0)
+            dist.broadcast(buffer, src=0, group=self.group)
         return bytes(buffer.cpu().tolist()).decode("utf-8")
 
     def gather_text(self, text: str) -> list[str]:
@@ -174,14 +189,15 @@ class World:
         data = text.encode("utf-8")
         sizes = [torch.zeros(1, dtype=torch.int64, device=self._comm_device) for _ in range(self.world_size)]
         with _peer_loss():
-            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device))
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device),
+                            group=self.group)
         longest = max(int(size) for size in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8, device=self._comm_device)
         if data:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         with _peer_loss():
-            dist.all_gather(parts, mine)
+            dist.all_gather(parts, mine, group=self.group)
         return [bytes(part[:int(size)].cpu().numpy()).decode("utf-8") for part, size in zip(parts, sizes)]
 
     def barrier(self) -> None:

@@ -49,6 +49,8 @@ def main() -> int:
         # Checked before anything else is read: an existing folder is left exactly as it is.
         raise PipelineError(f"{args.output} already exists: the proof writes only into a new folder "
                             "(nothing was touched); pass another --output")
+    if args.jobs is not None and args.nproc_per_node is not None:
+        raise PipelineError("--jobs applies to single-process legs; with --nproc-per-node each leg is a torchrun launch")
     if args.jobs is not None and args.jobs < 1:
         raise PipelineError(f"--jobs must be >= 1 (got {args.jobs})")
     config = config_from_args(args)

@@ -156,6 +156,18 @@ def test_cut_or_steps_outside_the_run_is_refused_before_the_output_exists(data_d
     assert not proof.output.exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "2"], "needs training.parallel ddp or fsdp2"),
+    (["--nproc-per-node", "1", "--set", "training.parallel=ddp"], "--nproc-per-node must be >= 2"),
+    (["--nproc-per-node", "2", "--set", "training.parallel=ddp", "--jobs", "2"], "--jobs applies to single-process"),
+], ids=["not-parallel", "one-process", "jobs"])
+def test_a_torchrun_proof_that_cannot_run_is_refused_before_the_output_exists(data_dir, tmp_path, args, message):
+    proof = _prove(data_dir, tmp_path, *args)
+    assert proof.result.returncode == 2
+    assert message in _one_line_error(proof.result)
+    assert not proof.output.exists()
+
+
 def test_unprepared_data_is_refused_with_a_hint_to_run_01(tmp_path):
     proof = _prove(tmp_path / "no-data", tmp_path / "work")
     assert proof.result.returncode == 2

@@ -52,6 +52,7 @@ from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
 from ..layout import DIST_OPTIM_DIR, rank_rng_file
+from ..run import resolve_device
 from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SPEC_FILE
@@ -103,7 +104,7 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
     }
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "completed": False, "device": config.training.device,
+        "completed": False, "device": str(resolve_device(config)),
         "protocol": {"steps": n, "cut": k, "nproc_per_node": nproc, "parallel": config.training.parallel,
                      "tolerance": {"atol": atol, "rtol": 0.0, "mode": "bitwise" if atol == 0 else "absolute"},
                      "launches": {}},

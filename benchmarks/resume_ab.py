@@ -22,6 +22,7 @@ load on the machine cancels). A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import subprocess
@@ -41,6 +42,7 @@ def resume_and_step(bench, pipeline, state) -> dict[str, float]:
     import time
 
     import torch
+
     from pipeline.checkpoint import restore_state
 
     run = state.run
@@ -56,14 +58,15 @@ def resume_and_step(bench, pipeline, state) -> dict[str, float]:
     bench._evict(folder)
     gc.collect()
     start = time.perf_counter()
-    resume = getattr(pipeline.checkpoint, "resume_checkpoint", None)
-    if resume is not None:  # this change: verified straight into the live model
-        loaded = resume(run, folder)
-    else:
-        loaded = pipeline.checkpoint.load_checkpoint(folder)
-        extra = {"step": loaded.meta["step"], "derived": loaded.derived_buffers} if hasattr(
-            loaded, "derived_buffers") else {}
-        restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors, **extra)
+    load = pipeline.checkpoint.load_checkpoint
+    # As each checkout's train.py resumes: this change verifies the weights into the model.
+    into = {"into": run.model} if "into" in inspect.signature(load).parameters else {}
+    if into:
+        pipeline.checkpoint.checkpoint_meta(folder)  # it reads meta.json first, to build the run
+    loaded = load(folder, **into)
+    extra = {"step": loaded.meta["step"], "derived": loaded.derived_buffers} if hasattr(
+        loaded, "derived_buffers") else {}
+    restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors, **extra)
     del loaded  # train.py drops it after restoring, too
     middle = time.perf_counter()
     run.optimizer.step()

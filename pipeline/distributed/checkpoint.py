@@ -173,7 +173,7 @@ class DistributedCheckpointer:
             if not name.endswith(".safetensors"):
                 raise CheckpointError(f"{temporary / name}: a distributed checkpoint holds safetensors files only")
         maps = {name: map_file(temporary / name) for name in names}
-        digests = sha256_mapped(maps)
+        digests, _ = sha256_mapped(maps)
         files = {name: {"sha256": digests[name], "size": len(maps[name])} for name in names}
         del maps
         write_meta(temporary, {

@@ -5,12 +5,13 @@ No code path here talks to the network; publishing is a separate, explicit step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -21,6 +22,7 @@ from .checkpoint import (
     LoadedCheckpoint,
     check_capturable,
     check_derived_buffers,
+    checkpoint_meta,
     continued_config,
     is_distributed,
     load_checkpoint,
@@ -134,9 +136,12 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
 
 
 def _starting_point(store: CheckpointStore, resume: str | None, config: Config, data_fingerprint: str,
-                    extend_to: int | None) -> tuple[LoadedCheckpoint | None, Config, list[dict[str, int]]]:
-    """The verified checkpoint to resume from (``None`` for a fresh run), the config the run
-    continues with and its lineage (see :func:`pipeline.checkpoint.continued_config`).
+                    extend_to: int | None) -> tuple[tuple[str, Path, dict[str, Any]] | None, Config,
+                                                    list[dict[str, int]]]:
+    """The checkpoint to resume from (``None`` for a fresh run) as (what ``--resume`` names
+    in the store, its folder, its checked meta.json: its files are verified when loaded into
+    the run built from it), the config the run continues with and its lineage (see
+    :func:`pipeline.checkpoint.continued_config`).
 
     Refuses to start fresh over committed checkpoints, or to resume behind newer ones:
     either would interleave two runs' steps in one folder.
@@ -147,18 +152,41 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
             raise PipelineError(f"--extend-to continues a run, but {store.root}/ holds no checkpoint to continue: "
                                 "train it first (--max-steps sets the length of a new run)")
         return None, config, []
-    # Verified and memory-mapped in one pass over the files (see pipeline.checkpoint.load).
-    loaded = load_checkpoint(resume, store.root)
-    if is_distributed(loaded.meta):
-        raise SchemaMismatch(f"{loaded.folder} is a distributed checkpoint: resume it under torchrun (README, "
-                             "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
-    config, lineage = continued_config(loaded.meta, config, data_fingerprint, extend_to=extend_to)
-    step = loaded.meta["step"]
-    newer = [s for s in store.committed_steps() if s > step]
-    if newer and Path(loaded.folder).resolve().parent == store.root.resolve():
-        raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
-                              "resume from latest, or use another --checkpoint-dir")
-    return loaded, config, lineage
+    folder, meta = checkpoint_meta(resume, store.root)
+    with _damage_first(resume, store.root):
+        if is_distributed(meta):
+            raise SchemaMismatch(f"{folder} is a distributed checkpoint: resume it under torchrun (README, "
+                                 "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
+        config, lineage = continued_config(meta, config, data_fingerprint, extend_to=extend_to)
+        step = meta["step"]
+        newer = [s for s in store.committed_steps() if s > step]
+        if newer and Path(folder).resolve().parent == store.root.resolve():
+            raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
+                                  "resume from latest, or use another --checkpoint-dir")
+    return (resume, folder, meta), config, lineage
+
+
+@contextlib.contextmanager
+def _damage_first(resume: str | None, root: Path) -> Iterator[None]:
+    """A refusal met before the resume checkpoint's files are verified (they are verified
+    as they load into the run, which is built from its meta.json first) names the damage
+    instead when they are damaged: as every reader does, damage is reported first."""
+    try:
+        yield
+    except PipelineError:
+        if resume is not None:
+            load_checkpoint(resume, root, tensors=False)
+        raise
+
+
+def _load_into(run: TrainingRun, store: CheckpointStore, start: tuple[str, Path, dict[str, Any]]) -> LoadedCheckpoint:
+    """Verify the resume checkpoint while its weights go into ``run``'s model (see
+    :func:`pipeline.checkpoint.load_checkpoint`); the run was built from its meta.json."""
+    resume, folder, meta = start
+    loaded = load_checkpoint(resume, store.root, into=run.model)
+    if loaded.folder != folder or loaded.meta != meta:  # we hold the store's lock: only an outside writer
+        raise CheckpointError(f"{folder} changed while it was being loaded: resume again")
+    return loaded
 
 
 def run_provenance(config: Config, manifest: dict, device: torch.device, changes: list[dict[str, Any]],
@@ -219,23 +247,25 @@ def train(
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     with store:
         store.clean_stale()
-        loaded, config, lineage = _starting_point(store, resume, config, manifest["fingerprint"], extend_to)
-        resumed = loaded.meta["step"] if loaded is not None else None
-        if stop_at is not None and resumed is not None and stop_at <= resumed:
-            raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
+        start, config, lineage = _starting_point(store, resume, config, manifest["fingerprint"], extend_to)
+        resumed = start[2]["step"] if start is not None else None
+        with _damage_first(start[0] if start is not None else None, store.root):
+            if stop_at is not None and resumed is not None and stop_at <= resumed:
+                raise PipelineError(f"--stop-at {stop_at} is not after the resume step {resumed}")
 
-        pin_threads(config)
-        changes: list[dict[str, Any]] = []
-        if loaded is not None:
-            new = reproduce_environment(loaded.meta["environment"], device, allow_change=allow_environment_change,
-                                        step=resumed)
-            changes = loaded.meta["environment"]["changes"] + new
-        # Build everything first, then load saved state into it (RNG states last).
-        # An extended run keeps the schedule it was started with (see the docstring).
-        run = build_run(config, device, schedule_steps=lineage[0]["from_max_steps"] if lineage else None)
+            pin_threads(config)
+            changes: list[dict[str, Any]] = []
+            if start is not None:
+                environment = start[2]["environment"]
+                new = reproduce_environment(environment, device, allow_change=allow_environment_change, step=resumed)
+                changes = environment["changes"] + new
+            # Build everything first, then load saved state into it (RNG states last).
+            # An extended run keeps the schedule it was started with (see the docstring).
+            run = build_run(config, device, schedule_steps=lineage[0]["from_max_steps"] if lineage else None)
         report = Progress(total=config.training.max_steps, initial=resumed or 0,
                           log_every=config.training.log_every, enabled=progress)
-        if loaded is not None:
+        if start is not None:
+            loaded = _load_into(run, store, start)
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
                           omit=hooks.skip_restore, step=loaded.meta["step"], derived=loaded.derived_buffers)
             report.message(f"resumed from {loaded.folder} at step {run.step}")

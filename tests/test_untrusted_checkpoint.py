@@ -282,6 +282,51 @@ def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensor
         assert all(torch.equal(held[name], value) for name, value in before[file].items())
 
 
+def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path):
+    """``load_checkpoint(into=model)`` (what resume does) verifies after materialising: the
+    parameters receive the weights and their bytes are the ones hashed, so ``model_tensors``
+    are the parameters themselves (no second copy), a buffer comes as a fresh tensor (the
+    derived-buffer check compares it before it is loaded), a later write to the file
+    reaches none of them, and a damaged byte is still refused."""
+    import torch
+
+    from pipeline.checkpoint import CheckpointStore, load_model_weights
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(65536, dtype=torch.float64))
+            self.v = torch.nn.Parameter(torch.zeros(3, 5))
+            self.register_buffer("b", torch.zeros(4096))
+
+    saved = {"w": torch.randn(65536, dtype=torch.float64), "v": torch.randn(3, 5), "b": torch.randn(4096)}
+    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
+            "environment": {}, "lineage": [], "training_state": {}}
+    with CheckpointStore(tmp_path) as store:
+        folder = store.save(1, saved, {"s": torch.randn(4096)}, meta).path
+    model = Model()
+    loaded = load_checkpoint(folder, into=model)
+    assert loaded.model_tensors["w"].data_ptr() == model.w.data_ptr()
+    assert loaded.model_tensors["v"].data_ptr() == model.v.data_ptr()
+    assert loaded.model_tensors["b"].data_ptr() != model.b.data_ptr() and not model.b.any()
+    assert all(torch.equal(loaded.model_tensors[name], value) for name, value in saved.items())
+    path = folder / "modelo.safetensors"
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    with open(path, "r+b") as handle:  # a concurrent writer: same size, every data byte changed
+        handle.seek(8 + length)
+        handle.write(b"\x7f" * (len(raw) - 8 - length))
+    assert all(torch.equal(loaded.model_tensors[name], value) for name, value in saved.items())
+    load_model_weights(model, loaded.model_tensors)
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items())
+    for position in (8 + length + 5, 8 + length + 65536 * 8 + 3, len(raw) - 1):  # in w, in b, in v (file order)
+        damaged = bytearray(raw)
+        damaged[position] ^= 0x10
+        path.write_bytes(damaged)
+        with pytest.raises(ChecksumMismatch, match="modelo.safetensors SHA-256 differs"):
+            load_checkpoint(folder, into=Model())
+
+
 def install_hostile(folder: Path, name: str, raw: bytes) -> None:
     """Replace one file of a checkpoint and rewrite its hash, size and the seal to match."""
     (folder / name).write_bytes(raw)

@@ -19,7 +19,7 @@ Other packages import from here, not from the submodules.
 
 from .checkpointer import Checkpointer
 from .compat import check_resume_compatible, continued_config
-from .load import WEIGHTS_ONLY, LoadedCheckpoint, load_checkpoint, pinned_checkpoint
+from .load import WEIGHTS_ONLY, LoadedCheckpoint, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, resolve, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
@@ -35,6 +35,7 @@ __all__ = [
     "check_capturable",
     "check_derived_buffers",
     "check_resume_compatible",
+    "checkpoint_meta",
     "continued_config",
     "is_distributed",
     "load_checkpoint",

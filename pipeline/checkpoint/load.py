@@ -4,11 +4,18 @@ Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm 
 calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
 size right (cheap: catches truncation before a long hash); then each file is mapped once,
-privately, hashed on that map (both files in parallel; each page of a file whose tensors
-are handed out copied before it is hashed, so the hashed bytes are the used ones) and
-compared with ``meta.json``; then both
-headers go through the one strict parser. Tensors are views of the same maps, and nothing
-is returned before every file passed.
+privately, hashed on that map (both files in parallel) and compared with ``meta.json``;
+then both headers go through the one strict parser. Nothing is returned before every
+file passed.
+
+The hashed bytes are the used bytes (:mod:`.tensorfile`): a resume passes the model it
+built (``into=``), and the weights are *verified after materialising*: copied from the
+map into its parameters, the copies hashed; the training state's tensors are views of
+pages copied before they were hashed (*copy on read*), as are the weights for evaluate
+and stage (``WEIGHTS_ONLY``). A resume therefore reads the checkpoint's ``meta.json``
+first (:func:`checkpoint_meta`: sealed, schema, listing; no file hashed), builds the run
+it describes, then loads into it; a refusal then leaves a model of this process
+overwritten, never a value that training uses.
 
 A distributed (torchrun) checkpoint goes through the same checks, every file through
 the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tensors`` are
@@ -27,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -36,8 +43,9 @@ from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE,
 from .shards import consolidate, shard_tensors
 from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
+from .weights import dedupe_shared_tensors
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint", "pinned_checkpoint", "WEIGHTS_ONLY"]
+__all__ = ["LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint", "WEIGHTS_ONLY"]
 
 # load_checkpoint(tensors=WEIGHTS_ONLY): the weights' tensors, not the training state's
 # (evaluate, stage); its bytes are verified all the same.
@@ -45,6 +53,7 @@ WEIGHTS_ONLY = "weights"
 # The files whose tensors each ``tensors`` value hands out.
 _USED = {True: (MODEL_FILE, STATE_FILE), WEIGHTS_ONLY: (MODEL_FILE,), False: ()}
 
+_T = TypeVar("_T")
 # A trainer that saves and prunes every step can win the race between listing and pinning
 # a few times in a row; it cannot win forever.
 _PIN_ATTEMPTS = 50
@@ -68,16 +77,31 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool | str = True,
-                    committed: bool = False) -> LoadedCheckpoint:
+                    committed: bool = False, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
     """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
 
     ``tensors=False`` verifies every byte but builds no tensors (diagnostics);
     ``tensors=WEIGHTS_ONLY`` builds the weights' tensors only (evaluate, stage).
+    ``into`` (resume, with ``tensors=True``): the model the weights are for; each stored
+    parameter is copied straight into this model's parameter of that name (same dtype and
+    shape, on the CPU), which ``model_tensors`` then holds (so loading it is no copy); its
+    buffers and anything that does not fit come as fresh tensors, checked as usual by
+    :func:`~pipeline.checkpoint.weights.load_model_weights`. On a refusal those parameters
+    hold unverified bytes: discard the model.
     ``committed``: see :func:`pipeline.checkpoint.store.resolve`. Raises
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
     folder, older = resolve(spec, root, committed=committed)
-    return _load_or_name_older(folder, older, tensors=tensors)
+    return _or_name_older(folder, older, lambda candidate: _load(candidate, tensors=tensors, into=into))
+
+
+def checkpoint_meta(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR) -> tuple[Path, dict[str, Any]]:
+    """(folder, meta.json) of ``spec``, as :func:`load_checkpoint` checks them (folder name,
+    seal, schema, listing and sizes; for "latest", naming an older checkpoint that verifies
+    if this one is refused), but no file hashed yet: what a resume reads to build the run
+    that it then loads into (``load_checkpoint(..., into=run.model)``)."""
+    folder, older = resolve(spec, root)
+    return folder, _or_name_older(folder, older, _meta)
 
 
 @contextlib.contextmanager
@@ -94,12 +118,12 @@ def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT
             except NoCheckpoint:
                 if str(spec) != "latest" or attempt == _PIN_ATTEMPTS - 1:
                     raise
-        yield _load_or_name_older(folder, older, tensors=tensors)
+        yield _or_name_older(folder, older, lambda candidate: _load(candidate, tensors=tensors))
 
 
-def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool | str) -> LoadedCheckpoint:
+def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) -> _T:
     try:
-        return _load(folder, tensors=tensors)
+        return load(folder)
     except CheckpointError as damage:
         for candidate in older:
             try:
@@ -111,7 +135,7 @@ def _load_or_name_older(folder: Path, older: list[Path], *, tensors: bool | str)
         raise
 
 
-def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
+def _meta(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise NoCheckpoint(f"{folder} is not a checkpoint folder")
     if parse_step_dir(folder.name) is None:
@@ -120,13 +144,23 @@ def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
                            f"{step_dir_name(10)})")
     meta = read_meta(folder)
     check_listing(folder, meta)
+    return meta
+
+
+def _load(folder: Path, *, tensors: bool | str, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
+    meta = _meta(folder)
     maps = {name: map_file(folder / name) for name in meta["files"]}
     used = _USED[tensors]
+    # Straight into the model's parameters (resume): not its buffers, which are compared
+    # with the stored values before loading (check_derived_buffers).
+    destinations = {name: tensor for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
+                    if isinstance(tensor, torch.nn.Parameter)} if into is not None and tensors is True else None
     if is_distributed(meta) and MODEL_FILE in used:
         # The consolidated weights are built from the model shards' mapped pages.
         used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
     # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
-    digests = sha256_mapped(maps, own=used)
+    materialise = {MODEL_FILE: destinations} if destinations is not None and not is_distributed(meta) else {}
+    digests, materialised = sha256_mapped(maps, own=used, into=materialise)
     for name, entry in sorted(meta["files"].items()):
         if digests[name] != entry["sha256"]:
             raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
@@ -145,6 +179,9 @@ def _load(folder: Path, *, tensors: bool | str) -> LoadedCheckpoint:
             tensors_from_map(folder / name, maps[name])
         model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
     else:
+        # Parsed here in any case: the one place a malformed file is refused, after its hash.
         model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
+        if materialise:
+            model = materialised[MODEL_FILE]
     return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model if MODEL_FILE in used else {},
                             state_tensors=state if STATE_FILE in used else {})

@@ -6,20 +6,36 @@ padded to 8 bytes, tensors back to back) straight from the tensors' memory, hash
 same buffers on a second thread, so a save costs max(hash, write) and makes no in-memory
 copy of the file.
 
-Reading maps the file once, privately (copy on write): the SHA-256 runs over that map
-(:func:`sha256_mapped`, several files side by side) and the tensors are views of the same
-map (:func:`tensors_from_map`), so every byte is read once and training may update the
-tensors in place without touching the file.
+Reading maps the file once, privately (copy on write), and hashes it on that map
+(:func:`sha256_mapped`, several files side by side, one thread each), so every byte is
+read once; the tensors are views of the same map (:func:`tensors_from_map`), which
+training may update in place without touching the file.
 
 **The hashed bytes are the used bytes.** A private map still shows later writes to the
 file by anyone else in every page this process has not written to yet (Linux shares
 those pages with the page cache), so a concurrent writer could change a tensor after its
-hash was checked. :func:`sha256_mapped` therefore makes each chunk of the map this
-process's own copy (``MADV_POPULATE_WRITE``: copy on read, in the kernel) *before* hashing
-it; from then on no write to the file reaches the map. The cost is one page copy per
-byte (a fresh page each: reading into a new buffer costs as much, plus zeroing it), so a
-file whose tensors nobody will use is hashed on the shared pages, owning only its header,
-which the parser reads (``benchmarks/README.md``, "Resume load").
+hash was checked. Two ways to close that, chosen per file by :func:`sha256_mapped`:
+
+- *Verify after materialising* (``into``: resume, whose weights are copied into the live
+  model anyway): the header is copied out of the map once, hashed and parsed from that
+  copy; then, in file order, each tensor is copied from the map into its destination (the
+  model's own parameter of that name, dtype and shape; a fresh tensor otherwise) and the
+  *destination's* bytes are hashed. The strict parser guarantees that the tensors tile the
+  data from byte 0 to the end, so header + tensors in file order is the whole file: the
+  digest is the file's, computed over the bytes that will be used. The copy is one the
+  load made anyway (into the parameters), so this costs no more than the zero-copy load
+  it replaced. A digest that then differs from ``meta.json`` refuses the checkpoint after
+  the parameters were overwritten: they belong to a model built for this load, which the
+  refusal discards (the process exits 2), and nothing else was touched.
+- *Copy on read* (every other file whose tensors are used: the training state's
+  optimizer moments, evaluate's and stage's weights): each chunk of the map is made this
+  process's own copy (``MADV_POPULATE_WRITE``: in the kernel) *before* it is hashed, and
+  the tensors are views of those owned pages; from then on no write to the file reaches
+  them. That costs one fresh page per byte, which a zero-copy view pays later anyway, at
+  the first write to each page (the first optimizer step writes every Adam moment).
+
+A file whose tensors nobody will use is hashed on the shared pages, owning only its
+header, which the parser reads (``benchmarks/README.md``, "Resume load").
 
 **One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
@@ -263,18 +279,74 @@ def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
     return digest.hexdigest()
 
 
-def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None) -> dict[str, str]:
-    """SHA-256 of each map, taking its own copy of every page before hashing it (so the
-    hashed bytes are the bytes the tensors will view). One thread per file (hashlib and
-    madvise drop the GIL): the files hash side by side. ``own``: the names whose tensors
-    will be used (default: all); of the others, whose data nothing views, only the header's
-    pages are copied (the parser reads them), saving a page copy per data byte."""
+def _sha256_into(buffer: mmap.mmap | bytes, destinations: Mapping[str, torch.Tensor],
+                 out: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the file, verified after materialising (see the module docstring): the
+    header from one copy of it, then every tensor, in file order, from its destination in
+    ``destinations`` (or a fresh tensor) once copied there; ``out`` receives them all."""
+    digest = hashlib.sha256()
+    with memoryview(buffer) as view:
+        size = len(view)
+        first = bytes(view[:8])  # read once: the length that slices is the length parsed
+        length = int.from_bytes(first, "little") if size >= 8 else 0
+        head = first + bytes(view[8:8 + min(length, _MAX_HEADER, max(size - 8, 0))])
+        digest.update(head)
+        try:
+            header, data_start = parse_header(head, size=size)
+        except ValueError:
+            # Nothing of a malformed file is used: its hash and then the parser refuse it.
+            for start in range(len(head), size, _HASH_CHUNK):
+                digest.update(view[start:start + _HASH_CHUNK])
+            return digest.hexdigest()
+        for _, name in sorted((entry["data_offsets"][0], name) for name, entry in header.items()
+                              if name != "__metadata__"):
+            out[name] = _materialise(buffer, data_start, header[name], destinations.get(name), digest)
+    return digest.hexdigest()
+
+
+def _materialise(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any],
+                 destination: torch.Tensor | None, digest: Any) -> torch.Tensor:
+    dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+    fits = (destination is not None and destination.dtype == dtype and list(destination.shape) == shape
+            and destination.device.type == "cpu" and destination.is_contiguous())
+    tensor = destination.detach() if fits else torch.empty(shape, dtype=dtype)
+    begin, end = entry["data_offsets"]
+    if begin == end:
+        return tensor
+    source = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+    target = tensor.reshape(-1).view(torch.uint8)
+    hashed = target.numpy()
+    for start in range(0, end - begin, _HASH_CHUNK):
+        stop = min(start + _HASH_CHUNK, end - begin)
+        target[start:stop].copy_(source[start:stop])
+        digest.update(hashed[start:stop])  # the destination's bytes, after the copy
+    return tensor
+
+
+def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None,
+                  into: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+                  ) -> tuple[dict[str, str], dict[str, dict[str, torch.Tensor]]]:
+    """(SHA-256 of each map, the tensors materialised for ``into``), every file hashed so
+    that the hashed bytes are the bytes its tensors will use (see the module docstring).
+
+    ``into``: per file name, where its tensors go (by name); such a file is verified after
+    materialising and its tensors returned, each its destination or, where none fits
+    (name, dtype, shape, CPU, contiguous), a fresh tensor; none if it does not parse.
+    ``own``: of the other files, those whose tensors will be viewed (default: all); their
+    pages are copied before they are hashed. Of the rest only the header's pages are.
+    One thread per file (hashlib, madvise and copies drop the GIL): the files hash side by side.
+    """
+    into = into or {}
     digests: dict[str, str] = {}
+    materialised: dict[str, dict[str, torch.Tensor]] = {name: {} for name in into}
     errors: list[BaseException] = []
 
     def work(name: str) -> None:
         try:
-            digests[name] = _sha256(maps[name], own=own is None or name in own)
+            if name in into:
+                digests[name] = _sha256_into(maps[name], into[name], materialised[name])
+            else:
+                digests[name] = _sha256(maps[name], own=own is None or name in own)
         except BaseException as exc:  # raised below, in the calling thread
             errors.append(exc)
 
@@ -285,7 +357,7 @@ def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | 
         thread.join()
     if errors:
         raise errors[0]
-    return digests
+    return digests, materialised
 
 
 def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.Tensor]:
@@ -297,11 +369,12 @@ def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.T
     return {name: _tensor(buffer, data_start, entry) for name, entry in header.items() if name != "__metadata__"}
 
 
-def parse_header(buffer: mmap.mmap | bytes) -> tuple[dict[str, Any], int]:
+def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple[dict[str, Any], int]:
     """(header dict, offset of the first data byte), every rule of the module docstring
     checked; ``ValueError`` naming the rule otherwise. ``header["__metadata__"]``, if present,
-    maps str to str; every other entry is a tensor that :func:`_tensor` can view."""
-    size = len(buffer)
+    maps str to str; every other entry is a tensor that :func:`_tensor` can view.
+    ``buffer``: the file, or its first bytes (length and header) with ``size`` the file's."""
+    size = len(buffer) if size is None else size
     if size < 8:
         raise ValueError("shorter than the 8-byte header length")
     length = int.from_bytes(buffer[:8], "little")

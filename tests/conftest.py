@@ -49,6 +49,18 @@ def pytest_sessionstart(session) -> None:
     assert where.is_relative_to(REPO), f"the tests import {where}, not the tree under test {REPO}"
 
 
+def pytest_runtest_setup(item) -> None:
+    """Under ``--dist loadgroup`` a test marked ``xdist_group`` must carry its group, or the
+    tests that share an expensive module fixture (a proof, a published repo, the torchrun
+    launches) would each build it again on both workers: slower, and silent. pytest-xdist
+    appends the group to the node id on each worker; pytest 9.2 broke that (constraints.txt).
+    Checked before the test's fixtures are built, so the failure is immediate."""
+    if item.config.getoption("loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail("--dist loadgroup did not group this xdist_group test: this pytest and pytest-xdist do not "
+                    "work together (see constraints.txt)", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """The default config's data, prepared once by script 01 (read-only)."""

@@ -70,6 +70,10 @@ def _ok(name: str, *args: str) -> str:
     return result.stdout
 
 
+# The tests that read the short run go to one xdist worker, so it is trained and staged once.
+SHORT_RUN = pytest.mark.xdist_group("short-run")
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("charlm")
@@ -97,6 +101,7 @@ def _probe_ids(config) -> torch.Tensor:
     return torch.arange(2 * block, dtype=torch.int64).remainder(97).add(32).view(2, block)
 
 
+@SHORT_RUN
 def test_published_weights_hold_the_tied_embedding_once_and_load_strictly_with_safetensors(short_run):
     path = short_run["stage"] / "modelo.safetensors"
     with safe_open(str(path), framework="pt") as handle:
@@ -123,6 +128,7 @@ def test_published_weights_hold_the_tied_embedding_once_and_load_strictly_with_s
         assert not torch.equal(logits, untrained_logits), "the published weights are the trained ones"
 
 
+@SHORT_RUN
 def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cannot_be_imported(short_run, tmp_path):
     """Acceptance: published, downloaded, and the card's first Python block run in an empty
     folder by an interpreter that cannot import `pipeline` or `examples` leaves `model`
@@ -154,6 +160,7 @@ print("LOADED", sum(p.numel() for p in model.parameters()))
     assert "LOADED" in result.stdout
 
 
+@SHORT_RUN
 def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_from_the_card(short_run, tmp_path):
     """``--max-shard-size``: several files none above it, an index, their union the checkpoint's
     tensors bit for bit, every file in the manifest, one commit, and the card's snippet loads it."""
@@ -202,6 +209,7 @@ print("SHARDS LOADED")
     assert "SHARDS LOADED" in result.stdout
 
 
+@SHORT_RUN
 def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced(short_run, tmp_path):
     from support import one_line_error
 
@@ -216,6 +224,7 @@ def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced
         assert forced.returncode == 0, forced.stdout + forced.stderr
 
 
+@SHORT_RUN
 def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(short_run):
     stage = short_run["stage"]
     card = (stage / "README.md").read_text(encoding="utf-8")
@@ -249,6 +258,7 @@ def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(
     assert before[:2] == after[:2] and torch.equal(before[2], after[2])
 
 
+@SHORT_RUN
 def test_checkpoint_holds_the_short_epoch_end_param_groups_schedule_and_offset_generator(short_run):
     meta = json.loads((short_run["checkpoint"] / "meta.json").read_text(encoding="utf-8"))
     state = meta["training_state"]
@@ -264,6 +274,7 @@ def test_checkpoint_holds_the_short_epoch_end_param_groups_schedule_and_offset_g
     assert meta["model"]["tied"] == ["head.weight"] or meta["model"]["tied"] == ["embed.weight"]
 
 
+@SHORT_RUN
 def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut(short_run, tmp_path):
     output = tmp_path / "proof"
     result = _run("03_verify_resume.py", *short_run["args"], "--output", str(output))

@@ -17,6 +17,8 @@ from pipeline.localhub import LocalHub
 from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
 
 transformers = pytest.importorskip("transformers")
+# Every test reads the one published repo: they go to one xdist worker, so it is built once.
+pytestmark = pytest.mark.xdist_group("hf-llama")
 
 CONFIG = REPO / "examples" / "hf_llama" / "config.yaml"
 REPO_ID = "test/tiny-llama"

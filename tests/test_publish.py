@@ -122,6 +122,10 @@ def module_hub(tmp_path_factory):
         yield server
 
 
+# The tests that read the published repos go to one xdist worker, so each is published once.
+PUBLISHED = pytest.mark.xdist_group("published")
+
+
 @pytest.fixture(scope="module", params=["lfs", "xet"])
 def published(request, staged_run, module_hub, tmp_path_factory):
     """06 run twice against a fresh repo over one protocol: ``first`` publishes, ``rerun`` must
@@ -199,6 +203,7 @@ def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, pre
 
 # -- publishing and rerunning (subprocess) -----------------------------------------------
 
+@PUBLISHED
 def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(published):
     hub, stage = published.hub, published.run.stage
     assert published.first.returncode == 0, published.first.stdout + published.first.stderr
@@ -211,6 +216,7 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
     assert published.first.stdout.splitlines()[-1] == f"commit {hub.url}/{published.repo_id}/commit/{head}"
 
 
+@PUBLISHED
 def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
     [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"], expand=True)
     checkpoint_meta = json.loads((published.run.checkpoint / "meta.json").read_text())
@@ -222,6 +228,7 @@ def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
         assert entry.xet_hash is None
 
 
+@PUBLISHED
 def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(published):
     head = api_for(published.hub).repo_info(published.repo_id).sha
     [receipt] = list(published.receipts.glob("*.json"))
@@ -239,6 +246,7 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
     assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
 
 
+@PUBLISHED
 def test_rerun_makes_no_commit_and_says_already_published(published):
     assert published.rerun.returncode == 0, published.rerun.stderr
     head = api_for(published.hub).repo_info(published.repo_id).sha
@@ -248,6 +256,7 @@ def test_rerun_makes_no_commit_and_says_already_published(published):
         published.rerun_requests
 
 
+@PUBLISHED
 def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published, tmp_path, monkeypatch):
     use_protocol(monkeypatch, published.protocol)
     rebuilt = published.hub.count("GET", r"/reconstructions/")
@@ -299,6 +308,7 @@ def test_token_is_not_accepted_on_the_command_line(staged_run, hub, tmp_path):
     assert hub.request_counts() == {}
 
 
+@PUBLISHED
 def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, tmp_path):
     assert published.first.returncode == 0 and published.rerun.returncode == 0
     roots = [REPO_ROOT, published.receipts, published.hub.root, published.run.root]

@@ -63,6 +63,10 @@ def keys(tmp_path_factory):
     return {"private": private, "public": public, "other_private": other_private, "other_public": other_public}
 
 
+# The tests that read the signed stage go to one xdist worker, so it is signed once.
+SIGNED_RUN = pytest.mark.xdist_group("signed-run")
+
+
 @pytest.fixture(scope="module")
 def signed_run(evaluated_run, keys, tmp_path_factory):
     run = evaluated_run.copy_to(tmp_path_factory.mktemp("signed_run") / "run")
@@ -70,6 +74,7 @@ def signed_run(evaluated_run, keys, tmp_path_factory):
     return run, result
 
 
+@SIGNED_RUN
 def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     run, result = signed_run
     stage = run.stage
@@ -91,6 +96,7 @@ def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     assert fingerprint(keys["public"]) in result.stdout
 
 
+@SIGNED_RUN
 def test_the_private_key_is_never_staged_or_printed(signed_run, keys):
     run, result = signed_run
     secret = keys["private"].read_bytes()
@@ -133,6 +139,7 @@ def test_sigstore_keyless_signing_refuses_in_one_line_when_offline(evaluated_run
     assert not run.stage.exists()
 
 
+@SIGNED_RUN
 def test_signed_publish_downloads_and_verifies_with_the_stock_cli_and_one_flipped_byte_fails(
         signed_run, keys, hub, tmp_path):
     run, _ = signed_run
@@ -163,6 +170,7 @@ def regenerate_manifest(stage: Path) -> None:
         "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
 
 
+@SIGNED_RUN
 @pytest.mark.parametrize("case", ["edited_after_signing", "another_key_given_to_06", "signature_removed"])
 def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
         signed_run, keys, run_copy, hub, tmp_path, case):

@@ -575,14 +575,14 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     import signal
     import subprocess
 
-    from support import PYTHON, assert_checkpoints_bitwise_equal, script_env
+    from support import PYTHON, assert_checkpoints_bitwise_equal, run_python, script_env
 
     (tmp_path / "my config.yaml").write_text((REPO / "config.yaml").read_text())
     args = ["--config", "my config.yaml", "--set", f"data.dir={data_dir}", "--set", "training.max_steps=300",
             "--set", "checkpoint.every=1000"]
     script = str(REPO / "scripts" / "02_train.py")
-    straight = subprocess.run([PYTHON, script, *args, "--checkpoint-dir", "runs/straight", "--quiet"], cwd=tmp_path,
-                              env=script_env(), capture_output=True, text=True, timeout=300)
+    straight = run_python([script, *args, "--checkpoint-dir", "runs/straight", "--quiet"], cwd=tmp_path,
+                          env=script_env())
     assert straight.returncode == 0, straight.stderr
     process = subprocess.Popen([PYTHON, script, *args, "--checkpoint-dir", "runs/x"], cwd=tmp_path, env=script_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

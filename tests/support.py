@@ -32,6 +32,14 @@ def use_tree_under_test() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
 
 
+# The Xet client (hf_xet) waits 3 s, 6 s, ... between its retries, so a test that injects Xet
+# faults would take minutes; and it reads these settings once per process, so whichever test
+# first uploads through Xet in a worker would fix them for every later one. Few, short retries
+# for the whole session: this process and every script it starts (a developer's own values win).
+XET_FAST_RETRIES = {"HF_XET_CLIENT_RETRY_BASE_DELAY": "10ms", "HF_XET_CLIENT_RETRY_MAX_ATTEMPTS": "3"}
+for _name, _value in XET_FAST_RETRIES.items():
+    os.environ.setdefault(_name, _value)
+
 # Variables that would change what a script does (a real token, a real endpoint).
 _SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT")
 # This process's environment when the session started, before any test changed it: the zygote's.

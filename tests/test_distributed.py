@@ -36,8 +36,9 @@ from pipeline.train import train
 from support import REPO, script_env
 
 CONFIG = REPO / "config.yaml"
-# One worker runs the whole module, so the shared launch runs once (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("distributed")
+# The tests that read the shared launches (``legs``) run on one worker, so those launches run
+# once (make test: --dist loadgroup); the module's other launches go to either worker.
+LEGS = pytest.mark.xdist_group("distributed-legs")
 QUIET_RNG = {"model.params.dropout": 0.0, "data.params.augment_std": 0.0}
 
 
@@ -103,6 +104,7 @@ def stage(checkpoint: Path, out: Path) -> Path:
     return out / "modelo.safetensors"
 
 
+@LEGS
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, tmp_path):
     root, results, _ = legs
@@ -124,6 +126,7 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     assert sorted(weights) == sorted(meta["model"]["tensors"])
 
 
+@LEGS
 def test_a_background_save_holds_its_step_while_training_goes_on(legs, tmp_path):
     """FSDP2 with checkpoint.async: step 5 was committed in the background while steps 6 to
     10 trained; resumed from it, the run ends bitwise where the uninterrupted one did (a save
@@ -136,6 +139,7 @@ def test_a_background_save_holds_its_step_while_training_goes_on(legs, tmp_path)
     assert verify_distributed(root / "full_fsdp2" / "step-00000005")["config"]["checkpoint"]["async"] is True
 
 
+@LEGS
 def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
     root, results, mounted = legs
     if not mounted:
@@ -147,6 +151,7 @@ def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
     assert not list((root / "full_disk").glob("step-*")), "a failed save left a step folder"
 
 
+@LEGS
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs, mode):
     """The ordering check of the crash-point harness (tests/oprecorder.py) on the resumed
@@ -169,6 +174,7 @@ def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs,
     assert any(kind == "rename" and name.startswith(".deleting-step-00000006") for kind, name in kinds)
 
 
+@LEGS
 def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
     root, _, _ = legs
     for mode in ("ddp", "fsdp2"):
@@ -194,6 +200,7 @@ def _damaged_copy(legs, tmp_path) -> Path:
     return folder
 
 
+@LEGS
 def test_missing_or_altered_shard_is_refused(legs, tmp_path):
     folder = _damaged_copy(legs, tmp_path)
     shard = sorted((folder / "model").iterdir())[0]
@@ -215,6 +222,7 @@ def _reseal(folder: Path, edit) -> None:
     (folder / "meta.json").write_bytes(json_bytes(meta))
 
 
+@LEGS
 def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(legs, tmp_path):
     folder = _damaged_copy(legs, tmp_path)
     text = (folder / "meta.json").read_text()
@@ -235,6 +243,7 @@ def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(l
         verify_distributed(folder)
 
 
+@LEGS
 def test_single_process_readers_refuse_a_distributed_checkpoint_in_one_line(legs, data_dir, tmp_path):
     folder = _damaged_copy(legs, tmp_path)  # intact copy in tmp_path/step-00000010
     config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path)})
@@ -246,6 +255,7 @@ def test_single_process_readers_refuse_a_distributed_checkpoint_in_one_line(legs
         build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=tmp_path / "metrics.json")
 
 
+@LEGS
 def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
     # A shard removed and struck from meta.json passes the hashes; only coverage catches it
     # (DCP's reader would load half the rows without a word).
@@ -266,6 +276,7 @@ def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dic
     return json.loads((root / f"{name}-results.json").read_text())
 
 
+@LEGS
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
     then the 2->1 reshard."""

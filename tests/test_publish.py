@@ -62,16 +62,12 @@ _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKE
 
 # -- fixtures ----------------------------------------------------------------------------
 
-# The Xet client waits 3 s, 6 s, ... between its retries: faults would take minutes.
-_XET_FAST_RETRIES = {"HF_XET_CLIENT_RETRY_BASE_DELAY": "10ms", "HF_XET_CLIENT_RETRY_MAX_ATTEMPTS": "3"}
-
-
 @pytest.fixture(autouse=True)
 def hf_env(tmp_path, monkeypatch):
     """The client in this process: LFS path, no telemetry, a private HF_HOME, no implicit token."""
     hf_home = tmp_path / "hf_home"
     for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
-                       "HF_HUB_DISABLE_TELEMETRY": "1", **_XET_FAST_RETRIES}.items():
+                       "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
         monkeypatch.setenv(key, value)
     for key in _SCRUBBED + ("PUBLISH_MAX_BACKOFF_S",):
         monkeypatch.delenv(key, raising=False)
@@ -147,7 +143,7 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
     env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
-                "HF_HOME": str(receipts.parent / "hf_home_script"), **_XET_FAST_RETRIES})
+                "HF_HOME": str(receipts.parent / "hf_home_script")})
     if protocol == "lfs":
         env["HF_HUB_DISABLE_XET"] = "1"
     if token is not None:

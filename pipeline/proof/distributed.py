@@ -57,7 +57,7 @@ from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SPEC_FILE
 from .plan import CONTROLS, leg_env, plan_cut
-from .protocol import REPORT_SCHEMA, _create_output, _last_line, _refuse_output
+from .protocol import REPORT_SCHEMA, create_output, last_line, refuse_output
 
 __all__ = ["verify_resume_distributed", "DIST_CONTROLS", "DIST_LEG_MODULE", "dist_bundle"]
 
@@ -74,7 +74,7 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
     """Prove that a ``training.parallel`` run at world size ``nproc`` resumes exactly;
     return the report. Refusals and failures as :func:`pipeline.proof.verify_resume`."""
     output = Path(output)
-    _refuse_output(output, config)
+    refuse_output(output, config)
     if config.training.parallel == "none":
         raise ConfigError(f"{config.source}: --nproc-per-node needs training.parallel ddp or fsdp2 "
                           "(--set training.parallel=ddp)")
@@ -88,7 +88,7 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
     load_manifest(config)  # unprepared or altered data stops here, before any folder exists
     plan = plan_cut(config, steps, cut)
     n, k = plan.steps, plan.cut
-    _create_output(output)
+    create_output(output)
     cut_folder = output.resolve() / "reference" / CHECKPOINTS_DIR / step_dir_name(k)
 
     def run(name: str, every: int, **extra: Any) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
                                   stderr=subprocess.STDOUT).returncode
         report["protocol"]["launches"][name] = {"command": command, "log": f"{name}/{LOG_FILE}", "exit_code": code}
         if code != 0:
-            _incomplete(output, report, f"launch {name} exited with code {code}: {_last_line(folder / LOG_FILE)} "
+            _incomplete(output, report, f"launch {name} exited with code {code}: {last_line(folder / LOG_FILE)} "
                                         f"(log: {folder / LOG_FILE})")
         results.update({r["name"]: r for r in json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))})
     try:

@@ -57,7 +57,7 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     (``completed: false``, ``error``).
     """
     output = Path(output)
-    _refuse_output(output, config)
+    refuse_output(output, config)
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
     manifest = load_manifest(config)  # unprepared or altered data stops here, before any folder exists
@@ -65,7 +65,7 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     plan = plan_cut(config, steps, cut)
     legs = make_legs(plan, config)
     jobs = jobs or (1 if device.type == "cuda" else len(legs))
-    _create_output(output)
+    create_output(output)
     report = _header(config, config_path, manifest, device, plan, legs, output, atol, jobs)
     for leg in legs:
         leg.folder(output).mkdir()
@@ -83,7 +83,9 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     return report
 
 
-def _refuse_output(output: Path, config: Config) -> None:
+def refuse_output(output: Path, config: Config) -> None:
+    """Both proofs (this one and :mod:`.distributed`) write only into a new folder outside
+    ``checkpoint.dir``: refuse any other before anything is written."""
     if os.path.lexists(output):
         raise PipelineError(f"{output} already exists: the proof writes only into a new folder "
                             "(nothing was touched); pass another --output")
@@ -94,7 +96,8 @@ def _refuse_output(output: Path, config: Config) -> None:
                             "writes there: choose a folder outside it")
 
 
-def _create_output(output: Path) -> None:
+def create_output(output: Path) -> None:
+    """Create the proof's folder; one created meanwhile by someone else is refused."""
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         output.mkdir()  # not exist_ok: a folder created meanwhile by someone else is not ours
@@ -114,7 +117,7 @@ def _run_phase(legs: list[Leg], output: Path, jobs: int, report: dict[str, Any],
     if failed:
         leg = failed[0]
         log = leg.folder(output) / LOG_FILE
-        _fail(output, report, f"leg {leg.name} exited with code {codes[leg.name]}: {_last_line(log)} (log: {log})")
+        _fail(output, report, f"leg {leg.name} exited with code {codes[leg.name]}: {last_line(log)} (log: {log})")
 
 
 def _run_leg(leg: Leg, output: Path, env: dict[str, str]) -> int:
@@ -124,7 +127,8 @@ def _run_leg(leg: Leg, output: Path, env: dict[str, str]) -> int:
                               stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def _last_line(path: Path) -> str:
+def last_line(path: Path) -> str:
+    """The last non-empty line of a leg's or a launch's log: what the failure said."""
     lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(no output)"
 

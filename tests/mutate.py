@@ -6,7 +6,9 @@ interpreter against the copy (the copy first on PYTHONPATH; tests/conftest.py ch
 package imported is the copy's). The mutation is *killed* when pytest reports a failure.
 Prints each result, the kill rate and the survivors; exits 1 if any mutation survived or
 could not be applied (a search string that no longer matches the code is an error, never a
-silent skip). Two mutations run at a time, each pytest on one thread.
+silent skip). Before any mutation, the tests named must pass on an unmutated copy: a test
+that already fails would "kill" every mutation naming it. Two mutations run at a time, each
+pytest on one thread.
 
     python tests/mutate.py [--only NAME_SUBSTRING] [--jobs 2] [--list]
 """
@@ -85,22 +87,47 @@ def apply(mutation: Mutation, root: Path) -> None:
         path.write_text(path.read_text(encoding="utf-8").replace(edit.search, edit.replace, 1), encoding="utf-8")
 
 
+def _scratch_tree(scratch_parent: Path) -> Path:
+    tree = Path(tempfile.mkdtemp(prefix="m-", dir=scratch_parent)) / "tree"
+    shutil.copytree(REPO, tree, ignore=IGNORED, symlinks=True)
+    return tree
+
+
+def _pytest(tree: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")]),
+           "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tree,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def baseline(mutations: list[Mutation], scratch_parent: Path, jobs: int) -> str | None:
+    """None when every test the mutations name passes on an unmutated copy; else why not.
+    Without it a test already failing would "kill" every mutation that names it."""
+    tests = sorted({test for mutation in mutations for test in mutation.tests})
+    tree = _scratch_tree(scratch_parent)
+    try:
+        result = _pytest(tree, "-n", str(max(1, jobs)), "--dist", "loadgroup", *tests, timeout=2 * TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the named tests ran past {2 * TIMEOUT_S}s on the unmutated tree"
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr).strip().splitlines()[-3:]
+        return f"the named tests fail on the unmutated tree (pytest exit {result.returncode}): {' | '.join(tail)}"
+    return None
+
+
 def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
     """(status, detail, seconds); status is killed, survived or error."""
     started = time.monotonic()
     why = check_applies(mutation)
     if why is not None:
         return "error", why, 0.0
-    tree = Path(tempfile.mkdtemp(prefix="m-", dir=scratch_parent)) / "tree"
-    shutil.copytree(REPO, tree, ignore=IGNORED, symlinks=True)
+    tree = _scratch_tree(scratch_parent)
     try:
         apply(mutation, tree)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")]),
-               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                   *mutation.tests]
         try:
-            result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            result = _pytest(tree, "-x", *mutation.tests, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return "killed", f"the tests ran past {TIMEOUT_S}s", time.monotonic() - started
         tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
@@ -133,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(why for _, why in errors) else 0
     print(f"{len(mutations)} mutations, {args.jobs} at a time, each in a scratch copy of {REPO}", flush=True)
     results: dict[str, tuple[str, str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="mutate-") as scratch:
+        print("first, the tests they name, on the unmutated tree ...", flush=True)
+        why = baseline(mutations, Path(scratch), args.jobs)
+        if why is not None:
+            print(f"error: {why}; a kill would prove nothing: fix the tests first", file=sys.stderr)
+            return 1
     with tempfile.TemporaryDirectory(prefix="mutate-") as scratch, ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = {m.name: pool.submit(run_one, m, Path(scratch)) for m in mutations}
         for mutation in mutations:

@@ -49,6 +49,13 @@ def pytest_sessionstart(session) -> None:
     assert where.is_relative_to(REPO), f"the tests import {where}, not the tree under test {REPO}"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``heavy`` (a proof, a torchrun launch, a real SIGKILL loop: tens of
+    seconds each) first. pytest-xdist hands out the groups, then single tests in this order,
+    so a long test never starts last while the other worker has nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 def pytest_runtest_setup(item) -> None:
     """Under ``--dist loadgroup`` a test marked ``xdist_group`` must carry its group, or the
     tests that share an expensive module fixture (a proof, a published repo, the torchrun

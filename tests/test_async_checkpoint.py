@@ -31,7 +31,7 @@ from pipeline.layout import MODEL_FILE, STATE_FILE
 from pipeline.run import build_run
 from pipeline.train import train_step
 
-from support import PYTHON, REPO, data_args, script_env, verify_checkpoint
+from support import PYTHON, REPO, data_args, script_env, train, verify_checkpoint
 
 FILES = (MODEL_FILE, STATE_FILE)
 
@@ -146,29 +146,17 @@ def test_failed_background_write_raises_in_training_thread_and_keeps_previous_ch
         assert store.committed_steps() == [3]
 
 
-def _start_training(data_dir: Path, checkpoint_dir: Path, *args: str) -> subprocess.Popen:
-    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
-               str(checkpoint_dir), "--quiet", *args]
-    return subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def _finish(process: subprocess.Popen) -> None:
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
-
-
+@pytest.mark.heavy
 def test_async_training_ends_bitwise_equal_to_sync_and_resumes_exactly(data_dir, tmp_path):
     sync, straight, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
-    # Independent runs side by side. Saving every step keeps a write in flight while the
-    # next steps train; the interrupted run also saves mid-run, then resumes in a new process.
-    runs = [_start_training(data_dir, sync, "--set", "checkpoint.async=false"),
-            _start_training(data_dir, straight, "--set", "checkpoint.async=true", "--checkpoint-every", "1"),
-            _start_training(data_dir, resumed, "--set", "checkpoint.async=true", "--checkpoint-every", "2",
-                            "--stop-at", "5")]
-    for process in runs:
-        _finish(process)
-    _finish(_start_training(data_dir, resumed, "--set", "checkpoint.async=true", "--resume", "latest"))
+    # Saving every step keeps a write in flight while the next steps train; the interrupted
+    # run also saves mid-run, then resumes in a new process. Each run is its own process.
+    for folder, *args in ((sync, "--set", "checkpoint.async=false"),
+                          (straight, "--set", "checkpoint.async=true", "--checkpoint-every", "1"),
+                          (resumed, "--set", "checkpoint.async=true", "--checkpoint-every", "2", "--stop-at", "5"),
+                          (resumed, "--set", "checkpoint.async=true", "--resume", "latest")):
+        result = train(data_dir, folder, *args)
+        assert result.returncode == 0, result.stderr
     for other in (straight, resumed):
         for name in FILES:
             assert (sync / "step-00000010" / name).read_bytes() == (other / "step-00000010" / name).read_bytes(), \

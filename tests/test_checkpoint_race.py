@@ -9,6 +9,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from pipeline.audit import audit_stage
 from pipeline.checkpoint import CheckpointStore
 
@@ -19,6 +21,7 @@ from support import PYTHON, REPO, script_env
 RUNS_EACH = 2
 
 
+@pytest.mark.heavy
 def test_04_and_05_in_a_loop_against_a_trainer_that_prunes_every_step(trained_run, run_copy, tmp_path):
     run = run_copy(trained_run)
     live = ("--set", "checkpoint.dir=live")

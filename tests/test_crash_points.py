@@ -18,13 +18,12 @@ The real code runs unchanged: the calls are intercepted from the test side.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from crash_child import META, CheckpointSave, _tensors
 from oprecorder import Op, PageCache, Recorder, ordering_problems
 
-from support import PYTHON, REPO, script_env
+from support import REPO, run_python, script_env
 
 PROTOCOLS = {
     "checkpoint-keep1": ("rename", "rmtree"),
@@ -36,12 +35,13 @@ PROTOCOLS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_every_crash_point_of_every_commit_protocol_recovers(protocol, request, tmp_path):
     # Only the stage swap needs a trained, evaluated and staged run (a session fixture).
     source = [str(request.getfixturevalue("staged_run").root)] if protocol == "stage" else []
-    result = subprocess.run([PYTHON, "-B", str(REPO / "tests" / "crash_child.py"), protocol, str(tmp_path / "work"),
-                             *source], env=script_env(), capture_output=True, text=True, timeout=600)
+    result = run_python([REPO / "tests" / "crash_child.py", protocol, str(tmp_path / "work"), *source], cwd=tmp_path,
+                        env=script_env(), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     kinds = [report["ops"][index].split()[0] for index in report["crashed_at"]]

@@ -302,6 +302,7 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     assert worst <= 1e-9, worst
 
 
+@pytest.mark.heavy
 def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
     base = {"data.dir": str(data_dir), "training.parallel": "ddp"}
     cut, resumed, full = launch_plan(4, tmp_path, "four", [
@@ -319,6 +320,7 @@ def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_
     assert staged.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.heavy
 def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(data_dir, tmp_path):
     """scripts/03 with --nproc-per-node 2: two launches (reference with the cut; resume and
     the five controls, swap of two ranks' RNG streams included), compared bit for bit."""
@@ -387,6 +389,7 @@ def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.05)
 
 
+@pytest.mark.heavy
 def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
@@ -409,6 +412,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     verify_distributed(committed[0])
 
 
+@pytest.mark.heavy
 def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path):
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"

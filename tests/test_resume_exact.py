@@ -71,6 +71,7 @@ def _wait_for_training(process: subprocess.Popen) -> bool:
 KILLS = 12
 
 
+@pytest.mark.heavy
 def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     """SIGKILL at KILLS random instants of a run that checkpoints every step (so kills land
     inside saves too); after each kill the newest committed checkpoint verifies, and the
@@ -124,6 +125,7 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     assert_checkpoints_bitwise_equal(straight / f"step-{total:08d}", killed_dir / f"step-{total:08d}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_preemption_signal_finishes_the_step_checkpoints_and_says_how_to_resume(data_dir, tmp_path, signum):
     total = 400

@@ -184,6 +184,7 @@ def test_unprepared_data_is_refused_with_a_hint_to_run_01(tmp_path):
     assert not proof.output.exists()
 
 
+@pytest.mark.heavy
 def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir, tmp_path):
     proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST)
     assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
@@ -197,6 +198,7 @@ def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir,
     assert "first difference in data" in proof.result.stdout
 
 
+@pytest.mark.heavy
 def test_unexercised_rng_passes_and_a_control_that_cannot_diverge_fails_with_exit_1_naming_it(data_dir, tmp_path):
     """One proof, two verdicts: the run draws no randomness at all (quiet data, no dropout, no
     shuffle), so leaving RNG out is "not exercised", which is not a failure; and the settling

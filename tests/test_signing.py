@@ -228,6 +228,7 @@ def write_certificates(folder: Path, leaf_key_path: Path) -> tuple[Path, Path]:
     return ca_path, leaf_path
 
 
+@pytest.mark.heavy
 def test_certificate_signed_stage_publishes_with_its_root_and_is_refused_under_another_ca(
         evaluated_run, run_copy, keys, hub, tmp_path):
     run = run_copy(evaluated_run)

@@ -543,6 +543,7 @@ def test_an_environment_that_cannot_be_reproduced_is_refused_unless_allowed(stop
     assert changes == [{"item": "torch", "recorded": "1.0.0", "now": torch.__version__, "step": 5}]
 
 
+@pytest.mark.heavy
 def test_charlm_cut_with_one_thread_and_resumed_with_two_is_bitwise_the_one_thread_run(tmp_path):
     """The issue's acceptance: OMP_NUM_THREADS=1 for the cut, 2 for the resume. A control run
     pinned to 2 threads differs from the 1-thread run, so the equality is not luck."""
@@ -568,6 +569,7 @@ def test_charlm_cut_with_one_thread_and_resumed_with_two_is_bitwise_the_one_thre
 
 # -- 5. the printed resume command is the one to run --------------------------------------------
 
+@pytest.mark.heavy
 def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_dir, tmp_path):
     """Started with its own --config, a relative --checkpoint-dir and --set overrides; the
     printed line, run as printed from the same folder, ends bitwise equal to a straight run."""

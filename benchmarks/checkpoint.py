@@ -290,9 +290,10 @@ class Bench:
         return wall, wall, _size(path)
 
     def ours_load_verified(self):
-        """What resume does (train.py): every byte hashed, tensors mapped, in one pass."""
+        """What resume does (train.py): every byte hashed in one pass, the weights after they
+        were copied into the live model's parameters, the training state's pages owned first."""
         def load(folder: Path):
-            loaded = load_checkpoint(folder)
+            loaded = load_checkpoint(folder, into=self.run.model)
             return [*loaded.model_tensors.values(), *loaded.state_tensors.values()]
         return self._load("ours_sync", load)
 

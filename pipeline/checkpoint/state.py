@@ -19,7 +19,7 @@ from .codec import split_state
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
-__all__ = ["OMITTABLE", "capture_state", "check_capturable", "restore_state"]
+__all__ = ["OMITTABLE", "capture_state", "check_capturable", "restore_state", "restore_positions"]
 
 OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
 
@@ -73,12 +73,7 @@ def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], s
         load_model_weights(run.model, model_tensors, derived=derived)
         if "optimizer" not in omit:
             run.optimizer.load_state_dict(joined["optimizer"])
-        if "scheduler" not in omit:
-            run.scheduler.load_state_dict(joined["scheduler"])
-        if "data" not in omit:
-            run.sampler.load_state_dict(joined["sampler"])
-            if joined["task"] is not None:
-                run.data.load_state_dict(joined["task"])
+        restore_positions(run, joined, omit)
         if "scaler" not in omit and run.scaler is not None:
             run.scaler.load_state_dict(joined["scaler"])
         run.step = joined["step"]
@@ -91,3 +86,15 @@ def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], s
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StateMismatch(f"saved training state does not fit the objects built from the config: {first_line}") \
             from None
+
+
+def restore_positions(run: TrainingRun, joined: Mapping[str, Any], omit: Iterable[str] = ()) -> None:
+    """The schedule's and the data's positions from a validated state (the scheduler; the
+    sampler, then the task's own state), except the omitted components: the same in one
+    process and under torchrun."""
+    if "scheduler" not in omit:
+        run.scheduler.load_state_dict(joined["scheduler"])
+    if "data" not in omit:
+        run.sampler.load_state_dict(joined["sampler"])
+        if joined["task"] is not None:
+            run.data.load_state_dict(joined["task"])

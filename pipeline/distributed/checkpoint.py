@@ -55,6 +55,7 @@ from ..checkpoint.checkpointer import PendingSave
 from ..checkpoint.codec import split_state
 from ..checkpoint.shards import tensor_specs
 from ..checkpoint.snapshot import SnapshotBuffers
+from ..checkpoint.state import restore_positions
 from ..checkpoint.store import DIST_SCHEMA, write_meta
 from ..checkpoint.tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
 from ..checkpoint.validate import HISTORY, validated_state
@@ -366,12 +367,7 @@ def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
         if "optimizer" not in omit:
             set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
-        if "scheduler" not in omit:
-            run.scheduler.load_state_dict(joined["scheduler"])
-        if "data" not in omit:
-            run.sampler.load_state_dict(joined["sampler"])
-            if joined["task"] is not None:
-                run.data.load_state_dict(joined["task"])
+        restore_positions(run, joined, omit)
         run.step = joined["step"]
         run.history = {key: shared[f"history/{key}"].tolist() for key in HISTORY}
         if "rng" in omit:

@@ -20,6 +20,7 @@ from .checkpoint import (
     Checkpointer,
     CheckpointStore,
     LoadedCheckpoint,
+    SavedCheckpoint,
     check_capturable,
     check_derived_buffers,
     checkpoint_meta,
@@ -189,6 +190,14 @@ def _load_into(run: TrainingRun, store: CheckpointStore, start: tuple[str, Path,
     return loaded
 
 
+def final_checkpoint(saved: SavedCheckpoint | None, store: CheckpointStore, step: int) -> Path | None:
+    """The checkpoint a run ends on: its last save, or, when it saved nothing (a finished run
+    resumed again), the committed checkpoint of its step, if any."""
+    if saved is not None:
+        return saved.path
+    return store.path_for(step) if step in store.committed_steps() else None
+
+
 def run_provenance(config: Config, manifest: dict, device: torch.device, changes: list[dict[str, Any]],
                    lineage: list[dict[str, int]] | None = None) -> dict:
     """What every checkpoint of a run records about where it came from, and the
@@ -290,10 +299,9 @@ def train(
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
-        checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
-                                                           store.committed_steps() else None)
-        return TrainResult(step=run.step, max_steps=config.training.max_steps, checkpoint=checkpoint,
-                           history=run.history, resumed_from=resumed)
+        return TrainResult(step=run.step, max_steps=config.training.max_steps,
+                           checkpoint=final_checkpoint(saved, store, run.step), history=run.history,
+                           resumed_from=resumed)
 
 
 def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,

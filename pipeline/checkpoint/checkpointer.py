@@ -49,7 +49,32 @@ class PendingSave:
                 self._thread.join()
 
 
-class Checkpointer:
+class OneSaveInFlight:
+    """At most one background save (``_in_flight``) and the snapshot buffers it copies into:
+    what the single-process and the distributed checkpointers share."""
+
+    _in_flight: PendingSave | None
+    snapshot: SnapshotBuffers
+
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the save in flight commits; raise its error here. ``None`` if idle."""
+        pending, self._in_flight = self._in_flight, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then free the snapshot buffers
+        and whatever else :meth:`_release` frees."""
+        try:
+            self.wait()
+        finally:
+            self.snapshot.release()
+            self._release()
+
+    def _release(self) -> None:
+        """Nothing else to free here; the distributed checkpointer leaves its own group."""
+
+
+class Checkpointer(OneSaveInFlight):
     """Saves a run into a locked :class:`CheckpointStore`.
 
     ``provenance`` holds what is the same for every save of the run: ``config``,
@@ -85,18 +110,6 @@ class Checkpointer:
         copies = self.snapshot.copy({"model": model_tensors, "state": state_tensors})
         # Training goes on mutating nothing in here, but a deep copy makes that a fact.
         return self._start(run.step, copies["model"], copies["state"], copy.deepcopy(meta))
-
-    def wait(self) -> SavedCheckpoint | None:
-        """Block until the save in flight commits; raise its error here. ``None`` if idle."""
-        pending, self._in_flight = self._in_flight, None
-        return pending.result() if pending is not None else None
-
-    def close(self) -> None:
-        """Wait for the save in flight (raising its error), then free the snapshot buffers."""
-        try:
-            self.wait()
-        finally:
-            self.snapshot.release()
 
     def _start(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
                meta: dict[str, Any]) -> PendingSave:

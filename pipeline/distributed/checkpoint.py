@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import CheckpointStore, SavedCheckpoint, check_derived_buffers
-from ..checkpoint.checkpointer import PendingSave
+from ..checkpoint.checkpointer import OneSaveInFlight, PendingSave
 from ..checkpoint.codec import split_state
 from ..checkpoint.shards import tensor_specs
 from ..checkpoint.snapshot import SnapshotBuffers
@@ -133,7 +133,7 @@ def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         raise StateMismatch(f"{path} holds no readable RNG record: the checkpoint is damaged") from None
 
 
-class DistributedCheckpointer:
+class DistributedCheckpointer(OneSaveInFlight):
     """The distributed counterpart of :class:`pipeline.checkpoint.Checkpointer` (same
     ``save`` / ``wait`` / ``close`` / ``store``).
 
@@ -161,20 +161,10 @@ class DistributedCheckpointer:
         self._in_flight: PendingSave | None = None
         self._committer = world.own_group() if background else world
 
-    def wait(self) -> SavedCheckpoint | None:
-        """Block until the save in flight commits; raise its error here. ``None`` if idle."""
-        pending, self._in_flight = self._in_flight, None
-        return pending.result() if pending is not None else None
-
-    def close(self) -> None:
-        """Wait for the save in flight (raising its error), then free the buffers and the group."""
-        try:
-            self.wait()
-        finally:
-            self.snapshot.release()
-            if self._committer is not self.world:
-                self._committer.leave_group()
-                self._committer = self.world
+    def _release(self) -> None:
+        if self._committer is not self.world:
+            self._committer.leave_group()
+            self._committer = self.world
 
     def save(self, run: TrainingRun) -> SavedCheckpoint | PendingSave:
         self.wait()  # the buffers are reused, and a failed save must stop training now

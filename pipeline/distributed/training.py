@@ -15,7 +15,7 @@ from ..environment import pin_threads, reproduce_environment
 from ..errors import CheckpointError, PipelineError, SchemaMismatch
 from ..progress import Progress
 from ..run import build_run, configure_determinism, fresh_buffers
-from ..train import TrainingHooks, TrainResult, _loop, run_provenance
+from ..train import TrainingHooks, TrainResult, _loop, final_checkpoint, run_provenance
 from .checkpoint import DistributedCheckpointer, restore_distributed
 from .world import World, derive_rank_rng
 
@@ -125,9 +125,8 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
-        checkpoint = saved.path if saved is not None else (store.path_for(run.step) if run.step in
-                                                           store.committed_steps() else None)
-        return TrainResult(step=run.step, max_steps=config.training.max_steps, checkpoint=checkpoint,
-                           history=run.history, resumed_from=resumed, rank=world.rank)
+        return TrainResult(step=run.step, max_steps=config.training.max_steps,
+                           checkpoint=final_checkpoint(saved, store, run.step), history=run.history,
+                           resumed_from=resumed, rank=world.rank)
     finally:
         store.release()

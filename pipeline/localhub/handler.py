@@ -56,6 +56,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like the Hub; every response carries Content-Length
     server_version = "localhub"
     timeout = 120  # idle keep-alive connections end eventually
+    # A response is two writes (headers, then body): with Nagle's algorithm on, the body waits
+    # for the client's delayed ACK of the headers, 40 ms on every request over loopback.
+    disable_nagle_algorithm = True
 
     # ------------------------------------------------------------------ plumbing
     @property

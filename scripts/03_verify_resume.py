@@ -40,8 +40,9 @@ def main() -> int:
                         "last step inside an epoch with an epoch boundary still to come)")
     parser.add_argument("--atol", type=float, default=0.0, metavar="X",
                         help="absolute tolerance for floating values, rtol 0 (default 0: bitwise)")
-    parser.add_argument("--jobs", type=int, metavar="J", help="legs run at once (default: all of a phase on CPU, "
-                        "1 on CUDA)")
+    parser.add_argument("--jobs", type=int, metavar="J", help="leg processes at once (default: one per leg, all "
+                        "of a phase at once, on CPU; 1 on CUDA); with fewer processes than legs each runs several "
+                        "in turn, the resume always first in a fresh one")
     parser.add_argument("--nproc-per-node", type=int, metavar="P", help="prove the resume of a torchrun run "
                         "with P processes (training.parallel ddp or fsdp2); each leg is a torchrun launch")
     args = parser.parse_args()

@@ -7,6 +7,9 @@ Both wrap the default regression data (same prepared files), changing one thing 
 - ``build_forgetful_data``: a sampler that saves its position but ignores it on load, the
   classic "resume restarts the epoch" bug the proof must name.
 
+- ``build_once_per_process_data``: the default data, refused at a second build in one process
+  (a task holding a process-wide resource): the leg after the first in a shared process fails.
+
 And one scheduler, ``settling_scheduler``: a constant learning rate whose saved state (a
 counter that stops at 2) differs from a fresh one at any cut after step 2, yet converges
 again two steps after a resume that forgets it, so leaving it out changes nothing the
@@ -23,9 +26,13 @@ import torch
 
 from pipeline.config import Config
 from pipeline.data import EpochSampler
+from pipeline.errors import DataError
 from pipeline.tasks.regression import RegressionData, build_data
 
-__all__ = ["build_quiet_data", "build_forgetful_data", "ForgetfulSampler", "settling_scheduler"]
+__all__ = ["build_quiet_data", "build_forgetful_data", "build_once_per_process_data", "ForgetfulSampler",
+           "settling_scheduler"]
+
+_BUILDS_IN_THIS_PROCESS = []
 
 
 class _Wrapped:
@@ -66,6 +73,13 @@ def build_quiet_data(config: Config, data_dir: Path) -> QuietData:
 
 def build_forgetful_data(config: Config, data_dir: Path) -> ForgetfulData:
     return ForgetfulData(build_data(config, data_dir))
+
+
+def build_once_per_process_data(config: Config, data_dir: Path) -> RegressionData:
+    _BUILDS_IN_THIS_PROCESS.append(data_dir)
+    if len(_BUILDS_IN_THIS_PROCESS) > 1:
+        raise DataError("this task's data can be built once per process")
+    return build_data(config, data_dir)
 
 
 class SettlingConstantLR(torch.optim.lr_scheduler.LambdaLR):

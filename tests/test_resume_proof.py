@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import TREE_PATH, run_python
+from support import TREE_PATH, assert_checkpoints_bitwise_equal, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,6 +61,9 @@ def _prove(data_dir: Path, workdir: Path, *args: str) -> Proof:
 # For the tests' own tasks: CPU kernels are deterministic either way, and torch's deterministic
 # mode costs each of the seven processes about a second of imports on a 2-core machine.
 FAST = ("--set", "training.deterministic=false")
+# Two processes (one per phase) instead of seven: the legs end bitwise as in processes of their own
+# (test_legs_sharing_a_process_end_bitwise_where_each_in_its_own_did), and each start costs seconds.
+PACKED = ("--jobs", "1")
 
 
 def _one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -143,6 +146,43 @@ def test_report_records_environment_sources_and_every_leg_command(default_proof)
 
 
 @DEFAULT_PROOF
+def test_legs_sharing_a_process_end_bitwise_where_each_in_its_own_did(default_proof, data_dir, tmp_path):
+    """--jobs 1: one process per phase (continuous then cut; resume, first in its fresh
+    interpreter, then every control). Every leg ends bitwise as in the default proof, where
+    each leg had a process of its own, with the same verdict."""
+    packed = _prove(data_dir, tmp_path, "--jobs", "1")
+    assert packed.result.returncode == 0, packed.result.stdout + packed.result.stderr
+    assert "running resume, omit-rng, omit-optimizer, omit-scheduler, omit-data (1 process)" in packed.result.stdout
+    legs, alone = packed.report["protocol"]["legs"], default_proof.report["protocol"]["legs"]
+    specs = {name: [arg for arg in leg["command"] if arg.endswith("spec.json")] for name, leg in legs.items()}
+    assert specs["continuous"] == specs["cut"] == [str(packed.output / n / "spec.json") for n in ("continuous", "cut")]
+    assert specs["resume"] == specs["omit-data"] == [str(packed.output / n / "spec.json") for n in
+                                                     ("resume", *(f"omit-{c}" for c in CONTROLS))]
+    assert all(len([a for a in leg["command"] if a.endswith("spec.json")]) == 1 for leg in alone.values())
+    for name in legs:
+        step = 5 if name == "cut" else 10
+        assert_checkpoints_bitwise_equal(default_proof.output / name / "checkpoints" / f"step-{step:08d}",
+                                         packed.output / name / "checkpoints" / f"step-{step:08d}")
+        assert "error" not in (packed.output / name / "log.txt").read_text(), name  # each leg logged apart
+    assert packed.report["components"] == default_proof.report["components"]
+    assert packed.report["final_metrics"] == default_proof.report["final_metrics"]
+
+
+def test_a_leg_failing_in_a_shared_process_is_named_and_the_legs_after_it_never_run(data_dir, tmp_path):
+    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_once_per_process_data",
+                   "--jobs", "1", *FAST)
+    assert proof.result.returncode == 2, proof.result.stdout + proof.result.stderr
+    line = _one_line_error(proof.result)
+    assert "leg cut exited with code 2: error: this task's data can be built once per process" in line, line
+    report = json.loads((proof.output / "verification.json").read_text())
+    assert report["completed"] is False and report["all_checks_passed"] is False
+    codes = {name: leg["exit_code"] for name, leg in report["protocol"]["legs"].items()}
+    assert codes == {"continuous": 0, "cut": 2, **{name: None for name in codes if name not in ("continuous", "cut")}}
+    assert (proof.output / "cut" / "log.txt").read_text().strip().endswith("built once per process")
+    assert not (proof.output / "resume" / "log.txt").exists()
+
+
+@DEFAULT_PROOF
 def test_proof_writes_nothing_outside_its_output_folder(default_proof):
     # config.yaml points checkpoint.dir at estados_local/, relative to the working folder.
     assert sorted(p.name for p in default_proof.workdir.iterdir()) == ["proof"]
@@ -186,7 +226,7 @@ def test_unprepared_data_is_refused_with_a_hint_to_run_01(tmp_path):
 
 @pytest.mark.heavy
 def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir, tmp_path):
-    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST)
+    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST, *PACKED)
     assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
     summary, report = proof.summary, proof.report
     assert summary["positive"] is False and summary["all_checks_passed"] is False
@@ -205,7 +245,8 @@ def test_unexercised_rng_passes_and_a_control_that_cannot_diverge_fails_with_exi
     scheduler's control cannot diverge, which is. Only the scheduler is named."""
     proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_quiet_data",
                    "--set", "model.params.dropout=0.0", "--set", "data.shuffle=false",
-                   "--set", "scheduler.factory=proof_factories:settling_scheduler", "--steps", "10", "--cut", "5", *FAST)
+                   "--set", "scheduler.factory=proof_factories:settling_scheduler", "--steps", "10", "--cut", "5", *FAST,
+                   *PACKED)
     assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
     summary, controls = proof.summary, proof.report["components"]["negative"]
     assert summary["positive"] is True and summary["negative_divergence_detected"] is False

@@ -577,6 +577,7 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     import signal
     import subprocess
 
+    from pipeline.checkpoint import CheckpointStore, verify_checkpoint
     from support import PYTHON, assert_checkpoints_bitwise_equal, run_python, script_env
 
     (tmp_path / "my config.yaml").write_text((REPO / "config.yaml").read_text())
@@ -594,6 +595,10 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    stopped = CheckpointStore(tmp_path / "runs/x").committed_steps()
+    assert len(stopped) == 1 and 2 <= stopped[0] < 300, stopped  # the step it stopped after, saved
+    verify_checkpoint(tmp_path / "runs/x" / f"step-{stopped[0]:08d}")
     printed = stderr.split("Resume with: ", 1)[1].strip()
     assert "--checkpoint-dir runs/x" in printed and "'my config.yaml'" in printed
     resumed = subprocess.run(shlex.split(printed), cwd=tmp_path, env=script_env(), capture_output=True, text=True,

@@ -1,6 +1,12 @@
-"""One leg of the resume proof, in its own process (internal; started by scripts/03).
+"""Legs of the resume proof, one after the other in this process (internal; started by scripts/03).
 
-    python -B -m pipeline.proof.leg RUN/resume/spec.json
+    python -B -m pipeline.proof.leg RUN/resume/spec.json [RUN/omit-rng/spec.json ...]
+
+By default every leg has a process of its own; with fewer processes than legs
+(``--jobs``) one runs several, the first in its fresh interpreter (see
+:func:`pipeline.proof.plan.pack` for why the later ones are unaffected by it). Each leg
+writes its output to its own ``log.txt``: the first leg's is the process's standard output,
+opened by scripts/03; a later leg moves both streams to its own as it starts.
 
 The spec names the full config, where to resume from, where to stop and which components
 to leave unrestored (the negative controls). This is the only entry point that passes
@@ -16,6 +22,7 @@ again and evaluates the model. It writes ``summary.json`` beside the spec.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ from ..rng import peek_next_draws
 from ..run import TrainingRun
 from ..train import TrainingHooks, train
 from .compare import SNAPSHOT_STATE
-from .layout import SNAPSHOT_DIR, SUMMARY_FILE
+from .layout import LOG_FILE, SNAPSHOT_DIR, SUMMARY_FILE
 
 __all__ = ["LegRecorder", "run_leg", "main"]
 
@@ -132,12 +139,28 @@ def run_leg(spec_path: Path) -> dict[str, Any]:
     return summary
 
 
+def _log_to(path: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors too) to a new ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.dup2(descriptor, 1)
+        os.dup2(descriptor, 2)
+    finally:
+        os.close(descriptor)
+
+
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python -m pipeline.proof.leg SPEC.json (internal to scripts/03_verify_resume.py)",
-              file=sys.stderr)
+    specs = [Path(arg) for arg in sys.argv[1:]]
+    if not specs:
+        print("usage: python -m pipeline.proof.leg SPEC.json [SPEC.json ...] (internal to "
+              "scripts/03_verify_resume.py)", file=sys.stderr)
         return 2
-    run_leg(Path(sys.argv[1]))
+    for index, spec in enumerate(specs):
+        if index:
+            _log_to(spec.parent / LOG_FILE)
+        run_leg(spec)
     return 0
 
 

@@ -18,8 +18,8 @@ from ..provenance import PACKAGE_ROOT
 from ..run import make_sampler
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
-__all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "leg_spec", "leg_command",
-           "leg_env"]
+__all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "phases", "pack", "leg_spec",
+           "process_command", "leg_env"]
 
 DEFAULT_STEPS = 10
 # The saved components a negative control leaves unrestored, in report order.
@@ -123,6 +123,22 @@ def make_legs(plan: Plan, config: Config) -> list[Leg]:
             *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls)]
 
 
+def phases(legs: list[Leg]) -> list[list[Leg]]:
+    """The cut and the continuous run are independent; every resume needs the cut's checkpoint."""
+    return [legs[:2], legs[2:]]
+
+
+def pack(phase: list[Leg], processes: int) -> list[list[Leg]]:
+    """``phase``'s legs dealt in order into at most ``processes`` processes, each running its
+    legs one after the other. Each process's first leg starts in a fresh interpreter, so the
+    resume (first of its phase) always does: exactly a user's relaunch. A later leg in the
+    same process builds a new model, optimizer, scheduler, sampler and data generator and
+    re-seeds every RNG family (``build_run``), so what the process ran before reaches none of
+    its numbers; the torchrun proof shares its launch between controls the same way."""
+    count = max(1, min(processes, len(phase)))
+    return [phase[i::count] for i in range(count)]
+
+
 def leg_spec(leg: Leg, plan: Plan, config: Config, output: Path) -> dict[str, Any]:
     """What the leg process runs: the full config with checkpoints inside the leg's folder.
 
@@ -137,10 +153,10 @@ def leg_spec(leg: Leg, plan: Plan, config: Config, output: Path) -> dict[str, An
             "stop_at": leg.stop_at, "omit": list(leg.omit), "snapshot": leg.snapshot}
 
 
-def leg_command(leg: Leg, output: Path) -> list[str]:
-    """Same interpreter, same flags that matter (-B), a fresh process per leg."""
+def process_command(legs: list[Leg], output: Path) -> list[str]:
+    """Same interpreter, same flags that matter (-B), a fresh process running ``legs`` in order."""
     flags = ["-B"] if sys.flags.dont_write_bytecode else []
-    return [sys.executable, *flags, "-m", LEG_MODULE, str(leg.folder(output) / SPEC_FILE)]
+    return [sys.executable, *flags, "-m", LEG_MODULE, *(str(leg.folder(output) / SPEC_FILE) for leg in legs)]
 
 
 def leg_env() -> dict[str, str]:

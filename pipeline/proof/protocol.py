@@ -40,7 +40,7 @@ from .checks import (
 )
 from .compare import Check, checkpoint_bundle, load_snapshot
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SNAPSHOT_DIR, SPEC_FILE, SUMMARY_FILE
-from .plan import Leg, Plan, leg_command, leg_env, leg_spec, make_legs, plan_cut
+from .plan import Leg, Plan, leg_env, leg_spec, make_legs, pack, phases, plan_cut, process_command
 
 __all__ = ["REPORT_SCHEMA", "verify_resume", "summary_line", "describe"]
 
@@ -70,8 +70,7 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     for leg in legs:
         leg.folder(output).mkdir()
         write_json_atomic(leg.folder(output) / SPEC_FILE, leg_spec(leg, plan, config, output))
-    # The cut and the continuous run are independent; every resume needs the cut's checkpoint.
-    for phase in (legs[:2], legs[2:]):
+    for phase in phases(legs):
         _run_phase(phase, output, jobs, report, echo)
     try:
         report.update(_evaluate(plan, legs, output, atol))
@@ -106,25 +105,46 @@ def create_output(output: Path) -> None:
 
 
 def _run_phase(legs: list[Leg], output: Path, jobs: int, report: dict[str, Any], echo: Callable[[str], None]) -> None:
-    echo(f"running {', '.join(leg.name for leg in legs)} ...")
+    processes = pack(legs, jobs)
+    echo(f"running {', '.join(leg.name for leg in legs)} ({_count(len(processes), 'process', 'processes')}) ...")
     env = leg_env()
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(legs)))) as pool:
-        codes = dict(zip([leg.name for leg in legs],
-                         pool.map(lambda leg: _run_leg(leg, output, env), legs)))
-    for name, code in codes.items():
-        report["protocol"]["legs"][name]["exit_code"] = code
-    failed = [leg for leg in legs if codes[leg.name] != 0]
+    with ThreadPoolExecutor(max_workers=len(processes)) as pool:
+        codes = list(pool.map(lambda group: _run_process(group, output, env), processes))
+    for group, code in zip(processes, codes):
+        for leg, leg_code in zip(group, _leg_codes(group, code, output)):
+            report["protocol"]["legs"][leg.name]["exit_code"] = leg_code
+    failed = [leg for leg in legs if report["protocol"]["legs"][leg.name]["exit_code"] not in (0, None)]
     if failed:
         leg = failed[0]
         log = leg.folder(output) / LOG_FILE
-        _fail(output, report, f"leg {leg.name} exited with code {codes[leg.name]}: {last_line(log)} (log: {log})")
+        _fail(output, report, f"leg {leg.name} exited with code {report['protocol']['legs'][leg.name]['exit_code']}: "
+                              f"{last_line(log)} (log: {log})")
 
 
-def _run_leg(leg: Leg, output: Path, env: dict[str, str]) -> int:
-    folder = leg.folder(output)
-    with open(folder / LOG_FILE, "xb") as log:
-        return subprocess.run(leg_command(leg, output), cwd=os.getcwd(), env=env, stdin=subprocess.DEVNULL,
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _run_process(legs: list[Leg], output: Path, env: dict[str, str]) -> int:
+    """One process for ``legs``: its output goes to the first leg's log (the leg module moves
+    it to each later leg's own log as that leg starts)."""
+    with open(legs[0].folder(output) / LOG_FILE, "xb") as log:
+        return subprocess.run(process_command(legs, output), cwd=os.getcwd(), env=env, stdin=subprocess.DEVNULL,
                               stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _leg_codes(legs: list[Leg], code: int, output: Path) -> list[int | None]:
+    """Each leg's exit code from its process's: a leg that wrote its summary finished (0); the
+    first that did not ended the process with ``code``; the ones after it never ran (None)."""
+    codes: list[int | None] = []
+    for leg in legs:
+        if codes and codes[-1] != 0:
+            codes.append(None)
+        elif (leg.folder(output) / SUMMARY_FILE).is_file():
+            codes.append(0)
+        else:
+            codes.append(code if code != 0 else 1)  # exit 0 without a summary is a failure too
+    return codes
 
 
 def last_line(path: Path) -> str:
@@ -201,6 +221,9 @@ def _verdict(plan: Plan, runs: dict[str, Any], positive: list[Check], controls: 
 def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], device: torch.device, plan: Plan,
             legs: list[Leg], output: Path, atol: float, jobs: int) -> dict[str, Any]:
     versions = library_versions()
+    # Legs sharing a process share its command (the specs it runs, in order).
+    commands = {leg.name: process_command(group, output)
+                for phase in phases(legs) for group in pack(phase, jobs) for leg in group}
     return {
         "schema": REPORT_SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -225,7 +248,7 @@ def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], 
             "cwd": os.getcwd(),
             "env": {"PYTHONPATH": leg_env()["PYTHONPATH"]},
             "parallel_legs": jobs,
-            "legs": {leg.name: {"command": leg_command(leg, output), "spec": f"{leg.name}/{SPEC_FILE}",
+            "legs": {leg.name: {"command": commands[leg.name], "spec": f"{leg.name}/{SPEC_FILE}",
                                 "log": f"{leg.name}/{LOG_FILE}", "summary": f"{leg.name}/{SUMMARY_FILE}",
                                 "resume_from": f"cut/{CHECKPOINTS_DIR}/{step_dir_name(plan.cut)}" if leg.resume
                                 else None,

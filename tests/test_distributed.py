@@ -393,10 +393,10 @@ def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float =
 def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
-    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1000000", "--set", "training.log_every=20",
+    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1000000", "--set", "training.log_every=2",
                        parallel="fsdp2")
     try:
-        _wait_for(lambda: "step 20/" in log.read_text(), launcher, "step 20")
+        _wait_for(lambda: "step 2/" in log.read_text(), launcher, "step 2")
         os.kill(_ranks(launcher)[1], signal.SIGTERM)
         launcher.wait(timeout=120)
     finally:

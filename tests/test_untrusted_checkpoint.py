@@ -577,8 +577,9 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     import signal
     import subprocess
 
-    from pipeline.checkpoint import CheckpointStore, verify_checkpoint
-    from support import PYTHON, assert_checkpoints_bitwise_equal, run_python, script_env
+    from pipeline.checkpoint import CheckpointStore
+
+    from support import PYTHON, assert_checkpoints_bitwise_equal, run_python, script_env, verify_checkpoint
 
     (tmp_path / "my config.yaml").write_text((REPO / "config.yaml").read_text())
     args = ["--config", "my config.yaml", "--set", f"data.dir={data_dir}", "--set", "training.max_steps=300",

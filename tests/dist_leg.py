@@ -11,16 +11,22 @@ for a call that raised, such as a mkdir of a folder that exists), into
 ``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
 Rank 0 writes one result per run (step, losses,
 checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
+Each rank writes ``<results>-threads-rank<R>.json``: the default process group's gloo threads
+(those started by ``init_process_group``, which this harness calls first) as seen before
+``World.close`` and as left after it.
 """
 
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from oprecorder import Recorder
 
 from pipeline.checkpoint.store import meta_sha256
@@ -44,8 +50,24 @@ def forge(spec: dict) -> None:
         meta_path.write_bytes(json_bytes(meta))
 
 
+def gloo_threads(among: set[int]) -> list[str]:
+    """The names of the threads ``among`` (ids) that are alive and named by gloo (Linux)."""
+    names = []
+    for tid in sorted(among):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # ended
+            continue
+        if name.startswith(("gloo", "pt_gloo")):
+            names.append(name)
+    return names
+
+
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
+    # The default group alone first (World.start joins it), so its threads are known.
+    dist.init_process_group("gloo")
+    default_group = {int(tid) for tid in os.listdir("/proc/self/task")} - {threading.get_native_id()}
     world = World.start(load_config(plan["config"], plan["runs"][0]["overrides"]))
     results = []
     try:
@@ -73,7 +95,10 @@ def main(plan_path: str) -> None:
                 Path(f"{run['record']}-rank{world.rank}.json").write_text(json.dumps(
                     {"ops": [op.to_dict() for op in recorder.ops], "done": [done.get(i) for i in range(len(recorder.ops))]}))
     finally:
+        seen = gloo_threads(default_group)
         world.close()
+    Path(f"{plan['results']}-threads-rank{world.rank}.json").write_text(
+        json.dumps({"before_close": seen, "after_close": gloo_threads(default_group)}))
     if world.rank == 0:
         Path(plan["results"]).write_text(json.dumps(results))
 

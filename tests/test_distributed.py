@@ -127,6 +127,20 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
 
 
 @LEGS
+def test_close_ends_the_default_groups_gloo_threads(legs):
+    """A gloo worker still releasing its last collective's tensors when the interpreter
+    finalizes aborts its rank (SIGABRT, "terminate called without an active exception";
+    see World.close): by the time World.close returns, the default group's worker threads
+    are gone, on every rank, although DDP reducers left in reference cycles, failed saves'
+    tracebacks and FSDP2's device mesh (kept by torch's DTensor caches) referred to groups."""
+    root, _, _ = legs
+    for rank in range(2):
+        threads = json.loads((root / f"legs-results.json-threads-rank{rank}.json").read_text())
+        assert sorted(threads["before_close"]) == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"], threads
+        assert threads["after_close"] == [], (rank, threads)
+
+
+@LEGS
 def test_a_background_save_holds_its_step_while_training_goes_on(legs, tmp_path):
     """FSDP2 with checkpoint.async: step 5 was committed in the background while steps 6 to
     10 trained; resumed from it, the run ends bitwise where the uninterrupted one did (a save
@@ -456,3 +470,4 @@ def test_resume_command_repeats_the_launch_with_resume_latest():
                                            "--resume=auto", "--quiet"])
     assert command == ("torchrun --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
                        "--quiet --resume latest")
+

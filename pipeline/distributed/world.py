@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -72,6 +73,9 @@ class World:
     """The process group of this object's collectives: ``None``, the launch's default one;
     a background save's own gloo group (:meth:`own_group`), so its agreements never
     interleave with the training loop's."""
+    mesh_group: Any = None
+    """The group FSDP2's device mesh runs on (:meth:`wrap`): one of every rank, made at
+    :meth:`start`, never the default one (see :meth:`close` for why)."""
 
     @classmethod
     def start(cls, config: Config) -> "World":
@@ -97,7 +101,8 @@ class World:
             dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-                   device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters)
+                   device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters,
+                   mesh_group=dist.new_group())
 
     def own_group(self) -> "World":
         """This rank on a new gloo process group of every rank (CPU collectives, whatever
@@ -116,7 +121,22 @@ class World:
                 "ddp_find_unused_parameters": self.find_unused_parameters}
 
     def close(self) -> None:
+        """Leave every process group and end their gloo worker threads, while Python still runs.
+
+        A gloo worker that finishes a collective then drops the collective's tensors, which
+        takes the GIL (torch 2.13, ``TensorImpl::decref_pyobject``). Once the interpreter
+        finalizes, CPython ends such a thread with ``pthread_exit`` inside that C++
+        destructor, and the rank aborts ("terminate called without an active exception"):
+        a rank that exits right after its last collective, its worker not yet scheduled.
+        Workers stop only when their group is freed; freeing the Python group object lets go
+        of the GIL meanwhile, so they finish first. Hence the garbage that still holds a
+        group from C++ (a DDP reducer in a reference cycle, a failed save's traceback) is
+        collected first, while the groups are registered: then it frees no group, never one
+        with the GIL held, which would deadlock against a worker waiting for it. Destroying
+        the groups then frees them. FSDP2's mesh outlives this (torch's DTensor caches keep
+        it), hence :attr:`mesh_group`, idle from the last training step on."""
         if dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     # -- data ----------------------------------------------------------------------------
@@ -211,8 +231,9 @@ class World:
             return DistributedDataParallel(
                 model, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
                 find_unused_parameters=self.find_unused_parameters)
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
-        return fully_shard(model)
+        return fully_shard(model, mesh=DeviceMesh.from_group(self.mesh_group, self.device.type))
 
     def resume_command(self, argv: Sequence[str] | None = None) -> str:
         """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind

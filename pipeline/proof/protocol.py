@@ -66,12 +66,14 @@ def verify_resume(config: Config, *, output: Path, steps: int | None = None, cut
     legs = make_legs(plan, config)
     jobs = jobs or (1 if device.type == "cuda" else len(legs))
     create_output(output)
-    report = _header(config, config_path, manifest, device, plan, legs, output, atol, jobs)
+    # Which process runs which legs, decided once: the report records it, the phases follow it.
+    schedule = [(phase, pack(phase, jobs)) for phase in phases(legs)]
+    report = _header(config, config_path, manifest, device, plan, legs, schedule, output, atol, jobs)
     for leg in legs:
         leg.folder(output).mkdir()
         write_json_atomic(leg.folder(output) / SPEC_FILE, leg_spec(leg, plan, config, output))
-    for phase in phases(legs):
-        _run_phase(phase, output, jobs, report, echo)
+    for phase, processes in schedule:
+        _run_phase(phase, processes, output, report, echo)
     try:
         report.update(_evaluate(plan, legs, output, atol))
     except (PipelineError, OSError) as exc:
@@ -104,21 +106,22 @@ def create_output(output: Path) -> None:
         raise PipelineError(f"{output} already exists: pass another --output") from None
 
 
-def _run_phase(legs: list[Leg], output: Path, jobs: int, report: dict[str, Any], echo: Callable[[str], None]) -> None:
-    processes = pack(legs, jobs)
+def _run_phase(legs: list[Leg], processes: list[list[Leg]], output: Path, report: dict[str, Any],
+               echo: Callable[[str], None]) -> None:
     echo(f"running {', '.join(leg.name for leg in legs)} ({_count(len(processes), 'process', 'processes')}) ...")
     env = leg_env()
     with ThreadPoolExecutor(max_workers=len(processes)) as pool:
-        codes = list(pool.map(lambda group: _run_process(group, output, env), processes))
-    for group, code in zip(processes, codes):
-        for leg, leg_code in zip(group, _leg_codes(group, code, output)):
-            report["protocol"]["legs"][leg.name]["exit_code"] = leg_code
-    failed = [leg for leg in legs if report["protocol"]["legs"][leg.name]["exit_code"] not in (0, None)]
+        process_codes = list(pool.map(lambda group: _run_process(group, output, env), processes))
+    codes: dict[str, int | None] = {}
+    for group, code in zip(processes, process_codes):
+        codes.update(zip((leg.name for leg in group), _leg_codes(group, code, output)))
+    for name, code in codes.items():
+        report["protocol"]["legs"][name]["exit_code"] = code
+    failed = [leg for leg in legs if codes[leg.name] not in (0, None)]
     if failed:
         leg = failed[0]
         log = leg.folder(output) / LOG_FILE
-        _fail(output, report, f"leg {leg.name} exited with code {report['protocol']['legs'][leg.name]['exit_code']}: "
-                              f"{last_line(log)} (log: {log})")
+        _fail(output, report, f"leg {leg.name} exited with code {codes[leg.name]}: {last_line(log)} (log: {log})")
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -219,11 +222,12 @@ def _verdict(plan: Plan, runs: dict[str, Any], positive: list[Check], controls: 
 # -- provenance ---------------------------------------------------------------------------
 
 def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], device: torch.device, plan: Plan,
-            legs: list[Leg], output: Path, atol: float, jobs: int) -> dict[str, Any]:
+            legs: list[Leg], schedule: list[tuple[list[Leg], list[list[Leg]]]], output: Path, atol: float,
+            jobs: int) -> dict[str, Any]:
     versions = library_versions()
     # Legs sharing a process share its command (the specs it runs, in order).
     commands = {leg.name: process_command(group, output)
-                for phase in phases(legs) for group in pack(phase, jobs) for leg in group}
+                for _, processes in schedule for group in processes for leg in group}
     return {
         "schema": REPORT_SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

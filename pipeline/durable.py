@@ -209,6 +209,10 @@ def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False
         with HashingWriter(temporary) as out:
             out.write(data)
         os.replace(temporary, path)
+    except OSError as exc:
+        if exc.filename is None:  # a failed write() names no file, and the user needs the path
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
     finally:
         temporary.unlink(missing_ok=True)
     fsync_dir(path.parent)

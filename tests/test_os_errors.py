@@ -99,6 +99,26 @@ def test_staging_onto_a_full_disk_is_one_line_and_leaves_nothing_behind(evaluate
         assert sorted(p.name for p in disk.iterdir() if p.name != ".hub_stage.lock") == [filler.name]
 
 
+def test_a_json_record_or_a_failed_proofs_report_on_a_full_disk_names_the_file(tmp_path):
+    """A failed write() names no file: the one JSON writer adds the path. A proof whose leg
+    failed on a full disk cannot write its report there either, and says both."""
+    from pipeline.durable import write_json_atomic
+    from pipeline.errors import ProofIncomplete, describe_os_error
+    from pipeline.proof.protocol import _fail
+
+    with tmpfs(tmp_path / "disk") as disk:
+        fill(disk)
+        with pytest.raises(OSError) as failed:
+            write_json_atomic(disk / "metrics.json", {"mse": 1.0, "pad": "x" * 8192})
+        assert describe_os_error(failed.value) == f"{disk / 'metrics.json'}: no space left on the device"
+        with pytest.raises(ProofIncomplete) as incomplete:
+            _fail(disk, {"pad": "x" * 8192}, "leg resume exited with code 1: (no output)")
+        assert str(incomplete.value) == (
+            "the proof could not complete: leg resume exited with code 1: (no output); the report could not be "
+            f"written either ({disk / 'verification.json'}: no space left on the device)")
+        assert leftovers(disk) == [] and not list(disk.glob(".*.tmp"))
+
+
 def test_read_only_file_systems_are_one_line_for_the_lock_a_folder_and_metrics(evaluated_run, tmp_path):
     with tmpfs(tmp_path / "ro") as ro:
         (ro / "estados_local").mkdir()

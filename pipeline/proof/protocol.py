@@ -24,7 +24,7 @@ from ..config import Config
 from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..environment import current_environment
-from ..errors import ConfigError, PipelineError, ProofIncomplete
+from ..errors import ConfigError, PipelineError, ProofIncomplete, describe_os_error
 from ..hashing import sha256_bytes, sha256_file
 from ..provenance import PACKAGE_ROOT, code_fingerprint, factory_sources, library_versions
 from ..run import resolve_device
@@ -159,7 +159,10 @@ def last_line(path: Path) -> str:
 def _fail(output: Path, report: dict[str, Any], message: str) -> None:
     report.update({"completed": False, "error": message, "all_checks_passed": False, "positive": False,
                    "negative_divergence_detected": False})
-    write_json_atomic(output / REPORT_FILE, report, allow_nan=True)
+    try:
+        write_json_atomic(output / REPORT_FILE, report, allow_nan=True)
+    except OSError as exc:  # a full disk that stopped a leg stops the report too: say both
+        message += f"; the report could not be written either ({describe_os_error(exc)})"
     raise ProofIncomplete(f"the proof could not complete: {message}", report)
 
 

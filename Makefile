@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipeline.demo
+	$(PY) scripts/demo.py
 
 # Two workers, one thread each: most tests start real training processes, so the suite
 # is bound by interpreter starts and fits both cores without oversubscribing them.

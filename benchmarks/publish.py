@@ -5,8 +5,8 @@ A benchmark, not a test.
 
 The stage is what scripts/05_stage.py would hand to 06 (``modelo.safetensors``, ``meta.json``,
 ``README.md``, ``MANIFEST.sha256``), with weights of ``--tensors`` equal fp32 tensors of random
-normal values (trained weights compress about as badly). One ``pipeline.localhub`` runs in this
-process; each publish is ``pipeline.publish.publish`` in a fresh process (a fresh Xet session)
+normal values (trained weights compress about as badly). One ``localhub`` runs in this
+process; each publish is ``pipeline.publishing.publish`` in a fresh process (a fresh Xet session)
 with ``HF_HUB_DISABLE_XET=1`` for LFS and unset for Xet, each protocol with its own HF_HOME.
 Per protocol: a first publish to a new repo, then one tensor is replaced by new values (same
 shape) and the stage republished from the same HF_HOME, then from a new HF_HOME (another
@@ -36,16 +36,16 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from localhub import LocalHub  # noqa: E402
+from localhub import handler as localhub_handler  # noqa: E402
+from pipeline.audit import STAGE_SCHEMA  # noqa: E402
 from pipeline.hashing import sha256_file  # noqa: E402
 from pipeline.layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE  # noqa: E402
-from pipeline.localhub import LocalHub  # noqa: E402
-from pipeline.localhub import handler as localhub_handler  # noqa: E402
-from pipeline.stage import STAGE_SCHEMA  # noqa: E402
 
 TOKEN = "bench-token"
 _WORKER = """
 import json, sys, time
-from pipeline.publish import publish
+from pipeline.publishing import publish
 marks = {}
 start = time.perf_counter()
 def say(line):

@@ -36,7 +36,7 @@ _API = {
     "evaluate_checkpoint": "pipeline.evaluate",
     "build_stage": "pipeline.stage",
     "audit_stage": "pipeline.audit",
-    "publish": "pipeline.publish",
+    "publish": "pipeline.publishing",
     "load_checkpoint": "pipeline.checkpoint",
     "load_model_weights": "pipeline.checkpoint",
     "build_model": "pipeline.run",

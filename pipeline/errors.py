@@ -175,7 +175,7 @@ class ProofMismatch(StageError, ValueError):
     """A resume proof to stage is unreadable, incomplete, or proves another config, code or data."""
 
 
-# -- publishing (pipeline.publish) ----------------------------------------------------------
+# -- publishing (pipeline.publishing) ----------------------------------------------------------
 
 class PublishError(PipelineError):
     """Nothing was published (exit 2). The message says what happened and what to do."""

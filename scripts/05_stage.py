@@ -28,10 +28,10 @@ from pathlib import Path
 
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.hf_export import DEFAULT_MAX_SHARD_SIZE
 from pipeline.layout import METRICS_FILE, STAGE_DIR
 from pipeline.signing import key_signer, sigstore_signer
 from pipeline.stage import build_stage
+from pipeline.stage.hf_export import DEFAULT_MAX_SHARD_SIZE
 
 
 def main() -> int:

@@ -77,7 +77,7 @@ def _parse() -> argparse.Namespace:
 def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
-    from pipeline.publish import format_plan, publish
+    from pipeline.publishing import format_plan, publish
     from pipeline.signing import ExpectedSigner
 
     signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,

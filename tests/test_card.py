@@ -9,7 +9,7 @@ import unicodedata
 
 from huggingface_hub import HfApi, ModelCard
 
-from pipeline.localhub import LocalHub
+from localhub import LocalHub
 
 from support import publish_stage
 

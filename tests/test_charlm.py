@@ -22,11 +22,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from pipeline.card import printable
+from localhub import LocalHub
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config, parse_set_overrides
 from pipeline.errors import ConfigError
-from pipeline.localhub import LocalHub
+from pipeline.stage.card import printable
 
 from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
 

@@ -12,7 +12,7 @@ import pytest
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
-from pipeline.localhub import LocalHub
+from localhub import LocalHub
 
 from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
 

@@ -39,7 +39,7 @@ from huggingface_hub.lfs import UploadInfo, post_lfs_batch_info
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils._runtime import is_xet_available
 
-from pipeline.localhub import LocalHub, LocalHubProcess, admin_request, check_loopback
+from localhub import LocalHub, LocalHubProcess, admin_request, check_loopback
 
 # The client's LFS PUT passes a file object as `data=`, which httpx2 flags; nothing to fix on our side.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -413,7 +413,7 @@ def test_in_process_restart_keeps_state_and_one_root_has_one_server(tmp_path):
 def test_non_loopback_host_is_refused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for host in ("0.0.0.0", "192.168.1.10", "example.com"):
-        result = subprocess.run([sys.executable, "-m", "pipeline.localhub", "--root", str(tmp_path), "--host", host],
+        result = subprocess.run([sys.executable, "-m", "localhub", "--root", str(tmp_path), "--host", host],
                                 capture_output=True, text=True, env=env, timeout=15)
         assert result.returncode == 2 and result.stdout == ""
         assert len(result.stderr.strip().splitlines()) == 1 and "loopback" in result.stderr

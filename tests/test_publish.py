@@ -1,11 +1,11 @@
-"""Publishing the stage (scripts/06_publish.py, pipeline.publish) against a real loopback Hub.
+"""Publishing the stage (scripts/06_publish.py, pipeline.publishing) against a real loopback Hub.
 
-Every request goes through the real huggingface_hub client to ``pipeline.localhub`` over
+Every request goes through the real huggingface_hub client to ``localhub`` over
 HTTP, on the legacy LFS path (``HF_HUB_DISABLE_XET=1``) unless a test asks for Xet (the
 ``published`` runs are made once per protocol; the ``xet`` fixture switches this process).
 The stage is the one the real scripts build (``staged_run`` in conftest.py). The script runs
 as a subprocess where its exit code, output and files matter; the fault cases call
-:func:`pipeline.publish.publish` in this process so that only sleeps are shortened.
+:func:`pipeline.publishing.publish` in this process so that only sleeps are shortened.
 The test token is random per session, so it can appear in no file by accident.
 """
 
@@ -28,14 +28,14 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, hf_raise_for_status
 
+from localhub import LocalHub
 from pipeline.audit import parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
 from pipeline.errors import HubUnavailable, StageChanged, StaleBranch, UploadInterrupted, VerificationFailed
 from pipeline.evaluate import evaluation_config
-from pipeline.localhub import LocalHub
-from pipeline.publish import COMMIT_ATTEMPTS, format_plan, publish
+from pipeline.publishing import COMMIT_ATTEMPTS, format_plan, publish
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 

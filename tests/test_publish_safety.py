@@ -2,7 +2,7 @@
 
 Real scripts as subprocesses where exit codes and output matter, publish() in this process
 where a fault has to be placed between two steps; always the real huggingface_hub client
-against pipeline.localhub over loopback.
+against localhub over loopback.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from test_publish import TOKEN, api_for, commit_titles, one_error_line, publish_
 
 from pipeline.audit import parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
-from pipeline.hub_client import Target
+from pipeline.publishing.client import Target
 
 # The loopback Hub fixtures of test_publish.py (hf_env is autouse there, and so here).
 hf_env, hub, token_env, no_client_sleep = (test_publish.hf_env, test_publish.hub, test_publish.token_env,

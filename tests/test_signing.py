@@ -1,7 +1,7 @@
 """Signed publications (issue 17): 05 --sign-key, 06's check, and a consumer's stock `model_signing verify`.
 
 Real keys (made here with `cryptography`), the real model-signing library and CLI, the real
-05/06 scripts as subprocesses, and the real huggingface_hub client against pipeline.localhub.
+05/06 scripts as subprocesses, and the real huggingface_hub client against localhub.
 """
 
 from __future__ import annotations

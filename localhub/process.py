@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["LocalHubProcess", "admin_request"]
 
 _URL_LINE = re.compile(r"^localhub listening on (http://\S+)\s*$")
-_PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `pipeline` package
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the folder holding the `localhub` package
 
 
 def admin_request(url: str, token: str, method: str, path: str, payload: Any = None, timeout: float = 10) -> Any:
@@ -31,7 +31,7 @@ def admin_request(url: str, token: str, method: str, path: str, payload: Any = N
 
 
 class LocalHubProcess:
-    """`python -m pipeline.localhub` in a child process; the token travels via env, never argv.
+    """`python -m localhub` in a child process; the token travels via env, never argv.
 
         with LocalHubProcess(root, token="t") as hub:
             HfApi(endpoint=hub.url, token="t")...
@@ -51,7 +51,7 @@ class LocalHubProcess:
             env["LOCALHUB_TOKEN"] = self.token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [self.python, "-m", "pipeline.localhub", "--root", str(self.root), "--port", str(self.port),
+        cmd = [self.python, "-m", "localhub", "--root", str(self.root), "--port", str(self.port),
                "--host", self.host, *self.extra_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
         self.url = self._read_url()

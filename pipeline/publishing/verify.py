@@ -23,9 +23,9 @@ from typing import Any, Mapping
 
 from huggingface_hub import HfApi
 
-from .audit import AuditedFile
-from .durable import write_json_atomic
-from .hashing import sha256_file
+from ..audit import AuditedFile
+from ..durable import write_json_atomic
+from ..hashing import sha256_file
 
 __all__ = [
     "RECEIPT_SCHEMA",

@@ -6,11 +6,11 @@ repo/model info, refs, commits, tree, paths-info, file_exists, hf_hub_download, 
 and whoami. The Xet side (``xet/``: token endpoints, a CAS that verifies xorbs and shards, file
 reconstruction, global dedup) needs the ``localhub`` extra (blake3, lz4). State persists under ``root``.
 
-    from pipeline.localhub import LocalHub
+    from localhub import LocalHub
     with LocalHub(tmp_path, token="secret") as hub:
         api = HfApi(endpoint=hub.url, token="secret")
 
-CLI: ``python -m pipeline.localhub --root DIR [--port N] [--host 127.0.0.1] [--token T]``
+CLI: ``python -m localhub --root DIR [--port N] [--host 127.0.0.1] [--token T]``
 (prefer ``LOCALHUB_TOKEN`` in the environment over ``--token``).
 """
 

@@ -1,4 +1,4 @@
-"""Talking to the Hub for :mod:`pipeline.publish`: where we publish, how long a request may
+"""Talking to the Hub for :mod:`pipeline.publishing`: where we publish, how long a request may
 wait, what the client's exceptions mean in one line, and the read requests.
 
 Every error leaving this module is a :class:`~pipeline.errors.PublishError` whose message names
@@ -21,7 +21,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .errors import PipelineError, PublishError, StaleBranch, TokenRejected, UploadInterrupted
+from ..errors import PipelineError, PublishError, StaleBranch, TokenRejected, UploadInterrupted
 
 # Longest wait for any one Hub request (06 --timeout).
 DEFAULT_TIMEOUT_S = 60.0

@@ -3,7 +3,7 @@
 :func:`read_proof` accepts a proof only if it proves *this* checkpoint: the same package
 code, factory files and data fingerprints, and the same config in every key that changes
 what is computed. The staged copy has every machine path made relative to the run's folder
-or replaced by its role (:mod:`pipeline.redact`); every SHA-256 of its sources is kept.
+or replaced by its role (:mod:`pipeline.stage.redact`); every SHA-256 of its sources is kept.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import RESUME_IRRELEVANT_KEYS, config_from_dict
-from .errors import ConfigError, ProofMismatch
-from .proof.layout import REPORT_FILE
-from .provenance import sources_fingerprint
+from ..config import RESUME_IRRELEVANT_KEYS, config_from_dict
+from ..errors import ConfigError, ProofMismatch
+from ..proof.layout import REPORT_FILE
+from ..provenance import sources_fingerprint
 from .redact import public_paths
 
 __all__ = ["PROOF_FILE", "read_proof"]

@@ -25,11 +25,11 @@ from typing import Any, Mapping
 import torch
 from safetensors import safe_open
 
-from .checkpoint import write_safetensors
-from .checkpoint.weights import dedupe_shared_tensors
-from .config import Config
-from .errors import ConfigError
-from .layout import MODEL_FILE, shard_name
+from ..checkpoint import write_safetensors
+from ..checkpoint.weights import dedupe_shared_tensors
+from ..config import Config
+from ..errors import ConfigError
+from ..layout import MODEL_FILE, shard_name
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_FILES_HOOK", "ModelExport", "WeightsPlan", "hub_files", "parse_size",
            "inspect_model", "plan_weights", "write_weights", "index_bytes"]
@@ -112,7 +112,7 @@ def inspect_model(config: Config, public_config: Mapping[str, Any]) -> ModelExpo
     not a transformers one records it in its ``config.json`` so the card's snippet can
     rebuild the model from that file alone.
     """
-    from .run import build_model
+    from ..run import build_model
 
     model = build_model(config, "cpu")
     architecture = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -138,7 +138,7 @@ def inspect_model(config: Config, public_config: Mapping[str, Any]) -> ModelExpo
 def hub_files(config: Config, reserved: set[str]) -> dict[str, bytes]:
     """What the model factory's module hands to the stage through ``hub_files(config)`` (a
     tokenizer's files, say): plain names that no stage file uses, bytes as values."""
-    from .factories import resolve
+    from ..factories import resolve
 
     module = config.model.factory.partition(":")[0]
     try:

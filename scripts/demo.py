@@ -1,12 +1,12 @@
 """`make demo`: the whole pipeline, 01 -> 06, with no token and no network.
 
-    make demo                      # what the Makefile runs: python -m pipeline.demo
-    python -m pipeline.demo        # the same, from the repository root
+    make demo                      # what the Makefile runs
+    python scripts/demo.py         # the same, with the project installed (make venv)
 
 Each numbered script runs as its own process with this interpreter, in order: prepare the
 data, train (``--resume auto``: a rerun finishes at once), prove that resume is exact into a
 new ``runs/proof-<time>/``, evaluate (kept when ``metrics.json`` already evaluates the newest
-checkpoint with this data and code), stage. Then a local Hub (``pipeline.localhub``) starts
+checkpoint with this data and code), stage. Then a local Hub (``localhub``) starts
 on a free loopback port with a random token that exists only in this process and in the
 environment of the publish step; ``scripts/06_publish.py`` publishes there, verifies, and
 writes a receipt; the server is stopped whatever happens. A rerun finds the stage already
@@ -27,13 +27,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import load_checkpoint
-from .config import Config, load_config
-from .errors import DemoFailed, PipelineError
-from .evaluate import read_metrics
-from .layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
-from .localhub import LocalHubProcess
-from .provenance import code_fingerprint
+from localhub import LocalHubProcess
+from pipeline.checkpoint import load_checkpoint
+from pipeline.config import Config, load_config
+from pipeline.errors import DemoFailed, PipelineError
+from pipeline.evaluate import read_metrics
+from pipeline.layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
+from pipeline.provenance import code_fingerprint
 
 __all__ = ["main"]
 
@@ -125,7 +125,7 @@ def _publish(repo_id: str, number: int, total: int) -> None:
         hub.start()
     except RuntimeError as exc:
         print(f"demo: the local Hub did not start: {exc}", file=sys.stderr, flush=True)
-        raise DemoFailed("pipeline.localhub", 1) from None
+        raise DemoFailed("localhub", 1) from None
     try:
         print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
         receipts = ROOT / RECEIPT_DIR

@@ -11,7 +11,7 @@ service: 401 for a missing or expired token (the client refreshes a token throug
 before its `exp`; a token revoked earlier fails the upload), 400 for a xorb or shard that does
 not verify, 404 for unknown hashes (and for the /v2 shard and upload-grant APIs, so the client
 falls back to the /v1 ones).
-The functions take the request handler (`pipeline.localhub.handler.Handler`) as first argument.
+The functions take the request handler (`localhub.handler.Handler`) as first argument.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from .audit import AuditedFile, audit_stage, stage_lock
-from .errors import (
+from ..audit import AuditedFile, audit_stage, stage_lock
+from ..errors import (
     HubUnavailable,
     PublishError,
     ReceiptNotWritten,
@@ -71,7 +71,10 @@ from .errors import (
     UploadInterrupted,
     VerificationFailed,
 )
-from .hub_client import (
+from ..layout import INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR
+from ..leaks import leak_rules, scan_secrets
+from ..signing import ExpectedSigner, SignatureCheck, verify_stage
+from .client import (
     DEFAULT_TIMEOUT_S,
     Target,
     bounded_requests,
@@ -84,10 +87,7 @@ from .hub_client import (
     remote_files,
     retry_after,
 )
-from .layout import INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR
-from .leaks import leak_rules, scan_secrets
-from .publish_verify import VerifiedFile, receipt_path, verify_commit, write_receipt
-from .signing import ExpectedSigner, SignatureCheck, verify_stage
+from .verify import VerifiedFile, receipt_path, verify_commit, write_receipt
 
 __all__ = [
     "COMMIT_ATTEMPTS",

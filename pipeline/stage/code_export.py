@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["local_sources"]
 

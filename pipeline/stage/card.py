@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .layout import CURVE_FILE
+from ..layout import CURVE_FILE
 
 __all__ = ["render_curve", "build_model_card", "printable"]
 

@@ -31,9 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
-from .card import build_model_card, render_curve
-from .checkpoint import (
+from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
+from ..checkpoint import (
     WEIGHTS_ONLY,
     check_derived_buffers,
     is_distributed,
@@ -41,14 +40,12 @@ from .checkpoint import (
     read_tensors,
     write_safetensors,
 )
-from .code_export import local_sources
-from .config import Config
-from .durable import atomic_folder, fsync_dir, json_bytes, recover
-from .errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
-from .evaluate import evaluation_config, read_metrics
-from .hashing import CHUNK, HashingWriter, sha256_file
-from .hf_export import DEFAULT_MAX_SHARD_SIZE, hub_files, index_bytes, inspect_model, parse_size, plan_weights, write_weights
-from .layout import (
+from ..config import Config
+from ..durable import atomic_folder, fsync_dir, json_bytes, recover
+from ..errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
+from ..evaluate import evaluation_config, read_metrics
+from ..hashing import CHUNK, HashingWriter, sha256_file
+from ..layout import (
     CODE_DIR,
     CONFIG_FILE,
     CURVE_FILE,
@@ -63,14 +60,17 @@ from .layout import (
     STAGE_DIR,
     STATE_FILE,
 )
-from .leaks import scan_secrets
-from .proof_stage import PROOF_FILE, read_proof
-from .provenance import PACKAGE_ROOT, factories_fingerprint
+from ..leaks import scan_secrets
+from ..provenance import PACKAGE_ROOT, factories_fingerprint
+from ..run import build_model
+from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
+from .card import build_model_card, render_curve
+from .code_export import local_sources
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, hub_files, index_bytes, inspect_model, parse_size, plan_weights, write_weights
+from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
-from .run import build_model
-from .signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 
-__all__ = ["StageResult", "build_stage", "find_nonfinite", "scan_secrets"]
+__all__ = ["StageResult", "build_stage", "find_nonfinite"]
 
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
 _GITKEEP = ".gitkeep"

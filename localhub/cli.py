@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline.localhub --root DIR [--port N] [--host 127.0.0.1] [--token T]`."""
+"""Command line: `python -m localhub --root DIR [--port N] [--host 127.0.0.1] [--token T]`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.localhub", description=(
+    parser = argparse.ArgumentParser(prog="python -m localhub", description=(
         "Loopback-only Hugging Face Hub double. Prints 'localhub listening on URL' once ready."))
     parser.add_argument("--root", required=True, help="state directory (created if missing)")
     parser.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default)")

@@ -1,0 +1,5 @@
+"""Entry point of `python -m localhub`."""
+
+from .cli import main
+
+raise SystemExit(main())

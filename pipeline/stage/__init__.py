@@ -1,0 +1,12 @@
+"""Script 05: build the Hub stage from the last verified checkpoint, then audit it.
+
+``build`` assembles and swaps the stage into place; ``hf_export`` plans the weights and the
+files the Hub's tools need; ``code_export`` collects the model's code; ``card`` writes the
+model card; ``redact`` and ``proof_report`` keep machine paths and foreign proofs out.
+The stage's manifest and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and
+signing (``pipeline.signing``) are shared with the publish side, which imports no torch.
+"""
+
+from .build import StageResult, build_stage, find_nonfinite
+
+__all__ = ["StageResult", "build_stage", "find_nonfinite"]

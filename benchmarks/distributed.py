@@ -7,7 +7,7 @@ Launches itself under torchrun (gloo on CPU). Each rank builds the default regre
 widened to ``--features`` x ``--hidden`` (fp32; AdamW-style state after one step), then,
 per repetition, in an order rotated by the repetition:
 
-- ``ours``: :class:`pipeline.distributed.checkpoint.DistributedCheckpointer` ``save`` (DCP
+- ``ours``: :class:`pipeline.checkpoint.distributed.DistributedCheckpointer` ``save`` (DCP
   with the safetensors writer, per-rank RNG files, hashes, sealed meta.json, atomic commit);
 - ``dcp_fs``: ``dcp.save`` with ``FileSystemWriter`` (the default, pickle ``.metadata``)
   of the model and optimizer state dicts;
@@ -56,12 +56,12 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from pipeline.checkpoint import CheckpointStore, load_checkpoint
+    from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
+    from pipeline.checkpoint.distributed import DistributedCheckpointer, _model_state, _optimizer_state, restore_distributed
     from pipeline.checkpoint.store import read_meta
     from pipeline.checkpoint.weights import model_summary
     from pipeline.config import load_config
     from pipeline.data import load_manifest, prepare_data
-    from pipeline.distributed.checkpoint import DistributedCheckpointer, _model_state, _optimizer_state, restore_distributed
     from pipeline.distributed.world import World
     from pipeline.run import build_run, fresh_buffers
     from pipeline.train import run_provenance, train_step
@@ -124,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def load_ours():
         folder = store.path_for(run.step)
-        meta = load_checkpoint(folder, tensors=False).meta if world.rank == 0 else None
+        meta = load_checkpoint(folder, mode=LoadMode.VERIFY).meta if world.rank == 0 else None
         restore_distributed(run, world, folder, meta if meta is not None else read_meta(folder), reshard=False)
 
     def load_fs():

@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -57,6 +57,12 @@ def _require(condition: bool, key: str, message: str) -> None:
     # __post_init__ does not know the file name; load_config adds it.
     if not condition:
         raise ValueError(f"{key} {message}")
+
+
+def _require_choice(value: Any, choices: Any, key: str) -> None:
+    """``value`` is one of the ``Literal`` type's values (a string, not e.g. ``True`` for 'none')."""
+    allowed = typing.get_args(choices)
+    _require(isinstance(value, str) and value in allowed, key, f"must be one of {allowed} (got {value!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,10 +141,13 @@ class SchedulerConfig:
         _require(":" in self.factory, "scheduler.factory", "must look like 'package.module:function'")
 
 
-_DEVICES = ("cpu", "cuda", "auto")
-_DTYPES = ("float32", "float64", "bfloat16", "float16")
-_AMP = ("none", "fp16", "bf16")
-_PARALLEL = ("none", "ddp", "fsdp2")
+Device = Literal["cpu", "cuda", "auto"]
+DType = Literal["float32", "float64", "bfloat16", "float16"]
+Amp = Literal["none", "fp16", "bf16"]
+Parallel = Literal["none", "ddp", "fsdp2"]
+
+
+_CHOICES = {"device": Device, "dtype": DType, "amp": Amp, "parallel": Parallel}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,11 +160,11 @@ class TrainingConfig:
     """Total optimizer steps of the run; the schedule depends on it. ``--extend-to`` raises
     it for a run that exists; the schedule then keeps the run's first length (a schedule
     over max_steps holds its final value instead of jumping back up)."""
-    device: str = "cpu"
+    device: Device = "cpu"
     """'cpu', 'cuda', or 'auto' (cuda when available)."""
-    dtype: str = "float64"
+    dtype: DType = "float64"
     """Parameter dtype. float64 on CPU makes bitwise resume checks meaningful."""
-    amp: str = "none"
+    amp: Amp = "none"
     """Automatic mixed precision: 'none', 'fp16' (with a GradScaler) or 'bf16'."""
     grad_clip: float = 0.0
     """Clip the gradient norm to this value; 0 disables clipping."""
@@ -166,7 +175,7 @@ class TrainingConfig:
     a resume restores the recorded count (the count changes how sums are split)."""
     log_every: int = 1
     """Steps between log lines when stdout is not a terminal."""
-    parallel: str = "none"
+    parallel: Parallel = "none"
     """'none' (one process, ``python scripts/02_train.py``), or 'ddp' / 'fsdp2' under
     ``torchrun --nproc-per-node N scripts/02_train.py`` (gloo on CPU, nccl on CUDA)."""
     ddp_find_unused_parameters: bool = True
@@ -176,15 +185,12 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, "training.max_steps", f"must be >= 1 (got {self.max_steps})")
-        _require(self.device in _DEVICES, "training.device", f"must be one of {_DEVICES} (got {self.device!r})")
-        _require(self.dtype in _DTYPES, "training.dtype", f"must be one of {_DTYPES} (got {self.dtype!r})")
-        _require(self.amp in _AMP, "training.amp", f"must be one of {_AMP} (got {self.amp!r})")
+        for name in ("device", "dtype", "amp", "parallel"):
+            _require_choice(getattr(self, name), _CHOICES[name], f"training.{name}")
         _require(self.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (got {self.grad_clip})")
         _require(self.log_every >= 1, "training.log_every", f"must be >= 1 (got {self.log_every})")
         _require(self.threads >= 1, "training.threads", f"must be >= 1 (got {self.threads})")
         _require(self.seed >= 0, "training.seed", f"must be >= 0 (got {self.seed})")
-        _require(self.parallel in _PARALLEL, "training.parallel",
-                 f"must be one of {_PARALLEL} (got {self.parallel!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -337,6 +343,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if value is None:
             return None
         raise ValueError(f"{key} must be null")
+    if origin is Literal:
+        _require_choice(value, annotation, key)
+        return value
     expected = origin or annotation
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

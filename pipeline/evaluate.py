@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import WEIGHTS_ONLY, is_distributed, load_model_weights, pinned_checkpoint
+from .checkpoint import LoadMode, is_distributed, load_model_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
@@ -85,7 +85,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     """
     # Pinned while its files are read: a trainer running beside us cannot prune it away.
     # The tensors are views of maps that stay valid after that.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded:
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded:
         meta_file_sha256 = sha256_file(loaded.folder / META_FILE)
     folder, meta = loaded.folder, loaded.meta
     if is_distributed(meta):

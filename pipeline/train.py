@@ -20,6 +20,7 @@ from .checkpoint import (
     Checkpointer,
     CheckpointStore,
     LoadedCheckpoint,
+    LoadMode,
     SavedCheckpoint,
     check_capturable,
     check_derived_buffers,
@@ -176,7 +177,7 @@ def _damage_first(resume: str | None, root: Path) -> Iterator[None]:
         yield
     except PipelineError:
         if resume is not None:
-            load_checkpoint(resume, root, tensors=False)
+            load_checkpoint(resume, root, mode=LoadMode.VERIFY)
         raise
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localhub import LocalHubProcess
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.config import Config, load_config
 from pipeline.errors import DemoFailed, PipelineError
 from pipeline.evaluate import read_metrics
@@ -97,7 +97,7 @@ def _metrics_current(config: Config) -> bool:
     04 stamps each evaluation with its time, and the stage carries that stamp; re-evaluating
     unchanged weights would make a rerun of the demo publish a new commit for nothing."""
     try:
-        loaded = load_checkpoint("latest", config.checkpoint.dir, tensors=False)
+        loaded = load_checkpoint("latest", config.checkpoint.dir, mode=LoadMode.VERIFY)
         folder, meta = loaded.folder, loaded.meta
         record = read_metrics(ROOT / METRICS_FILE)
     except PipelineError:

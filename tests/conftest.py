@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 import pytest
+
+# The tests' helpers (tests/helpers/) import as top-level modules, here and in every subprocess.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from support import REPO, prepare_data, run_python, script_env, use_tree_under_test
 

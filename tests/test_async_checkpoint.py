@@ -17,6 +17,7 @@ import torch
 from pipeline.checkpoint import (
     Checkpointer,
     CheckpointStore,
+    LoadMode,
     capture_state,
     load_checkpoint,
     read_tensors,
@@ -233,7 +234,7 @@ def test_load_refuses_damage_with_or_without_tensors_and_by_path_or_latest(make_
     folder = _saved_checkpoint(make_run, tmp_path)
     DAMAGE[damage](folder)
     with pytest.raises(CheckpointError) as verified:
-        load_checkpoint(folder, tensors=False)
+        load_checkpoint(folder, mode=LoadMode.VERIFY)
     with pytest.raises(type(verified.value)) as loaded:
         load_checkpoint(folder)
     with pytest.raises(type(verified.value)) as latest:

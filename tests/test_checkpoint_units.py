@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_model
 
 import pipeline.durable as durable
-from pipeline.checkpoint import CheckpointStore, load_checkpoint, read_tensors, write_safetensors
+from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint, read_tensors, write_safetensors
 from pipeline.checkpoint.codec import join_state, split_state
 from pipeline.checkpoint.store import parse_step_dir, resolve, step_dir_name
 from pipeline.checkpoint.tensorfile import map_file, parse_header, tensors_from_map
@@ -77,7 +77,7 @@ def test_a_damaged_latest_names_the_older_checkpoint_that_verifies(tmp_path):
 
 def test_meta_round_trips_a_python_infinity_exactly(tmp_path):
     _save(tmp_path, [1])
-    meta = load_checkpoint("latest", tmp_path, tensors=False).meta
+    meta = load_checkpoint("latest", tmp_path, mode=LoadMode.VERIFY).meta
     assert join_state(meta["training_state"], {})["best"] == math.inf
 
 

@@ -5,11 +5,11 @@ page cache survives it anyway. So:
 
 - ``test_every_crash_point_...`` runs each protocol (checkpoint save and prune for
   ``keep_last`` 1 and 2, data preparation, the stage swap, the receipt) in a real process
-  (tests/crash_child.py) that records its file-system calls and checks their order, then
+  (tests/helpers/crash_child.py) that records its file-system calls and checks their order, then
   fails it right before each call in turn, by ``os._exit`` and by an injected ``OSError``,
   and checks the recovery invariants before and after the next start;
 - ``test_power_cut_...`` replays a checkpoint save against a model of the page cache that
-  loses everything not fsynced (tests/oprecorder.py, ``PageCache``) and checks that what
+  loses everything not fsynced (tests/helpers/oprecorder.py, ``PageCache``) and checks that what
   survives each crash point recovers to the previous or the new checkpoint.
 
 The real code runs unchanged: the calls are intercepted from the test side.
@@ -23,7 +23,7 @@ import pytest
 from crash_child import META, CheckpointSave, _tensors
 from oprecorder import Op, PageCache, Recorder, ordering_problems
 
-from support import REPO, run_python, script_env
+from support import HELPERS, run_python, script_env
 
 PROTOCOLS = {
     "checkpoint-keep1": ("rename", "rmtree"),
@@ -40,7 +40,7 @@ PROTOCOLS = {
 def test_every_crash_point_of_every_commit_protocol_recovers(protocol, request, tmp_path):
     # Only the stage swap needs a trained, evaluated and staged run (a session fixture).
     source = [str(request.getfixturevalue("staged_run").root)] if protocol == "stage" else []
-    result = run_python([REPO / "tests" / "crash_child.py", protocol, str(tmp_path / "work"), *source], cwd=tmp_path,
+    result = run_python([HELPERS / "crash_child.py", protocol, str(tmp_path / "work"), *source], cwd=tmp_path,
                         env=script_env(), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """torchrun DDP and FSDP2: exact resume, pickle-free atomic checkpoints, resharding, one
 consolidated publish, stopping together. Launches are few and shared (each costs seconds):
-one 2-process launch runs eight trainings (tests/dist_leg.py); the refusals, the reshard,
+one 2-process launch runs eight trainings (tests/helpers/dist_leg.py); the refusals, the reshard,
 the signal and the kill use the real script."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from oprecorder import Op, ordering_problems
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
 from pipeline.distributed.world import World
@@ -33,7 +33,7 @@ from pipeline.proof.compare import compare
 from pipeline.stage import build_stage
 from pipeline.train import train
 
-from support import REPO, script_env
+from support import HELPERS, REPO, script_env
 
 CONFIG = REPO / "config.yaml"
 # The tests that read the shared launches (``legs``) run on one worker, so those launches run
@@ -95,7 +95,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
 
 def verify_distributed(folder: Path) -> dict:
     """The verification every reader runs (resume on rank 0, evaluate, stage)."""
-    return load_checkpoint(folder, tensors=False).meta
+    return load_checkpoint(folder, mode=LoadMode.VERIFY).meta
 
 
 def stage(checkpoint: Path, out: Path) -> Path:
@@ -168,7 +168,7 @@ def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
 @LEGS
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs, mode):
-    """The ordering check of the crash-point harness (tests/oprecorder.py) on the resumed
+    """The ordering check of the crash-point harness (tests/helpers/oprecorder.py) on the resumed
     run's calls from both ranks, merged by completion time: it saved step 10 and pruned
     step 6 (keep_last 1)."""
     root, _, _ = legs
@@ -282,10 +282,10 @@ def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
 
 
 def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
-    """Run ``runs`` in one launch of tests/dist_leg.py; their results (rank 0's)."""
+    """Run ``runs`` in one launch of tests/helpers/dist_leg.py; their results (rank 0's)."""
     plan = root / f"{name}.json"
     plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / f"{name}-results.json"), "runs": runs}))
-    result = torchrun(nproc, str(REPO / "tests" / "dist_leg.py"), str(plan), cwd=root)
+    result = torchrun(nproc, str(HELPERS / "dist_leg.py"), str(plan), cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((root / f"{name}-results.json").read_text())
 
@@ -358,7 +358,7 @@ def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(d
     assert all(c["result"] == "detected" and c["exercised"] for c in controls.values()), controls
     assert controls["rank_rng"]["leg"] == "swap-rng" and "final.rng" in controls["rank_rng"]["diverged_checks"]
     # The resume really started at the cut, from the reference's checkpoint.
-    resumed = load_checkpoint(output / "resume" / "checkpoints" / "step-00000008", tensors=False).meta
+    resumed = load_checkpoint(output / "resume" / "checkpoints" / "step-00000008", mode=LoadMode.VERIFY).meta
     assert resumed["parallel"]["world_size"] == 2 and report["boundary"]["cut"] < 8
 
 

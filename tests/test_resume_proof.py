@@ -2,7 +2,7 @@
 
 Every proof here is the real command in a subprocess, run from an empty working folder so
 that a stray write to ``estados_local/`` would show. Factories of the tests' own tasks
-(tests/proof_factories.py) are plugged in by import path, as a user's would be.
+(tests/helpers/proof_factories.py) are plugged in by import path, as a user's would be.
 """
 
 from __future__ import annotations

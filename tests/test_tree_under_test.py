@@ -16,7 +16,7 @@ import torch
 
 import pipeline
 
-from support import PYTHON, REPO, run_python, script_env
+from support import HELPERS, PYTHON, REPO, run_python, script_env
 
 
 def test_this_process_and_script_subprocesses_import_the_tree_under_test(tmp_path):
@@ -25,12 +25,12 @@ def test_this_process_and_script_subprocesses_import_the_tree_under_test(tmp_pat
     for env in (script_env(), None):  # None: a subprocess that inherits this process's environment
         out = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                              check=True).stdout.split()
-        assert [Path(p).resolve() for p in out] == [REPO / "pipeline" / "__init__.py", REPO / "tests" / "support.py"]
-    assert sys.path[0] in (str(REPO), str(REPO / "tests"))
+        assert [Path(p).resolve() for p in out] == [REPO / "pipeline" / "__init__.py", HELPERS / "support.py"]
+    assert sys.path[0] in (str(REPO), str(REPO / "tests"), str(HELPERS))
 
 
 def test_a_script_forked_from_the_zygote_sees_what_a_real_exec_sees(tmp_path):
-    """tests/zygote.py forks the scripts the tests run; what the script sees must be what
+    """tests/helpers/zygote.py forks the scripts the tests run; what the script sees must be what
     ``python -B SCRIPT ARGS`` would give it, and a load-time variable must force a real exec."""
     # As any test building an optimizer in this process does: torch then sets variables of its
     # own here (TORCHINDUCTOR_CACHE_DIR), which must not turn every later run into an exec.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.errors import ChecksumMismatch, PipelineError, SchemaMismatch
 
@@ -60,7 +60,7 @@ def test_the_seal_is_the_three_lines_of_the_readme(folder):
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     assert meta["schema"] == "pipeline.checkpoint/2"
     assert meta["meta_sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
-    assert load_checkpoint(folder, tensors=False).meta == meta
+    assert load_checkpoint(folder, mode=LoadMode.VERIFY).meta == meta
 
 
 def test_a_value_edit_that_keeps_valid_json_is_refused(folder):
@@ -252,23 +252,22 @@ def test_a_file_written_by_safetensors_itself_reads_back_identically(tmp_path):
     assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
-@pytest.mark.parametrize("tensors", [True, "weights"])
-def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensors(tmp_path, tensors):
+@pytest.mark.parametrize("mode", [LoadMode.FULL, LoadMode.WEIGHTS])
+def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensors(tmp_path, mode):
     """The hashed bytes are the used bytes: the pages were copied before they were hashed.
-    Evaluate and stage (``WEIGHTS_ONLY``) get the weights alone, owned the same way. The
+    Evaluate and stage (``LoadMode.WEIGHTS``) get the weights alone, owned the same way. The
     tensors span many pages past the header's (whose pages are always owned)."""
     import torch
 
-    from pipeline.checkpoint import WEIGHTS_ONLY, CheckpointStore
+    from pipeline.checkpoint import CheckpointStore
 
     meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
             "environment": {}, "lineage": [], "training_state": {}}
     with CheckpointStore(tmp_path) as store:
         folder = store.save(1, {"w": torch.randn(65536, dtype=torch.float64)},
                             {"s": torch.randn(65536, dtype=torch.float64)}, meta).path
-    loaded = load_checkpoint(folder, tensors=tensors)
-    assert bool(loaded.state_tensors) is (tensors is True) and loaded.model_tensors
-    assert tensors is True or tensors == WEIGHTS_ONLY
+    loaded = load_checkpoint(folder, mode=mode)
+    assert bool(loaded.state_tensors) is (mode is LoadMode.FULL) and loaded.model_tensors
     owned = {"modelo.safetensors": loaded.model_tensors, "estado_treino.safetensors": loaded.state_tensors}
     before = {file: {name: tensor.clone() for name, tensor in held.items()} for file, held in owned.items()}
     for file in owned:
@@ -618,7 +617,7 @@ def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_s
 
     run = RunFolder(tmp_path)
     module = tmp_path / "scaled_factories.py"
-    module.write_text((Path(__file__).parent / "buffer_factories.py").read_text())
+    module.write_text((Path(__file__).parent / "helpers" / "buffer_factories.py").read_text())
     args = ("--set", f"data.dir={data_dir}", "--set", "model.factory=scaled_factories:build_model",
             "--set", "training.max_steps=6")
     run.ok("02_train.py", *args, "--quiet", "--stop-at", "4")

@@ -12,20 +12,30 @@
 ``weights``               tied-weight dedupe, strict load, warm start, model summary
 ``compat``                may this checkpoint resume this config?
 ``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
+``distributed``           the commit protocol across torchrun ranks; restore via DCP
 ========================  ==========================================================
 
-Other packages import from here, not from the submodules.
+Other packages import from here, not from the submodules (a test checks it). The names of
+``distributed`` load on first use, so a single-process run never imports
+``torch.distributed.checkpoint``.
 """
 
+import importlib
+from typing import Any
+
 from .checkpointer import Checkpointer
+from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
-from .load import WEIGHTS_ONLY, LoadedCheckpoint, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
-from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, resolve, step_dir_name
+from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
-from .weights import check_derived_buffers, load_model_weights, warm_start
+from .weights import check_derived_buffers, dedupe_shared_tensors, load_model_weights, model_summary, warm_start
+
+_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed")
 
 __all__ = [
+    *_DISTRIBUTED,
     "Checkpointer",
     "CheckpointStore",
     "LoadedCheckpoint",
@@ -35,18 +45,31 @@ __all__ = [
     "check_capturable",
     "check_derived_buffers",
     "check_resume_compatible",
+    "dedupe_shared_tensors",
     "checkpoint_meta",
     "continued_config",
     "is_distributed",
+    "join_state",
     "load_checkpoint",
     "load_model_weights",
+    "model_summary",
     "parse_step_dir",
     "pinned_checkpoint",
+    "read_meta",
     "read_tensors",
     "resolve",
     "restore_state",
+    "split_state",
     "step_dir_name",
     "warm_start",
-    "WEIGHTS_ONLY",
+    "LoadMode",
     "write_safetensors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _DISTRIBUTED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".distributed", __name__), name)
+    globals()[name] = value
+    return value

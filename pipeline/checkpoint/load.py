@@ -12,7 +12,7 @@ The hashed bytes are the used bytes (:mod:`.tensorfile`): a resume passes the mo
 built (``into=``), and the weights are *verified after materialising*: copied from the
 map into its parameters, the copies hashed; the training state's tensors are views of
 pages copied before they were hashed (*copy on read*), as are the weights for evaluate
-and stage (``WEIGHTS_ONLY``). A resume therefore reads the checkpoint's ``meta.json``
+and stage (``LoadMode.WEIGHTS``). A resume therefore reads the checkpoint's ``meta.json``
 first (:func:`checkpoint_meta`: sealed, schema, listing; no file hashed), builds the run
 it describes, then loads into it; a refusal then leaves a model of this process
 overwritten, never a value that training uses.
@@ -32,6 +32,7 @@ ends, and for "latest" takes the newest checkpoint again if a prune won the race
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -45,13 +46,23 @@ from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 from .weights import dedupe_shared_tensors
 
-__all__ = ["LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint", "WEIGHTS_ONLY"]
+__all__ = ["LoadMode", "LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint"]
 
-# load_checkpoint(tensors=WEIGHTS_ONLY): the weights' tensors, not the training state's
-# (evaluate, stage); its bytes are verified all the same.
-WEIGHTS_ONLY = "weights"
-# The files whose tensors each ``tensors`` value hands out.
-_USED = {True: (MODEL_FILE, STATE_FILE), WEIGHTS_ONLY: (MODEL_FILE,), False: ()}
+
+
+class LoadMode(enum.Enum):
+    """Which tensors :func:`load_checkpoint` hands out; every byte is verified in each mode."""
+
+    FULL = "full"
+    """The weights and the training state (resume, the proof)."""
+    WEIGHTS = "weights"
+    """The weights only (evaluate, stage)."""
+    VERIFY = "verify"
+    """No tensors: verification and ``meta.json`` only (diagnostics)."""
+
+
+# The files whose tensors each mode hands out.
+_USED = {LoadMode.FULL: (MODEL_FILE, STATE_FILE), LoadMode.WEIGHTS: (MODEL_FILE,), LoadMode.VERIFY: ()}
 
 _T = TypeVar("_T")
 # A trainer that saves and prunes every step can win the race between listing and pinning
@@ -61,7 +72,7 @@ _PIN_ATTEMPTS = 50
 
 @dataclass(frozen=True, slots=True)
 class LoadedCheckpoint:
-    """A verified checkpoint. The tensors of a file not asked for (``tensors=``) are empty."""
+    """A verified checkpoint. The tensors of a file not asked for (``mode``) are empty."""
 
     folder: Path
     meta: dict[str, Any]
@@ -76,13 +87,12 @@ class LoadedCheckpoint:
         return model.get("derived_buffers") if isinstance(model, dict) else None
 
 
-def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool | str = True,
+def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, mode: LoadMode = LoadMode.FULL,
                     committed: bool = False, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
     """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
 
-    ``tensors=False`` verifies every byte but builds no tensors (diagnostics);
-    ``tensors=WEIGHTS_ONLY`` builds the weights' tensors only (evaluate, stage).
-    ``into`` (resume, with ``tensors=True``): the model the weights are for; each stored
+    ``mode`` says which tensors are built (:class:`LoadMode`); every byte is verified.
+    ``into`` (resume, with ``LoadMode.FULL``): the model the weights are for; each stored
     parameter is copied straight into this model's parameter of that name (same dtype and
     shape, on the CPU), which ``model_tensors`` then holds (so loading it is no copy); its
     buffers and anything that does not fit come as fresh tensors, checked as usual by
@@ -92,7 +102,7 @@ def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
     folder, older = resolve(spec, root, committed=committed)
-    return _or_name_older(folder, older, lambda candidate: _load(candidate, tensors=tensors, into=into))
+    return _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode, into=into))
 
 
 def checkpoint_meta(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR) -> tuple[Path, dict[str, Any]]:
@@ -105,7 +115,7 @@ def checkpoint_meta(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
 
 
 @contextlib.contextmanager
-def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, tensors: bool | str = True,
+def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, mode: LoadMode = LoadMode.FULL,
                       committed: bool = False) -> Iterator[LoadedCheckpoint]:
     """:func:`load_checkpoint`, with the folder pinned against pruning until the block ends,
     so every later read of its files (a copy, a hash) sees the verified bytes."""
@@ -118,7 +128,7 @@ def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT
             except NoCheckpoint:
                 if str(spec) != "latest" or attempt == _PIN_ATTEMPTS - 1:
                     raise
-        yield _or_name_older(folder, older, lambda candidate: _load(candidate, tensors=tensors))
+        yield _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode))
 
 
 def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) -> _T:
@@ -127,7 +137,7 @@ def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) 
     except CheckpointError as damage:
         for candidate in older:
             try:
-                _load(candidate, tensors=False)
+                _load(candidate, mode=LoadMode.VERIFY)
             except (CheckpointError, OSError):  # damaged too, or pruned meanwhile by a trainer
                 continue
             raise CheckpointError(f"{damage} The older checkpoint {candidate} verifies: resume from it with "
@@ -147,14 +157,14 @@ def _meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def _load(folder: Path, *, tensors: bool | str, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
+def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
     meta = _meta(folder)
     maps = {name: map_file(folder / name) for name in meta["files"]}
-    used = _USED[tensors]
+    used = _USED[mode]
     # Straight into the model's parameters (resume): not its buffers, which are compared
     # with the stored values before loading (check_derived_buffers).
     destinations = {name: tensor for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
-                    if isinstance(tensor, torch.nn.Parameter)} if into is not None and tensors is True else None
+                    if isinstance(tensor, torch.nn.Parameter)} if into is not None and mode is LoadMode.FULL else None
     if is_distributed(meta) and MODEL_FILE in used:
         # The consolidated weights are built from the model shards' mapped pages.
         used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
@@ -165,7 +175,7 @@ def _load(folder: Path, *, tensors: bool | str, into: torch.nn.Module | None = N
         if digests[name] != entry["sha256"]:
             raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
                                    "the file is damaged or was modified")
-    # Parsed even with tensors=False: a file whose hash matches may still be malformed, and
+    # Parsed even with LoadMode.VERIFY: a file whose hash matches may still be malformed, and
     # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
     if is_distributed(meta):

@@ -2,11 +2,11 @@
 
 ==============  ==============================================================
 ``world``       this rank, the process group, agreement on errors and signals
-``checkpoint``  the commit protocol across ranks; restore (and reshard) via DCP
 ``training``    :func:`train_distributed`, the loop of ``pipeline.train`` per rank
 ==============  ==============================================================
 
-Reading a distributed checkpoint (verification, shard coverage, consolidated weights) is
+Saving and restoring a distributed checkpoint is ``pipeline.checkpoint.distributed``;
+reading one (verification, shard coverage, consolidated weights) is
 :func:`pipeline.checkpoint.load_checkpoint`, as for any checkpoint. Nothing here is
 imported by ``import pipeline``; ``pipeline.train`` imports ``world`` only.
 """

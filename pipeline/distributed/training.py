@@ -1,14 +1,23 @@
 """``train`` under torchrun: the same loop (:func:`pipeline.train._loop`), one process per
-rank, DDP or FSDP2 around the model, distributed checkpoints (see ``checkpoint``)."""
+rank, DDP or FSDP2 around the model, distributed checkpoints (``pipeline.checkpoint.distributed``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointStore, LoadedCheckpoint, check_resume_compatible, load_checkpoint
-from ..checkpoint.store import is_distributed, read_meta
-from ..checkpoint.weights import model_summary
+from ..checkpoint import (
+    CheckpointStore,
+    DistributedCheckpointer,
+    LoadedCheckpoint,
+    LoadMode,
+    check_resume_compatible,
+    is_distributed,
+    load_checkpoint,
+    model_summary,
+    read_meta,
+    restore_distributed,
+)
 from ..config import Config
 from ..data import load_manifest
 from ..environment import pin_threads, reproduce_environment
@@ -16,7 +25,6 @@ from ..errors import CheckpointError, PipelineError, SchemaMismatch
 from ..progress import Progress
 from ..run import build_run, configure_determinism, fresh_buffers
 from ..train import TrainingHooks, TrainResult, _loop, final_checkpoint, run_provenance
-from .checkpoint import DistributedCheckpointer, restore_distributed
 from .world import World, derive_rank_rng
 
 __all__ = ["train_distributed"]
@@ -55,7 +63,7 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
     resume = store.resume_target(resume)
     if resume is None:
         return None
-    loaded = load_checkpoint(resume, store.root, tensors=False)
+    loaded = load_checkpoint(resume, store.root, mode=LoadMode.VERIFY)
     if not is_distributed(loaded.meta):
         raise SchemaMismatch(f"{loaded.folder} is a single-process checkpoint: resume it with python "
                              "scripts/02_train.py (training.parallel: none)")

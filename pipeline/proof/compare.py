@@ -19,8 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..checkpoint import load_checkpoint, read_tensors
-from ..checkpoint.codec import join_state
+from ..checkpoint import join_state, load_checkpoint, read_tensors
 from ..layout import MODEL_FILE, STATE_FILE
 
 __all__ = [

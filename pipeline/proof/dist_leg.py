@@ -5,7 +5,7 @@
 
 Runs the spec's trainings one after the other in one process group. Right after each
 restore every rank copies its live state of each component
-(:func:`pipeline.distributed.checkpoint.live_components`); a control's copy is compared with
+(:func:`pipeline.checkpoint.distributed.live_components`); a control's copy is compared with
 the first run's (the full resume) for the component it leaves out, and the ranks' checks go
 to rank 0, which writes one result per run: the step reached and that "exercise" check
 (the first rank whose restored values differ, else rank 0's).
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import live_components
 from ..cli import run_main
 from ..config import config_from_dict
-from ..distributed.checkpoint import live_components
 from ..distributed.training import train_distributed
 from ..distributed.world import World
 from ..durable import write_json_atomic

@@ -43,15 +43,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..checkpoint import load_checkpoint, step_dir_name
-from ..checkpoint.codec import join_state, split_state
-from ..checkpoint.shards import consolidate, shard_tensors
-from ..checkpoint.tensorfile import map_file
+from ..checkpoint import step_dir_name
 from ..config import Config
 from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
-from ..layout import DIST_OPTIM_DIR, rank_rng_file
 from ..run import resolve_device
 from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
@@ -145,21 +141,10 @@ def _incomplete(output: Path, report: dict[str, Any], message: str) -> None:
 
 
 def dist_bundle(folder: Path) -> Bundle:
-    """A distributed checkpoint, verified (hashes, headers, coverage), as one comparable
-    whole: consolidated weights and optimizer state, the shared state, and every rank's RNG
-    states under ``rng/rank-R``."""
-    loaded = load_checkpoint(folder)
-    meta = loaded.meta
-    maps = {name: map_file(folder / name) for name in meta["files"] if name.startswith(f"{DIST_OPTIM_DIR}/")}
-    expected = meta["tensors"][DIST_OPTIM_DIR]
-    tensors = {**loaded.state_tensors, **consolidate(shard_tensors(folder, DIST_OPTIM_DIR, expected, maps), expected)}
-    from ..distributed.checkpoint import read_rank_rng  # torch.distributed only where it is used
+    """A distributed checkpoint as one comparable whole (see ``read_full_state``)."""
+    from ..checkpoint import read_full_state  # torch.distributed only where it is used
 
-    rng = {}
-    for rank in range(meta["parallel"]["world_size"]):
-        tree, rank_tensors = read_rank_rng(folder / rank_rng_file(rank))
-        rng[f"rank-{rank}"] = split_state(join_state(tree, rank_tensors), f"rng/rank-{rank}", tensors)
-    return Bundle(loaded.model_tensors, {**meta["training_state"], "rng": rng}, tensors)
+    return Bundle(*read_full_state(folder))
 
 
 def _steps(bundle: Bundle) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch
 
 from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from ..checkpoint import (
-    WEIGHTS_ONLY,
+    LoadMode,
     check_derived_buffers,
     is_distributed,
     pinned_checkpoint,
@@ -366,7 +366,7 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
     # Pinned until copied: a trainer running beside us cannot prune it away.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, tensors=WEIGHTS_ONLY, committed=True) as loaded, \
+    with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded, \
             stage_lock(stage), contextlib.ExitStack() as scratch:
         folder, meta = loaded.folder, loaded.meta
         # The weights are published for this code: a derived buffer it no longer builds is refused.

@@ -25,8 +25,7 @@ from typing import Any, Mapping
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import write_safetensors
-from ..checkpoint.weights import dedupe_shared_tensors
+from ..checkpoint import dedupe_shared_tensors, write_safetensors
 from ..config import Config
 from ..errors import ConfigError
 from ..layout import MODEL_FILE, shard_name

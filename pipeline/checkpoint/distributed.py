@@ -50,24 +50,24 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import CheckpointStore, SavedCheckpoint, check_derived_buffers
-from ..checkpoint.checkpointer import OneSaveInFlight, PendingSave
-from ..checkpoint.codec import split_state
-from ..checkpoint.shards import tensor_specs
-from ..checkpoint.snapshot import SnapshotBuffers
-from ..checkpoint.state import restore_positions
-from ..checkpoint.store import DIST_SCHEMA, write_meta
-from ..checkpoint.tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
-from ..checkpoint.validate import HISTORY, validated_state
-from ..checkpoint.weights import derived_buffer_names
+from ..distributed.world import World, derive_rank_rng
 from ..durable import atomic_folder, json_loads_strict
 from ..errors import CheckpointError, PipelineError, StateMismatch, WorldSizeMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
-from .world import World, derive_rank_rng
+from .checkpointer import OneSaveInFlight, PendingSave
+from .codec import join_state, split_state
+from .load import load_checkpoint
+from .shards import consolidate, shard_tensors, tensor_specs
+from .snapshot import SnapshotBuffers
+from .state import restore_positions
+from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
+from .tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
+from .validate import HISTORY, validated_state
+from .weights import check_derived_buffers, derived_buffer_names
 
-__all__ = ["DistributedCheckpointer", "restore_distributed", "live_components", "read_rank_rng"]
+__all__ = ["DistributedCheckpointer", "restore_distributed", "live_components", "read_full_state", "read_rank_rng"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _RNG_KEY = "rng"
@@ -131,6 +131,23 @@ def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         return json_loads_strict(header["__metadata__"][_RNG_KEY].encode("utf-8")), tensors
     except (KeyError, TypeError, ValueError):
         raise StateMismatch(f"{path} holds no readable RNG record: the checkpoint is damaged") from None
+
+
+def read_full_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """A distributed checkpoint, verified (hashes, headers, coverage), as one whole:
+    ``(model tensors, JSON training state, its tensor table)`` with the optimizer state
+    consolidated and every rank's RNG states under ``rng/rank-R`` (what the resume proof
+    compares)."""
+    loaded = load_checkpoint(folder)
+    meta = loaded.meta
+    maps = {name: map_file(folder / name) for name in meta["files"] if name.startswith(f"{DIST_OPTIM_DIR}/")}
+    expected = meta["tensors"][DIST_OPTIM_DIR]
+    tensors = {**loaded.state_tensors, **consolidate(shard_tensors(folder, DIST_OPTIM_DIR, expected, maps), expected)}
+    rng = {}
+    for rank in range(meta["parallel"]["world_size"]):
+        tree, rank_tensors = read_rank_rng(folder / rank_rng_file(rank))
+        rng[f"rank-{rank}"] = split_state(join_state(tree, rank_tensors), f"rng/rank-{rank}", tensors)
+    return loaded.model_tensors, {**meta["training_state"], "rng": rng}, tensors
 
 
 class DistributedCheckpointer(OneSaveInFlight):

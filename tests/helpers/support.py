@@ -11,24 +11,24 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = REPO / "tests" / "helpers"
 PYTHON = sys.executable
 
 # The tree under test, first on every import path: this process's (imports of pipeline and
 # the tests' helpers) and every subprocess's (scripts, proof legs, forkserver trainers,
 # the local Hub). Otherwise the editable install of some other checkout, a worktree or a
 # scratch copy made by `make mutate`, would be what runs, and its tests would prove nothing.
-TREE_PATH = os.pathsep.join([str(REPO), str(TESTS)])
+TREE_PATH = os.pathsep.join([str(REPO), str(HELPERS)])
 
 
 def use_tree_under_test() -> None:
     """Put this tree first on ``sys.path`` and ``PYTHONPATH`` (called once by conftest)."""
-    for entry in (str(TESTS), str(REPO)):
+    for entry in (str(HELPERS), str(REPO)):
         if entry in sys.path:
             sys.path.remove(entry)
         sys.path.insert(0, entry)
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(TESTS))]
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HELPERS))]
     os.environ["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
 
 
@@ -51,13 +51,13 @@ def script_env(_base: Mapping[str, str] | None = None, **extra: str) -> dict[str
     first on ``PYTHONPATH``, plus ``extra``."""
     env = {k: v for k, v in (os.environ if _base is None else _base).items() if k not in _SCRUBBED_ENV}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(TESTS))]
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HELPERS))]
     env["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
     env.update(extra)
     return env
 
 
-# -- running a script: ``python -B SCRIPT ARGS``, forked from tests/zygote.py when that is the same ----
+# -- running a script: ``python -B SCRIPT ARGS``, forked from tests/helpers/zygote.py when that is the same ----
 
 # Read when torch, NumPy or their OpenMP runtime load (or at interpreter start): a script forked
 # from the zygote would not see a change in them, so such a run is a real exec.
@@ -66,7 +66,7 @@ _LOAD_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "TORCH", "PYTORCH
 
 
 class _Zygote:
-    """This test process's fork server (tests/zygote.py), started on first use, stopped at exit."""
+    """This test process's fork server (tests/helpers/zygote.py), started on first use, stopped at exit."""
 
     started: "_Zygote | None" = None
 
@@ -77,14 +77,14 @@ class _Zygote:
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.socket = os.path.join(self.folder, "socket")
         self.env = script_env(_SESSION_ENV)
-        self.process = subprocess.Popen([PYTHON, "-B", str(TESTS / "zygote.py"), self.socket], env=self.env,
+        self.process = subprocess.Popen([PYTHON, "-B", str(HELPERS / "zygote.py"), self.socket], env=self.env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         import json
 
         try:
             after_imports = json.loads(self.process.stdout.readline())["ready"]
         except (ValueError, KeyError, TypeError):
-            raise RuntimeError("tests/zygote.py did not start") from None
+            raise RuntimeError("tests/helpers/zygote.py did not start") from None
         # Set by the zygote's own imports, not by us (torch sets TORCHINDUCTOR_CACHE_DIR, and does
         # the same in this process once an optimizer is built here): absent or equal is the same.
         self.set_by_imports = {k: v for k, v in after_imports.items() if k not in self.env}
@@ -228,9 +228,9 @@ def train_until_killed(config_path: str, overrides: dict, started) -> None:
 
 def verify_checkpoint(folder: Path) -> dict:
     """Verify every file of a checkpoint folder (no tensors built) and return its meta.json."""
-    from pipeline.checkpoint import load_checkpoint
+    from pipeline.checkpoint import LoadMode, load_checkpoint
 
-    return load_checkpoint(folder, tensors=False).meta
+    return load_checkpoint(folder, mode=LoadMode.VERIFY).meta
 
 
 def first_python_block(card: str) -> str:

@@ -1,6 +1,6 @@
 """Crash every commit protocol at each of its file-system calls, in real processes.
 
-``python tests/crash_child.py PROTOCOL WORKDIR [SOURCE]`` (run by tests/test_crash_points.py)
+``python tests/helpers/crash_child.py PROTOCOL WORKDIR [SOURCE]`` (run by tests/test_crash_points.py)
 sets up the protocol's previous committed state in a pristine folder, then:
 
 1. runs the protocol once in a forked process under :class:`oprecorder.Recorder`, which
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from oprecorder import CRASH_EXIT, Recorder, ordering_problems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FOREIGN = {"notes.txt": b"not ours\n", "step-00000007.bak/precious.bin": b"\x00keep"}
 
 
@@ -103,14 +103,14 @@ class CheckpointSave(Protocol):
             store.clean_stale()
 
     def check(self, base: Path, recovered: bool) -> list[str]:
-        from pipeline.checkpoint import load_checkpoint, read_tensors, step_dir_name
+        from pipeline.checkpoint import LoadMode, load_checkpoint, read_tensors, step_dir_name
         root = base / "estados_local"
         problems = _foreign_problems(root)
         committed = self._store(base).committed_steps()
         for step in committed:
             folder = root / step_dir_name(step)
             try:
-                load_checkpoint(folder, tensors=False)
+                load_checkpoint(folder, mode=LoadMode.VERIFY)
                 if not torch.equal(read_tensors(folder / "modelo.safetensors")["w"], _tensors(step)[0]["w"]):
                     problems.append(f"{folder.name} holds another step's weights")
             except Exception as exc:  # noqa: BLE001 - any failure to verify is the finding
@@ -193,7 +193,7 @@ class StageSwap(Protocol):
 
     def check(self, base: Path, recovered: bool) -> list[str]:
         from pipeline.audit import audit_stage
-        from pipeline.checkpoint import load_checkpoint
+        from pipeline.checkpoint import LoadMode, load_checkpoint
         problems = _foreign_problems(base)
         stage = base / "hub_stage"
         moved_aside = [p for p in base.iterdir() if p.name.startswith(".old-hub_stage-")]
@@ -206,7 +206,7 @@ class StageSwap(Protocol):
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"hub_stage/ does not audit: {exc}")
         try:
-            load_checkpoint("latest", base / "estados_local", tensors=False)
+            load_checkpoint("latest", base / "estados_local", mode=LoadMode.VERIFY)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"the source checkpoint no longer verifies: {exc}")
         if recovered:

@@ -1,12 +1,12 @@
 """Several distributed trainings in one torchrun launch (a launch costs seconds here).
 
-    torchrun --standalone --nproc-per-node N tests/dist_leg.py PLAN.json
+    torchrun --standalone --nproc-per-node N tests/helpers/dist_leg.py PLAN.json
 
 PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": ...,
 "stop_at": ..., "reshard": ..., "forge": {...}}, ...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
 to ``value``, resealed as a forger would. ``record``: each rank records its file-system
-calls under ``checkpoint.dir`` (tests/oprecorder.py) with the time each completed (null
+calls under ``checkpoint.dir`` (tests/helpers/oprecorder.py) with the time each completed (null
 for a call that raised, such as a mkdir of a folder that exists), into
 ``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
 Rank 0 writes one result per run (step, losses,

@@ -1,6 +1,6 @@
 """A fork server for the scripts the tests run: torch (and ``torch._dynamo``, which the first
 ``Optimizer()`` of every training process imports) is imported once, every script run is
-a forked child of this process (``python -B tests/zygote.py SOCKET``, started by tests/support.py).
+a forked child of this process (``python -B tests/helpers/zygote.py SOCKET``, started by tests/helpers/support.py).
 
 Importing torch costs 2-4 s of CPU on the 2-core test machine, and the suite runs a few hundred
 scripts; forked from here, a script starts in milliseconds. Each child is still a real process
@@ -10,7 +10,7 @@ script's folder, ``PYTHONPATH`` first on the path, atexit handlers at exit), and
 reads its stdout and stderr through pipes and can kill it.
 
 What a fork cannot give is a fresh interpreter: the modules imported below are shared, and so is
-the string-hash seed. tests/support.py therefore runs a real ``exec`` whenever the environment
+the string-hash seed. tests/helpers/support.py therefore runs a real ``exec`` whenever the environment
 asks for something these imports read at load time (OMP_*, MKL_*, TORCH_*, ...), and the resume
 proofs (03) start their legs as real processes, so cross-process exactness is still proven under
 hash randomisation. Nothing of ``pipeline`` is imported here: each child imports the tree under test.

@@ -1,4 +1,4 @@
-"""`make mutate`: plant each realistic defect of tests/mutations.toml alone and check a test fails.
+"""`make mutate`: plant each realistic defect of tests/mutation/mutations.toml alone and check a test fails.
 
 For every mutation: copy the tree (sources only: no .git, .venv or run outputs) into a scratch
 folder, apply its exact search/replace edits, and run the tests it names with this project's
@@ -10,7 +10,7 @@ silent skip). Before any mutation, the tests named must pass on an unmutated cop
 that already fails would "kill" every mutation naming it. Two mutations run at a time, each
 pytest on one thread.
 
-    python tests/mutate.py [--only NAME_SUBSTRING] [--jobs 2] [--list]
+    python tests/mutation/mutate.py [--only NAME_SUBSTRING] [--jobs 2] [--list]
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 try:
     import tomllib  # Python >= 3.11; `make mutate` is a developer tool, the package needs 3.10
 except ModuleNotFoundError:  # pragma: no cover
-    raise SystemExit("error: make mutate needs Python >= 3.11 (tomllib) for tests/mutations.toml") from None
+    raise SystemExit("error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/mutations.toml") from None
 
-REPO = Path(__file__).resolve().parents[1]
-MUTATIONS = REPO / "tests" / "mutations.toml"
+REPO = Path(__file__).resolve().parents[2]
+MUTATIONS = REPO / "tests" / "mutation" / "mutations.toml"
 # Not part of the tree under test: version control, environments, caches and run outputs.
 IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
                                  "estados_local", "hub_stage", "hub_receipts", "runs", ".localhub", "metrics.json")
@@ -94,7 +94,7 @@ def _scratch_tree(scratch_parent: Path) -> Path:
 
 
 def _pytest(tree: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests" / "helpers")]),
            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=timeout)

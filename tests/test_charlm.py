@@ -348,7 +348,7 @@ def test_example_data_prepared_inside_the_default_data_folder_leaves_both_verifi
 
 
 def test_each_shipped_task_has_its_own_data_folder_so_examples_run_in_any_order(tmp_path, monkeypatch):
-    """The trap of issue #11: the example's data first, then the default config's 01."""
+    """The example's data first, then the default config's 01: neither replaces the other."""
     from pipeline.data import load_manifest, prepare_data
 
     monkeypatch.chdir(tmp_path)  # the configs' own relative data.dir, as a user runs them

@@ -1,4 +1,4 @@
-"""Scripts 04 and 05 beside a trainer that saves and prunes every step (issue #11, item 3):
+"""Scripts 04 and 05 beside a trainer that saves and prunes every step:
 each run succeeds on a complete checkpoint, pinned while it is read, or refuses with one
 line; never a traceback."""
 

@@ -1,4 +1,4 @@
-"""Every operating-system failure is one line and loses nothing (issue #11, item 2): full
+"""Every operating-system failure is one line and loses nothing: full
 disks (a real tmpfs of 1 MiB), read-only file systems, a prune that fails after a commit,
 and memory a task's params cannot get.
 

@@ -1,5 +1,5 @@
 """Only replace or delete what we built: the stage's marker, the store's own temporary
-folders, the atomic-folder helper's own siblings, and prune's checks (issue #11, item 1/4)."""
+folders, the atomic-folder helper's own siblings, and prune's checks."""
 
 from __future__ import annotations
 

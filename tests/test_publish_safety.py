@@ -1,4 +1,4 @@
-"""06 against a hostile stage and a Hub that stops answering (issue 11, publish side).
+"""06 against a hostile stage and a Hub that stops answering.
 
 Real scripts as subprocesses where exit codes and output matter, publish() in this process
 where a fault has to be placed between two steps; always the real huggingface_hub client

@@ -1,4 +1,4 @@
-"""Signed publications (issue 17): 05 --sign-key, 06's check, and a consumer's stock `model_signing verify`.
+"""Signed publications: 05 --sign-key, 06's check, and a consumer's stock `model_signing verify`.
 
 Real keys (made here with `cryptography`), the real model-signing library and CLI, the real
 05/06 scripts as subprocesses, and the real huggingface_hub client against localhub.

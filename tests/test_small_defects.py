@@ -1,4 +1,4 @@
-"""The smaller defects of issue #11, one test each: the NaN check under fp16 AMP, prepared
+"""Small defects, one test each: the NaN check under fp16 AMP, prepared
 data fsynced (files, every folder, the parent), ``factories.resolve`` leaving ``sys.path``
 as it was, an oversize staged meta.json named as such, and 01 naming what is in its way."""
 

@@ -1,4 +1,4 @@
-"""Nothing loaded is trusted unchecked (issue 10): meta.json is sealed by ``meta_sha256``,
+"""Nothing loaded is trusted unchecked: meta.json is sealed by ``meta_sha256``,
 safetensors files are parsed strictly, and the restored state is validated before it
 touches a live object. Most cases run in this process through the one loader (fast); a
 few go through the real scripts for the one-line error and the exit code."""

@@ -190,15 +190,20 @@ class LoaderFeed(_SamplerFeed):
         if self._iterator is None:
             self._start()
         epoch, indices, scale = self._next_indices()
+        died = None
         try:
             fetched = next(self._iterator)
         except RuntimeError as exc:
             if "DataLoader worker" not in str(exc):
                 raise
+            died = str(exc).strip().splitlines()[0]
+        if died is not None:
+            # Raised here, outside the except block: the loader's error (whose traceback holds
+            # the iterator) is gone, so closing frees the iterator and shuts its workers down.
             self.close()
-            raise DataError(f"a DataLoader worker died: {str(exc).strip().splitlines()[0]} (killed by the OS? running "
-                            "out of memory is the usual cause: lower data.num_workers or the memory a sample takes); "
-                            "the last committed checkpoint is intact: resume with --resume latest") from None
+            raise DataError(f"a DataLoader worker died: {died} (killed by the OS? running out of memory is the usual "
+                            "cause: lower data.num_workers or the memory a sample takes); the last committed checkpoint "
+                            "is intact: resume with --resume latest")
         if isinstance(fetched, _Failure):
             self.close()
             raise DataError(fetched.message() + "; the last committed checkpoint is intact: fix it and resume with "
@@ -294,11 +299,12 @@ class _Collate:
 
 
 def _worker_init(worker_id: int) -> None:
-    # A terminal's Ctrl-C and a scheduler's SIGTERM reach the whole process group: the
-    # training process stops gracefully (saves, then shuts its workers down); a worker that
-    # died first would end the run with an error instead.
+    # Out of the launching process group: a terminal's Ctrl-C (or a SIGTERM sent to the
+    # group) reaches the training process, which stops gracefully, saves, and then shuts its
+    # workers down; a worker killed first would end the run with an error instead. A worker
+    # whose training process died exits by itself (torch's watchdog).
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_feed(data: Any, sampler: Sampler | None, generator: np.random.Generator, config: Config,

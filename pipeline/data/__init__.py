@@ -16,7 +16,7 @@ from .feed import Feed, make_feed, to_device
 from .prepared import load_manifest, load_task_data, prepare_data
 from .sampler import EpochSampler, Sampler, clone_sampler, make_sampler
 from .seeding import isolated_rng, seed_sample
-from .task import TaskData, input_mode
+from .task import TaskData, describe_inputs, input_mode
 
 __all__ = [
     "TaskData",
@@ -31,6 +31,7 @@ __all__ = [
     "make_feed",
     "to_device",
     "input_mode",
+    "describe_inputs",
     "seed_sample",
     "isolated_rng",
 ]

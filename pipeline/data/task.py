@@ -8,7 +8,7 @@ import torch
 
 from ..errors import DataError
 
-__all__ = ["TaskData", "input_mode"]
+__all__ = ["TaskData", "input_mode", "describe_inputs"]
 
 
 class TaskData(Protocol):
@@ -51,3 +51,13 @@ def input_mode(data: Any) -> str:
                         "(with num_train), train_dataset or train_iterable (docs/data.md)")
     return forms[0]
 
+
+
+def describe_inputs(data: Any, config: Any) -> dict[str, Any]:
+    """What the resume proof's report says about the inputs it proved."""
+    mode = input_mode(data)
+    source = {"batches": data, "dataset": getattr(data, "train_dataset", None),
+              "stream": getattr(data, "train_iterable", None)}[mode]
+    return {"mode": mode, "source": f"{type(source).__module__}.{type(source).__qualname__}",
+            "num_workers": config.data.num_workers if mode == "dataset" else 0,
+            "stream_split": config.data.stream_split if mode == "stream" else None}

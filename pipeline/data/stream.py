@@ -1,21 +1,27 @@
 """Streams: a ``train_iterable`` with ``state_dict()`` / ``load_state_dict()`` (a
 ``datasets.IterableDataset`` streamed from local files), batched by ``data.batch_size``.
 
-Under torchrun each rank reads its own split (``datasets.distributed.split_dataset_by_node``)
-and takes ``data.batch_size / world size`` samples per step. With ``data.stream_split:
-examples`` (the default) rank ``r`` keeps the records at positions ``r, r + W, r + 2W, ...``
-of the stream, so global batch ``k`` holds records ``kB .. kB + B - 1``: the same samples as
-one process, at any world size (each rank reads every record and skips the others'). With
-``shards`` each rank reads only its files (the stream's ``num_shards`` must be a multiple of
-the world size), and the global order depends on the world size.
+Under torchrun, ``data.stream_split`` decides how the ranks share the stream:
 
-A checkpoint stores each rank's position as JSON: the pass, the samples it consumed in that
-pass, and the source's own ``state_dict()``; nothing is read ahead, so the saved position is
-exactly the trained one. Sample ``k`` of a rank's pass ``p`` is seeded with the key
-``(seed, p, kW + r)`` (:mod:`pipeline.data.seeding`). When the stream ends, a new pass starts
-(``set_epoch(p)`` where the source has it). A source whose saved state does not resume it
-exactly (a shuffle buffer: ``datasets`` does not save the buffer's contents) is refused
-before the first step; see docs/data.md.
+- ``examples`` (the default): every rank reads the whole stream in order and keeps its
+  slice of each global batch, as for a map-style dataset. Global batch ``k`` is records
+  ``kB .. kB + B - 1``, each seeded by its position in the pass: the same samples at any
+  world size, and one position for all ranks, so a stream resumes on another number of
+  processes (``--reshard``). The price: each rank reads and maps every record (as
+  ``split_dataset_by_node(strategy="examples")`` does, which is also why it is not used: its
+  skipped records would draw from the kept ones' seeds);
+- ``shards``: each rank reads only its files (``datasets.distributed.split_dataset_by_node``
+  with ``strategy="shards"``; ``num_shards`` a multiple of the world size) and takes
+  ``B / W`` samples per step; rank ``r``'s sample ``k`` is seeded as position ``kW + r``. The
+  global order depends on the world size, and each rank's position is its own: such a
+  stream resumes on the same number of processes only.
+
+A checkpoint stores the position as JSON (the pass, the records read in it, and the
+source's own ``state_dict()``); nothing is read ahead, so the saved position is exactly the
+trained one. When the stream ends a new pass starts (``set_epoch(pass)`` where the source
+has it). A source whose saved state does not resume it exactly (a shuffle buffer:
+``datasets`` does not save the buffer's contents) is refused before the first step; see
+docs/data.md.
 """
 
 from __future__ import annotations
@@ -66,11 +72,18 @@ class StreamFeed(Feed):
         self.config, self.device, self.world = config, device, world
         self.seed = config.training.seed
         self.rank, self.world_size = (world.rank, world.world_size) if world is not None else (0, 1)
-        if config.data.batch_size % self.world_size:
-            raise DataError(f"data.batch_size {config.data.batch_size} does not divide over {self.world_size} processes: "
-                            "a stream gives each rank the same number of samples per step")
-        self.per_rank = config.data.batch_size // self.world_size
         self.split = config.data.stream_split
+        self.sharded = self.split == "shards" and self.world_size > 1
+        batch = config.data.batch_size
+        if self.sharded:
+            if batch % self.world_size:
+                raise DataError(f"data.batch_size {batch} does not divide over {self.world_size} processes: with "
+                                "data.stream_split 'shards' each rank reads the same number of samples per step")
+            self.reads, self.keep, self.scale = batch // self.world_size, list(range(batch // self.world_size)), 1.0
+            self.stride, self.offset = self.world_size, self.rank  # rank r's k-th sample is position kW + r
+        else:
+            self.reads, self.stride, self.offset = batch, 1, 0
+            self.keep, self.scale = world.slice(list(range(batch))) if world is not None else (list(range(batch)), 1.0)
         self.collate = getattr(data, "collate", None) or default_collate
         self.identity = self._identity(data, source)
         self.source = self._split(source)
@@ -91,7 +104,7 @@ class StreamFeed(Feed):
         return sha256_bytes(json.dumps(record, sort_keys=True).encode("utf-8"))
 
     def _split(self, source: Any) -> Any:
-        if self.world_size == 1:
+        if not self.sharded:
             return source
         datasets = sys.modules.get("datasets")
         if datasets is None or not isinstance(source, datasets.IterableDataset):
@@ -100,7 +113,7 @@ class StreamFeed(Feed):
         from datasets.distributed import split_dataset_by_node
 
         shards = getattr(source, "num_shards", 1)
-        if self.split == "shards" and shards % self.world_size:
+        if shards % self.world_size:
             raise DataError(f"data.stream_split is 'shards' but the stream has {shards} shards, not a multiple of "
                             f"{self.world_size} processes: use 'examples', or split the files evenly")
         return split_dataset_by_node(source, rank=self.rank, world_size=self.world_size, strategy=self.split)
@@ -120,13 +133,14 @@ class StreamFeed(Feed):
         while True:
             if self._iterator is None:
                 self._begin_pass()
-            seed_sample(self.seed, self.pass_, self.consumed * self.world_size + self.rank)
+            seed_sample(self.seed, self.pass_, self.consumed * self.stride + self.offset)
             try:
                 sample = next(self._iterator)
             except StopIteration:
                 if self.consumed == 0:
                     raise DataError(f"the stream gave no sample in pass {self.pass_}"
-                                    f"{f' on rank {self.rank}' if self.world else ''}: train_iterable is empty") from None
+                                    f"{f' on rank {self.rank}' if self.sharded else ''}: train_iterable is empty") \
+                        from None
                 self.pass_, self.consumed, self._iterator = self.pass_ + 1, 0, None
                 continue
             except Exception as exc:
@@ -141,12 +155,12 @@ class StreamFeed(Feed):
         if not self._probed:
             self._probe()
         with isolated_rng():
-            samples = [self._next_sample() for _ in range(self.per_rank)]
+            samples = [self._next_sample() for _ in range(self.reads)]
         try:
-            batch = self.collate(samples)
+            batch = self.collate([samples[i] for i in self.keep])
         except Exception as exc:
             raise DataError(f"collate of a stream batch raised {type(exc).__name__}: {str(exc).strip()[:300]}") from None
-        return to_device(batch, self.device), 1.0
+        return to_device(batch, self.device), self.scale
 
     def _probe(self) -> None:
         """Before the first step: read a few samples from a copy of the source, save its state,
@@ -174,7 +188,7 @@ class StreamFeed(Feed):
                             "files instead (or use a map-style train_dataset, shuffled by the sampler): docs/data.md")
 
     def _read_seeded(self, reader: Iterator[Any], position: int) -> Any:
-        seed_sample(self.seed, 0, position * self.world_size + self.rank)
+        seed_sample(self.seed, 0, position * self.stride + self.offset)
         return next(reader)
 
     # -- state ---------------------------------------------------------------------------
@@ -188,12 +202,13 @@ class StreamFeed(Feed):
         return {"pass": self.pass_, "consumed": self.consumed, "state": state}
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's position (gathered under torchrun: every rank calls this together)."""
+        """The position: one for all ranks, or (``shards``) every rank's, gathered (every rank
+        calls this together)."""
         own = self._own_record()
-        ranks = [own] if self.world is None else [
-            json.loads(text) for text in self.world.gather_text(json.dumps(own, allow_nan=False))]
-        return {"kind": self.kind, "identity": self.identity, "split": self.split, "world_size": self.world_size,
-                "ranks": ranks}
+        ranks = [json.loads(text) for text in self.world.gather_text(json.dumps(own, allow_nan=False))] \
+            if self.sharded else [own]
+        return {"kind": self.kind, "identity": self.identity, "split": self.split,
+                "world_size": self.world_size if self.sharded else None, "ranks": ranks}
 
     def check_state(self, saved: Any) -> None:
         where = "training_state.data.source"
@@ -210,13 +225,15 @@ class StreamFeed(Feed):
                             "the stream it was trained on")
         if saved["split"] != self.split:
             raise DataError(f"{where}.split is {saved['split']!r}, data.stream_split is {self.split!r}")
-        if saved["world_size"] != self.world_size:
-            raise DataError(f"the stream's position was saved by {saved['world_size']!r} processes, this launch has "
-                            f"{self.world_size}: each process holds its own position in its split, so a stream resumes "
-                            f"on {saved['world_size']!r} processes only")
+        expected = self.world_size if self.sharded else None
+        if saved["world_size"] != expected:
+            raise DataError(f"the stream's position was saved by {saved['world_size']!r} processes reading their own "
+                            f"shards, this launch has {self.world_size}: with data.stream_split 'shards' each process "
+                            f"holds its own position, so the run resumes on {saved['world_size']!r} processes only")
         ranks = saved["ranks"]
-        if not isinstance(ranks, list) or len(ranks) != self.world_size:
-            raise DataError(f"{where}.ranks does not hold {self.world_size} positions: the checkpoint is damaged")
+        count = self.world_size if self.sharded else 1
+        if not isinstance(ranks, list) or len(ranks) != count:
+            raise DataError(f"{where}.ranks does not hold {count} position(s): the checkpoint is damaged")
         for rank, record in enumerate(ranks):
             at = f"{where}.ranks[{rank}]"
             if not isinstance(record, dict) or set(record) != {"pass", "consumed", "state"}:
@@ -229,7 +246,7 @@ class StreamFeed(Feed):
                 _shaped_like(record["state"], self.initial, f"{at}.state")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        own = saved["ranks"][self.rank]
+        own = saved["ranks"][self.rank if self.sharded else 0]
         self.pass_, self.consumed = own["pass"], own["consumed"]
         self._pending = copy.deepcopy(own["state"])
         self._iterator = None

@@ -67,11 +67,12 @@ def launch_world(config: Config, device: torch.device) -> World | None:
 
 
 def dataset_fingerprint(data: Any, dataset: Any) -> str | None:
-    """The training set's content fingerprint: the task's own ``fingerprint``, else the
-    dataset's (``datasets.Dataset`` keeps one that changes with its files and every
-    transform: its documented ``_fingerprint``), else none."""
-    for owner, name in ((data, "fingerprint"), (dataset, "fingerprint"), (dataset, "_fingerprint")):
-        value = getattr(owner, name, None)
+    """The training set's content fingerprint, as the task (or its dataset) names it in a
+    ``fingerprint`` string; else none. Files in ``data.dir`` are covered by the manifest's
+    SHA-256 anyway; ``datasets``' own cache fingerprint is not used: it changes when the same
+    files move or are touched, which would refuse a good resume."""
+    for owner in (data, dataset):
+        value = getattr(owner, "fingerprint", None)
         if isinstance(value, str) and value:
             return value
     return None

@@ -56,7 +56,7 @@ def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop
     ("INPUTS_FAIL_AT", r"train_dataset\[21\] \(epoch 0\) raised ValueError: row 21 is corrupt; the last committed "
                        r"checkpoint is intact"),
     ("INPUTS_KILL_AT", r"a DataLoader worker died: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"),
-])
+], ids=["raises", "killed"])
 def test_a_sample_that_raises_or_a_worker_killed_mid_epoch_ends_in_one_line_with_the_checkpoint_intact(
         data_dir, tmp_path, monkeypatch, knob, message):
     monkeypatch.setenv(knob, "21")  # unshuffled: step 6 reads rows 20..23

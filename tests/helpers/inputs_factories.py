@@ -4,7 +4,7 @@
   ``__getitem__`` draws noise from torch, NumPy's global state and Python's ``random``.
   Environment knobs play the failures a real dataset meets: ``INPUTS_FAIL_AT`` (that index
   raises), ``INPUTS_KILL_AT`` (the worker fetching that index is SIGKILLed, as the OOM killer
-  would), ``INPUTS_ROWS`` (the set has that many rows: its length changed), ``INPUTS_FINGERPRINT``
+  would, once ``INPUTS_KILL_AFTER`` exists), ``INPUTS_ROWS`` (the set has that many rows: its length changed), ``INPUTS_FINGERPRINT``
   (the task's fingerprint of its content);
 - ``prepare_stream`` / ``build_stream``: the same rows as JSON-lines files read back as a
   ``datasets.IterableDataset`` (two shards), per-sample noise added by a ``map``;
@@ -18,6 +18,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,12 @@ class NoisyRows(torch.utils.data.Dataset):
         if index == self.fail_at:
             raise ValueError(f"row {index} is corrupt")
         if index == self.kill_at and torch.utils.data.get_worker_info() is not None:
+            # Once the run has committed the named checkpoint: a worker's queue dies with it,
+            # and batches it had finished but not yet handed over must not include that step's.
+            after = Path(os.environ.get("INPUTS_KILL_AFTER", "/"))
+            deadline = time.monotonic() + 120
+            while not after.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         noise = (torch.randn(self.x.shape[1], dtype=self.x.dtype) * 0.01
                  + torch.from_numpy(np.random.standard_normal(self.x.shape[1])) * 0.01 + random.gauss(0.0, 0.01))

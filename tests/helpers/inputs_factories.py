@@ -4,8 +4,8 @@
   ``__getitem__`` draws noise from torch, NumPy's global state and Python's ``random``.
   Environment knobs play the failures a real dataset meets: ``INPUTS_FAIL_AT`` (that index
   raises), ``INPUTS_KILL_AT`` (the worker fetching that index is SIGKILLed, as the OOM killer
-  would, once ``INPUTS_KILL_AFTER`` exists), ``INPUTS_ROWS`` (the set has that many rows: its length changed), ``INPUTS_FINGERPRINT``
-  (the task's fingerprint of its content);
+  would, once ``INPUTS_KILL_AFTER`` exists), ``INPUTS_ROWS`` (the set has that many rows: its
+  length changed), ``INPUTS_FINGERPRINT`` (the task's fingerprint of its content);
 - ``prepare_stream`` / ``build_stream``: the same rows as JSON-lines files read back as a
   ``datasets.IterableDataset`` (two shards), per-sample noise added by a ``map``;
   ``build_buffered_stream`` adds a shuffle buffer (refused), ``build_mapped_stream`` another

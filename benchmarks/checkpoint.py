@@ -41,6 +41,7 @@ from pipeline.checkpoint import Checkpointer, CheckpointStore, load_checkpoint, 
 from pipeline.checkpoint.tensorfile import WRITE_CHUNK, WRITEBACK_WINDOW  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.data import EpochSampler  # noqa: E402
+from pipeline.data.feed import BatchFeed  # noqa: E402
 from pipeline.environment import current_environment  # noqa: E402
 from pipeline.hashing import sha256_file  # noqa: E402
 from pipeline.layout import MODEL_FILE, STATE_FILE  # noqa: E402
@@ -91,10 +92,12 @@ def build_run(size_gb: float) -> TrainingRun:
     optimizer.zero_grad(set_to_none=True)
     generator = seed_everything(0)
     history = {"step": list(range(1, 1001)), "loss": [1.0] * 1000, "lr": [1e-4] * 1000}
+    data, sampler = types.SimpleNamespace(num_train=64), EpochSampler(64, 8, generator)
     return TrainingRun(config=Config(), device=torch.device("cpu"), model=model, optimizer=optimizer,
                        scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
-                       data=types.SimpleNamespace(), sampler=EpochSampler(64, 8, generator), generator=generator,
-                       scaler=None, autocast_dtype=None, step=1000, history=history)
+                       data=data, sampler=sampler, feed=BatchFeed(data, sampler, Config(), torch.device("cpu"), None, 64,
+                                                                  None),
+                       generator=generator, scaler=None, autocast_dtype=None, step=1000, history=history)
 
 
 def state_tensors(run: TrainingRun) -> list[torch.Tensor]:

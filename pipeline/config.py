@@ -41,6 +41,8 @@ DEFAULT_CONFIG_PATH = Path("config.yaml")
 RESUME_IRRELEVANT_KEYS = frozenset(
     {
         "data.dir",
+        # Every sample is seeded by (seed, epoch, index) whichever process fetches it.
+        "data.num_workers",
         "checkpoint.dir",
         "checkpoint.every",
         "checkpoint.keep_last",
@@ -65,6 +67,9 @@ def _require_choice(value: Any, choices: Any, key: str) -> None:
     _require(isinstance(value, str) and value in allowed, key, f"must be one of {allowed} (got {value!r})")
 
 
+StreamSplit = Literal["examples", "shards"]
+
+
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where the prepared data lives and how it is batched."""
@@ -78,15 +83,23 @@ class DataConfig:
     seed: int = 1234
     """Seed of the data generation (script 01); training randomness has its own seed."""
     batch_size: int = 4
-    """Examples per optimizer step."""
+    """Examples per optimizer step (the global batch: under torchrun each rank trains on its share)."""
     shuffle: bool = True
     """Draw a new permutation of the training rows at the start of every epoch."""
     drop_last: bool = False
     """Drop a final short batch instead of yielding it."""
+    num_workers: int = 0
+    """DataLoader worker processes reading a map-style ``train_dataset`` (0: in the training
+    process). Results do not depend on it: each sample is seeded by (seed, epoch, index)."""
+    stream_split: StreamSplit = "examples"
+    """How a stream is split over torchrun ranks: 'examples' (rank r keeps every W-th record:
+    the same global batches at any world size) or 'shards' (each rank reads only its files)."""
     params: dict = field(default_factory=dict)
     """Task-specific settings passed to the data factories, which validate them."""
 
     def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, "data.num_workers", f"must be >= 0 (got {self.num_workers})")
+        _require_choice(self.stream_split, StreamSplit, "data.stream_split")
         _require(":" in self.prepare, "data.prepare", "must look like 'package.module:function'")
         _require(":" in self.factory, "data.factory", "must look like 'package.module:function'")
         _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1 (got {self.batch_size})")

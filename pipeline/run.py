@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .config import Config
-from .data import EpochSampler, Sampler, TaskData, load_task_data
+from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
 from .errors import ConfigError
 from .factories import resolve
 from .rng import seed_everything
@@ -31,7 +31,10 @@ class TrainingRun:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: TaskData
-    sampler: Sampler
+    sampler: Sampler | None
+    """The one source of batch order (``None`` for a stream, whose order is its own)."""
+    feed: Feed
+    """Hands out each step's batch (:mod:`pipeline.data.feed`)."""
     generator: np.random.Generator
     scaler: torch.amp.GradScaler | None
     autocast_dtype: torch.dtype | None
@@ -84,15 +87,6 @@ def fresh_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name in stored}
 
 
-def make_sampler(data: TaskData, generator: np.random.Generator, config: Config) -> Sampler:
-    """The task's own sampler if it has one, else an :class:`EpochSampler` over ``num_train``."""
-    custom = getattr(data, "make_sampler", None)
-    if custom is not None:
-        return custom(generator, config)
-    return EpochSampler(data.num_train, config.data.batch_size, generator,
-                        shuffle=config.data.shuffle, drop_last=config.data.drop_last)
-
-
 def build_run(config: Config, device: torch.device, *, schedule_steps: int | None = None,
               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
@@ -114,10 +108,11 @@ def build_run(config: Config, device: torch.device, *, schedule_steps: int | Non
     scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, schedule_config)
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
+    feed = make_feed(data, sampler, generator, config, device)
     configure_determinism(config)
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
     return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
-                       data=data, sampler=sampler, generator=generator, scaler=scaler,
+                       data=data, sampler=sampler, feed=feed, generator=generator, scaler=scaler,
                        autocast_dtype=autocast_dtype, fresh_buffers=fresh)

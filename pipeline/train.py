@@ -105,10 +105,7 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     every rank draws the same global batch and trains on its slice of it; the loss
     returned is the global batch's."""
     run.model.train()
-    indices, scale = run.sampler.next_indices(), 1.0
-    if world is not None:
-        indices, scale = world.slice(indices)
-    batch = run.data.get_batch(indices, run.device)
+    batch, scale = run.feed.next_batch()  # this rank's slice under torchrun
     with torch.autocast(run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
         loss = run.data.loss(run.model, batch)
     if world is not None:
@@ -316,7 +313,8 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
     end = min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
     last_saved = run.step if resumed else None
     saved = None
-    with _StopSignals() as signals:
+    # Closing the feed stops its DataLoader workers, whatever ends the loop.
+    with _StopSignals() as signals, contextlib.closing(run.feed):
         def stop_requested() -> int | None:
             return signals.signum if world is None else world.agree_signal(signals.signum)
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
+from pipeline.data import prepare_data
 from pipeline.distributed.world import World
 from pipeline.durable import json_bytes
 from pipeline.errors import CheckpointError, ChecksumMismatch, DataError, SchemaMismatch, StageError
@@ -39,7 +40,10 @@ CONFIG = REPO / "config.yaml"
 # The tests that read the shared launches (``legs``) run on one worker, so those launches run
 # once (make test: --dist loadgroup); the module's other launches go to either worker.
 LEGS = pytest.mark.xdist_group("distributed-legs")
-QUIET_RNG = {"model.params.dropout": 0.0, "data.params.augment_std": 0.0}
+# Dropout draws from per-rank streams (re-derived by a reshard); the augmentation noise is
+# seeded per sample, the same at any world size, so it stays on.
+QUIET_RNG = {"model.params.dropout": 0.0}
+STREAM = {"data.prepare": "inputs_factories:prepare_stream", "data.factory": "inputs_factories:build_stream"}
 
 
 def torchrun(nproc: int, *args: str, cwd: Path, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
@@ -61,8 +65,9 @@ def error_lines(stderr: str) -> list[str]:
 def legs(data_dir, tmp_path_factory):
     """Two processes: per mode, cut at step 6 + resume, and uninterrupted (DDP saving
     synchronously, FSDP2 in the background: checkpoint.async); a resume from the FSDP2 run's
-    step 5, saved in the background while steps 6 to 10 trained; and, without dropout or
-    augmentation noise (the streams a reshard re-derives), uninterrupted and cut."""
+    step 5, saved in the background while steps 6 to 10 trained; a datasets stream split over
+    the ranks, uninterrupted, and cut at 7 + resumed; and, without dropout (the per-rank
+    streams a reshard re-derives), uninterrupted and cut."""
     root = tmp_path_factory.mktemp("dist")
     runs = []
     for mode, background in (("ddp", False), ("fsdp2", True)):
@@ -78,6 +83,13 @@ def legs(data_dir, tmp_path_factory):
     mounted = os.geteuid() == 0 and _mount_tmpfs(full_disk, "size=64k")
     runs.append({"overrides": {**base, "checkpoint.dir": str(full_disk)}} if mounted else
                 {"overrides": {**base, "checkpoint.dir": str(root / "not_mounted")}, "stop_at": 1})
+    stream = {"data.dir": str(root / "stream"), "training.parallel": "ddp", **QUIET_RNG, **STREAM}
+    prepare_data(load_config(CONFIG, stream))
+    runs += [{"overrides": {**stream, "checkpoint.dir": str(root / "stream_full")}},
+             {"overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
+              "stop_at": 7},
+             {"overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
+              "resume": "latest"}]
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
              {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
@@ -291,19 +303,42 @@ def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dic
 
 
 @LEGS
+def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches_of_one_process(legs, tmp_path):
+    """data.stream_split 'examples': global batch k holds the records of one process's batch
+    k, each seeded by its position, so the 2-process run follows the 1-process one (DDP's
+    reduction order aside) across the pass boundary at step 6."""
+    root, results, _ = legs
+    full, cut, resumed = results[8:11]
+    assert cut["step"] == 7 and resumed["step"] == full["step"] == 10 and resumed["loss"] == full["loss"]
+    source = verify_distributed(root / "stream_cut" / "step-00000010")["training_state"]["data"]["source"]
+    assert source["world_size"] is None and [(r["pass"], r["consumed"]) for r in source["ranks"]] == [(1, 16)]
+    config = load_config(CONFIG, {"data.dir": str(root / "stream"), "checkpoint.dir": str(tmp_path), **QUIET_RNG,
+                                  **STREAM})
+    alone = train(config, progress=False)
+    assert max(abs(a - b) for a, b in zip(alone.history["loss"], full["loss"])) <= 1e-12
+
+
+@LEGS
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
-    then the 2->1 reshard."""
+    then the 2->1 reshard (augmentation noise on: it is seeded per sample); a stream, whose
+    position is per rank, refused."""
     root, results, _ = legs
     assert results[-1]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}
-    refused, forged, resharded = launch_plan(1, tmp_path, "reshard", [
+    stream = {"data.dir": str(root / "stream"), "training.parallel": "ddp", **QUIET_RNG, **STREAM,
+              "checkpoint.dir": str(tmp_path / "stream")}
+    refused, forged, resharded, stream = launch_plan(1, tmp_path, "reshard", [
         resume,
         {**resume, "reshard": True, "overrides": {**base, "checkpoint.dir": str(tmp_path / "forged")},
          "forge": {"from": str(root / "quiet_cut"), "to": str(tmp_path / "forged"),
                    "key": ["training_state", "scheduler", "last_epoch"], "value": 5}},
-        {**resume, "reshard": True}])
+        {**resume, "reshard": True},
+        {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream}])
+    # A stream split by examples has one position for all ranks: it moves to one process too.
+    assert stream["step"] == 10, stream
+    assert max(abs(a - b) for a, b in zip(stream["loss"], results[8]["loss"])) <= 1e-9
     assert refused["error"] == "WorldSizeMismatch", refused
     assert "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
     assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged

@@ -146,12 +146,19 @@ def test_report_records_environment_sources_and_every_leg_command(default_proof)
 
 
 @DEFAULT_PROOF
-def test_legs_sharing_a_process_end_bitwise_where_each_in_its_own_did(default_proof, data_dir, tmp_path):
+def test_legs_sharing_a_process_with_two_dataloader_workers_end_bitwise_where_each_in_its_own_did(
+        default_proof, data_dir, tmp_path):
     """--jobs 1: one process per phase (continuous then cut; resume, first in its fresh
-    interpreter, then every control). Every leg ends bitwise as in the default proof, where
-    each leg had a process of its own, with the same verdict."""
-    packed = _prove(data_dir, tmp_path, "--jobs", "1")
+    interpreter, then every control), and the samples read by 2 DataLoader workers. Every leg
+    ends bitwise as in the default proof, where each leg had a process of its own and the
+    samples were read in the training process, with the same verdict (omit-data diverges:
+    the loader's position is really restored)."""
+    packed = _prove(data_dir, tmp_path, "--jobs", "1", "--set", "data.num_workers=2")
     assert packed.result.returncode == 0, packed.result.stdout + packed.result.stderr
+    assert packed.report["protocol"]["data"] == {"mode": "dataset", "num_workers": 2, "stream_split": None,
+                                                 "source": "pipeline.tasks.regression.AugmentedRows"}
+    assert "inputs: dataset (pipeline.tasks.regression.AugmentedRows, 2 DataLoader workers)" in packed.result.stdout
+    assert default_proof.report["protocol"]["data"]["num_workers"] == 0
     assert "running resume, omit-rng, omit-optimizer, omit-scheduler, omit-data (1 process)" in packed.result.stdout
     legs, alone = packed.report["protocol"]["legs"], default_proof.report["protocol"]["legs"]
     specs = {name: [arg for arg in leg["command"] if arg.endswith("spec.json")] for name, leg in legs.items()}

@@ -61,7 +61,7 @@ from .codec import join_state, split_state
 from .load import load_checkpoint
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
-from .state import restore_positions
+from .state import capture_data, restore_positions
 from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
 from .tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
 from .validate import HISTORY, validated_state
@@ -115,11 +115,10 @@ def live_components(run: TrainingRun) -> dict[str, Any]:
     """This rank's live state of each saved component besides the model (copies): what
     the resume proof compares to see whether a control changed what was restored."""
     _, optimizer, _ = _optimizer_state(run)
-    task_state = getattr(run.data, "state_dict", None)
     return {"optimizer": {name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
                           for name, t in optimizer.items()},
             "scheduler": copy.deepcopy(run.scheduler.state_dict()),
-            "data": copy.deepcopy({"sampler": run.sampler.state_dict(), "task": task_state() if task_state else None}),
+            "data": capture_data(run, None),
             "rng": capture_rng(run.generator)}
 
 
@@ -189,12 +188,10 @@ class DistributedCheckpointer(OneSaveInFlight):
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)
         shared: dict[str, torch.Tensor] = {}
-        task_state = getattr(run.data, "state_dict", None)
         training_state = {
             "optimizer": optimizer_tree,
             "scheduler": split_state(run.scheduler.state_dict(), "scheduler", shared),
-            "data": {"sampler": split_state(run.sampler.state_dict(), "data/sampler", shared),
-                     "task": split_state(task_state(), "data/task", shared) if task_state else None},
+            "data": capture_data(run, shared),  # gathers a stream's per-rank positions
             "rng": None,  # per rank, in rng/rank-NNNNN.safetensors
             "scaler": None,  # fp16 AMP is refused under torchrun
             "progress": {"step": step},

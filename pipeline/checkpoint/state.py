@@ -1,13 +1,15 @@
 """Capture and restore the complete training state of a run.
 
 Components (each can be left out on restore, which is how the resume proof shows every
-one of them matters): ``optimizer``, ``scheduler``, ``data`` (sampler position and the
-task data's own state), ``rng`` (Python, NumPy Generator and legacy, torch CPU and CUDA),
+one of them matters): ``optimizer``, ``scheduler``, ``data`` (sampler position, the task
+data's own state, and the ``source``: its size and fingerprint, or a stream's positions),
+``rng`` (Python, NumPy Generator and legacy, torch CPU and CUDA),
 ``scaler`` (AMP). Model weights and progress (step, history) are always restored.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -19,7 +21,7 @@ from .codec import split_state
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
-__all__ = ["OMITTABLE", "capture_state", "check_capturable", "restore_state", "restore_positions"]
+__all__ = ["OMITTABLE", "capture_state", "capture_data", "check_capturable", "restore_state", "restore_positions"]
 
 OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
 
@@ -29,14 +31,10 @@ def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, 
     them before the next step, or copy them (the async checkpointer does)."""
     model_tensors = dedupe_shared_tensors(run.model.state_dict())
     tensors: dict[str, torch.Tensor] = {}
-    task_state = getattr(run.data, "state_dict", None)
     state = {
         "optimizer": split_state(run.optimizer.state_dict(), "optimizer", tensors),
         "scheduler": split_state(run.scheduler.state_dict(), "scheduler", tensors),
-        "data": {
-            "sampler": split_state(run.sampler.state_dict(), "data/sampler", tensors),
-            "task": split_state(task_state(), "data/task", tensors) if task_state else None,
-        },
+        "data": capture_data(run, tensors),
         "rng": split_state(capture_rng(run.generator), "rng", tensors),
         "scaler": split_state(run.scaler.state_dict(), "scaler", tensors) if run.scaler is not None else None,
         "progress": {"step": run.step},
@@ -45,6 +43,21 @@ def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, 
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
     return model_tensors, state, tensors
+
+
+def capture_data(run: TrainingRun, tensors: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """The ``data`` component: the sampler's position, the task's own state, and the feed's
+    ``source`` record (JSON). With ``tensors``, split for a checkpoint (tensors added there);
+    without, the live values (copies of the sampler's and task's, for comparisons). Under
+    torchrun a stream's record gathers every rank's position: every rank calls this together."""
+    task_state = getattr(run.data, "state_dict", None)
+    sampler = run.sampler.state_dict() if run.sampler is not None else None
+    task = task_state() if task_state else None
+    if tensors is None:
+        return copy.deepcopy({"sampler": sampler, "task": task, "source": run.feed.state_dict()})
+    return {"sampler": split_state(sampler, "data/sampler", tensors) if sampler is not None else None,
+            "task": split_state(task, "data/task", tensors) if task_state else None,
+            "source": run.feed.state_dict()}
 
 
 def check_capturable(run: TrainingRun) -> None:
@@ -95,6 +108,8 @@ def restore_positions(run: TrainingRun, joined: Mapping[str, Any], omit: Iterabl
     if "scheduler" not in omit:
         run.scheduler.load_state_dict(joined["scheduler"])
     if "data" not in omit:
-        run.sampler.load_state_dict(joined["sampler"])
+        if run.sampler is not None:
+            run.sampler.load_state_dict(joined["sampler"])
+        run.feed.load_state_dict(joined["source"])
         if joined["task"] is not None:
             run.data.load_state_dict(joined["task"])

@@ -5,8 +5,9 @@ written by a buggy version, so :func:`validated_state` joins every component (ea
 referenced once), then checks each against the objects just built from the config:
 types per field, finite hyperparameters, optimizer state shaped like the parameters it
 belongs to, a sane integer step matching the history, sampler positions and RNG states
-that a scratch object accepts. Any failure is one :class:`~pipeline.errors.StateMismatch`
-naming the field; nothing live has been changed by then.
+that a scratch object accepts, a data source record that belongs to this run's inputs.
+Any failure is one :class:`~pipeline.errors.StateMismatch` (a source that changed: a
+:class:`~pipeline.errors.DataError`) naming the field; nothing live has been changed by then.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..data import make_sampler
 from ..errors import StateMismatch
 from ..rng import RNG_FAMILIES
-from ..run import TrainingRun, make_sampler
+from ..run import TrainingRun
 from .codec import join_state
 
 __all__ = ["HISTORY", "validated_state"]
@@ -148,8 +150,8 @@ def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Te
     if not isinstance(state, dict) or set(state) != _STATE_KEYS:
         raise _fail("", "does not hold exactly optimizer, scheduler, data, rng, scaler, progress")
     data = state["data"]
-    if not isinstance(data, dict) or set(data) != {"sampler", "task"}:
-        raise _fail("data", "does not hold exactly sampler, task")
+    if not isinstance(data, dict) or set(data) != {"sampler", "task", "source"}:
+        raise _fail("data", "does not hold exactly sampler, task, source")
     used: set[str] = set()
     try:
         joined = {
@@ -169,6 +171,7 @@ def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Te
     unused = sorted(set(tensors) - used - {f"history/{key}" for key in HISTORY})
     if unused:
         raise _fail("", f"does not reference tensor {unused[0]!r} of the state file")
+    joined["source"] = data["source"]  # plain JSON, checked by the feed below
     joined["step"] = _progress(state, tensors, run, step)
     if optimizer is None:
         _optimizer(joined["optimizer"], run.optimizer)
@@ -184,10 +187,22 @@ def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Te
     if run.scaler is not None:
         _like(joined["scaler"], run.scaler.state_dict(), "scaler")
     _scratch_rng(joined["rng"], run.generator)
+    _data(joined, run)
+    return joined
+
+
+def _data(joined: dict[str, Any], run: TrainingRun) -> None:
+    """The sampler's position loads into a scratch sampler; the source record belongs to this
+    run's feed (same kind, size and fingerprint, or a stream position of this very source:
+    :meth:`pipeline.data.Feed.check_state`, one line naming what differs)."""
+    run.feed.check_state(joined["source"])
     scratch = make_sampler(run.data, np.random.Generator(np.random.PCG64(0)), run.config)
+    if scratch is None or joined["sampler"] is None:
+        if (scratch is None) != (joined["sampler"] is None):
+            raise _fail("data.sampler", "is missing" if scratch is not None else "is set, but a stream has no sampler")
+        return
     try:
         scratch.load_state_dict(joined["sampler"])
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise _fail("data.sampler", f"does not fit this data ({str(exc).splitlines()[0] if str(exc) else exc!r})") \
             from None
-    return joined

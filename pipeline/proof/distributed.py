@@ -101,7 +101,8 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "completed": False, "device": str(resolve_device(config)),
-        "protocol": {"steps": n, "cut": k, "nproc_per_node": nproc, "parallel": config.training.parallel,
+        "protocol": {"steps": n, "cut": k, "data": plan.data, "nproc_per_node": nproc,
+                     "parallel": config.training.parallel,
                      "tolerance": {"atol": atol, "rtol": 0.0, "mode": "bitwise" if atol == 0 else "absolute"},
                      "launches": {}},
         "boundary": {**plan.to_dict(), "checkpoint": f"reference/{CHECKPOINTS_DIR}/{step_dir_name(k)}"},

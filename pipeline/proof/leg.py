@@ -58,7 +58,7 @@ class LegRecorder:
         self.run = run
         self._watch_sampler(run)
         self.start = {"step": run.step, "rng_next_draws": peek_next_draws(run.generator),
-                      "sampler": _scalars(run.sampler.state_dict())}
+                      "sampler": _position(run)}
         if self.snapshot:
             _write_snapshot(run, self.folder / SNAPSHOT_DIR)
 
@@ -68,13 +68,16 @@ class LegRecorder:
             "loss": run.history["loss"][-1],
             "lr": run.history["lr"][-1],
             "indices": self._indices if self._indices_recorded else None,
-            "sampler": _scalars(run.sampler.state_dict()),
+            "sampler": _position(run),
             "rng_next_draws": peek_next_draws(run.generator),
         })
 
     def _watch_sampler(self, run: TrainingRun) -> None:
         # Wrap the instance's next_indices to see each batch's rows; the rows returned
-        # are the sampler's own, untouched. A sampler that refuses attributes stays unwatched.
+        # are the sampler's own, untouched. A sampler that refuses attributes stays unwatched
+        # (and a stream, which has none).
+        if run.sampler is None:
+            return
         original = run.sampler.next_indices
 
         def next_indices():
@@ -99,7 +102,7 @@ class LegRecorder:
                 "checkpoint": str(checkpoint) if checkpoint is not None else None,
                 "start": self.start, "steps": self.steps,
                 "end": {"rng_next_draws": end_draws, "metric": metric,
-                        "sampler": _scalars(run.sampler.state_dict())}}
+                        "sampler": _position(run)}}
 
 
 def _plain(value: Any) -> Any:
@@ -115,6 +118,15 @@ def _scalars(state: Any) -> dict[str, Any]:
     if not isinstance(state, dict):
         return {}
     return {str(k): _plain(v) for k, v in state.items() if isinstance(_plain(v), (bool, int, float, str))}
+
+
+def _position(run: TrainingRun) -> dict[str, Any]:
+    """Where the data is: the sampler's scalars (epoch, cursor, samples seen), or a stream's
+    pass and samples consumed (this process's)."""
+    if run.sampler is not None:
+        return _scalars(run.sampler.state_dict())
+    own = run.feed.state_dict()["ranks"][0]
+    return {"pass": own["pass"], "consumed": own["consumed"]}
 
 
 def _write_snapshot(run: TrainingRun, folder: Path) -> None:

@@ -12,10 +12,9 @@ import numpy as np
 
 from ..checkpoint import step_dir_name
 from ..config import Config
-from ..data import load_task_data
+from ..data import describe_inputs, load_task_data, make_sampler
 from ..errors import ConfigError
 from ..provenance import PACKAGE_ROOT
-from ..run import make_sampler
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
 __all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "phases", "pack", "leg_spec",
@@ -32,6 +31,7 @@ class Plan:
     cut: int
     reason: str
     epochs: list[int] | None  # epoch of the sampler after steps 1..N (index 0 unused), if it has one
+    data: dict[str, Any] | None = None  # the inputs proved (pipeline.data.describe_inputs)
 
     def to_dict(self) -> dict[str, Any]:
         first_new = None
@@ -68,25 +68,28 @@ def plan_cut(config: Config, steps: int | None, cut: int | None) -> Plan:
     if n > max_steps:
         raise ConfigError(f"--steps {n} exceeds training.max_steps {max_steps}: the proof trains the configured "
                           "run, so lower --steps or raise it with --set training.max_steps=...")
-    epochs = _sampler_epochs(config, n)
+    data = load_task_data(config)
+    inputs = describe_inputs(data, config)
+    epochs = _sampler_epochs(data, config, n)
     if cut is not None:
         if not 1 <= cut < n:
             raise ConfigError(f"--cut must be between 1 and N-1 = {n - 1} (got {cut})")
-        return Plan(n, cut, "given with --cut" + _where(epochs, cut, n), epochs)
+        return Plan(n, cut, "given with --cut" + _where(epochs, cut, n), epochs, inputs)
     if epochs is None:
-        return Plan(n, n // 2, "the sampler's state has no integer 'epoch'; cut at the middle", None)
+        why = "a stream has no epochs" if inputs["mode"] == "stream" else "the sampler's state has no integer 'epoch'"
+        return Plan(n, n // 2, f"{why}; cut at the middle", None, inputs)
     inside = [k for k in range(1, n) if epochs[k + 1] == epochs[k]]
     with_boundary = [k for k in inside if epochs[n] != epochs[k]]
     if with_boundary:
         k = max(with_boundary)
         return Plan(n, k, "the last step inside an epoch with a new epoch still to come" + _where(epochs, k, n),
-                    epochs)
+                    epochs, inputs)
     if inside:
         # No boundary reachable: cut near the middle, leaving steps on both sides.
         k = max((k for k in inside if k <= n // 2), default=min(inside))
         return Plan(n, k, "a step inside an epoch near the middle (no new epoch starts by step N)"
-                    + _where(epochs, k, n), epochs)
-    return Plan(n, n // 2, "every step is a whole epoch; cut at the middle", epochs)
+                    + _where(epochs, k, n), epochs, inputs)
+    return Plan(n, n // 2, "every step is a whole epoch; cut at the middle", epochs, inputs)
 
 
 def _where(epochs: list[int] | None, k: int, n: int) -> str:
@@ -98,11 +101,12 @@ def _where(epochs: list[int] | None, k: int, n: int) -> str:
     return text + (f"; epoch {epochs[following]} starts at step {following}" if following else "")
 
 
-def _sampler_epochs(config: Config, n: int) -> list[int] | None:
+def _sampler_epochs(data: Any, config: Config, n: int) -> list[int] | None:
     """Dry-run the configured sampler for N batches (no model, a throwaway generator)."""
-    data = load_task_data(config)
     generator = np.random.Generator(np.random.PCG64(config.training.seed))
     sampler = make_sampler(data, generator, config)
+    if sampler is None:  # a stream
+        return None
     epochs: list[int] = [0]
     for _ in range(n):
         sampler.next_indices()

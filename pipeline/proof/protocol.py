@@ -247,6 +247,7 @@ def _header(config: Config, config_path: Path | None, manifest: dict[str, Any], 
         "protocol": {
             "steps": plan.steps,
             "cut": plan.cut,
+            "data": plan.data,
             "precision": {"dtype": config.training.dtype, "amp": config.training.amp,
                           "deterministic": config.training.deterministic, "device": config.training.device},
             "tolerance": {"atol": atol, "rtol": 0.0,
@@ -302,6 +303,10 @@ def describe(report: dict[str, Any]) -> list[str]:
     lines = [f"resume proof: {boundary['steps']} steps, tolerance "
              f"{'0 (bitwise)' if tolerance['atol'] == 0 else tolerance['atol']}; cut at step {boundary['cut']}, "
              f"{boundary['reason']}"]
+    data = report["protocol"].get("data")
+    if data:
+        workers = f", {data['num_workers']} DataLoader workers" if data["mode"] == "dataset" else ""
+        lines.append(f"inputs: {data['mode']} ({data['source']}{workers})")
     positive = report["checks"]["positive"]
     worst = [c["max_abs_diff"] for c in positive if c["max_abs_diff"] is not None]
     lines.append(f"positive: {sum(c['passed'] for c in positive)}/{len(positive)} checks match, "

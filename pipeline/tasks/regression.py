@@ -2,8 +2,10 @@
 
 - 24 training rows in batches of 4, so epochs end mid-run and the order is reshuffled
   (NumPy ``Generator(PCG64)`` via the sampler);
-- input noise augmentation drawn from Python's ``random``;
-- an MLP with Dropout (torch's CPU generator);
+- a map-style ``train_dataset`` whose input noise augmentation is drawn from Python's
+  ``random`` in ``__getitem__``, seeded per sample (``pipeline.data.seeding``), so the noise
+  is the same with any number of workers or processes;
+- an MLP with Dropout (torch's CPU generator, per rank under torchrun);
 - Adam and a step schedule (optimizer and scheduler state).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..factories import read_params
 
-__all__ = ["prepare_data", "build_data", "build_model", "RegressionData", "MLP"]
+__all__ = ["prepare_data", "build_data", "build_model", "RegressionData", "AugmentedRows", "MLP"]
 
 _DATA_SPEC = {
     "num_train": (int, 24),
@@ -59,21 +61,30 @@ def prepare_data(config: Config, out_dir: Path) -> None:
     write_safetensors(out_dir / "heldout.safetensors", {"x": x_t[split:].contiguous(), "y": y_t[split:].contiguous()})
 
 
+class AugmentedRows(torch.utils.data.Dataset):
+    """Training rows ``(x + noise, y)``; the noise comes from Python's ``random``, which the
+    pipeline seeds for each sample from (seed, epoch, index) before this runs."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, augment_std: float) -> None:
+        self.x, self.y, self.augment_std = x, y, augment_std
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = [random.gauss(0.0, self.augment_std) for _ in range(self.x.shape[1])] if self.augment_std else None
+        x = self.x[index] + torch.tensor(noise, dtype=self.x.dtype) if noise else self.x[index].clone()
+        return x, self.y[index].clone()
+
+
 class RegressionData:
-    """Training rows with Python-``random`` input noise, and an untouched held-out split."""
+    """A map-style training set with per-sample input noise, and an untouched held-out split."""
 
     def __init__(self, train: dict[str, torch.Tensor], heldout: dict[str, torch.Tensor], augment_std: float,
                  dtype: torch.dtype) -> None:
         self.train_x, self.train_y = train["x"].to(dtype), train["y"].to(dtype)
         self.heldout_x, self.heldout_y = heldout["x"].to(dtype), heldout["y"].to(dtype)
-        self.augment_std = augment_std
-        self.num_train = len(self.train_x)
-
-    def get_batch(self, indices: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.train_x[list(indices)]
-        noise = [[random.gauss(0.0, self.augment_std) for _ in range(x.shape[1])] for _ in range(x.shape[0])]
-        x = x + torch.tensor(noise, dtype=x.dtype)
-        return x.to(device), self.train_y[list(indices)].to(device)
+        self.train_dataset = AugmentedRows(self.train_x, self.train_y, augment_std)
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

@@ -21,10 +21,7 @@ __all__ = ["build_nan_after_data", "prepare_nested"]
 class _NanAfter:
     def __init__(self, base: RegressionData, after: int) -> None:
         self.base, self.after, self.calls = base, after, 0
-        self.num_train = base.num_train
-
-    def get_batch(self, indices, device):
-        return self.base.get_batch(indices, device)
+        self.train_dataset = base.train_dataset
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         self.calls += 1

@@ -2,8 +2,8 @@
 
 Both wrap the default regression data (same prepared files), changing one thing each:
 
-- ``build_quiet_data``: no input-noise augmentation, so the run draws nothing from Python's
-  ``random`` (with dropout 0 and shuffle off, no RNG family is consumed at all);
+- ``build_quiet_data``: no input-noise augmentation (with dropout 0 and shuffle off, no RNG
+  family of the training process is consumed at all);
 - ``build_forgetful_data``: a sampler that saves its position but ignores it on load, the
   classic "resume restarts the epoch" bug the proof must name.
 
@@ -19,7 +19,7 @@ proof can observe: its negative control must come out "not detected".
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ import torch
 from pipeline.config import Config
 from pipeline.data import EpochSampler
 from pipeline.errors import DataError
-from pipeline.tasks.regression import RegressionData, build_data
+from pipeline.tasks.regression import AugmentedRows, RegressionData, build_data
 
 __all__ = ["build_quiet_data", "build_forgetful_data", "build_once_per_process_data", "ForgetfulSampler",
            "settling_scheduler"]
@@ -38,10 +38,7 @@ _BUILDS_IN_THIS_PROCESS = []
 class _Wrapped:
     def __init__(self, base: RegressionData) -> None:
         self.base = base
-        self.num_train = base.num_train
-
-    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any:
-        return self.base.get_batch(indices, device)
+        self.train_dataset = base.train_dataset
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return self.base.loss(model, batch)
@@ -51,9 +48,9 @@ class _Wrapped:
 
 
 class QuietData(_Wrapped):
-    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any:
-        rows = list(indices)
-        return self.base.train_x[rows].to(device), self.base.train_y[rows].to(device)
+    def __init__(self, base: RegressionData) -> None:
+        super().__init__(base)
+        self.train_dataset = AugmentedRows(base.train_x, base.train_y, 0.0)
 
 
 class ForgetfulSampler(EpochSampler):
@@ -63,7 +60,7 @@ class ForgetfulSampler(EpochSampler):
 
 class ForgetfulData(_Wrapped):
     def make_sampler(self, generator: np.random.Generator, config: Config) -> ForgetfulSampler:
-        return ForgetfulSampler(self.num_train, config.data.batch_size, generator, shuffle=config.data.shuffle,
+        return ForgetfulSampler(len(self.train_dataset), config.data.batch_size, generator, shuffle=config.data.shuffle,
                                 drop_last=config.data.drop_last)
 
 

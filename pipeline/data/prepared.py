@@ -1,132 +1,21 @@
-"""Prepared data (files + SHA-256 manifest), the task-data protocol, and a resumable sampler.
-
-The sampler stores its position (epoch, permutation, cursor), so a resume continues in
-the middle of an epoch without replaying batches.
-"""
+"""Prepared data: script 01 writes files into ``data.dir`` with a SHA-256 manifest; training
+and evaluation read them only after checking every file against it."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any
 
-import numpy as np
-import torch
+from ..config import Config
+from ..durable import atomic_folder, json_bytes, recover
+from ..errors import DataError
+from ..factories import resolve
+from ..hashing import fingerprint_table, sha256_file
+from ..layout import DATA_MANIFEST_FILE
 
-from .config import Config
-from .durable import atomic_folder, json_bytes, recover
-from .errors import DataError
-from .factories import resolve
-from .hashing import fingerprint_table, sha256_file
-from .layout import DATA_MANIFEST_FILE
-
-__all__ = [
-    "TaskData",
-    "Sampler",
-    "EpochSampler",
-    "prepare_data",
-    "load_manifest",
-    "load_task_data",
-]
-
-@runtime_checkable
-class Sampler(Protocol):
-    """Yields the row indices of each batch and saves/restores its position."""
-
-    def next_indices(self) -> list[int]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class TaskData(Protocol):
-    """What ``data.factory`` returns.
-
-    Required: ``num_train``, ``get_batch(indices, device)``, ``loss(model, batch)``,
-    ``evaluate(model, device) -> {metric: float}``.
-    Optional: ``make_sampler(generator, config) -> Sampler`` to replace :class:`EpochSampler`;
-    ``state_dict()`` / ``load_state_dict(state)`` for state of its own (augmentation
-    schedules, curriculum position); ``sample(model, device) -> str`` for the model card.
-    """
-
-    num_train: int
-
-    def get_batch(self, indices: Sequence[int], device: torch.device) -> Any: ...
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
-
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]: ...
-
-
-class EpochSampler:
-    """Batches over a fresh permutation each epoch, drawn from the run's NumPy Generator."""
-
-    def __init__(self, num_rows: int, batch_size: int, generator: np.random.Generator, *,
-                 shuffle: bool = True, drop_last: bool = False) -> None:
-        if num_rows < 1:
-            raise DataError("the training set is empty")
-        if drop_last and batch_size > num_rows:
-            raise DataError(f"batch size {batch_size} exceeds the {num_rows} training rows with drop_last")
-        self.num_rows = num_rows
-        self.batch_size = batch_size
-        self.generator = generator
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.epoch = 0
-        self.cursor = 0
-        self.samples_seen = 0
-        self.permutation: np.ndarray | None = None
-
-    def _epoch_exhausted(self) -> bool:
-        remaining = self.num_rows - self.cursor
-        return remaining <= 0 or (self.drop_last and remaining < self.batch_size)
-
-    def next_indices(self) -> list[int]:
-        if self.permutation is None or self._epoch_exhausted():
-            if self.permutation is not None:
-                self.epoch += 1
-            # Drawn lazily at the first batch of an epoch, so saving never draws.
-            self.permutation = (self.generator.permutation(self.num_rows) if self.shuffle
-                                else np.arange(self.num_rows))
-            self.cursor = 0
-        batch = self.permutation[self.cursor:self.cursor + self.batch_size]
-        self.cursor += len(batch)
-        self.samples_seen += len(batch)
-        return batch.tolist()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "samples_seen": self.samples_seen,
-            "num_rows": self.num_rows,
-            "permutation": None if self.permutation is None else self.permutation.astype(np.int64),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Checked before anything is set: a hostile checkpoint must not yield indices
-        outside the data, or a position no run could have reached."""
-        if not isinstance(state, dict) or set(state) != {"epoch", "cursor", "samples_seen", "num_rows", "permutation"}:
-            raise DataError("checkpoint's sampler state does not hold epoch, cursor, samples_seen, num_rows, "
-                            "permutation")
-        if state["num_rows"] != self.num_rows:
-            raise DataError(f"checkpoint's sampler covers {state['num_rows']} rows, the data has {self.num_rows}")
-        for key in ("epoch", "cursor", "samples_seen"):
-            if type(state[key]) is not int or state[key] < 0:
-                raise DataError(f"checkpoint's sampler {key} is {state[key]!r}, expected an integer >= 0")
-        permutation = state["permutation"]
-        if permutation is not None and not (
-                isinstance(permutation, np.ndarray) and permutation.dtype == np.int64 and permutation.shape == (
-                    self.num_rows,) and np.array_equal(np.sort(permutation), np.arange(self.num_rows))):
-            raise DataError(f"checkpoint's sampler permutation is not a permutation of the {self.num_rows} rows")
-        if state["cursor"] > (self.num_rows if permutation is not None else 0):
-            raise DataError(f"checkpoint's sampler cursor {state['cursor']} is past the data")
-        self.epoch = state["epoch"]
-        self.cursor = state["cursor"]
-        self.samples_seen = state["samples_seen"]
-        self.permutation = None if permutation is None else permutation.copy()
+__all__ = ["prepare_data", "load_manifest", "load_task_data"]
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -224,7 +113,7 @@ def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def load_task_data(config: Config) -> TaskData:
+def load_task_data(config: Config) -> Any:
     """Build the task data with ``data.factory`` from the verified data folder."""
     factory = resolve(config.data.factory, "data.factory")
     return factory(config, Path(config.data.dir))

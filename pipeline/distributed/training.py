@@ -56,7 +56,7 @@ def train_distributed(config: Config, *, resume: str | None = None, stop_at: int
 
 
 def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
-                    fingerprint: str) -> LoadedCheckpoint | None:
+                    fingerprint: str, allow_code_change: bool) -> LoadedCheckpoint | None:
     """Rank 0: the verified checkpoint to resume from (the single-process verification:
     sealed meta.json, every file hashed and parsed, plus every shard's coverage), or
     ``None`` for a fresh run. Same refusals as single-process."""
@@ -67,7 +67,7 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
     if not is_distributed(loaded.meta):
         raise SchemaMismatch(f"{loaded.folder} is a single-process checkpoint: resume it with python "
                              "scripts/02_train.py (training.parallel: none)")
-    check_resume_compatible(loaded.meta, config, fingerprint)
+    check_resume_compatible(loaded.meta, config, fingerprint, allow_code_change=allow_code_change)
     newer = [s for s in store.committed_steps() if s > loaded.meta["step"]]
     if newer and loaded.folder.resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "
@@ -88,7 +88,7 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
             if world.rank == 0:
                 store.acquire()  # one lock for the launch, held by rank 0
                 store.clean_stale()
-                start = _starting_point(store, resume, config, manifest["fingerprint"])
+                start = _starting_point(store, resume, config, manifest["fingerprint"], allow_environment_change)
         folder_name = world.broadcast_text(str(start.folder) if start else None)
         with world.together("resuming"):
             # Rank 0 verified every byte; the others read the same sealed meta.json.

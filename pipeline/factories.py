@@ -58,11 +58,18 @@ def factory_errors(key: str, path: str) -> Iterator[None]:
         params = key.partition(".")[0] + ".params"
         if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
                 isinstance(exc, RuntimeError) and _ALLOCATION_FAILED.search(text)):
-            raise OutOfMemory(f"{key} {path} ran out of memory{_size(text)}: check the sizes in {params} "
+            raise OutOfMemory(f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
                               "(and data.batch_size)") from exc
         first = text.splitlines()[0][:300] if text else ""
         raise FactoryFailed(f"{key} {path} failed: {type(exc).__name__}{': ' + first if first else ''} "
                             f"(check {params}; --debug prints the traceback)") from exc
+
+
+# How each configured factory is called, for the refusal of one that cannot be.
+_CALLS = {"data.prepare": "config, out_dir", "data.factory": "config, data_dir", "model.factory": "config",
+          "optimizer.factory": "model, config", "scheduler.factory": "optimizer, config"}
+_TYPE_NAMES = {torch.nn.Module: "torch.nn.Module", torch.optim.Optimizer: "torch.optim.Optimizer",
+               torch.optim.lr_scheduler.LRScheduler: "torch.optim.lr_scheduler.LRScheduler"}
 
 
 class _Factory:
@@ -78,15 +85,16 @@ class _Factory:
         try:
             inspect.signature(self.target).bind(*args)
         except TypeError as exc:
-            raise ConfigError(f"{self.key}: {self.path} cannot be called with {len(args)} argument(s) "
-                              f"as a {self.key} is ({exc})") from None
+            call = _CALLS.get(self.key, ", ".join(["..."] * len(args)))
+            raise ConfigError(f"{self.key}: {self.path} cannot be called as f({call}) ({exc}): name a function "
+                              "with that signature") from None
         except ValueError:  # no signature to check (some built-ins): the call tells
             pass
         with factory_errors(self.key, self.path):
             result = self.target(*args)
         if self.returns is not None and not isinstance(result, self.returns):
-            raise ConfigError(f"{self.key}: {self.path} returned {type(result).__name__}, not a "
-                              f"{self.returns.__module__}.{self.returns.__qualname__}")
+            wanted = _TYPE_NAMES.get(self.returns, f"{self.returns.__module__}.{self.returns.__qualname__}")
+            raise ConfigError(f"{self.key}: {self.path} returned {type(result).__name__}, not a {wanted}")
         return result
 
 

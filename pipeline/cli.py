@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -20,6 +21,7 @@ __all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_comma
            "python_command"]
 
 DEBUG_FLAG = "--debug"
+_NUMBERED = re.compile(r"^0\d_\w+\.py$")
 
 # Options that choose where a run starts, or extend it (the checkpoint then records the new
 # length); a resume replaces them with --resume latest.
@@ -76,9 +78,13 @@ def python_command() -> str:
 
 
 def script_command(config: Config, script: str, *args: str) -> str:
-    """The command that runs ``scripts/<script>`` on ``config`` as it was given (its
-    ``--config`` and ``--set`` arguments), with ``args``; shell-quoted, ready to paste."""
-    return shlex.join([python_command(), f"scripts/{script}", *config.command_args, *args])
+    """The command that runs the numbered ``script`` on ``config`` as it was given (its
+    ``--config`` and ``--set`` arguments), with ``args``; shell-quoted, ready to paste in the
+    folder it is printed in. The script's path is spelled as this one was invoked (from a
+    numbered script), else ``scripts/<script>``."""
+    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
+    return shlex.join([python_command(), str(folder / script), *config.command_args, *args])
 
 
 def run_main(main: Callable[[], int | None]) -> None:

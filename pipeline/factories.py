@@ -16,16 +16,34 @@ import contextlib
 import importlib
 import inspect
 import math
+import os
 import re
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
 
 from .config import Config, is_yaml11_float
 from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError
-from .provenance import importable_working_folder
 
 __all__ = ["resolve", "factory_errors", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
+
+@contextlib.contextmanager
+def importable_working_folder() -> Iterator[None]:
+    """The working folder on ``sys.path`` for the block only. Scripts run as ``python
+    scripts/NN_x.py`` put scripts/ on sys.path, not the folder the user works in, yet a
+    factory module beside config.yaml (or examples/...) must import and be found; left on
+    sys.path for good, it would shadow modules."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
 
 # What torch's allocators say when they refuse (CPU: "can't allocate memory", CUDA: "out of memory").
 _ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)

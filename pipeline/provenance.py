@@ -9,22 +9,20 @@ with, or the refusal names the first that is not and what to do.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from .config import Config
 from .errors import CodeChanged
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
 __all__ = ["PACKAGE_ROOT", "code_fingerprint", "factory_sources", "factories_fingerprint",
-           "sources_fingerprint", "library_versions", "counted_sources", "check_code_unchanged",
-           "importable_working_folder"]
+           "sources_fingerprint", "library_versions", "counted_sources", "check_code_unchanged"]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
@@ -98,23 +96,6 @@ def sources_fingerprint(sources: dict[str, dict[str, Any]]) -> str:
                               for key, entry in sources.items()})
 
 
-@contextlib.contextmanager
-def importable_working_folder() -> Iterator[None]:
-    """The working folder on ``sys.path`` for the block only. Scripts run as ``python
-    scripts/NN_x.py`` put scripts/ on sys.path, not the folder the user works in, yet a
-    factory module beside config.yaml (or examples/...) must import and be found; left on
-    sys.path for good, it would shadow modules."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
 # The roles of the counted files, in the order a refusal names them.
 _ROLES = {"model": "the model's code", "data.factory": "the data factory", "optimizer.factory": "the optimizer factory",
           "scheduler.factory": "the scheduler factory"}
@@ -135,6 +116,8 @@ def _module_file(module: str) -> tuple[str, Path] | None:
 
 def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
     """``{name under its import path: (role, file)}``, the model's closure first."""
+    # Imported here: both need torch's side of the package (a run or a stage is being built).
+    from .factories import importable_working_folder
     from .stage.code_export import local_sources  # the closure script 05 ships
 
     files: dict[str, tuple[str, Path]] = {}

@@ -40,7 +40,7 @@ from .environment import current_environment, pin_threads, reproduce_environment
 from .errors import CheckpointError, ConfigError, PeerFailed, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
 from .layout import MODEL_FILE
 from .progress import Progress
-from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
+from .provenance import check_code_unchanged, code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, resolve_device
 
 __all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
@@ -160,8 +160,9 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
         if is_distributed(meta):
             raise SchemaMismatch(f"{folder} is a distributed checkpoint: resume it under torchrun (README, "
                                  "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
-        config, lineage = continued_config(meta, config, data_fingerprint, extend_to=extend_to,
-                                           allow_code_change=allow_code_change)
+        config, lineage = continued_config(meta, config, data_fingerprint, extend_to=extend_to)
+        if not allow_code_change:
+            check_code_unchanged(meta, config, use="resume")
         step = meta["step"]
         newer = [s for s in store.committed_steps() if s > step]
         if newer and Path(folder).resolve().parent == store.root.resolve():

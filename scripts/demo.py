@@ -154,12 +154,20 @@ def _summary(receipt: Path | None) -> list[str]:
     record = json.loads(receipt.read_text(encoding="utf-8"))
     files = record.get("files", {})
     total = sum(entry.get("size") or 0 for entry in files.values())
-    lines = [f"demo: done. Step {record.get('step')} of {record.get('repo_id')} is published on the local Hub "
-             f"(now stopped) and verified: {'yes' if record.get('verified') else 'NO'}",
+    verified = "what landed was verified" if record.get("verified") else "what landed did NOT verify (see the receipt)"
+    lines = [f"demo: done. {record.get('repo_id')} (step {record.get('step')}) is published on the local Hub, now "
+             f"stopped; {verified}",
              f"  commit   {record.get('commit_url')}",
              f"  files    {len(files)}, {_size(total)} in all:"]
-    width = max((len(name) for name in files), default=0)
-    lines += [f"    {name:<{width}}  {_size(entry.get('size') or 0):>9}" for name, entry in sorted(files.items())]
+    # One line per file at the top, one per folder (code/ holds the model's sources).
+    groups: dict[str, list[int]] = {}
+    for name, entry in files.items():
+        top, sep, _ = name.partition("/")
+        groups.setdefault(top + "/" if sep else top, []).append(entry.get("size") or 0)
+    width = max((len(name) for name in groups), default=0)
+    for name, sizes in sorted(groups.items()):
+        count = f"  ({len(sizes)} files)" if name.endswith("/") else ""
+        lines.append(f"    {name:<{width}}  {_size(sum(sizes)):>9}{count}")
     lines.append(f"  receipt  {receipt.relative_to(ROOT) if receipt.is_relative_to(ROOT) else receipt}")
     return lines
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from ..config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from ..errors import ConfigError, ConfigMismatch
-from ..provenance import check_code_unchanged
 
 __all__ = ["check_resume_compatible", "continued_config"]
 
@@ -29,7 +28,7 @@ def _with_max_steps(config: Config, max_steps: int) -> Config:
 
 
 def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str, *,
-                     extend_to: int | None, allow_code_change: bool = False) -> tuple[Config, list[dict]]:
+                     extend_to: int | None) -> tuple[Config, list[dict]]:
     """The config a resume continues with, and the run's lineage (``meta.json`` ``lineage``),
     after :func:`check_resume_compatible`.
 
@@ -47,7 +46,7 @@ def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str
                              f"{recorded} steps{history}: resume it as it is, or train it further with "
                              f"--extend-to N (N > {max(recorded, step)})")
     config = _with_max_steps(config, recorded)
-    check_resume_compatible(meta, config, data_fingerprint, allow_code_change=allow_code_change)
+    check_resume_compatible(meta, config, data_fingerprint)
     if extend_to is None:
         return config, lineage
     if extend_to <= step or extend_to <= recorded:
@@ -57,11 +56,8 @@ def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str
     return _with_max_steps(config, extend_to), lineage
 
 
-def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerprint: str, *,
-                            allow_code_change: bool = False) -> None:
-    """Refuse a checkpoint from a different model, optimizer, schedule, data or training
-    setup, or (unless ``allow_code_change``) one trained with other code in a file that
-    counts (:func:`pipeline.provenance.check_code_unchanged`)."""
+def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerprint: str) -> None:
+    """Refuse a checkpoint from a different model, optimizer, schedule, data or training setup."""
     saved_config = _saved_config(meta)
     saved, current = _compared_keys(saved_config.flat()), _compared_keys(config.flat())
     differing = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
@@ -75,5 +71,3 @@ def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerpri
         raise ConfigMismatch(f"the prepared data differs from the data the checkpoint was trained on "
                              f"(fingerprint {data_fingerprint[:12]} vs {str(meta['fingerprints'].get('data'))[:12]}): "
                              "restore the original data folder")
-    if not allow_code_change:
-        check_code_unchanged(meta, config, use="resume")

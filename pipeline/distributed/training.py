@@ -23,6 +23,7 @@ from ..data import load_manifest
 from ..environment import pin_threads, reproduce_environment
 from ..errors import CheckpointError, PipelineError, SchemaMismatch
 from ..progress import Progress
+from ..provenance import check_code_unchanged
 from ..run import build_run, configure_determinism, fresh_buffers
 from ..train import TrainingHooks, TrainResult, _loop, final_checkpoint, run_provenance
 from .world import World, derive_rank_rng
@@ -67,7 +68,9 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
     if not is_distributed(loaded.meta):
         raise SchemaMismatch(f"{loaded.folder} is a single-process checkpoint: resume it with python "
                              "scripts/02_train.py (training.parallel: none)")
-    check_resume_compatible(loaded.meta, config, fingerprint, allow_code_change=allow_code_change)
+    check_resume_compatible(loaded.meta, config, fingerprint)
+    if not allow_code_change:
+        check_code_unchanged(loaded.meta, config, use="resume")
     newer = [s for s in store.committed_steps() if s > loaded.meta["step"]]
     if newer and loaded.folder.resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "

@@ -296,10 +296,6 @@ def summary_line(report: dict[str, Any], output: Path) -> dict[str, Any]:
     return line
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def describe(report: dict[str, Any]) -> list[str]:
     """A short human reading of the report."""
     boundary, tolerance = report["boundary"], report["protocol"]["tolerance"]
@@ -324,7 +320,7 @@ def describe(report: dict[str, Any]) -> list[str]:
             step = control["first_divergent_loss_step"]
             loss = (f"the loss first differs at step {step}" if step is not None
                     else "the loss stays equal to the last step")
-            detail = f"diverged in {_count(len(diverged), 'check')}; {loss}"
+            detail = f"diverged in {_count(len(diverged), 'check', 'checks')}; {loss}"
         lines.append(f"  {name:<10} {control['result']:<14} {detail}")
     diverged = [name for name, state in report["components"]["positive"].items() if state == "diverged"]
     if diverged:

@@ -31,7 +31,7 @@ DEEP = "[" * 3000 + "]" * 3000
 # -- every value validated, in process ---------------------------------------------------------
 
 @pytest.mark.parametrize("items, expected", [
-    ([f"model.params={DEEP}"], r"nested deeper than 64 levels"),
+    pytest.param([f"model.params={DEEP}"], r"nested deeper than 64 levels", id="3000-deep"),
     ([f"model.params.x={'[' * 20}1{']' * 20}"], r"model\.params is nested deeper than 16 levels"),
     (["training.seed=99999999999999999999999"], r"training\.seed must be < 2\*\*63"),
     (["model.params.extra=[1, .nan]"], r"model\.params\.extra\[1\] must be a finite number \(got nan\)"),
@@ -88,7 +88,7 @@ def test_factories_are_checked_for_their_signature_result_and_failures():
 # -- each input of the acceptance list: one error line, exit 2, nothing written ------------------
 
 @pytest.mark.parametrize("item, expected", [
-    (f"model.params={DEEP}", "nested deeper than 64 levels"),
+    pytest.param(f"model.params={DEEP}", "nested deeper than 64 levels", id="3000-deep"),
     ("training.seed=99999999999999999999999", "training.seed must be < 2**63"),
     ("model.params.dropout=.nan", "model.params.dropout must be a finite number"),
     ("optimizer.params.eps=-1", "optimizer.params.eps must be a finite number > 0"),
@@ -144,40 +144,35 @@ def _snapshot(root: Path) -> dict[str, bytes | None]:
             for p in sorted(root.rglob("*")) if ".lock" not in p.name}
 
 
-def test_two_configs_in_one_folder_keep_their_outputs_apart_and_hints_run_as_printed(data_dir, tmp_path):
-    """The default config's run, then another config's 02, 04, 05 with only --config: the
-    default outputs stay byte for byte; 05's hint to evaluate, run as printed, fixes it."""
-    (tmp_path / "other").mkdir()
-    shutil.copy(CONFIG, tmp_path / "config.yaml")
-    shutil.copy(CONFIG, tmp_path / "other" / "config.yaml")
-    data = ("--set", f"data.dir={data_dir}", "--set", "training.max_steps=3")
+def test_two_configs_in_one_folder_keep_their_outputs_apart_and_hints_run_as_printed(staged_run, run_copy):
+    """The default pipeline's folder, then another config's 02, 04, 05 there with only
+    --config: the default outputs stay byte for byte; 05's hint, run as printed, works."""
+    run = run_copy(staged_run)
+    (run.root / "other").mkdir()
+    shutil.copy(CONFIG, run.root / "other" / "config.yaml")
+    default = {name: _snapshot(run.root / name) for name in ("estados_local", "hub_stage")}
+    default["metrics.json"] = run.metrics.read_bytes()
 
     def script(name: str, *args: str) -> subprocess.CompletedProcess:
-        return run_python([REPO / "scripts" / name, *args], cwd=tmp_path, env=script_env())
+        return run_python([REPO / "scripts" / name, "--config", "other/config.yaml", *args], cwd=run.root,
+                          env=script_env())
 
-    for name, extra in (("02_train.py", ("--quiet",)), ("04_evaluate.py", ()), ("05_stage.py", ())):
-        assert script(name, *data, *extra).returncode == 0
-    default = {name: _snapshot(tmp_path / name) if (tmp_path / name).is_dir() else (tmp_path / name).read_bytes()
-               for name in ("estados_local", "metrics.json", "hub_stage")}
-    other = ("--config", "other/config.yaml", *data)
-    assert script("02_train.py", *other, "--quiet", "--stop-at", "2").returncode == 0
-    assert script("04_evaluate.py", *other).returncode == 0
-    assert script("02_train.py", *other, "--quiet", "--resume", "latest").returncode == 0
-    refused = script("05_stage.py", *other)  # metrics.json evaluates step 2, not the newest, 3
-    line = one_line_error(refused)
+    assert script("02_train.py", "--quiet", "--stop-at", "5").returncode == 0
+    assert script("04_evaluate.py").returncode == 0
+    assert script("02_train.py", "--quiet", "--resume", "latest").returncode == 0
+    line = one_line_error(script("05_stage.py"))  # its metrics.json evaluates step 5, not the newest, 10
     printed = line.split("rerun ", 1)[1].split(", or pass --no-metrics")[0]
-    assert "--config other/config.yaml" in printed and "--checkpoint runs/other/estados_local/step-00000003" in printed
-    assert subprocess.run(shlex.split(printed), cwd=tmp_path, env=script_env(), capture_output=True).returncode == 0
-    assert script("05_stage.py", *other).returncode == 0
-    assert (tmp_path / "runs/other/hub_stage/MANIFEST.sha256").is_file()
-    assert json.loads((tmp_path / "runs/other/metrics.json").read_text())["step"] == 3
-    now = {name: _snapshot(tmp_path / name) if (tmp_path / name).is_dir() else (tmp_path / name).read_bytes()
-           for name in default}
+    assert "--config other/config.yaml" in printed and "--checkpoint runs/other/estados_local/step-00000010" in printed
+    assert subprocess.run(shlex.split(printed), cwd=run.root, env=script_env(), capture_output=True).returncode == 0
+    assert script("05_stage.py").returncode == 0
+    assert (run.root / "runs/other/hub_stage/MANIFEST.sha256").is_file()
+    assert json.loads((run.root / "runs/other/metrics.json").read_text())["step"] == 10
+    now = {name: _snapshot(run.root / name) for name in ("estados_local", "hub_stage")}
+    now["metrics.json"] = run.metrics.read_bytes()
     assert now == default
-    # 06 publishes the stage of the config it is given (refused here before any request: no Hub).
-    published = script("06_publish.py", "--config", "other/config.yaml", "--repo-id", "x/y", "--dry-run",
-                       "--endpoint", "http://127.0.0.1:9")
-    assert "runs/other/hub_stage" in published.stdout + published.stderr
+    # 06 publishes the stage of the config it is given.
+    published = script("06_publish.py", "--repo-id", "x/y", "--dry-run", "--endpoint", "http://127.0.0.1:9")
+    assert "runs/other/hub_stage" in published.stdout + published.stderr, published.stdout + published.stderr
 
 
 # -- code fingerprints per file: resume and stage apply one rule -------------------------------

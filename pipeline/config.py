@@ -629,7 +629,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     raw = _with_derived_outputs(raw or {}, path)
     source = str(path)
-    args: list[str] = [] if path == DEFAULT_CONFIG_PATH else ["--config", str(path)]
+    default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
+    args: list[str] = [] if default else ["--config", str(path)]
     if overrides:
         raw = apply_overrides(raw, overrides)
         source = f"{path} (with command-line overrides)"

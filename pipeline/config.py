@@ -540,8 +540,8 @@ def parse_set_overrides(items: list[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc})"
                               ) from None
         if value is None:
-            raise ConfigError(f"--set {shown!r}: no value given: write one after '=' (quote an empty string: "
-                              f"{key.strip()}=\"\")")
+            raise ConfigError(f"--set {shown!r}: no value given: write one after '=' (an empty string is "
+                              f"--set '{key.strip()}=\"\"')")
         out[key.strip()] = value
     return out
 

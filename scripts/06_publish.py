@@ -88,8 +88,11 @@ def _parse() -> argparse.Namespace:
 def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
+    from pipeline.progress import quiet_hub_progress_unless_terminal
     from pipeline.publishing import format_plan, publish
     from pipeline.signing import ExpectedSigner
+
+    quiet_hub_progress_unless_terminal()
 
     signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,
                             issuer=args.verify_issuer, verify_chain=tuple(args.verify_chain))

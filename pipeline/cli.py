@@ -1,18 +1,27 @@
-"""Shared command-line plumbing for the numbered scripts: config flags and error handling."""
+"""Shared command-line plumbing for the numbered scripts: config flags, the commands the
+pipeline prints (each repeats the config it was given), and error handling."""
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
+import re
 import shlex
+import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config, load_config, parse_set_overrides
-from .errors import PipelineError, describe_os_error
+from .errors import PipelineError, Preempted, describe_os_error
 
-__all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_command"]
+__all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_command", "script_command",
+           "python_command"]
+
+DEBUG_FLAG = "--debug"
+_NUMBERED = re.compile(r"^0\d_\w+\.py$")
 
 # Options that choose where a run starts, or extend it (the checkpoint then records the new
 # length); a resume replaces them with --resume latest.
@@ -31,6 +40,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="YAML config (default: config.yaml)")
     parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", default=[],
                         help="override any config key, e.g. --set training.max_steps=20 (repeatable)")
+    parser.add_argument(DEBUG_FLAG, action="store_true",
+                        help="on a failure, print the traceback of the exception behind the one-line error")
 
 
 def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | None = None) -> Config:
@@ -52,21 +63,52 @@ def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
             next(rest, None)
         elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
             kept.append(token)
-    return shlex.join([*(launcher or [sys.executable]), argv[0], *kept, "--resume", "latest"])
+    return shlex.join([*(launcher or [python_command()]), argv[0], *kept, "--resume", "latest"])
+
+
+def python_command() -> str:
+    """How to name this interpreter in a printed command: ``python`` when that is what the
+    shell finds first, else its path (relative when under the working folder)."""
+    if shutil.which("python") == sys.executable:
+        return "python"
+    try:
+        return os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(Path.cwd()) else sys.executable
+    except (OSError, ValueError):
+        return sys.executable
+
+
+def script_command(config: Config, script: str, *args: str) -> str:
+    """The command that runs the numbered ``script`` on ``config`` as it was given (its
+    ``--config`` and ``--set`` arguments), with ``args``; shell-quoted, ready to paste in the
+    folder it is printed in. The script's path is spelled as this one was invoked (from a
+    numbered script), else ``scripts/<script>``."""
+    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
+    return shlex.join([python_command(), str(folder / script), *config.command_args, *args])
 
 
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's ``main``; expected failures print one line and exit non-zero, no traceback.
 
+    A graceful stop (:class:`Preempted`: SIGTERM/SIGINT, checkpoint saved) prints its line
+    without ``error:``, with its exit code 128+N. With ``--debug`` on the command line, an
+    error caused by another exception (a factory's, torch's) prints that traceback first.
     Besides :class:`PipelineError`: an operating-system error (full disk, read-only file
     system, permissions; also from the background checkpoint writer, re-raised in the
     training thread) names the path and the cause, exit 2; ``MemoryError`` (a task's params
     asking for more memory than there is) says so, exit 2. Whatever was being written is
     removed by the atomic writers before the error gets here.
     """
+    debug = DEBUG_FLAG in sys.argv[1:]
     try:
         code = main()
+    except Preempted as exc:
+        # A requested stop that saved its checkpoint: reported as what it is, not as an error.
+        print(str(exc).replace("\n", " "), file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
     except PipelineError as exc:
+        if debug and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         if not getattr(exc, "quiet", False):
             _error(str(exc))
         sys.exit(getattr(exc, "exit_code", 2))

@@ -1,11 +1,17 @@
-"""Typed configuration, loaded from YAML with ``yaml.safe_load``.
+"""Typed configuration, loaded from YAML with a strict ``yaml.SafeLoader``.
 
-Every knob lives in one file (``config.yaml`` by default). Unknown keys, wrong types and
-out-of-range values are rejected with one message that names the key and the file.
-Command-line flags override the file through :func:`load_config`'s ``overrides``.
+Every knob lives in one file (``config.yaml`` by default). Unknown keys, duplicate keys,
+empty values, wrong types and out-of-range values are rejected with one message that names
+the key and the file, before anything runs; free-form ``params`` hold only JSON values
+(finite numbers, 64-bit integers, bounded nesting), since every checkpoint records them as
+JSON. Command-line flags override the file through :func:`load_config`'s ``overrides``.
+Each config owns its outputs (``checkpoint.dir``, ``outputs.metrics``, ``outputs.stage``):
+see :func:`derived_outputs` and docs/configuration.md.
 """
 
 import dataclasses
+import math
+import os
 import re
 import types
 import typing
@@ -15,8 +21,11 @@ from typing import Any, Literal
 
 import yaml
 
+from .config_values import INT64 as _INT64
+from .config_values import check_params as _check_params
+from .config_values import load_yaml as _load_yaml
 from .errors import ConfigError
-from .layout import CHECKPOINT_DIR, DATA_DIR
+from .layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR
 
 __all__ = [
     "DataConfig",
@@ -26,11 +35,13 @@ __all__ = [
     "TrainingConfig",
     "CheckpointConfig",
     "CardConfig",
+    "OutputsConfig",
     "Config",
     "load_config",
     "config_from_dict",
     "parse_set_overrides",
-    "RESUME_IRRELEVANT_KEYS"
+    "derived_outputs",
+    "RESUME_IRRELEVANT_KEYS",
 ]
 
 DEFAULT_CONFIG_PATH = Path("config.yaml")
@@ -51,14 +62,23 @@ RESUME_IRRELEVANT_KEYS = frozenset(
         # A resume restores the thread count its checkpoint recorded (pipeline.environment).
         "training.threads",
         "card",
+        "outputs",
     }
 )
+
 
 
 def _require(condition: bool, key: str, message: str) -> None:
     # __post_init__ does not know the file name; load_config adds it.
     if not condition:
         raise ValueError(f"{key} {message}")
+
+
+def _require_int(value: int, key: str, low: int, high: int = _INT64) -> None:
+    """``low <= value < high``; the default ceiling is what numpy and torch hold (int64)."""
+    _require(value >= low, key, f"must be >= {low} (got {value})")
+    ceiling = f"2**{high.bit_length() - 1}" if high & (high - 1) == 0 else str(high)
+    _require(value < high, key, f"must be < {ceiling} (got {value}): numpy and torch hold 64-bit integers")
 
 
 def _require_choice(value: Any, choices: Any, key: str) -> None:
@@ -102,8 +122,10 @@ class DataConfig:
         _require_choice(self.stream_split, StreamSplit, "data.stream_split")
         _require(":" in self.prepare, "data.prepare", "must look like 'package.module:function'")
         _require(":" in self.factory, "data.factory", "must look like 'package.module:function'")
-        _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1 (got {self.batch_size})")
+        _require_int(self.batch_size, "data.batch_size", 1)
         _require(bool(self.dir), "data.dir", "must not be empty")
+        _require_int(self.seed, "data.seed", 0)
+        _check_params(self.params, "data.params")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,6 +142,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(":" in self.factory, "model.factory", "must look like 'package.module:function'")
         _require(bool(self.name), "model.name", "must not be empty")
+        _check_params(self.params, "model.params")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,8 +160,11 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _require(":" in self.factory, "optimizer.factory", "must look like 'package.module:function'")
-        _require(self.lr > 0, "optimizer.lr", f"must be > 0 (got {self.lr})")
-        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0 (got {self.weight_decay})")
+        _require(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr",
+                 f"must be a finite number > 0 (got {self.lr})")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer.weight_decay",
+                 f"must be a finite number >= 0 (got {self.weight_decay})")
+        _check_params(self.params, "optimizer.params")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,6 +178,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(":" in self.factory, "scheduler.factory", "must look like 'package.module:function'")
+        _check_params(self.params, "scheduler.params")
 
 
 Device = Literal["cpu", "cuda", "auto"]
@@ -197,13 +224,15 @@ class TrainingConfig:
     one (bitwise resume); false is faster for large models and resumes within rounding."""
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 1, "training.max_steps", f"must be >= 1 (got {self.max_steps})")
+        _require_int(self.max_steps, "training.max_steps", 1)
         for name in ("device", "dtype", "amp", "parallel"):
             _require_choice(getattr(self, name), _CHOICES[name], f"training.{name}")
-        _require(self.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (got {self.grad_clip})")
-        _require(self.log_every >= 1, "training.log_every", f"must be >= 1 (got {self.log_every})")
-        _require(self.threads >= 1, "training.threads", f"must be >= 1 (got {self.threads})")
-        _require(self.seed >= 0, "training.seed", f"must be >= 0 (got {self.seed})")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip",
+                 f"must be a finite number >= 0 (got {self.grad_clip})")
+        _require_int(self.log_every, "training.log_every", 1)
+        # torch.set_num_threads takes a C int.
+        _require_int(self.threads, "training.threads", 1, 2**31)
+        _require_int(self.seed, "training.seed", 0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,8 +250,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "checkpoint.dir", "must not be empty")
-        _require(self.every >= 1, "checkpoint.every", f"must be >= 1 (got {self.every})")
-        _require(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1 (got {self.keep_last})")
+        _require_int(self.every, "checkpoint.every", 1)
+        _require_int(self.keep_last, "checkpoint.keep_last", 1)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -276,6 +305,22 @@ class CardConfig:
         _require(bool(self.license.strip()), "card.license", "must not be empty")
 
 
+@dataclass(kw_only=True, slots=True)
+class OutputsConfig:
+    """Where this config's results go, besides its checkpoints (``checkpoint.dir``). Left out
+    of a config file, they are derived from the file's name (:func:`derived_outputs`), so
+    two configs in one clone never share them."""
+
+    metrics: str = METRICS_FILE
+    """The evaluation record script 04 writes and script 05 reads."""
+    stage: str = STAGE_DIR
+    """The folder script 05 builds and script 06 publishes."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.metrics), "outputs.metrics", "must not be empty")
+        _require(bool(self.stage), "outputs.stage", "must not be empty")
+
+
 _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -284,6 +329,7 @@ _SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "card": CardConfig,
+    "outputs": OutputsConfig,
 }
 
 
@@ -298,8 +344,12 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     card: CardConfig = field(default_factory=CardConfig)
+    outputs: OutputsConfig = field(default_factory=OutputsConfig)
     source: str = field(default="<defaults>", compare=False)
     """Where the config was read from; used in error messages, not saved."""
+    command_args: tuple[str, ...] = field(default=(), compare=False)
+    """The command-line arguments that rebuild this config (``--config FILE``, one ``--set``
+    per override), so every command the pipeline prints runs this config; not saved."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-able dict using the YAML key names (the form saved in meta.json)."""
@@ -359,6 +409,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is Literal:
         _require_choice(value, annotation, key)
         return value
+    if value is None:
+        raise ValueError(f"{key} has no value: give one, or delete the line to use the default")
     expected = origin or annotation
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -403,17 +455,24 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> Config:
 def parse_set_overrides(items: list[str] | None) -> dict[str, Any]:
     """Turn ``["training.max_steps=20", ...]`` into ``{"training.max_steps": 20}``.
 
-    Values are parsed as YAML scalars, so ``20`` is an int, ``1e-3`` a float and ``true`` a bool.
+    Values are parsed as YAML, so ``20`` is an int, ``1e-3`` a float and ``true`` a bool; an
+    empty value (``training.max_steps=``) or ``null`` is refused rather than ignored.
     """
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, text = item.partition("=")
+        shown = item if len(item) <= 80 else item[:77] + "..."
         if not sep or "." not in key:
-            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20")
+            raise ConfigError(f"--set {shown!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20")
         try:
-            out[key.strip()] = yaml.safe_load(text)
+            value = _load_yaml(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML ({exc.problem})") from None
+            raise ConfigError(f"--set {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc})"
+                              ) from None
+        if value is None:
+            raise ConfigError(f"--set {shown!r}: no value given: write one after '=' (an empty string is "
+                              f"--set '{key.strip()}=\"\"')")
+        out[key.strip()] = value
     return out
 
 
@@ -436,8 +495,52 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     return merged
 
 
+def derived_outputs(path: str | Path | None) -> dict[str, str]:
+    """The outputs of a config file that does not name them, relative to the working folder
+    (the run's folder, where every relative path of a config points):
+
+    - ``config.yaml`` at its top (the default config), or a config file outside it (shared by
+      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json`` and
+      ``hub_stage/``;
+    - any other config file inside it writes under ``runs/<name>/``, where name is the file's
+      stem, or its folder's name for a file called ``config.yaml``
+      (``examples/charlm/config.yaml`` -> ``runs/charlm/estados_local/``,
+      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``),
+
+    so several configs in one clone never share their checkpoints, metrics or stage."""
+    base = None
+    if path is not None:
+        absolute, cwd = Path(os.path.abspath(path)), Path(os.path.abspath(os.curdir))
+        if absolute.is_relative_to(cwd) and absolute != cwd / DEFAULT_CONFIG_PATH:
+            name = absolute.stem if absolute.stem != DEFAULT_CONFIG_PATH.stem else absolute.parent.name
+            base = Path("runs") / name
+    if base is None:
+        return {"checkpoint.dir": CHECKPOINT_DIR, "outputs.metrics": METRICS_FILE, "outputs.stage": STAGE_DIR}
+    return {"checkpoint.dir": str(base / CHECKPOINT_DIR), "outputs.metrics": str(base / METRICS_FILE),
+            "outputs.stage": str(base / STAGE_DIR)}
+
+
+def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``raw`` with each output key it leaves out set to :func:`derived_outputs`'s value."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for dotted, value in derived_outputs(path).items():
+        section, _, key = dotted.partition(".")
+        target = merged.get(section)
+        if target is None:
+            target = merged[section] = {}
+        if isinstance(target, dict) and key not in target:
+            target[key] = value
+    return merged
+
+
+def _flow(value: Any) -> str:
+    """A ``--set`` value that parses back to ``value``."""
+    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip().removesuffix("...").strip()
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read ``path`` (default ``config.yaml``) with ``yaml.safe_load`` and apply overrides.
+    """Read ``path`` (default ``config.yaml``) with a strict ``yaml.SafeLoader``, fill in the
+    outputs it leaves out (:func:`derived_outputs`), and apply ``overrides``.
 
     Errors name the file and the key: ``config.yaml: training.max_steps must be >= 1 (got 0)``.
     """
@@ -445,17 +548,24 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: pass --config PATH or run from the repository root")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = _load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = _with_derived_outputs(raw or {}, path)
     source = str(path)
+    default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
+    args: list[str] = [] if default else ["--config", str(path)]
     if overrides:
-        raw = apply_overrides(raw or {}, overrides)
+        raw = apply_overrides(raw, overrides)
         source = f"{path} (with command-line overrides)"
-    return config_from_dict(raw, source=source)
+        for key, value in overrides.items():
+            if value is not None:
+                args += ["--set", f"{key}={_flow(value)}"]
+    config = config_from_dict(raw, source=source)
+    return dataclasses.replace(config, command_args=tuple(args))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from .errors import InternalError
 from .hashing import HashingWriter
 
-__all__ = ["STEPS", "step", "fsync_dir", "atomic_folder", "recover", "json_bytes", "json_loads_strict",
+__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "json_bytes", "json_loads_strict",
            "write_json_atomic", "FolderLock"]
 
 STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
@@ -53,11 +53,24 @@ def step(name: str, call: Callable[..., Any], *args: Any) -> Any:
     return call(*args)
 
 
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OS error raised by a call on a file descriptor (``fsync``, ``write``) names no file:
+    give it ``path``, so every message says which file failed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
+        raise
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or unlink inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -65,7 +78,8 @@ def fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -242,8 +256,13 @@ class FolderLock:
                 raise self.busy(holder) from None
             raise
         if not is_dir:
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
+            try:
+                with naming(self.path):  # a full disk fails the write of the pid: say which file
+                    os.ftruncate(fd, 0)
+                    os.write(fd, str(os.getpid()).encode())
+            except OSError:
+                os.close(fd)
+                raise
         self._fd = fd
 
     @property

@@ -9,6 +9,9 @@ import errno
 __all__ = [
     "PipelineError",
     "ConfigError",
+    "FactoryFailed",
+    "OutOfMemory",
+    "CodeChanged",
     "DataError",
     "CheckpointError",
     "ChecksumMismatch",
@@ -71,6 +74,17 @@ class ConfigError(PipelineError, ValueError):
     """The configuration file or a command-line override is invalid."""
 
 
+class FactoryFailed(ConfigError):
+    """A configured factory (or torch, called by it) raised while building the run; the
+    message names the config key and the factory, ``__cause__`` holds the original exception
+    (scripts print its traceback with ``--debug``)."""
+
+
+class OutOfMemory(PipelineError):
+    """An allocation failed (``MemoryError``, or torch's allocator refusing): the sizes in the
+    config ask for more memory than there is."""
+
+
 class DataError(PipelineError, ValueError):
     """Prepared data is missing or does not match its recorded fingerprint."""
 
@@ -95,6 +109,11 @@ class ConfigMismatch(CheckpointError, ValueError):
 
 class StateMismatch(CheckpointError, ValueError):
     """Saved tensors do not fit the objects built from the current config."""
+
+
+class CodeChanged(CheckpointError):
+    """A source file that counts for a checkpoint (the model's code, the data, optimizer or
+    scheduler factory) differs from the one it was trained with."""
 
 
 class EnvironmentMismatch(CheckpointError):

@@ -12,39 +12,123 @@ pipeline needs editing. Signatures:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import math
 import os
+import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .config import Config, is_yaml11_float
-from .errors import ConfigError
+from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError
 
-__all__ = ["resolve", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
+__all__ = ["resolve", "factory_errors", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
 
-
-def resolve(path: str, key: str) -> Callable[..., Any]:
-    """Import ``module:attr``; errors name the config key that held the path."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
-    # Scripts run as `python scripts/NN_x.py` put scripts/ on sys.path, not the folder the
-    # user works in; a factory module beside config.yaml (or examples/...) must still import.
-    # Only for this import: a working folder left on sys.path would shadow modules for good.
+@contextlib.contextmanager
+def importable_working_folder() -> Iterator[None]:
+    """The working folder on ``sys.path`` for the block only. Scripts run as ``python
+    scripts/NN_x.py`` put scripts/ on sys.path, not the folder the user works in, yet a
+    factory module beside config.yaml (or examples/...) must import and be found; left on
+    sys.path for good, it would shadow modules."""
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
         sys.path.append(cwd)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+        yield
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
+
+
+# What torch's allocators say when they refuse (CPU: "can't allocate memory", CUDA: "out of memory").
+_ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
+_ALLOCATION_SIZE = re.compile(r"allocate (\d+) bytes")
+
+
+def _size(text: str) -> str:
+    match = _ALLOCATION_SIZE.search(text)
+    if not match:
+        return ""
+    size = int(match.group(1))
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if size >= scale:
+            return f" (it asked for {size / scale:.3g} {unit})"
+    return f" (it asked for {size} bytes)"
+
+
+@contextlib.contextmanager
+def factory_errors(key: str, path: str) -> Iterator[None]:
+    """What the block raises becomes one line naming the config ``key`` and the factory
+    ``path``: a failed allocation :class:`OutOfMemory`, anything else :class:`FactoryFailed`
+    (the original exception as its ``__cause__``). The pipeline's own errors and OS errors
+    (which name their path) pass through."""
+    try:
+        yield
+    except (PipelineError, OSError):
+        raise
+    except Exception as exc:
+        text = str(exc).strip()
+        params = key.partition(".")[0] + ".params"
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+                isinstance(exc, RuntimeError) and _ALLOCATION_FAILED.search(text)):
+            raise OutOfMemory(f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
+                              "(and data.batch_size)") from exc
+        first = text.splitlines()[0][:300] if text else ""
+        raise FactoryFailed(f"{key} {path} failed: {type(exc).__name__}{': ' + first if first else ''} "
+                            f"(check {params}; --debug prints the traceback)") from exc
+
+
+# How each configured factory is called, for the refusal of one that cannot be.
+_CALLS = {"data.prepare": "config, out_dir", "data.factory": "config, data_dir", "model.factory": "config",
+          "optimizer.factory": "model, config", "scheduler.factory": "optimizer, config"}
+_TYPE_NAMES = {torch.nn.Module: "torch.nn.Module", torch.optim.Optimizer: "torch.optim.Optimizer",
+               torch.optim.lr_scheduler.LRScheduler: "torch.optim.lr_scheduler.LRScheduler"}
+
+
+class _Factory:
+    """A configured factory: a call the function cannot take, what it raises (see
+    :func:`factory_errors`) and a result of the wrong type are one line naming its key."""
+
+    __slots__ = ("target", "path", "key", "returns")
+
+    def __init__(self, target: Callable[..., Any], path: str, key: str, returns: type | None) -> None:
+        self.target, self.path, self.key, self.returns = target, path, key, returns
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            inspect.signature(self.target).bind(*args)
+        except TypeError as exc:
+            call = _CALLS.get(self.key, ", ".join(["..."] * len(args)))
+            raise ConfigError(f"{self.key}: {self.path} cannot be called as f({call}) ({exc}): name a function "
+                              "with that signature") from None
+        except ValueError:  # no signature to check (some built-ins): the call tells
+            pass
+        with factory_errors(self.key, self.path):
+            result = self.target(*args)
+        if self.returns is not None and not isinstance(result, self.returns):
+            wanted = _TYPE_NAMES.get(self.returns, f"{self.returns.__module__}.{self.returns.__qualname__}")
+            raise ConfigError(f"{self.key}: {self.path} returned {type(result).__name__}, not a {wanted}")
+        return result
+
+
+def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[..., Any]:
+    """Import ``module:attr``; errors name the config key that held the path. The callable
+    returned checks its arguments against the function's signature, turns what the function
+    raises into one line naming ``key`` (see :class:`_Factory`) and, with ``returns``, checks
+    the type of its result."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
+    try:
+        with importable_working_folder():
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from None
     target = module
     for part in attr.split("."):
         target = getattr(target, part, None)
@@ -52,7 +136,7 @@ def resolve(path: str, key: str) -> Callable[..., Any]:
             raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
     if not callable(target):
         raise ConfigError(f"{key}: {path!r} is not callable")
-    return target
+    return _Factory(target, path, key, returns)
 
 
 def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, Any]]) -> dict[str, Any]:
@@ -82,8 +166,12 @@ def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, An
 def _optimizer_kwargs(config: Config) -> dict[str, Any]:
     params = read_params(config.optimizer.params, "optimizer.params",
                          {"betas": (list, [0.9, 0.999]), "eps": (float, 1e-8)})
-    if len(params["betas"]) != 2 or not all(0 <= b < 1 for b in params["betas"]):
-        raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {params['betas']}")
+    betas = params["betas"]
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                  for b in betas):
+        raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {betas}")
+    if not 0 < params["eps"] < math.inf:
+        raise ConfigError(f"optimizer.params.eps must be a finite number > 0 (got {params['eps']})")
     return {"lr": config.optimizer.lr, "betas": tuple(float(b) for b in params["betas"]), "eps": params["eps"]}
 
 
@@ -115,6 +203,8 @@ def step_lr(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr_
                          {"step_size": (int, 4), "gamma": (float, 0.5)})
     if params["step_size"] < 1:
         raise ConfigError(f"scheduler.params.step_size must be >= 1 (got {params['step_size']})")
+    if not 0 < params["gamma"] < math.inf:
+        raise ConfigError(f"scheduler.params.gamma must be a finite number > 0 (got {params['gamma']})")
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=params["step_size"], gamma=params["gamma"])
 
 

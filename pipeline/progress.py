@@ -5,7 +5,16 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "quiet_hub_progress_unless_terminal"]
+
+
+def quiet_hub_progress_unless_terminal() -> None:
+    """huggingface_hub draws its upload and download bars with cursor escape codes; in a log
+    file or a pipe they are noise. Turned off (its public switch) unless stderr is a terminal."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 class Progress:

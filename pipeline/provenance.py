@@ -1,19 +1,28 @@
-"""Where a result came from: code fingerprint and library versions."""
+"""Where a result came from: code fingerprints and library versions.
+
+What a checkpoint was computed with, file by file (:func:`counted_sources`): the model's
+code closure (the files script 05 ships under ``code/``), and the files of ``data.factory``,
+``optimizer.factory`` and ``scheduler.factory``. A resume and a stage of that checkpoint
+apply one rule (:func:`check_code_unchanged`): every counted file is the one it was trained
+with, or the refusal names the first that is not and what to do.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .config import Config
+from .errors import CodeChanged
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
 __all__ = ["PACKAGE_ROOT", "code_fingerprint", "factory_sources", "factories_fingerprint",
-           "sources_fingerprint", "library_versions"]
+           "sources_fingerprint", "library_versions", "counted_sources", "check_code_unchanged"]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
@@ -85,3 +94,85 @@ def sources_fingerprint(sources: dict[str, dict[str, Any]]) -> str:
     """:func:`factories_fingerprint` of a recorded :func:`factory_sources` table (a proof's)."""
     return fingerprint_table({f"{key}={entry['factory']}": {"sha256": entry["sha256"] or "missing"}
                               for key, entry in sources.items()})
+
+
+# The roles of the counted files, in the order a refusal names them.
+_ROLES = {"model": "the model's code", "data.factory": "the data factory", "optimizer.factory": "the optimizer factory",
+          "scheduler.factory": "the scheduler factory"}
+
+
+def _module_file(module: str) -> tuple[str, Path] | None:
+    """``("examples/charlm/data.py", file)``: a module's file under its import path."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+        return None
+    origin = Path(os.path.abspath(spec.origin))
+    relative = "/".join(module.split(".")) + ("/__init__.py" if origin.name == "__init__.py" else origin.suffix)
+    return relative, origin
+
+
+def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
+    """``{name under its import path: (role, file)}``, the model's closure first."""
+    # Imported here: both need torch's side of the package (a run or a stage is being built).
+    from .factories import importable_working_folder
+    from .stage.code_export import local_sources  # the closure script 05 ships
+
+    files: dict[str, tuple[str, Path]] = {}
+    with importable_working_folder():
+        for relative, origin in local_sources(config.model.factory, (Path.cwd(), PACKAGE_ROOT)).items():
+            files[relative] = ("model", origin)
+        for key in ("data.factory", "optimizer.factory", "scheduler.factory"):
+            section, _, field = key.partition(".")
+            found = _module_file(getattr(getattr(config, section), field).partition(":")[0])
+            if found is not None:
+                files.setdefault(found[0], (key, found[1]))
+    return files
+
+
+def counted_sources(config: Config) -> dict[str, str]:
+    """``{file under its import path: SHA-256}`` of every file that counts (module docstring);
+    recorded in each checkpoint's ``meta.json`` as ``fingerprints.sources``."""
+    return {relative: sha256_file(origin) for relative, (_, origin) in sorted(_counted_files(config).items())}
+
+
+def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["resume", "stage"]) -> None:
+    """Refuse (:class:`CodeChanged`) when a file that counts for the checkpoint of ``meta``
+    differs from the one it was trained with, naming the first such file and what to do.
+    A checkpoint written before per-file fingerprints is held to its one hash over the
+    factory files (``fingerprints.factories``)."""
+    step = meta["step"]
+    if use == "resume":
+        fix = ("restore it to resume exactly, or pass --allow-environment-change to continue the run with the new "
+               "code (its next checkpoints record it)")
+    else:
+        fix = ("the stage would ship other code than the code that built these weights: restore it, or stage a "
+               "checkpoint trained with this code")
+    fingerprints = meta["fingerprints"]
+    recorded = fingerprints.get("sources") if isinstance(fingerprints, dict) else None
+    if not isinstance(recorded, dict):
+        if fingerprints.get("factories") not in (None, factories_fingerprint(config)):
+            raise CodeChanged(f"a factory file ({', '.join(_ROLES)}) changed since step {step} was trained (this "
+                              "checkpoint predates per-file fingerprints, so which one cannot be told): " + fix)
+        return
+    current = _counted_files(config)
+    roles = list(_ROLES)
+
+    def rank(relative: str) -> tuple[int, str]:
+        return (roles.index(current[relative][0]) if relative in current else len(roles), relative)
+
+    for relative in sorted(set(recorded) | set(current), key=rank):
+        before = recorded.get(relative)
+        now = sha256_file(current[relative][1]) if relative in current else None
+        if before == now:
+            continue
+        if before is None:
+            change = f"is new in {_ROLES[current[relative][0]]} since step {step} was trained"
+        elif now is None:
+            change = f"counted for step {step} (its model or factory code) and is no longer part of it"
+        else:
+            change = (f"({_ROLES[current[relative][0]]}) changed since step {step} was trained "
+                      f"(SHA-256 {before[:12]} then, {now[:12]} now)")
+        raise CodeChanged(f"{relative} {change}: {fix}")

@@ -14,7 +14,7 @@ import torch
 from .config import Config
 from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
 from .errors import ConfigError
-from .factories import resolve
+from .factories import factory_errors, resolve
 from .rng import seed_everything
 
 __all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model", "make_sampler",
@@ -74,10 +74,11 @@ def configure_determinism(config: Config) -> None:
 
 def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model alone, in the configured dtype (for evaluation and loading published weights)."""
-    model = resolve(config.model.factory, "model.factory")(config)
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model.factory {config.model.factory} returned {type(model).__name__}, not a torch.nn.Module")
-    return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
+    model = resolve(config.model.factory, "model.factory", returns=torch.nn.Module)(config)
+    # Moving the model allocates it again, on the device and in the dtype: named the same way.
+    with factory_errors("model.factory", f"{config.model.factory} (its model moved to {device}, "
+                                         f"{config.training.dtype})"):
+        return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
 
 
 def fresh_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -102,10 +103,11 @@ def build_run(config: Config, device: torch.device, *, schedule_steps: int | Non
     fresh = fresh_buffers(model)  # under the plain module's names, before a wrapper prefixes them
     if wrap is not None:
         model = wrap(model)
-    optimizer = resolve(config.optimizer.factory, "optimizer.factory")(model, config)
+    optimizer = resolve(config.optimizer.factory, "optimizer.factory", returns=torch.optim.Optimizer)(model, config)
     schedule_config = config if schedule_steps is None else dataclasses.replace(
         config, training=dataclasses.replace(config.training, max_steps=schedule_steps))
-    scheduler = resolve(config.scheduler.factory, "scheduler.factory")(optimizer, schedule_config)
+    scheduler = resolve(config.scheduler.factory, "scheduler.factory",
+                        returns=torch.optim.lr_scheduler.LRScheduler)(optimizer, schedule_config)
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
     feed = make_feed(data, sampler, generator, config, device)

@@ -32,6 +32,7 @@ from .checkpoint import (
     restore_state,
     warm_start,
 )
+from .cli import script_command
 from .config import Config
 from .data import load_manifest
 from .distributed.world import World
@@ -39,7 +40,7 @@ from .environment import current_environment, pin_threads, reproduce_environment
 from .errors import CheckpointError, ConfigError, PeerFailed, PipelineError, Preempted, SchemaMismatch, TrainingDiverged
 from .layout import MODEL_FILE
 from .progress import Progress
-from .provenance import code_fingerprint, factories_fingerprint, library_versions
+from .provenance import check_code_unchanged, code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, resolve_device
 
 __all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
@@ -135,7 +136,7 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
 
 
 def _starting_point(store: CheckpointStore, resume: str | None, config: Config, data_fingerprint: str,
-                    extend_to: int | None) -> tuple[tuple[str, Path, dict[str, Any]] | None, Config,
+                    extend_to: int | None, allow_code_change: bool) -> tuple[tuple[str, Path, dict[str, Any]] | None, Config,
                                                     list[dict[str, int]]]:
     """The checkpoint to resume from (``None`` for a fresh run) as (what ``--resume`` names
     in the store, its folder, its checked meta.json: its files are verified when loaded into
@@ -157,6 +158,8 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config, 
             raise SchemaMismatch(f"{folder} is a distributed checkpoint: resume it under torchrun (README, "
                                  "'Distributed training'; --nproc-per-node 1 --reshard for one process)")
         config, lineage = continued_config(meta, config, data_fingerprint, extend_to=extend_to)
+        if not allow_code_change:
+            check_code_unchanged(meta, config, use="resume")
         step = meta["step"]
         newer = [s for s in store.committed_steps() if s > step]
         if newer and Path(folder).resolve().parent == store.root.resolve():
@@ -204,7 +207,7 @@ def run_provenance(config: Config, manifest: dict, device: torch.device, changes
     return {
         "config": config.to_dict(),
         "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(),
-                         "factories": factories_fingerprint(config)},
+                         "factories": factories_fingerprint(config), "sources": counted_sources(config)},
         "versions": library_versions(),
         "device": str(device),
         "environment": {**current_environment(device), "changes": changes},
@@ -222,7 +225,7 @@ def train(
     progress: bool = True,
     hooks: TrainingHooks | None = None,
     allow_environment_change: bool = False,
-    resume_hint: str = "python scripts/02_train.py --resume latest",
+    resume_hint: str | None = None,
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally.
 
@@ -234,11 +237,15 @@ def train(
     of the learning rate), and per-step ones go on as defined. ``hooks``: see :class:`TrainingHooks`.
     ``allow_environment_change``: resume even where the recorded environment (thread
     counts, determinism switches, device type, torch/NumPy) cannot be reproduced; the
-    change is recorded in every later checkpoint, and the run is no longer bitwise.
+    change is recorded in every later checkpoint, and the run is no longer bitwise. It
+    also accepts changed code in a file that counts (:mod:`pipeline.provenance`), which
+    the next checkpoints' fingerprints record.
     ``resume_hint``: the command a SIGTERM/SIGINT message tells the user to run
-    (:func:`pipeline.cli.resume_command` of the actual invocation, in script 02).
+    (:func:`pipeline.cli.resume_command` of the actual invocation, in script 02; by
+    default script 02 on this config with ``--resume latest``).
     """
     hooks = hooks or TrainingHooks()
+    resume_hint = resume_hint or script_command(config, "02_train.py", "--resume", "latest")
     if config.training.parallel != "none":
         raise ConfigError(f"{config.source}: training.parallel is {config.training.parallel!r}: launch with "
                           "torchrun --standalone --nproc-per-node N scripts/02_train.py (README, 'Distributed')")
@@ -254,7 +261,8 @@ def train(
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     with store:
         store.clean_stale()
-        start, config, lineage = _starting_point(store, resume, config, manifest["fingerprint"], extend_to)
+        start, config, lineage = _starting_point(store, resume, config, manifest["fingerprint"], extend_to,
+                                                 allow_environment_change)
         resumed = start[2]["step"] if start is not None else None
         with _damage_first(start[0] if start is not None else None, store.root):
             if stop_at is not None and resumed is not None and stop_at <= resumed:

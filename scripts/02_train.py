@@ -40,7 +40,8 @@ def main() -> int:
     parser.add_argument("--keep-last", type=int, metavar="K", help="committed checkpoints to keep (checkpoint.keep_last)")
     parser.add_argument("--allow-environment-change", action="store_true",
                         help="resume even where the checkpoint's thread counts, determinism switches, device type or "
-                             "torch/NumPy versions cannot be reproduced (recorded; no longer bitwise)")
+                             "torch/NumPy versions cannot be reproduced (recorded; no longer bitwise), or where the "
+                             "model's code or a factory file changed since the checkpoint")
     parser.add_argument("--reshard", action="store_true",
                         help="torchrun: resume a checkpoint written by another number of processes")
     parser.add_argument("--quiet", action="store_true", help="no progress output")

@@ -3,7 +3,7 @@
     python scripts/04_evaluate.py                                   # latest in checkpoint.dir
     python scripts/04_evaluate.py --checkpoint estados_local/step-00000010
     python scripts/04_evaluate.py --output runs/metrics.json
-    python scripts/04_evaluate.py --config examples/charlm/config.yaml
+    python scripts/04_evaluate.py --config examples/charlm/config.yaml   # -> runs/charlm/metrics.json
 
 Every file of the checkpoint is verified against its meta.json and the data folder against
 the fingerprint the checkpoint was trained on. The model is rebuilt from the config saved
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from pipeline.cli import add_config_arguments, config_from_args, run_main
 from pipeline.evaluate import evaluate_checkpoint, write_metrics
-from pipeline.layout import METRICS_FILE
 
 
 def main() -> int:
@@ -26,12 +25,13 @@ def main() -> int:
     add_config_arguments(parser)
     parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
                         help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir)")
-    parser.add_argument("--output", type=Path, default=Path(METRICS_FILE),
-                        help=f"where to write the record (default: {METRICS_FILE})")
+    parser.add_argument("--output", type=Path,
+                        help="where to write the record (default: the config's outputs.metrics, metrics.json for "
+                             "config.yaml)")
     args = parser.parse_args()
     config = config_from_args(args)
     record = evaluate_checkpoint(config, args.checkpoint)
-    path = write_metrics(record, args.output)
+    path = write_metrics(record, args.output or Path(config.outputs.metrics))
     print(f"evaluated {record['checkpoint']} (step {record['step']}) on the {record['split']} split")
     print(f"  modelo.safetensors sha256 {record['modelo_sha256']}")
     for name, value in sorted(record["metrics"].items()):

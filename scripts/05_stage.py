@@ -1,6 +1,7 @@
 """Stage the last verified checkpoint for the Hub: weights, record, card, curve, manifest.
 
     python scripts/05_stage.py                          # newest committed checkpoint -> hub_stage/
+    python scripts/05_stage.py --config examples/charlm/config.yaml   # -> runs/charlm/hub_stage/
     python scripts/05_stage.py --checkpoint estados_local/step-00000010 --stage hub_stage
     python scripts/05_stage.py --no-metrics             # stage without running 04 first
     python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
@@ -28,7 +29,6 @@ from pathlib import Path
 
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.layout import METRICS_FILE, STAGE_DIR
 from pipeline.signing import key_signer, sigstore_signer
 from pipeline.stage import build_stage
 from pipeline.stage.hf_export import DEFAULT_MAX_SHARD_SIZE
@@ -39,9 +39,11 @@ def main() -> int:
     add_config_arguments(parser)
     parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
                         help="checkpoint to stage (default: the newest committed one in checkpoint.dir)")
-    parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
-    parser.add_argument("--metrics", type=Path, default=Path(METRICS_FILE),
-                        help=f"metrics from scripts/04_evaluate.py (default: {METRICS_FILE})")
+    parser.add_argument("--stage", type=Path,
+                        help="stage folder (default: the config's outputs.stage, hub_stage for config.yaml)")
+    parser.add_argument("--metrics", type=Path,
+                        help="metrics from scripts/04_evaluate.py (default: the config's outputs.metrics, "
+                             "metrics.json for config.yaml)")
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
     parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
     parser.add_argument("--repo-id", metavar="NAMESPACE/NAME", help="repository named in the card's loading snippet")
@@ -67,14 +69,15 @@ def main() -> int:
         # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
         parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
     config = config_from_args(args)
+    stage = args.stage or Path(config.outputs.stage)
     signer = None
     if args.sign_key is not None:
-        signer = key_signer(args.sign_key, args.stage, certificate=args.sign_certificate,
+        signer = key_signer(args.sign_key, stage, certificate=args.sign_certificate,
                             chain=tuple(args.sign_chain))
     elif args.sign_sigstore:
         signer = sigstore_signer()
-    result = build_stage(config, checkpoint=args.checkpoint, stage_dir=args.stage,
-                         metrics=None if args.no_metrics else args.metrics,
+    result = build_stage(config, checkpoint=args.checkpoint, stage_dir=stage,
+                         metrics=None if args.no_metrics else args.metrics or Path(config.outputs.metrics),
                          allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id,
                          max_shard_size=args.max_shard_size, proof=args.proof, signer=signer)
     if result.nonfinite:

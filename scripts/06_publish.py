@@ -6,6 +6,7 @@
     python scripts/06_publish.py --repo-id you/models --path-in-repo regression-mlp --revision staging
     python scripts/06_publish.py --repo-id demo/m --endpoint http://127.0.0.1:8080          # a local Hub
     python scripts/06_publish.py --repo-id you/regression-mlp --verify-key release.pub   # signed stage
+    python scripts/06_publish.py --repo-id you/charlm --config examples/charlm/config.yaml  # its outputs.stage
 
 The token is read from HF_TOKEN or the one saved by `hf auth login`; it is never a command-line
 argument and is never printed or written. Every staged file is re-audited against
@@ -31,6 +32,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli import run_main
+from pipeline.config import DEFAULT_CONFIG_PATH, load_config
 from pipeline.errors import PipelineError
 from pipeline.layout import RECEIPT_DIR, STAGE_DIR
 
@@ -50,7 +52,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--tag", metavar="NAME", help="tag the published commit (a card can then pin revision=NAME)")
     parser.add_argument("--force-repo-id", action="store_true",
                         help="publish even though the stage's card was staged for another --repo-id")
-    parser.add_argument("--stage", type=Path, default=Path(STAGE_DIR), help=f"stage folder (default: {STAGE_DIR})")
+    parser.add_argument("--stage", type=Path,
+                        help=f"stage folder (default: the outputs.stage of --config; {STAGE_DIR} for config.yaml)")
+    parser.add_argument("--config", type=Path, help="the config whose stage to publish (default: config.yaml)")
+    parser.add_argument("--debug", action="store_true",
+                        help="on a failure, print the traceback of the exception behind the one-line error")
     parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
                         help=f"where the receipt is written (default: {RECEIPT_DIR})")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
@@ -71,14 +77,22 @@ def _parse() -> argparse.Namespace:
         reason = "--token is not accepted" if token_flag else f"{len(unknown)} unrecognized argument(s), not shown"
         raise PipelineError(f"{reason}: the token is read from HF_TOKEN or `hf auth login`, never from the command "
                            "line; see --help")
+    if args.stage is None:
+        # The stage of the config 05 ran with; without config.yaml here, the default name.
+        given = args.config is not None
+        config = args.config or DEFAULT_CONFIG_PATH
+        args.stage = Path(load_config(config).outputs.stage) if given or config.is_file() else Path(STAGE_DIR)
     return args
 
 
 def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
+    from pipeline.progress import quiet_hub_progress_unless_terminal
     from pipeline.publishing import format_plan, publish
     from pipeline.signing import ExpectedSigner
+
+    quiet_hub_progress_unless_terminal()
 
     signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,
                             issuer=args.verify_issuer, verify_chain=tuple(args.verify_chain))

@@ -3,14 +3,17 @@
     make demo                      # what the Makefile runs
     python scripts/demo.py         # the same, with the project installed (make venv)
 
-Each numbered script runs as its own process with this interpreter, in order: prepare the
-data, train (``--resume auto``: a rerun finishes at once), prove that resume is exact into a
-new ``runs/proof-<time>/``, evaluate (kept when ``metrics.json`` already evaluates the newest
-checkpoint with this data and code), stage. Then a local Hub (``localhub``) starts
-on a free loopback port with a random token that exists only in this process and in the
-environment of the publish step; ``scripts/06_publish.py`` publishes there, verifies, and
-writes a receipt; the server is stopped whatever happens. A rerun finds the stage already
-published and makes no commit. The exit code is the first failing step's.
+First a local Hub (``localhub``) starts on a free loopback port, with its own state
+folder (``.localhub-demo/``, so a rehearsal Hub serving ``.localhub/`` may run beside it) and
+a random token that exists only in this process and in the environment of the publish
+step; if it cannot start, the demo stops before the long steps and says why. Then each
+numbered script runs as its own process with this interpreter, in order: prepare the data,
+train (``--resume auto``: a rerun finishes at once), prove that resume is exact into a new
+``runs/proof-<time>/``, evaluate (kept when ``metrics.json`` already evaluates the newest
+checkpoint with this data and code), stage, and ``scripts/06_publish.py`` publishes to the
+local Hub, verifies, and writes a receipt; the server is stopped whatever happens. The demo
+ends with a short summary (commit URL, files and sizes, where the receipt is). A rerun finds
+the stage already published and makes no commit. The exit code is the first failing step's.
 
 The real Hub path is the same script without ``--endpoint``:
 ``HF_TOKEN=hf_... python scripts/06_publish.py --repo-id you/regression-mlp``.
@@ -24,6 +27,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +43,8 @@ __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-HUB_ROOT = ROOT / ".localhub"
+# Not .localhub/, the README's rehearsal Hub: a Hub state folder serves one server at a time.
+HUB_ROOT = ROOT / ".localhub-demo"
 # Variables that would point a step at a real account or a real Hub.
 _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
 
@@ -56,6 +61,8 @@ def _env(**extra: str) -> dict[str, str]:
     Xet, as it does to the real Hub (HF_HUB_DISABLE_XET=1 in the environment selects LFS)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
     env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"})
+    if not sys.stdout.isatty():  # a log or a pipe: no progress bars, no cursor escape codes
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     env.update(extra)
     return env
 
@@ -99,7 +106,7 @@ def _metrics_current(config: Config) -> bool:
     try:
         loaded = load_checkpoint("latest", config.checkpoint.dir, mode=LoadMode.VERIFY)
         folder, meta = loaded.folder, loaded.meta
-        record = read_metrics(ROOT / METRICS_FILE)
+        record = read_metrics(ROOT / config.outputs.metrics)
     except PipelineError:
         return False
     same = (record["step"] == meta["step"] and record["modelo_sha256"] == meta["files"][MODEL_FILE]["sha256"]
@@ -116,31 +123,64 @@ def _newest_receipt(folder: Path, repo_id: str) -> Path | None:
     return receipts[-1] if receipts else None
 
 
-def _publish(repo_id: str, number: int, total: int) -> None:
-    """Start the local Hub, publish there, print the receipt and the commit URL, stop the Hub."""
-    token = secrets.token_urlsafe(24)  # lives only here and in the two child environments
+def _start_hub(token: str) -> LocalHubProcess:
+    """The local Hub, started before the long steps; a failure names localhub's own reason
+    (its stderr), not only that it printed no URL."""
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        hub = LocalHubProcess(HUB_ROOT, token=token, stderr=errors)
+        try:
+            hub.start()
+        except (RuntimeError, OSError) as exc:
+            errors.seek(0)
+            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
+            cause = said[-1] if said else str(exc)
+            print(f"demo: the local Hub did not start: {cause} (state folder {HUB_ROOT.name}/); nothing else was "
+                  "run", file=sys.stderr, flush=True)
+            raise DemoFailed("localhub", 1) from None
+    return hub
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _summary(receipt: Path | None) -> list[str]:
+    """What landed, in a few lines: the receipt itself stays in its file."""
+    if receipt is None:
+        return ["demo: done, but 06 wrote no receipt"]
+    record = json.loads(receipt.read_text(encoding="utf-8"))
+    files = record.get("files", {})
+    total = sum(entry.get("size") or 0 for entry in files.values())
+    verified = "what landed was verified" if record.get("verified") else "what landed did NOT verify (see the receipt)"
+    lines = [f"demo: done. {record.get('repo_id')} (step {record.get('step')}) is published on the local Hub, now "
+             f"stopped; {verified}",
+             f"  commit   {record.get('commit_url')}",
+             f"  files    {len(files)}, {_size(total)} in all:"]
+    # One line per file at the top, one per folder (code/ holds the model's sources).
+    groups: dict[str, list[int]] = {}
+    for name, entry in files.items():
+        top, sep, _ = name.partition("/")
+        groups.setdefault(top + "/" if sep else top, []).append(entry.get("size") or 0)
+    width = max((len(name) for name in groups), default=0)
+    for name, sizes in sorted(groups.items()):
+        count = f"  ({len(sizes)} files)" if name.endswith("/") else ""
+        lines.append(f"    {name:<{width}}  {_size(sum(sizes)):>9}{count}")
+    lines.append(f"  receipt  {receipt.relative_to(ROOT) if receipt.is_relative_to(ROOT) else receipt}")
+    return lines
+
+
+def _publish(repo_id: str, hub: LocalHubProcess, number: int, total: int) -> Path | None:
+    """Publish the stage to the running local Hub; the receipt 06 wrote."""
     _header(number, total, f"06_publish.py: publish to a local Hub as {repo_id}")
-    hub = LocalHubProcess(HUB_ROOT, token=token)
-    try:
-        hub.start()
-    except RuntimeError as exc:
-        print(f"demo: the local Hub did not start: {exc}", file=sys.stderr, flush=True)
-        raise DemoFailed("localhub", 1) from None
-    try:
-        print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
-        receipts = ROOT / RECEIPT_DIR
-        step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
-                    "publish")
-        _run(step, env=_env(HF_TOKEN=token))
-    finally:
-        hub.stop()
-    path = _newest_receipt(receipts, repo_id)
-    commit = None
-    if path is not None:
-        text = path.read_text()
-        commit = json.loads(text).get("commit_url")
-        print(f"\nreceipt {path.relative_to(ROOT)}:\n{text}", end="", flush=True)
-    print(f"\ndemo: done, local Hub stopped. Commit: {commit}", flush=True)
+    print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
+    receipts = ROOT / RECEIPT_DIR
+    step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
+                "publish")
+    _run(step, env=_env(HF_TOKEN=hub.token))
+    return _newest_receipt(receipts, repo_id)
 
 
 def main() -> int:
@@ -149,16 +189,22 @@ def main() -> int:
     repo_id = f"demo/{config.model.name}"
     steps = _steps(repo_id)
     total = len(steps) + 1
+    hub = None
     try:
+        hub = _start_hub(secrets.token_urlsafe(24))  # the token lives only here and in two child environments
         for number, step in enumerate(steps, start=1):
             _header(number, total, f"{step.script}: {step.what}")
             if step.script == "04_evaluate.py" and _metrics_current(config):
                 continue
             _run(step)
-        _publish(repo_id, total, total)
+        receipt = _publish(repo_id, hub, total, total)
     except DemoFailed as exc:
         print(str(exc), file=sys.stderr, flush=True)
         return exc.exit_code
+    finally:
+        if hub is not None:
+            hub.stop()
+    print("\n" + "\n".join(_summary(receipt)), flush=True)
     return 0
 
 

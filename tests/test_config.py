@@ -37,7 +37,7 @@ def test_default_config_file_matches_the_dataclass_defaults_where_it_should():
     ("data:\n  batch_size: true\n", r"data\.batch_size must be an integer, got a boolean"),
     ("checkpoint:\n  keep_last: 0\n", r"checkpoint\.keep_last must be >= 1"),
     ("training:\n  device: tpu\n", r"training\.device must be one of"),
-    ("optimizer:\n  lr: -1\n", r"optimizer\.lr must be > 0"),
+    ("optimizer:\n  lr: -1\n", r"optimizer\.lr must be a finite number > 0"),
     ("model:\n  factory: nocolon\n", r"model\.factory must look like"),
     ("- just\n- a list\n", r"top level must be a mapping"),
     ("training: [1, 2\n", r"not valid YAML at line"),

@@ -96,11 +96,10 @@ def test_the_printed_resume_command_drops_extend_to():
     """The checkpoints of an extended run record its length: the resume command must not
     extend again (which its step would refuse)."""
     import shlex
-    import sys
 
-    from pipeline.cli import resume_command
+    from pipeline.cli import python_command, resume_command
 
     printed = resume_command(["scripts/02_train.py", "--config", "c.yaml", "--resume", "latest", "--extend-to", "40",
                               "--set", "training.seed=1", "--extend-to=50"])
-    assert shlex.split(printed) == [sys.executable, "scripts/02_train.py", "--config", "c.yaml", "--set",
+    assert shlex.split(printed) == [python_command(), "scripts/02_train.py", "--config", "c.yaml", "--set",
                                     "training.seed=1", "--resume", "latest"]

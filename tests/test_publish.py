@@ -210,6 +210,8 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
     assert_holds_exactly_the_stage(hub, published.repo_id, stage)
     head = api_for(hub).repo_info(published.repo_id).sha
     assert published.first.stdout.splitlines()[-1] == f"commit {hub.url}/{published.repo_id}/commit/{head}"
+    # Not a terminal: the client's upload bars stay off, so no cursor escape code lands in a log.
+    assert "\x1b" not in published.first.stdout + published.first.stderr
 
 
 @PUBLISHED

@@ -140,6 +140,8 @@ def test_preemption_signal_finishes_the_step_checkpoints_and_says_how_to_resume(
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum
     assert "--resume latest" in stderr and "Traceback" not in stderr
+    # A requested stop is reported as a stop, not as an error (the exit code says 128 + N).
+    assert "error:" not in stderr and f"stopped by {signal.Signals(signum).name} after step" in stderr, stderr
     steps = CheckpointStore(tmp_path).committed_steps()
     assert len(steps) == 1 and 0 < steps[0] < total
     meta = verify_checkpoint(tmp_path / f"step-{steps[0]:08d}")
@@ -157,7 +159,9 @@ def test_finished_run_resumed_again_does_nothing_and_keeps_its_checkpoint(data_d
 
 def test_meta_records_history_fingerprints_and_versions(reference):
     meta = json.loads((reference / "meta.json").read_text())
-    assert set(meta["fingerprints"]) == {"data", "code", "factories"}
+    assert set(meta["fingerprints"]) == {"data", "code", "factories", "sources"}
+    # Per file, under import paths (no machine path): the model's closure and each factory's file.
+    assert {"pipeline/tasks/regression.py", "pipeline/factories.py"} <= set(meta["fingerprints"]["sources"])
     assert meta["versions"]["torch"] and meta["versions"]["numpy"]
     assert meta["config"]["training"]["max_steps"] == 10
     assert meta["training_state"]["progress"]["step"] == 10

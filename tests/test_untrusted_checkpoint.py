@@ -625,8 +625,13 @@ def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_s
     assert "scale" in derived and not any(name.startswith("bn.") for name in derived)
     run.ok("04_evaluate.py", *args)  # unchanged code: the trained BatchNorm statistics load
     module.write_text(module.read_text().replace("SCALE = 1.0", "SCALE = 2.0"))
-    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest")), ("04_evaluate.py", ()),
-                          ("05_stage.py", ("--no-metrics",))):
+    # Resume and stage name the changed file first (the code a checkpoint counts); accepted
+    # on purpose, the resume still refuses the buffer this code no longer builds.
+    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest")), ("05_stage.py", ("--no-metrics",))):
+        line = run.refused(script, *args, *extra)
+        assert "scaled_factories.py (the model's code) changed since step 4" in line, (script, line)
+    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest", "--allow-environment-change")),
+                          ("04_evaluate.py", ())):
         line = run.refused(script, *args, *extra)
         assert "buffer scale" in line and "code or config that builds it changed" in line, (script, line)
     module.write_text(module.read_text().replace("SCALE = 2.0", "SCALE = 1.0"))

@@ -221,6 +221,9 @@ class CheckpointStore:
         pruned = []
         for step in victims:
             folder = self.path_for(step)
+            if folder.is_symlink():  # not a folder this store wrote: never renamed, never deleted
+                _log.warning("warning: not pruning %s: %s", folder, _SYMLINK_REASON)
+                continue
             try:
                 read_meta(folder)
             except SchemaMismatch as exc:
@@ -404,14 +407,30 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     Nothing is verified here; :func:`pipeline.checkpoint.load.load_checkpoint` does that.
     """
     if str(spec) != "latest":
-        if committed and parse_step_dir(Path(spec).resolve().name) is None:
+        folder = Path(spec)
+        _refuse_symlink(folder)
+        if committed and parse_step_dir(folder.resolve().name) is None:
             raise CheckpointError(f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
                                   "checkpoints are evaluated or staged")
-        return Path(spec), []
+        return folder, []
     store = CheckpointStore(root)
     steps = store.committed_steps()
     if not steps:
         where = "pass --checkpoint PATH" if committed else "point --checkpoint-dir at the folder that holds them"
         raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
                            f"or {where}")
-    return store.path_for(steps[-1]), [store.path_for(step) for step in reversed(steps[:-1])]
+    _refuse_symlink(store.path_for(steps[-1]))
+    older = [store.path_for(step) for step in reversed(steps[:-1])]
+    return store.path_for(steps[-1]), [folder for folder in older if not folder.is_symlink()]
+
+
+_SYMLINK_REASON = ("it is a symbolic link, and checkpoints are folders their store wrote (pruning one would "
+                   "delete what a link points to)")
+
+
+def _refuse_symlink(folder: Path) -> None:
+    """Every reader refuses a step folder that is a symbolic link, the same way (resolved
+    here, the one place a spec becomes a folder); the folder holding them may be one."""
+    if folder.is_symlink():
+        raise CheckpointError(f"{folder} is not loaded: {_SYMLINK_REASON}; copy its target in its place "
+                              f"(cp -r --dereference), or pass the target folder itself")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,8 @@ def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
     folder = Path(config.data.dir)
     path = folder / DATA_MANIFEST_FILE
     if not path.is_file():
-        raise DataError(f"no prepared data in {folder}/: run scripts/01_prepare_data.py first")
+        prepare = shlex.join(["scripts/01_prepare_data.py", *config.command_args])  # this config, as given
+        raise DataError(f"no prepared data in {folder}/: run {prepare} first")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = manifest["files"]

@@ -23,6 +23,7 @@ from ..data import load_manifest
 from ..environment import pin_threads, reproduce_environment
 from ..errors import CheckpointError, PipelineError, SchemaMismatch
 from ..progress import Progress
+from ..provenance import check_code_unchanged
 from ..run import build_run, configure_determinism, fresh_buffers
 from ..train import TrainingHooks, TrainResult, _loop, final_checkpoint, run_provenance
 from .world import World, derive_rank_rng
@@ -56,7 +57,7 @@ def train_distributed(config: Config, *, resume: str | None = None, stop_at: int
 
 
 def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
-                    fingerprint: str) -> LoadedCheckpoint | None:
+                    fingerprint: str, allow_code_change: bool) -> LoadedCheckpoint | None:
     """Rank 0: the verified checkpoint to resume from (the single-process verification:
     sealed meta.json, every file hashed and parsed, plus every shard's coverage), or
     ``None`` for a fresh run. Same refusals as single-process."""
@@ -68,6 +69,8 @@ def _starting_point(store: CheckpointStore, resume: str | None, config: Config,
         raise SchemaMismatch(f"{loaded.folder} is a single-process checkpoint: resume it with python "
                              "scripts/02_train.py (training.parallel: none)")
     check_resume_compatible(loaded.meta, config, fingerprint)
+    if not allow_code_change:
+        check_code_unchanged(loaded.meta, config, use="resume")
     newer = [s for s in store.committed_steps() if s > loaded.meta["step"]]
     if newer and loaded.folder.resolve().parent == store.root.resolve():
         raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point "
@@ -88,7 +91,7 @@ def _train(world: World, config: Config, *, resume: str | None, stop_at: int | N
             if world.rank == 0:
                 store.acquire()  # one lock for the launch, held by rank 0
                 store.clean_stale()
-                start = _starting_point(store, resume, config, manifest["fingerprint"])
+                start = _starting_point(store, resume, config, manifest["fingerprint"], allow_environment_change)
         folder_name = world.broadcast_text(str(start.folder) if start else None)
         with world.together("resuming"):
             # Rank 0 verified every byte; the others read the same sealed meta.json.

@@ -313,13 +313,19 @@ def describe(report: dict[str, Any]) -> list[str]:
                  f"largest |difference| {max(worst, default=0.0):.3g}")
     for check in positive:
         if not check["passed"]:
-            lines.append(f"  DIFFERS {check['name']}: max |diff| {check['max_abs_diff']}, first at "
-                         f"{check['first_difference']} {check['note']}".rstrip())
+            size = ("values not comparable (their structure differs)" if check["max_abs_diff"] is None
+                    else f"max |diff| {check['max_abs_diff']:.3g}")
+            first = f", first at {check['first_difference']}" if check["first_difference"] else ""
+            lines.append(f"  DIFFERS {check['name']}: {size}{first} {check['note']}".rstrip())
     lines.append("negative controls (resume without one component):")
     for name, control in report["components"]["negative"].items():
         diverged = control["diverged_checks"]
-        detail = (f"diverged in {len(diverged)} checks, first differing loss at step "
-                  f"{control['first_divergent_loss_step']}" if diverged else control["why_exercised"])
+        detail = control["why_exercised"]
+        if diverged:
+            step = control["first_divergent_loss_step"]
+            loss = (f"the loss first differs at step {step}" if step is not None
+                    else "the loss stays equal to the last step")
+            detail = f"diverged in {_count(len(diverged), 'check', 'checks')}; {loss}"
         lines.append(f"  {name:<10} {control['result']:<14} {detail}")
     diverged = [name for name, state in report["components"]["positive"].items() if state == "diverged"]
     if diverged:

@@ -7,6 +7,19 @@ The stage's manifest and audit (``pipeline.audit``), the leak scan (``pipeline.l
 signing (``pipeline.signing``) are shared with the publish side, which imports no torch.
 """
 
-from .build import StageResult, build_stage, find_nonfinite
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["StageResult", "build_stage", "find_nonfinite"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that training can read ``code_export`` (the model's code closure, which its
+    # checkpoints fingerprint) without importing the stage's Hub-side dependencies.
+    if name not in __all__:
+        raise AttributeError(f"module 'pipeline.stage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(".build", __name__), name)
+    globals()[name] = value
+    return value

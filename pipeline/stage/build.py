@@ -40,6 +40,7 @@ from ..checkpoint import (
     read_tensors,
     write_safetensors,
 )
+from ..cli import script_command
 from ..config import Config
 from ..durable import atomic_folder, fsync_dir, json_bytes, recover
 from ..errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
@@ -57,11 +58,10 @@ from ..layout import (
     MODEL_FILE,
     PUBLIC_KEY_FILE,
     README_FILE,
-    STAGE_DIR,
     STATE_FILE,
 )
 from ..leaks import scan_secrets
-from ..provenance import PACKAGE_ROOT, factories_fingerprint
+from ..provenance import PACKAGE_ROOT, check_code_unchanged
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from .card import build_model_card, render_curve
@@ -132,20 +132,21 @@ def _check_replaceable(stage: Path) -> None:
                          "replace it, nothing was touched: move it away or pass another --stage")
 
 
-def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], config: Config) -> dict[str, Any]:
     """metrics.json, if and only if it was computed from exactly these weights and data."""
+    # The command that writes the record this stage reads, for this config, as printed.
+    output = () if os.path.abspath(path) == os.path.abspath(config.outputs.metrics) else ("--output", str(path))
+    evaluate = script_command(config, "04_evaluate.py", "--checkpoint", str(folder), *output)
     if not path.exists():
-        raise StageError(f"{path} not found: run scripts/04_evaluate.py first, or stage without metrics "
-                         "with --no-metrics")
+        raise StageError(f"{path} not found: run {evaluate} first, or stage without metrics with --no-metrics")
     record = read_metrics(path)
     sha = meta["files"][MODEL_FILE]["sha256"]
     if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
         raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
-                         f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun "
-                         f"scripts/04_evaluate.py --checkpoint {folder}, or pass --no-metrics")
+                         f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun {evaluate}, or pass "
+                         "--no-metrics")
     if record["fingerprints"].get("data") != meta["fingerprints"].get("data"):
-        raise StageError(f"{path} was computed on other data than {folder.name} was trained on: "
-                         "rerun scripts/04_evaluate.py")
+        raise StageError(f"{path} was computed on other data than {folder.name} was trained on: rerun {evaluate}")
     return record
 
 
@@ -231,12 +232,8 @@ def _write_weights(built: Path, weights: Path, entry: Mapping[str, Any], plan: A
 
 
 def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
-    """The model factory's module and the local modules it imports, under ``code/``, if
-    they are still the files the checkpoint fingerprinted."""
-    if factories_fingerprint(config) != meta["fingerprints"].get("factories"):
-        raise StageError(f"the factory code ({config.model.factory}, ...) changed since step {meta['step']} was trained "
-                         "(meta.json fingerprints.factories differs): the staged code would not be the code that "
-                         "built these weights; restore it, or retrain")
+    """The model factory's module and the local modules it imports, under ``code/`` (checked
+    by :func:`build_stage` to be the files the checkpoint fingerprinted)."""
     files = {}
     for relative, source in local_sources(config.model.factory, (Path.cwd(), PACKAGE_ROOT)).items():
         target = built / CODE_DIR / relative
@@ -340,12 +337,13 @@ def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str, audited: 
     return source + list(staged.values()), staged
 
 
-def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path = STAGE_DIR,
+def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path | None = None,
                 metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
                 repo_id: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                 proof: str | Path | None = None, signer: StageSigner | None = None) -> StageResult:
     """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
-    ``checkpoint.dir``, or a ``step-…`` folder).
+    ``checkpoint.dir``, or a ``step-…`` folder); ``stage_dir`` defaults to the config's
+    ``outputs.stage``.
 
     Order: verify every checkpoint file against its meta.json; require ``metrics`` (a
     metrics.json from script 04) to name this step and these weights (``None`` stages
@@ -362,6 +360,7 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     ``sha256`` and ``size``). ``max_shard_size`` splits the weights above that size;
     ``proof`` stages a resume proof folder's report if it proves this checkpoint.
     """
+    stage_dir = config.outputs.stage if stage_dir is None else stage_dir
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
     shard_bytes = parse_size(max_shard_size)
@@ -369,14 +368,18 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
     with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded, \
             stage_lock(stage), contextlib.ExitStack() as scratch:
         folder, meta = loaded.folder, loaded.meta
+        # The stage ships the model's code: the code these weights were trained with (the rule
+        # a resume applies), naming the file that changed.
+        model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
+        check_code_unchanged(meta, model_config, use="stage")
         # The weights are published for this code: a derived buffer it no longer builds is refused.
-        model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
+        model = build_model(model_config)
         check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
         del model
         if metrics is not None and is_distributed(meta):
             raise StageError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not read "
                              "those yet; stage it with --no-metrics")
-        record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
+        record = _matching_metrics(Path(metrics), folder, meta, config) if metrics is not None else None
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)

@@ -20,8 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from .config import Config, is_yaml11_float
+from .config import Config
 from .errors import ConfigError
+from .params import read_params  # published model code imports it from pipeline.params
 
 __all__ = ["resolve", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
 
@@ -53,30 +54,6 @@ def resolve(path: str, key: str) -> Callable[..., Any]:
     if not callable(target):
         raise ConfigError(f"{key}: {path!r} is not callable")
     return target
-
-
-def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, Any]]) -> dict[str, Any]:
-    """Validate a factory's ``params`` mapping against ``{name: (type, default)}``.
-
-    A default of ``...`` makes the key required. Errors name ``key.name``.
-    """
-    unknown = sorted(set(params) - set(spec))
-    if unknown:
-        raise ConfigError(f"unknown key {key}.{unknown[0]} (known: {', '.join(sorted(spec)) or 'none'})")
-    out: dict[str, Any] = {}
-    for name, (kind, default) in spec.items():
-        if name not in params:
-            if default is ...:
-                raise ConfigError(f"{key}.{name} is required")
-            out[name] = default
-            continue
-        value = params[name]
-        if kind is float and (isinstance(value, int) and not isinstance(value, bool) or is_yaml11_float(value)):
-            value = float(value)
-        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise ConfigError(f"{key}.{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
-        out[name] = value
-    return out
 
 
 def _optimizer_kwargs(config: Config) -> dict[str, Any]:

@@ -30,7 +30,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256", "config.json",
           "model.safetensors.index.json"}
 # The default model's factory module, shipped under code/ with the local modules it imports.
-FACTORY_SOURCE = "code/pipeline/tasks/regression.py"
+FACTORY_SOURCE = "code/pipeline/tasks/mlp.py"
 
 
 def staged_files(stage: Path) -> set[str]:
@@ -132,7 +132,9 @@ def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):
     for name in ("meta.json", "training_curve.png"):
         assert sha256(staged_run.stage / name) in card.text
     assert "](training_curve.png)" in card.text
-    assert "snapshot_download" in card.text and "safetensors" in card.text
+    # Staged without --repo-id: the card names no repository, so it is right under any name.
+    assert "model = load_model(folder)" in card.text and "hf download <its id> --local-dir model" in card.text
+    assert "snapshot_download" not in card.text and "<namespace>" not in card.text
     assert "sha256sum -c MANIFEST.sha256" in card.text
     height, width, _ = imread(staged_run.stage / "training_curve.png").shape
     assert height > 100 and width > 100

@@ -16,21 +16,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..errors import ChecksumMismatch, SchemaMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
-from .tensorfile import SAFETENSORS_DTYPES, parse_header, tensors_from_map
+from .tensorfile import SAFETENSORS_DTYPES, MappedTensors, parse_header, tensors_from_map
 
-__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate"]
+__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate", "ConsolidatedTensors"]
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
 # Where torch's HuggingFaceStorageWriter records a chunk's place in the full tensor.
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -96,34 +97,34 @@ def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[
     return chunks
 
 
-def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
-                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    """``{tensor: [(offsets, chunk view)]}`` of ``part/`` once every expected tensor is tiled
-    exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
+def _covered(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+             ) -> dict[str, list[tuple[list[int], str, torch.Tensor]]]:
+    """``{tensor: [(offsets, file, chunk view)]}`` of ``part/`` once every expected tensor is
+    tiled exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
     where = f"{folder / part}/"
     chunks = _chunks(folder, part, maps)
     extra = sorted(set(chunks) - set(expected))
     if extra:
         raise ChecksumMismatch(f"{where} holds tensor {extra[0]} that meta.json does not list")
     views: dict[str, dict[str, torch.Tensor]] = {}
-    result: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    result: dict[str, list[tuple[list[int], str, torch.Tensor]]] = {}
     for name, spec in sorted(expected.items()):
         full, pieces = spec["shape"], []
         for offsets, file in chunks.get(name, []):
             if file not in views:
                 views[file] = tensors_from_map(folder / file, maps[file])
-            pieces.append((offsets, views[file][name]))
+            pieces.append((offsets, file, views[file][name]))
         if not pieces:
             raise ChecksumMismatch(f"{where} holds no shard of tensor {name}: a shard file is missing")
         volume = 0
-        for offsets, view in pieces:
+        for offsets, _, view in pieces:
             if SAFETENSORS_DTYPES[view.dtype] != spec["dtype"] or view.dim() != len(full) or any(
                     o + s > f for o, s, f in zip(offsets, view.shape, full)):
                 raise ChecksumMismatch(f"{where}: a shard of {name} does not fit its {spec['dtype']} tensor of "
                                        f"shape {full}")
             volume += view.numel()
-        for i, (a, va) in enumerate(pieces):
-            for b, vb in pieces[i + 1:]:
+        for i, (a, _, va) in enumerate(pieces):
+            for b, _, vb in pieces[i + 1:]:
                 if va.numel() and all(max(ao, bo) < min(ao + as_, bo + bs) for ao, as_, bo, bs in
                                       zip(a, va.shape, b, vb.shape)):
                     raise ChecksumMismatch(f"{where}: two shards of {name} overlap")
@@ -132,6 +133,52 @@ def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Ma
                                    "elements: a shard file is missing or damaged")
         result[name] = pieces
     return result
+
+
+def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """``{tensor: [(offsets, chunk view)]}`` of ``part/`` once every expected tensor is tiled
+    exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
+    return {name: [(offsets, view) for offsets, _, view in pieces]
+            for name, pieces in _covered(folder, part, expected, maps).items()}
+
+
+class ConsolidatedTensors:
+    """The full tensors of one part (``model/``) of a distributed checkpoint, one at a time,
+    in bounded memory: :meth:`tensor` assembles one alone from its chunks' mapped pages (a
+    tensor held whole by one chunk is that view, no copy) and :meth:`release` gives those
+    pages back, so a consumer that writes or loads each tensor before asking for the next
+    holds about one tensor whatever the model's size. Iterating yields ``(name, tensor)``
+    in name order, releasing each once the next is asked for.
+
+    ``files``: the part's shard files, each a :class:`~pipeline.checkpoint.tensorfile.MappedTensors`
+    keyed by its name in ``meta.json``'s files table (``model/…``), opened on files this
+    process verified and does not write (a private copy); coverage is checked here."""
+
+    def __init__(self, folder: Path, part: str, expected: Mapping[str, Any], files: Mapping[str, MappedTensors]) -> None:
+        self._files = files
+        self._pieces = _covered(folder, part, expected, {name: file.buffer for name, file in files.items()})
+        self.specs = {name: torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]], device="meta")
+                      for name, spec in sorted(expected.items())}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        pieces = self._pieces[name]
+        if len(pieces) == 1:
+            return pieces[0][2]
+        full = torch.empty(self.specs[name].shape, dtype=self.specs[name].dtype)
+        for offsets, file, view in pieces:
+            full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))].copy_(view)
+            self._files[file].release(name)
+        return full
+
+    def release(self, name: str) -> None:
+        for _, file, _ in self._pieces[name]:
+            self._files[file].release(name)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.specs:
+            yield name, self.tensor(name)
+            self.release(name)
 
 
 def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expected: Mapping[str, Any]

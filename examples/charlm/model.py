@@ -98,8 +98,10 @@ def build_model(config: Config) -> CharTransformer:
     """``model.factory``: the context length is ``data.params.block_size``, the vocabulary all 256 bytes."""
     params = read_params(config.model.params, "model.params", MODEL_SPEC)
     block_size = config.data.params.get("block_size", BLOCK_SIZE)
-    if type(block_size) is not int or block_size < 1:
-        raise ConfigError(f"data.params.block_size must be an integer >= 1 (got {block_size!r})")
+    if type(block_size) is not int:  # the data factory validates the rest of data.params
+        raise ConfigError(f"data.params.block_size must be int, got {type(block_size).__name__} {block_size!r}")
+    if block_size < 1:
+        raise ConfigError(f"data.params.block_size must be >= 1 (got {block_size})")
     for key in ("d_model", "n_layer", "n_head"):
         if params[key] < 1:
             raise ConfigError(f"model.params.{key} must be >= 1 (got {params[key]})")

@@ -44,6 +44,8 @@ def build_model(config: Any) -> MLP:
     if not 0 <= params["dropout"] < 1:
         raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
     features = config.data.params.get("num_features", NUM_FEATURES)
-    if type(features) is not int or features < 1:
-        raise ConfigError(f"data.params.num_features must be an integer >= 1 (got {features!r})")
+    if type(features) is not int:  # the data factory validates the rest of data.params
+        raise ConfigError(f"data.params.num_features must be int, got {type(features).__name__} {features!r}")
+    if features < 1:
+        raise ConfigError(f"data.params.num_features must be >= 1 (got {features})")
     return MLP(features, params["hidden"], params["dropout"])

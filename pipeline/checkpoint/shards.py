@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -32,6 +32,8 @@ SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+# Bytes of a chunk copied before its mapped pages are given back (see _assemble).
+_SLICE_BYTES = 8 * 1024 * 1024
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -143,13 +145,35 @@ def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Ma
             for name, pieces in _covered(folder, part, expected, maps).items()}
 
 
+def _assemble(chunks: list[tuple[list[int], torch.Tensor]], shape: list[int],
+              release: Callable[[torch.Tensor], None] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor from its covered chunks: a tensor held whole by one chunk is that
+    view (no copy); a sharded one (FSDP2) is assembled once, into ``out`` if given. ``release``:
+    called on each copied slice of a chunk (about 8 MiB), so its mapped pages can go as the
+    copy proceeds."""
+    if len(chunks) == 1:
+        return chunks[0][1]
+    full = torch.empty(shape, dtype=chunks[0][1].dtype) if out is None else out
+    for offsets, view in chunks:
+        target = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
+        if release is None or view.dim() == 0 or view.numel() == 0:
+            target.copy_(view)
+            continue
+        rows = max(1, _SLICE_BYTES // max(1, view[0].numel() * view.element_size()))
+        for row in range(0, view.shape[0], rows):
+            target[row:row + rows].copy_(view[row:row + rows])
+            release(view[row:row + rows])
+    return full
+
+
 class ConsolidatedTensors:
     """The full tensors of one part (``model/``) of a distributed checkpoint, one at a time,
-    in bounded memory: :meth:`tensor` assembles one alone from its chunks' mapped pages (a
-    tensor held whole by one chunk is that view, no copy) and :meth:`release` gives those
-    pages back, so a consumer that writes or loads each tensor before asking for the next
-    holds about one tensor whatever the model's size. Iterating yields ``(name, tensor)``
-    in name order, releasing each once the next is asked for.
+    in bounded memory: :meth:`tensor` assembles one alone from its chunks' mapped pages
+    (into one buffer reused by the next call: copy or consume it before asking again),
+    giving them back as it copies (a tensor held whole by one chunk is that view, no copy),
+    and :meth:`release` gives back a view's, so a consumer that writes or loads each tensor
+    before asking for the next holds about one tensor whatever the model's size. Iterating
+    yields ``(name, tensor)`` in name order, releasing each once the next is asked for.
 
     ``files``: the part's shard files, each a :class:`~pipeline.checkpoint.tensorfile.MappedTensors`
     keyed by its name in ``meta.json``'s files table (``model/…``), opened on files this
@@ -160,20 +184,33 @@ class ConsolidatedTensors:
         self._pieces = _covered(folder, part, expected, {name: file.buffer for name, file in files.items()})
         self.specs = {name: torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]], device="meta")
                       for name, spec in sorted(expected.items())}
+        self._largest = max((s.numel() * s.element_size() for s in self.specs.values()), default=0)
+        self._buffer: torch.Tensor | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor ``name``; an assembled one lives in a buffer reused by the next
+        call (one allocation of the largest size, not one per tensor: a freed large block
+        that the allocator keeps would count as memory too)."""
         pieces = self._pieces[name]
-        if len(pieces) == 1:
-            return pieces[0][2]
-        full = torch.empty(self.specs[name].shape, dtype=self.specs[name].dtype)
-        for offsets, file, view in pieces:
-            full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))].copy_(view)
-            self._files[file].release(name)
-        return full
+        files = [self._files[file] for file in sorted({file for _, file, _ in pieces})]
+
+        def release(piece: torch.Tensor) -> None:
+            for file in files:  # the one whose map holds it gives its pages back
+                file.release_view(piece)
+
+        spec = self.specs[name]
+        out = None
+        if len(pieces) > 1:
+            nbytes = spec.numel() * spec.element_size()
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None  # freed before the larger one is taken
+                self._buffer = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
+            out = self._buffer[:nbytes].view(spec.dtype).view(spec.shape)
+        return _assemble([(offsets, view) for offsets, _, view in pieces], list(spec.shape), release, out)
 
     def release(self, name: str) -> None:
-        for _, file, _ in self._pieces[name]:
-            self._files[file].release(name)
+        for _, file, view in self._pieces[name]:
+            self._files[file].release_view(view)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.specs:
@@ -183,15 +220,6 @@ class ConsolidatedTensors:
 
 def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expected: Mapping[str, Any]
                 ) -> dict[str, torch.Tensor]:
-    """Full tensors from covered chunks: a tensor held whole by one chunk is that view of
-    the mapped file (no copy); a sharded one (FSDP2) is assembled once."""
-    tensors = {}
-    for name, chunks in pieces.items():
-        if len(chunks) == 1:
-            tensors[name] = chunks[0][1]
-            continue
-        full = torch.empty(expected[name]["shape"], dtype=chunks[0][1].dtype)
-        for offsets, view in chunks:
-            full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))].copy_(view)
-        tensors[name] = full
-    return tensors
+    """Full tensors from covered chunks (:func:`_assemble`), all at once: a tensor held whole
+    by one chunk is that view of the mapped file (no copy)."""
+    return {name: _assemble(chunks, expected[name]["shape"]) for name, chunks in pieces.items()}

@@ -301,6 +301,9 @@ class MappedTensors:
             raise SchemaMismatch(f"{self.path} is not a valid safetensors file: {str(exc).splitlines()[0]}") from None
         self.specs = {name: torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="meta")
                       for name, entry in self.header.items() if name != "__metadata__"}
+        # The map's address, to find the pages under a view of it (release_view).
+        self._base = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr() \
+            if isinstance(self.buffer, mmap.mmap) else None
 
     def tensor(self, name: str) -> torch.Tensor:
         """A view of the tensor's bytes in the map (no copy)."""
@@ -309,9 +312,19 @@ class MappedTensors:
     def release(self, name: str) -> None:
         """Give back the pages that hold ``name`` (a neighbour sharing a page reads it again if used)."""
         begin, end = self.header[name]["data_offsets"]
-        start = (self.data_start + begin) // _PAGE * _PAGE
-        if isinstance(self.buffer, mmap.mmap) and end > begin:
-            self.buffer.madvise(mmap.MADV_DONTNEED, start, self.data_start + end - start)
+        self._release(self.data_start + begin, self.data_start + end)
+
+    def release_view(self, view: torch.Tensor) -> None:
+        """Give back the pages under ``view`` if it is a contiguous view of this map (else nothing)."""
+        if self._base is not None and view.is_contiguous():
+            start = view.data_ptr() - self._base
+            if 0 <= start <= len(self.buffer):
+                self._release(start, min(start + view.numel() * view.element_size(), len(self.buffer)))
+
+    def _release(self, start: int, stop: int) -> None:
+        first = start // _PAGE * _PAGE
+        if isinstance(self.buffer, mmap.mmap) and stop > start:
+            self.buffer.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
 def map_file(path: Path) -> mmap.mmap | bytes:

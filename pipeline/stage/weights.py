@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from ..checkpoint import ConsolidatedTensors, MappedTensors, is_distributed, write_safetensors_streamed
-from ..errors import ChecksumMismatch, ConfigError, StageAuditError, StageError
+from ..errors import ChecksumMismatch, ConfigError, InternalError, StageAuditError, StageError
 from ..hashing import CHUNK, HashingWriter, sha256_file
 from ..layout import DIST_MODEL_DIR, MODEL_FILE, shard_name
 
@@ -41,6 +41,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]I?B|B)?\s*$", re.IGNORECASE)
 _HEADER_PER_TENSOR = 96
 _HEADER_FIXED = 8 + 64  # length prefix and the {"__metadata__": {"format": "pt"}} entry
 _PUBLISHED_METADATA = {"format": "pt"}  # what transformers' loader checks in a safetensors header
+_SCAN_ELEMENTS = 1 << 18  # elements per slice of the NaN/inf scan
 
 
 def parse_size(text: str | int) -> int:
@@ -80,22 +81,30 @@ class CheckpointWeights:
 
     def __init__(self, source: MappedTensors | ConsolidatedTensors, copy: Path | None, entry: dict[str, Any] | None,
                  files: list[MappedTensors]) -> None:
-        self._source = source
+        self._source: MappedTensors | ConsolidatedTensors | None = source
         self._files = files
         self.specs: dict[str, torch.Tensor] = dict(source.specs)
         self.copy = copy
         self.entry = entry
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The full tensor (a view of the mapped copy, or assembled from its shards)."""
-        return self._source.tensor(name)
+        """The full tensor (a view of the mapped copy, or assembled from its shards into a
+        buffer the next call reuses)."""
+        return self._open().tensor(name)
 
     def release(self, name: str) -> None:
         """Give back the memory of a tensor that was used (see :meth:`MappedTensors.release`)."""
-        self._source.release(name)
+        self._open().release(name)
+
+    def _open(self) -> MappedTensors | ConsolidatedTensors:
+        if self._source is None:
+            raise InternalError("the checkpoint's weights were read after write_weights closed them")
+        return self._source
 
     def close(self) -> None:
-        for file in self._files:
+        """Let go of the maps and any assembly buffer (nothing can be read after)."""
+        files, self._files, self._source = self._files, [], None
+        for file in files:
             if hasattr(file.buffer, "close"):
                 with contextlib.suppress(BufferError):  # a view still alive keeps the map; it goes with it
                     file.buffer.close()
@@ -174,11 +183,17 @@ def plan_weights(specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], 
 
 
 def _nonfinite(tensor: torch.Tensor) -> bool:
+    """NaN or ±inf anywhere, checked a slice at a time (small temporaries, whatever the size)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return False
-    if tensor.is_floating_point() and tensor.element_size() == 1:
-        tensor = tensor.float()  # float8 kernels lack isfinite
-    return not bool(torch.isfinite(tensor).all())
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _SCAN_ELEMENTS):
+        piece = flat[start:start + _SCAN_ELEMENTS]
+        if piece.is_floating_point() and piece.element_size() == 1:
+            piece = piece.float()  # float8 kernels lack isfinite
+        if not bool(torch.isfinite(piece).all()):
+            return True
+    return False
 
 
 def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
@@ -187,7 +202,8 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
     ``{file: {"sha256", "size"}}`` and the (published) names of tensors holding NaN or ±inf.
 
     Unchanged weights are the verified copy itself, moved in; others are written tensor
-    by tensor and each file is re-hashed from disk and its header compared with the plan."""
+    by tensor and each file is re-hashed from disk and its header compared with the plan.
+    ``weights`` is closed after (its maps and buffer let go)."""
     nonfinite = []
     if plan.copies_source and weights.copy is not None:
         os.replace(weights.copy, built / MODEL_FILE)
@@ -195,6 +211,7 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
             if _nonfinite(weights.tensor(name)):
                 nonfinite.append(name)
             weights.release(name)
+        weights.close()
         return {MODEL_FILE: dict(weights.entry or {})}, nonfinite
     written: dict[str, dict[str, Any]] = {}
     for file in plan.files:
@@ -218,6 +235,7 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
                 n: (t.dtype, t.shape) for n, t in specs.items()}:
             raise StageAuditError(f"{built / file} reads back with other bytes than were written: check the disk")
         written[file] = {"sha256": sha256, "size": size}
+    weights.close()
     return written, sorted(nonfinite)
 
 

@@ -66,6 +66,8 @@ def test_a_model_record_that_disagrees_with_the_weights_is_refused_by_the_stage(
     write_sealed(run.checkpoint, meta)
     with pytest.raises(StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"):
         build_stage(config, StageBuild(stage_dir=run.stage, metrics=None))
+    with pytest.raises(StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"):
+        evaluate_checkpoint(config)  # the same check where 04 loads the weights
     meta["model"]["tensors"]["net.0.bias"]["shape"] = [16]
     meta["model"]["tied"] = ["net.0.weight"]
     write_sealed(run.checkpoint, meta)

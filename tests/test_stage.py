@@ -140,6 +140,21 @@ def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):
     assert height > 100 and width > 100
 
 
+def test_a_card_staged_without_repo_id_names_no_repo_and_loads_from_any_download_folder(staged_run, tmp_path):
+    """Whatever name 06 publishes it under, the card is right: it loads from the folder the
+    reader downloaded the repo into, without this project, in one line after the hash check."""
+    from support import first_python_block, run_as_hub_user
+
+    card = (staged_run.stage / "README.md").read_text(encoding="utf-8")
+    assert "repo_id" not in first_python_block(card)
+    download = f"import shutil\nshutil.copytree({str(staged_run.stage)!r}, 'model')\n"  # what `hf download` leaves
+    check = ("\nimport torch\nfrom safetensors.torch import load_file\n"
+             "assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file('model/modelo.safetensors').items())\n"
+             "print('LOADED', type(model).__name__)\n")
+    result = run_as_hub_user(download + first_python_block(card) + check, tmp_path / "reader", "http://127.0.0.1:9", "x")
+    assert result.returncode == 0 and "LOADED MLP" in result.stdout, result.stdout + result.stderr
+
+
 def test_staged_weights_reproduce_the_recorded_metric_exactly(staged_run):
     meta = staged_meta(staged_run)
     config = config_from_dict({**meta["config"], "data": {**meta["config"]["data"], "dir": str(staged_run.data_dir)}})

@@ -87,11 +87,15 @@ def inspect_model(model: torch.nn.Module, config: Config, public_config: Mapping
     architecture = f"{type(model).__module__}.{type(model).__qualname__}"
     if _is_transformers_model(model):
         return _transformers_export(model, architecture)
+    from ..factories import resolve
+
     _, tied = stored_layout(model)
+    factory = resolve(config.model.factory, "model.factory")
     payload = {
         "architecture": architecture,
         "tied": dict(sorted(tied.items())),
-        "factory": config.model.factory,
+        # Where the function is defined: the module that ships (a re-export's module may not).
+        "factory": f"{factory.__module__}:{factory.__qualname__}",
         "dtype": config.training.dtype,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "config": dict(public_config),

@@ -9,6 +9,7 @@ manifest and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and 
 (``pipeline.signing``) are shared with the publish side, which imports no torch.
 """
 
-from .build import StageBuild, StageResult, build_stage, find_nonfinite
+from .build import StageBuild, StageResult, build_stage
+from .weights import find_nonfinite
 
 __all__ = ["StageBuild", "StageResult", "build_stage", "find_nonfinite"]

@@ -35,7 +35,6 @@ import torch
 from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from ..checkpoint import (
     LoadMode,
-    MappedTensors,
     check_derived_buffers,
     check_weights_fit,
     is_distributed,
@@ -84,7 +83,7 @@ from .weights import (
     write_weights,
 )
 
-__all__ = ["StageBuild", "StageResult", "build_stage", "find_nonfinite"]
+__all__ = ["StageBuild", "StageResult", "build_stage"]
 
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
 
@@ -155,23 +154,6 @@ class _Sources:
 
 # -- refusals -----------------------------------------------------------------------------
 
-def find_nonfinite(path: str | Path) -> list[str]:
-    """Names of floating-point tensors in a safetensors file that hold NaN or ±inf, sorted.
-    Memory-mapped, one tensor at a time (its pages given back after)."""
-    mapped, bad = MappedTensors(path), []
-    for name in sorted(mapped.specs):
-        tensor = mapped.tensor(name)
-        if tensor.is_floating_point() or tensor.is_complex():
-            if tensor.is_floating_point() and tensor.element_size() == 1:
-                tensor = tensor.float()  # float8 kernels lack isfinite
-            if not bool(torch.isfinite(tensor).all()):
-                bad.append(name)
-        mapped.release(name)
-    return bad
-
-
-# -- building -----------------------------------------------------------------------------
-
 def _why_not_replaceable(stage: Path) -> str | None:
     """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
     (:func:`~pipeline.audit.stage_marker_problem`), or an empty folder / the repository's
@@ -210,6 +192,22 @@ def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[st
                          "rerun scripts/04_evaluate.py")
     return record
 
+
+def _fitting_weights(folder: Path, meta: dict[str, Any], model: torch.nn.Module, weights: CheckpointWeights) -> None:
+    """The weights are published for this code: they must fit the model it builds (names,
+    dtypes, shapes, ties, and meta.json's model record), and the buffers recorded as derived
+    must still be what it computes."""
+    where = str(folder / (DIST_MODEL_DIR if is_distributed(meta) else MODEL_FILE))
+    check_weights_fit(model, weights.specs, record=meta["model"], source=where)
+    derived = meta["model"].get("derived_buffers")
+    names = [name for name in derived if isinstance(name, str) and name in weights.specs] \
+        if isinstance(derived, list) else []
+    check_derived_buffers(model, {name: weights.tensor(name) for name in names}, derived, source=where)
+    for name in names:
+        weights.release(name)
+
+
+# -- building -----------------------------------------------------------------------------
 
 def _write_file(path: Path, data: bytes) -> dict[str, Any]:
     with HashingWriter(path) as out:
@@ -406,20 +404,6 @@ def _report(src: _Sources, audited: dict[str, AuditedFile]) -> tuple[list[Audite
     staged = {name: replace(audited[name], verified_against=notes.get(name, audited[name].verified_against))
               for name in names}
     return source + list(staged.values()), staged
-
-
-def _fitting_weights(folder: Path, meta: dict[str, Any], model: torch.nn.Module, weights: CheckpointWeights) -> None:
-    """The weights are published for this code: they must fit the model it builds (names,
-    dtypes, shapes, ties, and meta.json's model record), and the buffers recorded as derived
-    must still be what it computes."""
-    where = str(folder / (DIST_MODEL_DIR if is_distributed(meta) else MODEL_FILE))
-    check_weights_fit(model, weights.specs, record=meta["model"], source=where)
-    derived = meta["model"].get("derived_buffers")
-    names = [name for name in derived if isinstance(name, str) and name in weights.specs] \
-        if isinstance(derived, list) else []
-    check_derived_buffers(model, {name: weights.tensor(name) for name in names}, derived, source=where)
-    for name in names:
-        weights.release(name)
 
 
 def build_stage(config: Config, build: StageBuild | None = None, /, **options: Any) -> StageResult:

@@ -28,8 +28,8 @@ from ..errors import ChecksumMismatch, ConfigError, InternalError, StageAuditErr
 from ..hashing import CHUNK, HashingWriter, sha256_file
 from ..layout import DIST_MODEL_DIR, MODEL_FILE, shard_name
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "CheckpointWeights", "WeightsPlan", "open_weights",
-           "parse_size", "plan_weights", "write_weights", "index_bytes"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "CheckpointWeights", "WeightsPlan", "find_nonfinite",
+           "open_weights", "parse_size", "plan_weights", "write_weights", "index_bytes"]
 
 # save_pretrained's default, so a model too big for one file is split where transformers would split it.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -180,6 +180,17 @@ def plan_weights(specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], 
     weight_map = {name: files[i] for i, names in enumerate(shards) for name in names}
     return WeightsPlan(weight_map=dict(sorted(weight_map.items())), files=files, total_size=sum(sizes.values()),
                        renames=dict(renames))
+
+
+def find_nonfinite(path: str | Path) -> list[str]:
+    """Names of floating-point tensors in a safetensors file that hold NaN or ±inf, sorted;
+    one tensor in memory at a time."""
+    mapped, bad = MappedTensors(path), []
+    for name in sorted(mapped.specs):
+        if _nonfinite(mapped.tensor(name)):
+            bad.append(name)
+        mapped.release(name)
+    return bad
 
 
 def _nonfinite(tensor: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ from pipeline.cli import add_config_arguments, config_from_args, run_main
 from pipeline.layout import METRICS_FILE, STAGE_DIR
 from pipeline.signing import key_signer, sigstore_signer
 from pipeline.stage import StageBuild, build_stage
-from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE
+from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
 
 def main() -> int:
@@ -70,6 +70,7 @@ def main() -> int:
     if bool(args.sign_certificate) != bool(args.sign_chain):
         # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
         parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
+    large_blocks_to_the_os()  # staging holds about one tensor; freed buffers must leave too
     config = config_from_args(args)
     signer = None
     if args.sign_key is not None:

@@ -14,6 +14,7 @@ assembled alone), each file re-hashed from disk after writing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from ..hashing import CHUNK, HashingWriter, sha256_file
 from ..layout import DIST_MODEL_DIR, MODEL_FILE, shard_name
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "CheckpointWeights", "WeightsPlan", "find_nonfinite",
-           "open_weights", "parse_size", "plan_weights", "write_weights", "index_bytes"]
+           "large_blocks_to_the_os", "open_weights", "parse_size", "plan_weights", "write_weights", "index_bytes"]
 
 # save_pretrained's default, so a model too big for one file is split where transformers would split it.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -42,6 +43,22 @@ _HEADER_PER_TENSOR = 96
 _HEADER_FIXED = 8 + 64  # length prefix and the {"__metadata__": {"format": "pt"}} entry
 _PUBLISHED_METADATA = {"format": "pt"}  # what transformers' loader checks in a safetensors header
 _SCAN_ELEMENTS = 1 << 18  # elements per slice of the NaN/inf scan
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def large_blocks_to_the_os() -> None:
+    """Make glibc's allocator hand every freed block of 1 MiB or more back to the OS at once.
+
+    By default glibc raises its mmap threshold to the size of the largest block freed (up
+    to 32 MiB), after which the 8 MiB read, hash and tensor buffers of staging come from
+    heaps that keep their pages once freed, one heap per thread: the peak would depend on
+    which thread freed what. Script 05 calls this first (``mallopt(M_MMAP_THRESHOLD)``, a
+    documented glibc call); elsewhere it does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
 
 
 def parse_size(text: str | int) -> int:

@@ -13,6 +13,7 @@
 ``weights``               tied-weight dedupe, THE fit check (``check_weights_fit``),
                           strict load, warm start, model summary
 ``compat``                may this checkpoint resume this config?
+``private_copy``          its weights from a verified private copy, one tensor at a time
 ``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
 ``distributed``           the commit protocol across torchrun ranks; restore via DCP
 ========================  ==========================================================
@@ -29,6 +30,7 @@ from .checkpointer import Checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
@@ -49,6 +51,7 @@ __all__ = [
     *_DISTRIBUTED,
     "Checkpointer",
     "CheckpointStore",
+    "CheckpointWeights",
     "ConsolidatedTensors",
     "MappedTensors",
     "LoadedCheckpoint",
@@ -68,6 +71,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "model_summary",
+    "open_weights",
     "parse_step_dir",
     "pinned_checkpoint",
     "read_meta",

@@ -34,10 +34,12 @@ import torch
 
 from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from ..checkpoint import (
+    CheckpointWeights,
     LoadMode,
     check_derived_buffers,
     check_weights_fit,
     is_distributed,
+    open_weights,
     pinned_checkpoint,
     read_tensors,
 )
@@ -72,16 +74,7 @@ from .code_export import model_sources
 from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
-from .weights import (
-    DEFAULT_MAX_SHARD_SIZE,
-    HUB_MAX_FILE_SIZE,
-    CheckpointWeights,
-    index_bytes,
-    open_weights,
-    parse_size,
-    plan_weights,
-    write_weights,
-)
+from .weights import DEFAULT_MAX_SHARD_SIZE, HUB_MAX_FILE_SIZE, index_bytes, parse_size, plan_weights, write_weights
 
 __all__ = ["StageBuild", "StageResult", "build_stage"]
 

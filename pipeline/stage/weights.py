@@ -1,10 +1,9 @@
 """The checkpoint's weights on their way into the stage, one tensor in memory at a time.
 
-:func:`open_weights` copies the weights of a verified checkpoint into a scratch folder
-beside the stage, hashing while copying and comparing with ``meta.json`` (the single
-``modelo.safetensors``, or a distributed checkpoint's ``model/`` shard files): every later
-read is of this private copy, so the bytes staged are the bytes verified, and nothing
-needs the whole model in memory. :func:`plan_weights` splits the tensors into the files
+:func:`~pipeline.checkpoint.open_weights` copies the weights of a verified checkpoint into
+a scratch folder beside the stage, hashing while copying and comparing with ``meta.json``:
+every later read is of this private copy, so the bytes staged are the bytes verified, and
+nothing needs the whole model in memory. :func:`plan_weights` splits the tensors into the files
 the Hub will hold (``--max-shard-size``; never above the Hub's per-file maximum) and
 :func:`write_weights` writes them: the copy itself, renamed into the stage, when nothing
 changes; otherwise tensor by tensor (a distributed checkpoint's sharded tensors each
@@ -13,7 +12,6 @@ assembled alone), each file re-hashed from disk after writing.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -24,13 +22,13 @@ from typing import Any, Mapping
 
 import torch
 
-from ..checkpoint import ConsolidatedTensors, MappedTensors, is_distributed, write_safetensors_streamed
-from ..errors import ChecksumMismatch, ConfigError, InternalError, StageAuditError, StageError
-from ..hashing import CHUNK, HashingWriter, sha256_file
-from ..layout import DIST_MODEL_DIR, MODEL_FILE, shard_name
+from ..checkpoint import CheckpointWeights, MappedTensors, write_safetensors_streamed
+from ..errors import ConfigError, StageAuditError, StageError
+from ..hashing import sha256_file
+from ..layout import MODEL_FILE, shard_name
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "CheckpointWeights", "WeightsPlan", "find_nonfinite",
-           "large_blocks_to_the_os", "open_weights", "parse_size", "plan_weights", "write_weights", "index_bytes"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "WeightsPlan", "find_nonfinite", "large_blocks_to_the_os",
+           "parse_size", "plan_weights", "write_weights", "index_bytes"]
 
 # save_pretrained's default, so a model too big for one file is split where transformers would split it.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -71,78 +69,6 @@ def parse_size(text: str | int) -> int:
 
 def _nbytes(spec: torch.Tensor) -> int:
     return spec.numel() * spec.element_size()
-
-
-# -- the verified private copy ------------------------------------------------------------
-
-def _copy_verified(source: Path, target: Path, entry: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy while hashing, compare with the checkpoint's record, then re-hash the copy
-    from disk: both what was read and what landed must be the recorded bytes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(source, "rb") as src, HashingWriter(target) as out:
-        while chunk := src.read(CHUNK):
-            out.write(chunk)
-    if out.sha256 != entry["sha256"] or out.size != entry["size"]:
-        raise ChecksumMismatch(f"{source} changed while it was copied (SHA-256 differs from its meta.json)")
-    if sha256_file(target) != entry["sha256"]:
-        raise StageAuditError(f"the copy of {source} reads back with another SHA-256: check the disk")
-    return {"sha256": out.sha256, "size": out.size}
-
-
-class CheckpointWeights:
-    """A checkpoint's stored tensors, read from a verified private copy one at a time.
-
-    ``specs``: stored name -> a ``meta`` tensor of its dtype and shape. ``copy``: for a
-    single-process checkpoint, the copied ``modelo.safetensors`` and its ``entry`` (SHA-256,
-    size), which the stage takes as is when nothing is renamed or split."""
-
-    def __init__(self, source: MappedTensors | ConsolidatedTensors, copy: Path | None, entry: dict[str, Any] | None,
-                 files: list[MappedTensors]) -> None:
-        self._source: MappedTensors | ConsolidatedTensors | None = source
-        self._files = files
-        self.specs: dict[str, torch.Tensor] = dict(source.specs)
-        self.copy = copy
-        self.entry = entry
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The full tensor (a view of the mapped copy, or assembled from its shards into a
-        buffer the next call reuses)."""
-        return self._open().tensor(name)
-
-    def release(self, name: str) -> None:
-        """Give back the memory of a tensor that was used (see :meth:`MappedTensors.release`)."""
-        self._open().release(name)
-
-    def _open(self) -> MappedTensors | ConsolidatedTensors:
-        if self._source is None:
-            raise InternalError("the checkpoint's weights were read after write_weights closed them")
-        return self._source
-
-    def close(self) -> None:
-        """Let go of the maps and any assembly buffer (nothing can be read after)."""
-        files, self._files, self._source = self._files, [], None
-        for file in files:
-            if hasattr(file.buffer, "close"):
-                with contextlib.suppress(BufferError):  # a view still alive keeps the map; it goes with it
-                    file.buffer.close()
-
-
-def open_weights(folder: Path, meta: dict[str, Any], scratch: Path) -> CheckpointWeights:
-    """The weights of the verified checkpoint ``folder``, copied into ``scratch`` (hashed
-    on the way and compared with ``meta.json``), every copy parsed by the strict parser and
-    a distributed checkpoint's shards checked to tile each tensor."""
-    if not is_distributed(meta):
-        copy = scratch / MODEL_FILE
-        entry = _copy_verified(folder / MODEL_FILE, copy, meta["files"][MODEL_FILE])
-        mapped = MappedTensors(copy)
-        return CheckpointWeights(mapped, copy, entry, [mapped])
-    files = {}
-    for name, entry in sorted(meta["files"].items()):
-        if name.startswith(f"{DIST_MODEL_DIR}/"):
-            _copy_verified(folder / name, scratch / name, entry)
-            files[name] = MappedTensors(scratch / name)
-    consolidated = ConsolidatedTensors(scratch, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], files)
-    return CheckpointWeights(consolidated, None, None, list(files.values()))
 
 
 # -- the published files ------------------------------------------------------------------

@@ -143,6 +143,8 @@ class _Sources:
     """The matching metrics.json record, if staged with metrics."""
     weights: CheckpointWeights
     """The verified weights, read one tensor at a time."""
+    user_sections: str | None
+    """The Markdown of the config's ``card.sections`` file, if any."""
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -365,8 +367,7 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
     card = build_model_card(staged, listed, repo_id=build.repo_id,
                             sample=src.metrics["sample"] if src.metrics else None,
                             curve_file=CURVE_FILE if curve is not None else None,
-                            signature_section=card_section(signer, build.repo_id),
-                            user_sections=_user_sections(src.config))
+                            signature_section=card_section(signer, build.repo_id), user_sections=src.user_sections)
     listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
     _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
     _check_file_sizes(built)
@@ -421,7 +422,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
     build = build if build is not None else StageBuild(**options)
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(build.stage_dir))
-    parse_size(build.max_shard_size)  # a bad size is refused before any work
+    parse_size(build.max_shard_size)  # a bad size or sections file is refused before any work
+    user_sections = _user_sections(config)
     # Pinned until copied: a trainer running beside us cannot prune it away.
     with pinned_checkpoint(build.checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded, \
             stage_lock(stage), contextlib.ExitStack() as scratch:
@@ -440,7 +442,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         model = build_model(model_config, "meta")
         _fitting_weights(folder, meta, model, weights)
         src = _Sources(folder=folder, meta=meta, meta_file_sha256=meta_file_sha256, config=config,
-                       model_config=model_config, model=model, metrics=record, weights=weights)
+                       model_config=model_config, model=model, metrics=record, weights=weights,
+                       user_sections=user_sections)
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, src, build)
             signer = build.signer

@@ -41,8 +41,9 @@ header, which the parser reads (``benchmarks/README.md``, "Resume load").
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
 ``__metadata__`` values, unknown dtypes, sizes that overflow, offsets that disagree with
 dtype and shape, tensors that do not tile the data from byte 0 to the end) and also a
-key twice (after decoding escapes), a tensor named ``__metadata__``, booleans or floats
-as offsets or dims, extra fields, and nesting too deep. Every refusal is a
+key twice (after decoding escapes), a tensor named ``__metadata__``, a tensor name that is
+not printable ASCII (:func:`check_tensor_name`), booleans or floats as offsets or dims,
+extra fields, and nesting too deep. Every refusal is a
 :class:`~pipeline.errors.SchemaMismatch` naming the file and the rule.
 """
 

@@ -154,9 +154,9 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
         signed_run, keys, hub, tmp_path):
     """Acceptance: in a new virtualenv holding only what the card's pip line installs, the
     card's download step and verify command exit 0 as printed; the same command verifies the
-    Hub-cache folder (symlinks) that the card's loading snippet downloads into. Without
-    pyopenssl, which model-signing 1.1.1 imports but does not declare, verification fails:
-    the environment really holds nothing more."""
+    Hub-cache folder (symlinks) that the card's loading snippet downloads into. (Without
+    pyopenssl, which model-signing 1.1.1 imports but does not declare, the verify command
+    fails in such an environment: tests/mutation/mutations.toml plants exactly that.)"""
     from fresh_venv import fresh_venv
 
     run, _ = signed_run
@@ -189,9 +189,6 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
     assert Path(cached, "modelo.safetensors").is_symlink()
     ran = as_user(verify.replace(" model/", f" {cached}/").removesuffix(" model") + f" {cached}", clean)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    without = fresh_venv(tmp_path / "venv-without", [r for r in requirements if r != "pyopenssl"])
-    ran = as_user(verify, without)
-    assert ran.returncode != 0 and "OpenSSL" in ran.stdout + ran.stderr
 
     local = user / "model"
     assert (local / ".gitattributes").exists() and (local / ".cache").is_dir()

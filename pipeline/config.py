@@ -26,6 +26,7 @@ from .config_values import check_params as _check_params
 from .config_values import load_yaml as _load_yaml
 from .errors import ConfigError
 from .layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR
+from .params import is_yaml11_float
 
 __all__ = [
     "DataConfig",
@@ -291,6 +292,10 @@ class CardConfig:
     """The evaluation table's dataset name; empty means the first of ``datasets``, else the model's data."""
     eval_dataset_type: str = ""
     """The evaluation table's dataset type (a Hub dataset id links it); empty means the first of ``datasets``."""
+    sections: str = ""
+    """A Markdown file (UTF-8, relative to the working folder) of your own card sections, such as
+    "## Intended use" or "## Limitations", added after the description; empty for none. Its
+    text is scanned for secrets and audited with the rest of the stage."""
 
     def __post_init__(self) -> None:
         _strings(self.tags, "card.tags")
@@ -378,14 +383,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-def is_yaml11_float(value: Any) -> bool:
-    """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) loads as a string; users mean a number."""
-    return isinstance(value, str) and bool(_YAML11_FLOAT.match(value.strip()))
 
 
 def _type_name(tp: Any) -> str:

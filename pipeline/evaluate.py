@@ -104,7 +104,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
     seed_everything(eval_config.training.seed)
     model = build_model(eval_config, device)
-    load_model_weights(model, loaded.model_tensors, derived=loaded.derived_buffers)
+    load_model_weights(model, loaded.model_tensors, derived=loaded.derived_buffers, record=meta["model"])
     del loaded
     model.eval()
     data = load_task_data(eval_config)

@@ -23,10 +23,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .config import Config, is_yaml11_float
+from .config import Config
 from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError
+from .params import read_params  # published model code imports it from pipeline.params
 
-__all__ = ["resolve", "factory_errors", "read_params", "adam", "adamw", "step_lr", "warmup_cosine", "constant"]
+__all__ = ["resolve", "defining_module", "factory_errors", "read_params", "adam", "adamw", "step_lr", "warmup_cosine",
+           "constant"]
 
 @contextlib.contextmanager
 def importable_working_folder() -> Iterator[None]:
@@ -116,6 +118,12 @@ class _Factory:
         return result
 
 
+def defining_module(path: str, key: str) -> str:
+    """The module that defines the function ``path`` names (a re-exported factory names the
+    module it comes from): where the model's code starts."""
+    return getattr(resolve(path, key).target, "__module__", None) or path.partition(":")[0]
+
+
 def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[..., Any]:
     """Import ``module:attr``; errors name the config key that held the path. The callable
     returned checks its arguments against the function's signature, turns what the function
@@ -137,30 +145,6 @@ def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[...
     if not callable(target):
         raise ConfigError(f"{key}: {path!r} is not callable")
     return _Factory(target, path, key, returns)
-
-
-def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, Any]]) -> dict[str, Any]:
-    """Validate a factory's ``params`` mapping against ``{name: (type, default)}``.
-
-    A default of ``...`` makes the key required. Errors name ``key.name``.
-    """
-    unknown = sorted(set(params) - set(spec))
-    if unknown:
-        raise ConfigError(f"unknown key {key}.{unknown[0]} (known: {', '.join(sorted(spec)) or 'none'})")
-    out: dict[str, Any] = {}
-    for name, (kind, default) in spec.items():
-        if name not in params:
-            if default is ...:
-                raise ConfigError(f"{key}.{name} is required")
-            out[name] = default
-            continue
-        value = params[name]
-        if kind is float and (isinstance(value, int) and not isinstance(value, bool) or is_yaml11_float(value)):
-            value = float(value)
-        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise ConfigError(f"{key}.{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
-        out[name] = value
-    return out
 
 
 def _optimizer_kwargs(config: Config) -> dict[str, Any]:

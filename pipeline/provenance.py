@@ -118,12 +118,10 @@ def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
     """``{name under its import path: (role, file)}``, the model's closure first."""
     # Imported here: both need torch's side of the package (a run or a stage is being built).
     from .factories import importable_working_folder
-    from .stage.code_export import local_sources  # the closure script 05 ships
+    from .stage.code_export import shipped_sources  # the closure script 05 ships
 
-    files: dict[str, tuple[str, Path]] = {}
+    files = {relative: ("model", origin) for relative, origin in shipped_sources(config, strict=False).items()}
     with importable_working_folder():
-        for relative, origin in local_sources(config.model.factory, (Path.cwd(), PACKAGE_ROOT)).items():
-            files[relative] = ("model", origin)
         for key in ("data.factory", "optimizer.factory", "scheduler.factory"):
             section, _, field = key.partition(".")
             found = _module_file(getattr(getattr(config, section), field).partition(":")[0])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -73,12 +74,40 @@ def configure_determinism(config: Config) -> None:
 
 
 def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The model alone, in the configured dtype (for evaluation and loading published weights)."""
-    model = resolve(config.model.factory, "model.factory", returns=torch.nn.Module)(config)
+    """The model alone, in the configured dtype (for evaluation and loading published weights).
+
+    ``device="meta"`` builds it without weights: every parameter on ``meta`` (names, dtypes,
+    shapes and ties, no memory), buffers computed on the CPU as usual, so the stage can check
+    a checkpoint against a model of any size (accelerate's ``init_empty_weights`` does the same)."""
+    factory = resolve(config.model.factory, "model.factory", returns=torch.nn.Module)
+    empty = torch.device(device).type == "meta"
+    with _parameters_on_meta() if empty else contextlib.nullcontext():
+        model = factory(config)
+    dtype = getattr(torch, config.training.dtype)
+    if empty:
+        return model.to(dtype=dtype)
     # Moving the model allocates it again, on the device and in the dtype: named the same way.
     with factory_errors("model.factory", f"{config.model.factory} (its model moved to {device}, "
                                          f"{config.training.dtype})"):
-        return model.to(device=torch.device(device), dtype=getattr(torch, config.training.dtype))
+        return model.to(device=torch.device(device), dtype=dtype)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Each parameter registered while the block runs moves to ``meta`` (its CPU memory freed
+    at once); one already there is kept as is, so ``b.weight = a.weight`` still ties."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def fresh_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -41,8 +41,8 @@ from typing import Any
 from .errors import SigningError
 from .layout import PUBLIC_KEY_FILE, SIGNATURE_FILE
 
-__all__ = ["SIGNATURE_FILE", "PUBLIC_KEY_FILE", "StageSigner", "ExpectedSigner", "SignatureCheck", "key_signer",
-           "sigstore_signer", "sign_stage", "verify_stage", "card_section"]
+__all__ = ["SIGNATURE_FILE", "PUBLIC_KEY_FILE", "VERIFY_REQUIREMENTS", "StageSigner", "ExpectedSigner", "SignatureCheck",
+           "key_signer", "sigstore_signer", "sign_stage", "verify_stage", "card_section"]
 
 _SUPPORTED_CURVES = ("secp256r1", "secp384r1", "secp521r1")
 _EXTRA = "install the signing extra: pip install -e '.[sign]' (model-signing)"
@@ -344,19 +344,26 @@ def _verify_certificate(stage: Path, signature: Path, material: dict, config: An
                           key_source=f"certificate chain {', '.join(str(p) for p in expected.verify_chain)}")
 
 
+# What the card's verify recipe installs: model-signing 1.1.1 imports OpenSSL (pyopenssl)
+# without declaring it, and `hf download` comes with huggingface_hub.
+VERIFY_REQUIREMENTS = ("huggingface_hub", "model-signing==1.1.1", "pyopenssl")
+_FOLDER = "model"
+
+
 def card_section(signer: StageSigner | None, repo_id: str | None = None) -> str:
-    """The model card's "Signature" section: signed or not, the fingerprint, and how to verify."""
+    """The model card's "Signature" section: signed or not, the fingerprint, and how to
+    verify on a clean machine (install, download, verify: each line runs as printed)."""
     if signer is None:
         return ("## Signature\n\nThis repo is **not signed**. The SHA-256 values above prove only that the files "
                 "match each other, not who published them.")
-    command = (f"model_signing verify key --public_key <dir>/{PUBLIC_KEY_FILE} --signature <dir>/{SIGNATURE_FILE} "
-               "--ignore-paths <dir>/.cache <dir>")
+    # --ignore-paths: the bookkeeping a --local-dir download leaves; --allow_symlinks: a
+    # snapshot_download folder in the Hub cache (the loading snippet's) is made of symlinks.
+    tail = f"--signature {_FOLDER}/{SIGNATURE_FILE} --ignore-paths {_FOLDER}/.cache --allow_symlinks {_FOLDER}"
+    command = f"model_signing verify key --public_key {_FOLDER}/{PUBLIC_KEY_FILE} {tail}"
     if signer.certificate:
-        command = ("model_signing verify certificate --certificate_chain <root CA certificate you trust> "
-                   f"--signature <dir>/{SIGNATURE_FILE} --ignore-paths <dir>/.cache <dir>")
+        command = f"model_signing verify certificate --certificate_chain <root CA certificate you trust> {tail}"
     if signer.fingerprint is None:
-        command = (f"model_signing verify sigstore --identity <signer identity> --identity_provider <issuer> "
-                   f"--signature <dir>/{SIGNATURE_FILE} --ignore-paths <dir>/.cache <dir>")
+        command = f"model_signing verify sigstore --identity <signer identity> --identity_provider <issuer> {tail}"
         how = ("signed with [OpenSSF model signing](https://github.com/sigstore/model-transparency) through "
                "Sigstore (keyless): the signer's identity is in the certificate inside `model.sig`.")
     else:
@@ -368,13 +375,11 @@ def card_section(signer: StageSigner | None, repo_id: str | None = None) -> str:
         if signer.certificate:
             how += (" The signature also carries the key's certificate chain: check it against a root CA you "
                     "trust with the command below.")
-    steps = ("from huggingface_hub import snapshot_download\n"
-             f"snapshot_download(\"{repo_id or '<namespace>/<name>'}\", local_dir=\"<dir>\")  "
-             "# pin revision= for a fixed commit")
+    download = (f"hf download {repo_id} --local-dir {_FOLDER}  # --revision <commit> for a fixed commit" if repo_id
+                else f"hf download <this repository's id> --local-dir {_FOLDER}")
+    steps = f"pip install {' '.join(VERIFY_REQUIREMENTS)}\n{download}\n{command}"
     return (f"## Signature\n\nThis repo is {how} `{SIGNATURE_FILE}` covers every file (this card and "
             "`MANIFEST.sha256` included) except itself; the Hub's `.gitattributes` is ignored by the tool.\n\n"
-            f"Download, then verify with the stock CLI (`pip install model-signing`):\n\n```python\n{steps}\n```\n\n"
-            f"```sh\n{command}\n```\n\n`--ignore-paths <dir>/.cache` skips the download's own bookkeeping folder; "
-            "use your trusted "
-            f"copy of the public key in place of `<dir>/{PUBLIC_KEY_FILE}` where you have one. "
-            "If the files were published under a folder of the repo, use `<dir>/<folder>` for `<dir>`.")
+            f"Verify on any machine, in a new virtual environment:\n\n```sh\n{steps}\n```\n\n"
+            f"To verify the folder the loading snippet above downloaded, use its path (`folder`) for `{_FOLDER}`; "
+            f"where you have a trusted copy of the public key, use it in place of `{_FOLDER}/{PUBLIC_KEY_FILE}`.")

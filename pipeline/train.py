@@ -282,7 +282,8 @@ def train(
         if start is not None:
             loaded = _load_into(run, store, start)
             restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
-                          omit=hooks.skip_restore, step=loaded.meta["step"], derived=loaded.derived_buffers)
+                          omit=hooks.skip_restore, step=loaded.meta["step"], derived=loaded.derived_buffers,
+                          record=loaded.meta["model"])
             report.message(f"resumed from {loaded.folder} at step {run.step}")
             if extend_to is not None:
                 report.message(f"extended from max_steps {lineage[-1]['from_max_steps']} to {extend_to} "

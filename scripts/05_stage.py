@@ -10,11 +10,13 @@
     cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
     python scripts/05_stage.py --sign-key ~/keys/release.pem  # sign it (pip install -e '.[sign]')
 
-Every checkpoint file is verified against its meta.json, the stage is built in a hidden
-sibling folder, audited, scanned for tokens, and only then renamed into place. Nothing is
-uploaded. Refuses (exit 2, previous stage untouched) on a hash mismatch, NaN/inf weights
-(unless --allow-nonfinite), a token, private key, home folder, absolute path or host name
-in a staged file, or a metrics.json that was computed for other weights.
+Every checkpoint file is verified against its meta.json, the weights must fit the model
+the checkpoint's config builds, the stage is built in a hidden sibling folder (the weights
+one tensor at a time), audited, scanned for tokens, and only then renamed into place.
+Nothing is uploaded. Refuses (exit 2, previous stage untouched) on a hash mismatch, weights
+that do not fit the model, NaN/inf weights (unless --allow-nonfinite), a file above the
+Hub's 50 GB maximum, a token, private key, home folder, absolute path or host name in a
+staged file, or a metrics.json that was computed for other weights. docs/stage.md says more.
 
 --sign-key signs the stage with OpenSSF model signing (an ECDSA P-256/384/521 private key
 in PEM, kept outside the stage; it is read, never copied): model.sig and signing_key.pub
@@ -30,8 +32,8 @@ from pathlib import Path
 from pipeline.audit import format_audit_table
 from pipeline.cli import add_config_arguments, config_from_args, run_main
 from pipeline.signing import key_signer, sigstore_signer
-from pipeline.stage import build_stage
-from pipeline.stage.hf_export import DEFAULT_MAX_SHARD_SIZE
+from pipeline.stage import StageBuild, build_stage
+from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
 
 def main() -> int:
@@ -46,7 +48,8 @@ def main() -> int:
                              "metrics.json for config.yaml)")
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
     parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
-    parser.add_argument("--repo-id", metavar="NAMESPACE/NAME", help="repository named in the card's loading snippet")
+    parser.add_argument("--repo-id", metavar="NAMESPACE/NAME",
+                        help="repository the card's snippets download from (without it the card names none)")
     signing = parser.add_mutually_exclusive_group()
     signing.add_argument("--sign-key", type=Path, metavar="KEY.pem",
                          help="sign the stage with this ECDSA private key (PEM, outside the stage)")
@@ -61,13 +64,15 @@ def main() -> int:
                              "this checkpoint's config, code and data")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                         help="split the weights into modelo-0000i-of-0000N.safetensors files of at most SIZE "
-                             f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained)")
+                             f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained; the Hub "
+                             "refuses files above 50GB)")
     args = parser.parse_args()
     if (args.sign_certificate or args.sign_chain) and args.sign_key is None:
         parser.error("--sign-certificate and --sign-chain need --sign-key (the certificate's private key)")
     if bool(args.sign_certificate) != bool(args.sign_chain):
         # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
         parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
+    large_blocks_to_the_os()  # staging holds about one tensor; freed buffers must leave too
     config = config_from_args(args)
     stage = args.stage or Path(config.outputs.stage)
     signer = None
@@ -76,10 +81,10 @@ def main() -> int:
                             chain=tuple(args.sign_chain))
     elif args.sign_sigstore:
         signer = sigstore_signer()
-    result = build_stage(config, checkpoint=args.checkpoint, stage_dir=stage,
-                         metrics=None if args.no_metrics else args.metrics or Path(config.outputs.metrics),
-                         allow_nonfinite=args.allow_nonfinite, repo_id=args.repo_id,
-                         max_shard_size=args.max_shard_size, proof=args.proof, signer=signer)
+    result = build_stage(config, StageBuild(checkpoint=args.checkpoint, stage_dir=stage, with_metrics=not args.no_metrics,
+                                            metrics=args.metrics, allow_nonfinite=args.allow_nonfinite,
+                                            repo_id=args.repo_id, max_shard_size=args.max_shard_size, proof=args.proof,
+                                            signer=signer))
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

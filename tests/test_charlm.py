@@ -134,10 +134,15 @@ def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cann
     folder by an interpreter that cannot import `pipeline` or `examples` leaves `model`
     holding exactly the published weights, built by the code the repo ships."""
     stage = short_run["stage"]
-    assert (stage / "config.json").is_file() and (stage / "code" / "examples" / "charlm" / "model.py").is_file()
+    # The model's code closure only: not the data factory, and of this project the one
+    # self-contained helper the model imports (read_params), plus the loader the card calls.
+    shipped = sorted(p.relative_to(stage / "code").as_posix() for p in (stage / "code").rglob("*") if p.is_file())
+    assert shipped == ["examples/__init__.py", "examples/charlm/__init__.py", "examples/charlm/model.py",
+                       "hub_loader.py", "pipeline/__init__.py", "pipeline/params.py"]
     card = (stage / "README.md").read_text(encoding="utf-8")
     assert "Loading runs this repository's Python code" in card and 'revision = "main"' in card
     snippet = first_python_block(card)
+    assert snippet.rstrip().endswith("model = load_model(folder)"), "a one-line loader"
     assert "import pipeline" not in snippet and "from pipeline" not in snippet and "import examples" not in snippet
     token = "charlm-test-token"
     with LocalHub(tmp_path / "hub", token=token) as hub:
@@ -195,9 +200,10 @@ def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_f
         commits = HfApi(endpoint=hub.url, token=token).list_repo_commits("test/sharded")
         assert len(commits) == 2, "the repo's initial commit and one publication"  # create_repo adds the first
         check = """
-import torch
+import json, torch
 from safetensors.torch import load_file
 state = model.state_dict()
+index = json.loads((folder / "model.safetensors.index.json").read_text())
 for file in sorted(set(index["weight_map"].values())):
     for name, tensor in load_file(folder / file).items():
         assert torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
@@ -325,8 +331,12 @@ def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut
     ({"data.params.sample_temperature": "0"}, "data.params.sample_temperature must be > 0"),
 ])
 def test_example_params_are_validated_with_the_key_named(overrides, message):
+    from examples.charlm.data import data_params
+
+    config = _config(overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _fresh_model(_config(overrides))
+        _fresh_model(config)  # the model factory validates model.params and the block size it reads
+        data_params(config)  # the data factory the rest of data.params
 
 
 def test_example_data_prepared_inside_the_default_data_folder_leaves_both_verifiable(tmp_path):

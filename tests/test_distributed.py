@@ -112,7 +112,7 @@ def verify_distributed(folder: Path) -> dict:
 
 def stage(checkpoint: Path, out: Path) -> Path:
     """Script 05's step, in this process (the script itself is covered by test_stage)."""
-    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, metrics=None)
+    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, with_metrics=False)
     return out / "modelo.safetensors"
 
 

@@ -48,7 +48,7 @@ def test_extending_a_finished_run_continues_it_exactly(data_dir, tmp_path):
     meta = verify_checkpoint(extended / "step-00000012")
     assert meta["lineage"] == [{"from_max_steps": 6, "at_step": 6, "to_max_steps": 10},
                                {"from_max_steps": 10, "at_step": 10, "to_max_steps": 12}]
-    stage = build_stage(_config(data_dir, extended, 6), stage_dir=tmp_path / "hub_stage", metrics=None).stage
+    stage = build_stage(_config(data_dir, extended, 6), stage_dir=tmp_path / "hub_stage", with_metrics=False).stage
     card = (stage / "README.md").read_text()
     assert "planned for 6 steps, was extended at step 6 to 10" in card
     assert "planned for 10 steps, was extended at step 10 to 12" in card

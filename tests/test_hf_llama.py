@@ -58,20 +58,19 @@ def published(tmp_path_factory):
 
 def test_hub_tools_load_tokenizer_model_and_pipeline_without_this_project(published, tmp_path):
     card = (published["stage"] / "README.md").read_text(encoding="utf-8")
+    # The card's own three lines made `tokenizer`, `model` and `generator`; the repo name works too.
     use = f"""
 import torch, transformers
 from safetensors.torch import load_file
+assert type(model).__name__ == "LlamaForCausalLM"
 assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight), "tied"
-tokenizer = transformers.AutoTokenizer.from_pretrained("{REPO_ID}")
 assert tokenizer("HAMLET:").input_ids == list(b"HAMLET:"), "one token per byte, id = byte"
-auto = transformers.AutoModelForCausalLM.from_pretrained("{REPO_ID}")
 published = load_file(folder / "modelo.safetensors")
-state = auto.state_dict()
+state = transformers.AutoModelForCausalLM.from_pretrained("{REPO_ID}").state_dict()
 for name, tensor in published.items():
     assert torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
 assert torch.equal(state["lm_head.weight"], published["model.embed_tokens.weight"]), "tied to the published embedding"
-generate = transformers.pipeline("text-generation", model="{REPO_ID}")
-text = generate("HAMLET:", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+text = generator("HAMLET:", max_new_tokens=12, do_sample=False)[0]["generated_text"]
 assert text.startswith("HAMLET:") and len(text) > len("HAMLET:"), text
 print("GENERATED", repr(text))
 """
@@ -98,13 +97,16 @@ def test_stage_holds_what_save_pretrained_writes_with_the_tied_weight_under_tran
     meta = json.loads((stage / "meta.json").read_text())
     assert meta["export"]["renamed"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(meta["files"])
+    # from_pretrained needs no code from the repository: none is published.
+    assert not (stage / "code").exists() and not any(name.startswith("code/") for name in meta["files"])
 
 
 def test_card_front_matter_names_transformers_and_the_configured_task(published):
     card = ModelCard.load(published["stage"] / "README.md")
     assert card.data.library_name == "transformers"
     assert card.data.pipeline_tag == "text-generation" and card.data.language == ["en"]
-    assert "LlamaForCausalLM.from_pretrained" in card.text
+    assert "AutoModelForCausalLM.from_pretrained(folder" in card.text
+    assert "AutoTokenizer.from_pretrained(folder)" in card.text and 'pipeline("text-generation"' in card.text
     assert "step **8**, the last step of its run" in card.text
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,6 @@ import pytest
 import test_publish
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-from huggingface_hub import snapshot_download
 from test_publish import TOKEN, commit_titles, one_error_line, run_publish, write_requests
 
 from pipeline.audit import parse_manifest
@@ -49,10 +49,16 @@ def fingerprint(public: Path) -> str:
 
 
 def stock_verify(public: Path, folder: Path) -> subprocess.CompletedProcess:
-    """What the card tells a consumer to run on a snapshot_download folder."""
+    """What the card tells a consumer to run on a download folder."""
     return subprocess.run([str(CLI), "verify", "key", "--public_key", str(public), "--signature",
-                           str(folder / "model.sig"), "--ignore-paths", str(folder / ".cache"), str(folder)],
-                          capture_output=True, text=True, timeout=120)
+                           str(folder / "model.sig"), "--ignore-paths", str(folder / ".cache"), "--allow_symlinks",
+                           str(folder)], capture_output=True, text=True, timeout=120)
+
+
+def card_recipe(card: str) -> list[str]:
+    """The lines of the shell block of the card's Signature section: install, download, verify."""
+    section = card[card.index("## Signature"):]
+    return section[section.index("```sh\n") + 6:section.index("\n```", section.index("```sh"))].splitlines()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +76,7 @@ SIGNED_RUN = pytest.mark.xdist_group("signed-run")
 @pytest.fixture(scope="module")
 def signed_run(evaluated_run, keys, tmp_path_factory):
     run = evaluated_run.copy_to(tmp_path_factory.mktemp("signed_run") / "run")
-    result = run.ok("05_stage.py", "--sign-key", str(keys["private"]))
+    result = run.ok("05_stage.py", "--sign-key", str(keys["private"]), "--repo-id", "alice/signed")
     return run, result
 
 
@@ -91,8 +97,11 @@ def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     assert verified.returncode == 0, verified.stderr
     card = (stage / "README.md").read_text()
     assert f"`{fingerprint(keys['public'])}`" in card and "not signed" not in card
-    assert ("model_signing verify key --public_key <dir>/signing_key.pub --signature <dir>/model.sig "
-            "--ignore-paths <dir>/.cache <dir>") in card
+    assert card_recipe(card) == [
+        "pip install huggingface_hub model-signing==1.1.1 pyopenssl",
+        "hf download alice/signed --local-dir model  # --revision <commit> for a fixed commit",
+        "model_signing verify key --public_key model/signing_key.pub --signature model/model.sig "
+        "--ignore-paths model/.cache --allow_symlinks model"]
     assert fingerprint(keys["public"]) in result.stdout
 
 
@@ -140,8 +149,16 @@ def test_sigstore_keyless_signing_refuses_in_one_line_when_offline(evaluated_run
 
 
 @SIGNED_RUN
-def test_signed_publish_downloads_and_verifies_with_the_stock_cli_and_one_flipped_byte_fails(
+@pytest.mark.heavy
+def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_and_one_flipped_byte_fails(
         signed_run, keys, hub, tmp_path):
+    """Acceptance: in a new virtualenv holding only what the card's pip line installs, the
+    card's download step and verify command exit 0 as printed; the same command verifies the
+    Hub-cache folder (symlinks) that the card's loading snippet downloads into. (Without
+    pyopenssl, which model-signing 1.1.1 imports but does not declare, the verify command
+    fails in such an environment: tests/mutation/mutations.toml plants exactly that.)"""
+    from fresh_venv import fresh_venv
+
     run, _ = signed_run
     result = run_publish(run.stage, hub, "alice/signed", tmp_path / "receipts", "--sign-key", str(keys["private"]))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -151,10 +168,30 @@ def test_signed_publish_downloads_and_verifies_with_the_stock_cli_and_one_flippe
     record = json.loads(receipt.read_text())
     assert record["signature"]["fingerprint"] == fingerprint(keys["public"])
     assert record["files"]["model.sig"]["ok"]
-    local = Path(snapshot_download("alice/signed", local_dir=tmp_path / "download", endpoint=hub.url, token=TOKEN))
+
+    install, download, verify = card_recipe((run.stage / "README.md").read_text())
+    requirements = install.split()[2:]
+    user = tmp_path / "user"
+    user.mkdir()
+
+    def as_user(line: str, bin_dir: Path) -> subprocess.CompletedProcess:
+        env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(bin_dir.parent),
+                   HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "user_hf_home"))
+        return subprocess.run(line, shell=True, cwd=user, env=env, capture_output=True, text=True, timeout=180)
+
+    clean = fresh_venv(tmp_path / "venv", requirements)
+    for line in (download, verify):
+        ran = as_user(line, clean)
+        assert ran.returncode == 0, f"{line}\n{ran.stdout}\n{ran.stderr}"
+    cached = as_user("python -c 'from huggingface_hub import snapshot_download; print(snapshot_download(\"alice/signed\"))'",
+                     clean).stdout.strip()
+    assert Path(cached, "modelo.safetensors").is_symlink()
+    ran = as_user(verify.replace(" model/", f" {cached}/").removesuffix(" model") + f" {cached}", clean)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+
+    local = user / "model"
     assert (local / ".gitattributes").exists() and (local / ".cache").is_dir()
-    verified = stock_verify(keys["public"], local)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
     weights = local / "modelo.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -184,7 +221,7 @@ def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
         args = ["--verify-key", str(keys["other_public"])]
     else:
         (run.stage / "model.sig").unlink()
-    line = one_error_line(run_publish(run.stage, hub, "alice/refused", tmp_path / "receipts", *args))
+    line = one_error_line(run_publish(run.stage, hub, "alice/signed", tmp_path / "receipts", *args))
     expected = {"edited_after_signing": "does not verify with --sign-key",
                 "another_key_given_to_06": "signed with another key",
                 "signature_removed": "no model.sig"}[case]

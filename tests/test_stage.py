@@ -30,7 +30,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256", "config.json",
           "model.safetensors.index.json"}
 # The default model's factory module, shipped under code/ with the local modules it imports.
-FACTORY_SOURCE = "code/pipeline/tasks/regression.py"
+FACTORY_SOURCE = "code/pipeline/tasks/mlp.py"
 
 
 def staged_files(stage: Path) -> set[str]:
@@ -132,10 +132,27 @@ def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):
     for name in ("meta.json", "training_curve.png"):
         assert sha256(staged_run.stage / name) in card.text
     assert "](training_curve.png)" in card.text
-    assert "snapshot_download" in card.text and "safetensors" in card.text
+    # Staged without --repo-id: the card names no repository, so it is right under any name.
+    assert "model = load_model(folder)" in card.text and "hf download <its id> --local-dir model" in card.text
+    assert "snapshot_download" not in card.text and "<namespace>" not in card.text
     assert "sha256sum -c MANIFEST.sha256" in card.text
     height, width, _ = imread(staged_run.stage / "training_curve.png").shape
     assert height > 100 and width > 100
+
+
+def test_a_card_staged_without_repo_id_names_no_repo_and_loads_from_any_download_folder(staged_run, tmp_path):
+    """Whatever name 06 publishes it under, the card is right: it loads from the folder the
+    reader downloaded the repo into, without this project, in one line after the hash check."""
+    from support import first_python_block, run_as_hub_user
+
+    card = (staged_run.stage / "README.md").read_text(encoding="utf-8")
+    assert "repo_id" not in first_python_block(card)
+    download = f"import shutil\nshutil.copytree({str(staged_run.stage)!r}, 'model')\n"  # what `hf download` leaves
+    check = ("\nimport torch\nfrom safetensors.torch import load_file\n"
+             "assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file('model/modelo.safetensors').items())\n"
+             "print('LOADED', type(model).__name__)\n")
+    result = run_as_hub_user(download + first_python_block(card) + check, tmp_path / "reader", "http://127.0.0.1:9", "x")
+    assert result.returncode == 0 and "LOADED MLP" in result.stdout, result.stdout + result.stderr
 
 
 def test_staged_weights_reproduce_the_recorded_metric_exactly(staged_run):
@@ -213,10 +230,10 @@ def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(staged_r
     before = snapshot(run.stage)
     name = poison_weights(run.checkpoint)
     with pytest.raises(NonFiniteWeights, match=f"tensor {name} holds NaN"):
-        build_stage(in_process_config(run), stage_dir=run.stage, metrics=None)
+        build_stage(in_process_config(run), stage_dir=run.stage, with_metrics=False)
     assert snapshot(run.stage) == before
     assert leftovers(run) == []
-    result = build_stage(in_process_config(run), stage_dir=tmp_path / "stage", metrics=None, allow_nonfinite=True)
+    result = build_stage(in_process_config(run), stage_dir=tmp_path / "stage", with_metrics=False, allow_nonfinite=True)
     assert result.nonfinite == [name]
     assert "NaN or infinite" in (tmp_path / "stage" / "README.md").read_text()
 
@@ -255,7 +272,7 @@ def test_latest_is_the_newest_committed_checkpoint_never_a_temporary_folder(eval
     assert result.step == 10 and result.source.name == "step-00000010"
     assert (run.stage / "modelo.safetensors").read_bytes() == (run.checkpoint / "modelo.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
-        build_stage(in_process_config(run), checkpoint=temporary, stage_dir=run.root / "other", metrics=None)
+        build_stage(in_process_config(run), checkpoint=temporary, stage_dir=run.root / "other", with_metrics=False)
 
 
 def test_a_folder_not_built_by_05_is_never_replaced(evaluated_run, run_copy):

@@ -355,7 +355,7 @@ def test_hostile_files_with_rewritten_hashes_are_refused_by_resume_evaluate_and_
             install_hostile(run.checkpoint, target, variants[variant])
             for consumer in (lambda: train(config, resume="latest", progress=False),
                              lambda: evaluate_checkpoint(config),
-                             lambda: build_stage(config, stage_dir=run.stage, metrics=None)):
+                             lambda: build_stage(config, stage_dir=run.stage, with_metrics=False)):
                 with pytest.raises(PipelineError) as caught:
                     consumer()
                 assert "\n" not in str(caught.value) and target in str(caught.value), (target, variant, caught.value)

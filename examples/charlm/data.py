@@ -24,11 +24,12 @@ from torch.nn import functional as F
 from pipeline.checkpoint import write_safetensors
 from pipeline.config import Config
 from pipeline.errors import ConfigError, DataError
-from pipeline.factories import read_params
+from pipeline.params import read_params
+
+from .model import BLOCK_SIZE, VOCAB_SIZE
 
 __all__ = ["VOCAB_SIZE", "DEFAULT_TEXT", "DATA_SPEC", "data_params", "prepare", "build_data", "CharData"]
 
-VOCAB_SIZE = 256
 DEFAULT_TEXT = Path(__file__).resolve().parent / "shakespeare.txt"
 # Fixed second word of the offset generator's seed, so it never shares a stream with the
 # run's own Generator(PCG64(training.seed)).
@@ -39,7 +40,7 @@ DATA_SPEC = {
     "text": (str, ""),
     "max_chars": (int, 0),
     "heldout_fraction": (float, 0.1),
-    "block_size": (int, 128),
+    "block_size": (int, BLOCK_SIZE),
     "random_offset": (bool, True),
     "sample_prompt": (str, "HAMLET:\n"),
     "sample_chars": (int, 400),
@@ -49,7 +50,7 @@ DATA_SPEC = {
 
 
 def data_params(config: Config) -> dict[str, Any]:
-    """``data.params`` validated; the model factory reads ``block_size`` from here too."""
+    """``data.params`` validated (the model factory reads ``block_size`` too)."""
     params = read_params(config.data.params, "data.params", DATA_SPEC)
     if params["block_size"] < 1:
         raise ConfigError(f"data.params.block_size must be >= 1 (got {params['block_size']})")

@@ -7,17 +7,22 @@ that copies both names can silently untie them. The pipeline stores it once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline.config import Config
-from pipeline.errors import ConfigError
-from pipeline.factories import read_params
+# The one helper of the pipeline that model code needs; the stage publishes it with this file.
+from pipeline.params import ConfigError, read_params
 
-from .data import VOCAB_SIZE, data_params
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-__all__ = ["MODEL_SPEC", "CharTransformer", "Block", "build_model"]
+__all__ = ["MODEL_SPEC", "VOCAB_SIZE", "BLOCK_SIZE", "CharTransformer", "Block", "build_model"]
+
+VOCAB_SIZE = 256  # every byte value
+BLOCK_SIZE = 128  # the default context length, data.params.block_size (read by the data factory too)
 
 MODEL_SPEC = {
     "d_model": (int, 128),
@@ -92,6 +97,11 @@ def _init_weights(module: nn.Module) -> None:
 def build_model(config: Config) -> CharTransformer:
     """``model.factory``: the context length is ``data.params.block_size``, the vocabulary all 256 bytes."""
     params = read_params(config.model.params, "model.params", MODEL_SPEC)
+    block_size = config.data.params.get("block_size", BLOCK_SIZE)
+    if type(block_size) is not int:  # the data factory validates the rest of data.params
+        raise ConfigError(f"data.params.block_size must be int, got {type(block_size).__name__} {block_size!r}")
+    if block_size < 1:
+        raise ConfigError(f"data.params.block_size must be >= 1 (got {block_size})")
     for key in ("d_model", "n_layer", "n_head"):
         if params[key] < 1:
             raise ConfigError(f"model.params.{key} must be >= 1 (got {params[key]})")
@@ -100,4 +110,4 @@ def build_model(config: Config) -> CharTransformer:
                           f"model.params.n_head ({params['n_head']})")
     if not 0 <= params["dropout"] < 1:
         raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
-    return CharTransformer(vocab_size=VOCAB_SIZE, block_size=data_params(config)["block_size"], **params)
+    return CharTransformer(vocab_size=VOCAB_SIZE, block_size=block_size, **params)

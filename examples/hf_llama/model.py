@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import Config
 from pipeline.errors import ConfigError
-from pipeline.factories import read_params
+from pipeline.params import read_params
 
 from .tokenizer import VOCAB_SIZE, tokenizer_files
 from examples.charlm.data import data_params

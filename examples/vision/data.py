@@ -26,13 +26,14 @@ from pipeline.config import Config
 from pipeline.errors import ConfigError, DataError
 from pipeline.factories import read_params
 
+from .model import CLASSES, IMAGE_SIZE
+
 __all__ = ["DATA_SPEC", "CLASSES", "data_params", "prepare", "build_data", "VisionData", "AugmentedImages"]
 
-CLASSES = ["horizontal", "vertical", "square"]
 DATA_SPEC = {
     "num_train": (int, 96),
     "num_heldout": (int, 48),
-    "image_size": (int, 16),
+    "image_size": (int, IMAGE_SIZE),
     "crop_padding": (int, 2),
 }
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from pipeline.config import Config
-from pipeline.errors import ConfigError
-from pipeline.factories import read_params
+from pipeline.params import ConfigError, read_params
 
-from .data import CLASSES, data_params
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-__all__ = ["MODEL_SPEC", "SmallCNN", "build_model"]
+__all__ = ["CLASSES", "IMAGE_SIZE", "MODEL_SPEC", "SmallCNN", "build_model"]
 
+# The model's output layout; the data factory labels its images with these names.
+CLASSES = ["horizontal", "vertical", "square"]
+IMAGE_SIZE = 16
 MODEL_SPEC = {"width": (int, 16), "dropout": (float, 0.0)}
 
 
@@ -39,4 +43,9 @@ def build_model(config: Config) -> SmallCNN:
         raise ConfigError(f"model.params.width must be >= 1 (got {params['width']})")
     if not 0 <= params["dropout"] < 1:
         raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
-    return SmallCNN(image_size=data_params(config)["image_size"], num_classes=len(CLASSES), **params)
+    image_size = config.data.params.get("image_size", IMAGE_SIZE)
+    if type(image_size) is not int:  # the data factory validates the rest of data.params
+        raise ConfigError(f"data.params.image_size must be int, got {type(image_size).__name__} {image_size!r}")
+    if image_size < 8 or image_size % 4:
+        raise ConfigError(f"data.params.image_size must be a multiple of 4, at least 8 (got {image_size})")
+    return SmallCNN(image_size=image_size, num_classes=len(CLASSES), **params)

@@ -7,10 +7,13 @@
 ``store``                 one ``estados_local/``: lock, list, resolve "latest or path",
                           atomic save, prune
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
-``shards``                a distributed checkpoint's launch record and shard coverage
+``shards``                a distributed checkpoint's launch record, shard coverage, and
+                          its full tensors one at a time (``ConsolidatedTensors``)
 ``state``                 capture / restore a training run's full state
-``weights``               tied-weight dedupe, strict load, warm start, model summary
+``weights``               tied-weight dedupe, THE fit check (``check_weights_fit``),
+                          strict load, warm start, model summary
 ``compat``                may this checkpoint resume this config?
+``private_copy``          its weights from a verified private copy, one tensor at a time
 ``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
 ``distributed``           the commit protocol across torchrun ranks; restore via DCP
 ========================  ==========================================================
@@ -27,10 +30,20 @@ from .checkpointer import Checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .private_copy import CheckpointWeights, open_weights
+from .shards import ConsolidatedTensors
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
-from .tensorfile import read_tensors, write_safetensors
-from .weights import check_derived_buffers, dedupe_shared_tensors, load_model_weights, model_summary, warm_start
+from .tensorfile import MappedTensors, check_tensor_name, read_tensors, write_safetensors, write_safetensors_streamed
+from .weights import (
+    check_derived_buffers,
+    check_weights_fit,
+    dedupe_shared_tensors,
+    load_model_weights,
+    model_summary,
+    stored_layout,
+    warm_start,
+)
 
 _DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed")
 
@@ -38,12 +51,17 @@ __all__ = [
     *_DISTRIBUTED,
     "Checkpointer",
     "CheckpointStore",
+    "CheckpointWeights",
+    "ConsolidatedTensors",
+    "MappedTensors",
     "LoadedCheckpoint",
     "OMITTABLE",
     "SavedCheckpoint",
     "capture_state",
     "check_capturable",
     "check_derived_buffers",
+    "check_tensor_name",
+    "check_weights_fit",
     "check_resume_compatible",
     "dedupe_shared_tensors",
     "checkpoint_meta",
@@ -53,6 +71,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "model_summary",
+    "open_weights",
     "parse_step_dir",
     "pinned_checkpoint",
     "read_meta",
@@ -61,9 +80,11 @@ __all__ = [
     "restore_state",
     "split_state",
     "step_dir_name",
+    "stored_layout",
     "warm_start",
     "LoadMode",
     "write_safetensors",
+    "write_safetensors_streamed",
 ]
 
 

@@ -16,21 +16,24 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ..errors import ChecksumMismatch, SchemaMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
-from .tensorfile import SAFETENSORS_DTYPES, parse_header, tensors_from_map
+from .tensorfile import SAFETENSORS_DTYPES, MappedTensors, parse_header, tensors_from_map
 
-__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate"]
+__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate", "ConsolidatedTensors"]
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
 # Where torch's HuggingFaceStorageWriter records a chunk's place in the full tensor.
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+# Bytes of a chunk copied before its mapped pages are given back (see _assemble).
+_SLICE_BYTES = 8 * 1024 * 1024
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -96,34 +99,34 @@ def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[
     return chunks
 
 
-def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
-                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    """``{tensor: [(offsets, chunk view)]}`` of ``part/`` once every expected tensor is tiled
-    exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
+def _covered(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+             ) -> dict[str, list[tuple[list[int], str, torch.Tensor]]]:
+    """``{tensor: [(offsets, file, chunk view)]}`` of ``part/`` once every expected tensor is
+    tiled exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
     where = f"{folder / part}/"
     chunks = _chunks(folder, part, maps)
     extra = sorted(set(chunks) - set(expected))
     if extra:
         raise ChecksumMismatch(f"{where} holds tensor {extra[0]} that meta.json does not list")
     views: dict[str, dict[str, torch.Tensor]] = {}
-    result: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    result: dict[str, list[tuple[list[int], str, torch.Tensor]]] = {}
     for name, spec in sorted(expected.items()):
         full, pieces = spec["shape"], []
         for offsets, file in chunks.get(name, []):
             if file not in views:
                 views[file] = tensors_from_map(folder / file, maps[file])
-            pieces.append((offsets, views[file][name]))
+            pieces.append((offsets, file, views[file][name]))
         if not pieces:
             raise ChecksumMismatch(f"{where} holds no shard of tensor {name}: a shard file is missing")
         volume = 0
-        for offsets, view in pieces:
+        for offsets, _, view in pieces:
             if SAFETENSORS_DTYPES[view.dtype] != spec["dtype"] or view.dim() != len(full) or any(
                     o + s > f for o, s, f in zip(offsets, view.shape, full)):
                 raise ChecksumMismatch(f"{where}: a shard of {name} does not fit its {spec['dtype']} tensor of "
                                        f"shape {full}")
             volume += view.numel()
-        for i, (a, va) in enumerate(pieces):
-            for b, vb in pieces[i + 1:]:
+        for i, (a, _, va) in enumerate(pieces):
+            for b, _, vb in pieces[i + 1:]:
                 if va.numel() and all(max(ao, bo) < min(ao + as_, bo + bs) for ao, as_, bo, bs in
                                       zip(a, va.shape, b, vb.shape)):
                     raise ChecksumMismatch(f"{where}: two shards of {name} overlap")
@@ -134,17 +137,89 @@ def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Ma
     return result
 
 
+def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """``{tensor: [(offsets, chunk view)]}`` of ``part/`` once every expected tensor is tiled
+    exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
+    return {name: [(offsets, view) for offsets, _, view in pieces]
+            for name, pieces in _covered(folder, part, expected, maps).items()}
+
+
+def _assemble(chunks: list[tuple[list[int], torch.Tensor]], shape: list[int],
+              release: Callable[[torch.Tensor], None] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor from its covered chunks: a tensor held whole by one chunk is that
+    view (no copy); a sharded one (FSDP2) is assembled once, into ``out`` if given. ``release``:
+    called on each copied slice of a chunk (about 8 MiB), so its mapped pages can go as the
+    copy proceeds."""
+    if len(chunks) == 1:
+        return chunks[0][1]
+    full = torch.empty(shape, dtype=chunks[0][1].dtype) if out is None else out
+    for offsets, view in chunks:
+        target = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
+        if release is None or view.dim() == 0 or view.numel() == 0:
+            target.copy_(view)
+            continue
+        rows = max(1, _SLICE_BYTES // max(1, view[0].numel() * view.element_size()))
+        for row in range(0, view.shape[0], rows):
+            target[row:row + rows].copy_(view[row:row + rows])
+            release(view[row:row + rows])
+    return full
+
+
+class ConsolidatedTensors:
+    """The full tensors of one part (``model/``) of a distributed checkpoint, one at a time,
+    in bounded memory: :meth:`tensor` assembles one alone from its chunks' mapped pages
+    (into one buffer reused by the next call: copy or consume it before asking again),
+    giving them back as it copies (a tensor held whole by one chunk is that view, no copy),
+    and :meth:`release` gives back a view's, so a consumer that writes or loads each tensor
+    before asking for the next holds about one tensor whatever the model's size. Iterating
+    yields ``(name, tensor)`` in name order, releasing each once the next is asked for.
+
+    ``files``: the part's shard files, each a :class:`~pipeline.checkpoint.tensorfile.MappedTensors`
+    keyed by its name in ``meta.json``'s files table (``model/…``), opened on files this
+    process verified and does not write (a private copy); coverage is checked here."""
+
+    def __init__(self, folder: Path, part: str, expected: Mapping[str, Any], files: Mapping[str, MappedTensors]) -> None:
+        self._files = files
+        self._pieces = _covered(folder, part, expected, {name: file.buffer for name, file in files.items()})
+        self.specs = {name: torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]], device="meta")
+                      for name, spec in sorted(expected.items())}
+        self._largest = max((s.numel() * s.element_size() for s in self.specs.values()), default=0)
+        self._buffer: torch.Tensor | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor ``name``; an assembled one lives in a buffer reused by the next
+        call (one allocation of the largest size, not one per tensor: a freed large block
+        that the allocator keeps would count as memory too)."""
+        pieces = self._pieces[name]
+        files = [self._files[file] for file in sorted({file for _, file, _ in pieces})]
+
+        def release(piece: torch.Tensor) -> None:
+            for file in files:  # the one whose map holds it gives its pages back
+                file.release_view(piece)
+
+        spec = self.specs[name]
+        out = None
+        if len(pieces) > 1:
+            nbytes = spec.numel() * spec.element_size()
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None  # freed before the larger one is taken
+                self._buffer = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
+            out = self._buffer[:nbytes].view(spec.dtype).view(spec.shape)
+        return _assemble([(offsets, view) for offsets, _, view in pieces], list(spec.shape), release, out)
+
+    def release(self, name: str) -> None:
+        for _, file, view in self._pieces[name]:
+            self._files[file].release_view(view)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.specs:
+            yield name, self.tensor(name)
+            self.release(name)
+
+
 def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expected: Mapping[str, Any]
                 ) -> dict[str, torch.Tensor]:
-    """Full tensors from covered chunks: a tensor held whole by one chunk is that view of
-    the mapped file (no copy); a sharded one (FSDP2) is assembled once."""
-    tensors = {}
-    for name, chunks in pieces.items():
-        if len(chunks) == 1:
-            tensors[name] = chunks[0][1]
-            continue
-        full = torch.empty(expected[name]["shape"], dtype=chunks[0][1].dtype)
-        for offsets, view in chunks:
-            full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))].copy_(view)
-        tensors[name] = full
-    return tensors
+    """Full tensors from covered chunks (:func:`_assemble`), all at once: a tensor held whole
+    by one chunk is that view of the mapped file (no copy)."""
+    return {name: _assemble(chunks, expected[name]["shape"]) for name, chunks in pieces.items()}

@@ -72,18 +72,19 @@ def check_capturable(run: TrainingRun) -> None:
 
 def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: Any,
                   tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = (), step: int | None = None,
-                  derived: Any = ()) -> None:
+                  derived: Any = (), record: Any = None) -> None:
     """Validate everything first (:func:`~pipeline.checkpoint.validate.validated_state`;
     ``step``: the checkpoint's step, which the state must agree with; ``derived``: the
-    checkpoint's derived buffers, compared with this run's fresh ones), then load weights,
-    optimizer, scheduler, data position and scaler, and RNG states last."""
+    checkpoint's derived buffers, compared with this run's fresh ones; ``record``: its
+    meta.json model record, see :func:`~pipeline.checkpoint.weights.check_weights_fit`),
+    then load weights, optimizer, scheduler, data position and scaler, and RNG states last."""
     omit = frozenset(omit)
     unknown = omit - set(OMITTABLE)
     if unknown:
         raise InternalError(f"unknown components to omit: {sorted(unknown)}; choose from {OMITTABLE}")
     joined = validated_state(run, state, tensors, step=step)
     try:
-        load_model_weights(run.model, model_tensors, derived=derived)
+        load_model_weights(run.model, model_tensors, derived=derived, record=record)
         if "optimizer" not in omit:
             run.optimizer.load_state_dict(joined["optimizer"])
         restore_positions(run, joined, omit)

@@ -41,13 +41,15 @@ header, which the parser reads (``benchmarks/README.md``, "Resume load").
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
 ``__metadata__`` values, unknown dtypes, sizes that overflow, offsets that disagree with
 dtype and shape, tensors that do not tile the data from byte 0 to the end) and also a
-key twice (after decoding escapes), a tensor named ``__metadata__``, booleans or floats
-as offsets or dims, extra fields, and nesting too deep. Every refusal is a
+key twice (after decoding escapes), a tensor named ``__metadata__``, a tensor name that is
+not printable ASCII (:func:`check_tensor_name`), booleans or floats as offsets or dims,
+extra fields, and nesting too deep. Every refusal is a
 :class:`~pipeline.errors.SchemaMismatch` naming the file and the rule.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -55,15 +57,15 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
-           "tensors_from_map", "parse_header"]
+__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_streamed", "read_tensors", "map_file",
+           "MappedTensors", "sha256_mapped", "tensors_from_map", "parse_header", "check_tensor_name"]
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
 # that the hashing thread never lags the writer by much.
@@ -110,9 +112,9 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
-                        ) -> tuple[bytes, list[torch.Tensor]]:
-    """The padded JSON header and the tensors (CPU, contiguous) in file order.
+def _header(specs: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
+    """The padded JSON header of tensors with these dtypes and shapes (``specs``: tensors,
+    or ``meta`` tensors standing for them), and the tensor names in file order.
 
     Widest elements first, then by name, as safetensors' own writer orders them: with no
     gaps allowed between tensors, that is what keeps every tensor aligned to its element
@@ -121,24 +123,33 @@ def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[s
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    ordered = []
+    order = sorted(specs, key=lambda n: (-specs[n].element_size(), n))
     offset = 0
-    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
-        tensor = tensors[name]
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+    for name in order:
+        spec = specs[name]
+        check_tensor_name(name)
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {spec.dtype}, which safetensors cannot store")
+        nbytes = spec.numel() * spec.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
                         "data_offsets": [offset, offset + nbytes]}
-        ordered.append(tensor)
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
-    return len(encoded).to_bytes(8, "little") + encoded, ordered
+    return len(encoded).to_bytes(8, "little") + encoded, order
+
+
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+                        ) -> tuple[bytes, list[torch.Tensor]]:
+    """The padded JSON header and the tensors (CPU, contiguous) in file order."""
+    header, order = _header(tensors, metadata)
+    return header, [_cpu_contiguous(tensors[name]) for name in order]
 
 
 def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
@@ -222,6 +233,46 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
     return hasher.digest.hexdigest(), size
 
 
+def write_safetensors_streamed(path: str | Path, specs: Mapping[str, torch.Tensor],
+                               produce: Callable[[str], torch.Tensor],
+                               metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """:func:`write_safetensors` for tensors that need not be in memory together: the header
+    comes from ``specs`` (``meta`` tensors of each dtype and shape), then each tensor is asked
+    of ``produce(name)`` in file order, written, hashed and dropped before the next, so about
+    one tensor is in memory at a time whatever the file's size. fsync; return (sha256, size)."""
+    header, order = _header(specs, metadata)
+    digest = hashlib.sha256(header)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        written = _write_at(fd, memoryview(header), 0)
+        for name in order:
+            tensor = produce(name)
+            if tensor.dtype != specs[name].dtype or tensor.shape != specs[name].shape:
+                raise InternalError(f"{path}: tensor {name} came as {tensor.dtype} {tuple(tensor.shape)}, the header "
+                                    f"says {specs[name].dtype} {tuple(specs[name].shape)}")
+            data = _tensor_bytes(_cpu_contiguous(tensor))
+            for start in range(0, len(data), WRITE_CHUNK):
+                digest.update(data[start:start + WRITE_CHUNK])
+            written = _write_at(fd, data, written)
+            del tensor, data
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digest.hexdigest(), written
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> int:
+    """Write ``data`` (the file's bytes from ``offset`` on) and start its writeback; the new end."""
+    for start in range(0, len(data), WRITE_CHUNK):
+        view = data[start:start + WRITE_CHUNK]
+        while view:
+            view = view[os.write(fd, view):]
+    if _ADVISE and len(data):
+        with contextlib.suppress(OSError):  # only a hint (see _write_all)
+            os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+    return offset + len(data)
+
+
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
@@ -233,6 +284,48 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     A malformed file raises :class:`~pipeline.errors.SchemaMismatch` naming ``path``."""
     path = Path(path)
     return tensors_from_map(path, map_file(path))
+
+
+class MappedTensors:
+    """A safetensors file mapped privately and parsed by the strict parser, read one tensor
+    at a time: :meth:`release` hands a tensor's pages back once it was used, so reading a
+    file of any size holds about one tensor (the OS counts mapped pages a process touched).
+    Only for files this process will not write through the map (a released page reads the
+    file again when touched), such as a private copy it verified."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.buffer = map_file(self.path)
+        try:
+            self.header, self.data_start = parse_header(self.buffer)
+        except ValueError as exc:
+            raise SchemaMismatch(f"{self.path} is not a valid safetensors file: {str(exc).splitlines()[0]}") from None
+        self.specs = {name: torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="meta")
+                      for name, entry in self.header.items() if name != "__metadata__"}
+        # The map's address, to find the pages under a view of it (release_view).
+        self._base = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr() \
+            if isinstance(self.buffer, mmap.mmap) else None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A view of the tensor's bytes in the map (no copy)."""
+        return _tensor(self.buffer, self.data_start, self.header[name])
+
+    def release(self, name: str) -> None:
+        """Give back the pages that hold ``name`` (a neighbour sharing a page reads it again if used)."""
+        begin, end = self.header[name]["data_offsets"]
+        self._release(self.data_start + begin, self.data_start + end)
+
+    def release_view(self, view: torch.Tensor) -> None:
+        """Give back the pages under ``view`` if it is a contiguous view of this map (else nothing)."""
+        if self._base is not None and view.is_contiguous():
+            start = view.data_ptr() - self._base
+            if 0 <= start <= len(self.buffer):
+                self._release(start, min(start + view.numel() * view.element_size(), len(self.buffer)))
+
+    def _release(self, start: int, stop: int) -> None:
+        first = start // _PAGE * _PAGE
+        if isinstance(self.buffer, mmap.mmap) and stop > start:
+            self.buffer.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
 def map_file(path: Path) -> mmap.mmap | bytes:
@@ -271,11 +364,18 @@ def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
             # header is the hashed one.
             _own_pages(buffer, 0, min(size, 8))
             _own_pages(buffer, 0, min(size, 8 + min(int.from_bytes(view[:8], "little"), _MAX_HEADER)))
+        # Pages no one will view are given back once hashed (never the owned header): the
+        # OS counts every mapped page touched, and a file may be larger than memory.
+        kept = 0
+        if not own and isinstance(buffer, mmap.mmap):
+            kept = -(-(8 + int.from_bytes(view[:8], "little")) // _PAGE) * _PAGE
         for start in range(0, size, _HASH_CHUNK):
             stop = min(start + _HASH_CHUNK, size)
             if own:
                 _own_pages(buffer, start, stop)
             digest.update(view[start:stop])
+            if kept and stop > kept:
+                buffer.madvise(mmap.MADV_DONTNEED, max(start, kept), stop - max(start, kept))
     return digest.hexdigest()
 
 
@@ -398,6 +498,7 @@ def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple
     spans = []
     for name, entry in header.items():
         if name != "__metadata__":
+            check_tensor_name(name)
             spans.append((*_check_entry(name, entry), name))
     position, data_size = 0, size - 8 - length
     for begin, end, name in sorted(spans):
@@ -410,6 +511,13 @@ def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple
         what = "trailing bytes after the last tensor" if position < data_size else "tensors run past the end"
         raise ValueError(f"{what} (tensors end at data byte {position}, the file holds {data_size})")
     return header, 8 + length
+
+
+def check_tensor_name(name: str) -> None:
+    """A tensor name is non-empty printable ASCII (space to ``~``): no control, invisible or
+    bidirectional character can make a published name read as another. ``ValueError`` else."""
+    if not name or not all(" " <= char <= "~" for char in name):
+        raise ValueError(f"tensor name {name!r} is not printable ASCII (letters, digits, punctuation, spaces)")
 
 
 def _check_entry(name: str, entry: Any) -> tuple[int, int]:

@@ -15,13 +15,15 @@ import torch
 from ..errors import StateMismatch
 from ..layout import MODEL_FILE
 
-__all__ = ["dedupe_shared_tensors", "load_model_weights", "warm_start", "model_summary", "derived_buffer_names",
-           "check_derived_buffers"]
+__all__ = ["dedupe_shared_tensors", "stored_layout", "check_weights_fit", "load_model_weights", "warm_start",
+           "model_summary", "derived_buffer_names", "check_derived_buffers"]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, int] | None:
     if tensor.device.type == "meta":
-        return None
+        # No storage: a model built without weights (``build_model(config, "meta")``) ties
+        # by sharing one Parameter object, which ``state_dict(keep_vars=True)`` keeps.
+        return tensor.device, id(tensor), 0
     storage = tensor.untyped_storage()
     if storage.data_ptr() == 0 or storage.nbytes() == 0:
         return None
@@ -94,41 +96,83 @@ def check_derived_buffers(model: torch.nn.Module, tensors: Mapping[str, torch.Te
         raise StateMismatch(f"{source}: the derived-buffer list in meta.json is malformed: the checkpoint is damaged")
     for name in derived:
         built, saved = stored.get(name), tensors[name]
-        if built is None or built.shape != saved.shape or built.dtype != saved.dtype or not torch.equal(
-                built.detach().cpu(), saved):
+        if (built is None or built.device.type == "meta" or built.shape != saved.shape or built.dtype != saved.dtype
+                or not torch.equal(built.detach().cpu(), saved)):
             raise StateMismatch(f"{source}: buffer {name} differs from the value this code builds (the code or config "
                                 "that builds it changed since the checkpoint was saved); restore that code, or start "
                                 "a new run")
 
 
-def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE,
-                       derived: Any = ()) -> None:
-    """Strict load: the same names (tied weights stored once), shapes and dtypes, or an error
-    naming them; ``derived`` buffers first checked by :func:`check_derived_buffers`."""
-    expected = dedupe_shared_tensors(model.state_dict())
+def stored_layout(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's tensors as a checkpoint stores them (one name per shared storage, see
+    :func:`dedupe_shared_tensors`) and its tied aliases, ``{alias: stored name}``. Works on a
+    model built without weights (parameters on ``meta``) as on a real one."""
+    state = model.state_dict(keep_vars=True)
+    stored = dedupe_shared_tensors(state)
+    tied = {}
+    for alias, tensor in state.items():
+        if alias not in stored:
+            same = [name for name in stored if _storage_key(stored[name]) == _storage_key(tensor)]
+            tied[alias] = next((name for name in same if stored[name].data_ptr() == tensor.data_ptr()), same[0])
+    return stored, tied
+
+
+def _names(names: list[str]) -> str:
+    return f"{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
+def _described(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """``{name: {"dtype", "shape"}}`` as meta.json's model record writes it (:func:`model_summary`)."""
+    return {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            for name, t in sorted(tensors.items())}
+
+
+def check_weights_fit(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, record: Any = None,
+                      source: str = MODEL_FILE) -> dict[str, str]:
+    """THE check that stored weights fit the model built from their config, used by every
+    reader (resume, evaluate, stage, the proof): the same names (tied weights stored once,
+    under the name :func:`dedupe_shared_tensors` keeps), dtypes and shapes; with ``record``
+    (meta.json's ``model``), also that the record describes exactly these tensors and ties.
+    ``tensors`` may be ``meta`` tensors (dtype and shape only), ``model`` may be built
+    without weights. Returns the tied aliases ``{alias: stored name}``; raises
+    :class:`~pipeline.errors.StateMismatch` naming the first difference."""
+    expected, tied = stored_layout(model)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:3])}"
-                         f"{', ...' if len(unexpected) > 3 else ''})")
+        parts = ([f"missing {_names(missing)}"] if missing else []) + (
+            [f"unexpected {_names(unexpected)}"] if unexpected else [])
         raise StateMismatch(f"{source} does not fit the configured model: {'; '.join(parts)}")
     for name, current in expected.items():
         saved = tensors[name]
         if saved.shape != current.shape or saved.dtype != current.dtype:
             raise StateMismatch(f"{source}: tensor {name} is {saved.dtype} {tuple(saved.shape)}, the model expects "
                                 f"{current.dtype} {tuple(current.shape)}")
+    if record is not None:
+        if not (isinstance(record, dict) and isinstance(record.get("tensors"), dict)
+                and isinstance(record.get("tied"), list)):
+            raise StateMismatch(f"{source}: the model record in meta.json is malformed: the checkpoint is damaged")
+        described = _described(tensors)
+        if record["tensors"] != described:
+            name = next(n for n in sorted({*described, *record["tensors"]})
+                        if described.get(n) != record["tensors"].get(n))
+            raise StateMismatch(f"{source} does not fit the model recorded in meta.json (tensor {name}): the "
+                                "checkpoint is damaged or was edited")
+        if record["tied"] != sorted(tied):
+            raise StateMismatch(f"{source} does not fit the model recorded in meta.json (tied weights "
+                                f"{record['tied']}, the model ties {sorted(tied)}): the checkpoint is damaged or was "
+                                "edited")
+    return tied
+
+
+def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE,
+                       derived: Any = (), record: Any = None) -> None:
+    """Strict load, once :func:`check_weights_fit` passed (with ``record``: meta.json's
+    ``model``, checked too) and the ``derived`` buffers :func:`check_derived_buffers`."""
+    tied = check_weights_fit(model, tensors, record=record, source=source)
     check_derived_buffers(model, tensors, list(derived), source=source)
-    full = dict(tensors)
     # Tied aliases point at the kept tensor so a strict load_state_dict accepts them.
-    state_dict = model.state_dict()
-    for name in state_dict:
-        if name not in full:
-            kept = next(k for k in expected if state_dict[k].data_ptr() == state_dict[name].data_ptr())
-            full[name] = full[kept]
+    full = {**tensors, **{alias: tensors[kept] for alias, kept in tied.items()}}
     model.load_state_dict(full, strict=True)
 
 
@@ -164,8 +208,7 @@ def model_summary(model: torch.nn.Module, fresh: Mapping[str, torch.Tensor]) -> 
     full = model.state_dict()
     return {
         "derived_buffers": derived_buffer_names(stored, fresh),
-        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                    for name, t in sorted(stored.items())},
+        "tensors": _described(stored),
         "tied": sorted(name for name in full if name not in stored),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }

@@ -1,23 +1,24 @@
 """Build and audit the Hub stage: exactly the last verified checkpoint, ready to upload.
 
-A stage (``hub_stage/`` by default) holds plain files only::
+A stage (``hub_stage/`` by default) holds plain files only (docs/stage.md)::
 
     modelo.safetensors   the checkpoint's weights, byte for byte (or modelo-0000i-of-0000N
-                         shards, or renamed for transformers: see hf_export)
+                         shards, or renamed for transformers: see weights and hf_export)
     model.safetensors.index.json   tensor -> file, so from_pretrained finds the weights
     config.json          how to rebuild the model (save_pretrained's for transformers models)
-    code/...             the model factory's module and the local modules it imports
+    code/...             a non-transformers model's own modules and code/hub_loader.py
     meta.json            the publishable record (schema pipeline.stage/1, see build_stage)
     training_curve.png   loss and learning rate against step
     README.md            the model card
     MANIFEST.sha256      `sha256sum` format over every other file
     (generation_config.json, the factory module's hub_files, verification.json: when present)
 
-:func:`build_stage` verifies the checkpoint, writes everything into a hidden sibling
+:func:`build_stage` verifies the checkpoint and checks that its weights fit the model its
+config builds (built without weights: any size), writes everything into a hidden sibling
 folder, audits it, and only then swaps it into place, so a half-built or refused stage is
-never visible and a refusal leaves the previous stage untouched. :func:`audit_stage`
-re-checks an existing stage against its manifest; the publish step calls it right before
-uploading and reuses the hashes it returns.
+never visible and a refusal leaves the previous stage untouched. The weights pass through
+one tensor at a time (:mod:`.weights`). :func:`audit_stage` re-checks an existing stage
+against its manifest; the publish step calls it right before uploading.
 """
 
 from __future__ import annotations
@@ -33,47 +34,81 @@ import torch
 
 from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
 from ..checkpoint import (
+    CheckpointWeights,
     LoadMode,
     check_derived_buffers,
+    check_weights_fit,
     is_distributed,
+    open_weights,
     pinned_checkpoint,
     read_tensors,
-    write_safetensors,
 )
 from ..cli import script_command
 from ..config import Config
 from ..durable import atomic_folder, fsync_dir, json_bytes, recover
-from ..errors import ChecksumMismatch, NonFiniteWeights, StageAuditError, StageError
+from ..errors import NonFiniteWeights, StageError
 from ..evaluate import evaluation_config, read_metrics
-from ..hashing import CHUNK, HashingWriter, sha256_file
+from ..hashing import HashingWriter, sha256_file
 from ..layout import (
     CODE_DIR,
     CONFIG_FILE,
     CURVE_FILE,
+    DIST_MODEL_DIR,
     GENERATION_CONFIG_FILE,
     INDEX_FILE,
     MANIFEST_FILE,
     META_FILE,
-    METRICS_FILE,
     MODEL_FILE,
     PUBLIC_KEY_FILE,
     README_FILE,
     STATE_FILE,
 )
 from ..leaks import scan_secrets
-from ..provenance import PACKAGE_ROOT, check_code_unchanged
+from ..provenance import check_code_unchanged
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
-from .card import build_model_card, render_curve
-from .code_export import local_sources
-from .hf_export import DEFAULT_MAX_SHARD_SIZE, hub_files, index_bytes, inspect_model, parse_size, plan_weights, write_weights
+from .card import LOADER_MODULE, build_model_card, render_curve
+from .code_export import shipped_sources
+from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
+from .weights import DEFAULT_MAX_SHARD_SIZE, HUB_MAX_FILE_SIZE, index_bytes, parse_size, plan_weights, write_weights
 
-__all__ = ["StageResult", "build_stage", "find_nonfinite"]
+__all__ = ["StageBuild", "StageResult", "build_stage"]
 
 # The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
+
+
 _GITKEEP = ".gitkeep"
+# The largest card-sections file accepted: a card is read by people.
+_MAX_SECTIONS = 256 * 1024
+_HUB_LOADER = Path(__file__).with_name("hub_loader.py")
+
+
+@dataclass(kw_only=True, slots=True)
+class StageBuild:
+    """One build of a stage: what to stage, where, and how (script 05's options)."""
+
+    checkpoint: str | Path = "latest"
+    """``"latest"`` (the newest committed checkpoint in ``checkpoint.dir``) or a ``step-…`` folder."""
+    stage_dir: str | Path | None = None
+    """The stage folder (``None``: the config's ``outputs.stage``); an existing one is replaced
+    only if script 05 built it."""
+    with_metrics: bool = True
+    """Stage the evaluation of script 04 (which must name these weights); False stages
+    without metrics, and the card says so."""
+    metrics: str | Path | None = None
+    """The metrics file to stage (``None``: the config's ``outputs.metrics``)."""
+    allow_nonfinite: bool = False
+    """Stage weights that hold NaN or ±inf (the card warns) instead of refusing them."""
+    repo_id: str | None = None
+    """The repository the card's snippets download from; ``None``: the card names none."""
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+    """Split the weights into files of at most this size (``"5GB"``, bytes); the Hub takes 50 GB at most."""
+    proof: str | Path | None = None
+    """A resume proof folder (script 03 ``--output``), staged if it proves this checkpoint."""
+    signer: StageSigner | None = None
+    """Sign the stage (:mod:`pipeline.signing`); ``None`` leaves it unsigned, as the card says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,25 +125,31 @@ class StageResult:
     with_metrics: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """What a stage is built from, each piece verified by :func:`build_stage`."""
+
+    folder: Path
+    """The checkpoint folder."""
+    meta: dict[str, Any]
+    """Its sealed meta.json."""
+    meta_file_sha256: str
+    """SHA-256 of the meta.json file."""
+    config: Config
+    """The user's config (its card section may change after training)."""
+    model_config: Config
+    """The checkpoint's own config (what built the weights)."""
+    model: torch.nn.Module
+    """The model it builds, without weights."""
+    metrics: dict[str, Any] | None
+    """The matching metrics.json record, if staged with metrics."""
+    weights: CheckpointWeights
+    """The verified weights, read one tensor at a time."""
+    user_sections: str | None
+    """The Markdown of the config's ``card.sections`` file, if any."""
+
+
 # -- refusals -----------------------------------------------------------------------------
-
-def find_nonfinite(path: str | Path) -> list[str]:
-    """Names of floating-point tensors in a safetensors file that hold NaN or ±inf, sorted.
-    Memory-mapped: one tensor in memory at a time."""
-    bad = []
-    tensors = read_tensors(path)
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            continue
-        if tensor.is_floating_point() and tensor.element_size() == 1:
-            tensor = tensor.float()  # float8 kernels lack isfinite
-        if not bool(torch.isfinite(tensor).all()):
-            bad.append(name)
-    return bad
-
-
-# -- building -----------------------------------------------------------------------------
 
 def _why_not_replaceable(stage: Path) -> str | None:
     """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
@@ -150,18 +191,21 @@ def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], config: Co
     return record
 
 
-def _copy_verified(source: Path, target: Path, entry: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy while hashing, compare with the checkpoint's record, then re-hash the copy
-    from disk: both what was read and what landed must be the recorded bytes."""
-    with open(source, "rb") as src, HashingWriter(target) as out:
-        while chunk := src.read(CHUNK):
-            out.write(chunk)
-    if out.sha256 != entry["sha256"] or out.size != entry["size"]:
-        raise ChecksumMismatch(f"{source} changed while it was copied (SHA-256 differs from its meta.json)")
-    if sha256_file(target) != entry["sha256"]:
-        raise StageAuditError(f"the copy of {source} reads back with another SHA-256: check the disk")
-    return {"sha256": out.sha256, "size": out.size}
+def _fitting_weights(folder: Path, meta: dict[str, Any], model: torch.nn.Module, weights: CheckpointWeights) -> None:
+    """The weights are published for this code: they must fit the model it builds (names,
+    dtypes, shapes, ties, and meta.json's model record), and the buffers recorded as derived
+    must still be what it computes."""
+    where = str(folder / (DIST_MODEL_DIR if is_distributed(meta) else MODEL_FILE))
+    check_weights_fit(model, weights.specs, record=meta["model"], source=where)
+    derived = meta["model"].get("derived_buffers")
+    names = [name for name in derived if isinstance(name, str) and name in weights.specs] \
+        if isinstance(derived, list) else []
+    check_derived_buffers(model, {name: weights.tensor(name) for name in names}, derived, source=where)
+    for name in names:
+        weights.release(name)
 
+
+# -- building -----------------------------------------------------------------------------
 
 def _write_file(path: Path, data: bytes) -> dict[str, Any]:
     with HashingWriter(path) as out:
@@ -183,14 +227,32 @@ def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
     return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
 
 
-def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_file_sha256: str,
-                 history: dict[str, list], record: dict[str, Any] | None, nonfinite: list[str], files: dict[str, Any],
-                 export: dict[str, Any], repo_id: str | None) -> dict[str, Any]:
+def _user_sections(config: Config) -> str | None:
+    """The Markdown of ``card.sections`` (the user's own card sections), or None."""
+    if not config.card.sections:
+        return None
+    path = Path(config.card.sections)
+    try:
+        if path.stat().st_size > _MAX_SECTIONS:
+            raise StageError(f"card.sections: {path} is over {_MAX_SECTIONS // 1024} KiB; a card is read by people")
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise StageError(f"card.sections: {path} not found (paths are relative to the folder the scripts run in); "
+                         "fix the path or set card.sections to \"\"") from None
+    except UnicodeDecodeError:
+        raise StageError(f"card.sections: {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise StageError(f"card.sections: {path} cannot be read ({exc.strerror})") from None
+
+
+def _staged_meta(src: _Sources, history: dict[str, list], files: dict[str, Any], export: dict[str, Any],
+                 nonfinite: list[str], repo_id: str | None) -> dict[str, Any]:
     """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
+    meta, record = src.meta, src.metrics
     return {
         "schema": STAGE_SCHEMA,
         "step": meta["step"],
-        "config": _public_config(meta, config),
+        "config": _public_config(meta, src.config),
         "model": meta["model"],
         "export": export,
         # The repo the card's snippet names; publishing elsewhere is refused unless forced.
@@ -211,7 +273,8 @@ def _staged_meta(meta: dict[str, Any], config: Config, folder: Path, meta_file_s
         },
         "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},
         # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
-        "source_checkpoint": {"folder": folder.name, "schema": meta["schema"], "meta_file_sha256": meta_file_sha256},
+        "source_checkpoint": {"folder": src.folder.name, "schema": meta["schema"],
+                              "meta_file_sha256": src.meta_file_sha256},
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,
     }
@@ -221,21 +284,14 @@ def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
     return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
 
 
-def _write_weights(built: Path, weights: Path, entry: Mapping[str, Any], plan: Any) -> dict[str, Any]:
-    """The checkpoint's weights as planned: a byte-for-byte copy when nothing is renamed or
-    split, else rewritten tensor by tensor from the verified file and compared on read-back."""
-    if plan.copies_source:
-        return {MODEL_FILE: _copy_verified(weights, built / MODEL_FILE, entry)}
-    if sha256_file(weights) != entry["sha256"]:
-        raise ChecksumMismatch(f"{weights} changed after it was verified (SHA-256 differs from its meta.json)")
-    return write_weights(built, weights, plan)
-
-
 def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
-    """The model factory's module and the local modules it imports, under ``code/`` (checked
-    by :func:`build_stage` to be the files the checkpoint fingerprinted)."""
+    """What rebuilds a model that is not a transformers one: the module defining its factory
+    and the modules it needs (:func:`.code_export.shipped_sources`; :func:`build_stage` checked
+    they are the files the checkpoint fingerprinted), and the loader the card's snippet calls."""
+    sources = shipped_sources(config)
+    sources[f"{LOADER_MODULE}.py"] = _HUB_LOADER
     files = {}
-    for relative, source in local_sources(config.model.factory, (Path.cwd(), PACKAGE_ROOT)).items():
+    for relative, source in sources.items():
         target = built / CODE_DIR / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         files[f"{CODE_DIR}/{relative}"] = _write_file(target, source.read_bytes())
@@ -261,69 +317,73 @@ def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _build_into(built: Path, folder: Path, meta: dict[str, Any], meta_file_sha256: str, config: Config,
-                record: dict[str, Any] | None, *, allow_nonfinite: bool, repo_id: str | None,
-                max_shard_size: int, proof: Path | None, signer: StageSigner | None,
-                weights: Path, weights_entry: Mapping[str, Any]) -> list[str]:
-    """Write every stage file into ``built``; returns the non-finite tensor names.
-    ``weights``: the verified modelo.safetensors (the checkpoint's, or consolidated from a
-    distributed checkpoint's shards) and ``weights_entry`` its SHA-256 and size."""
-    public_config = _public_config(meta, config)
-    model_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
-    export = inspect_model(model_config, public_config)
-    plan = plan_weights(weights, export.renames, max_shard_size)
-    files = _write_weights(built, weights, weights_entry, plan)
-    nonfinite = sorted({plan.renames.get(name, name) for name in find_nonfinite(weights)})
-    if nonfinite and not allow_nonfinite:
+def _check_file_sizes(built: Path) -> None:
+    """No staged file above the Hub's per-file maximum (the weights were planned below it)."""
+    for path in sorted(built.rglob("*")):
+        if path.is_file() and path.stat().st_size > HUB_MAX_FILE_SIZE:
+            raise StageError(f"{path.relative_to(built)} is {path.stat().st_size:,} bytes, above the Hub's per-file "
+                             f"maximum of {HUB_MAX_FILE_SIZE:,} bytes; nothing was staged")
+
+
+def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
+    """Write every stage file into ``built``; returns the non-finite tensor names."""
+    export = inspect_model(src.model, src.model_config, _public_config(src.meta, src.config))
+    plan = plan_weights(src.weights.specs, export.renames, parse_size(build.max_shard_size))
+    files, nonfinite = write_weights(built, src.weights, plan)
+    if nonfinite and not build.allow_nonfinite:
         more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
-        raise NonFiniteWeights(f"{folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
+        raise NonFiniteWeights(f"{src.folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
                                "refusing to stage it (pass --allow-nonfinite to stage it anyway)")
-    files.update(_write_code(built, model_config, meta))
+    if not export.is_transformers:  # from_pretrained needs no code from the repository
+        files.update(_write_code(built, src.model_config, src.meta))
     files[INDEX_FILE] = _write_file(built / INDEX_FILE, index_bytes(plan))
     files[CONFIG_FILE] = _write_file(built / CONFIG_FILE, export.config_json)
     if export.generation_config_json is not None:
         files[GENERATION_CONFIG_FILE] = _write_file(built / GENERATION_CONFIG_FILE, export.generation_config_json)
     reserved = {*files, *plan.files, CODE_DIR, INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CURVE_FILE,
                 META_FILE, README_FILE, MANIFEST_FILE}
-    for name, data in hub_files(model_config, reserved).items():
+    for name, data in hub_files(src.model_config, reserved).items():
         files[name] = _write_file(built / name, data)
     verdict = None
-    if proof is not None:
-        report = read_proof(proof, meta, Path.cwd())
+    if build.proof is not None:
+        report = read_proof(Path(build.proof), src.meta, Path.cwd())
         files[PROOF_FILE] = _write_file(built / PROOF_FILE, json_bytes(report))
         verdict = _proof_verdict(report)
-    history = _read_history(folder / STATE_FILE)
+    history = _read_history(src.folder / STATE_FILE)
     curve = render_curve(history)  # None without the optional matplotlib: the card says so
     if curve is not None:
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
     described = {"transformers": export.is_transformers, "architecture": export.architecture,
                  "weights": list(plan.files), "renamed": plan.renames, "total_size": plan.total_size}
-    staged = _staged_meta(meta, config, folder, meta_file_sha256, history, record, nonfinite, dict(files),
-                          described, repo_id)
+    staged = _staged_meta(src, history, dict(files), described, nonfinite, build.repo_id)
     staged["proof"] = verdict
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
+    signer = build.signer
     if signer is not None and signer.public_pem is not None:
         listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
-    card = build_model_card(staged, listed, repo_id=repo_id, sample=record["sample"] if record else None,
+    card = build_model_card(staged, listed, repo_id=build.repo_id,
+                            sample=src.metrics["sample"] if src.metrics else None,
                             curve_file=CURVE_FILE if curve is not None else None,
-                            signature_section=card_section(signer, repo_id))
+                            signature_section=card_section(signer, build.repo_id), user_sections=src.user_sections)
     listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
     _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
+    _check_file_sizes(built)
     fsync_dir(built)
     return nonfinite
 
 
-def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str, audited: dict[str, AuditedFile],
-            weights_entry: Mapping[str, Any]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
+def _report(src: _Sources, audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
+    folder, meta = src.folder, src.meta
     source = [
-        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, meta_file_sha256,
+        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, src.meta_file_sha256,
                     "schema, exact file list"),
         *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
           for name, entry in sorted(meta["files"].items())),
     ]
-    copied = MODEL_FILE in audited and audited[MODEL_FILE].sha256 == weights_entry["sha256"]
-    written = "checkpoint tensors, compared bit for bit after writing, MANIFEST.sha256"
+    entry = src.weights.entry
+    copied = entry is not None and MODEL_FILE in audited and audited[MODEL_FILE].sha256 == entry["sha256"]
+    written = "checkpoint tensors, re-hashed from disk after writing, MANIFEST.sha256"
     notes = {
         **{name: written for name in audited if name.startswith(MODEL_FILE.removesuffix(".safetensors"))},
         MODEL_FILE: "checkpoint meta.json, re-hash after copy, MANIFEST.sha256" if copied else written,
@@ -337,64 +397,58 @@ def _report(folder: Path, meta: dict[str, Any], meta_file_sha256: str, audited: 
     return source + list(staged.values()), staged
 
 
-def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir: str | Path | None = None,
-                metrics: str | Path | None = METRICS_FILE, allow_nonfinite: bool = False,
-                repo_id: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                proof: str | Path | None = None, signer: StageSigner | None = None) -> StageResult:
-    """Build ``stage_dir`` from ``checkpoint`` (``"latest"`` committed in
-    ``checkpoint.dir``, or a ``step-…`` folder); ``stage_dir`` defaults to the config's
-    ``outputs.stage``.
+def build_stage(config: Config, build: StageBuild | None = None, /, **options: Any) -> StageResult:
+    """Build a stage as ``build`` says (a :class:`StageBuild`, or its fields as keywords).
 
-    Order: verify every checkpoint file against its meta.json; require ``metrics`` (a
-    metrics.json from script 04) to name this step and these weights (``None`` stages
-    without metrics); copy and re-hash the weights; refuse NaN/inf tensors unless
-    ``allow_nonfinite``; write curve, ``meta.json``, card and manifest into a hidden
-    sibling folder; sign it with ``signer`` (:mod:`pipeline.signing`; the card says whether
-    it is signed); audit it, scan it for leaks (:mod:`pipeline.leaks`) and check the
-    signature; swap it into place. Any refusal
-    raises a :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
+    Order: verify every checkpoint file against its meta.json; require the metrics file
+    to name this step and these weights; copy the weights into a scratch folder, hashing
+    (:func:`.weights.open_weights`); check they fit the model the checkpoint's config
+    builds; write them (NaN/inf refused unless ``allow_nonfinite``), code, curve,
+    ``meta.json``, card and manifest into a hidden sibling folder; sign it with
+    ``build.signer``; audit it, scan it for leaks (:mod:`pipeline.leaks`) and check the
+    signature; swap it into place. Any refusal raises a
+    :class:`~pipeline.errors.PipelineError` and leaves the previous stage as it was.
 
     The staged ``meta.json`` holds ``schema, step, config, model, export, repo_id, training,
     metrics, provenance, source_checkpoint, checks, files, proof`` (``files``: every staged
     file but README.md and the manifest, which embed or list meta.json's own hash, with
-    ``sha256`` and ``size``). ``max_shard_size`` splits the weights above that size;
-    ``proof`` stages a resume proof folder's report if it proves this checkpoint.
+    ``sha256`` and ``size``).
     """
-    stage_dir = config.outputs.stage if stage_dir is None else stage_dir
+    if build is not None and options:
+        raise TypeError("build_stage takes a StageBuild or its fields as keywords, not both")
+    build = build if build is not None else StageBuild(**options)
+    stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
+    metrics = None if not build.with_metrics else Path(config.outputs.metrics if build.metrics is None else build.metrics)
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
-    shard_bytes = parse_size(max_shard_size)
+    parse_size(build.max_shard_size)  # a bad size or sections file is refused before any work
+    user_sections = _user_sections(config)
     # Pinned until copied: a trainer running beside us cannot prune it away.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded, \
+    with pinned_checkpoint(build.checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded, \
             stage_lock(stage), contextlib.ExitStack() as scratch:
         folder, meta = loaded.folder, loaded.meta
         # The stage ships the model's code: the code these weights were trained with (the rule
         # a resume applies), naming the file that changed.
         model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
         check_code_unchanged(meta, model_config, use="stage")
-        # The weights are published for this code: a derived buffer it no longer builds is refused.
-        model = build_model(model_config)
-        check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
-        del model
         if metrics is not None and is_distributed(meta):
             raise StageError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not read "
                              "those yet; stage it with --no-metrics")
-        record = _matching_metrics(Path(metrics), folder, meta, config) if metrics is not None else None
+        record = _matching_metrics(metrics, folder, meta, config) if metrics is not None else None
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
-        if MODEL_FILE in meta["files"]:
-            weights, weights_entry = folder / MODEL_FILE, meta["files"][MODEL_FILE]
-        else:  # distributed: the shards, verified and consolidated by the load, written beside the stage
-            weights = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent))) / MODEL_FILE
-            sha256, size = write_safetensors(weights, loaded.model_tensors,
-                                             metadata={"format": "pt", "step": str(meta["step"])})
-            weights_entry = {"sha256": sha256, "size": size}
+        work = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent, prefix=".stage-weights-")))
+        weights = open_weights(folder, meta, work)
+        scratch.callback(weights.close)
+        model = build_model(model_config, "meta")
+        _fitting_weights(folder, meta, model, weights)
+        src = _Sources(folder=folder, meta=meta, meta_file_sha256=meta_file_sha256, config=config,
+                       model_config=model_config, model=model, metrics=record, weights=weights,
+                       user_sections=user_sections)
         with atomic_folder(stage, owned=_built_by_us) as built:
-            nonfinite = _build_into(built, folder, meta, meta_file_sha256, config, record,
-                                    allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,
-                                    proof=None if proof is None else Path(proof), signer=signer,
-                                    weights=weights, weights_entry=weights_entry)
+            nonfinite = _build_into(built, src, build)
+            signer = build.signer
             if signer is not None:
                 sign_stage(built, signer)
             audited = audit_stage(built)
@@ -402,6 +456,6 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
-    report, staged = _report(folder, meta, meta_file_sha256, audited, weights_entry)
+        report, staged = _report(src, audited)
     return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
                        nonfinite=nonfinite, with_metrics=record is not None)

@@ -15,13 +15,14 @@ from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..layout import CURVE_FILE
+from ..layout import CODE_DIR, CURVE_FILE
 
-__all__ = ["render_curve", "build_model_card", "printable"]
+__all__ = ["LOADER_MODULE", "render_curve", "build_model_card", "printable"]
 
 LIBRARY_NAME = "pytorch"
 TRANSFORMERS_LIBRARY = "transformers"
-_PLACEHOLDER_REPO = "<namespace>/{name}"
+# The module of code/ that loads a model that is not a transformers one (pipeline/stage/hub_loader.py).
+LOADER_MODULE = "hub_loader"
 
 
 def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:
@@ -165,57 +166,59 @@ def _check_hashes_code(files: Mapping[str, Mapping[str, Any]]) -> str:
             '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from the card"')
 
 
-def _transformers_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
+# Where the snippets find the repository: downloaded by name, or (a stage built without
+# --repo-id, whose card names no repository) a folder the reader downloaded first.
+_LOCAL_FOLDER = "model"
+
+
+def _download_code(repo_id: str | None) -> tuple[list[str], str]:
+    """(imports, lines that set ``folder``) of a snippet."""
+    if repo_id is None:
+        return [], (f'folder = Path("{_LOCAL_FOLDER}")  # this repository, downloaded: '
+                    f"hf download <its id> --local-dir {_LOCAL_FOLDER}")
+    return ["from huggingface_hub import snapshot_download"], (
+        f'repo_id = "{repo_id}"\n'
+        'revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download\n'
+        "folder = Path(snapshot_download(repo_id, revision=revision))")
+
+
+def _snippet(stdlib: list[str], imports: list[str], repo_id: str | None, files: Mapping[str, Mapping[str, Any]],
+             body: str) -> str:
+    downloads, folder = _download_code(repo_id)
+    head = "\n".join(["import hashlib", *stdlib, "from pathlib import Path"])
+    return f"{head}\n\n" + "\n".join([*downloads, *imports]) + f"\n\n{folder}\n{_check_hashes_code(files)}\n\n{body}"
+
+
+def _is_causal_lm(meta: Mapping[str, Any]) -> bool:
+    return meta["export"]["architecture"].endswith("ForCausalLM")
+
+
+def _transformers_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
+    strict = ("# Strict: every tensor of the model came from the files, and every file tensor was used.\n"
+              'assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info')
+    if _is_causal_lm(meta):
+        tokenizer = any(name in files for name in ("tokenizer.json", "tokenizer_config.json"))
+        names = "AutoModelForCausalLM, AutoTokenizer, pipeline" if tokenizer else "AutoModelForCausalLM"
+        body = f"model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n{strict}"
+        if tokenizer:
+            body = (f"tokenizer = AutoTokenizer.from_pretrained(folder)\n{body}\n"
+                    'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)\n'
+                    'print(generator("Hello", max_new_tokens=20)[0]["generated_text"])')
+        return _snippet([], [f"from transformers import {names}"], repo_id, files, body)
     architecture = meta["export"]["architecture"].rpartition(".")[2]
-    return f"""import hashlib
-from pathlib import Path
-
-from huggingface_hub import snapshot_download
-from transformers import {architecture}
-
-repo_id = "{repo_id}"
-revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download
-folder = Path(snapshot_download(repo_id, revision=revision))
-{_check_hashes_code(files)}
-
-model, info = {architecture}.from_pretrained(folder, output_loading_info=True)
-# Strict: every tensor of the model came from the files, and every file tensor was used.
-assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
-model.eval()"""
+    body = f"model, info = {architecture}.from_pretrained(folder, output_loading_info=True)\n{strict}\nmodel.eval()"
+    return _snippet([], [f"from transformers import {architecture}"], repo_id, files, body)
 
 
-def _code_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
-    return f"""import hashlib, importlib, json, sys
-from pathlib import Path
-from types import SimpleNamespace
-
-import torch
-from huggingface_hub import snapshot_download
-from safetensors.torch import load_file
-
-repo_id = "{repo_id}"
-revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download
-folder = Path(snapshot_download(repo_id, revision=revision))
-{_check_hashes_code(files)}
-
-spec = json.loads((folder / "config.json").read_text())
-# This imports and runs the Python files under code/ of this repository: read them first.
-sys.path.insert(0, str(folder / "code"))
-module, _, function = spec["factory"].partition(":")
-config = SimpleNamespace(**{{section: SimpleNamespace(**values) for section, values in spec["config"].items()}})
-model = getattr(importlib.import_module(module), function)(config).to(getattr(torch, spec["dtype"]))
-
-weights = {{}}
-index = json.loads((folder / "model.safetensors.index.json").read_text())
-for file in sorted(set(index["weight_map"].values())):
-    weights.update(load_file(folder / file))  # plain tensors: no pickle, no code runs here
-for alias, stored in spec["tied"].items():  # tied weights are stored once
-    weights[alias] = weights[stored]
-model.load_state_dict(weights, strict=True)  # names and shapes must match exactly
-model.eval()"""
+def _code_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
+    body = (f"# This imports and runs the Python files under {CODE_DIR}/ of this repository: read them first.\n"
+            f'sys.path.insert(0, str(folder / "{CODE_DIR}"))\n'
+            f"from {LOADER_MODULE} import load_model  # {CODE_DIR}/{LOADER_MODULE}.py: factory, config, strict load\n"
+            "model = load_model(folder)")
+    return _snippet(["import sys"], [], repo_id, files, body)
 
 
-def _load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str) -> str:
+def _load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
     if meta["export"]["transformers"]:
         code = _transformers_load_code(meta, files, repo_id)
         intro = ("A transformers model: `config.json` is the model's own config and "
@@ -224,11 +227,16 @@ def _load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]
     else:
         code = _code_load_code(meta, files, repo_id)
         intro = ("This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's "
-                 "Python code**: the model factory and the local modules it imports are under `code/` (listed "
-                 "with their SHA-256 below); `config.json` names the factory and holds the config it is called with. "
-                 "The snippet checks every file against this card before importing anything.")
-    return (f"## How to load it\n\n{intro} Pin `revision=` to a commit id (or a tag) so that what you load "
-            "cannot change under you.\n\n" + _fence(code, "python"))
+                 f"Python code**: the model's own modules are under `{CODE_DIR}/` (listed with their SHA-256 below) "
+                 f"with `{CODE_DIR}/{LOADER_MODULE}.py`, which rebuilds the model with the factory and config that "
+                 "`config.json` names and loads the weights strictly. The snippet checks every file against this "
+                 "card before importing anything.")
+    if repo_id is None:
+        intro += (f" Download this repository first (`hf download <its id> --local-dir {_LOCAL_FOLDER}`, its id "
+                  f"shown at the top of its page), then run this beside the `{_LOCAL_FOLDER}` folder.")
+    else:
+        intro += " Pin `revision=` to a commit id (or a tag) so that what you load cannot change under you."
+    return f"## How to load it\n\n{intro}\n\n" + _fence(code, "python")
 
 
 def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
@@ -308,22 +316,24 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
 
 def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], *, repo_id: str | None = None,
                      sample: str | None = None, curve_file: str | None = CURVE_FILE,
-                     signature_section: str | None = None) -> ModelCard:
+                     signature_section: str | None = None, user_sections: str | None = None) -> ModelCard:
     """The card for a staged record ``meta`` (the stage's ``meta.json``).
 
     ``files`` maps each file the card lists to ``{"sha256", "size"}``; ``repo_id`` fills
-    the loading snippet (a placeholder when ``None``); ``sample`` is the task's optional
-    text sample; ``curve_file`` is the embedded image (``None`` for none);
-    ``signature_section`` is :func:`pipeline.signing.card_section`'s text. The card is
-    always UTF-8 text without control characters (see :func:`printable`).
+    the loading snippet (``None``: the card names no repository, so it is right under any
+    name); ``sample`` is the task's optional text sample; ``curve_file`` is the embedded
+    image (``None`` for none); ``signature_section`` is
+    :func:`pipeline.signing.card_section`'s text; ``user_sections`` the Markdown of the
+    config's ``card.sections`` file. The card is always UTF-8 text without control
+    characters (see :func:`printable`).
     """
     name = meta["config"]["model"]["name"]
-    repo = repo_id or _PLACEHOLDER_REPO.format(name=name)
     sections = [
         f"# {name}",
         _describe(meta),
         _progress_line(meta),
-        _load_section(meta, files, repo),
+        *([user_sections.strip()] if user_sections and user_sections.strip() else []),
+        _load_section(meta, files, repo_id),
         _training_section(meta, curve_file),
         _metrics_section(meta),
     ]

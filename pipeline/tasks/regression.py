@@ -23,17 +23,17 @@ from ..checkpoint import read_tensors, write_safetensors
 from ..config import Config
 from ..errors import ConfigError
 from ..factories import read_params
+from .mlp import MLP, NUM_FEATURES, build_model  # the model, kept apart so the stage ships it alone
 
 __all__ = ["prepare_data", "build_data", "build_model", "RegressionData", "AugmentedRows", "MLP"]
 
 _DATA_SPEC = {
     "num_train": (int, 24),
     "num_heldout": (int, 16),
-    "num_features": (int, 3),
+    "num_features": (int, NUM_FEATURES),
     "noise": (float, 0.05),
     "augment_std": (float, 0.01),
 }
-_MODEL_SPEC = {"hidden": (int, 16), "dropout": (float, 0.1)}
 
 
 def _data_params(config: Config) -> dict[str, Any]:
@@ -107,30 +107,3 @@ def build_data(config: Config, data_dir: Path) -> RegressionData:
     dtype = getattr(torch, config.training.dtype)
     return RegressionData(read_tensors(data_dir / "train.safetensors"), read_tensors(data_dir / "heldout.safetensors"),
                           params["augment_std"], dtype)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, in_features: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(in_features, hidden),
-            torch.nn.Tanh(),
-            torch.nn.Dropout(dropout),
-            torch.nn.Linear(hidden, hidden),
-            torch.nn.Tanh(),
-            torch.nn.Dropout(dropout),
-            torch.nn.Linear(hidden, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def build_model(config: Config) -> MLP:
-    """An MLP whose input width is ``data.params.num_features``."""
-    params = read_params(config.model.params, "model.params", _MODEL_SPEC)
-    if params["hidden"] < 1:
-        raise ConfigError(f"model.params.hidden must be >= 1 (got {params['hidden']})")
-    if not 0 <= params["dropout"] < 1:
-        raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
-    return MLP(_data_params(config)["num_features"], params["hidden"], params["dropout"])

@@ -180,7 +180,7 @@ class StageSwap(Protocol):
 
     def run(self, base: Path) -> None:
         from pipeline.stage import build_stage
-        build_stage(self._config(base), stage_dir=base / "hub_stage", metrics=None)
+        build_stage(self._config(base), stage_dir=base / "hub_stage", with_metrics=False)
 
     def learn(self, base: Path) -> None:
         self.manifests["new"] = (base / "hub_stage" / "MANIFEST.sha256").read_bytes()

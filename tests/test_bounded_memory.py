@@ -1,0 +1,72 @@
+"""Reading weights in bounded memory, as the OS counts it (mapped file pages included).
+
+The figures at model size (05 on 0.4 and 1 GB FSDP2 and single-process checkpoints) are
+in benchmarks/README.md (``benchmarks/stage_memory.py``); here, cheaply, the mechanisms:
+pages hashed but not used are given back, and a distributed checkpoint's tensors are
+assembled one at a time with their shards' pages released as they are copied.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoint import ConsolidatedTensors, MappedTensors, write_safetensors
+from pipeline.checkpoint.tensorfile import map_file, sha256_mapped
+
+MIB = 1024 * 1024
+
+
+def rss() -> dict[str, int]:
+    """This process's resident pages, anonymous and mapped from files (a tmpfs file's count as
+    shared memory, folded in), in bytes."""
+    values = {"RssAnon": 0, "RssFile": 0}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            values["RssAnon" if key == "RssAnon" else "RssFile"] += int(value.split()[0]) * 1024
+    return values
+
+
+def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(tmp_path):
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, {f"t{i}": torch.full((4 * MIB,), i, dtype=torch.uint8) for i in range(16)})
+    before = rss()
+    hashed = map_file(path)  # kept open: only given-back pages leave the count
+    sha256_mapped({"big": hashed}, own=())
+    assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, "64 MiB hashed: at most a chunk or two stays mapped"
+    hashed.close()
+    before = rss()
+    kept = map_file(path)
+    sha256_mapped({"big": kept}, own=("big",))  # its tensors will be viewed: every page owned and kept
+    assert rss()["RssAnon"] - before["RssAnon"] > 60 * MIB, "the measure sees pages that stay"
+    kept.close()
+
+
+def test_a_sharded_checkpoints_tensors_come_whole_one_at_a_time_with_their_pages_released(tmp_path):
+    """Four 16 MiB tensors split by rows across two shard files (as FSDP2 writes them): each
+    comes back equal to the whole, and the process never holds much more than one."""
+    full = {f"layer{i}.weight": torch.arange(2048 * 2048, dtype=torch.float32).view(2048, 2048) + i for i in range(4)}
+    (tmp_path / "model").mkdir()
+    files = {}
+    for rank, rows in enumerate((slice(0, 1024), slice(1024, 2048))):
+        name = f"model/shard-{rank + 1:05d}.safetensors"
+        sharding = {key: {"saved_offsets": [rows.start, 0]} for key in full}
+        write_safetensors(tmp_path / name, {key: tensor[rows].clone() for key, tensor in full.items()},
+                          {"DCP_SHARDING_INFO": json.dumps(sharding)})
+        files[name] = MappedTensors(tmp_path / name)
+    expected = {key: {"dtype": "F32", "shape": [2048, 2048]} for key in full}
+    consolidated = ConsolidatedTensors(tmp_path, "model", expected, files)
+    before, highest = rss(), 0
+    seen = []
+    for name, tensor in consolidated:
+        assert torch.equal(tensor, full[name]), name
+        seen.append(name)
+        now = rss()
+        highest = max(highest, now["RssAnon"] + now["RssFile"] - before["RssAnon"] - before["RssFile"])
+    assert seen == sorted(full)
+    # 64 MiB of weights, each tensor measured before the iterator releases it: the 16 MiB
+    # assembly buffer and about a page per chunk, never a tensor's chunks on top of it.
+    assert highest < 16 * MIB + 6 * MIB, highest / MIB

@@ -48,7 +48,7 @@ from ..errors import (
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .shards import check_launch_record
-from .tensorfile import write_safetensors
+from .tensorfile import write_safetensors_files
 
 __all__ = ["SCHEMA_VERSION", "DIST_SCHEMA", "META_KEYS", "DIST_META_KEYS", "SEAL_KEY", "CheckpointStore",
            "SavedCheckpoint", "step_dir_name", "parse_step_dir", "meta_sha256", "read_meta", "write_meta",
@@ -190,8 +190,10 @@ class CheckpointStore:
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
         files: dict[str, dict[str, Any]] = {}
         with atomic_folder(final, files_synced=True) as temporary:
-            for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors)):
-                sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
+            metadata = {"format": "pt", "step": str(step)}
+            written = write_safetensors_files([(temporary / name, tensors, metadata) for name, tensors in
+                                               ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))])
+            for name, (sha256, size) in zip(CHECKPOINT_FILES, written):
                 files[name] = {"sha256": sha256, "size": size}
             write_meta(temporary, {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files})
         self.prune_after_commit(step)

@@ -55,14 +55,14 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
+__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_files", "read_tensors", "map_file", "sha256_mapped",
            "tensors_from_map", "parse_header"]
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
@@ -201,25 +201,47 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
     runs in a second thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
-    header, ordered = _safetensors_layout(tensors, metadata)
-    chunks = _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)
-    hasher = _Hasher(chunks)
-    # "x": never overwrite; callers write into a fresh temporary folder.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    hasher.start()
+    return write_safetensors_files([(path, tensors, metadata)])[0]
+
+
+def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]]
+                            ) -> list[tuple[str, int]]:
+    """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
+    the other and each fsynced; (sha256, size) of each, in order.
+
+    Every file's hasher starts at once, over the tensors' memory, not the file: hashing does
+    not wait for the writer, so one save costs max(write, hash of its largest file) rather
+    than the sum over its files, and the writer's fsyncs overlap the hashing.
+    """
+    layouts = []
+    for path, tensors, metadata in files:
+        header, ordered = _safetensors_layout(tensors, metadata)
+        layouts.append((path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)))
+    hashers = [_Hasher(chunks) for _, chunks in layouts]
+    for hasher in hashers:
+        hasher.start()
     try:
-        size = _write_all(fd, chunks)
-        os.fsync(fd)  # while the hasher finishes: neither needs the other
-        hasher.join()
-        if hasher.error is not None:
-            raise hasher.error
+        sizes = []
+        for path, chunks in layouts:
+            # "x": never overwrite; callers write into a fresh temporary folder.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                sizes.append(_write_all(fd, chunks))
+                os.fsync(fd)  # while the hashers finish: neither needs the other
+            finally:
+                os.close(fd)
+        for hasher in hashers:
+            hasher.join()
+            if hasher.error is not None:
+                raise hasher.error
     finally:
-        hasher.cancelled.set()
-        hasher.join()
-        os.close(fd)
-    if size != sum(len(c) for c in chunks):
-        raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
-    return hasher.digest.hexdigest(), size
+        for hasher in hashers:
+            hasher.cancelled.set()
+            hasher.join()
+    for (path, chunks), size in zip(layouts, sizes):
+        if size != sum(len(c) for c in chunks):
+            raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
+    return [(hasher.digest.hexdigest(), size) for hasher, size in zip(hashers, sizes)]
 
 
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}

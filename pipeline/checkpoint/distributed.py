@@ -107,7 +107,7 @@ def _hash_share(folder: Path, world: World) -> dict[str, tuple[str, int]]:
         names = sorted(entry.name for entry in (folder / sub).iterdir())
         paths.update({f"{sub}/{name}": folder / sub / name for name in names[world.rank::world.world_size]})
     maps = {name: map_file(path) for name, path in paths.items()}
-    digests, _ = sha256_mapped(maps, own=())  # nothing views these bytes: no page copies
+    digests = sha256_mapped(maps, own=())  # nothing views these bytes: no page copies
     return {name: (digests[name], len(maps[name])) for name in paths}
 
 

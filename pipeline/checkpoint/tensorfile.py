@@ -123,7 +123,7 @@ def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[s
     """
     header: dict[str, Any] = {}
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
     ordered = []
     offset = 0
     for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
@@ -430,7 +430,7 @@ def read_verified(paths: Mapping[str, Path], destinations: Mapping[str, Mapping[
             read = reads[name]
             view, offset = read.chunks[position[name]]
             read.read_into(view, offset)
-            read.hashing.chunks.put(view)
+            read.hashing.chunks.put(view)  # the destination's bytes, once read
             position[name] += 1
             done[name] += len(view)
             if position[name] == len(read.chunks):

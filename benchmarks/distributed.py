@@ -18,8 +18,9 @@ per repetition, in an order rotated by the repetition (``sidebyside``):
   ``dcp_hf`` / ``dcp_fs`` = ``dcp.load`` with the matching reader into the live tensors;
 - stall: ``async`` = how long ``save`` keeps training waiting with ``checkpoint.async``
   (state dicts, RNG capture, the copy into reused buffers, the thread's start; the commit
-  is waited for untimed); ``memcpy`` = one copy of this rank's local model and optimizer
-  shards into preallocated buffers, the floor any snapshot pays.
+  is waited for untimed); ``memcpy`` = this rank's local model and optimizer shards taken
+  from torch's state-dict API and copied into preallocated buffers, the floor any snapshot
+  through that API pays; ``memcpy_only`` = the copy alone.
 
 Times are rank 0's, barrier to barrier. Files go to ``$BENCH_DIR`` (default: beside the
 repository, same disk). Printed: medians per size, then every target (met / borderline /
@@ -47,11 +48,12 @@ from sidebyside import Ratio, loadavg, ratio, rotated, summary, target_table  # 
 
 SAVES = ("save/ours", "save/dcp_hf", "save/dcp_fs")
 LOADS = ("resume/ours", "resume/dcp_hf", "resume/dcp_fs")
-STALLS = ("stall/async", "stall/memcpy")
+STALLS = ("stall/async", "stall/memcpy", "stall/memcpy_only")
 TARGETS = (
     ("save / dcp.save, HF writer", "save/ours", "save/dcp_hf", 1.15),
     ("save / dcp.save, FileSystemWriter", "save/ours", "save/dcp_fs", 1.5),
-    ("async stall / memcpy of the local shards", "stall/async", "stall/memcpy", 1.2),
+    ("async stall / state dicts + memcpy of the local shards", "stall/async", "stall/memcpy", 1.2),
+    ("async stall / memcpy of the local shards alone", "stall/async", "stall/memcpy_only", None),
     ("verified resume / dcp.load, HF reader", "resume/ours", "resume/dcp_hf", None),
     ("verified resume / dcp.load, FileSystemReader", "resume/ours", "resume/dcp_fs", None),
 )
@@ -162,8 +164,9 @@ def worker(args: argparse.Namespace) -> None:
     for target, source in zip(floor, local):
         target.copy_(source)  # faulted in: the floor is the steady state
 
-    def memcpy():
-        for target, source in zip(floor, [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]):
+    def memcpy(shards=None):
+        shards = shards or [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
+        for target, source in zip(floor, shards):
             np.copyto(target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
 
     candidates = {
@@ -175,6 +178,7 @@ def worker(args: argparse.Namespace) -> None:
         "resume/dcp_hf": lambda: dcp.load(tensors(), storage_reader=HuggingFaceStorageReader(str(root / "dcp_hf"))),
         "resume/dcp_fs": lambda: dcp.load(full_state(), storage_reader=FileSystemReader(str(root / "dcp_fs"))),
         "stall/memcpy": memcpy,
+        "stall/memcpy_only": lambda: memcpy(local),
         "stall/async": lambda: background.save(run),
     }
     sources = {"resume/ours": lambda: store.path_for(run.step), "resume/dcp_hf": lambda: root / "dcp_hf",

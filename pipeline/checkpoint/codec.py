@@ -35,7 +35,8 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Return a JSON-able tree for ``obj``; tensors found in it are added to ``tensors``.
 
     Tensor names are the path to them (``optimizer/state/0/exp_avg``), so a saved file is
-    readable by eye with plain ``safetensors``.
+    readable by eye with plain ``safetensors``. The tree shares no container with ``obj``
+    (a background save hands it to another thread without copying it).
     """
     # Plain scalars first: Python's RNG state alone is 625 ints, and the Mapping check
     # below is an ABC lookup; this order keeps a save's capture well under a millisecond.

@@ -206,8 +206,10 @@ class DistributedCheckpointer(OneSaveInFlight):
         self.snapshot = SnapshotBuffers()
         self._in_flight: PendingSave | None = None
         self._committer = world.own_group() if background else world
+        self._wrappers: dict[str, tuple[Any, DTensor]] = {}  # see _like
 
     def _release(self) -> None:
+        self._wrappers.clear()
         if self._committer is not self.world:
             self._committer.leave_group()
             self._committer = self.world
@@ -245,13 +247,34 @@ class DistributedCheckpointer(OneSaveInFlight):
                                      "shared": shared})
         pending = PendingSave(step, self.store.path_for(step))
         # Not a daemon: an interpreter exiting without close() still waits for the commit.
+        # The record is not copied: split_state and tensor_specs built it for this save.
         pending._thread = threading.Thread(
             target=self._write, name=f"checkpoint-step-{step}", daemon=False,
-            args=(pending, copy.deepcopy(record), _like(copies["model"], model), _like(copies["optim"], optimizer),
+            args=(pending, record, self._like(copies["model"], model), self._like(copies["optim"], optimizer),
                   copies["rng"], copies["shared"]))
         self._in_flight = pending
         pending._thread.start()
         return pending
+
+    def _like(self, copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
+        the same mesh, placements and global shape (no communication), so DCP writes the same
+        chunks at the same offsets. A wrapper is kept while its buffer and layout are the
+        same: building a DTensor costs about a millisecond of Python, per tensor, per save."""
+        wrapped = {}
+        for name, tensor in live.items():
+            if not isinstance(tensor, DTensor):
+                wrapped[name] = copies[name]
+                continue
+            key = (copies[name].data_ptr(), copies[name].dtype, tensor.device_mesh, tensor.placements, tensor.shape,
+                   tensor.stride())
+            kept = self._wrappers.get(name)
+            if kept is None or kept[0] != key:
+                kept = self._wrappers[name] = (key, DTensor.from_local(
+                    copies[name], tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                    stride=tensor.stride()))
+            wrapped[name] = kept[1]
+        return wrapped
 
     def _write(self, pending: PendingSave, *args: Any) -> None:
         try:
@@ -323,15 +346,6 @@ class DistributedCheckpointer(OneSaveInFlight):
 def _local(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's part of each tensor (an FSDP2 shard's local tensor)."""
     return {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors.items()}
-
-
-def _like(copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
-    the same mesh, placements and global shape (no communication), so DCP writes the same
-    chunks at the same offsets."""
-    return {name: DTensor.from_local(copies[name], t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                     stride=t.stride()) if isinstance(t, DTensor) else copies[name]
-            for name, t in live.items()}
 
 
 def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:

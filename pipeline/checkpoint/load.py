@@ -3,19 +3,16 @@
 Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm start)
 calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
-size right (cheap: catches truncation before a long hash); then each file is mapped once,
-privately, hashed on that map (both files in parallel) and compared with ``meta.json``;
-then both headers go through the one strict parser. Nothing is returned before every
-file passed.
+size right (cheap: catches truncation before a long hash); then every file is read once
+and hashed as it is read (files side by side) and compared with ``meta.json``; then every
+header goes through the one strict parser. Nothing is returned before every file passed.
 
-The hashed bytes are the used bytes (:mod:`.tensorfile`): a resume passes the model it
-built (``into=``), and the weights are *verified after materialising*: copied from the
-map into its parameters, the copies hashed; the training state's tensors are views of
-pages copied before they were hashed (*copy on read*), as are the weights for evaluate
-and stage (``LoadMode.WEIGHTS``). A resume therefore reads the checkpoint's ``meta.json``
-first (:func:`checkpoint_meta`: sealed, schema, listing; no file hashed), builds the run
-it describes, then loads into it; a refusal then leaves a model of this process
-overwritten, never a value that training uses.
+The hashed bytes are the used bytes (:func:`.tensorfile.read_verified`): the files whose
+tensors are used are read into memory of this process and hashed there. A resume passes
+the model it built (``into=``), whose parameters receive the weights directly, so it reads
+the checkpoint's ``meta.json`` first (:func:`checkpoint_meta`: sealed, schema, listing; no
+file hashed), builds the run it describes, then loads into it; a refusal then leaves a
+model of this process overwritten, never a value that training uses.
 
 A distributed (torchrun) checkpoint goes through the same checks, every file through
 the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tensors`` are

@@ -2,40 +2,16 @@
 read (checkpoints, stage, warm start, proof snapshots, prepared data) goes through here.
 
 Writing streams the standard layout (8-byte little-endian header length, JSON header
-padded to 8 bytes, tensors back to back) straight from the tensors' memory, hashing the
-same buffers on a second thread, so a save costs max(hash, write) and makes no in-memory
-copy of the file.
+padded to 8 bytes, tensors back to back) straight from the tensors' memory, each file
+hashed from the same buffers by a thread of its own, so a save costs about max(write,
+hash of its largest file) and makes no in-memory copy of the file.
 
-Reading maps the file once, privately (copy on write), and hashes it on that map
-(:func:`sha256_mapped`, several files side by side, one thread each), so every byte is
-read once; the tensors are views of the same map (:func:`tensors_from_map`), which
-training may update in place without touching the file.
-
-**The hashed bytes are the used bytes.** A private map still shows later writes to the
-file by anyone else in every page this process has not written to yet (Linux shares
-those pages with the page cache), so a concurrent writer could change a tensor after its
-hash was checked. Two ways to close that, chosen per file by :func:`sha256_mapped`:
-
-- *Verify after materialising* (``into``: resume, whose weights are copied into the live
-  model anyway): the header is copied out of the map once, hashed and parsed from that
-  copy; then, in file order, each tensor is copied from the map into its destination (the
-  model's own parameter of that name, dtype and shape; a fresh tensor otherwise) and the
-  *destination's* bytes are hashed. The strict parser guarantees that the tensors tile the
-  data from byte 0 to the end, so header + tensors in file order is the whole file: the
-  digest is the file's, computed over the bytes that will be used. The copy is one the
-  load made anyway (into the parameters), so this costs no more than the zero-copy load
-  it replaced. A digest that then differs from ``meta.json`` refuses the checkpoint after
-  the parameters were overwritten: they belong to a model built for this load, which the
-  refusal discards (the process exits 2), and nothing else was touched.
-- *Copy on read* (every other file whose tensors are used: the training state's
-  optimizer moments, evaluate's and stage's weights): each chunk of the map is made this
-  process's own copy (``MADV_POPULATE_WRITE``: in the kernel) *before* it is hashed, and
-  the tensors are views of those owned pages; from then on no write to the file reaches
-  them. That costs one fresh page per byte, which a zero-copy view pays later anyway, at
-  the first write to each page (the first optimizer step writes every Adam moment).
-
-A file whose tensors nobody will use is hashed on the shared pages, owning only its
-header, which the parser reads (``benchmarks/README.md``, "Resume load").
+Verified reading (:func:`read_verified`) keeps **the hashed bytes the used bytes**: a file
+whose tensors are used is read into memory of this process (into given destinations, such
+as a resumed model's parameters, or fresh tensors), and each chunk is hashed there once
+read, so no later write to the file reaches what was verified; a file only verified is
+hashed on the page cache's pages (``docs/format.md``, "How a load is verified").
+Unverified reading (:func:`read_tensors`) maps the file privately and returns views.
 
 **One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string

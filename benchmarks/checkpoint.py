@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from sidebyside import Ratio, loadavg, ratio, rotated, summary, target_table  # noqa: E402
+from sidebyside import Ratio, evict, fsync_tree, loadavg, ratio, rotated, summary, target_table  # noqa: E402
 
 from pipeline.checkpoint import (  # noqa: E402
     Checkpointer,
@@ -143,25 +143,6 @@ def _provenance() -> dict[str, Any]:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _fsync_tree(root: Path) -> None:
-    paths = [root] if root.is_file() else [*sorted(p for p in root.rglob("*") if p.is_file()), root]
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _evict(root: Path) -> None:
-    """Drop a (fsynced, hence clean) file from the page cache: loads read from the device."""
-    for path in ([root] if root.is_file() else root.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
@@ -247,7 +228,7 @@ class Bench:
 
         def save() -> Path:
             torch.save({"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict()}, path)
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("torch_save", save)
 
@@ -257,7 +238,7 @@ class Bench:
 
         def save() -> Path:
             save_file(self.run.model.state_dict(), str(path))
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("safetensors_save_file", save)
 
@@ -268,7 +249,7 @@ class Bench:
 
         def save() -> Path:
             self.accelerator.save_state(str(path))
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("accelerate_save_state", save)
 
@@ -340,7 +321,7 @@ class Bench:
         path = self.outputs.get(source)
         if path is None:
             return None
-        _evict(path)
+        evict(path)
         gc.collect()
         start = time.perf_counter()
         _touch(load(path))
@@ -407,6 +388,7 @@ class Bench:
         if self.async_checkpointer is not None:
             self.async_checkpointer.close()
             self.async_store.release()
+            self.async_checkpointer = None
 
 
 def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
@@ -419,6 +401,8 @@ def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
             for name in rotated(phase, rep):
                 gc.collect()
                 results[name] = getattr(bench, name)()
+            bench.close()  # the loads run without the snapshot buffers and copies (3 GB each at 3 GB)
+            bench.copies = None
     finally:
         bench.close()
     return results

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from sidebyside import Ratio, loadavg, ratio, rotated, summary, target_table  # noqa: E402
+from sidebyside import Ratio, evict, loadavg, ratio, rotated, summary, target_table  # noqa: E402
 
 SAVES = ("save/ours", "save/dcp_hf", "save/dcp_fs")
 LOADS = ("resume/ours", "resume/dcp_hf", "resume/dcp_fs")
@@ -136,14 +136,6 @@ def worker(args: argparse.Namespace) -> None:
     def tensors():
         return {**_model_state(run, summary_["tensors"]), **_optimizer_state(run)[1]}
 
-    def evict(folder: Path) -> None:
-        if world.rank == 0:
-            for path in folder.rglob("*"):
-                if path.is_file():
-                    fd = os.open(path, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    os.close(fd)
-
     def fresh(name: str) -> Path:
         folder = root / name
         if world.rank == 0:
@@ -192,7 +184,7 @@ def worker(args: argparse.Namespace) -> None:
         loads.append(loadavg())
         for phase in (SAVES, LOADS, STALLS):
             for name in rotated(phase, rep):
-                if name in sources:
+                if name in sources and world.rank == 0:
                     evict(sources[name]())
                 world.barrier()
                 started = time.perf_counter()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["rotated", "summary", "Ratio", "ratio", "verdict", "target_table", "loadavg"]
+__all__ = ["rotated", "summary", "Ratio", "ratio", "verdict", "target_table", "loadavg", "evict", "fsync_tree"]
 
 
 def rotated(names: Sequence[str], rep: int) -> list[str]:
@@ -74,3 +75,23 @@ def target_table(ratios: list[Ratio]) -> str:
         paired = f"{r.median_of_ratios:.3f}" if r.median_of_ratios is not None else "-"
         rows.append(f"| {r.label} | {r.scope} | {r.of_medians:.3f} | {paired} | <= {r.target} | {r.verdict} |")
     return "\n".join(rows)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync a file, or every file of a folder and the folder: what a baseline owes durability."""
+    paths = [root] if root.is_file() else [*sorted(p for p in root.rglob("*") if p.is_file()), root]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def evict(root: Path) -> None:
+    """Drop a (fsynced, hence clean) file or folder from the page cache: loads read from the device."""
+    for path in ([root] if root.is_file() else root.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)

@@ -1,15 +1,16 @@
-"""Checkpoint save and resume, side by side: ours (sync and async) against what users would
-otherwise pick, the disk's limit and the in-memory copy. A benchmark, not a test.
+"""Checkpoint save and resume, side by side: ours (sync, async, the verified resume) against
+what users would otherwise pick, torch.distributed.checkpoint as a peer, the disk's limit
+and the in-memory copy. A benchmark, not a test.
 
-    python benchmarks/checkpoint.py [--sizes 0.6,0.06] [--reps 5] [--out benchmarks/results/checkpoint.json]
+    python benchmarks/checkpoint.py [--sizes 0.06,0.6,3] [--reps 3] [--memory all|targets|none]
 
 State: an MLP of three square fp32 Linear layers sized so weights + AdamW state total each
 ``--sizes`` GB (0.6 GB is ~50M parameters). Every repetition is a fresh worker process per
 size that builds the state once and runs every candidate in an order rotated by the
-repetition, so drift and noise spread over all of them; medians and min/max are reported.
-Peak memory is measured separately: one fresh process per candidate and size (see
-``_measure_memory``). Files go to a temporary folder beside the repository (same disk),
-removed at the end. Ratios, the headline numbers, are printed last.
+repetition (``sidebyside``: medians, paired ratios, targets). Peak memory is measured
+separately: one fresh process per candidate and size (see ``memory_worker``). Files go to
+a temporary folder beside the repository (same disk), removed at the end. Printed: one
+table per size, then every target (met / borderline / missed), then the other ratios.
 """
 
 from __future__ import annotations
@@ -22,28 +23,35 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from sidebyside import Ratio, evict, fsync_tree, loadavg, ratio, rotated, summary, target_table  # noqa: E402
 
-from pipeline.checkpoint import Checkpointer, CheckpointStore, load_checkpoint, read_tensors  # noqa: E402
+from pipeline.checkpoint import (  # noqa: E402
+    Checkpointer,
+    CheckpointStore,
+    checkpoint_meta,
+    load_checkpoint,
+    read_tensors,
+)
 from pipeline.checkpoint.tensorfile import WRITE_CHUNK, WRITEBACK_WINDOW  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.data import EpochSampler  # noqa: E402
 from pipeline.data.feed import BatchFeed  # noqa: E402
 from pipeline.environment import current_environment  # noqa: E402
-from pipeline.hashing import sha256_file  # noqa: E402
 from pipeline.layout import MODEL_FILE, STATE_FILE  # noqa: E402
 from pipeline.provenance import library_versions  # noqa: E402
 from pipeline.rng import seed_everything  # noqa: E402
@@ -51,10 +59,11 @@ from pipeline.run import TrainingRun  # noqa: E402
 
 __all__ = ["main"]
 
-SAVES = ("ours_sync", "ours_async", "torch_save", "safetensors_save_file", "accelerate_save_state",
+SAVES = ("ours_sync", "ours_async", "torch_save", "safetensors_save_file", "accelerate_save_state", "dcp_save_hf",
          "raw_write", "raw_write_streamed", "memcopy", "memcopy_torch")
-LOADS = ("ours_load_verified", "ours_load_two_pass", "ours_load_mapped", "torch_load", "safetensors_load_file",
-         "accelerate_load_state")
+LOADS = ("ours_resume", "ours_load_mapped", "torch_load", "torch_load_into", "safetensors_load_file",
+         "accelerate_load_state", "dcp_load_hf")
+TARGETED = ("ours_sync", "ours_async")  # the candidates with a peak-memory target
 LABELS = {
     "ours_sync": "ours, sync (SHA-256, fsync, atomic rename)",
     "ours_async": "ours, async (stall = snapshot; wall = commit)",
@@ -62,21 +71,44 @@ LABELS = {
     "torch_save": "torch.save(model+optim) + fsync",
     "safetensors_save_file": "safetensors save_file(weights) + fsync",
     "accelerate_save_state": "accelerate save_state + fsync",
+    "dcp_save_hf": "dcp.save, HuggingFaceStorageWriter",
     "raw_write": "raw write + fsync (same bytes)",
     "raw_write_streamed": "raw write + fsync, streamed writeback",
     "memcopy": "in-memory copy into reused buffers (memcpy)",
     "memcopy_torch": "in-memory copy into reused buffers (Tensor.copy_)",
-    "ours_load_verified": "ours: resume load, SHA-256 verified, one pass",
-    "ours_load_two_pass": "ours: hash both files (sha256_file), then read_tensors",
-    "ours_load_mapped": "ours: mmap load, no verification",
+    "ours_resume": "ours: verified resume, as 02 --resume (every byte hashed)",
+    "ours_load_mapped": "ours: read_tensors (mapped, no verification)",
     "torch_load": "torch.load(weights_only=True)",
+    "torch_load_into": "torch.load + load_state_dict (model, optimizer)",
     "safetensors_load_file": "safetensors load_file(weights)",
     "accelerate_load_state": "accelerate load_state (into model)",
+    "dcp_load_hf": "dcp.load, HuggingFaceStorageReader (into model, optimizer)",
 }
+# The targets of a checkpoint (per size): (label, numerator, denominator, goal).
+TARGETS = (
+    ("verified resume / torch.load(weights_only=True)", ("ours_resume", "wall"), ("torch_load", "wall"), 1.0),
+    ("sync save / raw write + fsync, streamed", ("ours_sync", "wall"), ("raw_write_streamed", "wall"), 1.1),
+    ("async stall / in-memory copy (memcpy)", ("ours_async", "stall"), ("memcopy", "wall"), 1.2),
+    ("sync save / torch.save + fsync", ("ours_sync", "wall"), ("torch_save", "wall"), 1.0),
+    ("sync save / dcp.save, HF writer", ("ours_sync", "wall"), ("dcp_save_hf", "wall"), None),
+    ("verified resume / dcp.load, HF reader", ("ours_resume", "wall"), ("dcp_load_hf", "wall"), None),
+    ("verified resume / torch.load + load_state_dict", ("ours_resume", "wall"), ("torch_load_into", "wall"), None),
+    ("mapped, unverified load / torch.load", ("ours_load_mapped", "wall"), ("torch_load", "wall"), None),
+    ("async wall (to commit) / sync save", ("ours_async", "wall"), ("ours_sync", "wall"), None),
+    ("raw write + fsync / streamed", ("raw_write", "wall"), ("raw_write_streamed", "wall"), None),
+)
+# Extra peak RSS / state: (candidate, goal).
+MEMORY_TARGETS = (("ours_sync", 0.05), ("ours_async", 1.05))
+# Time per GB at the largest size / at 0.6 GB (goal 1.2): what grows faster than the state.
+GROWTH = (("sync save", "ours_sync", "wall"), ("async stall", "ours_async", "stall"),
+          ("verified resume", "ours_resume", "wall"))
+GROWTH_GOAL = 1.2
 # glibc otherwise keeps freed tensors of a few MB in its heap, where the next candidate
 # reuses them without growing RSS; a fixed threshold makes every tensor its own mapping,
 # returned on free, so each candidate's peak shows what it allocated.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+# dcp warns that it runs without a process group: that is the single-process peer.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -114,25 +146,6 @@ def _provenance() -> dict[str, Any]:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _fsync_tree(root: Path) -> None:
-    paths = [root] if root.is_file() else [*sorted(p for p in root.rglob("*") if p.is_file()), root]
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _evict(root: Path) -> None:
-    """Drop a (fsynced, hence clean) file from the page cache: loads read from the device."""
-    for path in ([root] if root.is_file() else root.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
@@ -154,6 +167,13 @@ def _accelerator(run: TrainingRun):
     accelerator = Accelerator(cpu=True)
     accelerator.prepare(run.model, run.optimizer)
     return accelerator
+
+
+def _flat_optimizer(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """The optimizer's tensors under flat names: what a DCP safetensors checkpoint stores."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    flat = get_optimizer_state_dict(run.model, run.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {f"optim.{name}": t for name, t in flat.items() if isinstance(t, torch.Tensor)}
 
 
 # -- candidates -----------------------------------------------------------------------------
@@ -186,16 +206,20 @@ class Bench:
             checkpointer = Checkpointer(store, self.provenance)
             return self._timed("ours_sync", lambda: checkpointer.save(self.run).path)
 
+    def first_async_save(self):
+        """The first async save allocates the buffers (page faults): reported on its own."""
+        self.async_store = CheckpointStore(self.folder / "ours_async", keep_last=2)
+        self.async_store.acquire()
+        self.async_checkpointer = Checkpointer(self.async_store, self.provenance, background=True)
+        return self.ours_async()
+
     def ours_async(self):
         """Steady state: the buffers exist from a first save; the stall is save() returning."""
         if self.async_checkpointer is None:
-            self.async_store = CheckpointStore(self.folder / "ours_async", keep_last=2)
-            self.async_store.acquire()
-            self.async_checkpointer = Checkpointer(self.async_store, self.provenance, background=True)
-        checkpointer = self.async_checkpointer
+            return self.first_async_save()
         self.run.step += 1
         start = time.perf_counter()
-        pending = checkpointer.save(self.run)
+        pending = self.async_checkpointer.save(self.run)
         stall = time.perf_counter() - start
         saved = pending.result()
         wall = time.perf_counter() - start
@@ -207,7 +231,7 @@ class Bench:
 
         def save() -> Path:
             torch.save({"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict()}, path)
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("torch_save", save)
 
@@ -217,7 +241,7 @@ class Bench:
 
         def save() -> Path:
             save_file(self.run.model.state_dict(), str(path))
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("safetensors_save_file", save)
 
@@ -228,9 +252,22 @@ class Bench:
 
         def save() -> Path:
             self.accelerator.save_state(str(path))
-            _fsync_tree(path)
+            fsync_tree(path)
             return path
         return self._timed("accelerate_save_state", save)
+
+    def dcp_save_hf(self):
+        """torch.distributed.checkpoint with the safetensors writer, in one process: the
+        model's and the optimizer's tensors (DCP's writer fsyncs each file itself)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+        path = self.folder / "dcp_hf"
+
+        def save() -> Path:
+            dcp.save({**self.run.model.state_dict(), **_flat_optimizer(self.run)},
+                     storage_writer=HuggingFaceStorageWriter(str(path)))
+            return path
+        return self._timed("dcp_save_hf", save)
 
     def _raw(self, name: str, streamed: bool):
         path = self.folder / f"{name}.bin"
@@ -259,6 +296,8 @@ class Bench:
         return self._raw("raw_write", streamed=False)
 
     def raw_write_streamed(self):
+        """The writeback hint our writer uses (``posix_fadvise(DONTNEED)`` every 8 MiB starts
+        writeback early, so the final fsync waits for little): the disk's limit for it."""
         return self._raw("raw_write_streamed", streamed=True)
 
     def _memcopy(self, copy_one: Callable[[torch.Tensor, torch.Tensor], Any]):
@@ -285,27 +324,21 @@ class Bench:
         path = self.outputs.get(source)
         if path is None:
             return None
-        _evict(path)
+        evict(path)
         gc.collect()
         start = time.perf_counter()
         _touch(load(path))
         wall = time.perf_counter() - start
         return wall, wall, _size(path)
 
-    def ours_load_verified(self):
-        """What resume does (train.py): every byte hashed in one pass, the weights after they
-        were copied into the live model's parameters, the training state's pages owned first."""
+    def ours_resume(self):
+        """What ``02_train.py --resume`` does: meta.json first (to build the run), then every
+        byte of both files verified as it is read: the weights into the live model's
+        parameters, the training state into memory of this process."""
         def load(folder: Path):
+            folder, _ = checkpoint_meta(folder)
             loaded = load_checkpoint(folder, into=self.run.model)
             return [*loaded.model_tensors.values(), *loaded.state_tensors.values()]
-        return self._load("ours_sync", load)
-
-    def ours_load_two_pass(self):
-        """Hash by read(), then map again: the straightforward composition, for reference."""
-        def load(folder: Path):
-            for name in (MODEL_FILE, STATE_FILE):
-                sha256_file(folder / name)
-            return [*read_tensors(folder / MODEL_FILE).values(), *read_tensors(folder / STATE_FILE).values()]
         return self._load("ours_sync", load)
 
     def ours_load_mapped(self):
@@ -321,6 +354,15 @@ class Bench:
             return tensors
         return self._load("torch_save", load)
 
+    def torch_load_into(self):
+        """A torch user's resume: torch.load, then both ``load_state_dict``."""
+        def load(path: Path):
+            state = torch.load(path, weights_only=True)
+            self.run.model.load_state_dict(state["model"])
+            self.run.optimizer.load_state_dict(state["optimizer"])
+            return state_tensors(self.run)
+        return self._load("torch_save", load)
+
     def safetensors_load_file(self):
         from safetensors.torch import load_file
         return self._load("safetensors_save_file", lambda path: list(load_file(str(path)).values()))
@@ -334,39 +376,36 @@ class Bench:
             return state_tensors(self.run)
         return self._load("accelerate_save_state", load)
 
-    def first_async_save(self):
-        """The first async save allocates the buffers (page faults): reported on its own."""
-        self.async_store = CheckpointStore(self.folder / "ours_async", keep_last=2)
-        self.async_store.acquire()
-        self.async_checkpointer = Checkpointer(self.async_store, self.provenance, background=True)
-        self.run.step += 1
-        start = time.perf_counter()
-        pending = self.async_checkpointer.save(self.run)
-        stall = time.perf_counter() - start
-        pending.result()
-        return time.perf_counter() - start, stall, _size(pending.path)
+    def dcp_load_hf(self):
+        """dcp.load into the live tensors (the model's, the optimizer's), in one process."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        def load(path: Path):
+            template = {**self.run.model.state_dict(), **_flat_optimizer(self.run)}
+            dcp.load(template, storage_reader=HuggingFaceStorageReader(str(path)))
+            return list(template.values())
+        return self._load("dcp_save_hf", load)
 
     def close(self) -> None:
         if self.async_checkpointer is not None:
             self.async_checkpointer.close()
             self.async_store.release()
-
-
-def _rotated(names: tuple[str, ...], rep: int) -> list[str]:
-    shift = rep % len(names)
-    return [*names[shift:], *names[:shift]]
+            self.async_checkpointer = None
 
 
 def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
     bench = Bench(size_gb, folder)
     # Other jobs on the machine show up here; the report keeps them next to the figures.
-    results: dict[str, Any] = {"state_bytes": bench.state_bytes, "loadavg": os.getloadavg()[0]}
+    results: dict[str, Any] = {"state_bytes": bench.state_bytes, "loadavg": loadavg()}
     try:
         results["ours_async_first"] = bench.first_async_save()
         for phase in (SAVES, LOADS):
-            for name in _rotated(phase, rep):
+            for name in rotated(phase, rep):
                 gc.collect()
                 results[name] = getattr(bench, name)()
+            bench.close()  # the loads run without the snapshot buffers and copies (3 GB each at 3 GB)
+            bench.copies = None
     finally:
         bench.close()
     return results
@@ -380,6 +419,11 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+LOAD_SOURCE = {"ours_resume": "ours_sync", "ours_load_mapped": "ours_sync", "torch_load": "torch_save",
+               "torch_load_into": "torch_save", "safetensors_load_file": "safetensors_save_file",
+               "accelerate_load_state": "accelerate_save_state", "dcp_load_hf": "dcp_save_hf"}
+
+
 def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any]:
     """Extra resident memory of one candidate: VmHWM (peak RSS) is reset through
     /proc/self/clear_refs just before it runs; extra = peak - RSS at that moment.
@@ -390,10 +434,7 @@ def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any
     """
     bench = Bench(size_gb, folder, with_accelerate=candidate.startswith("accelerate"))
     try:
-        source = {"ours_load_verified": "ours_sync", "ours_load_two_pass": "ours_sync", "ours_load_mapped": "ours_sync",
-                  "torch_load": "torch_save",
-                  "safetensors_load_file": "safetensors_save_file",
-                  "accelerate_load_state": "accelerate_save_state"}.get(candidate)
+        source = LOAD_SOURCE.get(candidate)
         if source is not None and getattr(bench, source)() is None:
             return {"skipped": True}
         if candidate.startswith("memcopy"):
@@ -411,20 +452,12 @@ def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any
 
 
 # -- driver ---------------------------------------------------------------------------------
-def _worker_command(args: list[str]) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", *args]
-
-
 def _spawn(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    result = subprocess.run(_worker_command(args), cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, **(env or {})})
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", *args]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if result.returncode != 0:
         raise RuntimeError(f"worker {' '.join(args)} failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def _summary(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
 def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -432,67 +465,41 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            "candidates": {}}
     for name in ("ours_async_first", *SAVES, *LOADS):
         measured = [r[name] for r in runs if r.get(name) is not None]
-        if measured:
-            out["candidates"][name] = {"wall_s": _summary([m[0] for m in measured]),
-                                       "stall_s": _summary([m[1] for m in measured]), "bytes": measured[0][2]}
+        if len(measured) == len(runs):
+            out["candidates"][name] = {"wall": summary([m[0] for m in measured]),
+                                       "stall": summary([m[1] for m in measured]), "bytes": measured[0][2]}
     return out
 
 
-def _ratio(result: dict[str, Any], top: tuple[str, str], bottom: tuple[str, str]
-           ) -> tuple[float, float] | None:
-    """(ratio of the medians, median of the per-repetition ratios). The second pairs
-    measurements taken seconds apart in one worker, so load that drifts between
-    repetitions cancels out."""
-    cands = result["candidates"]
-    if top[0] not in cands or bottom[0] not in cands:
-        return None
-    upper, lower = cands[top[0]][top[1]], cands[bottom[0]][bottom[1]]
-    paired = [a / b for a, b in zip(upper["values"], lower["values"])]
-    return upper["median"] / lower["median"], statistics.median(paired)
-
-
-RATIOS = (
-    # (label, numerator, denominator, target)
-    ("sync save / torch.save+fsync", ("ours_sync", "wall_s"), ("torch_save", "wall_s"), 1.15),
-    ("sync save / raw write+fsync", ("ours_sync", "wall_s"), ("raw_write", "wall_s"), 1.3),
-    ("sync save / raw write+fsync, streamed", ("ours_sync", "wall_s"), ("raw_write_streamed", "wall_s"), 1.3),
-    ("async stall / in-memory copy", ("ours_async", "stall_s"), ("memcopy", "wall_s"), 1.5),
-    ("async stall / sync save", ("ours_async", "stall_s"), ("ours_sync", "wall_s"), 0.2),
-    ("async wall (to commit) / sync save", ("ours_async", "wall_s"), ("ours_sync", "wall_s"), None),
-    ("resume, verified / torch.load", ("ours_load_verified", "wall_s"), ("torch_load", "wall_s"), 1.0),
-    ("resume, two passes / torch.load", ("ours_load_two_pass", "wall_s"), ("torch_load", "wall_s"), None),
-    ("resume, mapped only / torch.load", ("ours_load_mapped", "wall_s"), ("torch_load", "wall_s"), 1.0),
-    ("torch.save+fsync / raw write+fsync", ("torch_save", "wall_s"), ("raw_write", "wall_s"), None),
-)
-
-
-def _ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
+def _ratios(sizes: dict[str, dict[str, Any]]) -> list[Ratio]:
     rows = []
-    for label, top, bottom, target in RATIOS:
-        ratio = _ratio(result, top, bottom)
-        if ratio is not None:
-            value, paired = ratio
-            rows.append({"ratio": label, "value": value, "paired": paired, "target": target,
-                         "met": _verdict([value, paired], target)})
-    memory = result.get("memory", {})
-    if "ours_async" in memory and not memory["ours_async"].get("skipped"):
-        value = memory["ours_async"]["extra_bytes"] / result["state_bytes"]
-        # One copy of the state plus small change (JSON, headers, thread stack).
-        rows.append({"ratio": "async save extra peak RSS / state size", "value": value, "paired": None,
-                     "target": 1.05, "met": _verdict([value], 1.05)})
+    for size, result in sizes.items():
+        scope = f"{result['state_bytes'] / 1e9:.2f} GB"
+        cands = result["candidates"]
+        for label, (top, top_kind), (bottom, bottom_kind), goal in TARGETS:
+            if top in cands and bottom in cands:
+                rows.append(ratio(label, scope, cands[top][top_kind]["values"], cands[bottom][bottom_kind]["values"],
+                                  goal))
+        for name, goal in MEMORY_TARGETS:
+            memory = result.get("memory", {}).get(name)
+            if memory and not memory.get("skipped"):
+                share = memory["extra_bytes"] / result["state_bytes"]
+                rows.append(Ratio(f"{LABELS[name].split(' (')[0]}: extra peak RSS / state", scope, share, None, goal))
+    small = next((s for s, r in sizes.items() if abs(r["state_bytes"] / 1e9 - 0.6) < 0.1), None)
+    large = max(sizes, key=lambda s: sizes[s]["state_bytes"])
+    if small is not None and sizes[large]["state_bytes"] > 2 * sizes[small]["state_bytes"]:
+        low, high = sizes[small], sizes[large]
+        scope = f"{high['state_bytes'] / 1e9:.2f} vs {low['state_bytes'] / 1e9:.2f} GB"
+        for label, name, kind in GROWTH:
+            if name in low["candidates"] and name in high["candidates"]:
+                per_gb = [[value / result["state_bytes"] for value in result["candidates"][name][kind]["values"]]
+                          for result in (high, low)]
+                rows.append(ratio(f"{label}: time per GB", scope, *per_gb, GROWTH_GOAL))
     return rows
 
 
-def _verdict(estimates: list[float], target: float | None) -> str | None:
-    """"met" only if every estimate meets the target; "borderline" if they disagree."""
-    if target is None:
-        return None
-    passed = [value <= target for value in estimates]
-    return "met" if all(passed) else "borderline" if any(passed) else "not met"
-
-
-def _fmt_span(summary: dict[str, Any]) -> str:
-    return f"{summary['median']:7.3f} [{summary['min']:.3f}-{summary['max']:.3f}]"
+def _fmt_span(summary_: dict[str, Any]) -> str:
+    return f"{summary_['median']:7.3f} [{summary_['min']:.3f}-{summary_['max']:.3f}]"
 
 
 def _table(size: str, result: dict[str, Any]) -> str:
@@ -505,21 +512,10 @@ def _table(size: str, result: dict[str, Any]) -> str:
     for name, cand in result["candidates"].items():
         mem = memory.get(name, {})
         rss = f"{mem['extra_bytes'] / 1e9:.3f} GB" if "extra_bytes" in mem and not mem.get("skipped") else "-"
-        stall = _fmt_span(cand["stall_s"]) if name in ("ours_async", "ours_async_first") or name in SAVES else "-"
-        lines.append(f"| {LABELS[name]} | {cand['bytes'] / 1e6:,.0f} MB | {_fmt_span(cand['wall_s'])} | {stall} | "
-                     f"{cand['bytes'] / 1e9 / cand['wall_s']['median']:.2f} | {rss} |")
+        stall = _fmt_span(cand["stall"]) if name == "ours_async_first" or name in SAVES else "-"
+        lines.append(f"| {LABELS[name]} | {cand['bytes'] / 1e6:,.0f} MB | {_fmt_span(cand['wall'])} | {stall} | "
+                     f"{cand['bytes'] / 1e9 / cand['wall']['median']:.2f} | {rss} |")
     return "\n".join(lines)
-
-
-def _ratio_lines(size: str, result: dict[str, Any]) -> list[str]:
-    lines = [f"ratios, state {result['state_bytes'] / 1e9:.3f} GB: ratio of medians "
-             "(median of per-repetition ratios)"]
-    for row in result["ratios"]:
-        verdict = "" if row["met"] is None else f"  {row['met'].upper()}"
-        target = "" if row["target"] is None else f"  target <= {row['target']}"
-        paired = f" ({row['paired']:.3f})" if row["paired"] is not None else " " * 8
-        lines.append(f"  {row['ratio']:40s} {row['value']:6.3f}{paired}{target}{verdict}")
-    return lines
 
 
 def _machine() -> dict[str, Any]:
@@ -531,34 +527,32 @@ def _machine() -> dict[str, Any]:
             "platform": platform.platform(), "versions": {**library_versions(), "accelerate": accelerate}}
 
 
-def drive(sizes: list[str], reps: int, out: Path, memory: bool, folder_parent: Path) -> dict[str, Any]:
+def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Path) -> dict[str, Any]:
     folder_root = Path(tempfile.mkdtemp(prefix=".checkpoint-bench-", dir=folder_parent))
     timings: dict[str, list[dict[str, Any]]] = {size: [] for size in sizes}
     try:
         for rep in range(reps):
-            for size in _rotated(tuple(sizes), rep):
+            for size in rotated(sizes, rep):
                 folder = folder_root / f"{size}-rep{rep}"
                 folder.mkdir()
                 print(f"rep {rep + 1}/{reps}, {size} GB ...", file=sys.stderr, flush=True)
                 timings[size].append(_spawn(["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)]))
                 shutil.rmtree(folder)
         results = {size: _aggregate(runs) for size, runs in timings.items()}
-        if memory:
-            for size in sizes:
-                results[size]["memory"] = {}
-                for name in (*SAVES, *LOADS):
-                    folder = folder_root / f"{size}-memory-{name}"
-                    folder.mkdir()
-                    print(f"peak memory, {size} GB, {name} ...", file=sys.stderr, flush=True)
-                    results[size]["memory"][name] = _spawn(["memory", "--size", size, "--candidate", name,
-                                                            "--dir", str(folder)], env=MEMORY_ENV)
-                    shutil.rmtree(folder)
+        candidates = {"all": (*SAVES, *LOADS), "targets": TARGETED, "none": ()}[memory]
+        for size in sizes:
+            results[size]["memory"] = {}
+            for name in candidates:
+                folder = folder_root / f"{size}-memory-{name}"
+                folder.mkdir()
+                print(f"peak memory, {size} GB, {name} ...", file=sys.stderr, flush=True)
+                results[size]["memory"][name] = _spawn(["memory", "--size", size, "--candidate", name,
+                                                        "--dir", str(folder)], env=MEMORY_ENV)
+                shutil.rmtree(folder)
     finally:
         shutil.rmtree(folder_root, ignore_errors=True)
-    for result in results.values():
-        result["ratios"] = _ratios(result)
     report = {"command": " ".join(["python", "benchmarks/checkpoint.py", *sys.argv[1:]]), "reps": reps,
-              "machine": _machine(), "sizes": results}
+              "machine": _machine(), "sizes": results, "ratios": [r.to_dict() for r in _ratios(results)]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -568,16 +562,24 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
     print(f"command: {report['command']}  ({report['reps']} interleaved repetitions; JSON: {out})\n")
     for size, result in report["sizes"].items():
         print(_table(size, result) + "\n")
-    for size, result in report["sizes"].items():
-        print("\n".join(_ratio_lines(size, result)))
+    ratios = [Ratio(r["label"], r["scope"], r["of_medians"], r["median_of_ratios"], r["target"])
+              for r in report["ratios"]]
+    print("targets (met: both estimates meet the goal; borderline: one does)\n")
+    print(target_table(ratios) + "\n")
+    print("other ratios: ratio of medians (median of per-repetition ratios)")
+    for r in ratios:
+        if r.target is None:
+            paired = f" ({r.median_of_ratios:.3f})" if r.median_of_ratios is not None else ""
+            print(f"  {r.scope:8s} {r.label:48s} {r.of_medians:6.3f}{paired}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.6,0.06", help="state sizes in GB, comma-separated")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 1)")
+    parser.add_argument("--sizes", default="0.06,0.6,3", help="state sizes in GB, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "checkpoint.json")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    parser.add_argument("--memory", choices=("all", "targets", "none"), default="all",
+                        help="which candidates get a peak-RSS process (targets: ours, sync and async)")
     parser.add_argument("--tmp-parent", type=Path, default=REPO.parent,
                         help="where the temporary folder goes (default: beside the repository, same disk)")
     parser.add_argument("--worker", choices=("timing", "memory"), help=argparse.SUPPRESS)
@@ -593,7 +595,7 @@ def main() -> int:
         print(json.dumps(memory_worker(float(args.size), args.candidate, args.dir)))
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    report = drive(sizes, max(1, args.reps), args.out, not args.no_memory, args.tmp_parent)
+    report = drive(sizes, max(1, args.reps), args.out, args.memory, args.tmp_parent)
     _print_report(report, args.out)
     return 0
 

@@ -1,37 +1,39 @@
 """A distributed save and resume, side by side: ours against torch.distributed.checkpoint's
-own writers on the same state in the same launch. A benchmark, not a test.
+own writers and readers on the same state in the same launch. A benchmark, not a test.
 
-    python benchmarks/distributed.py [--nproc 2] [--mode fsdp2] [--features 1024] [--hidden 8192] [--reps 3]
+    python benchmarks/distributed.py [--sizes 0.06,0.6,3] [--reps 3] [--nproc 2] [--mode fsdp2]
 
-Launches itself under torchrun (gloo on CPU). Each rank builds the default regression task
-widened to ``--features`` x ``--hidden`` (fp32; AdamW-style state after one step), then,
-per repetition, in an order rotated by the repetition:
+One torchrun launch (gloo on CPU, one thread per rank) per size. Each rank builds the
+default regression task (float64), its hidden width chosen so that weights + AdamW's two
+moments total the size, sharded by ``--mode``; one step makes the optimizer state. Then,
+per repetition, in an order rotated by the repetition (``sidebyside``):
 
-- ``ours``: :class:`pipeline.checkpoint.distributed.DistributedCheckpointer` ``save`` (DCP
-  with the safetensors writer, per-rank RNG files, hashes, sealed meta.json, atomic commit);
-- ``dcp_fs``: ``dcp.save`` with ``FileSystemWriter`` (the default, pickle ``.metadata``)
-  of the model and optimizer state dicts;
-- ``dcp_hf``: ``dcp.save`` with ``HuggingFaceStorageWriter`` of the same tensors ours writes;
+- save: ``ours`` = :class:`~pipeline.checkpoint.distributed.DistributedCheckpointer`
+  ``save`` (every rank's shards, RNG file, hashes, the sealed meta.json, the atomic commit);
+  ``dcp_hf`` = ``dcp.save`` with ``HuggingFaceStorageWriter`` of the same tensors;
+  ``dcp_fs`` = ``dcp.save`` with its default ``FileSystemWriter`` (pickle ``.metadata``);
+- resume (files dropped from the page cache first): ``ours`` = rank 0's
+  ``load_checkpoint`` (every byte hashed, headers, shard coverage) then
+  ``restore_distributed`` on every rank, as ``02_train.py --resume`` under torchrun;
+  ``dcp_hf`` / ``dcp_fs`` = ``dcp.load`` with the matching reader into the live tensors;
+- stall: ``async`` = how long ``save`` keeps training waiting with ``checkpoint.async``
+  (state dicts, RNG capture, the copy into reused buffers, the thread's start; the commit
+  is waited for untimed); ``memcpy`` = this rank's local model and optimizer shards taken
+  from torch's state-dict API and copied into preallocated buffers, the floor any snapshot
+  through that API pays; ``memcpy_only`` = the copy alone.
 
-and for the resume: ``ours`` = ``load_checkpoint`` (rank 0: hashes, strict headers, shard
-coverage) + ``restore_distributed``; ``dcp_fs`` = ``dcp.load`` with ``FileSystemReader``.
-
-The async save (``checkpoint.async``): ``stall/async`` is how long ``save`` keeps training
-waiting (state dicts, RNG capture, the copy into the reused CPU buffers, the thread's
-start), the commit then runs in the background and is waited for untimed;
-``stall/memcpy`` is one copy of this rank's local model and optimizer shards into
-preallocated buffers, the floor any snapshot pays.
-Files go to ``$BENCH_DIR`` (default: the temporary folder). Rank 0 prints medians and
-the ratios, and writes ``--out`` (JSON).
+Times are rank 0's, barrier to barrier. Files go to ``$BENCH_DIR`` (default: beside the
+repository, same disk). Printed: medians per size, then every target (met / borderline /
+missed) and the other ratios; ``--out`` gets the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,24 +42,60 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from sidebyside import Ratio, evict, loadavg, ratio, rotated, summary, target_table  # noqa: E402
+
+SAVES = ("save/ours", "save/dcp_hf", "save/dcp_fs")
+LOADS = ("resume/ours", "resume/dcp_hf", "resume/dcp_fs")
+STALLS = ("stall/async", "stall/memcpy", "stall/memcpy_only")
+TARGETS = (
+    ("save / dcp.save, HF writer", "save/ours", "save/dcp_hf", 1.15),
+    ("save / dcp.save, FileSystemWriter", "save/ours", "save/dcp_fs", 1.5),
+    ("async stall / state dicts + memcpy of the local shards", "stall/async", "stall/memcpy", 1.2),
+    ("async stall / memcpy of the local shards alone", "stall/async", "stall/memcpy_only", None),
+    ("verified resume / dcp.load, HF reader", "resume/ours", "resume/dcp_hf", None),
+    ("verified resume / dcp.load, FileSystemReader", "resume/ours", "resume/dcp_fs", None),
+)
+FEATURES = 1024
 
 
-def launch(args: argparse.Namespace) -> int:
+def hidden_for(size_gb: float, features: int = FEATURES) -> int:
+    """The MLP's hidden width whose float64 weights and two Adam moments (24 bytes per
+    parameter) total ``size_gb``: parameters ~ h^2 + (features + 3) h."""
+    params = size_gb * 1e9 / 24
+    return max(8, round((-(features + 3) + math.sqrt((features + 3) ** 2 + 4 * params)) / 2))
+
+
+def launch(args: argparse.Namespace, size: str, part: Path) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--mode", args.mode, "--features", str(args.features), "--hidden",
-               str(args.hidden), "--reps", str(args.reps), "--out", args.out]
-    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+               __file__, "--worker", "--mode", args.mode, "--hidden", str(hidden_for(float(size))),
+               "--reps", str(args.reps), "--part", str(part)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise SystemExit(f"the {size} GB launch failed (exit {result.returncode})")
+    return json.loads(part.read_text())
 
 
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, HuggingFaceStorageWriter
+    from torch.distributed.checkpoint import (
+        FileSystemReader,
+        FileSystemWriter,
+        HuggingFaceStorageReader,
+        HuggingFaceStorageWriter,
+    )
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
-    from pipeline.checkpoint.distributed import DistributedCheckpointer, _model_state, _optimizer_state, restore_distributed
+    from pipeline.checkpoint.distributed import (
+        DistributedCheckpointer,
+        _model_state,
+        _optimizer_state,
+        restore_distributed,
+    )
     from pipeline.checkpoint.store import read_meta
     from pipeline.checkpoint.weights import model_summary
     from pipeline.config import load_config
@@ -66,10 +104,10 @@ def worker(args: argparse.Namespace) -> None:
     from pipeline.run import build_run, fresh_buffers
     from pipeline.train import run_provenance, train_step
 
-    scratch = Path(os.environ.get("BENCH_DIR") or tempfile.gettempdir())
-    root = scratch / "bench-distributed"
+    scratch = Path(os.environ.get("BENCH_DIR") or REPO.parent)
+    root = scratch / f".bench-distributed-{args.hidden}"
     overrides = {"data.dir": str(root / "data"), "checkpoint.dir": str(root / "ours"),
-                 "training.parallel": args.mode, "data.params.num_features": args.features,
+                 "training.parallel": args.mode, "data.params.num_features": FEATURES,
                  "model.params.hidden": args.hidden, "checkpoint.keep_last": 1}
     config = load_config(REPO / "config.yaml", overrides)
     world = World.start(config)
@@ -77,10 +115,10 @@ def worker(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
         prepare_data(config)
     world.barrier()
-    summary: dict = {}
+    summary_: dict = {}
 
     def wrap(model):
-        summary.update(model_summary(model, fresh_buffers(model)))
+        summary_.update(model_summary(model, fresh_buffers(model)))
         return world.wrap(model, config)
 
     run = build_run(config, world.device, wrap=wrap)
@@ -88,21 +126,15 @@ def worker(args: argparse.Namespace) -> None:
     store = CheckpointStore(config.checkpoint.dir, keep_last=1)
     if world.rank == 0:
         store.acquire()
-    checkpointer = DistributedCheckpointer(store, world, run_provenance(config, load_manifest(config), world.device,
-                                                                        []), summary)
-    background = DistributedCheckpointer(CheckpointStore(root / "async", keep_last=1), world,
-                                         checkpointer.provenance, summary, background=True)
+    provenance = run_provenance(config, load_manifest(config), world.device, [])
+    checkpointer = DistributedCheckpointer(store, world, provenance, summary_)
+    background = DistributedCheckpointer(CheckpointStore(root / "async", keep_last=1), world, provenance, summary_,
+                                         background=True)
     if world.rank == 0:
         background.store.acquire()
-    times: dict[str, list[float]] = {"save/ours": [], "save/dcp_fs": [], "save/dcp_hf": [], "load/ours": [],
-                                     "load/dcp_fs": [], "stall/async": [], "stall/memcpy": []}
 
-    def timed(key, call):
-        world.barrier()
-        started = time.perf_counter()
-        call()
-        world.barrier()
-        times[key].append(time.perf_counter() - started)
+    def tensors():
+        return {**_model_state(run, summary_["tensors"]), **_optimizer_state(run)[1]}
 
     def fresh(name: str) -> Path:
         folder = root / name
@@ -111,83 +143,117 @@ def worker(args: argparse.Namespace) -> None:
         world.barrier()
         return folder
 
-    def save_ours():
-        checkpointer.save(run)
+    def full_state():
+        return {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.optimizer)}
 
-    def save_fs():
-        state = {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.optimizer)}
-        dcp.save(state, storage_writer=FileSystemWriter(str(fresh("dcp_fs"))))
-
-    def save_hf():
-        tensors = {**_model_state(run, summary["tensors"]), **_optimizer_state(run)[1]}
-        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(fresh("dcp_hf")), save_distributed=True))
-
-    def load_ours():
+    def resume_ours():
         folder = store.path_for(run.step)
         meta = load_checkpoint(folder, mode=LoadMode.VERIFY).meta if world.rank == 0 else None
         restore_distributed(run, world, folder, meta if meta is not None else read_meta(folder), reshard=False)
 
-    def load_fs():
-        state = {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.optimizer)}
-        dcp.load(state, storage_reader=FileSystemReader(str(root / "dcp_fs")))
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
+    floor = [torch.empty_like(t) for t in local]
+    for target, source in zip(floor, local):
+        target.copy_(source)  # faulted in: the floor is the steady state
 
-    def local_shards() -> list:
-        tensors = {**_model_state(run, summary["tensors"]), **_optimizer_state(run)[1]}
-        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
-
-    floor = [torch.empty_like(t) for t in local_shards()]
-
-    def memcpy():
-        for target, source in zip(floor, local_shards()):
+    def memcpy(shards=None):
+        shards = shards or [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
+        for target, source in zip(floor, shards):
             np.copyto(target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
 
-    saves = [("save/ours", save_ours), ("save/dcp_fs", save_fs), ("save/dcp_hf", save_hf)]
+    candidates = {
+        "save/ours": lambda: checkpointer.save(run),
+        "save/dcp_hf": lambda: dcp.save(tensors(), storage_writer=HuggingFaceStorageWriter(
+            str(fresh("dcp_hf")), save_distributed=True)),
+        "save/dcp_fs": lambda: dcp.save(full_state(), storage_writer=FileSystemWriter(str(fresh("dcp_fs")))),
+        "resume/ours": resume_ours,
+        "resume/dcp_hf": lambda: dcp.load(tensors(), storage_reader=HuggingFaceStorageReader(str(root / "dcp_hf"))),
+        "resume/dcp_fs": lambda: dcp.load(full_state(), storage_reader=FileSystemReader(str(root / "dcp_fs"))),
+        "stall/memcpy": memcpy,
+        "stall/memcpy_only": lambda: memcpy(local),
+        "stall/async": lambda: background.save(run),
+    }
+    sources = {"resume/ours": lambda: store.path_for(run.step), "resume/dcp_hf": lambda: root / "dcp_hf",
+               "resume/dcp_fs": lambda: root / "dcp_fs"}
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    loads = []
+    background.save(run)  # the first background save allocates the buffers: untimed
+    background.wait()
     for rep in range(args.reps):
         train_step(run, world)  # untimed: a new step folder per repetition (keep_last 1 prunes the last)
-        for key, call in saves[rep % 3:] + saves[:rep % 3]:
-            timed(key, call)
-        timed("load/ours", load_ours)
-        timed("load/dcp_fs", load_fs)
-        timed("stall/memcpy", memcpy)
-        timed("stall/async", lambda: background.save(run))
-        background.wait()  # untimed: the commit in the background
+        loads.append(loadavg())
+        for phase in (SAVES, LOADS, STALLS):
+            for name in rotated(phase, rep):
+                if name in sources and world.rank == 0:
+                    evict(sources[name]())
+                world.barrier()
+                started = time.perf_counter()
+                candidates[name]()
+                world.barrier()
+                times[name].append(time.perf_counter() - started)
+                if name == "stall/async":
+                    background.wait()  # untimed: the commit in the background
     background.close()
     if world.rank == 0:
         store.release()
         background.store.release()
-        medians = {key: statistics.median(values) for key, values in times.items()}
-        state_bytes = sum(t.numel() * t.element_size() for t in _model_state(run, summary["tensors"]).values())
-        result = {"nproc": world.world_size, "mode": args.mode, "params": summary["num_parameters"],
-                  "model_bytes_full": state_bytes, "reps": args.reps, "seconds": times, "median": medians,
-                  "ratios": {"save ours / dcp_hf": medians["save/ours"] / medians["save/dcp_hf"],
-                             "save ours / dcp_fs": medians["save/ours"] / medians["save/dcp_fs"],
-                             "load ours / dcp_fs": medians["load/ours"] / medians["load/dcp_fs"],
-                             "async stall / memcpy": medians["stall/async"] / medians["stall/memcpy"]}}
-        for key, value in medians.items():
-            print(f"{key:14s} median {value * 1000:8.1f} ms  (min {min(times[key]) * 1000:.1f}, "
-                  f"max {max(times[key]) * 1000:.1f})")
-        for key, value in result["ratios"].items():
-            print(f"{key:22s} {value:.2f}x")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        full = tensors()
+        state_bytes = sum(t.numel() * t.element_size() for t in full.values())
+        Path(args.part).write_text(json.dumps({
+            "nproc": world.world_size, "mode": args.mode, "hidden": args.hidden,
+            "params": summary_["num_parameters"], "state_bytes": state_bytes, "loadavg_1min": loads,
+            "seconds": times}, indent=1) + "\n")
         shutil.rmtree(root, ignore_errors=True)
     world.close()
 
 
+def report(parts: dict[str, dict], out: Path, command: str) -> None:
+    ratios: list[Ratio] = []
+    print(f"command: {command}\n")
+    for size, part in parts.items():
+        scope = f"{part['state_bytes'] / 1e9:.2f} GB"
+        load = ", ".join(f"{x:.1f}" for x in part["loadavg_1min"])
+        print(f"### state {scope} ({size} requested; {part['nproc']} processes, {part['mode']}, "
+              f"{part['params'] / 1e6:.1f}M float64 parameters; 1-min load average per repetition: {load})\n")
+        print("| candidate | median s [min-max] |\n| --- | --- |")
+        for name, values in part["seconds"].items():
+            spread = summary(values)
+            print(f"| {name} | {spread['median']:.3f} [{spread['min']:.3f}-{spread['max']:.3f}] |")
+        print()
+        for label, top, bottom, goal in TARGETS:
+            ratios.append(ratio(label, scope, part["seconds"][top], part["seconds"][bottom], goal))
+    print("targets (met: both estimates meet the goal; borderline: one does)\n")
+    print(target_table(ratios) + "\n")
+    print("other ratios: ratio of medians (median of per-repetition ratios)")
+    for r in ratios:
+        if r.target is None:
+            print(f"  {r.scope:8s} {r.label:48s} {r.of_medians:6.3f} ({r.median_of_ratios:.3f})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command, "sizes": parts, "ratios": [r.to_dict() for r in ratios]},
+                              indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.06,0.6,3", help="state sizes in GB (weights + Adam), comma-separated")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--mode", choices=("ddp", "fsdp2"), default="fsdp2")
-    parser.add_argument("--features", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed.json"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "distributed.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--part", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
-    return launch(args)
+    parts = {}
+    with tempfile.TemporaryDirectory(prefix="bench-distributed-") as scratch:
+        for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+            print(f"{size} GB: one launch of {args.nproc} processes ...", file=sys.stderr, flush=True)
+            parts[size] = launch(args, size, Path(scratch) / f"{size}.json")
+    report(parts, args.out, " ".join(["python", "benchmarks/distributed.py", *sys.argv[1:]]))
+    return 0
 
 
 if __name__ == "__main__":

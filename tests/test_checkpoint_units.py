@@ -153,6 +153,18 @@ def test_codec_round_trip_is_exact():
     assert back["nested"] == [1, "two", (3,)] and back["inf"] == math.inf and back["np_scalar"] == 1.5
 
 
+def test_the_split_tree_shares_no_container_with_the_live_state():
+    """A background save hands the tree to its writer thread uncopied: training's later
+    changes to the live state (Python's RNG list, a scheduler's milestones) must not reach it."""
+    live = {"milestones": [3, 6], "python_rng": (3, [1, 2, 3], None), "group": {"betas": [0.9, 0.99]}}
+    tree = split_state(live, "s", {})
+    before = json.dumps(tree)
+    live["milestones"].append(9)
+    live["python_rng"][1].append(4)
+    live["group"]["betas"][0] = 0.5
+    assert json.dumps(tree) == before
+
+
 def test_codec_refuses_two_entries_with_one_tensor_name_and_unpicklable_objects():
     with pytest.raises(ValueError, match="opt/a/b"):
         split_state({"a/b": torch.zeros(1), "a": {"b": torch.ones(1)}}, "opt", {})

@@ -5,6 +5,7 @@ the signal and the kill use the real script."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -218,6 +219,21 @@ def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
         # Sealed like a single-process meta.json, and the environment recorded.
         assert meta["meta_sha256"] == meta_sha256(meta)
         assert meta["environment"]["intra_op_threads"] == 1 and meta["environment"]["changes"] == []
+
+
+@LEGS
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_resumed_and_an_uninterrupted_run_write_byte_identical_checkpoint_files(legs, mode):
+    """Two runs that reach the same state write the same bytes (every header in one order,
+    not a hash map's), so ``sha256sum`` of one run's files matches the other's meta.json."""
+    root, _, _ = legs
+    resumed, full = (root / f"{kind}_{mode}" / "step-00000010" for kind in ("cut", "full"))
+    files = verify_distributed(full)["files"]
+    assert verify_distributed(resumed)["files"] == files and len(files) == 7  # 2 model, 2 optim, 2 rng, state
+    for name, entry in files.items():
+        data = (resumed / name).read_bytes()
+        assert data == (full / name).read_bytes(), f"{name} differs between the two runs"
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
 def _damaged_copy(legs, tmp_path) -> Path:

@@ -80,6 +80,15 @@ def test_a_reformatted_meta_json_with_a_valid_seal_is_refused(folder):
     refused(folder, "meta.json", "byte for byte", error=ChecksumMismatch)
 
 
+def test_a_meta_json_read_before_is_checked_again_once_its_bytes_change(folder):
+    """A resume reads meta.json twice, and the second read of the same bytes skips the
+    byte-level checks; bytes it has not seen are checked in full."""
+    assert load_checkpoint(folder, mode=LoadMode.VERIFY).meta["step"] == 10
+    meta = read_meta_json(folder)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=4, sort_keys=True), encoding="utf-8")
+    refused(folder, "meta.json", "byte for byte", error=ChecksumMismatch)
+
+
 def test_a_duplicate_key_is_refused_even_with_a_valid_seal(folder):
     path = folder / "meta.json"
     text = path.read_text(encoding="utf-8")

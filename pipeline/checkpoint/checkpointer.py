@@ -10,7 +10,6 @@ raise its error, if any, in the training thread.
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import threading
 from concurrent.futures import Future
@@ -108,8 +107,10 @@ class Checkpointer(OneSaveInFlight):
             self.last_saved_step = saved.step
             return saved
         copies = self.snapshot.copy({"model": model_tensors, "state": state_tensors})
-        # Training goes on mutating nothing in here, but a deep copy makes that a fact.
-        return self._start(run.step, copies["model"], copies["state"], copy.deepcopy(meta))
+        # Not copied: the training state's tree and the model summary were built for this
+        # save (split_state shares no container with the live objects), and the provenance
+        # is this checkpointer's own; training changes none of it.
+        return self._start(run.step, copies["model"], copies["state"], meta)
 
     def _start(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
                meta: dict[str, Any]) -> PendingSave:

@@ -4,9 +4,10 @@ the same verification as a single-process checkpoint.
 Format (``meta.json`` schema ``pipeline.checkpoint.distributed/2``)::
 
     step-00000010/
-        model/shard-0000R-model-00001-of-00001.safetensors   DCP, HuggingFaceStorageWriter
-        optim/shard-….safetensors                            (plain safetensors; the chunk's
-                                                              place in the header)
+        model/shard-0000R-model-00001-of-00001.safetensors   rank R-1's chunks, in the layout of
+        optim/shard-….safetensors                            DCP's HuggingFaceStorageWriter (plain
+                                                              safetensors; each chunk's place in
+                                                              the header)
         rng/rank-00000.safetensors    rank 0's RNG states (tensors; the rest as JSON in the header)
         estado_treino.safetensors     rank-independent tensors: scheduler, sampler, history (once)
         meta.json                     written last and sealed (meta_sha256) like a single-process
@@ -15,10 +16,10 @@ Format (``meta.json`` schema ``pipeline.checkpoint.distributed/2``)::
                                       bucket setting)
 
 Commit protocol: rank 0 opens :func:`pipeline.durable.atomic_folder` and broadcasts the
-temporary folder's name; every rank writes its files (each fsynced by its writer) and
-hashes its share of them while they are still in its page cache (its own RNG file as it
-writes it; of DCP's files, its rank's slice of each folder's sorted listing, which is the
-file DCP named after it); all agree; the ranks' ``{file: sha256, size}`` records go to rank
+temporary folder's name; every rank writes its files through ``dcp.save`` (model, then
+optimizer) and :func:`~pipeline.checkpoint.tensorfile.write_safetensors` (its RNG states;
+rank 0 the shared state), each hashed as it is written and fsynced by its writer; all
+agree; the ranks' ``{file: sha256, size}`` records go to rank
 0 as JSON (:meth:`World.gather_text`, no pickle); rank 0 checks they list exactly the
 folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.store.write_meta`) and
 leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree; rank 0
@@ -41,6 +42,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,7 +50,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from ..distributed.world import World, derive_rank_rng
 from ..durable import atomic_folder, json_loads_strict
@@ -63,7 +67,7 @@ from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
 from .state import capture_data, restore_positions
 from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
-from .tensorfile import map_file, parse_header, read_tensors, sha256_mapped, write_safetensors
+from .tensorfile import map_file, parse_header, read_tensors, write_safetensors
 from .validate import HISTORY, validated_state
 from .weights import check_derived_buffers, derived_buffer_names
 
@@ -71,6 +75,8 @@ __all__ = ["DistributedCheckpointer", "restore_distributed", "live_components", 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _RNG_KEY = "rng"
+# The header keys of torch's HuggingFaceStorageWriter, which its reader (and shards.py) read.
+_SHARDING_INFO, _SAVED_OFFSETS, _DCP_VERSION = "DCP_SHARDING_INFO", "saved_offsets", "DCP_VERSION"
 
 
 def _model_state(run: TrainingRun, stored: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -86,29 +92,52 @@ def _optimizer_state(run: TrainingRun) -> tuple[Any, dict[str, torch.Tensor], di
     return split_state(live, DIST_OPTIM_DIR, tensors), tensors, live
 
 
-def _dcp_save(tensors: dict[str, torch.Tensor], folder: Path, world: World) -> None:
-    # HuggingFaceStorageWriter stores tensors only; anything else would silently become a
-    # torch.save (zip, pickle) entry, so it is refused here first.
+class _StreamedShardWriter(HuggingFaceStorageWriter):
+    """DCP's safetensors layout (what :class:`HuggingFaceStorageReader` reads: one file per
+    rank, each chunk's place in the header's ``DCP_SHARDING_INFO``), each rank's file
+    written by :func:`~pipeline.checkpoint.tensorfile.write_safetensors`: streamed from the
+    tensors' memory (torch's writer builds the whole file in memory first), hashed as it
+    is written (no second read), fsynced, and with its header in one canonical order (torch's
+    follows a hash map's, so two identical runs wrote different bytes). ``written``: this
+    rank's ``{file name: (sha256, size)}``."""
+
+    def __init__(self, folder: Path, part: str) -> None:
+        super().__init__(str(folder), save_distributed=True)
+        self.folder, self.part = folder, part
+        self.written: dict[str, tuple[str, int]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        done: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            done.set_result([])
+            return done
+        name = f"shard-{plan.storage_data['shard_index']:05d}-model-00001-of-00001.safetensors"
+        tensors, sharding, results = {}, {}, []
+        for item in plan.items:
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
+                # Anything else would become a torch.save (zip, pickle) entry in torch's writer.
+                raise CheckpointError(f"{item.index.fqn} is not a tensor: a distributed checkpoint holds tensors only")
+            fqn = item.index.fqn
+            tensors[fqn] = tensor.detach().cpu()
+            sharding[fqn] = {_SAVED_OFFSETS: list(item.tensor_data.chunk.offsets)}
+            results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
+                                       storage_data=name))
+        self.written[f"{self.part}/{name}"] = write_safetensors(self.folder / name, tensors, metadata={
+            _SHARDING_INFO: json.dumps(sharding, sort_keys=True), _DCP_VERSION: "1.0", "format": "pt"})
+        done.set_result(results)
+        return done
+
+
+def _dcp_save(tensors: dict[str, torch.Tensor], temporary: Path, part: str, world: World
+              ) -> dict[str, tuple[str, int]]:
+    """Save ``tensors`` with DCP into ``temporary / part``; this rank's file's (sha256, size)."""
     odd = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if odd:
         raise CheckpointError(f"{odd[0]} is not a tensor: a distributed checkpoint holds tensors only")
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
-             process_group=world.group)
-
-
-def _hash_share(folder: Path, world: World) -> dict[str, tuple[str, int]]:
-    """SHA-256 and size of this rank's share of the files DCP wrote, just after DCP fsynced
-    them. The share is this rank's slice of each folder's sorted listing: DCP names each
-    rank's file after its rank (``shard-0000{rank + 1}-…``), so that is the file this rank
-    wrote and still has in its page cache; were it not, the share would only be slower,
-    and rank 0 still checks that the shares list every file exactly once."""
-    paths = {}
-    for sub in (DIST_MODEL_DIR, DIST_OPTIM_DIR):
-        names = sorted(entry.name for entry in (folder / sub).iterdir())
-        paths.update({f"{sub}/{name}": folder / sub / name for name in names[world.rank::world.world_size]})
-    maps = {name: map_file(path) for name, path in paths.items()}
-    digests, _ = sha256_mapped(maps, own=())  # nothing views these bytes: no page copies
-    return {name: (digests[name], len(maps[name])) for name in paths}
+    writer = _StreamedShardWriter(temporary / part, part)
+    dcp.save(tensors, storage_writer=writer, process_group=world.group)
+    return writer.written
 
 
 def live_components(run: TrainingRun) -> dict[str, Any]:
@@ -176,8 +205,10 @@ class DistributedCheckpointer(OneSaveInFlight):
         self.snapshot = SnapshotBuffers()
         self._in_flight: PendingSave | None = None
         self._committer = world.own_group() if background else world
+        self._wrappers: dict[str, tuple[Any, DTensor]] = {}  # see _like
 
     def _release(self) -> None:
+        self._wrappers.clear()
         if self._committer is not self.world:
             self._committer.leave_group()
             self._committer = self.world
@@ -213,13 +244,34 @@ class DistributedCheckpointer(OneSaveInFlight):
                                      "shared": shared})
         pending = PendingSave(step, self.store.path_for(step))
         # Not a daemon: an interpreter exiting without close() still waits for the commit.
+        # The record is not copied: split_state and tensor_specs built it for this save.
         pending._thread = threading.Thread(
             target=self._write, name=f"checkpoint-step-{step}", daemon=False,
-            args=(pending, copy.deepcopy(record), _like(copies["model"], model), _like(copies["optim"], optimizer),
+            args=(pending, record, self._like(copies["model"], model), self._like(copies["optim"], optimizer),
                   copies["rng"], copies["shared"]))
         self._in_flight = pending
         pending._thread.start()
         return pending
+
+    def _like(self, copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
+        the same mesh, placements and global shape (no communication), so DCP writes the same
+        chunks at the same offsets. A wrapper is kept while its buffer and layout are the
+        same: building a DTensor costs about a millisecond of Python, per tensor, per save."""
+        wrapped = {}
+        for name, tensor in live.items():
+            if not isinstance(tensor, DTensor):
+                wrapped[name] = copies[name]
+                continue
+            key = (copies[name].data_ptr(), copies[name].dtype, tensor.device_mesh, tensor.placements, tensor.shape,
+                   tensor.stride())
+            kept = self._wrappers.get(name)
+            if kept is None or kept[0] != key:
+                kept = self._wrappers[name] = (key, DTensor.from_local(
+                    copies[name], tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                    stride=tensor.stride()))
+            wrapped[name] = kept[1]
+        return wrapped
 
     def _write(self, pending: PendingSave, *args: Any) -> None:
         try:
@@ -249,16 +301,16 @@ class DistributedCheckpointer(OneSaveInFlight):
                     temporary = commit.enter_context(atomic_folder(final, files_synced=True))
             temporary = self.store.root / world.broadcast_text(temporary.name if temporary else None)
             with world.together(f"writing step {step}"):
-                _dcp_save(model, temporary / DIST_MODEL_DIR, world)
-                _dcp_save(optimizer, temporary / DIST_OPTIM_DIR, world)
+                # Each rank hashes what it writes, as it writes it (no file is read back).
+                hashed = {**_dcp_save(model, temporary, DIST_MODEL_DIR, world),
+                          **_dcp_save(optimizer, temporary, DIST_OPTIM_DIR, world)}
                 (temporary / DIST_RNG_DIR).mkdir(exist_ok=True)
-                hashed = {rank_rng_file(world.rank): write_safetensors(
+                hashed[rank_rng_file(world.rank)] = write_safetensors(
                     temporary / rank_rng_file(world.rank), rng,
-                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)})}
+                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)})
                 if world.rank == 0:
                     hashed[STATE_FILE] = write_safetensors(temporary / STATE_FILE, shared,
                                                            metadata={"format": "pt", "step": str(step)})
-                hashed.update(_hash_share(temporary, world))
             records = world.gather_text(json.dumps(hashed))
             files: dict[str, dict[str, Any]] = {}
             with world.together(f"committing step {step}"):
@@ -291,15 +343,6 @@ class DistributedCheckpointer(OneSaveInFlight):
 def _local(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's part of each tensor (an FSDP2 shard's local tensor)."""
     return {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors.items()}
-
-
-def _like(copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
-    the same mesh, placements and global shape (no communication), so DCP writes the same
-    chunks at the same offsets."""
-    return {name: DTensor.from_local(copies[name], t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                     stride=t.stride()) if isinstance(t, DTensor) else copies[name]
-            for name, t in live.items()}
 
 
 def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:

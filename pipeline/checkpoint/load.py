@@ -3,19 +3,16 @@
 Every consumer of a checkpoint (resume, evaluate, stage, the resume proof, warm start)
 calls :func:`load_checkpoint`. Its checks, in order: the folder exists and is named
 ``step-…``; ``meta.json`` parses and has the schema; no stray or missing file and every
-size right (cheap: catches truncation before a long hash); then each file is mapped once,
-privately, hashed on that map (both files in parallel) and compared with ``meta.json``;
-then both headers go through the one strict parser. Nothing is returned before every
-file passed.
+size right (cheap: catches truncation before a long hash); then every file is read once
+and hashed as it is read (files side by side) and compared with ``meta.json``; then every
+header goes through the one strict parser. Nothing is returned before every file passed.
 
-The hashed bytes are the used bytes (:mod:`.tensorfile`): a resume passes the model it
-built (``into=``), and the weights are *verified after materialising*: copied from the
-map into its parameters, the copies hashed; the training state's tensors are views of
-pages copied before they were hashed (*copy on read*), as are the weights for evaluate
-and stage (``LoadMode.WEIGHTS``). A resume therefore reads the checkpoint's ``meta.json``
-first (:func:`checkpoint_meta`: sealed, schema, listing; no file hashed), builds the run
-it describes, then loads into it; a refusal then leaves a model of this process
-overwritten, never a value that training uses.
+The hashed bytes are the used bytes (:func:`.tensorfile.read_verified`): the files whose
+tensors are used are read into memory of this process and hashed there. A resume passes
+the model it built (``into=``), whose parameters receive the weights directly, so it reads
+the checkpoint's ``meta.json`` first (:func:`checkpoint_meta`: sealed, schema, listing; no
+file hashed), builds the run it describes, then loads into it; a refusal then leaves a
+model of this process overwritten, never a value that training uses.
 
 A distributed (torchrun) checkpoint goes through the same checks, every file through
 the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tensors`` are
@@ -39,11 +36,11 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint
+from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMismatch
 from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
 from .shards import consolidate, shard_tensors
 from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
-from .tensorfile import map_file, sha256_mapped, tensors_from_map
+from .tensorfile import map_file, read_verified, sha256_mapped, tensors_from_map
 from .weights import dedupe_shared_tensors
 
 __all__ = ["LoadMode", "LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint"]
@@ -159,39 +156,55 @@ def _meta(folder: Path) -> dict[str, Any]:
 
 def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
     meta = _meta(folder)
-    maps = {name: map_file(folder / name) for name in meta["files"]}
+    if is_distributed(meta):
+        return _load_distributed(folder, meta, mode)
     used = _USED[mode]
     # Straight into the model's parameters (resume): not its buffers, which are compared
     # with the stored values before loading (check_derived_buffers).
-    destinations = {name: tensor for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
-                    if isinstance(tensor, torch.nn.Parameter)} if into is not None and mode is LoadMode.FULL else None
-    if is_distributed(meta) and MODEL_FILE in used:
+    parameters = {name: tensor for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
+                  if isinstance(tensor, torch.nn.Parameter)} if into is not None and mode is LoadMode.FULL else {}
+    # Reading a file costs a copy of it (benchmarks/README.md): only what is used is read.
+    read = read_verified({name: folder / name for name in meta["files"]},
+                         {name: (parameters if name == MODEL_FILE else {}) if name in used else None
+                          for name in meta["files"]})
+    for name, entry in sorted(meta["files"].items()):
+        if read[name][0] != entry["sha256"]:
+            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
+                                   "the file is damaged or was modified")
+    # Parsed even with LoadMode.VERIFY: a file whose hash matches may still be malformed, and
+    # evaluate, stage and resume must refuse exactly the same files.
+    for name in (STATE_FILE, MODEL_FILE):
+        if isinstance(read[name][1], ValueError):
+            raise SchemaMismatch(f"{folder / name} is not a valid safetensors file: "
+                                 f"{str(read[name][1]).splitlines()[0]}")
+    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
+                            state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {})
+
+
+def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> LoadedCheckpoint:
+    """:func:`_load` of a torchrun checkpoint: every file mapped once and hashed on the map
+    (the model shards' pages owned first when the weights are used), every header parsed,
+    and every shard's coverage checked before the consolidated weights are built."""
+    maps = {name: map_file(folder / name) for name in meta["files"]}
+    used = _USED[mode]
+    if MODEL_FILE in used:
         # The consolidated weights are built from the model shards' mapped pages.
         used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
     # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
-    materialise = {MODEL_FILE: destinations} if destinations is not None and not is_distributed(meta) else {}
-    digests, materialised = sha256_mapped(maps, own=used, into=materialise)
+    digests = sha256_mapped(maps, own=used)
     for name, entry in sorted(meta["files"].items()):
         if digests[name] != entry["sha256"]:
             raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
                                    "the file is damaged or was modified")
-    # Parsed even with LoadMode.VERIFY: a file whose hash matches may still be malformed, and
-    # evaluate, stage and resume must refuse exactly the same files. Views cost nothing.
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
-    if is_distributed(meta):
-        # Every shard header parsed and every tensor's coverage checked before torch's
-        # reader (resume) or the consolidation below (evaluate, stage) reads a value.
-        model_pieces = shard_tensors(folder, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], maps)
-        shard_tensors(folder, DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], maps)
-        for name in meta["files"]:
-            if name.startswith(f"{DIST_OPTIM_DIR}/") or name.startswith(f"{DIST_MODEL_DIR}/"):
-                continue
-            tensors_from_map(folder / name, maps[name])
-        model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
-    else:
-        # Parsed here in any case: the one place a malformed file is refused, after its hash.
-        model = tensors_from_map(folder / MODEL_FILE, maps[MODEL_FILE])
-        if materialise:
-            model = materialised[MODEL_FILE]
-    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model if MODEL_FILE in used else {},
+    # Every shard header parsed and every tensor's coverage checked before torch's
+    # reader (resume) or the consolidation below (evaluate, stage) reads a value.
+    model_pieces = shard_tensors(folder, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], maps)
+    shard_tensors(folder, DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], maps)
+    for name in meta["files"]:
+        if name.startswith(f"{DIST_OPTIM_DIR}/") or name.startswith(f"{DIST_MODEL_DIR}/"):
+            continue
+        tensors_from_map(folder / name, maps[name])
+    model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
+    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model,
                             state_tensors=state if STATE_FILE in used else {})

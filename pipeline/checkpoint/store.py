@@ -48,7 +48,7 @@ from ..errors import (
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .shards import check_launch_record
-from .tensorfile import write_safetensors
+from .tensorfile import write_safetensors_files
 
 __all__ = ["SCHEMA_VERSION", "DIST_SCHEMA", "META_KEYS", "DIST_META_KEYS", "SEAL_KEY", "CheckpointStore",
            "SavedCheckpoint", "step_dir_name", "parse_step_dir", "meta_sha256", "read_meta", "write_meta",
@@ -74,6 +74,12 @@ DIST_META_KEYS = META_KEYS | {"parallel", "tensors", "resharded_from"}
 # meta.json is parsed before anything is trusted; a bound keeps a hostile file from
 # exhausting memory.
 MAX_META_BYTES = 64 * 1024 * 1024
+# meta.json bytes that passed _sealed_meta (a resume reads its meta.json twice: to build the
+# run, then to load into it). Keyed by the bytes themselves, so no edit can hit it; the
+# byte-level checks are most of a small checkpoint's load time (the Python JSON encoder).
+_SEALED_BYTES: dict[bytes, None] = {}
+_SEALED_BYTES_MAX = 1024 * 1024
+_SEALED_BYTES_KEPT = 8
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TRASH_PREFIX = ".deleting-"
@@ -190,8 +196,10 @@ class CheckpointStore:
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
         files: dict[str, dict[str, Any]] = {}
         with atomic_folder(final, files_synced=True) as temporary:
-            for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors)):
-                sha256, size = write_safetensors(temporary / name, tensors, metadata={"format": "pt", "step": str(step)})
+            metadata = {"format": "pt", "step": str(step)}
+            written = write_safetensors_files([(temporary / name, tensors, metadata) for name, tensors in
+                                               ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))])
+            for name, (sha256, size) in zip(CHECKPOINT_FILES, written):
                 files[name] = {"sha256": sha256, "size": size}
             write_meta(temporary, {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files})
         self.prune_after_commit(step)
@@ -322,6 +330,34 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if size > MAX_META_BYTES:
         raise SchemaMismatch(f"{path} is {size} bytes, over the {MAX_META_BYTES}-byte limit for meta.json")
     raw = path.read_bytes()
+    if raw in _SEALED_BYTES:
+        meta = json.loads(raw)  # these very bytes passed the byte-level checks before
+    else:
+        meta = _sealed_meta(path, folder, raw)
+        if len(raw) <= _SEALED_BYTES_MAX:
+            _SEALED_BYTES[raw] = None
+            while len(_SEALED_BYTES) > _SEALED_BYTES_KEPT:
+                del _SEALED_BYTES[next(iter(_SEALED_BYTES))]
+    distributed = meta["schema"] == DIST_SCHEMA
+    keys = DIST_META_KEYS if distributed else META_KEYS
+    if set(meta) == keys - {"lineage"}:
+        meta["lineage"] = []  # written before runs could be extended (same schema): never extended
+    if set(meta) != keys:
+        odd = sorted(set(meta) ^ keys)
+        raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
+    if not _files_ok(meta["files"], distributed):
+        raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
+    if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
+        raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
+    _check_lineage(path, meta["lineage"], meta["step"])
+    if distributed:
+        check_launch_record(path, meta)
+    return meta
+
+
+def _sealed_meta(path: Path, folder: Path, raw: bytes) -> dict[str, Any]:
+    """``meta.json``'s bytes parsed strictly, of a schema this version reads, sealed, and
+    exactly what the pipeline writes: the checks of :func:`read_meta` on the bytes alone."""
     try:
         meta = json_loads_strict(raw)
     except ValueError as exc:
@@ -344,20 +380,6 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
     if not exact:
         raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
-    distributed = schema == DIST_SCHEMA
-    keys = DIST_META_KEYS if distributed else META_KEYS
-    if set(meta) == keys - {"lineage"}:
-        meta["lineage"] = []  # written before runs could be extended (same schema): never extended
-    if set(meta) != keys:
-        odd = sorted(set(meta) ^ keys)
-        raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
-    if not _files_ok(meta["files"], distributed):
-        raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
-    if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
-        raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
-    _check_lineage(path, meta["lineage"], meta["step"])
-    if distributed:
-        check_launch_record(path, meta)
     return meta
 
 

@@ -2,40 +2,16 @@
 read (checkpoints, stage, warm start, proof snapshots, prepared data) goes through here.
 
 Writing streams the standard layout (8-byte little-endian header length, JSON header
-padded to 8 bytes, tensors back to back) straight from the tensors' memory, hashing the
-same buffers on a second thread, so a save costs max(hash, write) and makes no in-memory
-copy of the file.
+padded to 8 bytes, tensors back to back) straight from the tensors' memory, each file
+hashed from the same buffers by a thread of its own, so a save costs about max(write,
+hash of its largest file) and makes no in-memory copy of the file.
 
-Reading maps the file once, privately (copy on write), and hashes it on that map
-(:func:`sha256_mapped`, several files side by side, one thread each), so every byte is
-read once; the tensors are views of the same map (:func:`tensors_from_map`), which
-training may update in place without touching the file.
-
-**The hashed bytes are the used bytes.** A private map still shows later writes to the
-file by anyone else in every page this process has not written to yet (Linux shares
-those pages with the page cache), so a concurrent writer could change a tensor after its
-hash was checked. Two ways to close that, chosen per file by :func:`sha256_mapped`:
-
-- *Verify after materialising* (``into``: resume, whose weights are copied into the live
-  model anyway): the header is copied out of the map once, hashed and parsed from that
-  copy; then, in file order, each tensor is copied from the map into its destination (the
-  model's own parameter of that name, dtype and shape; a fresh tensor otherwise) and the
-  *destination's* bytes are hashed. The strict parser guarantees that the tensors tile the
-  data from byte 0 to the end, so header + tensors in file order is the whole file: the
-  digest is the file's, computed over the bytes that will be used. The copy is one the
-  load made anyway (into the parameters), so this costs no more than the zero-copy load
-  it replaced. A digest that then differs from ``meta.json`` refuses the checkpoint after
-  the parameters were overwritten: they belong to a model built for this load, which the
-  refusal discards (the process exits 2), and nothing else was touched.
-- *Copy on read* (every other file whose tensors are used: the training state's
-  optimizer moments, evaluate's and stage's weights): each chunk of the map is made this
-  process's own copy (``MADV_POPULATE_WRITE``: in the kernel) *before* it is hashed, and
-  the tensors are views of those owned pages; from then on no write to the file reaches
-  them. That costs one fresh page per byte, which a zero-copy view pays later anyway, at
-  the first write to each page (the first optimizer step writes every Adam moment).
-
-A file whose tensors nobody will use is hashed on the shared pages, owning only its
-header, which the parser reads (``benchmarks/README.md``, "Resume load").
+Verified reading (:func:`read_verified`) keeps **the hashed bytes the used bytes**: a file
+whose tensors are used is read into memory of this process (into given destinations, such
+as a resumed model's parameters, or fresh tensors), and each chunk is hashed there once
+read, so no later write to the file reaches what was verified; a file only verified is
+hashed on the page cache's pages (``docs/format.md``, "How a load is verified").
+Unverified reading (:func:`read_tensors`) maps the file privately and returns views.
 
 **One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
 (header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
@@ -55,17 +31,19 @@ import json
 import math
 import mmap
 import os
+import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_streamed", "read_tensors", "map_file",
-           "MappedTensors", "sha256_mapped", "tensors_from_map", "parse_header", "check_tensor_name"]
+__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_files", "write_safetensors_streamed",
+           "read_tensors", "map_file", "MappedTensors", "sha256_mapped", "tensors_from_map", "parse_header",
+           "check_tensor_name", "read_verified"]
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
 # that the hashing thread never lags the writer by much.
@@ -74,6 +52,8 @@ WRITE_CHUNK = 8 * 1024 * 1024
 WRITEBACK_WINDOW = 8 * 1024 * 1024
 _ADVISE = hasattr(os, "posix_fadvise")
 _HASH_CHUNK = 8 * 1024 * 1024
+# Bytes per read of read_verified: small, so that a file's hasher follows its reader closely.
+_READ_CHUNK = 2 * 1024 * 1024
 # The reference implementation's bound: a larger header is not a safetensors file.
 _MAX_HEADER = 100 * 1024 * 1024
 # Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11 lacks the name): fault the
@@ -122,7 +102,7 @@ def _header(specs: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | Non
     """
     header: dict[str, Any] = {}
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
     order = sorted(specs, key=lambda n: (-specs[n].element_size(), n))
     offset = 0
     for name in order:
@@ -212,25 +192,47 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
     runs in a second thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
-    header, ordered = _safetensors_layout(tensors, metadata)
-    chunks = _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)
-    hasher = _Hasher(chunks)
-    # "x": never overwrite; callers write into a fresh temporary folder.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    hasher.start()
+    return write_safetensors_files([(path, tensors, metadata)])[0]
+
+
+def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]]
+                            ) -> list[tuple[str, int]]:
+    """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
+    the other and each fsynced; (sha256, size) of each, in order.
+
+    Every file's hasher starts at once, over the tensors' memory, not the file: hashing does
+    not wait for the writer, so one save costs max(write, hash of its largest file) rather
+    than the sum over its files, and the writer's fsyncs overlap the hashing.
+    """
+    layouts = []
+    for path, tensors, metadata in files:
+        header, ordered = _safetensors_layout(tensors, metadata)
+        layouts.append((path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)))
+    hashers = [_Hasher(chunks) for _, chunks in layouts]
+    for hasher in hashers:
+        hasher.start()
     try:
-        size = _write_all(fd, chunks)
-        os.fsync(fd)  # while the hasher finishes: neither needs the other
-        hasher.join()
-        if hasher.error is not None:
-            raise hasher.error
+        sizes = []
+        for path, chunks in layouts:
+            # "x": never overwrite; callers write into a fresh temporary folder.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                sizes.append(_write_all(fd, chunks))
+                os.fsync(fd)  # while the hashers finish: neither needs the other
+            finally:
+                os.close(fd)
+        for hasher in hashers:
+            hasher.join()
+            if hasher.error is not None:
+                raise hasher.error
     finally:
-        hasher.cancelled.set()
-        hasher.join()
-        os.close(fd)
-    if size != sum(len(c) for c in chunks):
-        raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
-    return hasher.digest.hexdigest(), size
+        for hasher in hashers:
+            hasher.cancelled.set()
+            hasher.join()
+    for (path, chunks), size in zip(layouts, sizes):
+        if size != sum(len(c) for c in chunks):
+            raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
+    return [(hasher.digest.hexdigest(), size) for hasher, size in zip(hashers, sizes)]
 
 
 def write_safetensors_streamed(path: str | Path, specs: Mapping[str, torch.Tensor],
@@ -379,74 +381,163 @@ def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
     return digest.hexdigest()
 
 
-def _sha256_into(buffer: mmap.mmap | bytes, destinations: Mapping[str, torch.Tensor],
-                 out: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the file, verified after materialising (see the module docstring): the
-    header from one copy of it, then every tensor, in file order, from its destination in
-    ``destinations`` (or a fresh tensor) once copied there; ``out`` receives them all."""
-    digest = hashlib.sha256()
-    with memoryview(buffer) as view:
-        size = len(view)
-        first = bytes(view[:8])  # read once: the length that slices is the length parsed
-        length = int.from_bytes(first, "little") if size >= 8 else 0
-        head = first + bytes(view[8:8 + min(length, _MAX_HEADER, max(size - 8, 0))])
-        digest.update(head)
+class _Hashing(threading.Thread):
+    """SHA-256 of the chunks handed to it, in order, as a reader finishes them (``None`` ends)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=f"sha256-{name}", daemon=True)
+        self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.digest = hashlib.sha256()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
         try:
-            header, data_start = parse_header(head, size=size)
-        except ValueError:
-            # Nothing of a malformed file is used: its hash and then the parser refuse it.
-            for start in range(len(head), size, _HASH_CHUNK):
-                digest.update(view[start:start + _HASH_CHUNK])
-            return digest.hexdigest()
+            while (chunk := self.chunks.get()) is not None:
+                self.digest.update(chunk)
+        except BaseException as exc:  # raised by read_verified, in the calling thread
+            self.error = exc
+
+
+class _FileRead:
+    """One file being read into this process's memory: its header, read and parsed from the
+    same bytes, and every tensor's destination with the (view, file offset) chunks to fill."""
+
+    def __init__(self, path: Path, destinations: Mapping[str, torch.Tensor] | None) -> None:
+        self.path = path
+        self.hashing = _Hashing(path.name)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.error: ValueError | None = None
+        self.digest: Any = None  # set here for a malformed file, hashed in this thread
+        self.changed = False  # shorter than when listed: damaged (the digest cannot match)
+        self.chunks: list[tuple[memoryview, int]] = []
+        self.map: mmap.mmap | None = None
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self._plan(destinations)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _plan(self, destinations: Mapping[str, torch.Tensor] | None) -> None:
+        self.size = os.fstat(self.fd).st_size
+        first = self._pread(8, 0)
+        length = int.from_bytes(first, "little") if len(first) == 8 else 0
+        head = first + self._pread(min(length, _MAX_HEADER, max(self.size - 8, 0)), 8)
+        try:
+            header, data_start = parse_header(head, size=self.size)
+        except ValueError as exc:
+            # Nothing of a malformed file is used: its hash, then the parser, refuse it.
+            self.error, self.digest = exc, hashlib.sha256(head)
+            for start in range(len(head), self.size, _READ_CHUNK):
+                self.digest.update(self._pread(min(_READ_CHUNK, self.size - start), start))
+            return
+        self.hashing.chunks.put(head)
+        if destinations is None:
+            # Hashed only, nothing used: the shared pages, no copy; only the header (read above) is parsed.
+            if self.size > len(head):
+                self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+                self.map.madvise(mmap.MADV_SEQUENTIAL)
+                whole = memoryview(self.map)
+                for start in range(len(head), self.size, _HASH_CHUNK):
+                    self.hashing.chunks.put(whole[start:start + _HASH_CHUNK])
+            return
         for _, name in sorted((entry["data_offsets"][0], name) for name, entry in header.items()
                               if name != "__metadata__"):
-            out[name] = _materialise(buffer, data_start, header[name], destinations.get(name), digest)
-    return digest.hexdigest()
+            entry = header[name]
+            dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+            target = destinations.get(name)
+            fits = (target is not None and target.dtype == dtype and list(target.shape) == shape
+                    and target.device.type == "cpu" and target.is_contiguous())
+            tensor = target.detach() if fits else torch.empty(shape, dtype=dtype)
+            self.tensors[name] = tensor
+            begin, end = entry["data_offsets"]
+            if begin == end:
+                continue
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            self.chunks += [(view[start:start + _READ_CHUNK], data_start + begin + start)
+                            for start in range(0, end - begin, _READ_CHUNK)]
+
+    def _pread(self, count: int, offset: int) -> bytes:
+        data = os.pread(self.fd, count, offset)
+        if len(data) < count:
+            self.changed = True
+        return data
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                self.changed = True
+                return
+            done += got
 
 
-def _materialise(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any],
-                 destination: torch.Tensor | None, digest: Any) -> torch.Tensor:
-    dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
-    fits = (destination is not None and destination.dtype == dtype and list(destination.shape) == shape
-            and destination.device.type == "cpu" and destination.is_contiguous())
-    tensor = destination.detach() if fits else torch.empty(shape, dtype=dtype)
-    begin, end = entry["data_offsets"]
-    if begin == end:
-        return tensor
-    source = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-    target = tensor.reshape(-1).view(torch.uint8)
-    hashed = target.numpy()
-    for start in range(0, end - begin, _HASH_CHUNK):
-        stop = min(start + _HASH_CHUNK, end - begin)
-        target[start:stop].copy_(source[start:stop])
-        digest.update(hashed[start:stop])  # the destination's bytes, after the copy
-    return tensor
+def read_verified(paths: Mapping[str, Path], destinations: Mapping[str, Mapping[str, torch.Tensor] | None]
+                  ) -> dict[str, tuple[str, dict[str, torch.Tensor] | ValueError]]:
+    """Hash every file of ``paths``, reading those whose tensors are used into memory of
+    this process: ``{name: (sha256, tensors)}``, or ``(sha256, the parser's ValueError)``
+    for a file that does not parse (nothing of it is used); the sha256 is empty for a file
+    that shrank while read.
 
-
-def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None,
-                  into: Mapping[str, Mapping[str, torch.Tensor]] | None = None
-                  ) -> tuple[dict[str, str], dict[str, dict[str, torch.Tensor]]]:
-    """(SHA-256 of each map, the tensors materialised for ``into``), every file hashed so
-    that the hashed bytes are the bytes its tensors will use (see the module docstring).
-
-    ``into``: per file name, where its tensors go (by name); such a file is verified after
-    materialising and its tensors returned, each its destination or, where none fits
-    (name, dtype, shape, CPU, contiguous), a fresh tensor; none if it does not parse.
-    ``own``: of the other files, those whose tensors will be viewed (default: all); their
-    pages are copied before they are hashed. Of the rest only the header's pages are.
-    One thread per file (hashlib, madvise and copies drop the GIL): the files hash side by side.
+    ``destinations[name]``: where the file's tensors go (by tensor name), or ``None`` for a
+    file that is only verified (its tensors come back empty: hashed on the page cache's
+    pages, no copy). A file read is verified after materialising (module docstring): each
+    tensor is read, in file order, into its destination (the tensor of that name if dtype,
+    shape, device and layout fit; a fresh tensor otherwise) and hashed there, so the digest
+    is the file's, computed over the bytes that will be used, which no later write to the
+    file can reach. One thread reads every file, a little of each in turn (``pread``: one
+    kernel copy, no page-table work); each file's hasher follows its reader chunk by chunk
+    on another core, so a load costs about the read plus the last chunk's hash.
     """
-    into = into or {}
+    reads: dict[str, _FileRead] = {}
+    try:
+        for name, path in paths.items():
+            reads[name] = _FileRead(Path(path), destinations.get(name))
+        for read in reads.values():
+            if read.digest is None:
+                read.hashing.start()
+        position = {name: 0 for name in reads}
+        total = {name: sum(len(view) for view, _ in read.chunks) or 1 for name, read in reads.items()}
+        done = dict.fromkeys(reads, 0)
+        pending = [name for name in reads if reads[name].chunks]
+        while pending:
+            # The file least far along next: every hasher keeps working until the end.
+            name = min(pending, key=lambda n: done[n] / total[n])
+            read = reads[name]
+            view, offset = read.chunks[position[name]]
+            read.read_into(view, offset)
+            read.hashing.chunks.put(view)  # the destination's bytes, once read
+            position[name] += 1
+            done[name] += len(view)
+            if position[name] == len(read.chunks):
+                pending.remove(name)
+    finally:
+        for read in reads.values():
+            read.hashing.chunks.put(None)
+            if read.hashing.is_alive():
+                read.hashing.join()
+            os.close(read.fd)
+    for read in reads.values():
+        if read.hashing.error is not None:
+            raise read.hashing.error
+    return {name: ("" if read.changed else (read.digest or read.hashing.digest).hexdigest(),
+                   read.error if read.error is not None else read.tensors) for name, read in reads.items()}
+
+
+def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None) -> dict[str, str]:
+    """SHA-256 of each map, one thread per file (hashlib and madvise drop the GIL).
+
+    ``own``: the files whose tensors will be viewed (default: all); their pages are copied
+    before they are hashed (copy on read, module docstring). Of the rest only the header's
+    pages are, so the header a parser then reads from the map is the hashed one.
+    """
     digests: dict[str, str] = {}
-    materialised: dict[str, dict[str, torch.Tensor]] = {name: {} for name in into}
     errors: list[BaseException] = []
 
     def work(name: str) -> None:
         try:
-            if name in into:
-                digests[name] = _sha256_into(maps[name], into[name], materialised[name])
-            else:
-                digests[name] = _sha256(maps[name], own=own is None or name in own)
+            digests[name] = _sha256(maps[name], own=own is None or name in own)
         except BaseException as exc:  # raised below, in the calling thread
             errors.append(exc)
 
@@ -457,7 +548,7 @@ def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | 
         thread.join()
     if errors:
         raise errors[0]
-    return digests, materialised
+    return digests
 
 
 def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.Tensor]:

@@ -33,9 +33,17 @@ from pipeline.audit import parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
-from pipeline.errors import HubUnavailable, StageChanged, StaleBranch, UploadInterrupted, VerificationFailed
+from pipeline.errors import (
+    HubUnavailable,
+    PublishTimedOut,
+    StageChanged,
+    StaleBranch,
+    UploadInterrupted,
+    VerificationFailed,
+)
 from pipeline.evaluate import evaluation_config
-from pipeline.publishing import COMMIT_ATTEMPTS, format_plan, publish
+from pipeline.publishing import COMMIT_ATTEMPTS, Publication, format_plan, publish
+from pipeline.publishing.deadline import Deadline
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
@@ -69,7 +77,7 @@ def hf_env(tmp_path, monkeypatch):
     for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
                        "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
         monkeypatch.setenv(key, value)
-    for key in _SCRUBBED + ("PUBLISH_MAX_BACKOFF_S",):
+    for key in _SCRUBBED:
         monkeypatch.delenv(key, raising=False)
     for name, value in {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
                         "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
@@ -80,6 +88,14 @@ def hf_env(tmp_path, monkeypatch):
     disable_progress_bars()
     yield
     enable_progress_bars()
+
+
+@pytest.fixture(autouse=True)
+def waits(monkeypatch) -> list[float]:
+    """publish()'s own retry waits in this process, recorded instead of slept (the clock stays real)."""
+    recorded: list[float] = []
+    monkeypatch.setattr(Deadline, "sleep", staticmethod(recorded.append))
+    return recorded
 
 
 def use_protocol(monkeypatch, protocol: str) -> None:
@@ -175,10 +191,11 @@ def write_requests(hub: LocalHub) -> int:
     return sum(hub.count(method) for method in ("POST", "PUT", "DELETE"))
 
 
-def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, **kwargs):
-    """publish() in this process; waits are recorded instead of slept."""
-    waits: list[float] = kwargs.pop("waits", [])
-    return publish(stage, repo_id, endpoint=hub.url, receipt_dir=tmp_path / "receipts", sleep=waits.append, **kwargs)
+def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, *, say=None, **fields):
+    """publish() in this process (its retry waits are recorded by the ``waits`` fixture)."""
+    publication = Publication(repo_id=repo_id, stage=stage, endpoint=hub.url, receipt_dir=tmp_path / "receipts",
+                              **fields)
+    return publish(publication, say=say or (lambda line: None))
 
 
 def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, prefix: str = "") -> None:
@@ -235,10 +252,12 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
     assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: record["files"][name]["found"] for name in manifest} == manifest
-    # Over Xet the listed SHA-256 is the client's claim, so the weights were checked by their bytes.
+    # Over Xet the listed SHA-256 is the client's claim: the weights were checked by the Xet hash the
+    # Hub derived from the chunks it verified, against the one the audit computed from the audited bytes.
     weights = record["files"]["modelo.safetensors"]
-    expected_check = {"lfs": ("lfs", "Hub LFS SHA-256"), "xet": ("xet", "downloaded bytes (Xet)")}
+    expected_check = {"lfs": ("lfs", "Hub LFS SHA-256"), "xet": ("xet", "Hub Xet hash")}
     assert (weights["storage"], weights["checked_by"]) == expected_check[published.protocol]
+    assert (weights["xet_hash"] is not None) == (published.protocol == "xet")
     assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
 
 
@@ -337,10 +356,9 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
     assert_holds_exactly_the_stage(hub, "alice/flaky", staged_run.stage)
 
 
-def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env):
+def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits):
     hub.fail_next_commit(times=1, status=503)
-    waits: list[float] = []
-    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path, waits=waits)
+    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
     assert result.status == "published" and waits == [1.0]
     assert hub.count("POST", r"/commit/main$") == 2
     assert len(commit_titles(hub, "alice/retried")) == 2
@@ -478,21 +496,23 @@ def test_xet_tokens_expiring_during_the_upload_are_refreshed_and_one_commit_land
         assert_holds_exactly_the_stage(hub, "alice/xet-refreshed", staged_run.stage)
 
 
-def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env):
+def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env, waits):
     hub.rate_limit_next(times=2, retry_after=7, method="POST", path=r"/commit/main$")
-    waits: list[float] = []
-    result = publish_here(staged_run.stage, hub, "alice/limited", tmp_path, waits=waits)
+    result = publish_here(staged_run.stage, hub, "alice/limited", tmp_path)
     assert result.status == "published" and waits == [7.0, 7.0]
     assert hub.count("POST", r"/commit/main$") == 3
     assert len(commit_titles(hub, "alice/limited")) == 2
 
 
-def test_retry_after_beyond_the_wait_budget_gives_up_without_committing(staged_run, hub, tmp_path, token_env):
+def test_retry_after_beyond_the_deadline_gives_up_at_once_without_committing(staged_run, hub, tmp_path, token_env,
+                                                                            waits):
     hub.rate_limit_next(times=1, retry_after=3600, method="POST", path=r"/commit/main$")
-    waits: list[float] = []
-    with pytest.raises(HubUnavailable) as refused:
-        publish_here(staged_run.stage, hub, "alice/patient", tmp_path, waits=waits, max_backoff_s=60)
-    assert "3600s" in str(refused.value) and waits == []
+    with pytest.raises(PublishTimedOut) as refused:
+        publish_here(staged_run.stage, hub, "alice/patient", tmp_path, timeout_s=60)
+    message = str(refused.value)
+    assert "cannot finish within its 60s --timeout" in message, message
+    assert "the Hub asks to wait 3600s before retrying the commit" in message, message
+    assert "nothing was committed" in message and waits == []
     assert commit_titles(hub, "alice/patient") == ["initial commit"]
 
 

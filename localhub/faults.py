@@ -40,11 +40,12 @@ class Faults:
         with self._lock:
             self._commit_failures.extend([int(status)] * int(times))
 
-    def rate_limit(self, times: int = 1, retry_after: int = 1, method: str | None = None,
-                   path: str | None = None) -> None:
-        """The next `times` requests matching `method` and regex `path` answer 429 + `Retry-After`."""
-        rule = {"remaining": int(times), "retry_after": int(retry_after),
-                "method": method.upper() if method else None, "path": path}
+    def rate_limit(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
+                   path: str | None = None, status: int = 429) -> None:
+        """The next `times` requests matching `method` and regex `path` answer `status` (429: too
+        many requests; a 5xx for a failing server) with `Retry-After` (none when None)."""
+        rule = {"remaining": int(times), "retry_after": None if retry_after is None else int(retry_after),
+                "method": method.upper() if method else None, "path": path, "status": int(status)}
         re.compile(path or "")  # fail now, in the caller, on a bad pattern
         with self._lock:
             self._rate_limits.append(rule)
@@ -160,7 +161,8 @@ class Faults:
         """Wait up to `seconds`, or until the faults are cleared."""
         self._released.wait(seconds)
 
-    def take_rate_limit(self, method: str, path: str) -> int | None:
+    def take_rate_limit(self, method: str, path: str) -> tuple[int, int | None] | None:
+        """(status, Retry-After) for this request, or None to answer it normally."""
         with self._lock:
             for rule in self._rate_limits:
                 if rule["method"] not in (None, method) or not re.search(rule["path"] or "", path):
@@ -168,7 +170,7 @@ class Faults:
                 rule["remaining"] -= 1
                 if rule["remaining"] <= 0:
                     self._rate_limits.remove(rule)
-                return rule["retry_after"]
+                return rule["status"], rule["retry_after"]
         return None
 
     def take_other_lfs_bytes(self) -> bool:

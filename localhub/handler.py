@@ -123,10 +123,11 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         try:
             if not is_admin:  # admin calls are neither counted nor rate limited: tests must reach them
                 self.hub.faults.record(method, url.path)
-                retry_after = self.hub.faults.take_rate_limit(method, url.path)
-                if retry_after is not None:
-                    raise HubError(429, "Too Many Requests (injected by localhub)",
-                                   headers={"Retry-After": str(retry_after)})
+                limited = self.hub.faults.take_rate_limit(method, url.path)
+                if limited is not None:
+                    status, retry_after = limited
+                    raise HubError(status, f"{'Too Many Requests' if status == 429 else 'Server error'} (injected by "
+                                   "localhub)", headers={} if retry_after is None else {"Retry-After": str(retry_after)})
             self._route(method, segs)
         except HubError as err:
             self._send_error(err)

@@ -121,9 +121,9 @@ class LocalHub:
     def fail_next_commit(self, times: int = 1, status: int = 500) -> None:
         self.faults.fail_next_commit(times, status)
 
-    def rate_limit_next(self, times: int = 1, retry_after: int = 1, method: str | None = None,
-                        path: str | None = None) -> None:
-        self.faults.rate_limit(times, retry_after, method, path)
+    def rate_limit_next(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
+                        path: str | None = None, status: int = 429) -> None:
+        self.faults.rate_limit(times, retry_after, method, path, status)
 
     def drop_next_upload(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_upload(times, after_bytes)

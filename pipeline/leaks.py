@@ -267,28 +267,35 @@ def allowance_problem(allow: Any) -> str | None:
     return None
 
 
-def _fix(name: str, kind: str) -> str:
-    fix = (". Remove it from where it came from (config card section, data, task sample, code, edits to the "
-           "stage) and stage again")
-    if kind in ALLOWABLE:
-        fix += (f"; if it is not a secret (a documented example), allow it for this file in the config: "
-                f"card.allow_leaks: {{{name}: [{kind}]}} (docs/publishing.md)")
-    return fix
+def _words(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def refuse_findings(found: Mapping[str, Mapping[str, str]], allow: Mapping[str, Any] | None = None, *,
                     consequence: str = "nothing was staged") -> list[tuple[str, str]]:
-    """Raise :class:`SecretInStage` for the first finding (files in order) that ``allow``
-    (``card.allow_leaks``) does not allow; return the allowed ones as ``(file, words)``."""
+    """Raise :class:`SecretInStage` naming the first file (in order) holding something that ``allow``
+    (``card.allow_leaks``) does not allow, with every such kind and file; return the allowed
+    findings as ``(file, words)``."""
     allow = allow or {}
     allowed: list[tuple[str, str]] = []
+    refused: dict[str, dict[str, str]] = {}
     for name in sorted(found):
         for kind, what in found[name].items():
             if kind in allow.get(name, ()) and kind in ALLOWABLE:
                 allowed.append((name, what))
-                continue
-            raise SecretInStage(f"{name} holds {what}; {consequence}{_fix(name, kind)}")
-    return allowed
+            else:
+                refused.setdefault(name, {})[kind] = what
+    if not refused:
+        return allowed
+    first, *others = refused
+    also = f" (and in {', '.join(others)})" if others else ""
+    message = (f"{first} holds {_words(list(refused[first].values()))}{also}; {consequence}. Remove it from where "
+               "it came from (config card section, data, task sample, code, edits to the stage) and stage again")
+    if all(kind in ALLOWABLE for kinds in refused.values() for kind in kinds):
+        entries = ", ".join(f"{name}: [{', '.join(kinds)}]" for name, kinds in refused.items())
+        message += (f"; if it is not a secret (a documented example), allow it per file in the config: "
+                    f"card.allow_leaks: {{{entries}}} (docs/publishing.md)")
+    raise SecretInStage(message)
 
 
 def scan_secrets(folder: str | Path, rules: LeakRules | None = None, *, consequence: str = "nothing was staged",

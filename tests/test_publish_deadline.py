@@ -30,7 +30,7 @@ XET_READS = r"/reconstructions/|/_xet/data/"
 
 def timed_publish(stage, hub, repo_id, receipts, *args, **kwargs):
     started = time.monotonic()
-    result = run_publish(stage, hub, repo_id, receipts, *args, **kwargs)
+    result = run_publish(stage, hub, repo_id, receipts, *args, timeout=60, **kwargs)
     return result, time.monotonic() - started
 
 

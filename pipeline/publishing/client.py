@@ -56,6 +56,14 @@ def http_status(exc: HfHubHTTPError) -> int | None:
     return getattr(getattr(exc, "response", None), "status_code", None)
 
 
+def answered(exc: HfHubHTTPError) -> str:
+    """What the request that got this error answer did, in words ("the commit", "the preupload request")."""
+    try:
+        return describe_request(exc.response.request.method, exc.response.request.url)
+    except (AttributeError, RuntimeError):  # httpx raises when the response carries no request
+        return "the commit"
+
+
 def retry_after(exc: HfHubHTTPError) -> float | None:
     response = getattr(exc, "response", None)
     return retry_after_s(response.headers) if response is not None else None

@@ -65,6 +65,7 @@ from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from .client import (
     RERUN,
     Target,
+    answered,
     call,
     find_cause,
     http_status,
@@ -160,7 +161,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
         with stage_lock(stage):
             # Re-audit and re-scan every staged file right before uploading, in one read; any
             # difference or leak refuses before any request.
-            audited, snapshot = _audit(stage, say)
+            audited, snapshot = _audit(stage, say, verify_later=not wanted.dry_run)
             check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id)
             signature = _signature(stage, wanted.signer, say)
             token = _token(wanted.dry_run)
@@ -204,12 +205,13 @@ def _stat_key(path: Path) -> StatKey:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def _audit(stage: Path, say: Callable[[str], None]) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
-    """audit_stage with the leak scan and (for a Xet upload) the Xet hashes in the same read,
-    with stat snapshots around it so later edits are noticed without reading again."""
+def _audit(stage: Path, say: Callable[[str], None], *,
+           verify_later: bool) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
+    """audit_stage with the leak scan and (for a Xet upload to verify later) the Xet hashes in
+    the same read, with stat snapshots around it so later edits are noticed without reading again."""
     before = ({p.relative_to(stage).as_posix(): _stat_key(p) for p in stage.rglob("*") if p.is_file()}
               if stage.is_dir() else {})
-    xet = not constants.HF_HUB_DISABLE_XET  # the client will upload over Xet when the Hub offers it
+    xet = verify_later and not constants.HF_HUB_DISABLE_XET  # the client uploads over Xet when the Hub offers it
     audited = audit_stage(stage, leaks=leak_rules(), xet_hashes=xet, consequence=NOTHING_SENT)
     snapshot = {name: _stat_key(stage / name) for name in audited}
     if any(before.get(name) != key for name, key in snapshot.items()):
@@ -276,7 +278,8 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
         status = http_status(answer)
         if attempt == COMMIT_ATTEMPTS or wait >= deadline.remaining():
             break
-        say(f"the commit got HTTP {status}; retrying in {wait:g}s (attempt {attempt + 1} of {COMMIT_ATTEMPTS})")
+        say(f"{answered(answer)} got HTTP {status}; retrying the commit in {wait:g}s (attempt {attempt + 1} of "
+            f"{COMMIT_ATTEMPTS})")
         deadline.sleep(wait)
         # The answer can be lost after the commit landed: then there is nothing left to retry.
         landed = _landed(run)
@@ -291,8 +294,8 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
         return landed, True
     reason = (f"{COMMIT_ATTEMPTS} times" if attempt == COMMIT_ATTEMPTS
               else f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout")
-    raise HubUnavailable(f"the Hub answered HTTP {status} to the commit on {run.target.repo_id} {reason}; nothing "
-                         "was committed; rerun later (uploaded blobs are kept)")
+    raise HubUnavailable(f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "
+                         "nothing was committed; rerun later (uploaded blobs are kept)")
 
 
 def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -108,19 +109,15 @@ def verify_commit(api: HfApi, repo_id: str, commit: str, expected: Mapping[str, 
     list of problems (empty when the commit holds exactly the stage; paths in ``kept`` may also be there)."""
     problems = [f"{path} is in the commit but not in the stage"
                 for path in sorted(remote) if path not in expected and path not in kept]
-    checked: list[VerifiedFile] = []
-    # A private cache: verification must download from the Hub, not reuse a cached copy.
-    with tempfile.TemporaryDirectory(prefix="publish-verify-") as cache:
-        for path, entry in expected.items():
-            if path not in remote:
-                problems.append(f"{path} is missing from the commit")
-                continue
-            result, problem = _check_file(api, repo_id, commit, entry, path, remote[path], stage / entry.name,
-                                          Path(cache))
-            checked.append(result)
-            if problem:
-                problems.append(problem)
-    return checked, problems
+    problems += [f"{path} is missing from the commit" for path in expected if path not in remote]
+    present = [path for path in expected if path in remote]
+    # A private cache: verification must download from the Hub, not reuse a cached copy. The small
+    # files download side by side (each is a round trip or two, not a transfer).
+    with tempfile.TemporaryDirectory(prefix="publish-verify-") as cache, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda path: _check_file(api, repo_id, commit, expected[path], path, remote[path],
+                                                         stage / expected[path].name, Path(cache)), present))
+    problems += [problem for _, problem in results if problem]
+    return [checked for checked, _ in results], problems
 
 
 @dataclass(kw_only=True, slots=True)

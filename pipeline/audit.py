@@ -165,6 +165,11 @@ def _read_once(path: Path, scan: FileScan | None) -> str:
         return sha256_file(path)
     digest = hashlib.sha256()
     size = path.stat().st_size
+    if size < CHUNK:  # one read: nothing to overlap
+        data = path.read_bytes()
+        digest.update(data)
+        scan.feed(data, len(data))
+        return digest.hexdigest()
     buffers = (bytearray(min(CHUNK, size + 1)), bytearray(min(CHUNK, size + 1)))
     with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(1) as hasher:
         hashing: Future | None = None

@@ -71,16 +71,17 @@ class LeakKind:
 
 
 def _near_needles(pattern: re.Pattern[bytes], needles: tuple[bytes, ...], buffer: bytes | bytearray, start: int,
-                  end: int, haystack: bytes | bytearray | None = None) -> bool:
+                  end: int, haystack: bytes | bytearray | None = None, span: int = 0) -> bool:
     """Whether ``pattern`` matches in ``buffer[start:end]``, tried only around each needle found
     (in ``haystack``, e.g. a lowercased copy, default ``buffer``). ``bytes.find`` runs at GB/s
     where a pattern that starts with a look-behind would run at tens of MB/s."""
     haystack = buffer if haystack is None else haystack
+    span = max(span, _OVERLAP)
     for needle in needles:
         at = haystack.find(needle, start, end)
         while at >= 0:
             # Look-behinds still see the bytes before the window: it starts inside the buffer.
-            if pattern.search(buffer, max(0, at - _BEFORE), min(end, at + _OVERLAP)) is not None:
+            if pattern.search(buffer, max(0, at - _BEFORE), min(end, at + span)) is not None:
                 return True
             at = haystack.find(needle, at + 1, end)
     return False
@@ -215,6 +216,8 @@ class FileScan:
         self._rules = rules
         self._checks: list[tuple[str, str, Any]] | None = None  # (kind id, words, search) once text/binary is known
         self._tail = b""
+        # A literal secret longer than the patterns' longest match still fits in a seam.
+        self._overlap = max([_OVERLAP] + [len(value) + _BEFORE for value, _ in rules.secrets + rules.machine])
         self.found: dict[str, str] = {}
 
     def _choose(self, text: bool) -> list[tuple[str, str, Any]]:
@@ -228,21 +231,21 @@ class FileScan:
         if self._checks is None:
             self._checks = self._choose(buffer.find(b"\0", 0, min(n, _TEXT_PROBE)) < 0)
         # The seam: the end of the previous chunk (with a few bytes of left context) and the start of this one.
-        context = max(0, len(self._tail) - _OVERLAP)
-        seam = self._tail + bytes(buffer[:min(n, _OVERLAP)])
+        context = max(0, len(self._tail) - self._overlap)
+        seam = self._tail + bytes(buffer[:min(n, self._overlap)])
         for kind, what, search in self._checks:
             if kind not in self.found and (search(seam, context, len(seam)) or search(buffer, 0, n)):
                 self.found[kind] = what
-        self._tail = bytes(buffer[max(0, n - _OVERLAP - _CONTEXT):n])
+        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT):n])
 
 
 def _machine_word(value: bytes, what: str):
-    pattern = _whole_word(value, what)
+    pattern, span = _whole_word(value, what), len(value) + _CONTEXT
     if what != "the host name":
-        return lambda buffer, start, end: _near_needles(pattern, (value,), buffer, start, end)
+        return lambda buffer, start, end: _near_needles(pattern, (value,), buffer, start, end, span=span)
 
     def search(buffer: bytes | bytearray, start: int, end: int) -> bool:  # any case: find it in a lowercased copy
-        return _near_needles(pattern, (value.lower(),), buffer, start, end, buffer[:end].lower())
+        return _near_needles(pattern, (value.lower(),), buffer, start, end, buffer[:end].lower(), span)
     return search
 
 

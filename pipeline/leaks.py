@@ -95,7 +95,7 @@ def _kind(id: str, what: str, pattern: bytes, **flags: Any) -> LeakKind:  # noqa
 KINDS: tuple[LeakKind, ...] = (
     _kind("hf-token", "an hf_ token", rb"hf_[A-Za-z0-9]{30,}", anywhere=True, needles=(b"hf_",)),
     _kind("private-key", "a PEM private key", rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", anywhere=True,
-          allowable=False, needles=(b"-----BEGIN ",)),
+          allowable=False, needles=(b"PRIVATE KEY-----",)),
     _kind("hf-org-token", "an api_org_ token", rb"(?<![A-Za-z0-9_])api_org_[A-Za-z0-9]{30,}", needles=(b"api_org_",)),
     _kind("aws-key", "an AWS access key",
           rb"(?<![A-Z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])"
@@ -133,7 +133,7 @@ _TEXT_PROBE = 8000
 # that straddles two chunks lies in the last and first _OVERLAP bytes of them.
 _OVERLAP = 256
 _CONTEXT = 16  # bytes before the seam that look-behinds may read
-_BEFORE = 32  # bytes between a match's start and its needle, at most (the W&B name: "api.wandb.ai")
+_BEFORE = 32  # bytes between a match's start and its needle, at most ("-----BEGIN ENCRYPTED PRIVATE KEY-----")
 # Host names that identify no machine.
 _ANONYMOUS_HOSTS = frozenset({"localhost", "localhost.localdomain"})
 _PACKAGE_CHECKOUT = Path(__file__).resolve().parents[1]

@@ -2,9 +2,12 @@
 
 It refuses a staged file that holds:
 
-- in any file, weights included: an ``hf_…`` token, a PEM private key block, or the value of
-  a token this machine holds (``HF_TOKEN`` and the other variables of ``SECRET_VARIABLES``,
-  or a token saved by ``hf auth login``);
+- in every byte of every file, weights included: the value of a token this machine holds
+  (``HF_TOKEN`` and the other variables of ``SECRET_VARIABLES``, or a token saved by
+  ``hf auth login``);
+- in any file, but outside the floating-point tensors of a safetensors file (numbers, where a
+  format would match by chance and each format would cost a pass): an ``hf_…`` token and a PEM
+  private key block;
 - in text files: the credential formats of :data:`KINDS` (AWS, GitHub, OpenAI, Slack,
   ``api_org_``, Google, W&B, JWT), this machine's home folder, working folder or checkout
   path, and its host name.
@@ -26,6 +29,7 @@ holds, a private key or a path never can. Torch-free.
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import socket
@@ -215,6 +219,8 @@ class FileScan:
     def __init__(self, rules: LeakRules) -> None:
         self._rules = rules
         self._checks: list[tuple[str, str, Any]] | None = None  # (kind id, words, search) once text/binary is known
+        self._numbers: list[tuple[int, int]] = []  # floating-point tensors: this machine's secret values only
+        self._position = 0  # of the next chunk in the file
         self._tail = b""
         # A literal secret longer than the patterns' longest match still fits in a seam.
         self._overlap = max([_OVERLAP] + [len(value) + _BEFORE for value, _ in rules.secrets + rules.machine])
@@ -229,14 +235,67 @@ class FileScan:
 
     def feed(self, buffer: bytes | bytearray, n: int) -> None:
         if self._checks is None:
-            self._checks = self._choose(buffer.find(b"\0", 0, min(n, _TEXT_PROBE)) < 0)
+            text = buffer.find(b"\0", 0, min(n, _TEXT_PROBE)) < 0
+            self._checks = self._choose(text)
+            self._numbers = [] if text else _float_tensors(buffer, n)
         # The seam: the end of the previous chunk (with a few bytes of left context) and the start of this one.
         context = max(0, len(self._tail) - self._overlap)
         seam = self._tail + bytes(buffer[:min(n, self._overlap)])
+        parts = self._parts(n)
         for kind, what, search in self._checks:
-            if kind not in self.found and (search(seam, context, len(seam)) or search(buffer, 0, n)):
+            if kind in self.found:
+                continue
+            everywhere = ((0, n),) if kind == "secret" else parts
+            if search(seam, context, len(seam)) or any(search(buffer, a, b) for a, b in everywhere):
                 self.found[kind] = what
         self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT):n])
+        self._position += n
+
+    def _parts(self, n: int) -> list[tuple[int, int]]:
+        """The parts of this chunk outside floating-point tensors, relative to the chunk."""
+        parts, at, start = [], 0, self._position
+        for first, last in self._numbers:
+            if last <= start + at or first >= start + n:
+                continue
+            if first > start + at:
+                parts.append((at, first - start))
+            at = max(at, min(n, last - start))
+        if at < n:
+            parts.append((at, n))
+        return parts
+
+
+# The payload of a floating-point tensor is numbers: a token format there would be chance, and
+# searching gigabytes for each format costs a pass per format. It is searched for this machine's
+# secret values (long literals, found at memory speed), like every byte.
+_FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"})
+
+
+def _float_tensors(buffer: bytes | bytearray, n: int) -> list[tuple[int, int]]:
+    """File offsets of the floating-point tensors of a safetensors file whose header lies in
+    ``buffer[:n]``, merged; [] for any other file (every part of it is searched)."""
+    size = int.from_bytes(buffer[:8], "little") if n >= 9 else 0
+    if not 2 <= size <= n - 8 or buffer[8:9] != b"{":
+        return []
+    try:
+        header = json.loads(bytes(buffer[8:8 + size]))
+    except (ValueError, UnicodeDecodeError):
+        return []
+    ranges = []
+    for name, entry in header.items() if isinstance(header, dict) else ():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        offsets = entry.get("data_offsets")
+        if (entry.get("dtype") in _FLOATS and isinstance(offsets, list)
+                and len(offsets) == 2 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            ranges.append((8 + size + offsets[0], 8 + size + offsets[1]))
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
 
 
 def _machine_word(value: bytes, what: str):

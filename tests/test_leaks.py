@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import pytest
 from huggingface_hub import constants
 
@@ -166,3 +167,19 @@ def test_a_false_positive_is_published_only_where_the_config_allows_it_and_never
     for never in ({"README.md": ["private-key"]}, {"README.md": ["secret"]}, {"/etc/x": ["jwt"]}, ["README.md"]):
         with pytest.raises(ConfigError, match="card.allow_leaks"):
             scan_secrets(tmp_path, rules(), allow=never)
+
+
+def test_weights_are_searched_for_this_machines_tokens_in_every_byte_and_for_token_formats_outside_float_tensors(
+        tmp_path):
+    from safetensors.numpy import save_file
+
+    literal = f"plain-{secrets.token_hex(12)}"
+    payload = (b"\x01" * 6 + literal.encode()).ljust(64, b"\x02")  # the value inside a float tensor's bytes
+    tensors = {"a.weight": np.zeros(1024, np.float32), "b.weight": np.frombuffer(payload, np.float32)}
+    save_file(tensors, str(tmp_path / "modelo.safetensors"))
+    message = refused(tmp_path, rules(environ={"HF_TOKEN": literal}))
+    assert message.startswith("modelo.safetensors holds the value of HF_TOKEN") and literal not in message
+    # A token format in the file's header (its metadata) is searched like any other bytes.
+    save_file({"a.weight": np.zeros(4, np.float32)}, str(tmp_path / "modelo.safetensors"),
+              metadata={"note": f"pushed with {HF_SHAPED}"})
+    assert refused(tmp_path, rules()).startswith("modelo.safetensors holds an hf_ token")

@@ -1,155 +1,169 @@
-"""Publishing a 0.6 GB stage to the local Hub over Xet and over Git LFS, side by side.
-A benchmark, not a test.
+"""scripts/06_publish.py against HfApi.upload_folder on the same 0.6 GB stage, over Git LFS and
+over Xet, side by side. A benchmark, not a test.
 
-    python benchmarks/publish.py [--size-gb 0.6] [--tensors 12] [--out benchmarks/results/publish.json]
+    python benchmarks/publish.py [--size-gb 0.6] [--reps 3] [--out benchmarks/results/publish.json]
 
-The stage is what scripts/05_stage.py would hand to 06 (``modelo.safetensors``, ``meta.json``,
-``README.md``, ``MANIFEST.sha256``), with weights of ``--tensors`` equal fp32 tensors of random
-normal values (trained weights compress about as badly). One ``localhub`` runs in this
-process; each publish is ``pipeline.publishing.publish`` in a fresh process (a fresh Xet session)
-with ``HF_HUB_DISABLE_XET=1`` for LFS and unset for Xet, each protocol with its own HF_HOME.
-Per protocol: a first publish to a new repo, then one tensor is replaced by new values (same
-shape) and the stage republished from the same HF_HOME, then from a new HF_HOME (another
-machine: only the Hub's dedup can help). Bytes sent are the request bodies the Hub received
-for uploads (LFS PUTs; Xet xorbs and shards). Times are split at the start of the check after
-landing (LFS: reads the Hub's SHA-256; Xet: downloads and hashes the file). Files go to a
-temporary folder beside the repository (same disk), removed at the end.
+The stage is what scripts/05_stage.py hands to 06: ``modelo.safetensors`` (12 fp32 tensors of
+random normal values: trained weights compress about as badly), ``model.safetensors.index.json``,
+``config.json``, ``meta.json``, ``README.md``, ``MANIFEST.sha256``. Each candidate runs in a fresh
+process against a fresh ``localhub`` (so neither the Hub's dedup nor a warm Xet cache helps)
+with a fresh HF_HOME, ``HF_HUB_DISABLE_XET=1`` for LFS, unset for Xet:
+
+- ``06``: ``scripts/06_publish.py --repo-id bench/m`` (audit, leak scan and Xet hashes in one
+  read, the one commit, the check after landing, the receipt);
+- ``upload_folder``: ``HfApi().create_repo(exist_ok=True)`` then ``upload_folder`` of the stage
+  (the client hashes and uploads; nothing is checked afterwards).
+
+Wall time is the process's, interpreter start included. "Downloaded" is what the Hub sent back
+(response bytes, headers included, from localhub's accounting); "weights downloaded" counts
+the responses that carry file contents of the weights (LFS/regular downloads of them, Xet
+reconstructions and xorb reads). The candidates alternate, in rotated order, ``--reps`` times.
+Files go to a temporary folder beside the repository (same disk), removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
 from localhub import LocalHub  # noqa: E402
-from localhub import handler as localhub_handler  # noqa: E402
 from pipeline.audit import STAGE_SCHEMA  # noqa: E402
-from pipeline.hashing import sha256_file  # noqa: E402
-from pipeline.layout import MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE  # noqa: E402
+from pipeline.layout import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, META_FILE, MODEL_FILE, README_FILE  # noqa: E402
 
 TOKEN = "bench-token"
-_WORKER = """
-import json, sys, time
-from pipeline.publishing import publish
-marks = {}
-start = time.perf_counter()
-def say(line):
-    if line.startswith("verifying"):
-        marks["landed"] = time.perf_counter() - start
-result = publish(sys.argv[1], sys.argv[2], endpoint=sys.argv[3], receipt_dir=sys.argv[4], say=say)
-print(json.dumps({"status": result.status, "total_s": time.perf_counter() - start,
-                  "upload_and_commit_s": marks["landed"]}))
+REPO_ID = "bench/m"
+_UPLOAD_FOLDER = """
+import sys
+from huggingface_hub import HfApi
+api = HfApi(endpoint=sys.argv[2])
+api.create_repo(sys.argv[3], exist_ok=True)
+api.upload_folder(folder_path=sys.argv[1], repo_id=sys.argv[3], commit_message="upload_folder")
 """
+# What carries the weights' bytes back: a download of the file, a Xet reconstruction or xorb read.
+WEIGHT_READS = rf"/resolve/.*{MODEL_FILE}$|/reconstructions/|/_xet/data/"
 
 
-def build_stage(folder: Path, tensors: dict[str, torch.Tensor], step: int) -> None:
-    if folder.exists():
-        shutil.rmtree(folder)
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_stage(folder: Path, size_gb: float, tensors: int = 12) -> int:
+    """A stage 06 accepts: every file listed in MANIFEST.sha256, the weights in meta.json's table."""
     folder.mkdir(parents=True)
-    save_file(tensors, str(folder / MODEL_FILE))
-    (folder / README_FILE).write_text(f"# benchmark stage, step {step}\n")
-    files = {MODEL_FILE: {"sha256": sha256_file(folder / MODEL_FILE), "size": (folder / MODEL_FILE).stat().st_size}}
-    (folder / META_FILE).write_text(json.dumps({"schema": STAGE_SCHEMA, "step": step, "files": files}))
-    names = sorted([MODEL_FILE, README_FILE, META_FILE])
-    (folder / MANIFEST_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n" for n in names))
+    side = int((size_gb * 1e9 / 4 / tensors) ** 0.5)
+    rng = np.random.default_rng(0)
+    arrays = {f"layer{i:02d}.weight": rng.standard_normal((side, side), dtype=np.float32) for i in range(tensors)}
+    save_file(arrays, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    (folder / README_FILE).write_text("# benchmark stage\n\nRandom weights, published to a loopback Hub.\n")
+    (folder / CONFIG_FILE).write_text(json.dumps({"model_type": "bench"}) + "\n")
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {k: MODEL_FILE for k in arrays}}))
+    files = {name: {"sha256": _sha256(folder / name), "size": (folder / name).stat().st_size}
+             for name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE)}
+    (folder / META_FILE).write_text(json.dumps({"schema": STAGE_SCHEMA, "step": 1, "repo_id": REPO_ID,
+                                                "files": files}))
+    names = sorted([MODEL_FILE, README_FILE, CONFIG_FILE, INDEX_FILE, META_FILE])
+    (folder / MANIFEST_FILE).write_text("".join(f"{_sha256(folder / n)}  {n}\n" for n in names))
+    return (folder / MODEL_FILE).stat().st_size
 
 
-def count_upload_bytes() -> collections.Counter:
-    """Count the request body bytes the Hub reads, by kind of upload (a measuring wrapper)."""
-    received: collections.Counter = collections.Counter()
-    original = localhub_handler.Handler._body_chunks
-
-    def counting(self):
-        path = self.path.split("?")[0]
-        kind = ("xorb" if "/v1/xorbs/" in path else "shard" if path.endswith("/shards")
-                else "lfs" if "/_localhub/lfs/" in path else "other")
-        chunks = original(self)
-
-        def counted():
-            for chunk in chunks:
-                received[kind] += len(chunk)
-                yield chunk
-        return counted()
-
-    localhub_handler.Handler._body_chunks = counting
-    return received
-
-
-def run_publish(stage: Path, repo_id: str, hub: LocalHub, protocol: str, hf_home: Path, receipts: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_XET")}
-    env.update({"HF_TOKEN": TOKEN, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_TELEMETRY": "1",
+def run_once(candidate: str, protocol: str, stage: Path, work: Path) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"{candidate}-{protocol}-", dir=work))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_XET") and not k.startswith("HF_XET_")}
+    env.update({"HF_TOKEN": TOKEN, "HF_HOME": str(root / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(REPO)})
     if protocol == "lfs":
         env["HF_HUB_DISABLE_XET"] = "1"
-    done = subprocess.run([sys.executable, "-c", _WORKER, str(stage), repo_id, hub.url, str(receipts)],
-                          env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"publish over {protocol} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    with LocalHub(root / "hub", token=TOKEN) as hub:
+        if candidate == "06":
+            argv = [sys.executable, str(REPO / "scripts" / "06_publish.py"), "--repo-id", REPO_ID, "--endpoint",
+                    hub.url, "--stage", str(stage), "--receipt-dir", str(root / "receipts")]
+        else:
+            argv = [sys.executable, "-c", _UPLOAD_FOLDER, str(stage), hub.url, REPO_ID]
+        started = time.perf_counter()
+        done = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - started
+        if done.returncode != 0:
+            raise SystemExit(f"{candidate} over {protocol} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        result = {"wall_s": wall, "downloaded_bytes": hub.bytes_sent("GET"),
+                  "weights_downloaded_bytes": hub.bytes_sent("GET", WEIGHT_READS),
+                  "xet_reads": hub.count("GET", r"/reconstructions/|/_xet/data/"),
+                  "uploaded_xorbs": hub.count("POST", r"/xorbs/"), "lfs_puts": hub.count("PUT"),
+                  "requests": sum(hub.request_counts().values())}
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=0.6)
-    parser.add_argument("--tensors", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "publish.json"))
     args = parser.parse_args()
-    side = int((args.size_gb * 1e9 / 4 / args.tensors) ** 0.5)
-    generator = torch.Generator().manual_seed(0)
-    tensors = {f"layer{i:02d}.weight": torch.randn(side, side, generator=generator) for i in range(args.tensors)}
-    changed = dict(tensors, **{"layer05.weight": torch.randn(side, side, generator=generator)})
-    received = count_upload_bytes()
     work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=REPO.parent))
-    results: dict = {"size_bytes": None, "tensors": args.tensors, "runs": {}}
+    results: dict = {"size_gb": args.size_gb, "reps": args.reps, "runs": {}, "load_average": []}
     try:
-        first, second = work / "first" / "hub_stage", work / "second" / "hub_stage"
-        build_stage(first, tensors, 1)
-        build_stage(second, changed, 2)
-        results["size_bytes"] = (first / MODEL_FILE).stat().st_size
-        with LocalHub(work / "hub", token=TOKEN) as hub:
-            for protocol in ("lfs", "xet"):
-                repo_id, home = f"bench/{protocol}", work / f"hf_home_{protocol}"
-                for label, stage, hf_home in (("first publish", first, home),
-                                              ("republish, one tensor changed", second, home),
-                                              ("republish, new machine", first, work / f"hf_home_{protocol}_2")):
-                    if label == "republish, new machine":
-                        # Back to the first stage on a new repo from a fresh HF_HOME: only the Hub can dedup.
-                        repo_id = f"bench/{protocol}-again"
-                    received.clear()
-                    timing = run_publish(stage, repo_id, hub, protocol, hf_home, work / "receipts")
-                    timing["bytes_sent"] = dict(received)
-                    timing["upload_bytes"] = sum(v for k, v in received.items() if k != "other")
-                    results["runs"].setdefault(protocol, {})[label] = timing
-                    print(f"{protocol:3s}  {label:32s}  total {timing['total_s']:6.2f} s  upload+commit "
-                          f"{timing['upload_and_commit_s']:6.2f} s  upload bytes {timing['upload_bytes']:>12,}",
-                          flush=True)
+        weights = build_stage(work / "hub_stage", args.size_gb)
+        results["weights_bytes"] = weights
+        candidates = [(c, p) for p in ("lfs", "xet") for c in ("06", "upload_folder")]
+        for rep in range(args.reps):
+            # Rotate the order so that drift spreads over every candidate.
+            for candidate, protocol in candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]:
+                run = run_once(candidate, protocol, work / "hub_stage", work)
+                results["runs"].setdefault(f"{candidate} {protocol}", []).append(run)
+                print(f"rep {rep}  {candidate:13s} {protocol}  {run['wall_s']:6.2f} s  downloaded "
+                      f"{run['downloaded_bytes']:>10,} B (weights {run['weights_downloaded_bytes']:,} B, "
+                      f"Xet reads {run['xet_reads']})", flush=True)
+            results["load_average"].append(os.getloadavg()[0])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{weights / 1e9:.2f} GB of weights, {args.reps} reps; wall s median [min-max]; ratio of medians "
+          "(median of per-rep ratios)")
+    results["summary"] = {}
+    for protocol in ("lfs", "xet"):
+        ours, theirs = results["runs"][f"06 {protocol}"], results["runs"][f"upload_folder {protocol}"]
+        ours_s, theirs_s = [r["wall_s"] for r in ours], [r["wall_s"] for r in theirs]
+        ratio = statistics.median(ours_s) / statistics.median(theirs_s)
+        per_rep = statistics.median(a / b for a, b in zip(ours_s, theirs_s))
+        results["summary"][protocol] = {"06_s": _summary(ours_s), "upload_folder_s": _summary(theirs_s),
+                                        "ratio_of_medians": ratio, "median_of_ratios": per_rep,
+                                        "06_weights_downloaded_bytes": max(r["weights_downloaded_bytes"] for r in ours),
+                                        "06_downloaded_bytes": max(r["downloaded_bytes"] for r in ours)}
+        s = results["summary"][protocol]
+        verdict = "MET" if ratio <= 1.0 and per_rep <= 1.0 else "borderline" if min(ratio, per_rep) <= 1.0 else "NOT MET"
+        print(f"{protocol}: 06 {s['06_s']['median']:.2f} [{s['06_s']['min']:.2f}-{s['06_s']['max']:.2f}]  "
+              f"upload_folder {s['upload_folder_s']['median']:.2f} [{s['upload_folder_s']['min']:.2f}-"
+              f"{s['upload_folder_s']['max']:.2f}]  ratio {ratio:.2f} ({per_rep:.2f}) target <= 1.0 {verdict}; "
+              f"06 downloaded {s['06_downloaded_bytes']:,} B, weights {s['06_weights_downloaded_bytes']:,} B")
     results["versions"] = {name: importlib.metadata.version(name) for name in ("huggingface_hub", "hf_xet")}
     results["versions"]["python"] = platform.python_version()
-    results["load_average"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    lfs, xet = results["runs"]["lfs"], results["runs"]["xet"]
-    for label in lfs:
-        print(f"ratio xet/lfs, {label}: time {xet[label]['total_s'] / lfs[label]['total_s']:.2f}, "
-              f"upload+commit {xet[label]['upload_and_commit_s'] / lfs[label]['upload_and_commit_s']:.2f}, "
-              f"bytes sent {xet[label]['upload_bytes'] / max(1, lfs[label]['upload_bytes']):.3f}")
     return 0
 
 

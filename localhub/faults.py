@@ -1,4 +1,5 @@
-"""Fault injection and request counting for localhub (thread-safe, in memory only).
+"""Fault injection and request accounting for localhub (thread-safe, in memory only): requests
+and response bytes per "METHOD /path", admin calls excluded.
 
 Faults are "armed" for the next N matching requests and disarm themselves once used, so a test
 states exactly how many failures the client will meet.
@@ -29,7 +30,9 @@ class Faults:
         self._shard_failures: list[int] = []  # one HTTP status per Xet shard upload to fail
         self._token_expiry: list[int] = []  # CAS requests still served before every Xet token expires
         self._other_bytes = 0  # commits whose first LFS file is stored with other bytes
+        self._other_xet_hash = 0  # commits whose first Xet-stored file is listed with another Xet hash
         self._counts: Counter[str] = Counter()
+        self._sent: Counter[str] = Counter()  # response bytes (headers and body) per "METHOD /path"
 
     # ------------------------------------------------------------------ arming
     def fail_next_commit(self, times: int = 1, status: int = 500) -> None:
@@ -37,11 +40,12 @@ class Faults:
         with self._lock:
             self._commit_failures.extend([int(status)] * int(times))
 
-    def rate_limit(self, times: int = 1, retry_after: int = 1, method: str | None = None,
-                   path: str | None = None) -> None:
-        """The next `times` requests matching `method` and regex `path` answer 429 + `Retry-After`."""
-        rule = {"remaining": int(times), "retry_after": int(retry_after),
-                "method": method.upper() if method else None, "path": path}
+    def rate_limit(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
+                   path: str | None = None, status: int = 429) -> None:
+        """The next `times` requests matching `method` and regex `path` answer `status` (429: too
+        many requests; a 5xx for a failing server) with `Retry-After` (none when None)."""
+        rule = {"remaining": int(times), "retry_after": None if retry_after is None else int(retry_after),
+                "method": method.upper() if method else None, "path": path, "status": int(status)}
         re.compile(path or "")  # fail now, in the caller, on a bad pattern
         with self._lock:
             self._rate_limits.append(rule)
@@ -83,6 +87,12 @@ class Faults:
         with self._lock:
             self._other_bytes += int(times)
 
+    def list_other_xet_hash(self, times: int = 1) -> None:
+        """The next `times` commits list their first Xet-stored file with another Xet hash (one bit
+        flipped): a Hub whose CAS holds other chunks than the ones the client hashed."""
+        with self._lock:
+            self._other_xet_hash += int(times)
+
     def clear(self) -> None:
         with self._lock:
             self._commit_failures.clear()
@@ -94,6 +104,7 @@ class Faults:
             self._shard_failures.clear()
             self._token_expiry.clear()
             self._other_bytes = 0
+            self._other_xet_hash = 0
         self._released.set()
 
     def configure(self, spec: dict) -> None:
@@ -118,6 +129,8 @@ class Faults:
             self.expire_xet_tokens(**spec["expire_xet_tokens"])
         if "other_lfs_bytes" in spec:
             self.store_other_lfs_bytes(**spec["other_lfs_bytes"])
+        if "other_xet_hash" in spec:
+            self.list_other_xet_hash(**spec["other_xet_hash"])
 
     def pending(self) -> dict:
         with self._lock:
@@ -131,6 +144,7 @@ class Faults:
                 "fail_shard": list(self._shard_failures),
                 "expire_xet_tokens": list(self._token_expiry),
                 "other_lfs_bytes": self._other_bytes,
+                "other_xet_hash": self._other_xet_hash,
             }
 
     # ------------------------------------------------------------------ consuming (server side)
@@ -147,7 +161,8 @@ class Faults:
         """Wait up to `seconds`, or until the faults are cleared."""
         self._released.wait(seconds)
 
-    def take_rate_limit(self, method: str, path: str) -> int | None:
+    def take_rate_limit(self, method: str, path: str) -> tuple[int, int | None] | None:
+        """(status, Retry-After) for this request, or None to answer it normally."""
         with self._lock:
             for rule in self._rate_limits:
                 if rule["method"] not in (None, method) or not re.search(rule["path"] or "", path):
@@ -155,7 +170,7 @@ class Faults:
                 rule["remaining"] -= 1
                 if rule["remaining"] <= 0:
                     self._rate_limits.remove(rule)
-                return rule["retry_after"]
+                return rule["status"], rule["retry_after"]
         return None
 
     def take_other_lfs_bytes(self) -> bool:
@@ -163,6 +178,13 @@ class Faults:
             if not self._other_bytes:
                 return False
             self._other_bytes -= 1
+            return True
+
+    def take_other_xet_hash(self) -> bool:
+        with self._lock:
+            if not self._other_xet_hash:
+                return False
+            self._other_xet_hash -= 1
             return True
 
     def take_drop(self) -> tuple[bool, int | None]:
@@ -217,6 +239,22 @@ class Faults:
                 total += n
         return total
 
+    def record_sent(self, key: str, n: int) -> None:
+        with self._lock:
+            self._sent[key] += n
+
+    def bytes_sent(self, method: str | None = None, path: str | None = None) -> int:
+        """Response bytes sent for requests whose method equals `method` and whose path matches regex `path`."""
+        with self._lock:
+            sent = dict(self._sent)
+        total = 0
+        for key, n in sent.items():
+            m, p = key.split(" ", 1)
+            if (method is None or m == method.upper()) and (path is None or re.search(path, p)):
+                total += n
+        return total
+
     def reset_counts(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._sent.clear()

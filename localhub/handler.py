@@ -44,6 +44,23 @@ _MAX_DRAIN = 64 << 20  # above this, close the connection instead of reading an 
 _WITHHELD_ANSWER_S = 120.0  # how long a withheld commit answer is held at most (faults.py)
 
 
+class _CountingWriter:
+    """The connection's write side, counting what each request's response sends (faults.py)."""
+
+    def __init__(self, inner: Any, handler: "Handler") -> None:
+        self._inner, self._handler = inner, handler
+
+    def write(self, data: bytes) -> int:
+        written = self._inner.write(data)
+        key = getattr(self._handler, "_key", None)
+        if key is not None:
+            self._handler.hub.faults.record_sent(key, len(data))
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _ClientGone(Exception):
     """The connection is gone (client hung up, or we dropped it on purpose)."""
 
@@ -67,6 +84,7 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.wfile = _CountingWriter(self.wfile, self)  # type: ignore[assignment]
         self.server.track(self.connection, True)  # type: ignore[attr-defined]
 
     def finish(self) -> None:
@@ -101,13 +119,15 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         self._query = parse_qs(url.query)
         segs = [unquote(s) for s in url.path.split("/")[1:]]
         is_admin = segs[:1] == ["_localhub"] and segs[1:2] not in (["lfs"], ["lfs-verify"])
+        self._key = None if is_admin else f"{method} {url.path}"
         try:
             if not is_admin:  # admin calls are neither counted nor rate limited: tests must reach them
                 self.hub.faults.record(method, url.path)
-                retry_after = self.hub.faults.take_rate_limit(method, url.path)
-                if retry_after is not None:
-                    raise HubError(429, "Too Many Requests (injected by localhub)",
-                                   headers={"Retry-After": str(retry_after)})
+                limited = self.hub.faults.take_rate_limit(method, url.path)
+                if limited is not None:
+                    status, retry_after = limited
+                    raise HubError(status, f"{'Too Many Requests' if status == 429 else 'Server error'} (injected by "
+                                   "localhub)", headers={} if retry_after is None else {"Retry-After": str(retry_after)})
             self._route(method, segs)
         except HubError as err:
             self._send_error(err)
@@ -502,6 +522,8 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         lfs_paths = [(op.get("value") or {}).get("path") for op in lines[1:] if op.get("key") == "lfsFile"]
         if lfs_paths and self.hub.faults.take_other_lfs_bytes():
             self.hub.store.store_other_bytes(repo_type, repo_id, commit_id, lfs_paths[0])
+        if lfs_paths and self.hub.faults.take_other_xet_hash():
+            self.hub.store.list_other_xet_hash(repo_type, repo_id, commit_id, lfs_paths)
         if withheld:
             self._withhold_answer()
         pr_url = None if number is None else f"{self._repo_url(repo_type, repo_id)}/discussions/{number}"
@@ -562,4 +584,4 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         if what == "faults":
             return self._send_json(faults.pending())
         counts = faults.counts()
-        self._send_json({"counts": counts, "total": sum(counts.values())})
+        self._send_json({"counts": counts, "total": sum(counts.values()), "bytes_sent": faults.bytes_sent()})

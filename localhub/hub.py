@@ -60,8 +60,8 @@ class LocalHub:
     """A Hub double bound to loopback. `with LocalHub(root, token="t") as hub: HfApi(endpoint=hub.url)`.
 
     Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`,
-    `store_other_lfs_bytes`;
-    for Xet `drop_next_xorb`, `corrupt_next_xorb`, `fail_next_shard`, `expire_xet_tokens`) and request
+    `store_other_lfs_bytes`; for Xet `drop_next_xorb`, `corrupt_next_xorb`, `fail_next_shard`,
+    `expire_xet_tokens`, `list_other_xet_hash`) and request
     counts (`request_counts`, `count`) are exposed here and through the admin endpoints. Xet CAS tokens
     live `xet_token_ttl` s.
     """
@@ -121,9 +121,9 @@ class LocalHub:
     def fail_next_commit(self, times: int = 1, status: int = 500) -> None:
         self.faults.fail_next_commit(times, status)
 
-    def rate_limit_next(self, times: int = 1, retry_after: int = 1, method: str | None = None,
-                        path: str | None = None) -> None:
-        self.faults.rate_limit(times, retry_after, method, path)
+    def rate_limit_next(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
+                        path: str | None = None, status: int = 429) -> None:
+        self.faults.rate_limit(times, retry_after, method, path, status)
 
     def drop_next_upload(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_upload(times, after_bytes)
@@ -145,6 +145,9 @@ class LocalHub:
     def store_other_lfs_bytes(self, times: int = 1) -> None:
         self.faults.store_other_lfs_bytes(times)
 
+    def list_other_xet_hash(self, times: int = 1) -> None:
+        self.faults.list_other_xet_hash(times)
+
     def clear_faults(self) -> None:
         self.faults.clear()
 
@@ -155,6 +158,10 @@ class LocalHub:
     def count(self, method: str | None = None, path: str | None = None) -> int:
         """Number of requests with this method whose path matches regex `path`."""
         return self.faults.count(method, path)
+
+    def bytes_sent(self, method: str | None = None, path: str | None = None) -> int:
+        """Response bytes (headers and bodies) sent to requests with this method whose path matches regex `path`."""
+        return self.faults.bytes_sent(method, path)
 
     def reset_request_counts(self) -> None:
         self.faults.reset_counts()

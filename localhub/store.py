@@ -412,6 +412,20 @@ class Store:
             commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
             self._save({**repo, "commits": commits, "lfsObjects": repo["lfsObjects"] + [sha]})
 
+    def list_other_xet_hash(self, repo_type: str, repo_id: str, commit_id: str, paths: list[str]) -> None:
+        """Injected fault: the first Xet-stored file among `paths` of `commit_id` is listed with
+        another Xet hash (its last hex digit changed), as if the CAS held other chunks for it."""
+        with self.lock:
+            repo = self.get_repo(repo_type, repo_id)
+            files = dict(repo["commits"][commit_id]["files"])
+            path = next((p for p in paths if files.get(p, {}).get("xetHash")), None)
+            if path is None:
+                return
+            name = files[path]["xetHash"]
+            files[path] = {**files[path], "xetHash": name[:-1] + format(int(name[-1], 16) ^ 1, "x")}
+            commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
+            self._save({**repo, "commits": commits})
+
     def _apply(self, repo: dict, files: dict, pending: dict, op: dict) -> None:
         key, value = op.get("key"), op.get("value") or {}
         raw_path = value.get("path")

@@ -3,14 +3,14 @@
 The public API, one name per step of the pipeline (the numbered scripts call these)::
 
     from pipeline import load_config, prepare_data, train, verify_resume, evaluate_checkpoint
-    from pipeline import build_stage, publish, load_checkpoint, load_model_weights, build_model
+    from pipeline import build_stage, publish, Publication, load_checkpoint, load_model_weights, build_model
 
     config = load_config("config.yaml")
     prepare_data(config)                                   # 01: data/ + manifest.json
     train(config, resume="auto")                           # 02: estados_local/step-…/
     loaded = load_checkpoint("latest", config.checkpoint.dir)   # verified, memory-mapped
     build_stage(config)                                    # 05: hub_stage/
-    publish("hub_stage", "you/model")                      # 06: one commit
+    publish(Publication(repo_id="you/model"))              # 06: one commit
 
 Names are imported on first use (module ``__getattr__``), so ``import pipeline`` and the
 publish path stay free of torch and matplotlib. Errors are in :mod:`pipeline.errors`,
@@ -37,6 +37,7 @@ _API = {
     "build_stage": "pipeline.stage",
     "audit_stage": "pipeline.audit",
     "publish": "pipeline.publishing",
+    "Publication": "pipeline.publishing",
     "load_checkpoint": "pipeline.checkpoint",
     "load_model_weights": "pipeline.checkpoint",
     "build_model": "pipeline.run",

@@ -1,25 +1,32 @@
 """Audit a built stage against its ``MANIFEST.sha256``, with no training stack imported.
 
 Script 05 audits the stage it just built; the publish step audits it again right before
-uploading and hands the hashes it returns to the upload, so no file is hashed twice. Only
-hashing and JSON here: importing this module does not import torch or matplotlib.
+uploading and hands the hashes it returns to the upload, so no file is hashed twice. The
+publish step's audit reads each byte once: the same chunks are hashed and scanned for leaks
+(:mod:`pipeline.leaks`), and ``hf_xet`` computes the Xet hashes of the same files meanwhile
+(the pages come from disk once), which is how a Xet upload is verified without downloading it.
+Only hashing and JSON here: importing this module does not import torch or matplotlib.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
+import itertools
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .durable import FolderLock
 from .errors import StageAuditError, StageError
-from .hashing import sha256_bytes, sha256_file
+from .hashing import CHUNK, sha256_bytes, sha256_file
 from .layout import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, META_FILE, README_FILE, SIGNATURE_FILE
+from .leaks import FileScan, LeakRules, allowance_problem, refuse_findings
 
 __all__ = [
     "STAGE_SCHEMA",
@@ -52,6 +59,10 @@ class AuditedFile:
     size: int
     sha256: str
     verified_against: str
+    xet_hash: str | None = None
+    """The file's Xet hash (what the Hub lists as ``xetHash``), when the audit was asked for it."""
+    allowed_leaks: tuple[str, ...] = ()
+    """Leak-scan findings that ``card.allow_leaks`` allows in this file (their words, never a value)."""
 
 
 # -- audit --------------------------------------------------------------------------------
@@ -147,7 +158,61 @@ def _check_staged_meta(stage: Path, audited: Mapping[str, AuditedFile]) -> None:
             raise StageAuditError(f"{path} records a different SHA-256 or size for {name} than the stage holds")
 
 
-def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
+def _read_once(path: Path, scan: FileScan | None) -> str:
+    """SHA-256 of ``path``, each chunk also fed to ``scan``: hashlib releases the GIL, so a
+    helper thread hashes one chunk while this one scans it and reads the next."""
+    if scan is None:
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    if size < CHUNK:  # one read: nothing to overlap
+        data = path.read_bytes()
+        digest.update(data)
+        scan.feed(data, len(data))
+        return digest.hexdigest()
+    buffers = (bytearray(min(CHUNK, size + 1)), bytearray(min(CHUNK, size + 1)))
+    with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(1) as hasher:
+        hashing: Future | None = None
+        for turn in itertools.count():
+            buffer = buffers[turn % 2]  # the other one may still be hashed
+            n = handle.readinto(buffer)
+            if hashing is not None:
+                hashing.result()
+            if not n:
+                break
+            hashing = hasher.submit(digest.update, memoryview(buffer)[:n])
+            scan.feed(buffer, n)
+    return digest.hexdigest()
+
+
+def _xet_hashes(stage: Path, names: list[str]) -> dict[str, str]:
+    """Each file's Xet hash, computed locally by hf_xet (public ``hash_files``, which releases
+    the GIL); {} when hf_xet is missing or fails: the check after landing then computes them."""
+    if importlib.util.find_spec("hf_xet") is None:
+        return {}
+    import hf_xet
+
+    try:
+        infos = hf_xet.hash_files([str(stage / name) for name in names])
+    except Exception:  # hf_xet reports its own failures as plain exceptions; the check redoes it
+        return {}
+    return {name: info.hash for name, info in zip(names, infos)}
+
+
+def _allowance(stage: Path) -> Mapping[str, Any]:
+    """``card.allow_leaks`` as 05 recorded it in the staged meta.json (already verified by the audit)."""
+    meta = _read_json(stage / META_FILE)
+    config = meta.get("config") if isinstance(meta, dict) else None
+    card = config.get("card") if isinstance(config, dict) else None
+    allow = card.get("allow_leaks", {}) if isinstance(card, dict) else {}
+    problem = allowance_problem(allow)
+    if problem is not None:
+        raise StageAuditError(f"{stage / META_FILE} records a card.allow_leaks that {problem}")
+    return allow
+
+
+def audit_stage(stage_dir: str | Path, *, leaks: LeakRules | None = None, xet_hashes: bool = False,
+                consequence: str = "nothing was staged") -> dict[str, AuditedFile]:
     """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
 
     Checks: the folder holds exactly the files the manifest lists plus the manifest itself
@@ -156,6 +221,11 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
     SHA-256 equals the manifest's; ``meta.json``, ``README.md``, ``config.json`` and
     ``model.safetensors.index.json`` are present; and the ``files`` table inside
     ``meta.json`` agrees with the manifest and holds every weights file the index names.
+
+    With ``leaks``, every file is also scanned (:mod:`pipeline.leaks`) in the same read, and
+    a leak that the staged ``card.allow_leaks`` does not allow raises
+    :class:`~pipeline.errors.SecretInStage` ending with ``consequence``. With ``xet_hashes``,
+    each file's Xet hash is computed meanwhile (``AuditedFile.xet_hash``).
 
     Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
     from the bytes the audit parsed). The keys are exactly the files to upload, and each
@@ -182,26 +252,41 @@ def audit_stage(stage_dir: str | Path) -> dict[str, AuditedFile]:
     for name in REQUIRED_FILES:
         if name not in expected:
             raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
-    audited: dict[str, AuditedFile] = {}
     names = sorted(expected)
-    # hashlib releases the GIL on large buffers, so threads hash several shards on several cores.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
-        hashes = dict(zip(names, pool.map(lambda name: sha256_file(stage / name), names)))
+    scans = {name: FileScan(leaks) for name in names} if leaks is not None else {}
+    signature = stage / SIGNATURE_FILE
+    everything = names + [MANIFEST_FILE] + ([SIGNATURE_FILE] if signature.is_file() else [])
+    # hashlib releases the GIL on large buffers, so threads hash several files on several cores;
+    # hf_xet's hashing runs beside them on the same files.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)) + 1) as pool:
+        xet = pool.submit(_xet_hashes, stage, everything) if xet_hashes else None
+        hashes = dict(zip(names, pool.map(lambda name: _read_once(stage / name, scans.get(name)), names)))
+        xet_hash = xet.result() if xet is not None else {}
+    audited: dict[str, AuditedFile] = {}
     for name in names:
         digest, path = expected[name], stage / name
         size = path.stat().st_size
         actual = hashes[name]
         if actual != digest:
             raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
-        audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE)
+        audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE, xet_hash.get(name))
     _check_staged_meta(stage, audited)
-    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit")
-    signature = stage / SIGNATURE_FILE
+    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit",
+                                         xet_hash.get(MANIFEST_FILE))
+    extra = {MANIFEST_FILE: raw}
     if signature.is_file():
         # The signature covers the manifest, so the manifest cannot list it (pipeline/signing.py).
-        data = _read_small(signature)
+        data = extra[SIGNATURE_FILE] = _read_small(signature)
         audited[SIGNATURE_FILE] = AuditedFile(SIGNATURE_FILE, len(data), sha256_bytes(data),
-                                              "model-signing (checked by 06)")
+                                              "model-signing (checked by 06)", xet_hash.get(SIGNATURE_FILE))
+    if leaks is not None:
+        for name, data in extra.items():
+            scans[name] = FileScan(leaks)
+            scans[name].feed(data, len(data))
+        allowed = refuse_findings({name: scan.found for name, scan in scans.items() if scan.found},
+                                  _allowance(stage), consequence=consequence)
+        for name, words in allowed:
+            audited[name] = replace(audited[name], allowed_leaks=audited[name].allowed_leaks + (words,))
     return dict(sorted(audited.items()))
 
 

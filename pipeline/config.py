@@ -296,6 +296,9 @@ class CardConfig:
     """A Markdown file (UTF-8, relative to the working folder) of your own card sections, such as
     "## Intended use" or "## Limitations", added after the description; empty for none. Its
     text is scanned for secrets and audited with the rest of the stage."""
+    allow_leaks: dict = field(default_factory=dict)
+    """False positives of the leak scan, per staged file: ``{README.md: [jwt]}`` lets that file hold
+    something shaped like a JSON Web Token (kinds in docs/publishing.md). 05 and 06 both apply it."""
 
     def __post_init__(self) -> None:
         _strings(self.tags, "card.tags")
@@ -308,6 +311,12 @@ class CardConfig:
         _require(not self.library_name or bool(_PIPELINE_TAG.match(self.library_name)), "card.library_name",
                  f"must be a Hub library name such as 'transformers' (got {self.library_name!r})")
         _require(bool(self.license.strip()), "card.license", "must not be empty")
+        # The kinds are checked by the leak scan (pipeline.leaks), which this module does not import:
+        # the model's shipped code closure includes this module.
+        _require(isinstance(self.allow_leaks, dict) and all(
+            isinstance(name, str) and isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
+            for name, kinds in self.allow_leaks.items()), "card.allow_leaks",
+            "must map a staged file to a list of leak kinds, e.g. {README.md: [jwt]}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -37,6 +37,7 @@ __all__ = [
     "StaleBranch",
     "HubUnavailable",
     "UploadInterrupted",
+    "PublishTimedOut",
     "StageChanged",
     "VerificationFailed",
     "ReceiptNotWritten",
@@ -214,6 +215,10 @@ class HubUnavailable(PublishError):
 
 class UploadInterrupted(PublishError):
     """The connection was lost while uploading or committing."""
+
+
+class PublishTimedOut(PublishError):
+    """The publish ran out of its ``--timeout`` before the commit landed; nothing was committed."""
 
 
 class StageChanged(PublishError):

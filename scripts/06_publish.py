@@ -10,17 +10,20 @@
 
 The token is read from HF_TOKEN or the one saved by `hf auth login`; it is never a command-line
 argument and is never printed or written. Every staged file is re-audited against
-MANIFEST.sha256 and scanned again for tokens, private keys and this machine's paths and host
-name (the stage may have changed since 05); a signed stage's model.sig must verify with the
-key of --sign-key, --verify-key, or else the stage's own signing_key.pub. Only then is any
-request sent. The repo is created if missing, and one commit holding the whole
-stage is made on top of the branch head that was read (a push in between fails with 412
-instead of being overwritten). A rerun when the Hub already holds the stage makes no commit.
-After landing, the Hub's LFS SHA-256s and the downloaded small files are checked against the
-audit, and a receipt (with the signing key's fingerprint) is written to hub_receipts/.
+MANIFEST.sha256 and scanned again for tokens, credentials, private keys and this machine's
+paths and host name, in one read (the stage may have changed since 05); a signed stage's
+model.sig must verify with the key of --sign-key, --verify-key, or else the stage's own
+signing_key.pub. Only then is any request sent. The repo is created if missing, and one commit
+holding the whole stage is made on top of the branch head that was read (a push in between
+fails with 412 instead of being overwritten). A rerun when the Hub already holds the stage
+makes no commit. After landing, the Hub's LFS SHA-256s and Xet hashes are checked against the
+audit (the weights are not downloaded again), the small files downloaded and hashed, and a
+receipt (with the signing key's fingerprint) is written to hub_receipts/.
 
-Every Hub request waits at most --timeout seconds (default 60). If the commit's answer is
-lost or late, the branch head is read again: a landed commit is verified and reported
+--timeout bounds the whole publish (default: 5 minutes plus 1 s per MB staged): no request
+or retry starts after it, and the Xet client's retries are capped by it; if the commit was
+sent, finding out whether it landed and verifying it get min(--timeout, 30 s) more. A commit
+whose answer was lost is looked up on the branch: a landed commit is verified and reported
 (exit 0); otherwise nothing was committed (exit 2). A rerun never makes a second commit.
 
 Exit codes: 0 published, or nothing to publish; 1 published but the check after landing
@@ -59,8 +62,8 @@ def _parse() -> argparse.Namespace:
                         help="on a failure, print the traceback of the exception behind the one-line error")
     parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
                         help=f"where the receipt is written (default: {RECEIPT_DIR})")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                        help="longest wait for any one Hub request, the commit included (default: 60)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="deadline of the whole publish in seconds (default: 300 + 1 per MB staged)")
     signer = parser.add_argument_group("signature (stages signed by 05 --sign-key / --sign-sigstore)")
     keys = signer.add_mutually_exclusive_group()
     keys.add_argument("--sign-key", type=Path, metavar="KEY.pem",
@@ -89,18 +92,18 @@ def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
     from pipeline.progress import quiet_hub_progress_unless_terminal
-    from pipeline.publishing import format_plan, publish
+    from pipeline.publishing import Publication, format_plan, publish
     from pipeline.signing import ExpectedSigner
 
     quiet_hub_progress_unless_terminal()
 
     signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,
                             issuer=args.verify_issuer, verify_chain=tuple(args.verify_chain))
-    result = publish(args.stage, args.repo_id, endpoint=args.endpoint, revision=args.revision,
-                     private=args.private, path_in_repo=args.path_in_repo, message=args.message,
-                     dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout, signer=signer,
-                     force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag,
-                     say=lambda line: print(line, flush=True))
+    publication = Publication(repo_id=args.repo_id, stage=args.stage, endpoint=args.endpoint, revision=args.revision,
+                              private=args.private, path_in_repo=args.path_in_repo, message=args.message,
+                              dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout,
+                              signer=signer, force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag)
+    result = publish(publication, say=lambda line: print(line, flush=True))
     if result.status == "dry run":
         print(format_plan(result.plan))
         print("dry run: no write request was sent")

@@ -148,6 +148,8 @@ def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cann
     with LocalHub(tmp_path / "hub", token=token) as hub:
         published = publish_stage(stage, hub.url, REPO_ID, token)
         assert published.returncode == 0, published.stdout + published.stderr
+        # Uploaded over Xet, and verified by the Hub's Xet hash: no reconstruction, no xorb read during 06.
+        assert hub.count("POST", r"/xorbs/") >= 1 and hub.count("GET", r"/reconstructions/|/_xet/data/") == 0
         check = """
 import torch
 from safetensors.torch import load_file

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import subprocess
 from pathlib import Path
@@ -33,9 +34,17 @@ from pipeline.audit import parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
-from pipeline.errors import HubUnavailable, StageChanged, StaleBranch, UploadInterrupted, VerificationFailed
+from pipeline.errors import (
+    HubUnavailable,
+    PublishTimedOut,
+    StageChanged,
+    StaleBranch,
+    UploadInterrupted,
+    VerificationFailed,
+)
 from pipeline.evaluate import evaluation_config
-from pipeline.publishing import COMMIT_ATTEMPTS, format_plan, publish
+from pipeline.publishing import COMMIT_ATTEMPTS, Publication, format_plan, publish
+from pipeline.publishing.deadline import Deadline
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
@@ -69,7 +78,7 @@ def hf_env(tmp_path, monkeypatch):
     for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
                        "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
         monkeypatch.setenv(key, value)
-    for key in _SCRUBBED + ("PUBLISH_MAX_BACKOFF_S",):
+    for key in _SCRUBBED:
         monkeypatch.delenv(key, raising=False)
     for name, value in {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
                         "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
@@ -80,6 +89,14 @@ def hf_env(tmp_path, monkeypatch):
     disable_progress_bars()
     yield
     enable_progress_bars()
+
+
+@pytest.fixture(autouse=True)
+def waits(monkeypatch) -> list[float]:
+    """publish()'s own retry waits in this process, recorded instead of slept (the clock stays real)."""
+    recorded: list[float] = []
+    monkeypatch.setattr(Deadline, "sleep", staticmethod(recorded.append))
+    return recorded
 
 
 def use_protocol(monkeypatch, protocol: str) -> None:
@@ -129,25 +146,36 @@ def published(request, staged_run, module_hub, tmp_path_factory):
     protocol = request.param
     receipts = tmp_path_factory.mktemp(f"receipts-{protocol}")
     repo_id = f"alice/published-{protocol}"
+    module_hub.reset_request_counts()
     first = run_publish(staged_run.stage, module_hub, repo_id, receipts, protocol=protocol)
+    first_requests = module_hub.request_counts()
     module_hub.reset_request_counts()
     rerun = run_publish(staged_run.stage, module_hub, repo_id, receipts, protocol=protocol)
-    return SimpleNamespace(first=first, rerun=rerun, rerun_requests=module_hub.request_counts(), repo_id=repo_id,
-                           receipts=receipts, hub=module_hub, run=staged_run, protocol=protocol)
+    return SimpleNamespace(first=first, rerun=rerun, first_requests=first_requests,
+                           rerun_requests=module_hub.request_counts(), repo_id=repo_id, receipts=receipts,
+                           hub=module_hub, run=staged_run, protocol=protocol)
 
 
 # -- helpers -----------------------------------------------------------------------------
 
 def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args: str,
-                token: str | None = TOKEN, protocol: str = "lfs", timeout: float = 300) -> subprocess.CompletedProcess:
-    """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
-    env.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
-                "HF_HOME": str(receipts.parent / "hf_home_script")})
+                token: str | None = TOKEN, protocol: str = "lfs", timeout: float = 300,
+                env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output.
+    ``env`` sets variables (None removes one)."""
+    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
+    base.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
+                 "HF_HOME": str(receipts.parent / "hf_home_script")})
     if protocol == "lfs":
-        env["HF_HUB_DISABLE_XET"] = "1"
+        base["HF_HUB_DISABLE_XET"] = "1"
     if token is not None:
-        env["HF_TOKEN"] = token
+        base["HF_TOKEN"] = token
+    for name, value in (env or {}).items():
+        if value is None:
+            base.pop(name, None)
+        else:
+            base[name] = value
+    env = base
     result = run_python([SCRIPT, "--repo-id", repo_id, "--endpoint", hub.url, "--stage", stage,
                          "--receipt-dir", receipts, *args], cwd=stage.parent, env=env, timeout=timeout)
     for secret in SECRETS:
@@ -175,10 +203,11 @@ def write_requests(hub: LocalHub) -> int:
     return sum(hub.count(method) for method in ("POST", "PUT", "DELETE"))
 
 
-def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, **kwargs):
-    """publish() in this process; waits are recorded instead of slept."""
-    waits: list[float] = kwargs.pop("waits", [])
-    return publish(stage, repo_id, endpoint=hub.url, receipt_dir=tmp_path / "receipts", sleep=waits.append, **kwargs)
+def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, *, say=None, **fields):
+    """publish() in this process (its retry waits are recorded by the ``waits`` fixture)."""
+    publication = Publication(repo_id=repo_id, stage=stage, endpoint=hub.url, receipt_dir=tmp_path / "receipts",
+                              **fields)
+    return publish(publication, say=say or (lambda line: None))
 
 
 def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, prefix: str = "") -> None:
@@ -237,10 +266,16 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
     assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: record["files"][name]["found"] for name in manifest} == manifest
-    # Over Xet the listed SHA-256 is the client's claim, so the weights were checked by their bytes.
+    # Over Xet the listed SHA-256 is the client's claim: the weights were checked by the Xet hash the
+    # Hub derived from the chunks it verified, against the one the audit computed from the audited bytes.
     weights = record["files"]["modelo.safetensors"]
-    expected_check = {"lfs": ("lfs", "Hub LFS SHA-256"), "xet": ("xet", "downloaded bytes (Xet)")}
+    expected_check = {"lfs": ("lfs", "Hub LFS SHA-256"), "xet": ("xet", "Hub Xet hash")}
     assert (weights["storage"], weights["checked_by"]) == expected_check[published.protocol]
+    assert (weights["xet_hash"] is not None) == (published.protocol == "xet")
+    # Verified without reading the weights back: no download, no Xet reconstruction or xorb read.
+    reads = [key for key in published.first_requests
+             if key.startswith("GET") and re.search(r"modelo\.safetensors$|/reconstructions/|/_xet/data/", key)]
+    assert reads == [], reads
     assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
 
 
@@ -339,10 +374,9 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
     assert_holds_exactly_the_stage(hub, "alice/flaky", staged_run.stage)
 
 
-def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env):
+def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits):
     hub.fail_next_commit(times=1, status=503)
-    waits: list[float] = []
-    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path, waits=waits)
+    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
     assert result.status == "published" and waits == [1.0]
     assert hub.count("POST", r"/commit/main$") == 2
     assert len(commit_titles(hub, "alice/retried")) == 2
@@ -427,39 +461,6 @@ def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(staged_ru
     assert len(stored(hub, "shards")) == 1
 
 
-def test_xet_dropped_xorb_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path,
-                                                                               token_env, xet):
-    hub.drop_next_xorb(times=50)  # every try of the client is cut mid-body
-    with pytest.raises(UploadInterrupted) as refused:
-        publish_here(staged_run.stage, hub, "alice/xet-dropped", tmp_path)
-    assert refused.value.exit_code == 2 and "rerun" in str(refused.value)
-    assert hub.count("POST", r"/commit/") == 0 and stored(hub, "xorbs") == []
-
-    hub.clear_faults()
-    result = publish_here(staged_run.stage, hub, "alice/xet-dropped", tmp_path)
-    assert result.status == "published" and len(commit_titles(hub, "alice/xet-dropped")) == 2
-    assert_holds_exactly_the_stage(hub, "alice/xet-dropped", staged_run.stage)
-
-
-def test_xet_shard_failing_with_500_leaves_no_commit_and_a_rerun_sends_no_xorb_again(staged_run, hub, tmp_path,
-                                                                                   token_env, xet):
-    hub.fail_next_shard(times=50)
-    with pytest.raises(UploadInterrupted) as refused:
-        publish_here(staged_run.stage, hub, "alice/xet-shard", tmp_path)
-    assert "500" in str(refused.value) and hub.count("POST", r"/commit/") == 0
-    assert commit_titles(hub, "alice/xet-shard") == ["initial commit"]
-    uploaded = stored(hub, "xorbs")
-    assert uploaded and stored(hub, "shards") == []
-
-    hub.clear_faults()
-    hub.reset_request_counts()
-    result = publish_here(staged_run.stage, hub, "alice/xet-shard", tmp_path)
-    assert result.status == "published" and len(commit_titles(hub, "alice/xet-shard")) == 2
-    # The CAS already held the data: the rerun found it through the dedup query and sent only a shard.
-    assert hub.count("POST", r"/v1/xorbs/") == 0 and hub.count("GET", r"/v1/chunks/") >= 1
-    assert stored(hub, "xorbs") == uploaded and len(stored(hub, "shards")) == 1
-
-
 def test_xet_token_revoked_mid_upload_leaves_no_commit_and_a_rerun_lands_one(staged_run, hub, tmp_path,
                                                                             token_env, xet):
     hub.expire_xet_tokens(after_requests=2)  # the token dies after the dedup queries, before the xorb
@@ -480,21 +481,23 @@ def test_xet_tokens_expiring_during_the_upload_are_refreshed_and_one_commit_land
         assert_holds_exactly_the_stage(hub, "alice/xet-refreshed", staged_run.stage)
 
 
-def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env):
+def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_path, token_env, waits):
     hub.rate_limit_next(times=2, retry_after=7, method="POST", path=r"/commit/main$")
-    waits: list[float] = []
-    result = publish_here(staged_run.stage, hub, "alice/limited", tmp_path, waits=waits)
+    result = publish_here(staged_run.stage, hub, "alice/limited", tmp_path)
     assert result.status == "published" and waits == [7.0, 7.0]
     assert hub.count("POST", r"/commit/main$") == 3
     assert len(commit_titles(hub, "alice/limited")) == 2
 
 
-def test_retry_after_beyond_the_wait_budget_gives_up_without_committing(staged_run, hub, tmp_path, token_env):
+def test_retry_after_beyond_the_deadline_gives_up_at_once_without_committing(staged_run, hub, tmp_path, token_env,
+                                                                            waits):
     hub.rate_limit_next(times=1, retry_after=3600, method="POST", path=r"/commit/main$")
-    waits: list[float] = []
-    with pytest.raises(HubUnavailable) as refused:
-        publish_here(staged_run.stage, hub, "alice/patient", tmp_path, waits=waits, max_backoff_s=60)
-    assert "3600s" in str(refused.value) and waits == []
+    with pytest.raises(PublishTimedOut) as refused:
+        publish_here(staged_run.stage, hub, "alice/patient", tmp_path, timeout_s=60)
+    message = str(refused.value)
+    assert "cannot finish within its 60s --timeout" in message, message
+    assert "the Hub asks to wait 3600s before retrying the commit" in message, message
+    assert "nothing was committed" in message and waits == []
     assert commit_titles(hub, "alice/patient") == ["initial commit"]
 
 
@@ -605,6 +608,21 @@ def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(sta
     proposed = api.hf_hub_download("alice/tagged", "README.md", revision="refs/pr/1", cache_dir=tmp_path / "c2")
     assert Path(proposed).read_bytes() == (changed.stage / "README.md").read_bytes()
     assert api.list_repo_commits("alice/tagged", revision="refs/pr/1")[0].commit_id == pulls[0].target_commit
+
+
+def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_weights_back(staged_run, hub, tmp_path,
+                                                                                            token_env, xet):
+    hub.list_other_xet_hash()  # the weights' entry names other chunks than the ones uploaded
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/other-chunks", tmp_path)
+    message = str(failed.value)
+    assert failed.value.exit_code == 1 and "modelo.safetensors: the Hub lists Xet hash" in message, message
+    [receipt] = list((tmp_path / "receipts").glob("*.json"))
+    record = json.loads(receipt.read_text())
+    weights = record["files"]["modelo.safetensors"]
+    assert record["verified"] is False and (weights["storage"], weights["checked_by"]) == ("xet", "Hub Xet hash")
+    assert [name for name, entry in record["files"].items() if not entry["ok"]] == ["modelo.safetensors"]
+    assert hub.count("GET", r"/reconstructions/|/_xet/data/") == 0
 
 
 def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(staged_run, hub, tmp_path,

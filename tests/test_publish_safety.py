@@ -1,4 +1,4 @@
-"""06 against a hostile stage and a Hub that stops answering.
+"""06 against a hostile stage and a Hub that stops answering or fails, within its --timeout.
 
 Real scripts as subprocesses where exit codes and output matter, publish() in this process
 where a fault has to be placed between two steps; always the real huggingface_hub client
@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 import test_publish
 from huggingface_hub import HfApi
+from test_leaks import SAMPLES
 from test_publish import TOKEN, api_for, commit_titles, one_error_line, publish_here, run_publish, write_requests
 
 from pipeline.audit import parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
 from pipeline.publishing.client import Target
+from pipeline.publishing.deadline import Deadline
 
-# The loopback Hub fixtures of test_publish.py (hf_env is autouse there, and so here).
-hf_env, hub, token_env, no_client_sleep = (test_publish.hf_env, test_publish.hub, test_publish.token_env,
-                                           test_publish.no_client_sleep)
+# The loopback Hub fixtures of test_publish.py (hf_env and waits are autouse there, and so here).
+hf_env, hub, token_env, no_client_sleep, waits = (test_publish.hf_env, test_publish.hub, test_publish.token_env,
+                                                  test_publish.no_client_sleep, test_publish.waits)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
@@ -39,29 +43,79 @@ def error_line_after_uploads(result) -> str:
     return errors[0]
 
 
-def plant(stage: Path, text: str) -> None:
-    """Append ``text`` to the staged card and regenerate the manifest, as `sha256sum` would."""
-    with open(stage / "README.md", "a") as card:
+def plant(stage: Path, text: str, name: str = "README.md") -> None:
+    """Append ``text`` to a staged file and regenerate meta.json's files table and the manifest."""
+    with open(stage / name, "a") as card:
         card.write(text)
+    meta = json.loads((stage / "meta.json").read_text())
+    if name in meta["files"]:
+        data = (stage / name).read_bytes()
+        meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (stage / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     names = sorted(parse_manifest((stage / "MANIFEST.sha256").read_bytes()))
     (stage / "MANIFEST.sha256").write_text(
         "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
 
 
-@pytest.mark.parametrize("planted", ["hf_token_value", "hf_pattern", "home_folder", "private_key"])
-def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(staged_run, run_copy, hub, tmp_path, planted):
+PLANTED = {  # what is planted, and the words of the refusal; credential samples from test_leaks.py
+    "hf_token_value": (f"\nask {TOKEN}\n", "the value of HF_TOKEN"),
+    "hf_pattern": ("\nhf_" + "x9Y" * 12 + "\n", "an hf_ token"),
+    "home_folder": (f"\nbuilt in {os.path.expanduser('~')}/work\n", "the home folder's path"),
+    "private_key": ("\n-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMG\n-----END PRIVATE KEY-----\n", "a PEM private key"),
+    **{kind: (f"\n{SAMPLES[kind][1]}\n", SAMPLES[kind][0]) for kind in ("aws-key", "github-token", "openai-key")},
+}
+
+
+@pytest.mark.parametrize(("planted", "place"), [(kind, "card") for kind in sorted(PLANTED)]
+                         + [(kind, "code") for kind in ("aws-key", "github-token", "openai-key")])
+def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(staged_run, run_copy, hub, tmp_path, planted,
+                                                                     place):
     run = run_copy(staged_run)
-    text = {"hf_token_value": f"\nask {TOKEN}\n", "hf_pattern": "\nhf_" + "x9Y" * 12 + "\n",
-            "home_folder": f"\nbuilt in {os.path.expanduser('~')}/work\n",
-            "private_key": "\n-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMG\n-----END PRIVATE KEY-----\n"}[planted]
-    plant(run.stage, text)
+    text, kind = PLANTED[planted]
+    code = sorted(p.relative_to(run.stage).as_posix() for p in (run.stage / "code").rglob("*.py"))
+    name = "README.md" if place == "card" else code[-1]
+    plant(run.stage, text, name)
     result = run_publish(run.stage, hub, "alice/leaky", tmp_path / "receipts")  # fails on a printed token
     line = one_error_line(result)
-    kind = {"hf_token_value": "the value of HF_TOKEN", "hf_pattern": "an hf_ token",
-            "home_folder": "the home folder's path", "private_key": "a PEM private key"}[planted]
-    assert line.startswith(f"error: README.md holds {kind}; nothing was published (no request was sent)"), line
-    assert "x9Yx9Y" not in result.stdout + result.stderr and "MIGHAgEAMBMG" not in result.stdout + result.stderr
+    assert line.startswith(f"error: {name} holds {kind}; nothing was published (no request was sent)"), line
+    secret = text.strip().split()[-1].strip('"')[-12:]
+    assert secret not in result.stdout + result.stderr and "MIGHAgEAMBMG" not in result.stdout + result.stderr
     assert hub.count() == 0
+
+
+def test_05_refuses_a_card_holding_cloud_keys_naming_each_and_keeps_the_stage(staged_run, run_copy):
+    run = run_copy(staged_run)
+    before = (run.stage / "README.md").read_bytes()
+    keys = [SAMPLES[kind][1].split()[-1] for kind in ("aws-key", "github-token", "openai-key")]
+    result = run.script("05_stage.py", "--set", f"card.description=Pull with {' or '.join(keys)}.")
+    line = one_error_line(result)
+    assert line.startswith("error: README.md holds an AWS access key, a GitHub token and an OpenAI API key"), line
+    assert "nothing was staged" in line and not any(key[-12:] in result.stdout + result.stderr for key in keys)
+    assert (run.stage / "README.md").read_bytes() == before
+
+
+def test_a_false_positive_allowed_by_the_config_is_staged_recorded_and_published_and_only_there(
+        staged_run, run_copy, hub, tmp_path):
+    run = run_copy(staged_run)
+    what, text = SAMPLES["jwt"]
+    example = text.split()[-1]
+    describe = ["--set", f"card.description=A request carries {example} in its header."]
+    refused = one_error_line(run.script("05_stage.py", *describe))
+    assert refused.startswith(f"error: README.md holds {what}"), refused
+    # The card's text is also in the staged config and meta.json: the fix names every file.
+    entries = re.search(r"card\.allow_leaks: (\{.*\}) \(docs/publishing\.md\)", refused).group(1)
+    assert "README.md: [jwt]" in entries
+    run.ok("05_stage.py", *describe, "--set", f"card.allow_leaks={entries}")
+    allowed = json.loads((run.stage / "meta.json").read_text())["config"]["card"]["allow_leaks"]
+    assert allowed["README.md"] == ["jwt"]  # recorded where 06 reads it
+    planned = run_publish(run.stage, hub, "alice/example", tmp_path / "receipts", "--dry-run")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert f"leak scan: README.md holds {what}, allowed by the stage's card.allow_leaks" in planned.stdout
+    code = sorted(p.relative_to(run.stage).as_posix() for p in (run.stage / "code").rglob("*.py"))[-1]
+    plant(run.stage, f"\n# {example}\n", code)  # the same value in another file
+    line = one_error_line(run_publish(run.stage, hub, "alice/example", tmp_path / "receipts", "--dry-run"))
+    assert line.startswith(f"error: {code} holds {what}; nothing was published"), line
+    assert hub.count() == 1  # the first dry run's read of the branch head, nothing since
 
 
 def test_a_commit_whose_answer_is_withheld_is_found_on_the_branch_and_a_rerun_adds_nothing(
@@ -82,9 +136,10 @@ def test_a_commit_whose_answer_is_withheld_is_found_on_the_branch_and_a_rerun_ad
 
 def test_a_commit_that_times_out_without_landing_says_nothing_was_committed(staged_run, hub, tmp_path):
     hub.withhold_next_commit_answer(apply=False)
-    result = run_publish(staged_run.stage, hub, "alice/timeout", tmp_path / "receipts", "--timeout", "2")
+    result = run_publish(staged_run.stage, hub, "alice/timeout", tmp_path / "receipts", "--timeout", "3")
     line = error_line_after_uploads(result)
-    assert "no answer from" in line and "within 2s" in line and "nothing was committed" in line
+    assert f"no answer from {hub.url} to the commit within" in line and "all the --timeout had left" in line, line
+    assert "nothing was committed" in line
     assert "landed" not in line
     assert commit_titles(hub, "alice/timeout") == ["initial commit"]
 
@@ -143,7 +198,7 @@ def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_c
 
 def test_the_token_is_not_in_the_repr_of_the_publish_target():
     target = Target(HfApi(endpoint="http://127.0.0.1:1", token=TOKEN), "http://127.0.0.1:1", "alice/x", "main",
-                     "", TOKEN)
+                    "", TOKEN, Deadline(60))
     assert TOKEN not in repr(target) and "alice/x" in repr(target)
 
 
@@ -168,7 +223,7 @@ def test_a_non_positive_timeout_is_refused(staged_run, hub, tmp_path, token_env)
 
 def test_a_hub_that_accepts_but_never_answers_a_read_is_one_line_within_the_timeout(staged_run, tmp_path):
     """The first request of 06 is a read (the branch head); a listener that accepts the
-    connection and never replies must not hold 06 longer than --timeout per attempt."""
+    connection and never replies must not hold 06 past its --timeout."""
     import socket
     from types import SimpleNamespace
 
@@ -185,9 +240,9 @@ def test_a_hub_that_accepts_but_never_answers_a_read_is_one_line_within_the_time
     finally:
         listener.close()
     line = one_error_line(result)
-    assert f"no answer from {silent.url} within 1s" in line and "nothing was committed" in line, line
-    # Bounded, each attempt waits 1 s (the client may retry a read a few times).
-    assert elapsed < 60, elapsed
+    assert "ran out of its 1s --timeout while reading branch main" in line, line
+    assert f"no answer from {silent.url} to reading the branch head" in line and "nothing was committed" in line, line
+    assert elapsed < 30, elapsed
 
 
 def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(staged_run, run_copy, hub, tmp_path,

@@ -1,12 +1,16 @@
 """Script 06: publish the audited stage to the Hub as one commit, then verify what landed.
 
 ``commit`` narrates the publish step by step (audit, scan, plan, the one ``create_commit``,
-verification, receipt); ``client`` bounds and translates the Hub requests; ``verify``
-checks the landed commit against the audit and writes the receipt. Nothing here imports
-torch: publishing runs on a machine that never trained.
+verification, receipt); ``plan`` holds what a publish is asked to do (:class:`Publication`)
+and what it would do; ``deadline`` bounds the whole publish by ``--timeout``; ``client``
+translates the Hub's answers and retries the idempotent requests; ``verify`` checks the
+landed commit against the audit and writes the receipt. Nothing here imports torch:
+publishing runs on a machine that never trained.
 """
 
-from .client import DEFAULT_TIMEOUT_S
-from .commit import COMMIT_ATTEMPTS, PublishPlan, PublishResult, format_plan, publish
+from .commit import COMMIT_ATTEMPTS, PublishResult, publish
+from .deadline import REQUEST_TIMEOUT_S, default_timeout
+from .plan import Publication, PublishPlan, format_plan
 
-__all__ = ["COMMIT_ATTEMPTS", "DEFAULT_TIMEOUT_S", "PublishPlan", "PublishResult", "format_plan", "publish"]
+__all__ = ["COMMIT_ATTEMPTS", "REQUEST_TIMEOUT_S", "Publication", "PublishPlan", "PublishResult", "default_timeout",
+           "format_plan", "publish"]

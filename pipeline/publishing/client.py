@@ -1,5 +1,6 @@
-"""Talking to the Hub for :mod:`pipeline.publishing`: where we publish, how long a request may
-wait, what the client's exceptions mean in one line, and the read requests.
+"""Talking to the Hub for :mod:`pipeline.publishing`: where we publish, what the client's
+exceptions mean in one line, and the idempotent requests (reads, creating the repo or the
+branch), retried on 429/5xx and lost connections within the deadline.
 
 Every error leaving this module is a :class:`~pipeline.errors.PublishError` whose message names
 the action, the repo and what it means for the repo ("nothing was committed"), never the token.
@@ -8,11 +9,12 @@ the action, the repo and what it means for the repo ("nothing was committed"), n
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import httpx2
-from huggingface_hub import HfApi, constants, get_session
+from huggingface_hub import HfApi
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -21,15 +23,23 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from ..errors import PipelineError, PublishError, StaleBranch, TokenRejected, UploadInterrupted
+from ..errors import PipelineError, PublishError, PublishTimedOut, StaleBranch, TokenRejected, UploadInterrupted
+from .deadline import REQUEST_TIMEOUT_S, RETRYABLE, Deadline, DeadlinePassed, describe_request, retry_after_s
 
-# Longest wait for any one Hub request (06 --timeout).
-DEFAULT_TIMEOUT_S = 60.0
+# Attempts of an idempotent request (the first one included), each wait within the deadline.
+READ_ATTEMPTS = 5
+NOTHING_COMMITTED = "nothing was committed"
+RERUN = "rerun: it skips blobs already uploaded and never makes a second commit"
+T = TypeVar("T")
+
+
+def _quiet(line: str) -> None:
+    pass
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where we publish: the client, and what error messages need to name."""
+    """Where we publish, and what every request and message needs."""
 
     api: HfApi = field(repr=False)  # holds the token
     endpoint: str
@@ -37,47 +47,26 @@ class Target:
     revision: str
     prefix: str  # "" for the repo root, else "folder/"
     token: str | None = field(repr=False)
-    timeout: float = DEFAULT_TIMEOUT_S
+    deadline: Deadline = field(repr=False)
     create_pr: bool = False  # open a pull request against `revision` instead of pushing to it
-
-
-@contextlib.contextmanager
-def bounded_requests(timeout: float) -> Iterator[None]:
-    """Every Hub request of this block waits at most ``timeout`` seconds (see the module docstring).
-
-    The client passes its own ``timeout=`` on some calls (``repo_info`` passes ``None``, which in
-    httpx means "wait forever"), so a client-wide default is not enough: a request hook, run by
-    httpx just before each request is sent, sets the bound on the request itself.
-    """
-    bound = httpx2.Timeout(timeout).as_dict()
-
-    def bound_this_request(request: httpx2.Request) -> None:
-        request.extensions["timeout"] = bound
-
-    session = get_session()
-    saved = session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT
-    hooks = session.event_hooks
-    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound_this_request]}
-    session.timeout = httpx2.Timeout(timeout)
-    constants.HF_HUB_ETAG_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT = timeout
-    try:
-        yield
-    finally:
-        session.timeout, constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT = saved
-        session.event_hooks = hooks
+    say: Callable[[str], None] = field(repr=False, default=_quiet)
 
 
 def http_status(exc: HfHubHTTPError) -> int | None:
     return getattr(getattr(exc, "response", None), "status_code", None)
 
 
+def answered(exc: HfHubHTTPError) -> str:
+    """What the request that got this error answer did, in words ("the commit", "the preupload request")."""
+    try:
+        return describe_request(exc.response.request.method, exc.response.request.url)
+    except (AttributeError, RuntimeError):  # httpx raises when the response carries no request
+        return "the commit"
+
+
 def retry_after(exc: HfHubHTTPError) -> float | None:
     response = getattr(exc, "response", None)
-    raw = response.headers.get("Retry-After") if response is not None else None
-    try:
-        return max(0.0, float(raw)) if raw is not None else None
-    except ValueError:
-        return None  # an HTTP date: use our own backoff
+    return retry_after_s(response.headers) if response is not None else None
 
 
 def find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
@@ -92,7 +81,9 @@ def find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> Ba
 
 # -- error translation ----------------------------------------------------------------------
 
-NOTHING_COMMITTED = "nothing was committed"
+def _scrub(target: Target, text: str) -> str:
+    text = " ".join(str(text).split())
+    return text.replace(target.token, "<token>") if target.token else text
 
 
 def http_error(target: Target, action: str, exc: HfHubHTTPError, consequence: str) -> PublishError:
@@ -105,20 +96,26 @@ def http_error(target: Target, action: str, exc: HfHubHTTPError, consequence: st
         return StaleBranch(f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
                            "was written; rerun to publish on top of the new head")
     detail = getattr(exc, "server_message", None) or (str(exc).strip().splitlines() or [""])[0]
-    detail = " ".join(str(detail).split())
-    if target.token:
-        detail = detail.replace(target.token, "<token>")
-    return PublishError(f"the Hub answered HTTP {status} while {action} on {target.repo_id}: {detail}; "
-                        f"{consequence}")
+    return PublishError(f"the Hub answered HTTP {status} while {action} on {target.repo_id}: "
+                        f"{_scrub(target, detail)}; {consequence}")
 
 
 def network_words(target: Target, network: BaseException) -> str:
+    """What a lost request means, in words. The Xet client reports every CAS failure (a refused
+    xorb, a shard answered 503) as ConnectionError once its own retries are spent: say which."""
     if isinstance(network, httpx2.TimeoutException):
-        return f"no answer from {target.endpoint} within {target.timeout:g}s ({type(network).__name__})"
-    # The Xet client reports every CAS failure (a refused xorb too) as ConnectionError: say which.
-    detail = " ".join((str(network).splitlines() or [""])[0].split())[:300]
-    if target.token:
-        detail = detail.replace(target.token, "<token>")
+        try:
+            what = describe_request(network.request.method, network.request.url)
+        except RuntimeError:  # httpx raises when the exception carries no request
+            what = "a request"
+        bound = target.deadline.bounds.get(what, REQUEST_TIMEOUT_S)
+        cut = ", all the --timeout had left" if bound < REQUEST_TIMEOUT_S else ""
+        return f"no answer from {target.endpoint} to {what} within {bound:.3g}s{cut} ({type(network).__name__})"
+    detail = _scrub(target, (str(network).splitlines() or [""])[0])[:300]
+    url = re.search(r"https?://[^\s),]+", detail)
+    if isinstance(network, ConnectionError) and url is not None:
+        return (f"the Xet client gave up on {describe_request('POST', url.group(0))} after its retries, capped by "
+                f"the {target.deadline.timeout:g}s --timeout ({type(network).__name__}: {detail})")
     return f"connection to {target.endpoint} lost ({type(network).__name__}{': ' + detail if detail else ''})"
 
 
@@ -131,48 +128,95 @@ def hub_errors(target: Target, action: str, consequence: str = NOTHING_COMMITTED
     except PipelineError:
         raise
     except HFValidationError as exc:
-        detail = " ".join(str(exc).split())
-        raise PublishError(f"the Hub client refused a value while {action}: {detail}; {consequence}") from None
+        raise PublishError(f"the Hub client refused a value while {action}: {_scrub(target, str(exc))}; "
+                           f"{consequence}") from None
     except Exception as exc:
+        passed = find_cause(exc, (DeadlinePassed,))
+        if passed is not None:
+            raise PublishTimedOut(f"{target.deadline.why(action, passed)}; {consequence}; {RERUN}") from None  # type: ignore[arg-type]
         http = find_cause(exc, (HfHubHTTPError,))
         if http is not None:
             raise http_error(target, action, http, consequence) from None  # type: ignore[arg-type]
         network = find_cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
-        raise UploadInterrupted(f"{network_words(target, network)} while {action}; {consequence}; "
-                                "rerun: it skips blobs already uploaded and never makes a second commit") from None
+        raise UploadInterrupted(f"{network_words(target, network)} while {action}; {consequence}; {RERUN}") from None
 
 
-# -- reading the remote ---------------------------------------------------------------------
+# -- idempotent requests, retried -------------------------------------------------------------
+
+def _retry_wait(target: Target, exc: Exception, attempt: int) -> float | None:
+    """Seconds to wait before the next attempt, or None when ``exc`` is not worth retrying."""
+    http = find_cause(exc, (HfHubHTTPError,))
+    if http is not None:
+        if http_status(http) not in RETRYABLE:  # type: ignore[arg-type]
+            return None
+        asked = retry_after(http)  # type: ignore[arg-type]
+        return asked if asked is not None else float(2 ** (attempt - 1))
+    if find_cause(exc, (DeadlinePassed,)) is not None:
+        return None
+    network = find_cause(exc, (httpx2.TransportError,))
+    if network is None:
+        return None
+    target.deadline.note(network_words(target, network))
+    return float(2 ** (attempt - 1))
+
+
+def call(target: Target, action: str, request: Callable[[], T], consequence: str = NOTHING_COMMITTED) -> T:
+    """``request()``, an idempotent request, retried on 429/5xx and lost connections: waits
+    ``Retry-After`` when given, else 1, 2, 4, 8 s, at most ``READ_ATTEMPTS`` tries, all within the deadline."""
+    attempt = 0
+    while True:
+        attempt += 1
+        with hub_errors(target, action, consequence):
+            target.deadline.follow_session()
+            try:
+                return request()
+            except Exception as exc:
+                wait = _retry_wait(target, exc, attempt)
+                if wait is None or attempt == READ_ATTEMPTS:
+                    raise
+                target.say(f"{action}: {target.deadline.last_error or type(exc).__name__}; retrying in {wait:g}s")
+                target.deadline.wait(wait, action)
+
 
 def read_head(target: Target, revision: str) -> str | None:
     """Commit id at the head of ``revision``, or None when the repo or the branch is missing."""
-    with hub_errors(target, f"reading branch {revision}"):
+    def head() -> str | None:
         try:
             return target.api.repo_info(target.repo_id, revision=revision).sha
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return None
+    return call(target, f"reading branch {revision}", head)
 
 
 def pull_requests(target: Target) -> dict[str, str]:
     """``{"refs/pr/N": commit}`` of every pull request of the repo (empty while it does not exist)."""
-    with hub_errors(target, "listing the pull requests"):
+    def refs() -> Any:
         try:
-            refs = target.api.list_repo_refs(target.repo_id, include_pull_requests=True)
+            return target.api.list_repo_refs(target.repo_id, include_pull_requests=True).pull_requests or ()
         except RepositoryNotFoundError:
-            return {}
-    return {ref.ref: ref.target_commit for ref in refs.pull_requests or ()}
+            return ()
+    return {ref.ref: ref.target_commit for ref in call(target, "listing the pull requests", refs)}
 
 
-def remote_files(target: Target, commit: str) -> dict[str, Any]:
+def tags(target: Target) -> dict[str, str]:
+    """``{tag: commit}`` of the repo (empty while it does not exist)."""
+    def refs() -> Any:
+        try:
+            return target.api.list_repo_refs(target.repo_id).tags
+        except RepositoryNotFoundError:
+            return ()
+    return {ref.name: ref.target_commit for ref in call(target, f"reading the tags of {target.repo_id}", refs)}
+
+
+def remote_files(target: Target, commit: str, consequence: str = NOTHING_COMMITTED) -> dict[str, Any]:
     """``{path: RepoFile}`` under the target folder (the whole repo for the root) at ``commit``."""
-    with hub_errors(target, "listing the repo files"):
+    def listing() -> dict[str, Any]:
         try:
             entries = target.api.list_repo_tree(target.repo_id, target.prefix.rstrip("/") or None,
                                                 recursive=True, revision=commit)
             return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
         except RemoteEntryNotFoundError:
             return {}  # the folder does not exist yet
-
-
+    return call(target, "listing the repo files", listing, consequence)

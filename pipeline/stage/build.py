@@ -452,7 +452,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             if signer is not None:
                 sign_stage(built, signer)
             audited = audit_stage(built)
-            scan_secrets(built)
+            scan_secrets(built, allow=config.card.allow_leaks)
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))

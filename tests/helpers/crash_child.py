@@ -222,10 +222,11 @@ class ReceiptWrite(Protocol):
     COMMIT = "c0ffee" * 6 + "abcd"
 
     def _write(self, base: Path, step: int) -> Path:
-        from pipeline.publishing.verify import write_receipt
-        return write_receipt(base / "hub_receipts", endpoint="http://127.0.0.1:1", repo_id="alice/model",
-                             revision="main", path_in_repo="", commit=self.COMMIT, commit_url="http://x/commit",
-                             parent=None, status="published", step=step, files=[], problems=[])
+        from pipeline.publishing.verify import Receipt, write_receipt
+        return write_receipt(base / "hub_receipts", Receipt(
+            endpoint="http://127.0.0.1:1", repo_id="alice/model", revision="main", path_in_repo="",
+            commit=self.COMMIT, commit_url="http://x/commit", parent=None, status="published", step=step, files=[],
+            problems=[]))
 
     def setup(self, base: Path) -> None:
         self._write(base, 1)

@@ -27,12 +27,14 @@ from .checkpointer import Checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .shards import consolidated_metadata, weights_sha256
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
 from .tensorfile import read_tensors, write_safetensors
 from .weights import check_derived_buffers, dedupe_shared_tensors, load_model_weights, model_summary, warm_start
 
-_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed")
+_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed",
+                "restore_from_single")
 
 __all__ = [
     *_DISTRIBUTED,
@@ -47,6 +49,7 @@ __all__ = [
     "check_resume_compatible",
     "dedupe_shared_tensors",
     "checkpoint_meta",
+    "consolidated_metadata",
     "continued_config",
     "is_distributed",
     "join_state",
@@ -62,6 +65,7 @@ __all__ = [
     "split_state",
     "step_dir_name",
     "warm_start",
+    "weights_sha256",
     "LoadMode",
     "write_safetensors",
 ]

@@ -21,10 +21,11 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ChecksumMismatch, SchemaMismatch
-from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
-from .tensorfile import SAFETENSORS_DTYPES, parse_header, tensors_from_map
+from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE, rank_rng_file
+from .tensorfile import SAFETENSORS_DTYPES, parse_header, safetensors_sha256, tensors_from_map
 
-__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate"]
+__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate",
+           "consolidated_metadata", "weights_sha256"]
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
@@ -148,3 +149,19 @@ def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expe
             full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))].copy_(view)
         tensors[name] = full
     return tensors
+
+
+def consolidated_metadata(step: int) -> dict[str, str]:
+    """The header metadata of the ``modelo.safetensors`` written from a distributed
+    checkpoint's consolidated weights (script 05 stages it; script 04 names it by its hash)."""
+    return {"format": "pt", "step": str(step)}
+
+
+def weights_sha256(meta: Mapping[str, Any], model_tensors: Mapping[str, torch.Tensor]) -> str:
+    """The SHA-256 of a verified checkpoint's ``modelo.safetensors``: the file's own, or, for a
+    distributed checkpoint (``model_tensors`` consolidated by the load), the file script 05
+    writes from them, hashed without writing it."""
+    if MODEL_FILE in meta["files"]:
+        return meta["files"][MODEL_FILE]["sha256"]
+    return safetensors_sha256(model_tensors, consolidated_metadata(meta["step"]))[0]
+

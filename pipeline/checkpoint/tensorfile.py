@@ -62,7 +62,7 @@ import torch
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "read_tensors", "map_file", "sha256_mapped",
+__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "safetensors_sha256", "read_tensors", "map_file", "sha256_mapped",
            "tensors_from_map", "parse_header"]
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
@@ -220,6 +220,18 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
     if size != sum(len(c) for c in chunks):
         raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
     return hasher.digest.hexdigest(), size
+
+
+def safetensors_sha256(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+                       ) -> tuple[str, int]:
+    """(SHA-256, size) of the file :func:`write_safetensors` would write, without writing it."""
+    header, ordered = _safetensors_layout(tensors, metadata)
+    digest, size = hashlib.sha256(header), len(header)
+    for tensor in ordered:
+        data = _tensor_bytes(tensor)
+        digest.update(data)
+        size += len(data)
+    return digest.hexdigest(), size
 
 
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}

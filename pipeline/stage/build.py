@@ -35,7 +35,7 @@ from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_ma
 from ..checkpoint import (
     LoadMode,
     check_derived_buffers,
-    is_distributed,
+    consolidated_metadata,
     pinned_checkpoint,
     read_tensors,
     write_safetensors,
@@ -132,13 +132,13 @@ def _check_replaceable(stage: Path) -> None:
                          "replace it, nothing was touched: move it away or pass another --stage")
 
 
-def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """metrics.json, if and only if it was computed from exactly these weights and data."""
+def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], sha: str) -> dict[str, Any]:
+    """metrics.json, if and only if it was computed from exactly these weights (``sha``: of the
+    staged modelo.safetensors) and data."""
     if not path.exists():
         raise StageError(f"{path} not found: run scripts/04_evaluate.py first, or stage without metrics "
                          "with --no-metrics")
     record = read_metrics(path)
-    sha = meta["files"][MODEL_FILE]["sha256"]
     if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
         raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
                          f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun "
@@ -373,20 +373,20 @@ def build_stage(config: Config, *, checkpoint: str | Path = "latest", stage_dir:
         model = build_model(evaluation_config(meta, config, source=str(folder / META_FILE)))
         check_derived_buffers(model, loaded.model_tensors, loaded.derived_buffers)
         del model
-        if metrics is not None and is_distributed(meta):
-            raise StageError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not read "
-                             "those yet; stage it with --no-metrics")
-        record = _matching_metrics(Path(metrics), folder, meta) if metrics is not None else None
+        single = MODEL_FILE in meta["files"]
+        record = _matching_metrics(Path(metrics), folder, meta, meta["files"][MODEL_FILE]["sha256"]) \
+            if metrics is not None and single else None
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
-        if MODEL_FILE in meta["files"]:
+        if single:
             weights, weights_entry = folder / MODEL_FILE, meta["files"][MODEL_FILE]
         else:  # distributed: the shards, verified and consolidated by the load, written beside the stage
             weights = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent))) / MODEL_FILE
-            sha256, size = write_safetensors(weights, loaded.model_tensors,
-                                             metadata={"format": "pt", "step": str(meta["step"])})
+            sha256, size = write_safetensors(weights, loaded.model_tensors, metadata=consolidated_metadata(meta["step"]))
             weights_entry = {"sha256": sha256, "size": size}
+            if metrics is not None:
+                record = _matching_metrics(Path(metrics), folder, meta, sha256)
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, folder, meta, meta_file_sha256, config, record,
                                     allow_nonfinite=allow_nonfinite, repo_id=repo_id, max_shard_size=shard_bytes,

@@ -76,6 +76,14 @@ class Launch:
             f", ddp_find_unused_parameters {str(self.ddp_find_unused_parameters).lower()}"
         return f"{processes} (training.parallel {self.parallel}{bucket})"
 
+    def command(self) -> str:
+        """How to launch a run like this one."""
+        if self.parallel == "none":
+            return "python scripts/02_train.py --set training.parallel=none"
+        bucket = "" if self.ddp_find_unused_parameters is None else \
+            f" --set training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}"
+        return f"torchrun with {self.world_size} processes, --set training.parallel={self.parallel}{bucket}"
+
     def to_dict(self) -> dict[str, Any]:
         return {"parallel": self.parallel, "world_size": self.world_size,
                 "ddp_find_unused_parameters": self.ddp_find_unused_parameters}
@@ -189,15 +197,18 @@ class StartingPoint:
                 swap_rng: bool = False) -> None:
         """Load the checkpoint into the built run: weights (unless :meth:`prepare` did),
         optimizer, scheduler, data position, scaler, step and history, RNG states last."""
-        from .checkpoint import restore_distributed, restore_from_single  # torch.distributed.checkpoint: lazily
-
         if self.meta is None:
             if world is not None:
                 derive_rank_rng(run.config.training.seed, 0, world.rank)
             return
+        # torch.distributed.checkpoint is imported only where a launch or a checkpoint needs it.
         if is_distributed(self.meta):
+            from .checkpoint import restore_distributed
+
             restore_distributed(run, world, self.folder, self.meta, omit=omit, swap_rng=swap_rng)
         elif world is not None:
+            from .checkpoint import restore_from_single
+
             restore_from_single(run, world, self.loaded, omit=omit)
             self.loaded = None
         else:
@@ -280,9 +291,9 @@ def _launch_mismatch(folder: Path, recorded: Launch, now: Launch) -> LaunchMisma
         return WorldSizeMismatch(f"{folder} was written by {recorded.world_size} processes, this launch has "
                                  f"{now.world_size}: relaunch with --nproc-per-node {recorded.world_size}, or pass "
                                  "--reshard to redistribute it (RNG streams are then re-derived)")
-    return LaunchMismatch(f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: launch it "
-                          "as it was written, or pass --reshard to move the run to this launch (recorded in "
-                          "meta.json; docs/distributed.md)")
+    return LaunchMismatch(f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: resume it "
+                          f"as it was launched ({recorded.command()}), or pass --reshard to move the run to this "
+                          "launch (recorded in meta.json; docs/distributed.md)")
 
 
 def share_start(world: World, start: StartingPoint | None, config: Config, data_fingerprint: str,

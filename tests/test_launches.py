@@ -263,3 +263,20 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
+
+
+def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):
+    """torch.distributed.checkpoint costs a second or more to import: a run in one process,
+    fresh then resumed and extended, leaves it alone."""
+    probe = ("import sys\n"
+             "from pipeline.config import load_config\n"
+             "from pipeline.train import train\n"
+             "config = load_config(sys.argv[1], {'data.dir': sys.argv[2], 'checkpoint.dir': sys.argv[3],\n"
+             "                                   'training.max_steps': 2})\n"
+             "train(config, progress=False)\n"
+             "train(config, resume='latest', extend_to=3, progress=False)\n"
+             "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))\n"
+             "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(CONFIG), str(data_dir), str(tmp_path / "ck")],
+                            env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

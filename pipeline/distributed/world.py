@@ -38,6 +38,7 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # before it is ended: a rank waiting in a collective for a peer that is gone never would.
 ORPHAN_GRACE_S = 15.0
 _ORPHAN_POLL_S = 0.25
+_watching = False
 
 
 def launched_by_torchrun() -> bool:
@@ -80,9 +81,6 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
         os._exit(128 + signal.SIGKILL)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
-
-
-_watching = False
 
 
 @contextlib.contextmanager

@@ -219,10 +219,11 @@ class TrainingConfig:
     parallel: Parallel = "none"
     """'none' (one process, ``python scripts/02_train.py``), or 'ddp' / 'fsdp2' under
     ``torchrun --nproc-per-node N scripts/02_train.py`` (gloo on CPU, nccl on CUDA)."""
-    ddp_find_unused_parameters: bool = True
-    """DDP only. True also stops DDP from rebuilding its gradient buckets after the first
-    step of each process, so a resumed run reduces in the same order as an uninterrupted
-    one (bitwise resume); false is faster for large models and resumes within rounding."""
+    ddp_find_unused_parameters: bool = False
+    """DDP only: true for a model whose forward leaves some parameters without a gradient
+    (torch's ``find_unused_parameters``; it costs a walk of the graph every step). Resume
+    is bitwise either way: with false, every process settles DDP's gradient buckets on its
+    first batch before it steps (``World.settle_buckets``). Changed only with ``--reshard``."""
 
     def __post_init__(self) -> None:
         _require_int(self.max_steps, "training.max_steps", 1)

@@ -21,6 +21,7 @@ __all__ = [
     "EnvironmentMismatch",
     "CheckpointLocked",
     "NoCheckpoint",
+    "LaunchMismatch",
     "WorldSizeMismatch",
     "PeerFailed",
     "Preempted",
@@ -132,7 +133,12 @@ class NoCheckpoint(CheckpointError, FileNotFoundError):
 
 # -- training (pipeline.train, pipeline.proof) ---------------------------------------------
 
-class WorldSizeMismatch(CheckpointError):
+class LaunchMismatch(CheckpointError):
+    """A checkpoint was written by another launch (one process or torchrun, another
+    training.parallel or DDP bucket setting): see --reshard."""
+
+
+class WorldSizeMismatch(LaunchMismatch):
     """A distributed checkpoint was written by another number of processes (see --reshard)."""
 
 

@@ -6,6 +6,11 @@ must carry the fingerprint the checkpoint was trained on. ``metrics.json`` names
 checkpoint's step and the SHA-256 of its ``modelo.safetensors``, so script 05 can refuse
 to put one checkpoint's metrics on another checkpoint's model card.
 
+A distributed (torchrun) checkpoint is evaluated the same way, in one process: the load
+consolidates its verified shards into the weights a single process would have saved, and
+``modelo_sha256`` is the hash of the ``modelo.safetensors`` script 05 writes from them. The
+metrics are therefore those of the published weights, whatever launch trained them.
+
 ``metrics.json`` lives outside the checkpoint folder on purpose: checkpoint folders are
 immutable and verified against an exact file list.
 """
@@ -18,13 +23,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import LoadMode, is_distributed, load_model_weights, pinned_checkpoint
+from .checkpoint import LoadMode, load_model_weights, pinned_checkpoint, weights_sha256
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
-from .errors import CheckpointError, ConfigError, ConfigMismatch, DataError, MetricsError
+from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
 from .hashing import sha256_file
-from .layout import META_FILE, METRICS_FILE, MODEL_FILE
+from .layout import META_FILE, METRICS_FILE
 from .provenance import code_fingerprint
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
@@ -88,10 +93,9 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded:
         meta_file_sha256 = sha256_file(loaded.folder / META_FILE)
     folder, meta = loaded.folder, loaded.meta
-    if is_distributed(meta):
-        # metrics.json names the weights by their modelo.safetensors hash, which only the stage writes.
-        raise CheckpointError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not "
-                              "read those yet; stage it with scripts/05_stage.py --no-metrics")
+    # The bytes evaluated, by the name 05 checks: a distributed checkpoint's weights are
+    # consolidated by the load, as 05 stages them (one process: no launch needed here).
+    weights = weights_sha256(meta, loaded.model_tensors)
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
     trained_on = meta["fingerprints"].get("data")
@@ -118,7 +122,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         "step": meta["step"],
         "checkpoint": str(folder),
         # Verified a moment ago by load_checkpoint: these are the bytes that were evaluated.
-        "modelo_sha256": meta["files"][MODEL_FILE]["sha256"],
+        "modelo_sha256": weights,
         "meta_file_sha256": meta_file_sha256,
         "split": HELDOUT_SPLIT,
         "metrics": metrics,

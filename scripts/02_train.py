@@ -8,7 +8,8 @@
     python scripts/02_train.py --init-from estados_local/step-00000010 --checkpoint-dir runs/ft
     python scripts/02_train.py --config examples/charlm/config.yaml
     torchrun --standalone --nproc-per-node 2 scripts/02_train.py --set training.parallel=ddp
-    torchrun --standalone --nproc-per-node 1 scripts/02_train.py --set training.parallel=ddp --resume latest --reshard
+    torchrun --standalone --nproc-per-node 4 scripts/02_train.py --set training.parallel=fsdp2 --resume latest --reshard
+    python scripts/02_train.py --resume latest --reshard  # a torchrun run continued in one process
 
 Exit codes: 0 done; 2 bad input or unusable checkpoint (nothing deleted);
 128+N stopped by signal N after writing a checkpoint.
@@ -19,7 +20,6 @@ import sys
 
 from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
 from pipeline.distributed.world import launched_by_torchrun
-from pipeline.errors import PipelineError
 from pipeline.train import train
 
 
@@ -43,7 +43,8 @@ def main() -> int:
                              "torch/NumPy versions cannot be reproduced (recorded; no longer bitwise), or where the "
                              "model's code or a factory file changed since the checkpoint")
     parser.add_argument("--reshard", action="store_true",
-                        help="torchrun: resume a checkpoint written by another number of processes")
+                        help="with --resume: continue a checkpoint written by another launch (one process or "
+                             "torchrun, another number of processes, ddp or fsdp2); recorded in meta.json")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args()
     config = config_from_args(args, {
@@ -52,21 +53,14 @@ def main() -> int:
         "checkpoint.every": args.checkpoint_every,
         "checkpoint.keep_last": args.keep_last,
     })
+    options = dict(resume=args.resume, init_from=args.init_from, stop_at=args.stop_at, extend_to=args.extend_to,
+                   reshard=args.reshard, progress=not args.quiet,
+                   allow_environment_change=args.allow_environment_change)
     if launched_by_torchrun():
-        if args.init_from is not None:
-            raise PipelineError("--init-from is not supported under torchrun yet: warm-start in one process")
-        if args.extend_to is not None:
-            raise PipelineError("--extend-to is not supported under torchrun yet: extend in one process")
         from pipeline.distributed.training import train_distributed
-        result = train_distributed(config, resume=args.resume, stop_at=args.stop_at, progress=not args.quiet,
-                                   reshard=args.reshard, allow_environment_change=args.allow_environment_change)
-    elif args.reshard:
-        raise PipelineError("--reshard applies to torchrun launches (a distributed checkpoint)")
+        result = train_distributed(config, **options)
     else:
-        result = train(config, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at,
-                       extend_to=args.extend_to, progress=not args.quiet,
-                       allow_environment_change=args.allow_environment_change,
-                       resume_hint=resume_command(sys.argv))
+        result = train(config, resume_hint=resume_command(sys.argv), **options)
     if result.rank != 0:
         return 0
     final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")

@@ -8,7 +8,9 @@
 Every file of the checkpoint is verified against its meta.json and the data folder against
 the fingerprint the checkpoint was trained on. The model is rebuilt from the config saved
 in the checkpoint. metrics.json records the step and the SHA-256 of modelo.safetensors, so
-scripts/05_stage.py only shows these metrics next to exactly these weights.
+scripts/05_stage.py only shows these metrics next to exactly these weights. A distributed
+(torchrun) checkpoint is evaluated here too, in one process: its shards are consolidated
+into the modelo.safetensors that 05 stages from them (docs/distributed.md).
 
 Exit codes: 0 done; 2 no usable checkpoint or data (one line on stderr).
 """

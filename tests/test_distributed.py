@@ -1,7 +1,7 @@
-"""torchrun DDP and FSDP2: exact resume, pickle-free atomic checkpoints, resharding, one
-consolidated publish, stopping together. Launches are few and shared (each costs seconds):
-one 2-process launch runs eight trainings (tests/helpers/dist_leg.py); the refusals, the reshard,
-the signal and the kill use the real script."""
+"""torchrun DDP and FSDP2: exact resume, pickle-free atomic checkpoints, fp16 AMP, one
+consolidated publish and its metrics, stopping together. Launches are few and shared (each
+costs seconds): one 2-process launch runs fourteen trainings (tests/helpers/dist_leg.py); the
+signal and the kill use the real script. Moving a run between launches: test_launches.py."""
 
 from __future__ import annotations
 
@@ -22,16 +22,18 @@ from oprecorder import Op, ordering_problems
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from pipeline.checkpoint import LoadMode, load_checkpoint
+from pipeline.checkpoint import LoadMode, load_checkpoint, load_model_weights, read_tensors
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
-from pipeline.data import prepare_data
+from pipeline.data import load_task_data, prepare_data
 from pipeline.distributed.world import World
 from pipeline.durable import json_bytes
-from pipeline.errors import CheckpointError, ChecksumMismatch, DataError, SchemaMismatch, StageError
-from pipeline.evaluate import evaluate_checkpoint
+from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
+from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
+from pipeline.hashing import sha256_file
 from pipeline.proof.checks import control_verdict, judge
 from pipeline.proof.compare import compare
+from pipeline.run import build_model
 from pipeline.stage import build_stage
 from pipeline.train import train
 
@@ -66,9 +68,10 @@ def error_lines(stderr: str) -> list[str]:
 def legs(data_dir, tmp_path_factory):
     """Two processes: per mode, cut at step 6 + resume, and uninterrupted (DDP saving
     synchronously, FSDP2 in the background: checkpoint.async); a resume from the FSDP2 run's
-    step 5, saved in the background while steps 6 to 10 trained; a datasets stream split over
-    the ranks, uninterrupted, and cut at 7 + resumed; and, without dropout (the per-rank
-    streams a reshard re-derives), uninterrupted and cut."""
+    step 5, saved in the background while steps 6 to 10 trained; a background save on a full
+    disk; a datasets stream split over the ranks, uninterrupted, and cut at 7 + resumed;
+    without dropout (the per-rank streams a reshard re-derives), uninterrupted and cut; and
+    per mode, fp16 AMP cut at 2 + resume, and uninterrupted."""
     root = tmp_path_factory.mktemp("dist")
     runs = []
     for mode, background in (("ddp", False), ("fsdp2", True)):
@@ -94,6 +97,14 @@ def legs(data_dir, tmp_path_factory):
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
              {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
+    # fp16 AMP: float32 weights, the GradScaler's state saved and restored (the first steps
+    # overflow at its initial scale, so steps are skipped, on every rank alike).
+    for mode in ("fsdp2", "ddp"):
+        base = {"data.dir": str(data_dir), "training.parallel": mode, "training.amp": "fp16",
+                "training.dtype": "float32", "training.max_steps": 4}
+        runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "stop_at": 2},
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "resume": "latest"},
+                 {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_full_{mode}")}}]
     try:
         return root, launch_plan(2, root, "legs", runs), mounted
     finally:
@@ -214,7 +225,7 @@ def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
         for name in files:
             assert not (folder / name).read_bytes().startswith(b"PK"), f"{name} is a zip (torch.save) file"
         assert {"rng/rank-00000.safetensors", "rng/rank-00001.safetensors"} <= set(meta["files"])
-        assert meta["parallel"] == {"mode": mode, "world_size": 2, "ddp_find_unused_parameters": True}
+        assert meta["parallel"] == {"mode": mode, "world_size": 2, "ddp_find_unused_parameters": False}
         assert meta["resharded_from"] is None and meta["schema"] == "pipeline.checkpoint.distributed/2"
         # Sealed like a single-process meta.json, and the environment recorded.
         assert meta["meta_sha256"] == meta_sha256(meta)
@@ -286,15 +297,18 @@ def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(l
 
 
 @LEGS
-def test_single_process_readers_refuse_a_distributed_checkpoint_in_one_line(legs, data_dir, tmp_path):
+def test_one_process_resumes_a_distributed_checkpoint_only_with_reshard_and_stages_only_its_metrics(
+        legs, data_dir, tmp_path):
     folder = _damaged_copy(legs, tmp_path)  # intact copy in tmp_path/step-00000010
     config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path)})
-    with pytest.raises(SchemaMismatch, match="is a distributed checkpoint: resume it under torchrun"):
+    with pytest.raises(LaunchMismatch, match=r"was written by 2 processes \(training.parallel fsdp2\), this run is "
+                                             r"one process \(training.parallel none\): .* pass --reshard"):
         train(config, resume="latest", progress=False)
-    with pytest.raises(CheckpointError, match="04_evaluate.py does not read those yet"):
-        evaluate_checkpoint(config, folder)
-    with pytest.raises(StageError, match="stage it with --no-metrics"):
-        build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=tmp_path / "metrics.json")
+    # Another checkpoint's metrics stay off its card.
+    other = evaluate_checkpoint(config, legs[0] / "full_fsdp2" / "step-00000005")
+    with pytest.raises(StageError, match="evaluates step 5 .* not the checkpoint being staged"):
+        build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage",
+                    metrics=write_metrics(other, tmp_path / "metrics.json"))
 
 
 @LEGS
@@ -340,7 +354,7 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     then the 2->1 reshard (augmentation noise on: it is seeded per sample); a stream, whose
     position is per rank, refused."""
     root, results, _ = legs
-    assert results[-1]["step"] == 6
+    assert results[12]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}
     stream = {"data.dir": str(root / "stream"), "training.parallel": "ddp", **QUIET_RNG, **STREAM,
@@ -367,9 +381,53 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     assert worst <= 1e-9, worst
 
 
+@LEGS
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_fp16_amp_resumes_bitwise_with_its_grad_scaler(legs, mode, tmp_path):
+    """Under DDP the ranks' gradients are all-reduced before the GradScaler checks them, under
+    FSDP2 its found-inf flag is all-reduced over the mesh: every rank skips the same steps,
+    so one scaler state is saved, and a resume restores it."""
+    root, results, _ = legs
+    offset = 13 if mode == "fsdp2" else 16
+    cut, resumed, full = results[offset:offset + 3]
+    assert (cut["step"], resumed["step"], full["step"]) == (2, 4, 4), results[offset:offset + 3]
+    assert resumed["loss"] == full["loss"]
+    meta = verify_distributed(root / f"fp16_full_{mode}" / "step-00000004")
+    scaler = meta["training_state"]["scaler"]
+    assert scaler["scale"] < 2.0 ** 16, scaler  # overflowing steps were skipped
+    assert verify_distributed(root / f"fp16_cut_{mode}" / "step-00000004")["training_state"]["scaler"] == scaler
+    assert stage(root / f"fp16_cut_{mode}" / "step-00000004", tmp_path / "cut").read_bytes() == \
+        stage(root / f"fp16_full_{mode}" / "step-00000004", tmp_path / "full").read_bytes()
+
+
+@LEGS
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_evaluate_reads_a_distributed_checkpoint_as_its_staged_weights(legs, mode, data_dir, tmp_path):
+    """04 on a 2-process checkpoint: the metrics of the weights 05 stages from it, bit for
+    bit, named by that file's SHA-256, so 05 puts them on the card."""
+    root, _, _ = legs
+    folder = root / f"full_{mode}" / "step-00000010"
+    config = load_config(CONFIG, {"data.dir": str(data_dir)})
+    record = evaluate_checkpoint(config, folder)
+    metrics = write_metrics(record, tmp_path / "metrics.json")
+    result = build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=metrics)
+    staged = tmp_path / "stage" / "modelo.safetensors"
+    assert result.with_metrics and record["modelo_sha256"] == sha256_file(staged)
+    meta = verify_distributed(folder)
+    eval_config = evaluation_config(meta, config, source="test")
+    model = build_model(eval_config)
+    load_model_weights(model, read_tensors(staged))
+    model.eval()
+    assert load_task_data(eval_config).evaluate(model, torch.device("cpu")) == record["metrics"]
+
+
 @pytest.mark.heavy
 def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
-    base = {"data.dir": str(data_dir), "training.parallel": "ddp"}
+    """At 4 processes the order of a reduction shows in the last bits. A model of several
+    gradient buckets (2 MB of weights: DDP's first bucket holds 1 MB), without
+    find_unused_parameters (the default, so torch does not warn), resumes bitwise: every
+    process settles DDP's buckets on its first batch before it steps."""
+    base = {"data.dir": str(data_dir), "training.parallel": "ddp", "model.params.hidden": 512}
     cut, resumed, full = launch_plan(4, tmp_path, "four", [
         {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "stop_at": 6},
         {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "resume": "latest"},
@@ -378,8 +436,8 @@ def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_
     assert resumed["loss"] == full["loss"]
     for folder in (tmp_path / "cut" / "step-00000010", tmp_path / "full" / "step-00000010"):
         meta = verify_distributed(folder)
-        assert meta["parallel"] == {"mode": "ddp", "world_size": 4, "ddp_find_unused_parameters": True}
-        assert meta["config"]["training"]["ddp_find_unused_parameters"] is True
+        assert meta["parallel"] == {"mode": "ddp", "world_size": 4, "ddp_find_unused_parameters": False}
+        assert meta["config"]["training"]["ddp_find_unused_parameters"] is False
     staged = stage(tmp_path / "cut" / "step-00000010", tmp_path / "resumed")
     reference = stage(tmp_path / "full" / "step-00000010", tmp_path / "uninterrupted")
     assert staged.read_bytes() == reference.read_bytes()

@@ -31,10 +31,17 @@ from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .private_copy import CheckpointWeights, open_weights
-from .shards import ConsolidatedTensors
+from .shards import ConsolidatedTensors, weights_sha256
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
-from .tensorfile import MappedTensors, check_tensor_name, read_tensors, write_safetensors, write_safetensors_streamed
+from .tensorfile import (
+    PUBLISHED_METADATA,
+    MappedTensors,
+    check_tensor_name,
+    read_tensors,
+    write_safetensors,
+    write_safetensors_streamed,
+)
 from .weights import (
     check_derived_buffers,
     check_weights_fit,
@@ -45,7 +52,8 @@ from .weights import (
     warm_start,
 )
 
-_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed")
+_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed",
+                "restore_from_single")
 
 __all__ = [
     *_DISTRIBUTED,
@@ -82,7 +90,9 @@ __all__ = [
     "step_dir_name",
     "stored_layout",
     "warm_start",
+    "weights_sha256",
     "LoadMode",
+    "PUBLISHED_METADATA",
     "write_safetensors",
     "write_safetensors_streamed",
 ]

@@ -8,12 +8,17 @@ from typing import Any
 from ..config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from ..errors import ConfigError, ConfigMismatch
 
-__all__ = ["check_resume_compatible", "continued_config"]
+__all__ = ["LAUNCH_KEYS", "check_resume_compatible", "continued_config"]
+
+
+# How the run is launched: compared as a launch (process count included) before the config,
+# by pipeline.start, and changed only with --reshard.
+LAUNCH_KEYS = frozenset({"training.parallel", "training.ddp_find_unused_parameters"})
 
 
 def _compared_keys(flat: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in flat.items()
-            if key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS}
+    return {key: value for key, value in flat.items() if key not in LAUNCH_KEYS
+            and key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS}
 
 
 def _saved_config(meta: dict[str, Any]) -> Config:
@@ -57,7 +62,8 @@ def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str
 
 
 def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerprint: str) -> None:
-    """Refuse a checkpoint from a different model, optimizer, schedule, data or training setup."""
+    """Refuse a checkpoint from a different model, optimizer, schedule, data or training
+    setup (the launch, :data:`LAUNCH_KEYS`, is not compared here)."""
     saved_config = _saved_config(meta)
     saved, current = _compared_keys(saved_config.flat()), _compared_keys(config.flat())
     differing = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))

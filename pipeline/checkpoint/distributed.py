@@ -36,8 +36,9 @@ import copy
 import datetime as _dt
 import json
 import threading
+import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,13 +57,13 @@ from torch.futures import Future
 
 from ..distributed.world import World, derive_rank_rng
 from ..durable import atomic_folder, json_loads_strict
-from ..errors import CheckpointError, PipelineError, StateMismatch, WorldSizeMismatch
+from ..errors import CheckpointError, PipelineError, StateMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
-from .load import load_checkpoint
+from .load import LoadedCheckpoint, load_checkpoint
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
 from .state import capture_data, restore_positions
@@ -71,7 +72,8 @@ from .tensorfile import map_file, parse_header, read_tensors, write_safetensors
 from .validate import HISTORY, validated_state
 from .weights import check_derived_buffers, derived_buffer_names
 
-__all__ = ["DistributedCheckpointer", "restore_distributed", "live_components", "read_full_state", "read_rank_rng"]
+__all__ = ["DistributedCheckpointer", "restore_distributed", "restore_from_single", "live_components", "read_full_state",
+           "read_rank_rng"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _RNG_KEY = "rng"
@@ -224,7 +226,9 @@ class DistributedCheckpointer(OneSaveInFlight):
             "scheduler": split_state(run.scheduler.state_dict(), "scheduler", shared),
             "data": capture_data(run, shared),  # gathers a stream's per-rank positions
             "rng": None,  # per rank, in rng/rank-NNNNN.safetensors
-            "scaler": None,  # fp16 AMP is refused under torchrun
+            # The same on every rank: DDP's gradients are all-reduced and FSDP2's found-inf flag
+            # is too, so every rank skips the same steps.
+            "scaler": split_state(run.scaler.state_dict(), "scaler", shared) if run.scaler is not None else None,
             "progress": {"step": step},
         }
         for key in HISTORY:
@@ -364,45 +368,50 @@ def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
     return dict(sorted(files.items()))
 
 
-def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str) -> None:
+def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str,
+              world: World | None) -> None:
     if tensor_specs(template) != expected:
         odd = sorted(set(template) ^ set(expected)) or sorted(
             n for n in template if tensor_specs({n: template[n]})[n] != expected[n])
         raise StateMismatch(f"{folder}: the checkpoint's {what} tensors differ from this run's at {odd[0]}: "
                             "it does not fit the model or optimizer built from the config")
-    dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)))
+    with warnings.catch_warnings():
+        # One process reading every shard (a run moved to one process) is what no_dist means.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=world is None)
 
 
-def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict[str, Any], *,
-                        reshard: bool, omit: Iterable[str] = (), swap_rng: bool = False) -> None:
-    """Load a verified checkpoint (rank 0 ran :func:`pipeline.checkpoint.load_checkpoint`
-    on it: hashes, strict headers, shard coverage; every rank read its sealed meta.json)
-    into a built, wrapped run: model and optimizer through DCP (resharding if the world
-    size changed; DCP loads into the run's own tensors, so a refusal after it ends the run,
-    and nothing on disk changes), then the JSON state, validated with the single-process
-    rules (:func:`~pipeline.checkpoint.validate.validated_state`) and derived buffers
-    checked before any of it is set, and this rank's RNGs last (re-derived when resharded).
+def restore_distributed(run: TrainingRun, world: World | None, folder: Path, meta: dict[str, Any], *,
+                        omit: Iterable[str] = (), swap_rng: bool = False) -> None:
+    """Load a verified distributed checkpoint (rank 0 ran
+    :func:`pipeline.checkpoint.load_checkpoint` on it: hashes, strict headers, shard
+    coverage; every rank read its sealed meta.json) into a built run: wrapped, one rank of a
+    launch (``world``), or a plain one process (``world`` ``None``: a run moved to one
+    process with ``--reshard``). Model and optimizer come through DCP, which redistributes
+    them for another world size or ``training.parallel`` (DCP loads into the run's own
+    tensors, so a refusal after it ends the run, and nothing on disk changes); then the
+    JSON state, validated with the single-process rules
+    (:func:`~pipeline.checkpoint.validate.validated_state`) and derived buffers checked
+    before any of it is set, and this rank's RNGs last: re-derived from ``(seed, step,
+    rank)`` when the world size changed, as the per-rank streams have no counterpart then.
+    Whether the launch may differ is decided before (:mod:`pipeline.start`).
 
     ``omit`` and ``swap_rng``: the resume proof's negative controls
     (:class:`pipeline.train.TrainingHooks`). An omitted component keeps what the fresh
     build gave it (the RNGs: the streams a fresh run derives at step 0)."""
     omit = frozenset(omit)
-    saved_world = meta["parallel"]["world_size"]
-    if saved_world != world.world_size and not reshard:
-        raise WorldSizeMismatch(f"{folder} was written by {saved_world} processes, this launch has "
-                                f"{world.world_size}: relaunch with --nproc-per-node {saved_world}, or pass "
-                                "--reshard to redistribute it (RNG streams are then re-derived)")
+    rank, world_size = (world.rank, world.world_size) if world is not None else (0, 1)
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
     _, optimizer, _ = _optimizer_state(run)
     if "optimizer" not in omit:
-        _dcp_load(optimizer, folder / DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], "optimizer")
+        _dcp_load(optimizer, folder / DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], "optimizer", world)
     model = _model_state(run, meta["tensors"][DIST_MODEL_DIR])
-    _dcp_load(model, folder / DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], "model")
-    resharded = saved_world != world.world_size
+    _dcp_load(model, folder / DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], "model", world)
+    resharded = meta["parallel"]["world_size"] != world_size
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
     # over; the per-rank streams have no counterpart at another world size.
-    source = 0 if resharded else (1 - world.rank if swap_rng and world.rank < 2 else world.rank)
+    source = 0 if resharded else (1 - rank if swap_rng and rank < 2 else rank)
     rng_tree, rng_tensors = read_rank_rng(folder / rank_rng_file(source))
     shared = read_tensors(folder / STATE_FILE)
     state = {**meta["training_state"], "rng": rng_tree}
@@ -410,24 +419,65 @@ def restore_distributed(run: TrainingRun, world: World, folder: Path, meta: dict
     joined = validated_state(run, state, {**shared, **optimizer, **rng_tensors}, step=meta["step"], optimizer=live)
     check_derived_buffers(getattr(run.model, "module", run.model), model, meta["model"]["derived_buffers"],
                           source=str(folder / DIST_MODEL_DIR))
-    try:
+    with _fits(folder):
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
         if "optimizer" not in omit:
             set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
-        restore_positions(run, joined, omit)
-        run.step = joined["step"]
-        run.history = {key: shared[f"history/{key}"].tolist() for key in HISTORY}
-        if "rng" in omit:
-            derive_rank_rng(run.config.training.seed, 0, world.rank)
-        elif not resharded:
-            restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
-        else:
-            run.generator.bit_generator.state = joined["rng"]["numpy_generator"]
-            derive_rank_rng(run.config.training.seed, run.step, world.rank)
+        _restore_rest(run, joined, omit, rank, resharded, history=shared)
+
+
+def restore_from_single(run: TrainingRun, world: World, loaded: LoadedCheckpoint, *, omit: Iterable[str] = ()
+                        ) -> None:
+    """Continue a single-process checkpoint on this rank of a launch (``--reshard``).
+
+    ``loaded``: the checkpoint, verified and read whole on this rank; its weights are
+    already in the model (:func:`pipeline.start` loads them into the plain model before
+    DDP or FSDP2 wraps it). The optimizer state, in torch's form, is validated like a
+    single-process resume, named by parameter and set through torch's full-state loader
+    (which shards it for FSDP2); sampler, scheduler, scaler, step and history carry over;
+    each rank's RNG streams are derived from ``(seed, step, rank)``, the data order's
+    Generator continues."""
+    omit = frozenset(omit)
+    tensors = loaded.state_tensors
+    joined = validated_state(run, loaded.meta["training_state"], tensors, step=loaded.meta["step"])
+    with _fits(loaded.folder):
+        if "optimizer" not in omit:
+            plain = getattr(run.model, "module", run.model)
+            names = {id(p): name for name, p in plain.named_parameters()}
+            order = [names[id(p)] for group in run.optimizer.param_groups for p in group["params"]]
+            saved = joined["optimizer"]
+            by_name = {"state": {order[index]: value for index, value in saved["state"].items()},
+                       "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                        for group in saved["param_groups"]]}
+            set_optimizer_state_dict(run.model, run.optimizer, by_name,
+                                     options=StateDictOptions(full_state_dict=True))
+        _restore_rest(run, joined, omit, world.rank, True, history=tensors)
+
+
+def _restore_rest(run: TrainingRun, joined: dict[str, Any], omit: frozenset[str], rank: int, resharded: bool, *,
+                  history: dict[str, torch.Tensor]) -> None:
+    """Positions, scaler, step, history, and the RNGs last (see :func:`restore_distributed`)."""
+    restore_positions(run, joined, omit)
+    if "scaler" not in omit and run.scaler is not None:
+        run.scaler.load_state_dict(joined["scaler"])
+    run.step = joined["step"]
+    run.history = {key: history[f"history/{key}"].tolist() for key in HISTORY}
+    if "rng" in omit:
+        derive_rank_rng(run.config.training.seed, 0, rank)
+    elif not resharded:
+        restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
+    else:
+        run.generator.bit_generator.state = joined["rng"]["numpy_generator"]
+        derive_rank_rng(run.config.training.seed, run.step, rank)
+
+
+@contextlib.contextmanager
+def _fits(folder: Path) -> Iterator[None]:
+    """torch's loaders' own refusals as one line naming the checkpoint."""
+    try:
+        yield
     except (ValueError, TypeError, RuntimeError, KeyError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StateMismatch(f"{folder}: saved training state does not fit this run: {first}") from None
-
-

@@ -24,7 +24,7 @@ from ..hashing import CHUNK, HashingWriter, sha256_file
 from ..layout import DIST_MODEL_DIR, MODEL_FILE
 from .shards import ConsolidatedTensors
 from .store import is_distributed
-from .tensorfile import MappedTensors
+from .tensorfile import PUBLISHED_METADATA, MappedTensors, safetensors_sha256
 
 __all__ = ["CheckpointWeights", "open_weights"]
 
@@ -66,6 +66,25 @@ class CheckpointWeights:
     def release(self, name: str) -> None:
         """Give back the memory of a tensor that was used (see :meth:`MappedTensors.release`)."""
         self._open().release(name)
+
+    def sha256(self) -> str:
+        """The SHA-256 of these weights as one ``modelo.safetensors``: the copied file's, or
+        for a distributed checkpoint the file written from its full tensors (what 04 names
+        as the weights it evaluated), hashed one tensor at a time without writing it."""
+        if self.entry is not None:
+            return self.entry["sha256"]
+        source, produced = self._open(), []
+
+        def produce(name: str) -> torch.Tensor:
+            if produced:
+                source.release(produced[-1])
+            produced.append(name)
+            return source.tensor(name)
+
+        digest = safetensors_sha256(self.specs, produce, PUBLISHED_METADATA)[0]
+        if produced:
+            source.release(produced[-1])
+        return digest
 
     def _open(self) -> MappedTensors | ConsolidatedTensors:
         if self._source is None:

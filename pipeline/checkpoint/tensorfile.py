@@ -41,9 +41,14 @@ import torch
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_files", "write_safetensors_streamed",
+__all__ = ["PUBLISHED_METADATA", "SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_files",
+           "write_safetensors_streamed",
            "read_tensors", "map_file", "MappedTensors", "sha256_mapped", "tensors_from_map", "parse_header",
-           "check_tensor_name", "read_verified"]
+           "check_tensor_name", "read_verified", "safetensors_sha256"]
+
+# The header metadata of every weights file written from tensors rather than copied (a
+# staged file, a distributed checkpoint's weights consolidated): what transformers checks.
+PUBLISHED_METADATA = {"format": "pt"}
 
 # Bytes per write/hash call: large enough that per-call overhead vanishes, small enough
 # that the hashing thread never lags the writer by much.
@@ -273,6 +278,19 @@ def _write_at(fd: int, data: memoryview, offset: int) -> int:
         with contextlib.suppress(OSError):  # only a hint (see _write_all)
             os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
     return offset + len(data)
+
+
+def safetensors_sha256(specs: Mapping[str, torch.Tensor], produce: Callable[[str], torch.Tensor] | None = None,
+                       metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """(SHA-256, size) of the file :func:`write_safetensors_streamed` would write, without
+    writing it: ``produce(name)`` (default ``specs[name]``) is asked for each tensor in file order."""
+    header, order = _header(specs, metadata)
+    digest, size = hashlib.sha256(header), len(header)
+    for name in order:
+        data = _tensor_bytes(_cpu_contiguous(specs[name] if produce is None else produce(name)))
+        digest.update(data)
+        size += len(data)
+    return digest.hexdigest(), size
 
 
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}

@@ -13,9 +13,13 @@ import dataclasses
 import gc
 import os
 import random
+import signal
 import sys
+import threading
+import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -24,11 +28,17 @@ import torch.distributed as dist
 from ..cli import resume_command
 from ..config import Config
 from ..errors import ConfigError, DataError, PeerFailed, PipelineError
+from ..rng import capture_rng, restore_rng
 
 __all__ = ["World", "launched_by_torchrun", "derive_rank_rng"]
 
 # What torchrun (and any launcher following its convention) sets for every worker.
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# How long a rank whose launcher died may take to stop on its own (finish the step, save)
+# before it is ended: a rank waiting in a collective for a peer that is gone never would.
+ORPHAN_GRACE_S = 15.0
+_ORPHAN_POLL_S = 0.25
+_watching = False
 
 
 def launched_by_torchrun() -> bool:
@@ -44,6 +54,33 @@ def derive_rank_rng(seed: int, step: int, rank: int) -> None:
     random.seed(int(words[0]))
     np.random.seed(int(words[1]) % 2**32)
     torch.manual_seed(int(words[2]))  # also seeds every CUDA device
+
+
+def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
+    """Stop this rank when the process that started it (the torchrun agent) dies.
+
+    torchrun starts every rank in a session of its own, so an agent killed with SIGKILL
+    takes no rank with it: they would go on training, or wait on the agent's store for
+    minutes, holding their devices. A daemon thread watches the parent: once it is gone,
+    the rank gets SIGTERM (it stops after its step with a checkpoint, as when torchrun
+    forwards a SIGTERM, and exits 143), and ``grace`` seconds later it is ended outright
+    if it is still running. Idempotent."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_ORPHAN_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        print(f"error: the torchrun agent (pid {parent}) is gone and this rank did not stop within {grace:g} s; "
+              "ending it (the last committed checkpoint is intact)", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -67,8 +104,11 @@ class World:
     local_world_size: int
     device: torch.device
     mode: str
-    find_unused_parameters: bool = True
+    find_unused_parameters: bool = False
     """DDP's ``find_unused_parameters`` (``training.ddp_find_unused_parameters``)."""
+    buckets_settled: bool = True
+    """False from :meth:`wrap` of a DDP model that will rebuild its gradient buckets until
+    :meth:`settle_buckets` made it do so."""
     group: Any = None
     """The process group of this object's collectives: ``None``, the launch's default one;
     a background save's own gloo group (:meth:`own_group`), so its agreements never
@@ -84,9 +124,7 @@ class World:
         if mode == "none":
             raise ConfigError(f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
                               "training.parallel is 'none': set it to 'ddp' or 'fsdp2' (--set training.parallel=ddp)")
-        if config.training.amp == "fp16":
-            raise ConfigError(f"{config.source}: training.amp 'fp16' (GradScaler) is not supported with "
-                              f"training.parallel {mode!r}; use 'bf16' or 'none'")
+        end_with_launcher()
         local_rank = int(os.environ["LOCAL_RANK"])
         wanted = config.training.device
         cuda = wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
@@ -228,12 +266,39 @@ class World:
         """DDP or FSDP2 around the freshly built model (before the optimizer sees it)."""
         if self.mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
+            self.buckets_settled = self.find_unused_parameters  # then DDP never rebuilds them
             return DistributedDataParallel(
                 model, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
                 find_unused_parameters=self.find_unused_parameters)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
+        if config.training.amp == "fp16":
+            # GradScaler's found-inf flag is a 1-element tensor; DTensor all-reduces it over the
+            # mesh (so every rank skips the same steps) and warns, every step, that it did.
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
         return fully_shard(model, mesh=DeviceMesh.from_group(self.mesh_group, self.device.type))
+
+    def settle_buckets(self, run: Any, loss: Callable[[], torch.Tensor]) -> None:
+        """Make DDP rebuild its gradient buckets before this process's first step.
+
+        Without ``find_unused_parameters``, DDP reduces the first backward of a process in
+        one bucket of every parameter, then rebuilds its buckets in the order gradients
+        became ready: a resumed run's first step would reduce in another order than the
+        uninterrupted run's same step (other last bits from 3 processes on). One discarded
+        forward and backward of the first batch (``loss``) rebuilds them in every process,
+        fresh or resumed, so every step reduces alike. The RNG states and buffers it moved
+        are put back, and the gradients dropped: the step that follows is the one an
+        uninterrupted run takes. ``run``: the :class:`pipeline.run.TrainingRun`."""
+        rng = capture_rng(run.generator)
+        buffers = {name: buffer.detach().clone() for name, buffer in run.model.named_buffers()}
+        run.optimizer.zero_grad(set_to_none=True)
+        loss().backward()
+        run.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, buffer in run.model.named_buffers():
+                buffer.copy_(buffers[name])
+        restore_rng(rng, run.generator, need_cuda=self.device.type == "cuda")
+        self.buckets_settled = True
 
     def resume_command(self, argv: Sequence[str] | None = None) -> str:
         """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind

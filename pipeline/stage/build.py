@@ -173,15 +173,15 @@ def _check_replaceable(stage: Path) -> None:
                          "replace it, nothing was touched: move it away or pass another --stage")
 
 
-def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], config: Config) -> dict[str, Any]:
-    """metrics.json, if and only if it was computed from exactly these weights and data."""
+def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], sha: str, config: Config) -> dict[str, Any]:
+    """metrics.json, if and only if it was computed from exactly these weights (``sha``: of the
+    checkpoint's weights as one modelo.safetensors) and data."""
     # The command that writes the record this stage reads, for this config, as printed.
     output = () if os.path.abspath(path) == os.path.abspath(config.outputs.metrics) else ("--output", str(path))
     evaluate = script_command(config, "04_evaluate.py", "--checkpoint", str(folder), *output)
     if not path.exists():
         raise StageError(f"{path} not found: run {evaluate} first, or stage without metrics with --no-metrics")
     record = read_metrics(path)
-    sha = meta["files"][MODEL_FILE]["sha256"]
     if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
         raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
                          f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun {evaluate}, or pass "
@@ -431,16 +431,20 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         # a resume applies), naming the file that changed.
         model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
         check_code_unchanged(meta, model_config, use="stage")
-        if metrics is not None and is_distributed(meta):
-            raise StageError(f"{folder} is a distributed (torchrun) checkpoint: scripts/04_evaluate.py does not read "
-                             "those yet; stage it with --no-metrics")
-        record = _matching_metrics(metrics, folder, meta, config) if metrics is not None else None
+        # A stale record is refused before the weights are copied; a distributed checkpoint's
+        # weights have a hash as one file only once they are read.
+        single = not is_distributed(meta)
+        record = None
+        if metrics is not None and single:
+            record = _matching_metrics(metrics, folder, meta, meta["files"][MODEL_FILE]["sha256"], config)
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
         work = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent, prefix=".stage-weights-")))
         weights = open_weights(folder, meta, work)
         scratch.callback(weights.close)
+        if metrics is not None and not single:
+            record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
         model = build_model(model_config, "meta")
         _fitting_weights(folder, meta, model, weights)
         src = _Sources(folder=folder, meta=meta, meta_file_sha256=meta_file_sha256, config=config,

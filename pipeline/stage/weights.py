@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..checkpoint import CheckpointWeights, MappedTensors, write_safetensors_streamed
+from ..checkpoint import PUBLISHED_METADATA, CheckpointWeights, MappedTensors, write_safetensors_streamed
 from ..errors import ConfigError, StageAuditError, StageError
 from ..hashing import sha256_file
 from ..layout import MODEL_FILE, shard_name
@@ -39,7 +39,6 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]I?B|B)?\s*$", re.IGNORECASE)
 # Bytes of safetensors header per tensor beyond its name: dtype, shape and offsets as JSON.
 _HEADER_PER_TENSOR = 96
 _HEADER_FIXED = 8 + 64  # length prefix and the {"__metadata__": {"format": "pt"}} entry
-_PUBLISHED_METADATA = {"format": "pt"}  # what transformers' loader checks in a safetensors header
 _SCAN_ELEMENTS = 1 << 18  # elements per slice of the NaN/inf scan
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -181,7 +180,7 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
                 nonfinite.append(name)
             return tensor
 
-        sha256, size = write_safetensors_streamed(built / file, specs, produce, _PUBLISHED_METADATA)
+        sha256, size = write_safetensors_streamed(built / file, specs, produce, PUBLISHED_METADATA)
         if produced:
             weights.release(plan.stored(produced[-1]))
         back = MappedTensors(built / file)

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node N tests/helpers/dist_leg.py PLAN.json
 
 PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": ...,
-"stop_at": ..., "reshard": ..., "forge": {...}}, ...]}. ``forge`` (rank 0, before the run):
+"stop_at": ..., "reshard": ..., "extend_to": ..., "init_from": ..., "progress": ..., "forge": {...}},
+...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
 to ``value``, resealed as a forger would. ``record``: each rank records its file-system
 calls under ``checkpoint.dir`` (tests/helpers/oprecorder.py) with the time each completed (null
@@ -82,8 +83,10 @@ def main(plan_path: str) -> None:
             try:
                 with recorder:
                     result = train_distributed(config, world=dataclasses.replace(world, mode=config.training.parallel),
-                                               resume=run.get("resume"), stop_at=run.get("stop_at"), progress=False,
-                                               reshard=run.get("reshard", False))
+                                               resume=run.get("resume"), stop_at=run.get("stop_at"),
+                                               progress=run.get("progress", False),
+                                               reshard=run.get("reshard", False), extend_to=run.get("extend_to"),
+                                               init_from=run.get("init_from"))
                 outcome = {"step": result.step, "loss": result.history["loss"], "checkpoint": str(result.checkpoint)}
             except (PipelineError, OSError) as exc:
                 # An OSError is exit 2 in a script (pipeline.cli.run_main).

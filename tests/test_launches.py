@@ -1,0 +1,282 @@
+"""One run, any launch: a run moves between one process and torchrun with --reshard (both
+ways, and from DDP to FSDP2), is extended and warm-started under torchrun as in one
+process, trains across two torchrun agents (multi-node on loopback), and its ranks end
+when their agent dies.
+
+The distributed trainings share one launch of two torchrun agents (``--nnodes 2``, c10d
+rendezvous on loopback, one process each: tests/helpers/dist_leg.py); the single-process
+ones run in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.checkpoint import LoadMode, load_checkpoint
+from pipeline.checkpoint.store import meta_sha256
+from pipeline.config import load_config
+from pipeline.durable import json_bytes
+from pipeline.errors import LaunchMismatch, StateMismatch
+from pipeline.stage import build_stage
+from pipeline.train import train
+
+from support import HELPERS, REPO, script_env
+
+CONFIG = REPO / "config.yaml"
+LAUNCHES = pytest.mark.xdist_group("two-agents")
+# Dropout draws from per-rank streams (re-derived by a move); the data order and the
+# augmentation noise (seeded per sample) are the same at any world size, so they stay on.
+QUIET = {"model.params.dropout": 0.0}
+
+
+def two_agents(root: Path, runs: list[dict]) -> tuple[list[dict], str]:
+    """``runs`` in one launch of two torchrun agents of one process each, rendezvousing over
+    c10d on loopback as two nodes would; (rank 0's results, both agents' standard error,
+    where progress and messages go)."""
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / "results.json"), "runs": runs}))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agents = [subprocess.Popen(
+        [sys.executable, "-B", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=launches",
+         f"--rdzv-conf=is_host={'true' if host else 'false'}", str(HELPERS / "dist_leg.py"), str(plan)],
+        cwd=root, env=script_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for host in (True, False)]
+    outputs = []
+    try:
+        outputs = [agent.communicate(timeout=300) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    return json.loads((root / "results.json").read_text()), "".join(err for _, err in outputs)
+
+
+@pytest.fixture(scope="module")
+def moves(data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("launches")
+    quiet = {"data.dir": str(data_dir), **QUIET}
+    train(load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_cut")}), stop_at=6, progress=False)
+    train(load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_full")}), progress=False)
+    single_cut = str(root / "single_cut" / "step-00000006")
+    ddp = {"data.dir": str(data_dir), "training.parallel": "ddp"}
+    results, output = two_agents(root, [
+        {"overrides": {**ddp, "checkpoint.dir": str(root / "straight")}},
+        {"overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6}},
+        {"overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6}, "resume": "latest",
+         "extend_to": 10, "progress": True},
+        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")}, "resume": single_cut},
+        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")}, "resume": single_cut, "reshard": True,
+         "progress": True},
+        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "warm"), "training.max_steps": 2},
+         "init_from": str(root / "single_full" / "step-00000010"), "progress": True},
+        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
+        {"overrides": {**ddp, **QUIET, "training.parallel": "fsdp2", "checkpoint.dir": str(root / "to_fsdp2")},
+         "resume": str(root / "quiet_cut" / "step-00000006"), "reshard": True},
+    ])
+    return root, results, output
+
+
+def weights(folder: Path) -> dict:
+    return load_checkpoint(folder, mode=LoadMode.WEIGHTS).model_tensors
+
+
+def worst_difference(a: Path, b: Path) -> float:
+    left, right = weights(a), weights(b)
+    assert sorted(left) == sorted(right)
+    return max((left[name] - right[name]).abs().max().item() for name in left)
+
+
+def staged_bytes(checkpoint: Path, out: Path) -> bytes:
+    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, metrics=None)
+    return (out / "modelo.safetensors").read_bytes()
+
+
+@LAUNCHES
+def test_two_agents_extend_a_run_bitwise_as_in_one_process(moves, tmp_path):
+    """Two torchrun agents on loopback (the multi-node launch) train, and a 6-step run
+    extended to 10 under torchrun is bitwise the straight 10-step run, with the lineage and
+    the report of one process."""
+    root, results, output = moves
+    straight, first, extended = results[:3]
+    assert (first["step"], extended["step"], straight["step"]) == (6, 10, 10)
+    assert extended["loss"] == straight["loss"]
+    assert staged_bytes(root / "extended" / "step-00000010", tmp_path / "a") == \
+        staged_bytes(root / "straight" / "step-00000010", tmp_path / "b")
+    meta = load_checkpoint(root / "extended" / "step-00000010", mode=LoadMode.VERIFY).meta
+    assert meta["lineage"] == [{"from_max_steps": 6, "at_step": 6, "to_max_steps": 10}]
+    assert meta["config"]["training"]["max_steps"] == 10 and meta["parallel"]["world_size"] == 2
+    assert f"resumed from {root / 'extended' / 'step-00000006'} at step 6 (2 processes, ddp)" in output
+    assert "extended from max_steps 6 to 10 (recorded in meta.json lineage)" in output
+
+
+@LAUNCHES
+def test_a_single_process_run_continues_under_torchrun_only_with_reshard(moves):
+    root, results, output = moves
+    refused, moved = results[3:5]
+    assert refused["error"] == "LaunchMismatch" and refused["exit_codes"] == [2, 2], refused
+    assert "was written by one process (training.parallel none), this run is 2 processes (training.parallel ddp" \
+        in refused["message"] and "pass --reshard" in refused["message"], refused
+    assert moved["step"] == 10, moved
+    worst = worst_difference(root / "up" / "step-00000010", root / "single_full" / "step-00000010")
+    assert worst <= 1e-9, worst
+    meta = load_checkpoint(root / "up" / "step-00000010", mode=LoadMode.VERIFY).meta
+    assert meta["parallel"]["mode"] == "ddp" and meta["resharded_from"] == 1
+    assert meta["environment"]["changes"] == [{
+        "item": "launch", "step": 6, "recorded": {"parallel": "none", "world_size": 1, "ddp_find_unused_parameters": None},
+        "now": {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": False}}]
+    assert "moved from one process (training.parallel none) to 2 processes (training.parallel ddp" in output
+
+
+@LAUNCHES
+def test_init_from_a_single_process_checkpoint_starts_a_two_process_run(moves, data_dir, tmp_path):
+    root, results, output = moves
+    assert results[5]["step"] == 2, results[5]
+    source = root / "single_full" / "step-00000010"
+    assert f"init-from {source / 'modelo.safetensors'}: loaded 6, skipped 0, new 0" in output
+    alone = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET, "checkpoint.dir": str(tmp_path / "warm"),
+                                 "training.max_steps": 2})
+    train(alone, init_from=source, progress=False)
+    worst = worst_difference(root / "warm" / "step-00000002", tmp_path / "warm" / "step-00000002")
+    assert worst <= 1e-9, worst
+    meta = load_checkpoint(root / "warm" / "step-00000002", mode=LoadMode.VERIFY).meta
+    assert meta["lineage"] == [] and meta["environment"]["changes"] == [] and meta["resharded_from"] is None
+
+
+@LAUNCHES
+def test_a_torchrun_run_continues_in_one_process_or_under_fsdp2_only_with_reshard(moves, data_dir, tmp_path):
+    """2 processes (DDP) cut at 6, continued in one process: refused without --reshard, a
+    forged state refused by the validated restore, then within 1e-9 of the uninterrupted
+    single-process run; the same cut continued under FSDP2 too."""
+    root, results, _ = moves
+    assert results[6]["step"] == 6 and results[7]["step"] == 10, results[6:]
+    worst = worst_difference(root / "to_fsdp2" / "step-00000010", root / "single_full" / "step-00000010")
+    assert worst <= 1e-9, worst
+    meta = load_checkpoint(root / "to_fsdp2" / "step-00000010", mode=LoadMode.VERIFY).meta
+    assert meta["parallel"]["mode"] == "fsdp2" and meta["environment"]["changes"][0]["recorded"]["parallel"] == "ddp"
+
+    cut = tmp_path / "cut"
+    shutil.copytree(root / "quiet_cut", cut)
+    config = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET, "checkpoint.dir": str(cut)})
+    with pytest.raises(LaunchMismatch, match=r"was written by 2 processes \(training.parallel ddp, "
+                                             r"ddp_find_unused_parameters false\), this run is one process"):
+        train(config, resume="latest", progress=False)
+    forged = tmp_path / "forged" / "step-00000006"
+    shutil.copytree(cut / "step-00000006", forged)
+    meta = json.loads((forged / "meta.json").read_text())
+    meta["training_state"]["scheduler"]["last_epoch"] = 5
+    meta["meta_sha256"] = meta_sha256(meta)
+    (forged / "meta.json").write_bytes(json_bytes(meta))
+    with pytest.raises(StateMismatch, match="scheduler.last_epoch is 5"):
+        train(config, resume=str(forged), reshard=True, progress=False)
+    result = train(config, resume="latest", reshard=True, progress=False)
+    assert (result.resumed_from, result.step) == (6, 10)
+    worst = worst_difference(cut / "step-00000010", root / "single_full" / "step-00000010")
+    assert worst <= 1e-9, worst
+    meta = load_checkpoint(cut / "step-00000010", mode=LoadMode.VERIFY).meta
+    assert "parallel" not in meta and meta["environment"]["changes"][0]["now"]["parallel"] == "none"
+    assert meta["schema"] == "pipeline.checkpoint/2" and meta["lineage"] == []
+
+
+def _ranks(launcher: subprocess.Popen) -> list[int]:
+    return [int(pid) for pid in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.heavy
+def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_dir, tmp_path):
+    log, checkpoints = tmp_path / "log.txt", tmp_path / "ck"
+    launcher = subprocess.Popen(
+        [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set", f"data.dir={data_dir}",
+         "--set", "training.parallel=ddp", "--checkpoint-dir", str(checkpoints), "--max-steps", "1000000",
+         "--checkpoint-every", "1000000", "--set", "training.log_every=2"],
+        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "step 4/" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        ranks = _ranks(launcher)
+        assert len(ranks) == 2
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its agent by 30 s"
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], log.read_text()[-3000:]
+    committed = sorted(checkpoints.glob("step-*"))
+    assert len(committed) == 1 and committed[0].name in lines[0]
+    load_checkpoint(committed[0], mode=LoadMode.VERIFY)
+
+
+def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
+    """The watchdog's last resort: a rank still running ``grace`` seconds after its
+    launcher died (here one that ignores SIGTERM, as one stuck in a collective would) is
+    ended, with one line saying why."""
+    rank = ("import signal, sys, time\n"
+            "from pipeline.distributed.world import end_with_launcher\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "end_with_launcher(grace=0.5)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+    launcher = ("import subprocess, sys\n"
+                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
+                "print(rank.pid, flush=True)\n"
+                "sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=(tmp_path / "err.txt").open("w"), text=True)
+    pid = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the rank outlived its launcher"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
+
+
+def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):
+    """torch.distributed.checkpoint costs a second or more to import: a run in one process,
+    fresh then resumed and extended, leaves it alone."""
+    probe = ("import sys\n"
+             "from pipeline.config import load_config\n"
+             "from pipeline.train import train\n"
+             "config = load_config(sys.argv[1], {'data.dir': sys.argv[2], 'checkpoint.dir': sys.argv[3],\n"
+             "                                   'training.max_steps': 2})\n"
+             "train(config, progress=False)\n"
+             "train(config, resume='latest', extend_to=3, progress=False)\n"
+             "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))\n"
+             "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(CONFIG), str(data_dir), str(tmp_path / "ck")],
+                            env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -77,14 +77,15 @@ def python_command() -> str:
         return sys.executable
 
 
-def script_command(config: Config, script: str, *args: str) -> str:
+def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
     """The command that runs the numbered ``script`` on ``config`` as it was given (its
-    ``--config`` and ``--set`` arguments), with ``args``; shell-quoted, ready to paste in the
-    folder it is printed in. The script's path is spelled as this one was invoked (from a
-    numbered script), else ``scripts/<script>``."""
+    ``--config`` and ``--set`` arguments), with ``args``, under this interpreter or
+    ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
+    in. The script's path is spelled as this one was invoked (from a numbered script), else
+    ``scripts/<script>``."""
     invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
-    return shlex.join([python_command(), str(folder / script), *config.command_args, *args])
+    return shlex.join([*(launcher or [python_command()]), str(folder / script), *config.command_args, *args])
 
 
 def run_main(main: Callable[[], int | None]) -> None:

@@ -143,22 +143,23 @@ def write_metrics(record: dict[str, Any], path: str | Path = METRICS_FILE) -> Pa
     return path
 
 
-def read_metrics(path: str | Path = METRICS_FILE) -> dict[str, Any]:
-    """Parse and check a ``metrics.json`` written by :func:`write_metrics`."""
+def read_metrics(path: str | Path = METRICS_FILE, *, rerun: str = "python scripts/04_evaluate.py") -> dict[str, Any]:
+    """Parse and check a ``metrics.json`` written by :func:`write_metrics`; a refusal tells to
+    run ``rerun`` (the command that writes this record)."""
     path = Path(path)
     if not path.is_file():
-        raise MetricsError(f"{path} not found: run scripts/04_evaluate.py first")
+        raise MetricsError(f"{path} not found: run {rerun} first")
     if path.stat().st_size > _MAX_METRICS_BYTES:
         raise MetricsError(f"{path} is over {_MAX_METRICS_BYTES} bytes: not a metrics file")
     try:
         record = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError):
-        raise MetricsError(f"{path} is not valid JSON: rerun scripts/04_evaluate.py") from None
+        raise MetricsError(f"{path} is not valid JSON: rerun {rerun}") from None
     if isinstance(record, dict) and _OLD_META_FILE_KEY in record and "meta_file_sha256" not in record:
         record["meta_file_sha256"] = record.pop(_OLD_META_FILE_KEY)
     if not isinstance(record, dict) or record.get("schema") != METRICS_SCHEMA or set(record) != METRICS_KEYS:
-        raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun scripts/04_evaluate.py")
+        raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun {rerun}")
     if not isinstance(record["step"], int) or not isinstance(record["modelo_sha256"], str):
-        raise MetricsError(f"{path} has a malformed step or modelo_sha256: rerun scripts/04_evaluate.py")
+        raise MetricsError(f"{path} has a malformed step or modelo_sha256: rerun {rerun}")
     _check_metrics(record["metrics"], str(path))
     return record

@@ -33,6 +33,7 @@ from .checkpoint import (
     restore_state,
     warm_start,
 )
+from .cli import script_command
 from .config import Config
 from .distributed.world import World, derive_rank_rng
 from .environment import reproduce_environment
@@ -58,8 +59,9 @@ class Launch:
     def of_run(cls, config: Config, world: World | None) -> "Launch":
         parallel = config.training.parallel
         if world is None and parallel != "none":
-            raise ConfigError(f"{config.source}: training.parallel is {parallel!r}: launch with torchrun "
-                              "--standalone --nproc-per-node N scripts/02_train.py (docs/distributed.md)")
+            torchrun = script_command(config, "02_train.py", launcher=["torchrun", "--standalone", "--nproc-per-node=N"])
+            raise ConfigError(f"{config.source}: training.parallel is {parallel!r}: launch with {torchrun} "
+                              "(docs/distributed.md)")
         return cls(parallel, world.world_size if world is not None else 1,
                    config.training.ddp_find_unused_parameters if parallel == "ddp" else None)
 
@@ -77,13 +79,15 @@ class Launch:
             f", ddp_find_unused_parameters {str(self.ddp_find_unused_parameters).lower()}"
         return f"{processes} (training.parallel {self.parallel}{bucket})"
 
-    def command(self) -> str:
-        """How to launch a run like this one."""
+    def command(self, config: Config) -> str:
+        """The command that resumes ``config``'s run in this launch (one node)."""
+        sets = ["--set", f"training.parallel={self.parallel}"]
         if self.parallel == "none":
-            return "python scripts/02_train.py --set training.parallel=none"
-        bucket = "" if self.ddp_find_unused_parameters is None else \
-            f" --set training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}"
-        return f"torchrun with {self.world_size} processes, --set training.parallel={self.parallel}{bucket}"
+            return script_command(config, "02_train.py", "--resume", "latest", *sets)
+        if self.ddp_find_unused_parameters is not None:
+            sets += ["--set", f"training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}"]
+        return script_command(config, "02_train.py", "--resume", "latest", *sets,
+                              launcher=["torchrun", "--standalone", f"--nproc-per-node={self.world_size}"])
 
     def to_dict(self) -> dict[str, Any]:
         return {"parallel": self.parallel, "world_size": self.world_size,
@@ -282,7 +286,7 @@ def _continue(start: StartingPoint, data_fingerprint: str, request: StartRequest
     recorded = Launch.of_checkpoint(start.meta)
     if recorded != launch:
         if not request.reshard:
-            raise _launch_mismatch(start.folder, recorded, launch)
+            raise _launch_mismatch(start.folder, recorded, launch, start.config)
         start.launch_change = {"recorded": recorded.to_dict(), "now": launch.to_dict()}
     start.config, start.lineage = continued_config(start.meta, start.config, data_fingerprint,
                                                    extend_to=request.extend_to)
@@ -291,13 +295,13 @@ def _continue(start: StartingPoint, data_fingerprint: str, request: StartRequest
     start.extended = request.extend_to is not None
 
 
-def _launch_mismatch(folder: Path, recorded: Launch, now: Launch) -> LaunchMismatch:
+def _launch_mismatch(folder: Path, recorded: Launch, now: Launch, config: Config) -> LaunchMismatch:
     if (recorded.parallel, recorded.ddp_find_unused_parameters) == (now.parallel, now.ddp_find_unused_parameters):
         return WorldSizeMismatch(f"{folder} was written by {recorded.world_size} processes, this launch has "
                                  f"{now.world_size}: relaunch with --nproc-per-node {recorded.world_size}, or pass "
                                  "--reshard to redistribute it (RNG streams are then re-derived)")
     return LaunchMismatch(f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: resume it "
-                          f"as it was launched ({recorded.command()}), or pass --reshard to move the run to this "
+                          f"as it was launched ({recorded.command(config)}), or pass --reshard to move the run to this "
                           "launch (recorded in meta.json; docs/distributed.md)")
 
 

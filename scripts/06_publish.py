@@ -34,7 +34,7 @@ and what to do).
 import argparse
 from pathlib import Path
 
-from pipeline.cli import run_main
+from pipeline.cli import run_main, script_command
 from pipeline.config import DEFAULT_CONFIG_PATH, load_config
 from pipeline.errors import PipelineError
 from pipeline.layout import RECEIPT_DIR, STAGE_DIR
@@ -80,11 +80,15 @@ def _parse() -> argparse.Namespace:
         reason = "--token is not accepted" if token_flag else f"{len(unknown)} unrecognized argument(s), not shown"
         raise PipelineError(f"{reason}: the token is read from HF_TOKEN or `hf auth login`, never from the command "
                            "line; see --help")
-    if args.stage is None:
-        # The stage of the config 05 ran with; without config.yaml here, the default name.
-        given = args.config is not None
-        config = args.config or DEFAULT_CONFIG_PATH
-        args.stage = Path(load_config(config).outputs.stage) if given or config.is_file() else Path(STAGE_DIR)
+    # The stage of the config 05 ran with; without config.yaml here, the default name.
+    args.restage = "python scripts/05_stage.py"
+    if args.config is not None:
+        config = load_config(args.config)
+        args.restage = script_command(config, "05_stage.py")
+        args.stage = args.stage or Path(config.outputs.stage)
+    elif args.stage is None:
+        args.stage = Path(load_config(DEFAULT_CONFIG_PATH).outputs.stage) if DEFAULT_CONFIG_PATH.is_file() \
+            else Path(STAGE_DIR)
     return args
 
 
@@ -102,7 +106,8 @@ def main() -> int:
     publication = Publication(repo_id=args.repo_id, stage=args.stage, endpoint=args.endpoint, revision=args.revision,
                               private=args.private, path_in_repo=args.path_in_repo, message=args.message,
                               dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout,
-                              signer=signer, force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag)
+                              signer=signer, force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag,
+                              restage=args.restage)
     result = publish(publication, say=lambda line: print(line, flush=True))
     if result.status == "dry run":
         print(format_plan(result.plan))

@@ -227,6 +227,11 @@ def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced
     with LocalHub(tmp_path / "hub", token=token) as hub:
         refused = publish_stage(stage, hub.url, "someone/else", token)
         assert refused.returncode == 2 and "was staged for test/charlm" in one_line_error(refused)
+        # The fix it prints restages the config 06 was given, as printed.
+        refused = publish_stage(stage, hub.url, "someone/else", token, "--config", str(CONFIG))
+        assert refused.returncode == 2
+        assert f"scripts/05_stage.py --config {CONFIG} --repo-id someone/else, or pass --force-repo-id" \
+            in one_line_error(refused)
         assert hub.count("POST") == 0, "nothing was sent"
         forced = publish_stage(stage, hub.url, "someone/else", token, "--force-repo-id")
         assert forced.returncode == 0, forced.stdout + forced.stderr

@@ -133,6 +133,8 @@ class _Publishing:
     receipts: Path
     signature: SignatureCheck | None
     plan: PublishPlan
+    restage: str
+    """The command that rebuilds the stage (:attr:`Publication.restage`)."""
 
 
 def _quiet(line: str) -> None:
@@ -162,7 +164,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
             # Re-audit and re-scan every staged file right before uploading, in one read; any
             # difference or leak refuses before any request.
             audited, snapshot = _audit(stage, say, verify_later=not wanted.dry_run)
-            check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id)
+            check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
             signature = _signature(stage, wanted.signer, say)
             token = _token(wanted.dry_run)
             target = Target(HfApi(endpoint=endpoint, token=token), endpoint, wanted.repo_id,
@@ -178,7 +180,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
                 # Create what is missing (the only writes before the commit), then plan again against the new head.
                 _create_missing(target, plan, wanted.private)
                 plan = read_plan(target, stage, audited, wanted.message)
-            run = _Publishing(target, stage, audited, snapshot, receipts, signature, plan)
+            run = _Publishing(target, stage, audited, snapshot, receipts, signature, plan, wanted.restage)
             if plan.up_to_date:
                 say(f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit")
                 return _tagged(run, wanted.tag, _finish(run, plan.head, "already published"))  # type: ignore[arg-type]
@@ -267,7 +269,7 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
     answer or none (its answer was lost)."""
     deadline, say = run.target.deadline, run.target.say
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        _check_unchanged(run.stage, run.snapshot)
+        _check_unchanged(run.stage, run.snapshot, run.restage)
         answer = _try_commit(run)
         if isinstance(answer, str):
             return answer, False
@@ -298,13 +300,13 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
                          "nothing was committed; rerun later (uploaded blobs are kept)")
 
 
-def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey]) -> None:
+def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str) -> None:
     """Cheap guard between audit and upload: size, mtime and inode of every staged file."""
     for name, key in snapshot.items():
         path = stage / name
         if not path.is_file() or _stat_key(path) != key:
             raise StageChanged(f"{path} changed on disk after it was audited; nothing was committed; rebuild "
-                               "the stage with scripts/05_stage.py, then rerun")
+                               f"the stage with {restage}, then rerun")
 
 
 def _operations(run: _Publishing) -> list[Any]:

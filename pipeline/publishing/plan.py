@@ -63,6 +63,8 @@ class Publication:
     """Open a pull request against ``revision`` instead of pushing to it."""
     tag: str | None = None
     """Tag the verified commit; a tag that names another commit is refused, never moved."""
+    restage: str = "python scripts/05_stage.py"
+    """The command that rebuilds this stage, as a refusal tells it (06 adds its ``--config``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +160,13 @@ def prepare_receipt_dir(folder: Path) -> None:
         raise PublishError(f"--receipt-dir {folder} is not writable; nothing was published")
 
 
-def check_staged_repo_id(stage: Path, repo_id: str, force: bool) -> None:
+def check_staged_repo_id(stage: Path, repo_id: str, force: bool, restage: str) -> None:
     """The card's snippet names the repo it was staged for: publishing it elsewhere would
     ship a card that downloads from another repo."""
     staged_for = json.loads((stage / META_FILE).read_bytes()).get("repo_id")
     if staged_for and staged_for != repo_id and not force:
         raise PublishError(f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
-                           f"restage with scripts/05_stage.py --repo-id {repo_id}, or pass --force-repo-id")
+                           f"restage with {restage} --repo-id {repo_id}, or pass --force-repo-id")
 
 
 # -- comparing with the remote ---------------------------------------------------------------

@@ -181,7 +181,7 @@ def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], sha: str, 
     evaluate = script_command(config, "04_evaluate.py", "--checkpoint", str(folder), *output)
     if not path.exists():
         raise StageError(f"{path} not found: run {evaluate} first, or stage without metrics with --no-metrics")
-    record = read_metrics(path)
+    record = read_metrics(path, rerun=evaluate)
     if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
         raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
                          f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun {evaluate}, or pass "

@@ -1,31 +1,9 @@
 """Sign a stage with OpenSSF model signing, and verify it before publishing (optional extra ``[sign]``).
 
-05 ``--sign-key KEY.pem`` (ECDSA P-256/P-384/P-521 in PEM, the curves model-signing 1.1.1
-accepts) writes two files into the stage::
-
-    signing_key.pub   the public key (PEM), listed in MANIFEST.sha256 and named in the card
-    model.sig         a Sigstore bundle over the SHA-256 of every other staged file
-
-Which covers which: the manifest is written first and lists every file but ``model.sig``;
-the signature is made last and covers every file but itself, MANIFEST.sha256 included. So
-neither changes after the other is written, ``sha256sum -c MANIFEST.sha256`` and
-``model_signing verify`` both check the whole stage, and the audit accepts ``model.sig`` as
-the one file the manifest cannot list (its integrity is the signature's own check).
-
-The private key is read by model-signing from where it lies; this module never copies,
-prints or stages it, refuses a key inside the stage, and the leak scan (pipeline.leaks)
-refuses any PEM private key block in a staged file. The key's fingerprint is
-``sha256:`` + SHA-256 of the public key's DER SubjectPublicKeyInfo, the value of
-``openssl pkey -pubin -in signing_key.pub -outform DER | sha256sum``.
-
-With ``--sign-certificate CERT.pem`` (and ``--sign-chain`` for intermediates) beside
-``--sign-key``, the bundle carries the certificate chain instead of a bare key hint, and a
-consumer checks it against a root CA they trust (06 ``--verify-chain ROOT.pem``; the stock
-CLI's ``verify certificate --certificate_chain``), offline too.
-
-Sigstore keyless signing (05 ``--sign-sigstore``, 06 ``--verify-identity`` and
-``--verify-issuer``) is the online option: it needs Sigstore's services and an OpenID
-identity; offline it refuses with one line. Torch-free; model-signing is imported lazily.
+05 ``--sign-key`` writes ``signing_key.pub`` (listed in the manifest) and ``model.sig``, made
+last over every other file, the manifest included; 06 verifies it before any request. The
+private key is read where it lies, never copied, printed or staged. Torch-free; model-signing
+is imported lazily. User guide: docs/stage.md, "Signed publications".
 """
 
 from __future__ import annotations

@@ -159,20 +159,11 @@ class World:
                 "ddp_find_unused_parameters": self.find_unused_parameters}
 
     def close(self) -> None:
-        """Leave every process group and end their gloo worker threads, while Python still runs.
-
-        A gloo worker that finishes a collective then drops the collective's tensors, which
-        takes the GIL (torch 2.13, ``TensorImpl::decref_pyobject``). Once the interpreter
-        finalizes, CPython ends such a thread with ``pthread_exit`` inside that C++
-        destructor, and the rank aborts ("terminate called without an active exception"):
-        a rank that exits right after its last collective, its worker not yet scheduled.
-        Workers stop only when their group is freed; freeing the Python group object lets go
-        of the GIL meanwhile, so they finish first. Hence the garbage that still holds a
-        group from C++ (a DDP reducer in a reference cycle, a failed save's traceback) is
-        collected first, while the groups are registered: then it frees no group, never one
-        with the GIL held, which would deadlock against a worker waiting for it. Destroying
-        the groups then frees them. FSDP2's mesh outlives this (torch's DTensor caches keep
-        it), hence :attr:`mesh_group`, idle from the last training step on."""
+        """Leave every process group and end their gloo worker threads while Python still
+        runs (a worker alive at interpreter exit aborts the rank): the garbage that still
+        holds a group is collected first, then the groups are destroyed, which stops their
+        workers. FSDP2's mesh outlives this (torch's DTensor caches keep it), hence
+        :attr:`mesh_group`, idle from the last training step on."""
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()

@@ -37,9 +37,12 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Side by side, ratios with targets (benchmarks/README.md): checkpoints at 0.06, 0.6 and 3 GB,
-# in one process and under torchrun (2 processes), then publishing.
+# in one process and under torchrun (2 processes), publishing, staging memory, the input pipeline.
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py --sizes 0.06,0.6,3 --reps 3
 	$(PY) benchmarks/distributed.py --sizes 0.06,0.6,3 --reps 3
 	$(PY) benchmarks/publish.py
+	$(PY) benchmarks/stage_memory.py --nproc 2
+	$(PY) benchmarks/stage_memory.py --nproc 1
+	$(PY) benchmarks/dataloader.py

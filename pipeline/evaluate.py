@@ -17,13 +17,16 @@ immutable and verified against an exact file list.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import LoadMode, load_model_weights, pinned_checkpoint, weights_sha256
+from .checkpoint import CheckpointWeights, LoadMode, open_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import write_json_atomic
@@ -88,14 +91,20 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     Every file of the checkpoint is verified against its ``meta.json`` first, and the data
     folder against both its manifest and the checkpoint's data fingerprint.
     """
-    # Pinned while its files are read: a trainer running beside us cannot prune it away.
-    # The tensors are views of maps that stay valid after that.
-    with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.WEIGHTS, committed=True) as loaded:
-        meta_file_sha256 = sha256_file(loaded.folder / META_FILE)
-    folder, meta = loaded.folder, loaded.meta
-    # The bytes evaluated, by the name 05 checks: a distributed checkpoint's weights are
-    # consolidated by the load, as 05 stages them (one process: no launch needed here).
-    weights = weights_sha256(meta, loaded.model_tensors)
+    # Pinned while every file is verified and the weights copied: a trainer running beside
+    # us cannot prune it away. Then read from that private copy, one tensor at a time.
+    with contextlib.ExitStack() as scratch:
+        with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded:
+            folder, meta = loaded.folder, loaded.meta
+            meta_file_sha256 = sha256_file(folder / META_FILE)
+            work = scratch.enter_context(tempfile.TemporaryDirectory(
+                dir=Path(os.path.abspath(config.outputs.metrics)).parent, prefix=".evaluate-weights-"))
+            weights = scratch.enter_context(contextlib.closing(open_weights(folder, meta, Path(work))))
+        return _evaluate(config, folder, meta, meta_file_sha256, weights)
+
+
+def _evaluate(config: Config, folder: Path, meta: dict[str, Any], meta_file_sha256: str,
+              weights: CheckpointWeights) -> dict[str, Any]:
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
     trained_on = meta["fingerprints"].get("data")
@@ -108,8 +117,10 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
     seed_everything(eval_config.training.seed)
     model = build_model(eval_config, device)
-    load_model_weights(model, loaded.model_tensors, derived=loaded.derived_buffers, record=meta["model"])
-    del loaded
+    weights.load_into(model)
+    # The bytes evaluated, by the name 05 checks: a distributed checkpoint's weights as
+    # the one file 05 stages from them (hashed, not written).
+    weights_sha256 = weights.sha256()
     model.eval()
     data = load_task_data(eval_config)
     metrics = _check_metrics(data.evaluate(model, device), f"{eval_config.data.factory} evaluate()")
@@ -121,8 +132,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         "schema": METRICS_SCHEMA,
         "step": meta["step"],
         "checkpoint": str(folder),
-        # Verified a moment ago by load_checkpoint: these are the bytes that were evaluated.
-        "modelo_sha256": weights,
+        # Verified as they were copied: these are the bytes that were evaluated.
+        "modelo_sha256": weights_sha256,
         "meta_file_sha256": meta_file_sha256,
         "split": HELDOUT_SPLIT,
         "metrics": metrics,

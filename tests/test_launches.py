@@ -99,7 +99,7 @@ def worst_difference(a: Path, b: Path) -> float:
 
 
 def staged_bytes(checkpoint: Path, out: Path) -> bytes:
-    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, metrics=None)
+    build_stage(load_config(CONFIG), checkpoint=checkpoint, stage_dir=out, with_metrics=False)
     return (out / "modelo.safetensors").read_bytes()
 
 
@@ -227,8 +227,10 @@ def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_d
         for pid in ranks:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    lines = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], log.read_text()[-3000:]
+    # One report of the stop (rank 0's), a stop and not an error.
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(lines) == 1 and lines[0].startswith("stopped by") and "error:" not in text, text[-3000:]
     committed = sorted(checkpoints.glob("step-*"))
     assert len(committed) == 1 and committed[0].name in lines[0]
     load_checkpoint(committed[0], mode=LoadMode.VERIFY)

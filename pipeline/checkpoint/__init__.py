@@ -31,7 +31,7 @@ from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .private_copy import CheckpointWeights, open_weights
-from .shards import ConsolidatedTensors, weights_sha256
+from .shards import ConsolidatedTensors
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
 from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
 from .tensorfile import (
@@ -90,7 +90,6 @@ __all__ = [
     "step_dir_name",
     "stored_layout",
     "warm_start",
-    "weights_sha256",
     "LoadMode",
     "PUBLISHED_METADATA",
     "write_safetensors",

@@ -25,6 +25,7 @@ from ..layout import DIST_MODEL_DIR, MODEL_FILE
 from .shards import ConsolidatedTensors
 from .store import is_distributed
 from .tensorfile import PUBLISHED_METADATA, MappedTensors, safetensors_sha256
+from .weights import check_derived_buffers, check_weights_fit
 
 __all__ = ["CheckpointWeights", "open_weights"]
 
@@ -48,15 +49,43 @@ class CheckpointWeights:
 
     ``specs``: stored name -> a ``meta`` tensor of its dtype and shape. ``copy``: for a
     single-process checkpoint, the copied ``modelo.safetensors`` and its ``entry`` (SHA-256,
-    size), which the stage publishes as is when nothing is renamed or split."""
+    size), which the stage publishes as is when nothing is renamed or split. ``origin``:
+    where they were stored (named by refusals); ``record``: meta.json's ``model`` record."""
 
     def __init__(self, source: MappedTensors | ConsolidatedTensors, copy: Path | None, entry: dict[str, Any] | None,
-                 files: list[MappedTensors]) -> None:
+                 files: list[MappedTensors], *, origin: str, record: Any) -> None:
         self._source: MappedTensors | ConsolidatedTensors | None = source
         self._files = files
         self.specs: dict[str, torch.Tensor] = dict(source.specs)
         self.copy = copy
         self.entry = entry
+        self.origin = origin
+        self.record = record
+
+    def check_fit(self, model: torch.nn.Module) -> dict[str, str]:
+        """Refuse weights that do not fit ``model`` (names, dtypes, shapes, ties, and the
+        meta.json record: :func:`~pipeline.checkpoint.weights.check_weights_fit`) or whose
+        buffers recorded as derived are no longer what it computes; the tied aliases."""
+        tied = check_weights_fit(model, self.specs, record=self.record, source=self.origin)
+        derived = self.record.get("derived_buffers") if isinstance(self.record, Mapping) else None
+        names = [name for name in derived if isinstance(name, str) and name in self.specs] \
+            if isinstance(derived, list) else []
+        # Buffers are never sharded: each is a view of its file, not the reused assembly buffer.
+        check_derived_buffers(model, {name: self.tensor(name) for name in names}, derived, source=self.origin)
+        for name in names:
+            self.release(name)
+        return tied
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Once :meth:`check_fit` passed, copy every tensor into ``model``'s own, one at a
+        time (tied aliases share the kept tensor's storage): the load of
+        :func:`~pipeline.checkpoint.weights.load_model_weights`, in bounded memory."""
+        self.check_fit(model)
+        own = model.state_dict()
+        with torch.no_grad():
+            for name in sorted(self.specs):
+                own[name].copy_(self.tensor(name))
+                self.release(name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full tensor (a view of the mapped copy, or assembled from its shards into a
@@ -108,11 +137,12 @@ def open_weights(folder: Path, meta: dict[str, Any], scratch: Path) -> Checkpoin
         copy = scratch / MODEL_FILE
         entry = _copy_verified(folder / MODEL_FILE, copy, meta["files"][MODEL_FILE])
         mapped = MappedTensors(copy)
-        return CheckpointWeights(mapped, copy, entry, [mapped])
+        return CheckpointWeights(mapped, copy, entry, [mapped], origin=str(folder / MODEL_FILE), record=meta["model"])
     files = {}
     for name, entry in sorted(meta["files"].items()):
         if name.startswith(f"{DIST_MODEL_DIR}/"):
             _copy_verified(folder / name, scratch / name, entry)
             files[name] = MappedTensors(scratch / name)
     consolidated = ConsolidatedTensors(scratch, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], files)
-    return CheckpointWeights(consolidated, None, None, list(files.values()))
+    return CheckpointWeights(consolidated, None, None, list(files.values()), origin=str(folder / DIST_MODEL_DIR),
+                             record=meta["model"])

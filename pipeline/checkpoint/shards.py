@@ -21,18 +21,15 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..errors import ChecksumMismatch, SchemaMismatch
-from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE, rank_rng_file
+from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
 from .tensorfile import (
-    PUBLISHED_METADATA,
     SAFETENSORS_DTYPES,
     MappedTensors,
     parse_header,
-    safetensors_sha256,
     tensors_from_map,
 )
 
-__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate", "ConsolidatedTensors",
-           "weights_sha256"]
+__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate", "ConsolidatedTensors"]
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
@@ -231,13 +228,3 @@ def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expe
     """Full tensors from covered chunks (:func:`_assemble`), all at once: a tensor held whole
     by one chunk is that view of the mapped file (no copy)."""
     return {name: _assemble(chunks, expected[name]["shape"]) for name, chunks in pieces.items()}
-
-
-def weights_sha256(meta: Mapping[str, Any], model_tensors: Mapping[str, torch.Tensor]) -> str:
-    """The SHA-256 of a verified checkpoint's ``modelo.safetensors``: the file's own, or, for a
-    distributed checkpoint (``model_tensors`` consolidated by the load), the file script 05
-    writes from them, hashed without writing it."""
-    if MODEL_FILE in meta["files"]:
-        return meta["files"][MODEL_FILE]["sha256"]
-    return safetensors_sha256(model_tensors, metadata=PUBLISHED_METADATA)[0]
-

@@ -36,8 +36,6 @@ from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_ma
 from ..checkpoint import (
     CheckpointWeights,
     LoadMode,
-    check_derived_buffers,
-    check_weights_fit,
     is_distributed,
     open_weights,
     pinned_checkpoint,
@@ -53,7 +51,6 @@ from ..layout import (
     CODE_DIR,
     CONFIG_FILE,
     CURVE_FILE,
-    DIST_MODEL_DIR,
     GENERATION_CONFIG_FILE,
     INDEX_FILE,
     MANIFEST_FILE,
@@ -189,20 +186,6 @@ def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], sha: str, 
     if record["fingerprints"].get("data") != meta["fingerprints"].get("data"):
         raise StageError(f"{path} was computed on other data than {folder.name} was trained on: rerun {evaluate}")
     return record
-
-
-def _fitting_weights(folder: Path, meta: dict[str, Any], model: torch.nn.Module, weights: CheckpointWeights) -> None:
-    """The weights are published for this code: they must fit the model it builds (names,
-    dtypes, shapes, ties, and meta.json's model record), and the buffers recorded as derived
-    must still be what it computes."""
-    where = str(folder / (DIST_MODEL_DIR if is_distributed(meta) else MODEL_FILE))
-    check_weights_fit(model, weights.specs, record=meta["model"], source=where)
-    derived = meta["model"].get("derived_buffers")
-    names = [name for name in derived if isinstance(name, str) and name in weights.specs] \
-        if isinstance(derived, list) else []
-    check_derived_buffers(model, {name: weights.tensor(name) for name in names}, derived, source=where)
-    for name in names:
-        weights.release(name)
 
 
 # -- building -----------------------------------------------------------------------------
@@ -446,7 +429,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         if metrics is not None and not single:
             record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
         model = build_model(model_config, "meta")
-        _fitting_weights(folder, meta, model, weights)
+        # The weights are published for this code: they must fit the model it builds.
+        weights.check_fit(model)
         src = _Sources(folder=folder, meta=meta, meta_file_sha256=meta_file_sha256, config=config,
                        model_config=model_config, model=model, metrics=record, weights=weights,
                        user_sections=user_sections)

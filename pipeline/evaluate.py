@@ -97,8 +97,10 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded:
             folder, meta = loaded.folder, loaded.meta
             meta_file_sha256 = sha256_file(folder / META_FILE)
-            work = scratch.enter_context(tempfile.TemporaryDirectory(
-                dir=Path(os.path.abspath(config.outputs.metrics)).parent, prefix=".evaluate-weights-"))
+            # Beside the metrics it will write (a RAM-backed /tmp would hold the whole copy in memory).
+            beside = Path(os.path.abspath(config.outputs.metrics)).parent
+            beside.mkdir(parents=True, exist_ok=True)
+            work = scratch.enter_context(tempfile.TemporaryDirectory(dir=beside, prefix=".evaluate-weights-"))
             weights = scratch.enter_context(contextlib.closing(open_weights(folder, meta, Path(work))))
         return _evaluate(config, folder, meta, meta_file_sha256, weights)
 

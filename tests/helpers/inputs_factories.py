@@ -45,11 +45,13 @@ class NoisyRows(torch.utils.data.Dataset):
         if index == self.fail_at:
             raise ValueError(f"row {index} is corrupt")
         if index == self.kill_at and torch.utils.data.get_worker_info() is not None:
-            # Once the run has committed the named checkpoint: a worker's queue dies with it,
-            # and batches it had finished but not yet handed over must not include that step's.
+            # Once the run has committed the named checkpoint (or a later one: it may be pruned
+            # between two polls): a worker's queue dies with it, and batches it had finished but
+            # not yet handed over must not include that step's.
             after = Path(os.environ.get("INPUTS_KILL_AFTER", "/"))
             deadline = time.monotonic() + 120
-            while not after.exists() and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not any(
+                    step.name >= after.name for step in after.parent.glob("step-*")):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         noise = (torch.randn(self.x.shape[1], dtype=self.x.dtype) * 0.01

@@ -149,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     def resume_ours():
         folder = store.path_for(run.step)
         meta = load_checkpoint(folder, mode=LoadMode.VERIFY).meta if world.rank == 0 else None
-        restore_distributed(run, world, folder, meta if meta is not None else read_meta(folder), reshard=False)
+        restore_distributed(run, world, folder, meta if meta is not None else read_meta(folder))
 
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
     floor = [torch.empty_like(t) for t in local]

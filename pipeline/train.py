@@ -10,6 +10,7 @@ import dataclasses
 import math
 import signal
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -116,7 +117,11 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
         run.optimizer.step()
     lr = float(run.optimizer.param_groups[0]["lr"])
-    run.scheduler.step()
+    with warnings.catch_warnings():
+        # A step the GradScaler skipped (inf gradients, alike on every rank) still moves the
+        # schedule on, by design; torch warns as if optimizer.step() had been forgotten.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        run.scheduler.step()
     run.step += 1
     value = float(loss.detach()) if world is None else world.global_loss(loss)
     run.history["step"].append(run.step)

@@ -34,10 +34,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import InternalError
+from .errors import InternalError, naming
 from .hashing import HashingWriter
 
-__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "json_bytes", "json_loads_strict",
+__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "scratch_folder", "json_bytes",
+           "json_loads_strict",
            "write_json_atomic", "FolderLock"]
 
 STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
@@ -51,18 +52,6 @@ def step(name: str, call: Callable[..., Any], *args: Any) -> Any:
     if name not in STEPS:
         raise InternalError(f"unknown atomic-folder step {name!r}")
     return call(*args)
-
-
-@contextlib.contextmanager
-def naming(path: str | Path) -> Iterator[None]:
-    """An OS error raised by a call on a file descriptor (``fsync``, ``write``) names no file:
-    give it ``path``, so every message says which file failed."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is None and exc.errno is not None:
-            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
-        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -159,6 +148,34 @@ def recover(dest: str | Path) -> list[Path]:
     if removed:
         fsync_dir(dest.parent)
     return removed
+
+
+SCRATCH_PREFIX = ".scratch-"
+
+
+@contextlib.contextmanager
+def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
+    """A private working folder ``parent/.scratch-<role>-<hex>``, removed on exit, and locked
+    (``flock``) while it is in use. The scratch folders of ``role`` that a killed process left
+    behind (nobody holds their lock) are removed first, so a SIGKILL never leaves a copy of
+    the weights behind for good; those of a run still going are left alone."""
+    parent = Path(os.path.abspath(parent))
+    ours = re.compile(re.escape(f"{SCRATCH_PREFIX}{role}-") + f"[0-9a-f]{{{_SUFFIX_HEX}}}")
+    for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if not (ours.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+            continue
+        try:
+            with FolderLock(entry, busy=lambda holder: BlockingIOError()):
+                shutil.rmtree(entry)
+        except (BlockingIOError, FileNotFoundError):
+            pass  # in use by a live process, or just removed by another sweeper
+    folder = parent / f"{SCRATCH_PREFIX}{role}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
+    step("mkdir", os.mkdir, folder)
+    try:
+        with FolderLock(folder, busy=lambda holder: InternalError(f"{folder} is locked by another process")):
+            yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _refuse_nonfinite(value: Any, where: str = "") -> None:

@@ -4,9 +4,14 @@ scripts can print a single line that says what is wrong and what to do, and exit
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+from pathlib import Path
+from typing import Iterator
 
 __all__ = [
+    "naming",
     "PipelineError",
     "ConfigError",
     "FactoryFailed",
@@ -258,3 +263,15 @@ class DemoFailed(PipelineError):
     def __init__(self, step: str, code: int) -> None:
         super().__init__(f"demo: {step} failed with exit code {code}")
         self.exit_code = code
+
+
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OS error raised by a call on a file descriptor (``fsync``, ``write``) names no file:
+    give it ``path``, so every message says which file failed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
+        raise

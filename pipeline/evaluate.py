@@ -22,14 +22,13 @@ import datetime as _dt
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointWeights, LoadMode, open_weights, pinned_checkpoint
 from .config import Config, config_from_dict
 from .data import load_manifest, load_task_data
-from .durable import write_json_atomic
+from .durable import scratch_folder, write_json_atomic
 from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
 from .hashing import sha256_file
 from .layout import META_FILE, METRICS_FILE
@@ -100,8 +99,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
             # Beside the metrics it will write (a RAM-backed /tmp would hold the whole copy in memory).
             beside = Path(os.path.abspath(config.outputs.metrics)).parent
             beside.mkdir(parents=True, exist_ok=True)
-            work = scratch.enter_context(tempfile.TemporaryDirectory(dir=beside, prefix=".evaluate-weights-"))
-            weights = scratch.enter_context(contextlib.closing(open_weights(folder, meta, Path(work))))
+            work = scratch.enter_context(scratch_folder(beside, "evaluate-weights"))
+            weights = scratch.enter_context(contextlib.closing(open_weights(folder, meta, work)))
         return _evaluate(config, folder, meta, meta_file_sha256, weights)
 
 

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
+from .errors import naming
+
 __all__ = ["sha256_file", "sha256_bytes", "HashingWriter", "fingerprint_files", "fingerprint_table"]
 
 CHUNK = 8 * 1024 * 1024
@@ -47,19 +49,24 @@ class HashingWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         self._digest.update(view)
-        written = self._handle.write(view)
+        with naming(self.path):  # a full disk fails the write: say which file
+            written = self._handle.write(view)
         self.size += len(view)
         return written
 
     def close(self) -> None:
         if self._handle.closed:
             return
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+        with naming(self.path):
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
 
     def abort(self) -> None:
-        self._handle.close()
+        try:
+            self._handle.close()
+        except OSError:
+            pass  # the flush of what is buffered failed too: the error being raised says why
 
     @property
     def sha256(self) -> str:

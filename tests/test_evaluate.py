@@ -86,3 +86,44 @@ def test_a_same_size_in_place_edit_of_a_prepared_data_file_is_refused_by_02_and_
     for script, args in (("02_train.py", ("--resume", "latest", "--quiet")), ("04_evaluate.py", ())):
         line = run.refused(script, *args)
         assert name in line and "changed since it was prepared" in line, (script, line)
+
+
+HOLDER = ("import sys, time\n"
+          "from pipeline.durable import scratch_folder\n"
+          "with scratch_folder(sys.argv[1], 'evaluate-weights') as folder:\n"
+          "    (folder / 'modelo.safetensors').write_bytes(b'x' * 4096)\n"
+          "    print(folder, flush=True)\n"
+          "    time.sleep(120)\n")
+
+
+def test_a_weights_copy_left_by_a_killed_evaluate_is_removed_by_the_next_and_a_live_ones_is_kept(
+        evaluated_run, run_copy):
+    """04 copies the weights beside its metrics: a SIGKILL leaves that copy behind, the next
+    04 removes it (nobody holds its lock), and leaves alone the one of an evaluate still
+    running; its own is gone when it returns."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from support import script_env
+
+    run = run_copy(evaluated_run)
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, str(run.root)], stdout=subprocess.PIPE, text=True,
+                                env=script_env()) for _ in range(2)]
+    try:
+        killed, live = (Path(holder.stdout.readline().strip()) for holder in holders)
+        os.kill(holders[0].pid, signal.SIGKILL)
+        holders[0].wait()
+        assert killed.is_dir() and live.is_dir()
+        config = load_config(CONFIG, {"data.dir": str(run.data_dir), "checkpoint.dir": str(run.checkpoint_dir),
+                                      "outputs.metrics": str(run.metrics)})
+        record = evaluate_checkpoint(config)
+        assert record["step"] == 10
+        assert not killed.exists(), "the killed evaluate's copy of the weights was left behind"
+        assert (live / "modelo.safetensors").is_file(), "a running evaluate's copy was removed"
+        assert [p.name for p in run.root.glob(".scratch-*")] == [live.name]
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()

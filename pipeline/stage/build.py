@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -43,7 +42,7 @@ from ..checkpoint import (
 )
 from ..cli import script_command
 from ..config import Config
-from ..durable import atomic_folder, fsync_dir, json_bytes, recover
+from ..durable import atomic_folder, fsync_dir, json_bytes, recover, scratch_folder
 from ..errors import NonFiniteWeights, StageError
 from ..evaluate import evaluation_config, read_metrics
 from ..hashing import HashingWriter, sha256_file
@@ -423,7 +422,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         _check_replaceable(stage)
-        work = Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=stage.parent, prefix=".stage-weights-")))
+        work = scratch.enter_context(scratch_folder(stage.parent, "stage-weights"))
         weights = open_weights(folder, meta, work)
         scratch.callback(weights.close)
         if metrics is not None and not single:

@@ -241,7 +241,7 @@ def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False
             out.write(data)
         os.replace(temporary, path)
     except OSError as exc:
-        if exc.filename is None:  # a failed write() names no file, and the user needs the path
+        if exc.filename in (None, str(temporary)):  # the user knows the file, not our temporary
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     finally:

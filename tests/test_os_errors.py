@@ -95,8 +95,18 @@ def test_staging_onto_a_full_disk_is_one_line_and_leaves_nothing_behind(evaluate
     with tmpfs(tmp_path / "disk") as disk:
         filler = fill(disk)
         line = evaluated_run.refused("05_stage.py", "--stage", str(disk / "hub_stage"))
-        assert "no space left on the device" in line, line
+        assert "no space left on the device" in line and str(disk) in line, line
         assert sorted(p.name for p in disk.iterdir() if p.name != ".hub_stage.lock") == [filler.name]
+
+
+def test_evaluating_beside_a_full_disk_names_the_weights_copy_and_leaves_nothing_behind(evaluated_run, tmp_path):
+    """04 copies the weights beside the metrics it writes: on a full disk the failed write
+    names that file (a write through a descriptor names none by itself)."""
+    with tmpfs(tmp_path / "disk") as disk:
+        filler = fill(disk)
+        line = evaluated_run.refused("04_evaluate.py", "--set", f"outputs.metrics={disk / 'metrics.json'}")
+        assert "no space left on the device" in line and f"{disk}/.scratch-evaluate-weights-" in line, line
+        assert sorted(p.name for p in disk.iterdir()) == [filler.name]
 
 
 def test_a_json_record_or_a_failed_proofs_report_on_a_full_disk_names_the_file(tmp_path):

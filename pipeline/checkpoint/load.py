@@ -7,7 +7,7 @@ size right (cheap: catches truncation before a long hash); then every file is re
 and hashed as it is read (files side by side) and compared with ``meta.json``; then every
 header goes through the one strict parser. Nothing is returned before every file passed.
 
-The hashed bytes are the used bytes (:func:`.tensorfile.read_verified`): the files whose
+The hashed bytes are the used bytes (:func:`.verified_read.read_verified`): the files whose
 tensors are used are read into memory of this process and hashed there. A resume passes
 the model it built (``into=``), whose parameters receive the weights directly, so it reads
 the checkpoint's ``meta.json`` first (:func:`checkpoint_meta`: sealed, schema, listing; no
@@ -40,7 +40,8 @@ from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMism
 from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
 from .shards import consolidate, shard_tensors
 from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
-from .tensorfile import map_file, read_verified, sha256_mapped, tensors_from_map
+from .tensorfile import map_file, sha256_mapped, tensors_from_map
+from .verified_read import read_verified
 from .weights import dedupe_shared_tensors
 
 __all__ = ["LoadMode", "LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint"]

@@ -10,6 +10,8 @@ import inspect
 import json
 import math
 import os
+import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +58,37 @@ def test_prune_keeps_the_newest_and_deletes_oldest_first(tmp_path):
     store = _save(tmp_path, [1, 2, 3, 4], keep_last=2)
     assert store.committed_steps() == [3, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step-00000003", "step-00000004"]
+
+
+def test_a_save_returns_while_the_prune_runs_and_the_store_waits_for_it_before_anything_else(tmp_path,
+                                                                                            monkeypatch):
+    store = _save(tmp_path, [1], keep_last=1)
+    deleting, may_finish = threading.Event(), threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        deleting.set()
+        assert may_finish.wait(30), "the test never let the prune finish"
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    with store:
+        saved = store.save(2, {"w": torch.full((3,), 2.0)}, {"s": torch.zeros(1)}, META)
+        assert saved.step == 2 and deleting.wait(30)  # save returned; step 1 is still being deleted
+        assert any(p.name.startswith(".deleting-step-00000001") for p in tmp_path.iterdir())
+        may_finish.set()
+        assert store.committed_steps() == [2]  # the listing waited for the prune
+        assert not any(p.name.startswith(".deleting-") for p in tmp_path.iterdir())
+
+
+def test_a_prune_that_fails_other_than_by_the_os_raises_in_the_caller_at_the_next_wait(tmp_path, monkeypatch):
+    store = _save(tmp_path, [1], keep_last=1)
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug in the prune")))
+    with pytest.raises(RuntimeError, match="bug in the prune"):
+        with store:
+            store.save(2, {"w": torch.full((3,), 2.0)}, {"s": torch.zeros(1)}, META)
+    with CheckpointStore(tmp_path):  # the lock was released all the same
+        pass
 
 
 def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):

@@ -10,8 +10,10 @@ Layout of one checkpoint::
 A save writes into ``.tmp-step-…`` (every file fsynced, ``meta.json`` last), renames the
 folder into place and fsyncs the parent. Only folders named by :func:`step_dir_name` and
 holding ``meta.json`` count as checkpoints; "latest" is the highest integer step. Old
-checkpoints are pruned only after the new one is committed; a prune that fails is a warning
-(the new checkpoint is safe) and the next save retries it.
+checkpoints are pruned only after the new one is committed, by a thread of their own while
+training goes on (deleting gigabytes is not a save's cost); every other method of the store
+first waits for it. A prune that fails is a warning (the new checkpoint is safe) and the next
+save retries it.
 
 Readers (scripts 04 and 05) :func:`pin` the folder they read with a shared ``flock``;
 :meth:`CheckpointStore.prune` takes an exclusive one without waiting and skips a pinned
@@ -29,6 +31,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -120,6 +123,8 @@ class CheckpointStore:
         self._lock = FolderLock(self.root / LOCK_FILE, lambda holder: CheckpointLocked(
             f"{self.root}/ is in use by another trainer (pid {holder}); wait for it "
             "to finish or use another --checkpoint-dir"))
+        self._pruning: threading.Thread | None = None
+        self._prune_error: BaseException | None = None
 
     # -- locking -------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointStore":
@@ -135,7 +140,10 @@ class CheckpointStore:
         self._lock.acquire()
 
     def release(self) -> None:
-        self._lock.release()
+        try:
+            self.wait_for_prune()
+        finally:
+            self._lock.release()
 
     # -- listing -------------------------------------------------------------------------
     def resume_target(self, resume: str | None) -> str | None:
@@ -152,6 +160,10 @@ class CheckpointStore:
 
     def committed_steps(self) -> list[int]:
         """Steps of committed checkpoints, ascending as integers."""
+        self.wait_for_prune()
+        return self._listed_steps()
+
+    def _listed_steps(self) -> list[int]:
         if not self.root.is_dir():
             return []
         steps = []
@@ -172,6 +184,7 @@ class CheckpointStore:
         """Remove the temporary and half-deleted folders a crash left (only names this
         module gives them). Requires the lock."""
         self._require_lock("clean_stale")
+        self.wait_for_prune()
         removed = []
         if self.root.is_dir():
             for entry in self.root.iterdir():
@@ -191,6 +204,7 @@ class CheckpointStore:
         are untouched). A prune that fails after the commit only logs a warning: the new
         checkpoint is safe, and the next save retries the prune."""
         self._require_lock("save")
+        self.wait_for_prune()
         final = self.path_for(step)
         if final.exists():
             raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
@@ -206,13 +220,35 @@ class CheckpointStore:
         return SavedCheckpoint(step=step, path=final, files=files)
 
     def prune_after_commit(self, step: int) -> None:
-        """:meth:`prune` once ``step`` is committed (durable): a failure is a warning, as the
-        new checkpoint is safe, and the next save retries. Requires the lock."""
+        """Start :meth:`prune` once ``step`` is committed (durable), on a thread of its own, and
+        return: the caller goes back to training while the old folders are deleted. A failure
+        is a warning, as the new checkpoint is safe, and the next save retries. Requires the
+        lock, which :meth:`release` keeps until the prune is done."""
+        self.wait_for_prune()
+        # Not a daemon: an interpreter that exits mid-prune finishes it rather than leaving
+        # a half-deleted folder for the next start to sweep.
+        self._pruning = threading.Thread(target=self._prune_logged, args=(step,), name=f"prune-after-step-{step}",
+                                         daemon=False)
+        self._pruning.start()
+
+    def wait_for_prune(self) -> None:
+        """Wait for the prune :meth:`prune_after_commit` started, if any; raise here what it
+        raised other than an OS error (those were logged as warnings)."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            pruning.join()
+        error, self._prune_error = self._prune_error, None
+        if error is not None:
+            raise error
+
+    def _prune_logged(self, step: int) -> None:
         try:
-            self.prune()
+            self._prune()
         except OSError as exc:
             _log.warning("warning: step %d is committed, but pruning older checkpoints in %s/ failed (%s); "
                          "training goes on and the next save retries", step, self.root, describe_os_error(exc))
+        except BaseException as exc:  # raised in the thread that waits for this prune
+            self._prune_error = exc
 
     def prune(self) -> list[int]:
         """Delete all but the newest ``keep_last`` committed checkpoints, oldest first;
@@ -224,7 +260,11 @@ class CheckpointStore:
         deleting never leaves a half-deleted folder that looks like a checkpoint.
         """
         self._require_lock("prune")
-        steps = self.committed_steps()
+        self.wait_for_prune()
+        return self._prune()
+
+    def _prune(self) -> list[int]:
+        steps = self._listed_steps()
         victims = steps[:-self.keep_last] if len(steps) > self.keep_last else []
         pruned = []
         for step in victims:

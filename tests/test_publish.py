@@ -640,16 +640,20 @@ def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_veri
     assert listed["modelo.safetensors"].size == weights["size"]  # same size, other bytes
 
 
+@pytest.mark.parametrize("mtime_put_back", [False, True], ids=["plain", "mtime-put-back"])
 def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
-        staged_run, run_copy, hub, tmp_path, token_env):
+        staged_run, run_copy, hub, tmp_path, token_env, mtime_put_back):
     stage = run_copy(staged_run).stage
 
     def edit_when_committing(line: str) -> None:
         if line.startswith("committing"):  # said after the audit and the plan, right before the commit
             card = stage / "README.md"
+            before = card.stat()
             data = bytearray(card.read_bytes())
             data[-2] ^= 0x01
             card.write_bytes(bytes(data))
+            if mtime_put_back:  # what a process hiding its edit does: only the ctime still tells
+                os.utime(card, ns=(before.st_atime_ns, before.st_mtime_ns))
 
     with pytest.raises(StageChanged, match="README.md"):
         publish_here(stage, hub, "alice/edited", tmp_path, say=edit_when_committing)

@@ -99,7 +99,8 @@ __all__ = ["COMMIT_ATTEMPTS", "PublishResult", "publish"]
 # Commit attempts on 429/5xx answers, the first one included.
 COMMIT_ATTEMPTS = 4
 NOTHING_SENT = "nothing was published (no request was sent)"
-StatKey = tuple[int, int, int]
+# Size, mtime, ctime and inode: a process can set a file's mtime back after writing it, never its ctime.
+StatKey = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +205,7 @@ def _stage_bytes(stage: Path) -> int:
 
 def _stat_key(path: Path) -> StatKey:
     st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def _audit(stage: Path, say: Callable[[str], None], *,
@@ -301,7 +302,7 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
 
 
 def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str) -> None:
-    """Cheap guard between audit and upload: size, mtime and inode of every staged file."""
+    """Cheap guard between audit and upload: size, mtime, ctime and inode of every staged file."""
     for name, key in snapshot.items():
         path = stage / name
         if not path.is_file() or _stat_key(path) != key:

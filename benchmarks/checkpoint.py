@@ -192,7 +192,15 @@ class Bench:
         self.copies: list[torch.Tensor] | None = None
         self.outputs: dict[str, Path] = {}
 
-    def _timed(self, name: str, action: Callable[[], Path]) -> tuple[float, float, int]:
+    def _timed(self, name: str, action: Callable[[], Path], *, replaces: bool = True) -> tuple[float, float, int]:
+        """Time ``action``, a save. Its previous output is deleted first (``replaces``), and
+        the deletion synced, untimed: every writer writes new files, none pays for freeing
+        the old ones. Ours keeps its previous checkpoint, which the store prunes behind
+        training after the commit, as in a run (and waits for before the next candidate)."""
+        previous = self.outputs.pop(name, None) if replaces else None
+        if previous is not None and previous.exists():
+            shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+        os.sync()
         start = time.perf_counter()
         path = action()
         wall = time.perf_counter() - start
@@ -204,7 +212,7 @@ class Bench:
         with store:
             self.run.step += 1
             checkpointer = Checkpointer(store, self.provenance)
-            return self._timed("ours_sync", lambda: checkpointer.save(self.run).path)
+            return self._timed("ours_sync", lambda: checkpointer.save(self.run).path, replaces=False)
 
     def first_async_save(self):
         """The first async save allocates the buffers (page faults): reported on its own."""
@@ -223,6 +231,7 @@ class Bench:
         stall = time.perf_counter() - start
         saved = pending.result()
         wall = time.perf_counter() - start
+        self.async_store.wait_for_prune()  # behind training; not the next candidate's cost
         self.outputs["ours_async"] = saved.path
         return wall, stall, _size(saved.path)
 

@@ -41,6 +41,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py --sizes 0.06,0.6,3 --reps 3
+	$(PY) benchmarks/disk_state.py
 	$(PY) benchmarks/distributed.py --sizes 0.06,0.6,3 --reps 3
 	$(PY) benchmarks/publish.py
 	$(PY) benchmarks/stage_memory.py --nproc 2

@@ -224,6 +224,7 @@ class CheckpointStore:
         return: the caller goes back to training while the old folders are deleted. A failure
         is a warning, as the new checkpoint is safe, and the next save retries. Requires the
         lock, which :meth:`release` keeps until the prune is done."""
+        self._require_lock("prune")
         self.wait_for_prune()
         # Not a daemon: an interpreter that exits mid-prune finishes it rather than leaving
         # a half-deleted folder for the next start to sweep.

@@ -141,9 +141,8 @@ class _Hasher(threading.Thread):
 
     hashlib drops the GIL for large buffers, so hashing and ``write`` run in parallel and a
     save costs max(hash, write) instead of their sum. The chunks are the source buffers
-    themselves, never a read-back of the file. One thread for all the files: a thread per
-    file took both cores of a 2-core machine from the writer (a 0.6 GB save took 1.5× the
-    time of one hashing thread).
+    themselves, never a read-back of the file. One thread for all the files: on a 2-core
+    machine, a thread per file and the writer would be three busy threads for two cores.
     """
 
     def __init__(self, files: list[list[memoryview]]) -> None:

@@ -163,6 +163,27 @@ class _Hasher(threading.Thread):
             self.error = exc
 
 
+class _Fsync(threading.Thread):
+    """``fsync`` then ``close`` a written file on a thread of its own, started at once; the
+    error, if any, is raised by the writing thread after ``join``."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="safetensors-fsync", daemon=True)
+        self._fd = fd
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except BaseException as exc:
+            self.error = exc
+        try:
+            os.close(self._fd)
+        except OSError as exc:
+            self.error = self.error or exc
+
+
 def _write_all(fd: int, chunks: list[memoryview]) -> int:
     """Write every chunk, pushing finished ranges to disk as we go; return the byte count."""
     written = flushed = 0
@@ -212,6 +233,7 @@ def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch
         layouts.append((path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)))
     hasher = _Hasher([chunks for _, chunks in layouts])
     hasher.start()
+    syncs: list[_Fsync] = []
     try:
         sizes = []
         for path, chunks in layouts:
@@ -219,13 +241,21 @@ def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
             try:
                 sizes.append(_write_all(fd, chunks))
-                os.fsync(fd)  # while the hasher finishes: neither needs the other
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            # The file's fsync waits for its last writeback while the next file is written.
+            syncs.append(_Fsync(fd))
+        for sync in syncs:
+            sync.join()
+            if sync.error is not None:
+                raise sync.error
         hasher.join()
         if hasher.error is not None:
             raise hasher.error
     finally:
+        for sync in syncs:
+            sync.join()
         hasher.cancelled.set()
         hasher.join()
     for (path, chunks), size in zip(layouts, sizes):

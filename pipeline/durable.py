@@ -151,6 +151,8 @@ def recover(dest: str | Path) -> list[Path]:
 
 
 SCRATCH_PREFIX = ".scratch-"
+# New scratch folders tried when each is swept away by another process before we lock it.
+_SCRATCH_ATTEMPTS = 5
 
 
 @contextlib.contextmanager
@@ -162,20 +164,49 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
     parent = Path(os.path.abspath(parent))
     ours = re.compile(re.escape(f"{SCRATCH_PREFIX}{role}-") + f"[0-9a-f]{{{_SUFFIX_HEX}}}")
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
-        if not (ours.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
-            continue
-        try:
-            with FolderLock(entry, busy=lambda holder: BlockingIOError()):
-                shutil.rmtree(entry)
-        except (BlockingIOError, FileNotFoundError):
-            pass  # in use by a live process, or just removed by another sweeper
-    folder = parent / f"{SCRATCH_PREFIX}{role}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
-    step("mkdir", os.mkdir, folder)
+        if ours.fullmatch(entry.name) and not entry.is_symlink():
+            fd = _lock_folder(entry)
+            if fd is not None:  # nobody holds it: its process is gone
+                try:
+                    shutil.rmtree(entry)
+                except FileNotFoundError:
+                    pass  # removed meanwhile by another sweeper
+                finally:
+                    os.close(fd)
+    # Between our mkdir and our flock another process's sweep may take the new folder for a
+    # dead one and remove it: keep a folder only if it is still there, locked by us.
+    for _ in range(_SCRATCH_ATTEMPTS):
+        folder = parent / f"{SCRATCH_PREFIX}{role}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
+        step("mkdir", os.mkdir, folder)
+        fd = _lock_folder(folder)
+        if fd is not None:
+            break
+    else:
+        raise InternalError(f"{parent}/: every new scratch folder was removed by another process's sweep")
     try:
-        with FolderLock(folder, busy=lambda holder: InternalError(f"{folder} is locked by another process")):
-            yield folder
+        yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An open descriptor of ``folder`` holding its exclusive ``flock``, or ``None`` when someone
+    else holds it, or the folder is gone or is not the one at that path any more."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # gone, or replaced by a file or a link
+            return None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(folder, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    os.close(fd)
+    return None
 
 
 def _refuse_nonfinite(value: Any, where: str = "") -> None:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from .errors import InternalError, naming
 from .hashing import HashingWriter
 
-__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "scratch_folder", "json_bytes",
+__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "scratch_folder", "lock_folder", "json_bytes",
            "json_loads_strict",
            "write_json_atomic", "FolderLock"]
 
@@ -165,7 +165,7 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
     ours = re.compile(re.escape(f"{SCRATCH_PREFIX}{role}-") + f"[0-9a-f]{{{_SUFFIX_HEX}}}")
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
         if ours.fullmatch(entry.name) and not entry.is_symlink():
-            fd = _lock_folder(entry)
+            fd = lock_folder(entry)
             if fd is not None:  # nobody holds it: its process is gone
                 try:
                     shutil.rmtree(entry)
@@ -178,7 +178,7 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
     for _ in range(_SCRATCH_ATTEMPTS):
         folder = parent / f"{SCRATCH_PREFIX}{role}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
         step("mkdir", os.mkdir, folder)
-        fd = _lock_folder(folder)
+        fd = lock_folder(folder)
         if fd is not None:
             break
     else:
@@ -190,7 +190,7 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
         os.close(fd)
 
 
-def _lock_folder(folder: Path) -> int | None:
+def lock_folder(folder: Path) -> int | None:
     """An open descriptor of ``folder`` holding its exclusive ``flock``, or ``None`` when someone
     else holds it, or the folder is gone or is not the one at that path any more."""
     try:

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict
+from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict, lock_folder
 from ..errors import (
     CheckpointError,
     CheckpointLocked,
@@ -279,12 +279,10 @@ class CheckpointStore:
                 _log.warning("warning: not pruning %s: %s", folder, exc)
                 continue
             doomed = self.root / f"{_TRASH_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = lock_folder(folder)
+            if fd is None:
+                continue  # a reader holds it (or it is gone): retried at the next save
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a reader holds it: retried at the next save
                 os.rename(folder, doomed)
             finally:
                 os.close(fd)

@@ -267,6 +267,39 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
 
 
+def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_dies(tmp_path):
+    """A peer's signal can stop this rank before its own watchdog noticed the dead agent:
+    a SIGTERM sent after the loop restored the default handler would kill it before it
+    reports the stop (its checkpoint committed, its line and exit code lost)."""
+    rank = ("import time\n"
+            "import torch, torch.distributed as dist\n"
+            "from pipeline.distributed.world import World, end_with_launcher\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
+            "              mode='ddp')\n"
+            "assert world.agree_signal(15) == 15\n"
+            "end_with_launcher(grace=30)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(2)  # several watchdog polls after the launcher is gone\n"
+            "print('reported its stop', flush=True)\n")
+    launcher = ("import subprocess, sys\n"
+                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
+                "print(rank.pid, flush=True)\n"
+                "sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=(tmp_path / "err.txt").open("w"), text=True)
+    pid = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
+        parent.kill()
+        parent.wait()
+        assert parent.stdout.readline().strip() == "reported its stop", "the watchdog killed a stopping rank"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):
     """torch.distributed.checkpoint costs a second or more to import: a run in one process,
     fresh then resumed and extended, leaves it alone."""

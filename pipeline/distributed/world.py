@@ -39,6 +39,10 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 ORPHAN_GRACE_S = 15.0
 _ORPHAN_POLL_S = 0.25
 _watching = False
+# Set once the ranks agreed to stop: the rank is already on its way out with a checkpoint,
+# and a SIGTERM from the watchdog after the loop restored the default handler would kill it
+# before it reports the stop.
+_stop_agreed = threading.Event()
 
 
 def launched_by_torchrun() -> bool:
@@ -74,7 +78,8 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(_ORPHAN_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not _stop_agreed.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         print(f"error: the torchrun agent (pid {parent}) is gone and this rank did not stop within {grace:g} s; "
               "ending it (the last committed checkpoint is intact)", file=sys.stderr, flush=True)
@@ -202,6 +207,8 @@ class World:
     def agree_signal(self, signum: int | None) -> int | None:
         """A stop signal received by any rank, known to all (each step, so all stop together)."""
         (agreed,) = self._max([signum or 0])
+        if agreed:
+            _stop_agreed.set()
         return agreed or None
 
     @contextlib.contextmanager

@@ -376,5 +376,7 @@ if __name__ == "__main__":
         # Without the optional matplotlib the stage has no curve: the same commit protocol,
         # and each of the many forked cases skips a plot.
         sys.modules["matplotlib"] = None
-        from pipeline import stage  # noqa: F401 - imported once here, not in every forked case
+        # Imported once here, not in every forked case: the package imports its builder
+        # lazily, on first use, which costs each case more than its own build.
+        from pipeline.stage import build_stage  # noqa: F401
     print(json.dumps(explore(protocol_named(name, source), work)))

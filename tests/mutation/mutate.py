@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,16 @@ def check_applies(mutation: Mutation, root: Path = REPO) -> str | None:
             return f"search string found {count} times in {edit.file} (must be exactly once): update the mutation"
         if edit.search == edit.replace:
             return f"the edit of {edit.file} changes nothing"
+    for test in mutation.tests:
+        # "tests/test_x.py::test_name[param]": a renamed test would otherwise only show up
+        # when the baseline run reports it missing.
+        path, _, name = test.partition("::")
+        function = name.split("[", 1)[0]
+        source = root / path
+        if not source.is_file():
+            return f"it names a test in {path}, which does not exist"
+        if not re.search(rf"^def {re.escape(function)}\(", source.read_text(encoding="utf-8"), re.MULTILINE):
+            return f"it names {function}, which {path} does not define: update the mutation"
     return None
 
 
@@ -147,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only mutations whose name contains this text")
     parser.add_argument("--jobs", type=int, default=2, help="mutations run at the same time (default 2)")
-    parser.add_argument("--list", action="store_true", help="check that every mutation applies, run nothing")
+    parser.add_argument("--list", action="store_true",
+                        help="check that every mutation applies and names tests that exist; run nothing")
     args = parser.parse_args(argv)
     mutations = [m for m in load() if args.only is None or args.only in m.name]
     if not mutations:

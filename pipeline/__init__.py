@@ -20,9 +20,16 @@ on-disk names in :mod:`pipeline.layout`.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# The process that started this one, read as early as can be: every script and every
+# ``python -m pipeline...`` imports this package first. Under torchrun that is the agent,
+# which the watchdog of pipeline.distributed.world watches even if it died while this
+# rank was still importing torch.
+PARENT_AT_START = os.getppid()
 
 # public name -> module that defines it
 _API = {

@@ -267,6 +267,40 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
 
 
+def test_a_rank_whose_agent_died_before_its_watchdog_started_is_ended(tmp_path):
+    """An agent killed while its ranks still start up (importing, joining the store) left
+    them waiting on its store for minutes: the watchdog took the parent of the moment it
+    started, by then already the new one. It watches the process that started the rank."""
+    rank = ("import os, sys, time\n"
+            "from pipeline.distributed.world import end_with_launcher\n"
+            "launcher = os.getppid()\n"
+            "print('ready', flush=True)\n"
+            "while os.getppid() == launcher:\n"
+            "    time.sleep(0.02)\n"
+            "end_with_launcher(grace=30)\n"
+            "time.sleep(60)\n"
+            "print('still running', flush=True)\n")
+    launcher = ("import subprocess, sys\n"
+                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
+                "print(rank.pid, flush=True)\n"
+                "sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=(tmp_path / "err.txt").open("w"), text=True)
+    pid = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "a rank whose agent died before its watchdog started was never stopped"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_dies(tmp_path):
     """A peer's signal can stop this rank before its own watchdog noticed the dead agent:
     a SIGTERM sent after the loop restored the default handler would kill it before it

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import PARENT_AT_START
 from ..cli import resume_command
 from ..config import Config
 from ..errors import ConfigError, DataError, PeerFailed, PipelineError
@@ -73,7 +74,7 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
     if _watching:
         return
     _watching = True
-    parent = os.getppid()
+    parent = PARENT_AT_START  # not the parent of now: the agent may already be gone
 
     def watch() -> None:
         while os.getppid() == parent:

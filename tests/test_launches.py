@@ -9,6 +9,7 @@ ones run in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -236,6 +238,37 @@ def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_d
     load_checkpoint(committed[0], mode=LoadMode.VERIFY)
 
 
+@contextlib.contextmanager
+def _launcher_killed_under(rank: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Start ``rank`` (Python that prints 'ready') from a launcher process, SIGKILL the
+    launcher once the rank is ready, and yield (launcher, the rank's pid). The launcher's
+    stdout is the rank's too; its stderr goes to tmp_path/err.txt. A rank still alive on
+    the way out is killed."""
+    launcher = ("import subprocess, sys\n"
+                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
+                "print(rank.pid, flush=True)\n"
+                "sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=(tmp_path / "err.txt").open("w"), text=True)
+    pid = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
+        parent.kill()
+        parent.wait()
+        yield parent, pid
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
 def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
     """The watchdog's last resort: a rank still running ``grace`` seconds after its
     launcher died (here one that ignores SIGTERM, as one stuck in a collective would) is
@@ -246,24 +279,8 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
             "end_with_launcher(grace=0.5)\n"
             "print('ready', flush=True)\n"
             "time.sleep(120)\n")
-    launcher = ("import subprocess, sys\n"
-                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
-                "print(rank.pid, flush=True)\n"
-                "sys.stdin.read()\n")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=(tmp_path / "err.txt").open("w"), text=True)
-    pid = int(parent.stdout.readline())
-    try:
-        assert parent.stdout.readline().strip() == "ready"
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "the rank outlived its launcher"
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    with _launcher_killed_under(rank, tmp_path) as (_, pid):
+        assert _ends_within(pid, 30), "the rank outlived its launcher"
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
 
 
@@ -280,25 +297,8 @@ def test_a_rank_whose_agent_died_before_its_watchdog_started_is_ended(tmp_path):
             "end_with_launcher(grace=30)\n"
             "time.sleep(60)\n"
             "print('still running', flush=True)\n")
-    launcher = ("import subprocess, sys\n"
-                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
-                "print(rank.pid, flush=True)\n"
-                "sys.stdin.read()\n")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=(tmp_path / "err.txt").open("w"), text=True)
-    pid = int(parent.stdout.readline())
-    try:
-        assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 20
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "a rank whose agent died before its watchdog started was never stopped"
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    with _launcher_killed_under(rank, tmp_path) as (_, pid):
+        assert _ends_within(pid, 20), "a rank whose agent died before its watchdog started was never stopped"
 
 
 def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_dies(tmp_path):
@@ -316,22 +316,8 @@ def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_die
             "print('ready', flush=True)\n"
             "time.sleep(2)  # several watchdog polls after the launcher is gone\n"
             "print('reported its stop', flush=True)\n")
-    launcher = ("import subprocess, sys\n"
-                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
-                "print(rank.pid, flush=True)\n"
-                "sys.stdin.read()\n")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=(tmp_path / "err.txt").open("w"), text=True)
-    pid = int(parent.stdout.readline())
-    try:
-        assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
-        parent.kill()
-        parent.wait()
-        assert parent.stdout.readline().strip() == "reported its stop", "the watchdog killed a stopping rank"
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    with _launcher_killed_under(rank, tmp_path) as (launcher, _):
+        assert launcher.stdout.readline().strip() == "reported its stop", "the watchdog killed a stopping rank"
 
 
 def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):

@@ -320,6 +320,40 @@ def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_die
         assert launcher.stdout.readline().strip() == "reported its stop", "the watchdog killed a stopping rank"
 
 
+def test_a_rank_whose_launch_store_dies_while_it_joins_stops_with_one_line(data_dir, tmp_path):
+    """The agent's store gone while a rank joins the process group (the agent killed as its
+    ranks start): one line and exit 2, not torch's traceback."""
+    host = ("import sys, time\n"
+            "import torch.distributed as dist\n"
+            "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+            "print(store.port, flush=True)\n"
+            "while store.num_keys() < 2:  # the joining rank has written its own keys\n"
+            "    time.sleep(0.05)\n"
+            "print('joined', flush=True)\n"
+            "time.sleep(120)\n")
+    store = subprocess.Popen([sys.executable, "-c", host], env=script_env(OMP_NUM_THREADS="1"),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(store.stdout.readline())
+        rank = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set",
+             f"data.dir={data_dir}", "--set", "training.parallel=ddp", "--checkpoint-dir", str(tmp_path / "ck")],
+            cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+                                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert store.stdout.readline().strip() == "joined"
+            store.kill()
+            _, stderr = rank.communicate(timeout=60)
+        finally:
+            rank.kill()
+    finally:
+        store.kill()
+    assert rank.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could not join the launch's process group" in errors[0], stderr[-3000:]
+
+
 def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):
     """torch.distributed.checkpoint costs a second or more to import: a run in one process,
     fresh then resumed and extended, leaves it alone."""

@@ -90,14 +90,15 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
 
 
 @contextlib.contextmanager
-def _peer_loss() -> Iterator[None]:
-    """A collective that fails because a peer process died is a one-line error here."""
+def _peer_loss(what: str = "lost contact with another process of the launch",
+               then: str = "the last committed checkpoint is intact: relaunch with --resume latest") -> Iterator[None]:
+    """A collective (or the rendezvous) that fails because a peer process or the agent's
+    store died is a one-line error here."""
     try:
         yield
-    except RuntimeError as exc:  # torch.distributed.DistBackendError and gloo's errors
+    except RuntimeError as exc:  # torch.distributed.DistBackendError, DistNetworkError and gloo's errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PipelineError(f"lost contact with another process of the launch ({first[:200]}); the last "
-                            "committed checkpoint is intact: relaunch with --resume latest") from None
+        raise PipelineError(f"{what} ({first[:200]}); {then}") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,12 +142,16 @@ class World:
             device = torch.device("cuda", local_rank)
         else:
             device = torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        # The agent's store can go away while the ranks meet (the agent killed as they start).
+        with _peer_loss("could not join the launch's process group",
+                        "its torchrun agent or another process of it is gone; nothing was trained: launch again"):
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+            mesh_group = dist.new_group()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
                    device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters,
-                   mesh_group=dist.new_group())
+                   mesh_group=mesh_group)
 
     def own_group(self) -> "World":
         """This rank on a new gloo process group of every rank (CPU collectives, whatever

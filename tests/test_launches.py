@@ -299,6 +299,8 @@ def test_a_rank_whose_agent_died_before_its_watchdog_started_is_ended(tmp_path):
             "print('still running', flush=True)\n")
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
         assert _ends_within(pid, 20), "a rank whose agent died before its watchdog started was never stopped"
+    errors = [line for line in (tmp_path / "err.txt").read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "gone before this rank started training" in errors[0], errors
 
 
 def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_dies(tmp_path):

@@ -80,6 +80,10 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
         while os.getppid() == parent:
             time.sleep(_ORPHAN_POLL_S)
         if not _stop_agreed.is_set():
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                # Not training yet (or no longer): the SIGTERM below ends the rank at once, unexplained.
+                print(f"error: the torchrun agent (pid {parent}) is gone before this rank started training; "
+                      "ending it", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         print(f"error: the torchrun agent (pid {parent}) is gone and this rank did not stop within {grace:g} s; "

@@ -32,9 +32,11 @@ test: $(STAMP)
 mutate: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) tests/mutation/mutate.py
 
-# Lint and import order (ruff, configured in pyproject.toml); .ci/run runs it before the tests.
+# Lint, import order and formatting (ruff, configured in pyproject.toml); .ci/run runs it before the tests.
+# `$(PY) -m ruff format .` rewrites what the last line refuses.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Side by side, ratios with targets (benchmarks/README.md): checkpoints at 0.06, 0.6 and 3 GB,
 # in one process and under torchrun (2 processes), publishing, staging memory, the input pipeline.

@@ -59,10 +59,27 @@ from pipeline.run import TrainingRun  # noqa: E402
 
 __all__ = ["main"]
 
-SAVES = ("ours_sync", "ours_async", "torch_save", "safetensors_save_file", "accelerate_save_state", "dcp_save_hf",
-         "raw_write", "raw_write_streamed", "memcopy", "memcopy_torch")
-LOADS = ("ours_resume", "ours_load_mapped", "torch_load", "torch_load_into", "safetensors_load_file",
-         "accelerate_load_state", "dcp_load_hf")
+SAVES = (
+    "ours_sync",
+    "ours_async",
+    "torch_save",
+    "safetensors_save_file",
+    "accelerate_save_state",
+    "dcp_save_hf",
+    "raw_write",
+    "raw_write_streamed",
+    "memcopy",
+    "memcopy_torch",
+)
+LOADS = (
+    "ours_resume",
+    "ours_load_mapped",
+    "torch_load",
+    "torch_load_into",
+    "safetensors_load_file",
+    "accelerate_load_state",
+    "dcp_load_hf",
+)
 TARGETED = ("ours_sync", "ours_async")  # the candidates with a peak-memory target
 LABELS = {
     "ours_sync": "ours, sync (SHA-256, fsync, atomic rename)",
@@ -92,7 +109,12 @@ TARGETS = (
     ("sync save / torch.save + fsync", ("ours_sync", "wall"), ("torch_save", "wall"), 1.0),
     ("sync save / dcp.save, HF writer", ("ours_sync", "wall"), ("dcp_save_hf", "wall"), None),
     ("verified resume / dcp.load, HF reader", ("ours_resume", "wall"), ("dcp_load_hf", "wall"), None),
-    ("verified resume / torch.load + load_state_dict", ("ours_resume", "wall"), ("torch_load_into", "wall"), None),
+    (
+        "verified resume / torch.load + load_state_dict",
+        ("ours_resume", "wall"),
+        ("torch_load_into", "wall"),
+        None,
+    ),
     ("mapped, unverified load / torch.load", ("ours_load_mapped", "wall"), ("torch_load", "wall"), None),
     ("async wall (to commit) / sync save", ("ours_async", "wall"), ("ours_sync", "wall"), None),
     ("raw write + fsync / streamed", ("raw_write", "wall"), ("raw_write_streamed", "wall"), None),
@@ -100,8 +122,11 @@ TARGETS = (
 # Extra peak RSS / state: (candidate, goal).
 MEMORY_TARGETS = (("ours_sync", 0.05), ("ours_async", 1.05))
 # Time per GB at the largest size / at 0.6 GB (goal 1.2): what grows faster than the state.
-GROWTH = (("sync save", "ours_sync", "wall"), ("async stall", "ours_async", "stall"),
-          ("verified resume", "ours_resume", "wall"))
+GROWTH = (
+    ("sync save", "ours_sync", "wall"),
+    ("async stall", "ours_async", "stall"),
+    ("verified resume", "ours_resume", "wall"),
+)
 GROWTH_GOAL = 1.2
 # glibc otherwise keeps freed tensors of a few MB in its heap, where the next candidate
 # reuses them without growing RSS; a fixed threshold makes every tensor its own mapping,
@@ -116,8 +141,13 @@ def build_run(size_gb: float) -> TrainingRun:
     """Weights + AdamW's two moments = 12 bytes per parameter; three square layers."""
     width = round(math.sqrt(size_gb * 1e9 / 12 / 3))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, width))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(8, width)).square().mean().backward()
     optimizer.step()  # materializes exp_avg / exp_avg_sq
@@ -125,11 +155,21 @@ def build_run(size_gb: float) -> TrainingRun:
     generator = seed_everything(0)
     history = {"step": list(range(1, 1001)), "loss": [1.0] * 1000, "lr": [1e-4] * 1000}
     data, sampler = types.SimpleNamespace(num_train=64), EpochSampler(64, 8, generator)
-    return TrainingRun(config=Config(), device=torch.device("cpu"), model=model, optimizer=optimizer,
-                       scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
-                       data=data, sampler=sampler, feed=BatchFeed(data, sampler, Config(), torch.device("cpu"), None, 64,
-                                                                  None),
-                       generator=generator, scaler=None, autocast_dtype=None, step=1000, history=history)
+    return TrainingRun(
+        config=Config(),
+        device=torch.device("cpu"),
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
+        data=data,
+        sampler=sampler,
+        feed=BatchFeed(data, sampler, Config(), torch.device("cpu"), None, 64, None),
+        generator=generator,
+        scaler=None,
+        autocast_dtype=None,
+        step=1000,
+        history=history,
+    )
 
 
 def state_tensors(run: TrainingRun) -> list[torch.Tensor]:
@@ -140,9 +180,14 @@ def state_tensors(run: TrainingRun) -> list[torch.Tensor]:
 
 
 def _provenance() -> dict[str, Any]:
-    return {"config": Config().to_dict(), "fingerprints": {"data": "bench", "code": "bench"},
-            "versions": library_versions(), "device": "cpu",
-            "environment": {**current_environment(torch.device("cpu")), "changes": []}, "lineage": []}
+    return {
+        "config": Config().to_dict(),
+        "fingerprints": {"data": "bench", "code": "bench"},
+        "versions": library_versions(),
+        "device": "cpu",
+        "environment": {**current_environment(torch.device("cpu")), "changes": []},
+        "lineage": [],
+    }
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -156,7 +201,11 @@ def _touch(tensors) -> int:
 
 
 def _size(root: Path) -> int:
-    return root.stat().st_size if root.is_file() else sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return (
+        root.stat().st_size
+        if root.is_file()
+        else sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    )
 
 
 def _accelerator(run: TrainingRun):
@@ -172,7 +221,10 @@ def _accelerator(run: TrainingRun):
 def _flat_optimizer(run: TrainingRun) -> dict[str, torch.Tensor]:
     """The optimizer's tensors under flat names: what a DCP safetensors checkpoint stores."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    flat = get_optimizer_state_dict(run.model, run.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    flat = get_optimizer_state_dict(
+        run.model, run.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     return {f"optim.{name}": t for name, t in flat.items() if isinstance(t, torch.Tensor)}
 
 
@@ -240,19 +292,24 @@ class Bench:
         path = self.folder / "torch_save.pt"
 
         def save() -> Path:
-            torch.save({"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict()}, path)
+            torch.save(
+                {"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict()}, path
+            )
             fsync_tree(path)
             return path
+
         return self._timed("torch_save", save)
 
     def safetensors_save_file(self):
         from safetensors.torch import save_file
+
         path = self.folder / "weights.safetensors"
 
         def save() -> Path:
             save_file(self.run.model.state_dict(), str(path))
             fsync_tree(path)
             return path
+
         return self._timed("safetensors_save_file", save)
 
     def accelerate_save_state(self):
@@ -264,6 +321,7 @@ class Bench:
             self.accelerator.save_state(str(path))
             fsync_tree(path)
             return path
+
         return self._timed("accelerate_save_state", save)
 
     def dcp_save_hf(self):
@@ -271,12 +329,16 @@ class Bench:
         model's and the optimizer's tensors (DCP's writer fsyncs each file itself)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
         path = self.folder / "dcp_hf"
 
         def save() -> Path:
-            dcp.save({**self.run.model.state_dict(), **_flat_optimizer(self.run)},
-                     storage_writer=HuggingFaceStorageWriter(str(path)))
+            dcp.save(
+                {**self.run.model.state_dict(), **_flat_optimizer(self.run)},
+                storage_writer=HuggingFaceStorageWriter(str(path)),
+            )
             return path
+
         return self._timed("dcp_save_hf", save)
 
     def _raw(self, name: str, streamed: bool):
@@ -289,10 +351,10 @@ class Bench:
                 for tensor in self.tensors:
                     view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
                     for start in range(0, len(view), WRITE_CHUNK):
-                        chunk = view[start:start + WRITE_CHUNK]
+                        chunk = view[start : start + WRITE_CHUNK]
                         while chunk:
-                            chunk = chunk[os.write(fd, chunk):]
-                        written += len(view[start:start + WRITE_CHUNK])
+                            chunk = chunk[os.write(fd, chunk) :]
+                        written += len(view[start : start + WRITE_CHUNK])
                         if streamed and written - flushed >= WRITEBACK_WINDOW:
                             os.posix_fadvise(fd, flushed, written - flushed, os.POSIX_FADV_DONTNEED)
                             flushed = written
@@ -300,6 +362,7 @@ class Bench:
             finally:
                 os.close(fd)
             return path
+
         return self._timed(name, write)
 
     def raw_write(self):
@@ -345,15 +408,22 @@ class Bench:
         """What ``02_train.py --resume`` does: meta.json first (to build the run), then every
         byte of both files verified as it is read: the weights into the live model's
         parameters, the training state into memory of this process."""
+
         def load(folder: Path):
             folder, _ = checkpoint_meta(folder)
             loaded = load_checkpoint(folder, into=self.run.model)
             return [*loaded.model_tensors.values(), *loaded.state_tensors.values()]
+
         return self._load("ours_sync", load)
 
     def ours_load_mapped(self):
-        return self._load("ours_sync", lambda folder: [*read_tensors(folder / MODEL_FILE).values(),
-                                                       *read_tensors(folder / STATE_FILE).values()])
+        return self._load(
+            "ours_sync",
+            lambda folder: [
+                *read_tensors(folder / MODEL_FILE).values(),
+                *read_tensors(folder / STATE_FILE).values(),
+            ],
+        )
 
     def torch_load(self):
         def load(path: Path):
@@ -362,19 +432,23 @@ class Bench:
             for entry in state["optimizer"]["state"].values():
                 tensors += [t for t in entry.values() if isinstance(t, torch.Tensor)]
             return tensors
+
         return self._load("torch_save", load)
 
     def torch_load_into(self):
         """A torch user's resume: torch.load, then both ``load_state_dict``."""
+
         def load(path: Path):
             state = torch.load(path, weights_only=True)
             self.run.model.load_state_dict(state["model"])
             self.run.optimizer.load_state_dict(state["optimizer"])
             return state_tensors(self.run)
+
         return self._load("torch_save", load)
 
     def safetensors_load_file(self):
         from safetensors.torch import load_file
+
         return self._load("safetensors_save_file", lambda path: list(load_file(str(path)).values()))
 
     def accelerate_load_state(self):
@@ -384,6 +458,7 @@ class Bench:
         def load(path: Path):
             self.accelerator.load_state(str(path))  # copies into the live model and optimizer
             return state_tensors(self.run)
+
         return self._load("accelerate_save_state", load)
 
     def dcp_load_hf(self):
@@ -395,6 +470,7 @@ class Bench:
             template = {**self.run.model.state_dict(), **_flat_optimizer(self.run)}
             dcp.load(template, storage_reader=HuggingFaceStorageReader(str(path)))
             return list(template.values())
+
         return self._load("dcp_save_hf", load)
 
     def close(self) -> None:
@@ -429,9 +505,15 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-LOAD_SOURCE = {"ours_resume": "ours_sync", "ours_load_mapped": "ours_sync", "torch_load": "torch_save",
-               "torch_load_into": "torch_save", "safetensors_load_file": "safetensors_save_file",
-               "accelerate_load_state": "accelerate_save_state", "dcp_load_hf": "dcp_save_hf"}
+LOAD_SOURCE = {
+    "ours_resume": "ours_sync",
+    "ours_load_mapped": "ours_sync",
+    "torch_load": "torch_save",
+    "torch_load_into": "torch_save",
+    "safetensors_load_file": "safetensors_save_file",
+    "accelerate_load_state": "accelerate_save_state",
+    "dcp_load_hf": "dcp_save_hf",
+}
 
 
 def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any]:
@@ -455,8 +537,12 @@ def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any
         Path("/proc/self/clear_refs").write_text("5")
         result = measured()
         peak = _status_kib("VmHWM")
-        return {"skipped": result is None, "extra_bytes": (peak - before) * 1024, "peak_bytes": peak * 1024,
-                "state_bytes": bench.state_bytes}
+        return {
+            "skipped": result is None,
+            "extra_bytes": (peak - before) * 1024,
+            "peak_bytes": peak * 1024,
+            "state_bytes": bench.state_bytes,
+        }
     finally:
         bench.close()
 
@@ -464,20 +550,28 @@ def memory_worker(size_gb: float, candidate: str, folder: Path) -> dict[str, Any
 # -- driver ---------------------------------------------------------------------------------
 def _spawn(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", *args]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     if result.returncode != 0:
         raise RuntimeError(f"worker {' '.join(args)} failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"state_bytes": runs[0]["state_bytes"], "loadavg_1min": [r["loadavg"] for r in runs],
-                           "candidates": {}}
+    out: dict[str, Any] = {
+        "state_bytes": runs[0]["state_bytes"],
+        "loadavg_1min": [r["loadavg"] for r in runs],
+        "candidates": {},
+    }
     for name in ("ours_async_first", *SAVES, *LOADS):
         measured = [r[name] for r in runs if r.get(name) is not None]
         if len(measured) == len(runs):
-            out["candidates"][name] = {"wall": summary([m[0] for m in measured]),
-                                       "stall": summary([m[1] for m in measured]), "bytes": measured[0][2]}
+            out["candidates"][name] = {
+                "wall": summary([m[0] for m in measured]),
+                "stall": summary([m[1] for m in measured]),
+                "bytes": measured[0][2],
+            }
     return out
 
 
@@ -488,13 +582,22 @@ def _ratios(sizes: dict[str, dict[str, Any]]) -> list[Ratio]:
         cands = result["candidates"]
         for label, (top, top_kind), (bottom, bottom_kind), goal in TARGETS:
             if top in cands and bottom in cands:
-                rows.append(ratio(label, scope, cands[top][top_kind]["values"], cands[bottom][bottom_kind]["values"],
-                                  goal))
+                rows.append(
+                    ratio(
+                        label,
+                        scope,
+                        cands[top][top_kind]["values"],
+                        cands[bottom][bottom_kind]["values"],
+                        goal,
+                    )
+                )
         for name, goal in MEMORY_TARGETS:
             memory = result.get("memory", {}).get(name)
             if memory and not memory.get("skipped"):
                 share = memory["extra_bytes"] / result["state_bytes"]
-                rows.append(Ratio(f"{LABELS[name].split(' (')[0]}: extra peak RSS / state", scope, share, None, goal))
+                rows.append(
+                    Ratio(f"{LABELS[name].split(' (')[0]}: extra peak RSS / state", scope, share, None, goal)
+                )
     small = next((s for s, r in sizes.items() if abs(r["state_bytes"] / 1e9 - 0.6) < 0.1), None)
     large = max(sizes, key=lambda s: sizes[s]["state_bytes"])
     if small is not None and sizes[large]["state_bytes"] > 2 * sizes[small]["state_bytes"]:
@@ -502,8 +605,10 @@ def _ratios(sizes: dict[str, dict[str, Any]]) -> list[Ratio]:
         scope = f"{high['state_bytes'] / 1e9:.2f} vs {low['state_bytes'] / 1e9:.2f} GB"
         for label, name, kind in GROWTH:
             if name in low["candidates"] and name in high["candidates"]:
-                per_gb = [[value / result["state_bytes"] for value in result["candidates"][name][kind]["values"]]
-                          for result in (high, low)]
+                per_gb = [
+                    [value / result["state_bytes"] for value in result["candidates"][name][kind]["values"]]
+                    for result in (high, low)
+                ]
                 rows.append(ratio(f"{label}: time per GB", scope, *per_gb, GROWTH_GOAL))
     return rows
 
@@ -515,16 +620,21 @@ def _fmt_span(summary_: dict[str, Any]) -> str:
 def _table(size: str, result: dict[str, Any]) -> str:
     state_gb = result["state_bytes"] / 1e9
     load = ", ".join(f"{x:.1f}" for x in result["loadavg_1min"])
-    lines = [f"### state {state_gb:.3f} GB ({size} requested; 1-min load average per repetition: {load})", "",
-             "| candidate | bytes | wall s, median [min-max] | training stall s | GB/s | extra peak RSS |",
-             "| --- | ---: | --- | --- | ---: | ---: |"]
+    lines = [
+        f"### state {state_gb:.3f} GB ({size} requested; 1-min load average per repetition: {load})",
+        "",
+        "| candidate | bytes | wall s, median [min-max] | training stall s | GB/s | extra peak RSS |",
+        "| --- | ---: | --- | --- | ---: | ---: |",
+    ]
     memory = result.get("memory", {})
     for name, cand in result["candidates"].items():
         mem = memory.get(name, {})
         rss = f"{mem['extra_bytes'] / 1e9:.3f} GB" if "extra_bytes" in mem and not mem.get("skipped") else "-"
         stall = _fmt_span(cand["stall"]) if name == "ours_async_first" or name in SAVES else "-"
-        lines.append(f"| {LABELS[name]} | {cand['bytes'] / 1e6:,.0f} MB | {_fmt_span(cand['wall'])} | {stall} | "
-                     f"{cand['bytes'] / 1e9 / cand['wall']['median']:.2f} | {rss} |")
+        lines.append(
+            f"| {LABELS[name]} | {cand['bytes'] / 1e6:,.0f} MB | {_fmt_span(cand['wall'])} | {stall} | "
+            f"{cand['bytes'] / 1e9 / cand['wall']['median']:.2f} | {rss} |"
+        )
     return "\n".join(lines)
 
 
@@ -533,8 +643,13 @@ def _machine() -> dict[str, Any]:
         accelerate = importlib.metadata.version("accelerate")
     except importlib.metadata.PackageNotFoundError:
         accelerate = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform(), "versions": {**library_versions(), "accelerate": accelerate}}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "versions": {**library_versions(), "accelerate": accelerate},
+    }
 
 
 def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Path) -> dict[str, Any]:
@@ -546,7 +661,9 @@ def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Pa
                 folder = folder_root / f"{size}-rep{rep}"
                 folder.mkdir()
                 print(f"rep {rep + 1}/{reps}, {size} GB ...", file=sys.stderr, flush=True)
-                timings[size].append(_spawn(["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)]))
+                timings[size].append(
+                    _spawn(["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)])
+                )
                 shutil.rmtree(folder)
         results = {size: _aggregate(runs) for size, runs in timings.items()}
         candidates = {"all": (*SAVES, *LOADS), "targets": TARGETED, "none": ()}[memory]
@@ -556,13 +673,19 @@ def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Pa
                 folder = folder_root / f"{size}-memory-{name}"
                 folder.mkdir()
                 print(f"peak memory, {size} GB, {name} ...", file=sys.stderr, flush=True)
-                results[size]["memory"][name] = _spawn(["memory", "--size", size, "--candidate", name,
-                                                        "--dir", str(folder)], env=MEMORY_ENV)
+                results[size]["memory"][name] = _spawn(
+                    ["memory", "--size", size, "--candidate", name, "--dir", str(folder)], env=MEMORY_ENV
+                )
                 shutil.rmtree(folder)
     finally:
         shutil.rmtree(folder_root, ignore_errors=True)
-    report = {"command": " ".join(["python", "benchmarks/checkpoint.py", *sys.argv[1:]]), "reps": reps,
-              "machine": _machine(), "sizes": results, "ratios": [r.to_dict() for r in _ratios(results)]}
+    report = {
+        "command": " ".join(["python", "benchmarks/checkpoint.py", *sys.argv[1:]]),
+        "reps": reps,
+        "machine": _machine(),
+        "sizes": results,
+        "ratios": [r.to_dict() for r in _ratios(results)],
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -572,8 +695,10 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
     print(f"command: {report['command']}  ({report['reps']} interleaved repetitions; JSON: {out})\n")
     for size, result in report["sizes"].items():
         print(_table(size, result) + "\n")
-    ratios = [Ratio(r["label"], r["scope"], r["of_medians"], r["median_of_ratios"], r["target"])
-              for r in report["ratios"]]
+    ratios = [
+        Ratio(r["label"], r["scope"], r["of_medians"], r["median_of_ratios"], r["target"])
+        for r in report["ratios"]
+    ]
     print("targets (met: both estimates meet the goal; borderline: one does)\n")
     print(target_table(ratios) + "\n")
     print("other ratios: ratio of medians (median of per-repetition ratios)")
@@ -584,14 +709,24 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="0.06,0.6,3", help="state sizes in GB, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "checkpoint.json")
-    parser.add_argument("--memory", choices=("all", "targets", "none"), default="all",
-                        help="which candidates get a peak-RSS process (targets: ours, sync and async)")
-    parser.add_argument("--tmp-parent", type=Path, default=REPO.parent,
-                        help="where the temporary folder goes (default: beside the repository, same disk)")
+    parser.add_argument(
+        "--memory",
+        choices=("all", "targets", "none"),
+        default="all",
+        help="which candidates get a peak-RSS process (targets: ours, sync and async)",
+    )
+    parser.add_argument(
+        "--tmp-parent",
+        type=Path,
+        default=REPO.parent,
+        help="where the temporary folder goes (default: beside the repository, same disk)",
+    )
     parser.add_argument("--worker", choices=("timing", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)

@@ -76,17 +76,30 @@ def build_model(config) -> torch.nn.Module:
 
 
 def _config(root: Path, workers: int, steps: int):
-    return load_config(HERE.parent / "config.yaml", {
-        "data.dir": str(root / "data"), "checkpoint.dir": str(root / f"ck-{workers}-{time.monotonic_ns()}"),
-        "data.factory": "dataloader:build_data", "model.factory": "dataloader:build_model",
-        "data.batch_size": BATCH, "data.num_workers": workers, "training.max_steps": steps,
-        "training.dtype": "float32", "checkpoint.every": 10**6, "training.deterministic": False})
+    return load_config(
+        HERE.parent / "config.yaml",
+        {
+            "data.dir": str(root / "data"),
+            "checkpoint.dir": str(root / f"ck-{workers}-{time.monotonic_ns()}"),
+            "data.factory": "dataloader:build_data",
+            "model.factory": "dataloader:build_model",
+            "data.batch_size": BATCH,
+            "data.num_workers": workers,
+            "training.max_steps": steps,
+            "training.dtype": "float32",
+            "checkpoint.every": 10**6,
+            "training.deterministic": False,
+        },
+    )
 
 
 def ours(root: Path, workers: int, steps: int) -> float:
     stamps: list[float] = []
-    train(_config(root, workers, steps), progress=False,
-          hooks=TrainingHooks(on_step=lambda run: stamps.append(time.perf_counter())))
+    train(
+        _config(root, workers, steps),
+        progress=False,
+        hooks=TrainingHooks(on_step=lambda run: stamps.append(time.perf_counter())),
+    )
     return (len(stamps) - WARMUP) / (stamps[-1] - stamps[WARMUP - 1])
 
 
@@ -96,8 +109,13 @@ def by_hand(root: Path, workers: int, steps: int) -> float:
     model = build_model(None)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     task = BusyTask()
-    loader = torch.utils.data.DataLoader(task.train_dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        task.train_dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
     stamps: list[float] = []
     for step, batch in enumerate(loader, start=1):
         loss = task.loss(model, batch)
@@ -119,7 +137,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["BENCH_WORK_MS"] = str(args.work_ms)
     torch.set_num_threads(1)
-    candidates = {f"{name}, {w} workers": (fn, w) for w in (0, 2) for name, fn in (("ours", ours), ("hand", by_hand))}
+    candidates = {
+        f"{name}, {w} workers": (fn, w) for w in (0, 2) for name, fn in (("ours", ours), ("hand", by_hand))
+    }
     results: dict[str, list[float]] = {name: [] for name in candidates}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -131,14 +151,28 @@ def main() -> None:
     print(f"{'candidate':<20} {'steps/s (median)':>17} {'min':>8} {'max':>8}")
     for name, values in results.items():
         print(f"{name:<20} {medians[name]:>17.1f} {min(values):>8.1f} {max(values):>8.1f}")
-    ratios = {"ours / hand, 0 workers": medians["ours, 0 workers"] / medians["hand, 0 workers"],
-              "ours / hand, 2 workers": medians["ours, 2 workers"] / medians["hand, 2 workers"],
-              "ours 2 workers / ours 0 workers": medians["ours, 2 workers"] / medians["ours, 0 workers"]}
+    ratios = {
+        "ours / hand, 0 workers": medians["ours, 0 workers"] / medians["hand, 0 workers"],
+        "ours / hand, 2 workers": medians["ours, 2 workers"] / medians["hand, 2 workers"],
+        "ours 2 workers / ours 0 workers": medians["ours, 2 workers"] / medians["ours, 0 workers"],
+    }
     for name, value in ratios.items():
         print(f"{name:<32} {value:.2f}x")
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "reps": args.reps, "work_ms": args.work_ms,
-                                          "steps_per_second": results, "medians": medians, "ratios": ratios,
-                                          "load_average": os.getloadavg(), "torch": torch.__version__}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "reps": args.reps,
+                "work_ms": args.work_ms,
+                "steps_per_second": results,
+                "medians": medians,
+                "ratios": ratios,
+                "load_average": os.getloadavg(),
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

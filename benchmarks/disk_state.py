@@ -44,7 +44,7 @@ def main() -> int:
     try:
         bench = Bench(args.size, work, with_accelerate=False)
         model = bench.run.model.state_dict()
-        state = {f"state{i}": t for i, t in enumerate(bench.tensors[len(model):])}
+        state = {f"state{i}": t for i, t in enumerate(bench.tensors[len(model) :])}
 
         def fresh_folder() -> Path:
             folder = work / f"run-{time.perf_counter_ns()}"
@@ -66,27 +66,38 @@ def main() -> int:
             folder = fresh_folder()
             start = time.perf_counter()
             if both_files:
-                write_safetensors_files([(folder / "model", model, {"format": "pt"}),
-                                         (folder / "state", state, {"format": "pt"})])
+                write_safetensors_files(
+                    [(folder / "model", model, {"format": "pt"}), (folder / "state", state, {"format": "pt"})]
+                )
             else:
                 write_safetensors(folder / "all", {**model, **state}, {"format": "pt"})
             return time.perf_counter() - start
 
-        for label, delete, pause in (("fresh", False, 0.0), ("freed just before", True, 0.0),
-                                     ("freed 1 s before", True, 1.0)):
-            candidates = {"raw write, streamed": lambda: raw(delete, pause),
-                          "ours, both files": lambda: ours(True), "ours, one file": lambda: ours(False)}
+        for label, delete, pause in (
+            ("fresh", False, 0.0),
+            ("freed just before", True, 0.0),
+            ("freed 1 s before", True, 1.0),
+        ):
+            candidates = {
+                "raw write, streamed": lambda: raw(delete, pause),
+                "ours, both files": lambda: ours(True),
+                "ours, one file": lambda: ours(False),
+            }
             names = list(candidates)
             times: dict[str, list[float]] = {name: [] for name in names}
             for rep in range(args.reps):
-                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
                     times[name].append(candidates[name]())
             base = np.array(times["raw write, streamed"])
-            print(f"{label}: {bench.state_bytes / 1e9:.2f} GB, {args.reps} reps, median s "
-                  "[min-max], median of per-rep ratios to the raw write")
+            print(
+                f"{label}: {bench.state_bytes / 1e9:.2f} GB, {args.reps} reps, median s "
+                "[min-max], median of per-rep ratios to the raw write"
+            )
             for name, values in times.items():
-                print(f"  {name:22s} {np.median(values):6.3f} [{min(values):.3f}-{max(values):.3f}]  "
-                      f"{np.median(np.array(values) / base):.2f}")
+                print(
+                    f"  {name:22s} {np.median(values):6.3f} [{min(values):.3f}-{max(values):.3f}]  "
+                    f"{np.median(np.array(values) / base):.2f}"
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

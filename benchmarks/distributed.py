@@ -68,9 +68,23 @@ def hidden_for(size_gb: float, features: int = FEATURES) -> int:
 
 
 def launch(args: argparse.Namespace, size: str, part: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--mode", args.mode, "--hidden", str(hidden_for(float(size))),
-               "--reps", str(args.reps), "--part", str(part)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        __file__,
+        "--worker",
+        "--mode",
+        args.mode,
+        "--hidden",
+        str(hidden_for(float(size))),
+        "--reps",
+        str(args.reps),
+        "--part",
+        str(part),
+    ]
     result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
         raise SystemExit(f"the {size} GB launch failed (exit {result.returncode})")
@@ -106,9 +120,14 @@ def worker(args: argparse.Namespace) -> None:
 
     scratch = Path(os.environ.get("BENCH_DIR") or REPO.parent)
     root = scratch / f".bench-distributed-{args.hidden}"
-    overrides = {"data.dir": str(root / "data"), "checkpoint.dir": str(root / "ours"),
-                 "training.parallel": args.mode, "data.params.num_features": FEATURES,
-                 "model.params.hidden": args.hidden, "checkpoint.keep_last": 1}
+    overrides = {
+        "data.dir": str(root / "data"),
+        "checkpoint.dir": str(root / "ours"),
+        "training.parallel": args.mode,
+        "data.params.num_features": FEATURES,
+        "model.params.hidden": args.hidden,
+        "checkpoint.keep_last": 1,
+    }
     config = load_config(REPO / "config.yaml", overrides)
     world = World.start(config)
     if world.rank == 0:
@@ -128,8 +147,9 @@ def worker(args: argparse.Namespace) -> None:
         store.acquire()
     provenance = run_provenance(config, load_manifest(config), world.device, [])
     checkpointer = DistributedCheckpointer(store, world, provenance, summary_)
-    background = DistributedCheckpointer(CheckpointStore(root / "async", keep_last=1), world, provenance, summary_,
-                                         background=True)
+    background = DistributedCheckpointer(
+        CheckpointStore(root / "async", keep_last=1), world, provenance, summary_, background=True
+    )
     if world.rank == 0:
         background.store.acquire()
 
@@ -144,7 +164,10 @@ def worker(args: argparse.Namespace) -> None:
         return folder
 
     def full_state():
-        return {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.optimizer)}
+        return {
+            "model": get_model_state_dict(run.model),
+            "optim": get_optimizer_state_dict(run.model, run.optimizer),
+        }
 
     def resume_ours():
         folder = store.path_for(run.step)
@@ -159,22 +182,32 @@ def worker(args: argparse.Namespace) -> None:
     def memcpy(shards=None):
         shards = shards or [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
         for target, source in zip(floor, shards):
-            np.copyto(target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
+            np.copyto(
+                target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy()
+            )
 
     candidates = {
         "save/ours": lambda: checkpointer.save(run),
-        "save/dcp_hf": lambda: dcp.save(tensors(), storage_writer=HuggingFaceStorageWriter(
-            str(fresh("dcp_hf")), save_distributed=True)),
+        "save/dcp_hf": lambda: dcp.save(
+            tensors(), storage_writer=HuggingFaceStorageWriter(str(fresh("dcp_hf")), save_distributed=True)
+        ),
         "save/dcp_fs": lambda: dcp.save(full_state(), storage_writer=FileSystemWriter(str(fresh("dcp_fs")))),
         "resume/ours": resume_ours,
-        "resume/dcp_hf": lambda: dcp.load(tensors(), storage_reader=HuggingFaceStorageReader(str(root / "dcp_hf"))),
-        "resume/dcp_fs": lambda: dcp.load(full_state(), storage_reader=FileSystemReader(str(root / "dcp_fs"))),
+        "resume/dcp_hf": lambda: dcp.load(
+            tensors(), storage_reader=HuggingFaceStorageReader(str(root / "dcp_hf"))
+        ),
+        "resume/dcp_fs": lambda: dcp.load(
+            full_state(), storage_reader=FileSystemReader(str(root / "dcp_fs"))
+        ),
         "stall/memcpy": memcpy,
         "stall/memcpy_only": lambda: memcpy(local),
         "stall/async": lambda: background.save(run),
     }
-    sources = {"resume/ours": lambda: store.path_for(run.step), "resume/dcp_hf": lambda: root / "dcp_hf",
-               "resume/dcp_fs": lambda: root / "dcp_fs"}
+    sources = {
+        "resume/ours": lambda: store.path_for(run.step),
+        "resume/dcp_hf": lambda: root / "dcp_hf",
+        "resume/dcp_fs": lambda: root / "dcp_fs",
+    }
     times: dict[str, list[float]] = {name: [] for name in candidates}
     loads = []
     background.save(run)  # the first background save allocates the buffers: untimed
@@ -199,10 +232,21 @@ def worker(args: argparse.Namespace) -> None:
         background.store.release()
         full = tensors()
         state_bytes = sum(t.numel() * t.element_size() for t in full.values())
-        Path(args.part).write_text(json.dumps({
-            "nproc": world.world_size, "mode": args.mode, "hidden": args.hidden,
-            "params": summary_["num_parameters"], "state_bytes": state_bytes, "loadavg_1min": loads,
-            "seconds": times}, indent=1) + "\n")
+        Path(args.part).write_text(
+            json.dumps(
+                {
+                    "nproc": world.world_size,
+                    "mode": args.mode,
+                    "hidden": args.hidden,
+                    "params": summary_["num_parameters"],
+                    "state_bytes": state_bytes,
+                    "loadavg_1min": loads,
+                    "seconds": times,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         shutil.rmtree(root, ignore_errors=True)
     world.close()
 
@@ -213,8 +257,10 @@ def report(parts: dict[str, dict], out: Path, command: str) -> None:
     for size, part in parts.items():
         scope = f"{part['state_bytes'] / 1e9:.2f} GB"
         load = ", ".join(f"{x:.1f}" for x in part["loadavg_1min"])
-        print(f"### state {scope} ({size} requested; {part['nproc']} processes, {part['mode']}, "
-              f"{part['params'] / 1e6:.1f}M float64 parameters; 1-min load average per repetition: {load})\n")
+        print(
+            f"### state {scope} ({size} requested; {part['nproc']} processes, {part['mode']}, "
+            f"{part['params'] / 1e6:.1f}M float64 parameters; 1-min load average per repetition: {load})\n"
+        )
         print("| candidate | median s [min-max] |\n| --- | --- |")
         for name, values in part["seconds"].items():
             spread = summary(values)
@@ -229,13 +275,19 @@ def report(parts: dict[str, dict], out: Path, command: str) -> None:
         if r.target is None:
             print(f"  {r.scope:8s} {r.label:48s} {r.of_medians:6.3f} ({r.median_of_ratios:.3f})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "sizes": parts, "ratios": [r.to_dict() for r in ratios]},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps({"command": command, "sizes": parts, "ratios": [r.to_dict() for r in ratios]}, indent=1)
+        + "\n"
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.06,0.6,3", help="state sizes in GB (weights + Adam), comma-separated")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes", default="0.06,0.6,3", help="state sizes in GB (weights + Adam), comma-separated"
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--mode", choices=("ddp", "fsdp2"), default="fsdp2")
     parser.add_argument("--reps", type=int, default=3)

@@ -73,15 +73,22 @@ def build_stage(folder: Path, size_gb: float, tensors: int = 12) -> int:
     folder.mkdir(parents=True)
     side = int((size_gb * 1e9 / 4 / tensors) ** 0.5)
     rng = np.random.default_rng(0)
-    arrays = {f"layer{i:02d}.weight": rng.standard_normal((side, side), dtype=np.float32) for i in range(tensors)}
+    arrays = {
+        f"layer{i:02d}.weight": rng.standard_normal((side, side), dtype=np.float32) for i in range(tensors)
+    }
     save_file(arrays, str(folder / MODEL_FILE), metadata={"format": "pt"})
     (folder / README_FILE).write_text("# benchmark stage\n\nRandom weights, published to a loopback Hub.\n")
     (folder / CONFIG_FILE).write_text(json.dumps({"model_type": "bench"}) + "\n")
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {k: MODEL_FILE for k in arrays}}))
-    files = {name: {"sha256": _sha256(folder / name), "size": (folder / name).stat().st_size}
-             for name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE)}
-    (folder / META_FILE).write_text(json.dumps({"schema": STAGE_SCHEMA, "step": 1, "repo_id": REPO_ID,
-                                                "files": files}))
+    (folder / INDEX_FILE).write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: MODEL_FILE for k in arrays}})
+    )
+    files = {
+        name: {"sha256": _sha256(folder / name), "size": (folder / name).stat().st_size}
+        for name in (MODEL_FILE, CONFIG_FILE, INDEX_FILE)
+    }
+    (folder / META_FILE).write_text(
+        json.dumps({"schema": STAGE_SCHEMA, "step": 1, "repo_id": REPO_ID, "files": files})
+    )
     names = sorted([MODEL_FILE, README_FILE, CONFIG_FILE, INDEX_FILE, META_FILE])
     (folder / MANIFEST_FILE).write_text("".join(f"{_sha256(folder / n)}  {n}\n" for n in names))
     return (folder / MODEL_FILE).stat().st_size
@@ -89,28 +96,54 @@ def build_stage(folder: Path, size_gb: float, tensors: int = 12) -> int:
 
 def run_once(candidate: str, protocol: str, stage: Path, work: Path) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"{candidate}-{protocol}-", dir=work))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_XET") and not k.startswith("HF_XET_")}
-    env.update({"HF_TOKEN": TOKEN, "HF_HOME": str(root / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(REPO)})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_XET") and not k.startswith("HF_XET_")
+    }
+    env.update(
+        {
+            "HF_TOKEN": TOKEN,
+            "HF_HOME": str(root / "hf_home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+    )
     if protocol == "lfs":
         env["HF_HUB_DISABLE_XET"] = "1"
     with LocalHub(root / "hub", token=TOKEN) as hub:
         if candidate == "06":
-            argv = [sys.executable, str(REPO / "scripts" / "06_publish.py"), "--repo-id", REPO_ID, "--endpoint",
-                    hub.url, "--stage", str(stage), "--receipt-dir", str(root / "receipts")]
+            argv = [
+                sys.executable,
+                str(REPO / "scripts" / "06_publish.py"),
+                "--repo-id",
+                REPO_ID,
+                "--endpoint",
+                hub.url,
+                "--stage",
+                str(stage),
+                "--receipt-dir",
+                str(root / "receipts"),
+            ]
         else:
             argv = [sys.executable, "-c", _UPLOAD_FOLDER, str(stage), hub.url, REPO_ID]
         started = time.perf_counter()
         done = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - started
         if done.returncode != 0:
-            raise SystemExit(f"{candidate} over {protocol} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        result = {"wall_s": wall, "downloaded_bytes": hub.bytes_sent("GET"),
-                  "weights_downloaded_bytes": hub.bytes_sent("GET", WEIGHT_READS),
-                  "xet_reads": hub.count("GET", r"/reconstructions/|/_xet/data/"),
-                  "uploaded_xorbs": hub.count("POST", r"/xorbs/"), "lfs_puts": hub.count("PUT"),
-                  "requests": sum(hub.request_counts().values())}
+            raise SystemExit(
+                f"{candidate} over {protocol} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            )
+        result = {
+            "wall_s": wall,
+            "downloaded_bytes": hub.bytes_sent("GET"),
+            "weights_downloaded_bytes": hub.bytes_sent("GET", WEIGHT_READS),
+            "xet_reads": hub.count("GET", r"/reconstructions/|/_xet/data/"),
+            "uploaded_xorbs": hub.count("POST", r"/xorbs/"),
+            "lfs_puts": hub.count("PUT"),
+            "requests": sum(hub.request_counts().values()),
+        }
     shutil.rmtree(root, ignore_errors=True)
     return result
 
@@ -133,33 +166,52 @@ def main() -> int:
         candidates = [(c, p) for p in ("lfs", "xet") for c in ("06", "upload_folder")]
         for rep in range(args.reps):
             # Rotate the order so that drift spreads over every candidate.
-            for candidate, protocol in candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]:
+            for candidate, protocol in (
+                candidates[rep % len(candidates) :] + candidates[: rep % len(candidates)]
+            ):
                 run = run_once(candidate, protocol, work / "hub_stage", work)
                 results["runs"].setdefault(f"{candidate} {protocol}", []).append(run)
-                print(f"rep {rep}  {candidate:13s} {protocol}  {run['wall_s']:6.2f} s  downloaded "
-                      f"{run['downloaded_bytes']:>10,} B (weights {run['weights_downloaded_bytes']:,} B, "
-                      f"Xet reads {run['xet_reads']})", flush=True)
+                print(
+                    f"rep {rep}  {candidate:13s} {protocol}  {run['wall_s']:6.2f} s  downloaded "
+                    f"{run['downloaded_bytes']:>10,} B (weights {run['weights_downloaded_bytes']:,} B, "
+                    f"Xet reads {run['xet_reads']})",
+                    flush=True,
+                )
             results["load_average"].append(os.getloadavg()[0])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{weights / 1e9:.2f} GB of weights, {args.reps} reps; wall s median [min-max]; ratio of medians "
-          "(median of per-rep ratios)")
+    print(
+        f"\n{weights / 1e9:.2f} GB of weights, {args.reps} reps; wall s median [min-max]; ratio of medians "
+        "(median of per-rep ratios)"
+    )
     results["summary"] = {}
     for protocol in ("lfs", "xet"):
         ours, theirs = results["runs"][f"06 {protocol}"], results["runs"][f"upload_folder {protocol}"]
         ours_s, theirs_s = [r["wall_s"] for r in ours], [r["wall_s"] for r in theirs]
         ratio = statistics.median(ours_s) / statistics.median(theirs_s)
         per_rep = statistics.median(a / b for a, b in zip(ours_s, theirs_s))
-        results["summary"][protocol] = {"06_s": _summary(ours_s), "upload_folder_s": _summary(theirs_s),
-                                        "ratio_of_medians": ratio, "median_of_ratios": per_rep,
-                                        "06_weights_downloaded_bytes": max(r["weights_downloaded_bytes"] for r in ours),
-                                        "06_downloaded_bytes": max(r["downloaded_bytes"] for r in ours)}
+        results["summary"][protocol] = {
+            "06_s": _summary(ours_s),
+            "upload_folder_s": _summary(theirs_s),
+            "ratio_of_medians": ratio,
+            "median_of_ratios": per_rep,
+            "06_weights_downloaded_bytes": max(r["weights_downloaded_bytes"] for r in ours),
+            "06_downloaded_bytes": max(r["downloaded_bytes"] for r in ours),
+        }
         s = results["summary"][protocol]
-        verdict = "MET" if ratio <= 1.0 and per_rep <= 1.0 else "borderline" if min(ratio, per_rep) <= 1.0 else "NOT MET"
-        print(f"{protocol}: 06 {s['06_s']['median']:.2f} [{s['06_s']['min']:.2f}-{s['06_s']['max']:.2f}]  "
-              f"upload_folder {s['upload_folder_s']['median']:.2f} [{s['upload_folder_s']['min']:.2f}-"
-              f"{s['upload_folder_s']['max']:.2f}]  ratio {ratio:.2f} ({per_rep:.2f}) target <= 1.0 {verdict}; "
-              f"06 downloaded {s['06_downloaded_bytes']:,} B, weights {s['06_weights_downloaded_bytes']:,} B")
+        verdict = (
+            "MET"
+            if ratio <= 1.0 and per_rep <= 1.0
+            else "borderline"
+            if min(ratio, per_rep) <= 1.0
+            else "NOT MET"
+        )
+        print(
+            f"{protocol}: 06 {s['06_s']['median']:.2f} [{s['06_s']['min']:.2f}-{s['06_s']['max']:.2f}]  "
+            f"upload_folder {s['upload_folder_s']['median']:.2f} [{s['upload_folder_s']['min']:.2f}-"
+            f"{s['upload_folder_s']['max']:.2f}]  ratio {ratio:.2f} ({per_rep:.2f}) target <= 1.0 {verdict}; "
+            f"06 downloaded {s['06_downloaded_bytes']:,} B, weights {s['06_weights_downloaded_bytes']:,} B"
+        )
     results["versions"] = {name: importlib.metadata.version(name) for name in ("huggingface_hub", "hf_xet")}
     results["versions"]["python"] = platform.python_version()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

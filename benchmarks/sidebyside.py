@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["rotated", "summary", "Ratio", "ratio", "verdict", "target_table", "loadavg", "evict", "fsync_tree"]
+__all__ = [
+    "rotated",
+    "summary",
+    "Ratio",
+    "ratio",
+    "verdict",
+    "target_table",
+    "loadavg",
+    "evict",
+    "fsync_tree",
+]
 
 
 def rotated(names: Sequence[str], rep: int) -> list[str]:
@@ -47,15 +57,26 @@ class Ratio:
         return verdict([v for v in (self.of_medians, self.median_of_ratios) if v is not None], self.target)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "scope": self.scope, "of_medians": self.of_medians,
-                "median_of_ratios": self.median_of_ratios, "target": self.target, "verdict": self.verdict}
+        return {
+            "label": self.label,
+            "scope": self.scope,
+            "of_medians": self.of_medians,
+            "median_of_ratios": self.median_of_ratios,
+            "target": self.target,
+            "verdict": self.verdict,
+        }
 
 
 def ratio(label: str, scope: str, top: list[float], bottom: list[float], target: float | None) -> Ratio:
     """``top`` / ``bottom``, both per repetition (paired by index)."""
     paired = [a / b for a, b in zip(top, bottom) if b > 0]
-    return Ratio(label, scope, statistics.median(top) / statistics.median(bottom),
-                 statistics.median(paired) if paired else None, target)
+    return Ratio(
+        label,
+        scope,
+        statistics.median(top) / statistics.median(bottom),
+        statistics.median(paired) if paired else None,
+        target,
+    )
 
 
 def verdict(estimates: list[float], target: float | None) -> str | None:
@@ -67,13 +88,17 @@ def verdict(estimates: list[float], target: float | None) -> str | None:
 
 def target_table(ratios: list[Ratio]) -> str:
     """The compact table: every ratio with a target, both estimates and the verdict."""
-    rows = ["| target | scope | ratio of medians | median of ratios | goal | verdict |",
-            "| --- | --- | ---: | ---: | ---: | --- |"]
+    rows = [
+        "| target | scope | ratio of medians | median of ratios | goal | verdict |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
     for r in ratios:
         if r.target is None:
             continue
         paired = f"{r.median_of_ratios:.3f}" if r.median_of_ratios is not None else "-"
-        rows.append(f"| {r.label} | {r.scope} | {r.of_medians:.3f} | {paired} | <= {r.target} | {r.verdict} |")
+        rows.append(
+            f"| {r.label} | {r.scope} | {r.of_medians:.3f} | {paired} | <= {r.target} | {r.verdict} |"
+        )
     return "\n".join(rows)
 
 
@@ -90,7 +115,7 @@ def fsync_tree(root: Path) -> None:
 
 def evict(root: Path) -> None:
     """Drop a (fsynced, hence clean) file or folder from the page cache: loads read from the device."""
-    for path in ([root] if root.is_file() else root.rglob("*")):
+    for path in [root] if root.is_file() else root.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

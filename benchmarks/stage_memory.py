@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 
 # The model factory, written beside the run's config (factories import from the working folder).
-FACTORY = '''
+FACTORY = """
 import torch
 
 from pipeline.params import read_params
@@ -42,60 +42,104 @@ def build_model(config):
     layers = [torch.nn.Linear(features, width)]
     layers += [torch.nn.Linear(width, width, bias=False) for _ in range(params["layers"])]
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
-'''
+"""
 
 
 def peak_rss(command: list[str], cwd: Path) -> tuple[int, float]:
     """(peak RSS in bytes, seconds) of ``command`` run to completion in its own process."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     _, status, usage = os.wait4(process.pid, 0)
     elapsed = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {process.returncode}: {process.stderr.read().decode()[-2000:]}")
+        raise SystemExit(
+            f"{' '.join(command)} exited {process.returncode}: {process.stderr.read().decode()[-2000:]}"
+        )
     return usage.ru_maxrss * 1024, elapsed
 
 
 def run(args: argparse.Namespace, folder: Path) -> dict:
     (folder / "wide_model.py").write_text(FACTORY)
-    overrides = {"model.factory": "wide_model:build_model", "model.params": f"{{layers: {args.layers}, "
-                 f"width: {args.width}}}", "training.dtype": "float32", "training.max_steps": "1",
-                 "checkpoint.every": "1", "checkpoint.async": "false", "data.dir": "data",
-                 "training.parallel": "fsdp2" if args.nproc > 1 else "none"}
+    overrides = {
+        "model.factory": "wide_model:build_model",
+        "model.params": f"{{layers: {args.layers}, width: {args.width}}}",
+        "training.dtype": "float32",
+        "training.max_steps": "1",
+        "checkpoint.every": "1",
+        "checkpoint.async": "false",
+        "data.dir": "data",
+        "training.parallel": "fsdp2" if args.nproc > 1 else "none",
+    }
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     config = ["--config", str(REPO / "config.yaml"), *sets]
     script = str(REPO / "scripts" / "{}")
-    subprocess.run([sys.executable, script.format("01_prepare_data.py"), *config], cwd=folder, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, script.format("01_prepare_data.py"), *config],
+        cwd=folder,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     train = [script.format("02_train.py"), *config, "--quiet"]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-                if args.nproc > 1 else [sys.executable])
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        if args.nproc > 1
+        else [sys.executable]
+    )
     started = time.perf_counter()
-    subprocess.run([*launcher, *train], cwd=folder, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*launcher, *train],
+        cwd=folder,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+    )
     trained = time.perf_counter() - started
     [checkpoint] = sorted((folder / "estados_local").glob("step-*"))
-    weights = sum(p.stat().st_size for p in checkpoint.rglob("*.safetensors") if "optim" not in p.parts
-                  and p.name != "estado_treino.safetensors")
+    weights = sum(
+        p.stat().st_size
+        for p in checkpoint.rglob("*.safetensors")
+        if "optim" not in p.parts and p.name != "estado_treino.safetensors"
+    )
     baseline, _ = peak_rss([sys.executable, "-c", "import torch, pipeline.stage"], folder)
-    staged, seconds = peak_rss([sys.executable, script.format("05_stage.py"), *config, "--no-metrics",
-                                "--stage", "hub_stage"], folder)
+    staged, seconds = peak_rss(
+        [sys.executable, script.format("05_stage.py"), *config, "--no-metrics", "--stage", "hub_stage"],
+        folder,
+    )
     largest = args.width * args.width * 4
     extra = staged - baseline
-    return {"layers": args.layers, "width": args.width, "nproc": args.nproc,
-            "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
-            "weight_bytes": weights, "largest_tensor_bytes": largest, "train_seconds": round(trained, 1),
-            "stage_seconds": round(seconds, 1), "baseline_peak_rss": baseline, "stage_peak_rss": staged,
-            "extra_peak_rss": extra, "bound": largest + 128 * MIB, "within_bound": extra <= largest + 128 * MIB}
+    return {
+        "layers": args.layers,
+        "width": args.width,
+        "nproc": args.nproc,
+        "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
+        "weight_bytes": weights,
+        "largest_tensor_bytes": largest,
+        "train_seconds": round(trained, 1),
+        "stage_seconds": round(seconds, 1),
+        "baseline_peak_rss": baseline,
+        "stage_peak_rss": staged,
+        "extra_peak_rss": extra,
+        "bound": largest + 128 * MIB,
+        "within_bound": extra <= largest + 128 * MIB,
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--nproc", type=int, default=2, help="2: an FSDP2 checkpoint; 1: a single-process one")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="2: an FSDP2 checkpoint; 1: a single-process one"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "stage_memory.json")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="stage-memory-", dir=os.environ.get("BENCH_DIR")))
@@ -104,12 +148,16 @@ def main() -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     kind = "FSDP2, 2 processes" if args.nproc > 1 else "single process"
-    print(f"{kind}: weights {result['weight_bytes'] / MIB:,.0f} MiB (checkpoint {result['checkpoint_bytes'] / MIB:,.0f} "
-          f"MiB), largest tensor {result['largest_tensor_bytes'] / MIB:,.0f} MiB")
-    print(f"  05 peak RSS {result['stage_peak_rss'] / MIB:,.0f} MiB, baseline (import torch, pipeline.stage) "
-          f"{result['baseline_peak_rss'] / MIB:,.0f} MiB: extra {result['extra_peak_rss'] / MIB:,.0f} MiB, bound "
-          f"{result['bound'] / MIB:,.0f} MiB: {'met' if result['within_bound'] else 'NOT met'} "
-          f"(05 took {result['stage_seconds']} s)")
+    print(
+        f"{kind}: weights {result['weight_bytes'] / MIB:,.0f} MiB (checkpoint {result['checkpoint_bytes'] / MIB:,.0f} "
+        f"MiB), largest tensor {result['largest_tensor_bytes'] / MIB:,.0f} MiB"
+    )
+    print(
+        f"  05 peak RSS {result['stage_peak_rss'] / MIB:,.0f} MiB, baseline (import torch, pipeline.stage) "
+        f"{result['baseline_peak_rss'] / MIB:,.0f} MiB: extra {result['extra_peak_rss'] / MIB:,.0f} MiB, bound "
+        f"{result['bound'] / MIB:,.0f} MiB: {'met' if result['within_bound'] else 'NOT met'} "
+        f"(05 took {result['stage_seconds']} s)"
+    )
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results[f"{args.nproc}x{args.layers}x{args.width}"] = result
     args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")

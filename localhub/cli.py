@@ -13,14 +13,21 @@ __all__ = ["main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m localhub", description=(
-        "Loopback-only Hugging Face Hub double. Prints 'localhub listening on URL' once ready."))
+    parser = argparse.ArgumentParser(
+        prog="python -m localhub",
+        description=("Loopback-only Hugging Face Hub double. Prints 'localhub listening on URL' once ready."),
+    )
     parser.add_argument("--root", required=True, help="state directory (created if missing)")
     parser.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default)")
     parser.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    parser.add_argument("--token", default=None,
-                        help="write token; prefer env LOCALHUB_TOKEN (argv is visible in ps). Without one: read-only")
-    parser.add_argument("--user", default="localhub", help="user name reported by whoami and used as commit author")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="write token; prefer env LOCALHUB_TOKEN (argv is visible in ps). Without one: read-only",
+    )
+    parser.add_argument(
+        "--user", default="localhub", help="user name reported by whoami and used as commit author"
+    )
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     return parser.parse_args(argv)
 
@@ -38,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     token = args.token or os.environ.get("LOCALHUB_TOKEN") or None
     try:
-        hub = LocalHub(args.root, token=token, host=args.host, port=args.port, user=args.user, verbose=args.verbose)
+        hub = LocalHub(
+            args.root, token=token, host=args.host, port=args.port, user=args.user, verbose=args.verbose
+        )
     except (OSError, RuntimeError) as exc:
         print(f"localhub: cannot start: {exc}", file=sys.stderr)
         return 1

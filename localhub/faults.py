@@ -40,12 +40,23 @@ class Faults:
         with self._lock:
             self._commit_failures.extend([int(status)] * int(times))
 
-    def rate_limit(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
-                   path: str | None = None, status: int = 429) -> None:
+    def rate_limit(
+        self,
+        times: int = 1,
+        retry_after: int | None = 1,
+        method: str | None = None,
+        path: str | None = None,
+        status: int = 429,
+    ) -> None:
         """The next `times` requests matching `method` and regex `path` answer `status` (429: too
         many requests; a 5xx for a failing server) with `Retry-After` (none when None)."""
-        rule = {"remaining": int(times), "retry_after": None if retry_after is None else int(retry_after),
-                "method": method.upper() if method else None, "path": path, "status": int(status)}
+        rule = {
+            "remaining": int(times),
+            "retry_after": None if retry_after is None else int(retry_after),
+            "method": method.upper() if method else None,
+            "path": path,
+            "status": int(status),
+        }
         re.compile(path or "")  # fail now, in the caller, on a bad pattern
         with self._lock:
             self._rate_limits.append(rule)
@@ -61,6 +72,7 @@ class Faults:
         with self._lock:
             self._withheld.extend([bool(apply)] * int(times))
             self._released.clear()
+
     def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
         """The next `times` xorb uploads read `after_bytes` (default: half), then drop the socket."""
         with self._lock:

@@ -126,8 +126,11 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
                 limited = self.hub.faults.take_rate_limit(method, url.path)
                 if limited is not None:
                     status, retry_after = limited
-                    raise HubError(status, f"{'Too Many Requests' if status == 429 else 'Server error'} (injected by "
-                                   "localhub)", headers={} if retry_after is None else {"Retry-After": str(retry_after)})
+                    raise HubError(
+                        status,
+                        f"{'Too Many Requests' if status == 429 else 'Server error'} (injected by localhub)",
+                        headers={} if retry_after is None else {"Retry-After": str(retry_after)},
+                    )
             self._route(method, segs)
         except HubError as err:
             self._send_error(err)
@@ -171,8 +174,13 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         except ValueError:
             raise HubError(400, "Request body is not valid JSON") from None
 
-    def _send(self, status: int, body: bytes = b"", content_type: str = "application/json",
-              headers: dict | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: str = "application/json",
+        headers: dict | None = None,
+    ) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, str(value))
@@ -184,8 +192,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         if self._method != "HEAD":
             self.wfile.write(body)
 
-    def _send_json(self, obj: Any, status: int = 200, headers: dict | None = None,
-                   content_type: str = "application/json") -> None:
+    def _send_json(
+        self, obj: Any, status: int = 200, headers: dict | None = None, content_type: str = "application/json"
+    ) -> None:
         self._send(status, json.dumps(obj).encode(), content_type, headers)
 
     def _send_error(self, err: HubError) -> None:
@@ -216,14 +225,21 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
             return False
         scheme, _, value = header.partition(" ")
         token = self.hub.token
-        if scheme.lower() != "bearer" or not token or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if (
+            scheme.lower() != "bearer"
+            or not token
+            or not hmac.compare_digest(value.strip().encode(), token.encode())
+        ):
             raise HubError(401, "Invalid credentials in Authorization header")
         return True
 
     def _require_write(self) -> None:
         if not self.hub.token:
-            raise HubError(403, "localhub was started without a token, so it is read-only"
-                                " (start it with LOCALHUB_TOKEN or --token)")
+            raise HubError(
+                403,
+                "localhub was started without a token, so it is read-only"
+                " (start it with LOCALHUB_TOKEN or --token)",
+            )
         if not self._authorized():
             raise HubError(401, "You must be authenticated to write: send 'Authorization: Bearer <token>'")
 
@@ -258,19 +274,32 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
 
     def _route_api(self, method: str, segs: list[str]) -> None:
         simple = {
-            ("GET", "whoami-v2"): self._whoami, ("POST", "repos/create"): self._create_repo,
-            ("DELETE", "repos/delete"): self._delete_repo, ("POST", "validate-yaml"): self._validate_yaml,
+            ("GET", "whoami-v2"): self._whoami,
+            ("POST", "repos/create"): self._create_repo,
+            ("DELETE", "repos/delete"): self._delete_repo,
+            ("POST", "validate-yaml"): self._validate_yaml,
         }
         if (method, "/".join(segs)) in simple:
             return simple[(method, "/".join(segs))]()
         if len(segs) < 3 or segs[0] not in _TYPES:
             raise HubError(404, f"Not Found: {method} {self.path}")
-        repo_type, repo_id, action, args = _TYPES[segs[0]], f"{segs[1]}/{segs[2]}", "/".join(segs[3:4]), segs[4:]
+        repo_type, repo_id, action, args = (
+            _TYPES[segs[0]],
+            f"{segs[1]}/{segs[2]}",
+            "/".join(segs[3:4]),
+            segs[4:],
+        )
         routes = {
-            ("GET", ""): self._info, ("GET", "revision"): self._info, ("GET", "refs"): self._refs,
-            ("GET", "commits"): self._commits, ("GET", "tree"): self._tree,
-            ("POST", "paths-info"): self._paths_info, ("POST", "preupload"): self._preupload,
-            ("POST", "commit"): self._commit, ("POST", "branch"): self._branch, ("DELETE", "branch"): self._branch,
+            ("GET", ""): self._info,
+            ("GET", "revision"): self._info,
+            ("GET", "refs"): self._refs,
+            ("GET", "commits"): self._commits,
+            ("GET", "tree"): self._tree,
+            ("POST", "paths-info"): self._paths_info,
+            ("POST", "preupload"): self._preupload,
+            ("POST", "commit"): self._commit,
+            ("POST", "branch"): self._branch,
+            ("DELETE", "branch"): self._branch,
             ("POST", "tag"): self._tag,
             ("GET", "xet-write-token"): partial(xet_http.token, self, "write"),
             ("GET", "xet-read-token"): partial(xet_http.token, self, "read"),
@@ -296,11 +325,19 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         if not self._authorized():
             raise HubError(401, "Authorization header is required")
         user = self.hub.user
-        self._send_json({
-            "type": "user", "id": f"localhub-{user}", "name": user, "fullname": user, "email": None,
-            "emailVerified": False, "isPro": False, "orgs": [],
-            "auth": {"type": "access_token", "accessToken": {"displayName": "localhub", "role": "write"}},
-        })
+        self._send_json(
+            {
+                "type": "user",
+                "id": f"localhub-{user}",
+                "name": user,
+                "fullname": user,
+                "email": None,
+                "emailVerified": False,
+                "isPro": False,
+                "orgs": [],
+                "auth": {"type": "access_token", "accessToken": {"displayName": "localhub", "role": "write"}},
+            }
+        )
 
     def _repo_url(self, repo_type: str, repo_id: str) -> str:
         return f"{self.hub.url}/{_URL_PREFIX[repo_type]}{repo_id}"
@@ -356,36 +393,65 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
                 sibling.update(size=entry["size"], blobId=entry["oid"])
                 if entry["lfs"]:
                     info = self._file_json(path, entry)["lfs"]
-                    sibling["lfs"] = {"size": info["size"], "sha256": info["oid"], "pointerSize": info["pointerSize"]}
+                    sibling["lfs"] = {
+                        "size": info["size"],
+                        "sha256": info["oid"],
+                        "pointerSize": info["pointerSize"],
+                    }
             siblings.append(sibling)
-        self._send_json({
-            "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "author": repo_id.split("/")[0],
-            "sha": commit_id, "lastModified": commit["date"], "createdAt": repo["createdAt"],
-            "private": repo["private"], "gated": False, "disabled": False, "downloads": 0, "likes": 0,
-            "tags": [], "siblings": siblings, "usedStorage": sum(e["size"] for e in commit["files"].values()),
-            **({"sdk": repo.get("sdk")} if repo_type == "space" else {}),
-        })
+        self._send_json(
+            {
+                "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
+                "id": repo_id,
+                "author": repo_id.split("/")[0],
+                "sha": commit_id,
+                "lastModified": commit["date"],
+                "createdAt": repo["createdAt"],
+                "private": repo["private"],
+                "gated": False,
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "siblings": siblings,
+                "usedStorage": sum(e["size"] for e in commit["files"].values()),
+                **({"sdk": repo.get("sdk")} if repo_type == "space" else {}),
+            }
+        )
 
     def _refs(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         repo = self._readable_repo(repo_type, repo_id)
         branches = sorted(repo["branches"].items(), key=lambda kv: (kv[0] != "main", kv[0]))
-        self._send_json({
-            "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in branches],
-            "converts": [],
-            "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c}
-                     for t, c in sorted(repo.get("tags", {}).items())],
-            "pullRequests": [{"name": f"refs/pr/{n}", "ref": f"refs/pr/{n}", "targetCommit": c}
-                             for n, c in sorted(repo.get("pulls", {}).items(), key=lambda kv: int(kv[0]))],
-        })
+        self._send_json(
+            {
+                "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in branches],
+                "converts": [],
+                "tags": [
+                    {"name": t, "ref": f"refs/tags/{t}", "targetCommit": c}
+                    for t, c in sorted(repo.get("tags", {}).items())
+                ],
+                "pullRequests": [
+                    {"name": f"refs/pr/{n}", "ref": f"refs/pr/{n}", "targetCommit": c}
+                    for n, c in sorted(repo.get("pulls", {}).items(), key=lambda kv: int(kv[0]))
+                ],
+            }
+        )
 
     def _commits(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         repo = self._readable_repo(repo_type, repo_id)
         history = self.hub.store.history(repo, self.hub.store.resolve(repo, args[0]))
-        self._send_json([
-            {"id": cid, "title": c["title"], "message": c["message"], "date": c["date"],
-             "authors": [{"user": c["author"], "avatar": None}]}
-            for cid, c in history
-        ])
+        self._send_json(
+            [
+                {
+                    "id": cid,
+                    "title": c["title"],
+                    "message": c["message"],
+                    "date": c["date"],
+                    "authors": [{"user": c["author"], "avatar": None}],
+                }
+                for cid, c in history
+            ]
+        )
 
     def _tree(self, repo_type: str, repo_id: str, args: list[str]) -> None:
         if not args:
@@ -399,9 +465,13 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         prefix, recursive = (path + "/" if path else ""), _truthy(self._query.get("recursive"))
 
         def listed(p: str) -> bool:
-            return p.startswith(prefix) and (recursive or "/" not in p[len(prefix):])
+            return p.startswith(prefix) and (recursive or "/" not in p[len(prefix) :])
 
-        out = [{"type": "directory", "oid": oid, "size": 0, "path": p} for p, oid in sorted(folders.items()) if listed(p)]
+        out = [
+            {"type": "directory", "oid": oid, "size": 0, "path": p}
+            for p, oid in sorted(folders.items())
+            if listed(p)
+        ]
         out += [self._file_json(p, e) for p, e in sorted(files.items()) if listed(p)]
         self._send_json(out)
 
@@ -427,7 +497,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         commit_id = self.hub.store.resolve(repo, revision)
         entry = self.hub.store.files(repo, commit_id).get(path)
         if entry is None:  # X-Repo-Commit lets the client cache the non-existence
-            raise HubError(404, f"Entry not found: {path}", "EntryNotFound", headers={"X-Repo-Commit": commit_id})
+            raise HubError(
+                404, f"Entry not found: {path}", "EntryNotFound", headers={"X-Repo-Commit": commit_id}
+            )
         size = entry["size"]
         etag = entry["sha256"] if entry["lfs"] else entry["oid"]
         headers = {"X-Repo-Commit": commit_id, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
@@ -467,7 +539,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         else:
             start, end = int(first), min(size - 1, int(last)) if last else size - 1
         if start >= size or start > end:
-            raise HubError(416, f"Range not satisfiable: {header}", headers={"Content-Range": f"bytes */{size}"})
+            raise HubError(
+                416, f"Range not satisfiable: {header}", headers={"Content-Range": f"bytes */{size}"}
+            )
         return start, end
 
     def _copy(self, f, remaining: int) -> None:
@@ -493,7 +567,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
             try:
                 sample, size = base64.b64decode(item.get("sample") or ""), int(item.get("size") or 0)
             except (TypeError, ValueError):
-                raise HubError(400, f"Invalid preupload entry for {path}: 'sample' must be base64, 'size' an int")
+                raise HubError(
+                    400, f"Invalid preupload entry for {path}: 'sample' must be base64, 'size' an int"
+                )
             mode = self.hub.store.upload_mode(repo, commit_id, path, size, sample)
             existing = files.get(path)
             # The client skips unchanged files: LFS files compare sha256, regular ones the git blob id.
@@ -506,7 +582,9 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         raw = self._body()
         status = self.hub.faults.take_commit_failure()
         if status is not None:
-            raise HubError(status, "Injected failure (localhub): the commit was rejected and nothing was written")
+            raise HubError(
+                status, "Injected failure (localhub): the commit was rejected and nothing was written"
+            )
         try:
             lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
         except ValueError:
@@ -516,9 +594,15 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         withheld = self.hub.faults.take_withheld_answer()
         if withheld is False:
             self._withhold_answer()
-        commit_id, number = self.hub.store.commit(repo_type, repo_id, args[0], lines[0].get("value") or {},
-                                                  lines[1:], author=self.hub.user,
-                                                  create_pr=_truthy(self._query.get("create_pr")))
+        commit_id, number = self.hub.store.commit(
+            repo_type,
+            repo_id,
+            args[0],
+            lines[0].get("value") or {},
+            lines[1:],
+            author=self.hub.user,
+            create_pr=_truthy(self._query.get("create_pr")),
+        )
         lfs_paths = [(op.get("value") or {}).get("path") for op in lines[1:] if op.get("key") == "lfsFile"]
         if lfs_paths and self.hub.faults.take_other_lfs_bytes():
             self.hub.store.store_other_bytes(repo_type, repo_id, commit_id, lfs_paths[0])
@@ -527,10 +611,15 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         if withheld:
             self._withhold_answer()
         pr_url = None if number is None else f"{self._repo_url(repo_type, repo_id)}/discussions/{number}"
-        self._send_json({
-            "success": True, "commitOid": commit_id, "hookOutput": "", "pullRequestUrl": pr_url,
-            "commitUrl": f"{self._repo_url(repo_type, repo_id)}/commit/{commit_id}",
-        })
+        self._send_json(
+            {
+                "success": True,
+                "commitOid": commit_id,
+                "hookOutput": "",
+                "pullRequestUrl": pr_url,
+                "commitUrl": f"{self._repo_url(repo_type, repo_id)}/commit/{commit_id}",
+            }
+        )
 
     def _withhold_answer(self) -> None:
         """Fault: hold the request without answering (until the faults are cleared), then hang up."""

@@ -27,7 +27,9 @@ def check_loopback(host: str) -> str:
             return host.strip("[]")
     except ValueError:
         pass
-    raise ValueError(f"refusing to bind to non-loopback host {host!r}: localhub only listens on 127.0.0.1/::1")
+    raise ValueError(
+        f"refusing to bind to non-loopback host {host!r}: localhub only listens on 127.0.0.1/::1"
+    )
 
 
 class _Server(ThreadingHTTPServer):
@@ -66,8 +68,17 @@ class LocalHub:
     live `xet_token_ttl` s.
     """
 
-    def __init__(self, root: str | os.PathLike, *, token: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, user: str = "localhub", verbose: bool = False, xet_token_ttl: int = 3600):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        user: str = "localhub",
+        verbose: bool = False,
+        xet_token_ttl: int = 3600,
+    ):
         host = check_loopback(host)
         self.root = Path(root)
         self.token = token or None
@@ -92,8 +103,12 @@ class LocalHub:
         """Serve in a daemon thread; returns self."""
         if self._thread is None:
             # A short poll interval makes stop() quick (shutdown() waits for the next poll).
-            self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                            name="localhub", daemon=True)
+            self._thread = threading.Thread(
+                target=self._server.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name="localhub",
+                daemon=True,
+            )
             self._thread.start()
         return self
 
@@ -121,8 +136,14 @@ class LocalHub:
     def fail_next_commit(self, times: int = 1, status: int = 500) -> None:
         self.faults.fail_next_commit(times, status)
 
-    def rate_limit_next(self, times: int = 1, retry_after: int | None = 1, method: str | None = None,
-                        path: str | None = None, status: int = 429) -> None:
+    def rate_limit_next(
+        self,
+        times: int = 1,
+        retry_after: int | None = 1,
+        method: str | None = None,
+        path: str | None = None,
+        status: int = 429,
+    ) -> None:
         self.faults.rate_limit(times, retry_after, method, path, status)
 
     def drop_next_upload(self, times: int = 1, after_bytes: int | None = None) -> None:
@@ -130,6 +151,7 @@ class LocalHub:
 
     def withhold_next_commit_answer(self, times: int = 1, apply: bool = True) -> None:
         self.faults.withhold_next_commit_answer(times, apply)
+
     def drop_next_xorb(self, times: int = 1, after_bytes: int | None = None) -> None:
         self.faults.drop_next_xorb(times, after_bytes)
 

@@ -36,16 +36,29 @@ class LfsRoutes:
                 error = {"code": 422, "message": "Invalid oid (sha256 hex) or size"}
                 objects.append({"oid": oid, "size": size if isinstance(size, int) else 0, "error": error})
             elif self.hub.store.has_lfs_object(repo, oid, size):
-                objects.append({"oid": oid, "size": size, "authenticated": True})  # no actions: already stored
+                objects.append(
+                    {"oid": oid, "size": size, "authenticated": True}
+                )  # no actions: already stored
             else:
                 base = f"{self.hub.url}/_localhub"
                 sig = self._upload_signature(repo_type, repo_id, oid, size)
-                objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
-                    "upload": {"href": f"{base}/lfs/{repo_type}/{repo_id}/{oid}?size={size}&sig={sig}"},
-                    "verify": {"href": f"{base}/lfs-verify/{repo_type}/{repo_id}"},
-                }})
-        self._send_json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                        content_type="application/vnd.git-lfs+json")
+                objects.append(
+                    {
+                        "oid": oid,
+                        "size": size,
+                        "authenticated": True,
+                        "actions": {
+                            "upload": {
+                                "href": f"{base}/lfs/{repo_type}/{repo_id}/{oid}?size={size}&sig={sig}"
+                            },
+                            "verify": {"href": f"{base}/lfs-verify/{repo_type}/{repo_id}"},
+                        },
+                    }
+                )
+        self._send_json(
+            {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+            content_type="application/vnd.git-lfs+json",
+        )
 
     def _lfs_upload(self, repo_type: str, repo_id: str, oid: str) -> None:
         if not _SHA256_RE.match(oid):
@@ -69,4 +82,3 @@ class LfsRoutes:
         if not self.hub.store.has_lfs_object(repo, str(body.get("oid")), body.get("size")):
             raise HubError(404, f"LFS object {body.get('oid')} (size {body.get('size')}) is not stored")
         self._send_json({})
-

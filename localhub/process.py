@@ -20,12 +20,20 @@ _URL_LINE = re.compile(r"^localhub listening on (http://\S+)\s*$")
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the folder holding the `localhub` package
 
 
-def admin_request(url: str, token: str, method: str, path: str, payload: Any = None, timeout: float = 10) -> Any:
+def admin_request(
+    url: str, token: str, method: str, path: str, payload: Any = None, timeout: float = 10
+) -> Any:
     """Call an admin endpoint, e.g. `admin_request(url, tok, "POST", "/_localhub/faults", {...})`."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json",
-    })
+    request = urllib.request.Request(
+        url.rstrip("/") + path,
+        data=data,
+        method=method,
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+        },
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"null")
 
@@ -33,15 +41,29 @@ def admin_request(url: str, token: str, method: str, path: str, payload: Any = N
 class LocalHubProcess:
     """`python -m localhub` in a child process; the token travels via env, never argv.
 
-        with LocalHubProcess(root, token="t") as hub:
-            HfApi(endpoint=hub.url, token="t")...
+    with LocalHubProcess(root, token="t") as hub:
+        HfApi(endpoint=hub.url, token="t")...
     """
 
-    def __init__(self, root: str | os.PathLike, *, token: str | None = None, port: int = 0,
-                 host: str = "127.0.0.1", startup_timeout: float = 20, python: str = sys.executable,
-                 extra_args: tuple[str, ...] = (), stderr: Any = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        token: str | None = None,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 20,
+        python: str = sys.executable,
+        extra_args: tuple[str, ...] = (),
+        stderr: Any = None,
+    ):
         self.root, self.token, self.port, self.host = Path(root), token, port, host
-        self.startup_timeout, self.python, self.extra_args, self.stderr = startup_timeout, python, extra_args, stderr
+        self.startup_timeout, self.python, self.extra_args, self.stderr = (
+            startup_timeout,
+            python,
+            extra_args,
+            stderr,
+        )
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -51,8 +73,18 @@ class LocalHubProcess:
             env["LOCALHUB_TOKEN"] = self.token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [self.python, "-m", "localhub", "--root", str(self.root), "--port", str(self.port),
-               "--host", self.host, *self.extra_args]
+        cmd = [
+            self.python,
+            "-m",
+            "localhub",
+            "--root",
+            str(self.root),
+            "--port",
+            str(self.port),
+            "--host",
+            self.host,
+            *self.extra_args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
         self.url = self._read_url()
         return self

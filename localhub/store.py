@@ -57,8 +57,14 @@ REPO_TYPES = ("model", "dataset", "space")
 class HubError(Exception):
     """An error answered to the client: HTTP status, message and optional `X-Error-Code`."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None,
-                 extra: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        headers: dict | None = None,
+        extra: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -258,8 +264,14 @@ class Store:
                 raise HubError(409, f"You already created this {repo_type} repo: {repo_id}")
             now = time.time()
             repo = {
-                "type": repo_type, "id": repo_id, "private": bool(private), "createdAt": _iso(now),
-                "branches": {}, "commits": {}, "lfsObjects": [], **(extra or {}),
+                "type": repo_type,
+                "id": repo_id,
+                "private": bool(private),
+                "createdAt": _iso(now),
+                "branches": {},
+                "commits": {},
+                "lfsObjects": [],
+                **(extra or {}),
             }
             # Like the Hub: every repo starts with a system "initial commit" holding .gitattributes.
             files = {".gitattributes": self._regular_entry(GITATTRIBUTES.encode())}
@@ -290,14 +302,14 @@ class Store:
     def resolve(self, repo: dict, revision: str) -> str:
         """Branch, tag, ``refs/pr/N`` or full commit id -> commit id (404 RevisionNotFound otherwise)."""
         if revision.startswith("refs/heads/"):
-            revision = revision[len("refs/heads/"):]
+            revision = revision[len("refs/heads/") :]
         if revision in repo["branches"]:
             return repo["branches"][revision]
         tags, pulls = repo.get("tags", {}), repo.get("pulls", {})
         if revision.removeprefix("refs/tags/") in tags:
             return tags[revision.removeprefix("refs/tags/")]
-        if revision.startswith("refs/pr/") and revision[len("refs/pr/"):] in pulls:
-            return pulls[revision[len("refs/pr/"):]]
+        if revision.startswith("refs/pr/") and revision[len("refs/pr/") :] in pulls:
+            return pulls[revision[len("refs/pr/") :]]
         if _COMMIT_RE.match(revision) and revision in repo["commits"]:
             return revision
         raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
@@ -341,8 +353,9 @@ class Store:
             pending[sha] = data
         return {"sha256": sha, "size": len(data), "lfs": False, "oid": git_blob_sha1(data)}
 
-    def _make_commit(self, repo: dict, parent: str | None, files: dict, title: str, message: str,
-                     author: str, ts: float) -> str:
+    def _make_commit(
+        self, repo: dict, parent: str | None, files: dict, title: str, message: str, author: str, ts: float
+    ) -> str:
         """Add a commit object to `repo` (in memory) and return its git commit id."""
         tree = _git_tree_sha(files)
         ident = f"{author} <{author}@localhub> {int(ts)} +0000"
@@ -351,13 +364,26 @@ class Store:
         raw = body.encode()
         commit_id = hashlib.sha1(b"commit %d\0" % len(raw) + raw).hexdigest()
         repo["commits"][commit_id] = {
-            "parent": parent, "title": title, "message": message, "author": author,
-            "date": _iso(ts), "tree": tree, "files": files,
+            "parent": parent,
+            "title": title,
+            "message": message,
+            "author": author,
+            "date": _iso(ts),
+            "tree": tree,
+            "files": files,
         }
         return commit_id
 
-    def commit(self, repo_type: str, repo_id: str, branch: str, header: dict, operations: list[dict],
-               author: str, create_pr: bool = False) -> tuple[str, int | None]:
+    def commit(
+        self,
+        repo_type: str,
+        repo_id: str,
+        branch: str,
+        header: dict,
+        operations: list[dict],
+        author: str,
+        create_pr: bool = False,
+    ) -> tuple[str, int | None]:
         """Apply all `operations` as one commit on `branch`, or nothing at all. With `create_pr`
         the branch stays where it is and the commit opens pull request N (``refs/pr/N``).
         Returns the commit id and the pull request number (None without `create_pr`)."""
@@ -366,7 +392,9 @@ class Store:
         with self.lock:
             repo = self.get_repo(repo_type, repo_id)
             if branch not in repo["branches"]:
-                raise HubError(404, f"Invalid rev id: {branch} (commits must target a branch)", "RevisionNotFound")
+                raise HubError(
+                    404, f"Invalid rev id: {branch} (commits must target a branch)", "RevisionNotFound"
+                )
             head = repo["branches"][branch]
             parent = header.get("parentCommit")
             if parent and not head.startswith(str(parent).lower()):
@@ -385,8 +413,13 @@ class Store:
                 self.put_bytes(data)
             new_repo = {**repo, "commits": dict(repo["commits"]), "branches": dict(repo["branches"])}
             commit_id = self._make_commit(
-                new_repo, head, files, str(header.get("summary") or "").strip() or "Update",
-                str(header.get("description") or ""), author, time.time(),
+                new_repo,
+                head,
+                files,
+                str(header.get("summary") or "").strip() or "Update",
+                str(header.get("description") or ""),
+                author,
+                time.time(),
             )
             number = None
             if create_pr:
@@ -407,8 +440,10 @@ class Store:
             data = bytearray(self.object_path(entry["sha256"]).read_bytes())
             data[-1] ^= 0x01
             sha = self.put_bytes(bytes(data))
-            files = {**repo["commits"][commit_id]["files"],
-                     path: {**entry, "sha256": sha, "oid": git_blob_sha1(lfs_pointer(sha, len(data)))}}
+            files = {
+                **repo["commits"][commit_id]["files"],
+                path: {**entry, "sha256": sha, "oid": git_blob_sha1(lfs_pointer(sha, len(data)))},
+            }
             commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
             self._save({**repo, "commits": commits, "lfsObjects": repo["lfsObjects"] + [sha]})
 
@@ -516,6 +551,9 @@ class Store:
         with self.lock:
             repo = self.get_repo(repo_type, repo_id)
             if branch == "main" or branch not in repo["branches"]:
-                raise HubError(404 if branch != "main" else 403, f"Cannot delete branch {branch!r}",
-                               "RevisionNotFound" if branch != "main" else None)
+                raise HubError(
+                    404 if branch != "main" else 403,
+                    f"Cannot delete branch {branch!r}",
+                    "RevisionNotFound" if branch != "main" else None,
+                )
             self._save({**repo, "branches": {k: v for k, v in repo["branches"].items() if k != branch}})

@@ -67,11 +67,16 @@ class AuditedFile:
 
 # -- audit --------------------------------------------------------------------------------
 
+
 def _plain_path(name: str) -> bool:
     """A relative POSIX path that stays inside the stage: no empty, '.' or '..' segment."""
     parts = name.split("/")
-    return (name != MANIFEST_FILE and "\\" not in name and "\0" not in name
-            and all(part not in ("", ".", "..") for part in parts))
+    return (
+        name != MANIFEST_FILE
+        and "\\" not in name
+        and "\0" not in name
+        and all(part not in ("", ".", "..") for part in parts)
+    )
 
 
 def _listed_files(stage: Path) -> list[str]:
@@ -82,10 +87,14 @@ def _listed_files(stage: Path) -> list[str]:
         for entry in sorted(dirs + files):
             path = Path(folder) / entry
             if path.is_symlink() or not (path.is_file() or path.is_dir()):
-                raise StageAuditError(f"{path} is a link or special file: a stage holds plain files and folders only")
+                raise StageAuditError(
+                    f"{path} is a link or special file: a stage holds plain files and folders only"
+                )
         if not dirs and not files and Path(folder) != stage:
-            raise StageAuditError(f"{folder} is an empty folder that {MANIFEST_FILE} does not account for: the "
-                                  "stage was modified after it was built")
+            raise StageAuditError(
+                f"{folder} is an empty folder that {MANIFEST_FILE} does not account for: the "
+                "stage was modified after it was built"
+            )
         names += [(Path(folder) / name).relative_to(stage).as_posix() for name in files]
     return sorted(names)
 
@@ -106,7 +115,9 @@ def parse_manifest(text: bytes, *, where: str = MANIFEST_FILE) -> dict[str, str]
             raise StageAuditError(f"{where} line {number} is not '<sha256>  <name>'")
         digest, name = match.groups()
         if not _plain_path(name):
-            raise StageAuditError(f"{where} line {number} names {name!r}: a stage lists relative file paths only")
+            raise StageAuditError(
+                f"{where} line {number} names {name!r}: a stage lists relative file paths only"
+            )
         if name in entries:
             raise StageAuditError(f"{where} lists {name} twice")
         entries[name] = digest
@@ -135,7 +146,11 @@ def weight_files(stage_dir: str | Path) -> list[str]:
     path = Path(stage_dir) / INDEX_FILE
     index = _read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
         raise StageAuditError(f"{path} has no weight_map of tensor names to files")
     return sorted(set(weight_map.values()))
 
@@ -145,7 +160,11 @@ def _check_staged_meta(stage: Path, audited: Mapping[str, AuditedFile]) -> None:
     every weights file the index names."""
     path = stage / META_FILE
     meta = _read_json(path)
-    if not isinstance(meta, dict) or meta.get("schema") != STAGE_SCHEMA or not isinstance(meta.get("files"), dict):
+    if (
+        not isinstance(meta, dict)
+        or meta.get("schema") != STAGE_SCHEMA
+        or not isinstance(meta.get("files"), dict)
+    ):
         raise StageAuditError(f"{path} is not a {STAGE_SCHEMA} record")
     for name in weight_files(stage):
         if name not in meta["files"]:
@@ -154,8 +173,14 @@ def _check_staged_meta(stage: Path, audited: Mapping[str, AuditedFile]) -> None:
         held = audited.get(name)
         if held is None:
             raise StageAuditError(f"{path} records {name}, which the stage does not hold")
-        if not isinstance(entry, dict) or entry.get("sha256") != held.sha256 or entry.get("size") != held.size:
-            raise StageAuditError(f"{path} records a different SHA-256 or size for {name} than the stage holds")
+        if (
+            not isinstance(entry, dict)
+            or entry.get("sha256") != held.sha256
+            or entry.get("size") != held.size
+        ):
+            raise StageAuditError(
+                f"{path} records a different SHA-256 or size for {name} than the stage holds"
+            )
 
 
 def _read_once(path: Path, scan: FileScan | None) -> str:
@@ -211,8 +236,13 @@ def _allowance(stage: Path) -> Mapping[str, Any]:
     return allow
 
 
-def audit_stage(stage_dir: str | Path, *, leaks: LeakRules | None = None, xet_hashes: bool = False,
-                consequence: str = "nothing was staged") -> dict[str, AuditedFile]:
+def audit_stage(
+    stage_dir: str | Path,
+    *,
+    leaks: LeakRules | None = None,
+    xet_hashes: bool = False,
+    consequence: str = "nothing was staged",
+) -> dict[str, AuditedFile]:
     """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
 
     Checks: the folder holds exactly the files the manifest lists plus the manifest itself
@@ -239,13 +269,16 @@ def audit_stage(stage_dir: str | Path, *, leaks: LeakRules | None = None, xet_ha
         raise StageAuditError(f"{stage} is not a stage folder: run scripts/05_stage.py")
     manifest_path = stage / MANIFEST_FILE
     if not manifest_path.exists():
-        raise StageAuditError(f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py")
+        raise StageAuditError(
+            f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py"
+        )
     raw = _read_small(manifest_path)
     expected = parse_manifest(raw, where=str(manifest_path))
     for name in _listed_files(stage):
         if name not in (MANIFEST_FILE, SIGNATURE_FILE) and name not in expected:
-            raise StageAuditError(f"{stage / name} is not listed in {MANIFEST_FILE}: the stage was modified after "
-                                  "it was built")
+            raise StageAuditError(
+                f"{stage / name} is not listed in {MANIFEST_FILE}: the stage was modified after it was built"
+            )
     for name in sorted(expected):
         if not (stage / name).is_file():
             raise StageAuditError(f"{stage / name} is listed in {MANIFEST_FILE} but missing")
@@ -268,23 +301,34 @@ def audit_stage(stage_dir: str | Path, *, leaks: LeakRules | None = None, xet_ha
         size = path.stat().st_size
         actual = hashes[name]
         if actual != digest:
-            raise StageAuditError(f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging")
+            raise StageAuditError(
+                f"{path} SHA-256 differs from {MANIFEST_FILE}: the file was modified after staging"
+            )
         audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE, xet_hash.get(name))
     _check_staged_meta(stage, audited)
-    audited[MANIFEST_FILE] = AuditedFile(MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit",
-                                         xet_hash.get(MANIFEST_FILE))
+    audited[MANIFEST_FILE] = AuditedFile(
+        MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit", xet_hash.get(MANIFEST_FILE)
+    )
     extra = {MANIFEST_FILE: raw}
     if signature.is_file():
         # The signature covers the manifest, so the manifest cannot list it (pipeline/signing.py).
         data = extra[SIGNATURE_FILE] = _read_small(signature)
-        audited[SIGNATURE_FILE] = AuditedFile(SIGNATURE_FILE, len(data), sha256_bytes(data),
-                                              "model-signing (checked by 06)", xet_hash.get(SIGNATURE_FILE))
+        audited[SIGNATURE_FILE] = AuditedFile(
+            SIGNATURE_FILE,
+            len(data),
+            sha256_bytes(data),
+            "model-signing (checked by 06)",
+            xet_hash.get(SIGNATURE_FILE),
+        )
     if leaks is not None:
         for name, data in extra.items():
             scans[name] = FileScan(leaks)
             scans[name].feed(data, len(data))
-        allowed = refuse_findings({name: scan.found for name, scan in scans.items() if scan.found},
-                                  _allowance(stage), consequence=consequence)
+        allowed = refuse_findings(
+            {name: scan.found for name, scan in scans.items() if scan.found},
+            _allowance(stage),
+            consequence=consequence,
+        )
         for name, words in allowed:
             audited[name] = replace(audited[name], allowed_leaks=audited[name].allowed_leaks + (words,))
     return dict(sorted(audited.items()))
@@ -315,7 +359,11 @@ def stage_marker_problem(stage_dir: str | Path) -> str | None:
     except (StageAuditError, OSError) as exc:
         return str(exc)
     source = meta.get("source_checkpoint") if isinstance(meta, dict) else None
-    if meta.get("schema") != STAGE_SCHEMA or not isinstance(source, dict) or not isinstance(source.get("folder"), str):
+    if (
+        meta.get("schema") != STAGE_SCHEMA
+        or not isinstance(source, dict)
+        or not isinstance(source.get("folder"), str)
+    ):
         return f"its {META_FILE} is not a {STAGE_SCHEMA} record naming a source checkpoint"
     return None
 
@@ -333,8 +381,10 @@ def stage_lock(stage_dir: str | Path) -> Iterator[None]:
     stage.parent.mkdir(parents=True, exist_ok=True)
 
     def busy(holder: str) -> StageError:
-        return StageError(f"{stage_dir} is being staged or published by another process (pid {holder}); "
-                          "wait for it to finish")
+        return StageError(
+            f"{stage_dir} is being staged or published by another process (pid {holder}); "
+            "wait for it to finish"
+        )
 
     with FolderLock(stage.parent / f".{stage.name}.lock", busy):
         yield
@@ -346,6 +396,8 @@ def format_audit_table(rows: Iterable[AuditedFile]) -> str:
     width = max([len("file"), *(len(row.name) for row in rows)])
     size_width = max([len("bytes"), *(len(str(row.size)) for row in rows)])
     lines = [f"{'file':<{width}}  {'bytes':>{size_width}}  {'SHA-256':<64}  verified against"]
-    lines += [f"{row.name:<{width}}  {row.size:>{size_width}}  {row.sha256:<64}  {row.verified_against}"
-              for row in rows]
+    lines += [
+        f"{row.name:<{width}}  {row.size:>{size_width}}  {row.sha256:<64}  {row.verified_against}"
+        for row in rows
+    ]
     return "\n".join(lines)

@@ -17,8 +17,14 @@ from typing import Any, Callable
 from .config import Config, load_config, parse_set_overrides
 from .errors import PipelineError, Preempted, describe_os_error
 
-__all__ = ["add_config_arguments", "config_from_args", "run_main", "resume_command", "script_command",
-           "python_command"]
+__all__ = [
+    "add_config_arguments",
+    "config_from_args",
+    "run_main",
+    "resume_command",
+    "script_command",
+    "python_command",
+]
 
 DEBUG_FLAG = "--debug"
 _NUMBERED = re.compile(r"^0\d_\w+\.py$")
@@ -37,11 +43,21 @@ _OS_HINTS = {
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="YAML config (default: config.yaml)")
-    parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", default=[],
-                        help="override any config key, e.g. --set training.max_steps=20 (repeatable)")
-    parser.add_argument(DEBUG_FLAG, action="store_true",
-                        help="on a failure, print the traceback of the exception behind the one-line error")
+    parser.add_argument(
+        "--config", type=Path, default=Path("config.yaml"), help="YAML config (default: config.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        default=[],
+        help="override any config key, e.g. --set training.max_steps=20 (repeatable)",
+    )
+    parser.add_argument(
+        DEBUG_FLAG,
+        action="store_true",
+        help="on a failure, print the traceback of the exception behind the one-line error",
+    )
 
 
 def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | None = None) -> Config:
@@ -72,7 +88,11 @@ def python_command() -> str:
     if shutil.which("python") == sys.executable:
         return "python"
     try:
-        return os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(Path.cwd()) else sys.executable
+        return (
+            os.path.relpath(sys.executable)
+            if Path(sys.executable).is_relative_to(Path.cwd())
+            else sys.executable
+        )
     except (OSError, ValueError):
         return sys.executable
 
@@ -117,8 +137,10 @@ def run_main(main: Callable[[], int | None]) -> None:
         _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
         sys.exit(2)
     except MemoryError as exc:
-        _error(f"out of memory ({str(exc).strip() or 'an allocation failed'}): check the sizes in the config's "
-               "data/model params")
+        _error(
+            f"out of memory ({str(exc).strip() or 'an allocation failed'}): check the sizes in the config's "
+            "data/model params"
+        )
         sys.exit(2)
     except KeyboardInterrupt:
         _error("interrupted")

@@ -68,7 +68,6 @@ RESUME_IRRELEVANT_KEYS = frozenset(
 )
 
 
-
 def _require(condition: bool, key: str, message: str) -> None:
     # __post_init__ does not know the file name; load_config adds it.
     if not condition:
@@ -161,10 +160,16 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _require(":" in self.factory, "optimizer.factory", "must look like 'package.module:function'")
-        _require(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr",
-                 f"must be a finite number > 0 (got {self.lr})")
-        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer.weight_decay",
-                 f"must be a finite number >= 0 (got {self.weight_decay})")
+        _require(
+            math.isfinite(self.lr) and self.lr > 0,
+            "optimizer.lr",
+            f"must be a finite number > 0 (got {self.lr})",
+        )
+        _require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optimizer.weight_decay",
+            f"must be a finite number >= 0 (got {self.weight_decay})",
+        )
         _check_params(self.params, "optimizer.params")
 
 
@@ -229,8 +234,11 @@ class TrainingConfig:
         _require_int(self.max_steps, "training.max_steps", 1)
         for name in ("device", "dtype", "amp", "parallel"):
             _require_choice(getattr(self, name), _CHOICES[name], f"training.{name}")
-        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip",
-                 f"must be a finite number >= 0 (got {self.grad_clip})")
+        _require(
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            "training.grad_clip",
+            f"must be a finite number >= 0 (got {self.grad_clip})",
+        )
         _require_int(self.log_every, "training.log_every", 1)
         # torch.set_num_threads takes a C int.
         _require_int(self.threads, "training.threads", 1, 2**31)
@@ -262,8 +270,11 @@ _PIPELINE_TAG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
 
 def _strings(values: Any, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> None:
-    _require(isinstance(values, list) and all(isinstance(v, str) and v.strip() for v in values), key,
-             "must be a list of non-empty strings")
+    _require(
+        isinstance(values, list) and all(isinstance(v, str) and v.strip() for v in values),
+        key,
+        "must be a list of non-empty strings",
+    )
     for value in values:
         _require(pattern is None or bool(pattern.match(value)), key, f"holds {value!r}, which is not {what}")
 
@@ -305,19 +316,33 @@ class CardConfig:
         _strings(self.tags, "card.tags")
         _strings(self.language, "card.language", _LANGUAGE, "an ISO 639 code such as 'en' or 'pt-BR'")
         _strings(self.datasets, "card.datasets", _HUB_ID, "a Hub dataset id such as 'user/name'")
-        _require(not self.base_model or bool(_HUB_ID.match(self.base_model)), "card.base_model",
-                 f"must be a Hub model id such as 'user/name' (got {self.base_model!r})")
-        _require(not self.pipeline_tag or bool(_PIPELINE_TAG.match(self.pipeline_tag)), "card.pipeline_tag",
-                 f"must be a Hub task such as 'text-generation' (got {self.pipeline_tag!r})")
-        _require(not self.library_name or bool(_PIPELINE_TAG.match(self.library_name)), "card.library_name",
-                 f"must be a Hub library name such as 'transformers' (got {self.library_name!r})")
+        _require(
+            not self.base_model or bool(_HUB_ID.match(self.base_model)),
+            "card.base_model",
+            f"must be a Hub model id such as 'user/name' (got {self.base_model!r})",
+        )
+        _require(
+            not self.pipeline_tag or bool(_PIPELINE_TAG.match(self.pipeline_tag)),
+            "card.pipeline_tag",
+            f"must be a Hub task such as 'text-generation' (got {self.pipeline_tag!r})",
+        )
+        _require(
+            not self.library_name or bool(_PIPELINE_TAG.match(self.library_name)),
+            "card.library_name",
+            f"must be a Hub library name such as 'transformers' (got {self.library_name!r})",
+        )
         _require(bool(self.license.strip()), "card.license", "must not be empty")
         # The kinds are checked by the leak scan (pipeline.leaks), which this module does not import:
         # the model's shipped code closure includes this module.
-        _require(isinstance(self.allow_leaks, dict) and all(
-            isinstance(name, str) and isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
-            for name, kinds in self.allow_leaks.items()), "card.allow_leaks",
-            "must map a staged file to a list of leak kinds, e.g. {README.md: [jwt]}")
+        _require(
+            isinstance(self.allow_leaks, dict)
+            and all(
+                isinstance(name, str) and isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
+                for name, kinds in self.allow_leaks.items()
+            ),
+            "card.allow_leaks",
+            "must map a staged file to a list of leak kinds, e.g. {README.md: [jwt]}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -408,7 +433,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ValueError:
                 continue
-        raise ValueError(f"{key} has the wrong type: expected {annotation}, got {type(value).__name__} {value!r}")
+        raise ValueError(
+            f"{key} has the wrong type: expected {annotation}, got {type(value).__name__} {value!r}"
+        )
     if annotation is type(None):
         if value is None:
             return None
@@ -438,7 +465,9 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
     fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ValueError(f"unknown key {name}.{unknown[0]} (known keys of {name}: {', '.join(sorted(fields))})")
+        raise ValueError(
+            f"unknown key {name}.{unknown[0]} (known keys of {name}: {', '.join(sorted(fields))})"
+        )
     kwargs = {fields[k].name: _coerce(v, fields[k].type, f"{name}.{k}") for k, v in raw.items()}
     return cls(**kwargs)
 
@@ -470,15 +499,20 @@ def parse_set_overrides(items: list[str] | None) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         shown = item if len(item) <= 80 else item[:77] + "..."
         if not sep or "." not in key:
-            raise ConfigError(f"--set {shown!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20")
+            raise ConfigError(
+                f"--set {shown!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20"
+            )
         try:
             value = _load_yaml(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc})"
-                              ) from None
+            raise ConfigError(
+                f"--set {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc})"
+            ) from None
         if value is None:
-            raise ConfigError(f"--set {shown!r}: no value given: write one after '=' (an empty string is "
-                              f"--set '{key.strip()}=\"\"')")
+            raise ConfigError(
+                f"--set {shown!r}: no value given: write one after '=' (an empty string is "
+                f"--set '{key.strip()}=\"\"')"
+            )
         out[key.strip()] = value
     return out
 
@@ -523,8 +557,11 @@ def derived_outputs(path: str | Path | None) -> dict[str, str]:
             base = Path("runs") / name
     if base is None:
         return {"checkpoint.dir": CHECKPOINT_DIR, "outputs.metrics": METRICS_FILE, "outputs.stage": STAGE_DIR}
-    return {"checkpoint.dir": str(base / CHECKPOINT_DIR), "outputs.metrics": str(base / METRICS_FILE),
-            "outputs.stage": str(base / STAGE_DIR)}
+    return {
+        "checkpoint.dir": str(base / CHECKPOINT_DIR),
+        "outputs.metrics": str(base / METRICS_FILE),
+        "outputs.stage": str(base / STAGE_DIR),
+    }
 
 
 def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:

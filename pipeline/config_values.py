@@ -53,14 +53,18 @@ def check_params(params: Any, key: str) -> None:
                 pending.extend((item, (*path, i)) for i, item in enumerate(value))
         elif isinstance(value, float):
             if not math.isfinite(value):
-                raise ValueError(f"{where} must be a finite number (got {value}): checkpoints record the config "
-                                 "as JSON, which has no NaN or infinity")
+                raise ValueError(
+                    f"{where} must be a finite number (got {value}): checkpoints record the config "
+                    "as JSON, which has no NaN or infinity"
+                )
         elif isinstance(value, int) and not isinstance(value, bool):
             if not -INT64 <= value < INT64:
                 raise ValueError(f"{where} is {value}, beyond the 64-bit integers numpy and torch hold")
         elif value is not None and not isinstance(value, (str, bool)):
-            raise ValueError(f"{where} is a {type(value).__name__} ({str(value)[:40]}): params hold null, "
-                             "booleans, numbers, strings, lists and mappings only (quote it to make it a string)")
+            raise ValueError(
+                f"{where} is a {type(value).__name__} ({str(value)[:40]}): params hold null, "
+                "booleans, numbers, strings, lists and mappings only (quote it to make it a string)"
+            )
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -72,8 +76,9 @@ class _StrictLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self._depth >= MAX_YAML_DEPTH:
-            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
-                                              self.peek_event().start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark
+            )
         self._depth += 1
         try:
             return super().compose_node(parent, index)
@@ -91,8 +96,9 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:  # unhashable: the base class names it
                 continue
             if duplicate:
-                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 

@@ -37,9 +37,20 @@ from typing import Any, Callable, Iterator
 from .errors import InternalError, naming
 from .hashing import HashingWriter
 
-__all__ = ["STEPS", "step", "naming", "fsync_dir", "atomic_folder", "recover", "scratch_folder", "lock_folder", "json_bytes",
-           "json_loads_strict",
-           "write_json_atomic", "FolderLock"]
+__all__ = [
+    "STEPS",
+    "step",
+    "naming",
+    "fsync_dir",
+    "atomic_folder",
+    "recover",
+    "scratch_folder",
+    "lock_folder",
+    "json_bytes",
+    "json_loads_strict",
+    "write_json_atomic",
+    "FolderLock",
+]
 
 STEPS = ("mkdir", "fsync_file", "fsync_temp", "move_aside", "rename", "fsync_parent", "remove_old")
 TEMP_PREFIX = ".tmp-"
@@ -78,8 +89,9 @@ def _sibling(dest: Path, prefix: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_folder(dest: str | Path, *, owned: Callable[[Path], bool] | None = None,
-                  files_synced: bool = False) -> Iterator[Path]:
+def atomic_folder(
+    dest: str | Path, *, owned: Callable[[Path], bool] | None = None, files_synced: bool = False
+) -> Iterator[Path]:
     """Yield an empty temporary folder; on a clean exit, commit it as ``dest`` atomically.
 
     ``dest`` must not exist, unless ``owned(dest)`` is true: then it is replaced (moved
@@ -211,7 +223,9 @@ def lock_folder(folder: Path) -> int | None:
 
 def _refuse_nonfinite(value: Any, where: str = "") -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"refusing to write {value} at {where or 'the top level'}: JSON has no NaN or infinity")
+        raise ValueError(
+            f"refusing to write {value} at {where or 'the top level'}: JSON has no NaN or infinity"
+        )
     if isinstance(value, dict):
         for key, item in value.items():
             _refuse_nonfinite(item, f"{where}/{key}")
@@ -293,8 +307,11 @@ class FolderLock:
 
     def acquire(self) -> None:
         is_dir = self.path.is_dir()
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY) if is_dir else \
-            os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = (
+            os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            if is_dir
+            else os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -20,8 +20,16 @@ from .errors import EnvironmentMismatch
 
 __all__ = ["ENVIRONMENT_ITEMS", "pin_threads", "current_environment", "reproduce_environment"]
 
-ENVIRONMENT_ITEMS = ("intra_op_threads", "inter_op_threads", "deterministic_algorithms", "cudnn_deterministic",
-                     "cudnn_benchmark", "device_type", "torch", "numpy")
+ENVIRONMENT_ITEMS = (
+    "intra_op_threads",
+    "inter_op_threads",
+    "deterministic_algorithms",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "device_type",
+    "torch",
+    "numpy",
+)
 
 
 def pin_threads(config: Config) -> None:
@@ -43,18 +51,26 @@ def current_environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def reproduce_environment(recorded: Any, device: torch.device, *, allow_change: bool, step: int
-                          ) -> list[dict[str, Any]]:
+def reproduce_environment(
+    recorded: Any, device: torch.device, *, allow_change: bool, step: int
+) -> list[dict[str, Any]]:
     """Restore the recorded thread counts, then compare every item with this process.
 
     Returns the changes (``[]`` when bitwise); raises :class:`EnvironmentMismatch` naming the
     first one unless ``allow_change``. ``recorded`` comes from a verified ``meta.json``.
     """
-    if not isinstance(recorded, dict) or set(recorded) != {*ENVIRONMENT_ITEMS, "changes"} or not isinstance(
-            recorded["changes"], list):
-        raise EnvironmentMismatch("the checkpoint's environment record is malformed: the checkpoint is damaged")
-    for item, setter in (("intra_op_threads", torch.set_num_threads),
-                         ("inter_op_threads", torch.set_num_interop_threads)):
+    if (
+        not isinstance(recorded, dict)
+        or set(recorded) != {*ENVIRONMENT_ITEMS, "changes"}
+        or not isinstance(recorded["changes"], list)
+    ):
+        raise EnvironmentMismatch(
+            "the checkpoint's environment record is malformed: the checkpoint is damaged"
+        )
+    for item, setter in (
+        ("intra_op_threads", torch.set_num_threads),
+        ("inter_op_threads", torch.set_num_interop_threads),
+    ):
         wanted = recorded[item]
         getter = torch.get_num_threads if item == "intra_op_threads" else torch.get_num_interop_threads
         if type(wanted) is int and wanted >= 1 and getter() != wanted:
@@ -63,13 +79,18 @@ def reproduce_environment(recorded: Any, device: torch.device, *, allow_change: 
             except RuntimeError:  # inter-op threads are fixed once parallel work started
                 pass
     now = current_environment(device)
-    changes = [{"item": item, "recorded": recorded[item], "now": now[item], "step": step}
-               for item in ENVIRONMENT_ITEMS if now[item] != recorded[item]]
+    changes = [
+        {"item": item, "recorded": recorded[item], "now": now[item], "step": step}
+        for item in ENVIRONMENT_ITEMS
+        if now[item] != recorded[item]
+    ]
     if changes and not allow_change:
         first = changes[0]
         more = f" (and {', '.join(c['item'] for c in changes[1:])})" if len(changes) > 1 else ""
-        raise EnvironmentMismatch(f"this process cannot reproduce the checkpoint's {first['item']} "
-                                  f"({first['recorded']!r} recorded, {first['now']!r} here){more}, so the resume "
-                                  "would not be bitwise exact: resume where it matches, or pass "
-                                  "--allow-environment-change to continue anyway (recorded in meta.json)")
+        raise EnvironmentMismatch(
+            f"this process cannot reproduce the checkpoint's {first['item']} "
+            f"({first['recorded']!r} recorded, {first['now']!r} here){more}, so the resume "
+            "would not be bitwise exact: resume where it matches, or pass "
+            "--allow-environment-change to continue anyway (recorded in meta.json)"
+        )
     return changes

@@ -98,6 +98,7 @@ class DataError(PipelineError, ValueError):
 
 # -- checkpoints (pipeline.checkpoint) ------------------------------------------------------
 
+
 class CheckpointError(PipelineError):
     """A checkpoint is missing, damaged, or cannot be used for this run."""
 
@@ -137,6 +138,7 @@ class NoCheckpoint(CheckpointError, FileNotFoundError):
 
 
 # -- training (pipeline.train, pipeline.proof) ---------------------------------------------
+
 
 class LaunchMismatch(CheckpointError):
     """A checkpoint was written by another launch (one process or torchrun, another
@@ -186,6 +188,7 @@ class MetricsError(PipelineError, ValueError):
 
 # -- the stage (pipeline.stage, pipeline.audit) --------------------------------------------
 
+
 class StageError(PipelineError):
     """The stage cannot be built or replaced; the previous stage is untouched."""
 
@@ -207,6 +210,7 @@ class ProofMismatch(StageError, ValueError):
 
 
 # -- publishing (pipeline.publishing) ----------------------------------------------------------
+
 
 class PublishError(PipelineError):
     """Nothing was published (exit 2). The message says what happened and what to do."""

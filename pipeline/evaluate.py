@@ -41,8 +41,19 @@ __all__ = ["evaluation_config", "evaluate_checkpoint", "write_metrics", "read_me
 METRICS_SCHEMA = "pipeline.metrics/1"
 HELDOUT_SPLIT = "heldout"
 METRICS_KEYS = frozenset(
-    {"schema", "step", "checkpoint", "modelo_sha256", "meta_file_sha256", "split", "metrics", "sample", "fingerprints",
-     "device", "created"}
+    {
+        "schema",
+        "step",
+        "checkpoint",
+        "modelo_sha256",
+        "meta_file_sha256",
+        "split",
+        "metrics",
+        "sample",
+        "fingerprints",
+        "device",
+        "created",
+    }
 )
 # Records written before the rename called the SHA-256 of the checkpoint's meta.json file
 # "meta_sha256", the name of meta.json's own seal (a hash of its content without that key).
@@ -58,10 +69,17 @@ def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> C
     the data folder and the device are properties of this machine.
     """
     raw = meta["config"]
-    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict) or not isinstance(raw.get("training"), dict):
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("data"), dict)
+        or not isinstance(raw.get("training"), dict)
+    ):
         raise ConfigMismatch(f"{source} has no usable config section")
-    raw = {**raw, "data": {**raw["data"], "dir": config.data.dir},
-           "training": {**raw["training"], "device": config.training.device}}
+    raw = {
+        **raw,
+        "data": {**raw["data"], "dir": config.data.dir},
+        "training": {**raw["training"], "device": config.training.device},
+    }
     try:
         return config_from_dict(raw, source=source)
     except ConfigError as exc:
@@ -93,7 +111,9 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
     # Pinned while every file is verified and the weights copied: a trainer running beside
     # us cannot prune it away. Then read from that private copy, one tensor at a time.
     with contextlib.ExitStack() as scratch:
-        with pinned_checkpoint(checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded:
+        with pinned_checkpoint(
+            checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True
+        ) as loaded:
             folder, meta = loaded.folder, loaded.meta
             meta_file_sha256 = sha256_file(folder / META_FILE)
             # Beside the metrics it will write (a RAM-backed /tmp would hold the whole copy in memory).
@@ -104,15 +124,18 @@ def evaluate_checkpoint(config: Config, checkpoint: str | Path = "latest") -> di
         return _evaluate(config, folder, meta, meta_file_sha256, weights)
 
 
-def _evaluate(config: Config, folder: Path, meta: dict[str, Any], meta_file_sha256: str,
-              weights: CheckpointWeights) -> dict[str, Any]:
+def _evaluate(
+    config: Config, folder: Path, meta: dict[str, Any], meta_file_sha256: str, weights: CheckpointWeights
+) -> dict[str, Any]:
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
     manifest = load_manifest(eval_config)
     trained_on = meta["fingerprints"].get("data")
     if manifest["fingerprint"] != trained_on:
-        raise DataError(f"{eval_config.data.dir}/ holds data with fingerprint {manifest['fingerprint'][:12]}, but "
-                        f"{folder.name} was trained on {str(trained_on)[:12]}: its held-out split is not this one; "
-                        "point data.dir at the data the checkpoint was trained with")
+        raise DataError(
+            f"{eval_config.data.dir}/ holds data with fingerprint {manifest['fingerprint'][:12]}, but "
+            f"{folder.name} was trained on {str(trained_on)[:12]}: its held-out split is not this one; "
+            "point data.dir at the data the checkpoint was trained with"
+        )
     device = resolve_device(eval_config)
     configure_determinism(eval_config)
     # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
@@ -128,7 +151,9 @@ def _evaluate(config: Config, folder: Path, meta: dict[str, Any], meta_file_sha2
     sample = getattr(data, "sample", None)
     text = sample(model, device) if sample is not None else None
     if text is not None and not isinstance(text, str):
-        raise MetricsError(f"{eval_config.data.factory}: sample() must return a str, got {type(text).__name__}")
+        raise MetricsError(
+            f"{eval_config.data.factory}: sample() must return a str, got {type(text).__name__}"
+        )
     return {
         "schema": METRICS_SCHEMA,
         "step": meta["step"],
@@ -155,7 +180,9 @@ def write_metrics(record: dict[str, Any], path: str | Path = METRICS_FILE) -> Pa
     return path
 
 
-def read_metrics(path: str | Path = METRICS_FILE, *, rerun: str = "python scripts/04_evaluate.py") -> dict[str, Any]:
+def read_metrics(
+    path: str | Path = METRICS_FILE, *, rerun: str = "python scripts/04_evaluate.py"
+) -> dict[str, Any]:
     """Parse and check a ``metrics.json`` written by :func:`write_metrics`; a refusal tells to
     run ``rerun`` (the command that writes this record)."""
     path = Path(path)

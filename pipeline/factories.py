@@ -27,8 +27,18 @@ from .config import Config
 from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError
 from .params import read_params  # published model code imports it from pipeline.params
 
-__all__ = ["resolve", "defining_module", "factory_errors", "read_params", "adam", "adamw", "step_lr", "warmup_cosine",
-           "constant"]
+__all__ = [
+    "resolve",
+    "defining_module",
+    "factory_errors",
+    "read_params",
+    "adam",
+    "adamw",
+    "step_lr",
+    "warmup_cosine",
+    "constant",
+]
+
 
 @contextlib.contextmanager
 def importable_working_folder() -> Iterator[None]:
@@ -77,19 +87,32 @@ def factory_errors(key: str, path: str) -> Iterator[None]:
         text = str(exc).strip()
         params = key.partition(".")[0] + ".params"
         if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-                isinstance(exc, RuntimeError) and _ALLOCATION_FAILED.search(text)):
-            raise OutOfMemory(f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
-                              "(and data.batch_size)") from exc
+            isinstance(exc, RuntimeError) and _ALLOCATION_FAILED.search(text)
+        ):
+            raise OutOfMemory(
+                f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
+                "(and data.batch_size)"
+            ) from exc
         first = text.splitlines()[0][:300] if text else ""
-        raise FactoryFailed(f"{key} {path} failed: {type(exc).__name__}{': ' + first if first else ''} "
-                            f"(check {params}; --debug prints the traceback)") from exc
+        raise FactoryFailed(
+            f"{key} {path} failed: {type(exc).__name__}{': ' + first if first else ''} "
+            f"(check {params}; --debug prints the traceback)"
+        ) from exc
 
 
 # How each configured factory is called, for the refusal of one that cannot be.
-_CALLS = {"data.prepare": "config, out_dir", "data.factory": "config, data_dir", "model.factory": "config",
-          "optimizer.factory": "model, config", "scheduler.factory": "optimizer, config"}
-_TYPE_NAMES = {torch.nn.Module: "torch.nn.Module", torch.optim.Optimizer: "torch.optim.Optimizer",
-               torch.optim.lr_scheduler.LRScheduler: "torch.optim.lr_scheduler.LRScheduler"}
+_CALLS = {
+    "data.prepare": "config, out_dir",
+    "data.factory": "config, data_dir",
+    "model.factory": "config",
+    "optimizer.factory": "model, config",
+    "scheduler.factory": "optimizer, config",
+}
+_TYPE_NAMES = {
+    torch.nn.Module: "torch.nn.Module",
+    torch.optim.Optimizer: "torch.optim.Optimizer",
+    torch.optim.lr_scheduler.LRScheduler: "torch.optim.lr_scheduler.LRScheduler",
+}
 
 
 class _Factory:
@@ -106,8 +129,10 @@ class _Factory:
             inspect.signature(self.target).bind(*args)
         except TypeError as exc:
             call = _CALLS.get(self.key, ", ".join(["..."] * len(args)))
-            raise ConfigError(f"{self.key}: {self.path} cannot be called as f({call}) ({exc}): name a function "
-                              "with that signature") from None
+            raise ConfigError(
+                f"{self.key}: {self.path} cannot be called as f({call}) ({exc}): name a function "
+                "with that signature"
+            ) from None
         except ValueError:  # no signature to check (some built-ins): the call tells
             pass
         with factory_errors(self.key, self.path):
@@ -136,7 +161,9 @@ def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[...
         with importable_working_folder():
             module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+        raise ConfigError(
+            f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?"
+        ) from None
     target = module
     for part in attr.split("."):
         target = getattr(target, part, None)
@@ -148,21 +175,28 @@ def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[...
 
 
 def _optimizer_kwargs(config: Config) -> dict[str, Any]:
-    params = read_params(config.optimizer.params, "optimizer.params",
-                         {"betas": (list, [0.9, 0.999]), "eps": (float, 1e-8)})
+    params = read_params(
+        config.optimizer.params, "optimizer.params", {"betas": (list, [0.9, 0.999]), "eps": (float, 1e-8)}
+    )
     betas = params["betas"]
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                                  for b in betas):
+    if len(betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
+    ):
         raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {betas}")
     if not 0 < params["eps"] < math.inf:
         raise ConfigError(f"optimizer.params.eps must be a finite number > 0 (got {params['eps']})")
-    return {"lr": config.optimizer.lr, "betas": tuple(float(b) for b in params["betas"]), "eps": params["eps"]}
+    return {
+        "lr": config.optimizer.lr,
+        "betas": tuple(float(b) for b in params["betas"]),
+        "eps": params["eps"],
+    }
 
 
 def adam(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
     """Adam over every parameter, with L2 weight decay if configured."""
-    return torch.optim.Adam(model.parameters(), weight_decay=config.optimizer.weight_decay,
-                            **_optimizer_kwargs(config))
+    return torch.optim.Adam(
+        model.parameters(), weight_decay=config.optimizer.weight_decay, **_optimizer_kwargs(config)
+    )
 
 
 def adamw(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
@@ -183,8 +217,9 @@ def adamw(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
 
 def step_lr(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr_scheduler.LRScheduler:
     """Multiply the learning rate by ``gamma`` every ``step_size`` steps."""
-    params = read_params(config.scheduler.params, "scheduler.params",
-                         {"step_size": (int, 4), "gamma": (float, 0.5)})
+    params = read_params(
+        config.scheduler.params, "scheduler.params", {"step_size": (int, 4), "gamma": (float, 0.5)}
+    )
     if params["step_size"] < 1:
         raise ConfigError(f"scheduler.params.step_size must be >= 1 (got {params['step_size']})")
     if not 0 < params["gamma"] < math.inf:
@@ -201,8 +236,9 @@ def constant(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr
 def warmup_cosine(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_ratio`` of the base rate
     at ``training.max_steps`` (an extended run's first length), held after it."""
-    params = read_params(config.scheduler.params, "scheduler.params",
-                         {"warmup_steps": (int, 10), "min_ratio": (float, 0.1)})
+    params = read_params(
+        config.scheduler.params, "scheduler.params", {"warmup_steps": (int, 10), "min_ratio": (float, 0.1)}
+    )
     warmup, floor, total = params["warmup_steps"], params["min_ratio"], config.training.max_steps
     if warmup < 0:
         raise ConfigError(f"scheduler.params.warmup_steps must be >= 0 (got {warmup})")

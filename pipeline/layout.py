@@ -3,11 +3,30 @@ torch-free module so that light commands (audit, publish) can use them without i
 the training stack. Every other module imports these; none spells them out."""
 
 __all__ = [
-    "CHECKPOINT_DIR", "STAGE_DIR", "DATA_DIR", "RECEIPT_DIR", "MODEL_FILE", "STATE_FILE", "META_FILE",
-    "MANIFEST_FILE", "README_FILE", "CURVE_FILE", "METRICS_FILE", "DATA_MANIFEST_FILE", "LOCK_FILE",
-    "SIGNATURE_FILE", "PUBLIC_KEY_FILE",
-    "CONFIG_FILE", "GENERATION_CONFIG_FILE", "INDEX_FILE", "CODE_DIR", "shard_name",
-    "DIST_MODEL_DIR", "DIST_OPTIM_DIR", "DIST_RNG_DIR", "rank_rng_file",
+    "CHECKPOINT_DIR",
+    "STAGE_DIR",
+    "DATA_DIR",
+    "RECEIPT_DIR",
+    "MODEL_FILE",
+    "STATE_FILE",
+    "META_FILE",
+    "MANIFEST_FILE",
+    "README_FILE",
+    "CURVE_FILE",
+    "METRICS_FILE",
+    "DATA_MANIFEST_FILE",
+    "LOCK_FILE",
+    "SIGNATURE_FILE",
+    "PUBLIC_KEY_FILE",
+    "CONFIG_FILE",
+    "GENERATION_CONFIG_FILE",
+    "INDEX_FILE",
+    "CODE_DIR",
+    "shard_name",
+    "DIST_MODEL_DIR",
+    "DIST_OPTIM_DIR",
+    "DIST_RNG_DIR",
+    "rank_rng_file",
 ]
 
 # Default folders (config.yaml / command-line flags may point elsewhere).

@@ -74,8 +74,15 @@ class LeakKind:
         return _near_needles(self.pattern, self.needles, buffer, start, end)
 
 
-def _near_needles(pattern: re.Pattern[bytes], needles: tuple[bytes, ...], buffer: bytes | bytearray, start: int,
-                  end: int, haystack: bytes | bytearray | None = None, span: int = 0) -> bool:
+def _near_needles(
+    pattern: re.Pattern[bytes],
+    needles: tuple[bytes, ...],
+    buffer: bytes | bytearray,
+    start: int,
+    end: int,
+    haystack: bytes | bytearray | None = None,
+    span: int = 0,
+) -> bool:
     """Whether ``pattern`` matches in ``buffer[start:end]``, tried only around each needle found
     (in ``haystack``, e.g. a lowercased copy, default ``buffer``). ``bytes.find`` runs at GB/s
     where a pattern that starts with a look-behind would run at tens of MB/s."""
@@ -98,28 +105,61 @@ def _kind(id: str, what: str, pattern: bytes, **flags: Any) -> LeakKind:  # noqa
 # Left context: a credential starts a word, so "task-…" or "xyzAKIA…" do not match.
 KINDS: tuple[LeakKind, ...] = (
     _kind("hf-token", "an hf_ token", rb"hf_[A-Za-z0-9]{30,}", anywhere=True, needles=(b"hf_",)),
-    _kind("private-key", "a PEM private key", rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", anywhere=True,
-          allowable=False, needles=(b"PRIVATE KEY-----",)),
-    _kind("hf-org-token", "an api_org_ token", rb"(?<![A-Za-z0-9_])api_org_[A-Za-z0-9]{30,}", needles=(b"api_org_",)),
-    _kind("aws-key", "an AWS access key",
-          rb"(?<![A-Z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])"
-          rb"|(?i:aws_?secret_?access_?key)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])",
-          needles=(b"AKIA", b"ASIA", b"ABIA", b"ACCA", b"ccess_key", b"CCESS_KEY", b"ccessKey")),
-    _kind("github-token", "a GitHub token",
-          rb"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{22,})",
-          needles=(b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_", b"github_pat_")),
-    _kind("openai-key", "an OpenAI API key",
-          rb"(?<![A-Za-z0-9_-])sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,}|[A-Za-z0-9]{32,}"
-          rb"|[A-Za-z0-9]{20}T3BlbkFJ[A-Za-z0-9]{20})", needles=(b"sk-",)),
-    _kind("slack-token", "a Slack token", rb"(?<![A-Za-z0-9])xox[abeoprs]-[A-Za-z0-9-]{10,}", needles=(b"xox",)),
-    _kind("google-api-key", "a Google API key", rb"(?<![A-Za-z0-9_-])AIza[0-9A-Za-z_-]{35}", needles=(b"AIza",)),
+    _kind(
+        "private-key",
+        "a PEM private key",
+        rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----",
+        anywhere=True,
+        allowable=False,
+        needles=(b"PRIVATE KEY-----",),
+    ),
+    _kind(
+        "hf-org-token",
+        "an api_org_ token",
+        rb"(?<![A-Za-z0-9_])api_org_[A-Za-z0-9]{30,}",
+        needles=(b"api_org_",),
+    ),
+    _kind(
+        "aws-key",
+        "an AWS access key",
+        rb"(?<![A-Z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])"
+        rb"|(?i:aws_?secret_?access_?key)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])",
+        needles=(b"AKIA", b"ASIA", b"ABIA", b"ACCA", b"ccess_key", b"CCESS_KEY", b"ccessKey"),
+    ),
+    _kind(
+        "github-token",
+        "a GitHub token",
+        rb"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{22,})",
+        needles=(b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_", b"github_pat_"),
+    ),
+    _kind(
+        "openai-key",
+        "an OpenAI API key",
+        rb"(?<![A-Za-z0-9_-])sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,}|[A-Za-z0-9]{32,}"
+        rb"|[A-Za-z0-9]{20}T3BlbkFJ[A-Za-z0-9]{20})",
+        needles=(b"sk-",),
+    ),
+    _kind(
+        "slack-token", "a Slack token", rb"(?<![A-Za-z0-9])xox[abeoprs]-[A-Za-z0-9-]{10,}", needles=(b"xox",)
+    ),
+    _kind(
+        "google-api-key", "a Google API key", rb"(?<![A-Za-z0-9_-])AIza[0-9A-Za-z_-]{35}", needles=(b"AIza",)
+    ),
     # A W&B key is 40 hex digits, like a git commit id: only with a W&B name in front of it
     # (WANDB_API_KEY=…, wandb.login(key=…), the api.wandb.ai entry of a .netrc).
-    _kind("wandb-key", "a W&B API key",
-          rb"(?i:wandb[A-Za-z0-9_.]*(?:key|login|password)|api\.wandb\.ai)[\s\S]{0,80}?"
-          rb"(?<![0-9A-Fa-f])[0-9a-f]{40}(?![0-9A-Fa-f])", needles=(b"andb", b"ANDB", b"andB")),
-    _kind("jwt", "a JSON Web Token",
-          rb"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{16,}", needles=(b"eyJ",)),
+    _kind(
+        "wandb-key",
+        "a W&B API key",
+        rb"(?i:wandb[A-Za-z0-9_.]*(?:key|login|password)|api\.wandb\.ai)[\s\S]{0,80}?"
+        rb"(?<![0-9A-Fa-f])[0-9a-f]{40}(?![0-9A-Fa-f])",
+        needles=(b"andb", b"ANDB", b"andB"),
+    ),
+    _kind(
+        "jwt",
+        "a JSON Web Token",
+        rb"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{16,}",
+        needles=(b"eyJ",),
+    ),
 )
 _KIND_BY_ID = {kind.id: kind for kind in KINDS}
 # The host name can be a common word ("gpu" in a card): a file may allow it, never a path.
@@ -127,8 +167,17 @@ HOST_NAME = "host-name"
 ALLOWABLE = frozenset([kind.id for kind in KINDS if kind.allowable] + [HOST_NAME])
 
 # Environment variables whose values are secrets wherever they appear.
-SECRET_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY", "GITHUB_TOKEN",
-                    "GH_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "SLACK_BOT_TOKEN")
+SECRET_VARIABLES = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "OPENAI_API_KEY",
+    "GITHUB_TOKEN",
+    "GH_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "SLACK_BOT_TOKEN",
+)
 # Shorter values would match by chance inside binary weights.
 _MIN_LITERAL_SECRET = 8
 # git's rule: a NUL byte in the first 8000 bytes makes a file binary.
@@ -137,7 +186,9 @@ _TEXT_PROBE = 8000
 # that straddles two chunks lies in the last and first _OVERLAP bytes of them.
 _OVERLAP = 256
 _CONTEXT = 16  # bytes before the seam that look-behinds may read
-_BEFORE = 32  # bytes between a match's start and its needle, at most ("-----BEGIN ENCRYPTED PRIVATE KEY-----")
+_BEFORE = (
+    32  # bytes between a match's start and its needle, at most ("-----BEGIN ENCRYPTED PRIVATE KEY-----")
+)
 # Host names that identify no machine.
 _ANONYMOUS_HOSTS = frozenset({"localhost", "localhost.localdomain"})
 _PACKAGE_CHECKOUT = Path(__file__).resolve().parents[1]
@@ -173,8 +224,13 @@ def _saved_tokens() -> list[str]:
     return values
 
 
-def leak_rules(environ: Mapping[str, str] | None = None, *, hostname: str | None = None,
-               home: str | None = None, cwd: str | None = None) -> LeakRules:
+def leak_rules(
+    environ: Mapping[str, str] | None = None,
+    *,
+    hostname: str | None = None,
+    home: str | None = None,
+    cwd: str | None = None,
+) -> LeakRules:
     """The rules for this process: secrets from ``environ`` (default ``os.environ``) and the
     saved login, this machine's home folder, working folder, checkout path and host name
     (each argument overrides what is read from the system)."""
@@ -218,7 +274,9 @@ class FileScan:
 
     def __init__(self, rules: LeakRules) -> None:
         self._rules = rules
-        self._checks: list[tuple[str, str, Any]] | None = None  # (kind id, words, search) once text/binary is known
+        self._checks: list[tuple[str, str, Any]] | None = (
+            None  # (kind id, words, search) once text/binary is known
+        )
         self._numbers: list[tuple[int, int]] = []  # floating-point tensors: this machine's secret values only
         self._position = 0  # of the next chunk in the file
         self._tail = b""
@@ -229,8 +287,14 @@ class FileScan:
     def _choose(self, text: bool) -> list[tuple[str, str, Any]]:
         literals = [("secret", what, _literal(value)) for value, what in self._rules.secrets]
         kinds = [(kind.id, kind.what, kind.search) for kind in KINDS if text or kind.anywhere]
-        machine = [(HOST_NAME if what == "the host name" else "path", what, _machine_word(value, what))
-                   for value, what in self._rules.machine] if text else []
+        machine = (
+            [
+                (HOST_NAME if what == "the host name" else "path", what, _machine_word(value, what))
+                for value, what in self._rules.machine
+            ]
+            if text
+            else []
+        )
         return literals + kinds + machine
 
     def feed(self, buffer: bytes | bytearray, n: int) -> None:
@@ -240,7 +304,7 @@ class FileScan:
             self._numbers = [] if text else _float_tensors(buffer, n)
         # The seam: the end of the previous chunk (with a few bytes of left context) and the start of this one.
         context = max(0, len(self._tail) - self._overlap)
-        seam = self._tail + bytes(buffer[:min(n, self._overlap)])
+        seam = self._tail + bytes(buffer[: min(n, self._overlap)])
         parts = self._parts(n)
         for kind, what, search in self._checks:
             if kind in self.found:
@@ -248,7 +312,7 @@ class FileScan:
             everywhere = ((0, n),) if kind == "secret" else parts
             if search(seam, context, len(seam)) or any(search(buffer, a, b) for a, b in everywhere):
                 self.found[kind] = what
-        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT):n])
+        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT) : n])
         self._position += n
 
     def _parts(self, n: int) -> list[tuple[int, int]]:
@@ -268,7 +332,9 @@ class FileScan:
 # The payload of a floating-point tensor is numbers: a token format there would be chance, and
 # searching gigabytes for each format costs a pass per format. It is searched for this machine's
 # secret values (long literals, found at memory speed), like every byte.
-_FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"})
+_FLOATS = frozenset(
+    {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
+)
 
 
 def _float_tensors(buffer: bytes | bytearray, n: int) -> list[tuple[int, int]]:
@@ -278,7 +344,7 @@ def _float_tensors(buffer: bytes | bytearray, n: int) -> list[tuple[int, int]]:
     if not 2 <= size <= n - 8 or buffer[8:9] != b"{":
         return []
     try:
-        header = json.loads(bytes(buffer[8:8 + size]))
+        header = json.loads(bytes(buffer[8 : 8 + size]))
     except (ValueError, UnicodeDecodeError):
         return []
     ranges = []
@@ -286,8 +352,13 @@ def _float_tensors(buffer: bytes | bytearray, n: int) -> list[tuple[int, int]]:
         if name == "__metadata__" or not isinstance(entry, dict):
             continue
         offsets = entry.get("data_offsets")
-        if (entry.get("dtype") in _FLOATS and isinstance(offsets, list)
-                and len(offsets) == 2 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        if (
+            entry.get("dtype") in _FLOATS
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
             ranges.append((8 + size + offsets[0], 8 + size + offsets[1]))
     merged: list[tuple[int, int]] = []
     for first, last in sorted(ranges):
@@ -303,8 +374,11 @@ def _machine_word(value: bytes, what: str):
     if what != "the host name":
         return lambda buffer, start, end: _near_needles(pattern, (value,), buffer, start, end, span=span)
 
-    def search(buffer: bytes | bytearray, start: int, end: int) -> bool:  # any case: find it in a lowercased copy
+    def search(
+        buffer: bytes | bytearray, start: int, end: int
+    ) -> bool:  # any case: find it in a lowercased copy
         return _near_needles(pattern, (value.lower(),), buffer, start, end, buffer[:end].lower(), span)
+
     return search
 
 
@@ -324,8 +398,10 @@ def allowance_problem(allow: Any) -> str | None:
             return f"gives {name} {kinds!r}, which is not a non-empty list of kinds"
         for kind in kinds:
             if kind not in ALLOWABLE:
-                return (f"allows {kind!r} in {name}, which is not a kind that may be allowed (one of "
-                        f"{', '.join(sorted(ALLOWABLE))}); tokens of this machine, private keys and paths never are")
+                return (
+                    f"allows {kind!r} in {name}, which is not a kind that may be allowed (one of "
+                    f"{', '.join(sorted(ALLOWABLE))}); tokens of this machine, private keys and paths never are"
+                )
     return None
 
 
@@ -333,8 +409,12 @@ def _words(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def refuse_findings(found: Mapping[str, Mapping[str, str]], allow: Mapping[str, Any] | None = None, *,
-                    consequence: str = "nothing was staged") -> list[tuple[str, str]]:
+def refuse_findings(
+    found: Mapping[str, Mapping[str, str]],
+    allow: Mapping[str, Any] | None = None,
+    *,
+    consequence: str = "nothing was staged",
+) -> list[tuple[str, str]]:
     """Raise :class:`SecretInStage` naming the first file (in order) holding something that ``allow``
     (``card.allow_leaks``) does not allow, with every such kind and file; return the allowed
     findings as ``(file, words)``."""
@@ -351,17 +431,26 @@ def refuse_findings(found: Mapping[str, Mapping[str, str]], allow: Mapping[str, 
         return allowed
     first, *others = refused
     also = f" (and in {', '.join(others)})" if others else ""
-    message = (f"{first} holds {_words(list(refused[first].values()))}{also}; {consequence}. Remove it from where "
-               "it came from (config card section, data, task sample, code, edits to the stage) and stage again")
+    message = (
+        f"{first} holds {_words(list(refused[first].values()))}{also}; {consequence}. Remove it from where "
+        "it came from (config card section, data, task sample, code, edits to the stage) and stage again"
+    )
     if all(kind in ALLOWABLE for kinds in refused.values() for kind in kinds):
         entries = ", ".join(f"{name}: [{', '.join(kinds)}]" for name, kinds in refused.items())
-        message += (f"; if it is not a secret (a documented example), allow it per file in the config: "
-                    f"card.allow_leaks: {{{entries}}} (docs/publishing.md)")
+        message += (
+            f"; if it is not a secret (a documented example), allow it per file in the config: "
+            f"card.allow_leaks: {{{entries}}} (docs/publishing.md)"
+        )
     raise SecretInStage(message)
 
 
-def scan_secrets(folder: str | Path, rules: LeakRules | None = None, *, consequence: str = "nothing was staged",
-                 allow: Mapping[str, Any] | None = None) -> list[tuple[str, str]]:
+def scan_secrets(
+    folder: str | Path,
+    rules: LeakRules | None = None,
+    *,
+    consequence: str = "nothing was staged",
+    allow: Mapping[str, Any] | None = None,
+) -> list[tuple[str, str]]:
     """Refuse (:class:`SecretInStage`) if any plain file in ``folder`` (subfolders included)
     leaks what :data:`KINDS` or ``rules`` (default :func:`leak_rules`) name, unless ``allow``
     (``card.allow_leaks``) allows that kind in that file. The message names the file, the kind

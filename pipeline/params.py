@@ -15,8 +15,10 @@ from typing import Any
 try:
     from .errors import ConfigError
 except ImportError:  # shipped with a published model, without the rest of this project
+
     class ConfigError(ValueError):  # type: ignore[no-redef]
         """A parameter of the config is invalid."""
+
 
 __all__ = ["ConfigError", "read_params", "is_yaml11_float"]
 
@@ -44,7 +46,9 @@ def read_params(params: dict[str, Any], key: str, spec: dict[str, tuple[type, An
             out[name] = default
             continue
         value = params[name]
-        if kind is float and (isinstance(value, int) and not isinstance(value, bool) or is_yaml11_float(value)):
+        if kind is float and (
+            isinstance(value, int) and not isinstance(value, bool) or is_yaml11_float(value)
+        ):
             value = float(value)
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise ConfigError(f"{key}.{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")

@@ -18,8 +18,15 @@ def quiet_hub_progress_unless_terminal() -> None:
 
 
 class Progress:
-    def __init__(self, *, total: int, initial: int, log_every: int = 1, stream: TextIO | None = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        total: int,
+        initial: int,
+        log_every: int = 1,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+    ) -> None:
         self.stream = stream or sys.stderr
         self.total = total
         self.log_every = log_every

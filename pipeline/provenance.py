@@ -21,8 +21,16 @@ from .config import Config
 from .errors import CodeChanged
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 
-__all__ = ["PACKAGE_ROOT", "code_fingerprint", "factory_sources", "factories_fingerprint",
-           "sources_fingerprint", "library_versions", "counted_sources", "check_code_unchanged"]
+__all__ = [
+    "PACKAGE_ROOT",
+    "code_fingerprint",
+    "factory_sources",
+    "factories_fingerprint",
+    "sources_fingerprint",
+    "library_versions",
+    "counted_sources",
+    "check_code_unchanged",
+]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
 
@@ -92,13 +100,21 @@ def factories_fingerprint(config: Config) -> str:
 
 def sources_fingerprint(sources: dict[str, dict[str, Any]]) -> str:
     """:func:`factories_fingerprint` of a recorded :func:`factory_sources` table (a proof's)."""
-    return fingerprint_table({f"{key}={entry['factory']}": {"sha256": entry["sha256"] or "missing"}
-                              for key, entry in sources.items()})
+    return fingerprint_table(
+        {
+            f"{key}={entry['factory']}": {"sha256": entry["sha256"] or "missing"}
+            for key, entry in sources.items()
+        }
+    )
 
 
 # The roles of the counted files, in the order a refusal names them.
-_ROLES = {"model": "the model's code", "data.factory": "the data factory", "optimizer.factory": "the optimizer factory",
-          "scheduler.factory": "the scheduler factory"}
+_ROLES = {
+    "model": "the model's code",
+    "data.factory": "the data factory",
+    "optimizer.factory": "the optimizer factory",
+    "scheduler.factory": "the scheduler factory",
+}
 
 
 def _module_file(module: str) -> tuple[str, Path] | None:
@@ -110,7 +126,9 @@ def _module_file(module: str) -> tuple[str, Path] | None:
     if spec is None or spec.origin is None or not Path(spec.origin).is_file():
         return None
     origin = Path(os.path.abspath(spec.origin))
-    relative = "/".join(module.split(".")) + ("/__init__.py" if origin.name == "__init__.py" else origin.suffix)
+    relative = "/".join(module.split(".")) + (
+        "/__init__.py" if origin.name == "__init__.py" else origin.suffix
+    )
     return relative, origin
 
 
@@ -120,7 +138,9 @@ def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
     from .factories import importable_working_folder
     from .stage.code_export import shipped_sources  # the closure script 05 ships
 
-    files = {relative: ("model", origin) for relative, origin in shipped_sources(config, strict=False).items()}
+    files = {
+        relative: ("model", origin) for relative, origin in shipped_sources(config, strict=False).items()
+    }
     with importable_working_folder():
         for key in ("data.factory", "optimizer.factory", "scheduler.factory"):
             section, _, field = key.partition(".")
@@ -143,17 +163,23 @@ def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["
     factory files (``fingerprints.factories``)."""
     step = meta["step"]
     if use == "resume":
-        fix = ("restore it to resume exactly, or pass --allow-environment-change to continue the run with the new "
-               "code (its next checkpoints record it)")
+        fix = (
+            "restore it to resume exactly, or pass --allow-environment-change to continue the run with the new "
+            "code (its next checkpoints record it)"
+        )
     else:
-        fix = ("the stage would ship other code than the code that built these weights: restore it, or stage a "
-               "checkpoint trained with this code")
+        fix = (
+            "the stage would ship other code than the code that built these weights: restore it, or stage a "
+            "checkpoint trained with this code"
+        )
     fingerprints = meta["fingerprints"]
     recorded = fingerprints.get("sources") if isinstance(fingerprints, dict) else None
     if not isinstance(recorded, dict):
         if fingerprints.get("factories") not in (None, factories_fingerprint(config)):
-            raise CodeChanged(f"a factory file ({', '.join(_ROLES)}) changed since step {step} was trained (this "
-                              "checkpoint predates per-file fingerprints, so which one cannot be told): " + fix)
+            raise CodeChanged(
+                f"a factory file ({', '.join(_ROLES)}) changed since step {step} was trained (this "
+                "checkpoint predates per-file fingerprints, so which one cannot be told): " + fix
+            )
         return
     current = _counted_files(config)
     roles = list(_ROLES)
@@ -171,6 +197,8 @@ def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["
         elif now is None:
             change = f"counted for step {step} (its model or factory code) and is no longer part of it"
         else:
-            change = (f"({_ROLES[current[relative][0]]}) changed since step {step} was trained "
-                      f"(SHA-256 {before[:12]} then, {now[:12]} now)")
+            change = (
+                f"({_ROLES[current[relative][0]]}) changed since step {step} was trained "
+                f"(SHA-256 {before[:12]} then, {now[:12]} now)"
+            )
         raise CodeChanged(f"{relative} {change}: {fix}")

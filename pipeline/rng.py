@@ -49,8 +49,9 @@ def restore_rng(state: dict[str, Any], generator: np.random.Generator, *, need_c
     random.setstate(state["python"])
     saved_bitgen = state["numpy_generator"]["bit_generator"]
     if saved_bitgen != type(generator.bit_generator).__name__:
-        raise StateMismatch(f"saved NumPy generator is {saved_bitgen}, this run uses "
-                            f"{type(generator.bit_generator).__name__}")
+        raise StateMismatch(
+            f"saved NumPy generator is {saved_bitgen}, this run uses {type(generator.bit_generator).__name__}"
+        )
     generator.bit_generator.state = state["numpy_generator"]
     np.random.set_state(state["numpy_legacy"])
     torch.set_rng_state(state["torch_cpu"])
@@ -58,9 +59,11 @@ def restore_rng(state: dict[str, Any], generator: np.random.Generator, *, need_c
     if cuda_states and _cuda_present():
         if len(cuda_states) != torch.cuda.device_count():
             if need_cuda:
-                raise StateMismatch(f"checkpoint holds RNG states of {len(cuda_states)} CUDA devices, "
-                                    f"this machine has {torch.cuda.device_count()}: resume on the same "
-                                    "device count, or set CUDA_VISIBLE_DEVICES")
+                raise StateMismatch(
+                    f"checkpoint holds RNG states of {len(cuda_states)} CUDA devices, "
+                    f"this machine has {torch.cuda.device_count()}: resume on the same "
+                    "device count, or set CUDA_VISIBLE_DEVICES"
+                )
         else:
             torch.cuda.set_rng_state_all(cuda_states)
     elif need_cuda and not cuda_states:

@@ -18,8 +18,15 @@ from .errors import ConfigError
 from .factories import factory_errors, resolve
 from .rng import seed_everything
 
-__all__ = ["TrainingRun", "build_run", "resolve_device", "configure_determinism", "build_model", "make_sampler",
-           "fresh_buffers"]
+__all__ = [
+    "TrainingRun",
+    "build_run",
+    "resolve_device",
+    "configure_determinism",
+    "build_model",
+    "make_sampler",
+    "fresh_buffers",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,8 +58,10 @@ def resolve_device(config: Config) -> torch.device:
     if wanted == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
-                          "set it to 'cpu' or 'auto'")
+        raise ConfigError(
+            f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
+            "set it to 'cpu' or 'auto'"
+        )
     return torch.device(wanted)
 
 
@@ -87,8 +96,9 @@ def build_model(config: Config, device: torch.device | str = "cpu") -> torch.nn.
     if empty:
         return model.to(dtype=dtype)
     # Moving the model allocates it again, on the device and in the dtype: named the same way.
-    with factory_errors("model.factory", f"{config.model.factory} (its model moved to {device}, "
-                                         f"{config.training.dtype})"):
+    with factory_errors(
+        "model.factory", f"{config.model.factory} (its model moved to {device}, {config.training.dtype})"
+    ):
         return model.to(device=torch.device(device), dtype=dtype)
 
 
@@ -117,8 +127,13 @@ def fresh_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name in stored}
 
 
-def build_run(config: Config, device: torch.device, *, schedule_steps: int | None = None,
-              wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> TrainingRun:
+def build_run(
+    config: Config,
+    device: torch.device,
+    *,
+    schedule_steps: int | None = None,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
@@ -132,11 +147,19 @@ def build_run(config: Config, device: torch.device, *, schedule_steps: int | Non
     fresh = fresh_buffers(model)  # under the plain module's names, before a wrapper prefixes them
     if wrap is not None:
         model = wrap(model)
-    optimizer = resolve(config.optimizer.factory, "optimizer.factory", returns=torch.optim.Optimizer)(model, config)
-    schedule_config = config if schedule_steps is None else dataclasses.replace(
-        config, training=dataclasses.replace(config.training, max_steps=schedule_steps))
-    scheduler = resolve(config.scheduler.factory, "scheduler.factory",
-                        returns=torch.optim.lr_scheduler.LRScheduler)(optimizer, schedule_config)
+    optimizer = resolve(config.optimizer.factory, "optimizer.factory", returns=torch.optim.Optimizer)(
+        model, config
+    )
+    schedule_config = (
+        config
+        if schedule_steps is None
+        else dataclasses.replace(
+            config, training=dataclasses.replace(config.training, max_steps=schedule_steps)
+        )
+    )
+    scheduler = resolve(
+        config.scheduler.factory, "scheduler.factory", returns=torch.optim.lr_scheduler.LRScheduler
+    )(optimizer, schedule_config)
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
     feed = make_feed(data, sampler, generator, config, device)
@@ -144,6 +167,17 @@ def build_run(config: Config, device: torch.device, *, schedule_steps: int | Non
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
-    return TrainingRun(config=config, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
-                       data=data, sampler=sampler, feed=feed, generator=generator, scaler=scaler,
-                       autocast_dtype=autocast_dtype, fresh_buffers=fresh)
+    return TrainingRun(
+        config=config,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        sampler=sampler,
+        feed=feed,
+        generator=generator,
+        scaler=scaler,
+        autocast_dtype=autocast_dtype,
+        fresh_buffers=fresh,
+    )

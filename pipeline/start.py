@@ -37,7 +37,14 @@ from .cli import script_command
 from .config import Config
 from .distributed.world import World, derive_rank_rng
 from .environment import reproduce_environment
-from .errors import CheckpointError, ConfigError, LaunchMismatch, PipelineError, SchemaMismatch, WorldSizeMismatch
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    LaunchMismatch,
+    PipelineError,
+    SchemaMismatch,
+    WorldSizeMismatch,
+)
 from .layout import MODEL_FILE
 from .provenance import check_code_unchanged
 from .run import TrainingRun
@@ -59,24 +66,37 @@ class Launch:
     def of_run(cls, config: Config, world: World | None) -> "Launch":
         parallel = config.training.parallel
         if world is None and parallel != "none":
-            torchrun = script_command(config, "02_train.py", launcher=["torchrun", "--standalone", "--nproc-per-node=N"])
-            raise ConfigError(f"{config.source}: training.parallel is {parallel!r}: launch with {torchrun} "
-                              "(docs/distributed.md)")
-        return cls(parallel, world.world_size if world is not None else 1,
-                   config.training.ddp_find_unused_parameters if parallel == "ddp" else None)
+            torchrun = script_command(
+                config, "02_train.py", launcher=["torchrun", "--standalone", "--nproc-per-node=N"]
+            )
+            raise ConfigError(
+                f"{config.source}: training.parallel is {parallel!r}: launch with {torchrun} "
+                "(docs/distributed.md)"
+            )
+        return cls(
+            parallel,
+            world.world_size if world is not None else 1,
+            config.training.ddp_find_unused_parameters if parallel == "ddp" else None,
+        )
 
     @classmethod
     def of_checkpoint(cls, meta: dict[str, Any]) -> "Launch":
         if not is_distributed(meta):
             return cls("none", 1)
         record = meta["parallel"]
-        return cls(record["mode"], record["world_size"],
-                   record["ddp_find_unused_parameters"] if record["mode"] == "ddp" else None)
+        return cls(
+            record["mode"],
+            record["world_size"],
+            record["ddp_find_unused_parameters"] if record["mode"] == "ddp" else None,
+        )
 
     def describe(self) -> str:
         processes = "one process" if self.world_size == 1 else f"{self.world_size} processes"
-        bucket = "" if self.ddp_find_unused_parameters is None else \
-            f", ddp_find_unused_parameters {str(self.ddp_find_unused_parameters).lower()}"
+        bucket = (
+            ""
+            if self.ddp_find_unused_parameters is None
+            else f", ddp_find_unused_parameters {str(self.ddp_find_unused_parameters).lower()}"
+        )
         return f"{processes} (training.parallel {self.parallel}{bucket})"
 
     def command(self, config: Config) -> str:
@@ -85,13 +105,25 @@ class Launch:
         if self.parallel == "none":
             return script_command(config, "02_train.py", "--resume", "latest", *sets)
         if self.ddp_find_unused_parameters is not None:
-            sets += ["--set", f"training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}"]
-        return script_command(config, "02_train.py", "--resume", "latest", *sets,
-                              launcher=["torchrun", "--standalone", f"--nproc-per-node={self.world_size}"])
+            sets += [
+                "--set",
+                f"training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}",
+            ]
+        return script_command(
+            config,
+            "02_train.py",
+            "--resume",
+            "latest",
+            *sets,
+            launcher=["torchrun", "--standalone", f"--nproc-per-node={self.world_size}"],
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"parallel": self.parallel, "world_size": self.world_size,
-                "ddp_find_unused_parameters": self.ddp_find_unused_parameters}
+        return {
+            "parallel": self.parallel,
+            "world_size": self.world_size,
+            "ddp_find_unused_parameters": self.ddp_find_unused_parameters,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,12 +140,18 @@ class StartRequest:
     def check(self) -> None:
         """The refusals that need nothing but the arguments."""
         if self.resume is not None and self.init_from is not None:
-            raise PipelineError("--resume and --init-from exclude each other: --init-from starts a new run from weights")
+            raise PipelineError(
+                "--resume and --init-from exclude each other: --init-from starts a new run from weights"
+            )
         if self.extend_to is not None and self.resume is None:
-            raise PipelineError("--extend-to continues a run: use it with --resume latest (or a checkpoint folder)")
+            raise PipelineError(
+                "--extend-to continues a run: use it with --resume latest (or a checkpoint folder)"
+            )
         if self.reshard and self.resume is None:
-            raise PipelineError("--reshard moves a run to another launch: use it with --resume latest (or a "
-                                "checkpoint folder)")
+            raise PipelineError(
+                "--reshard moves a run to another launch: use it with --resume latest (or a "
+                "checkpoint folder)"
+            )
         if self.stop_at is not None and self.stop_at < 1:
             raise PipelineError(f"--stop-at must be >= 1 (got {self.stop_at})")
 
@@ -195,12 +233,23 @@ class StartingPoint:
             self.warm_report = _warm_start(model, self.init_from)
         elif self.meta is not None and world is not None and not is_distributed(self.meta):
             self.loaded = load_checkpoint(self.folder)
-            load_model_weights(model, self.loaded.model_tensors, derived=self.loaded.derived_buffers,
-                               record=self.loaded.meta["model"])
+            load_model_weights(
+                model,
+                self.loaded.model_tensors,
+                derived=self.loaded.derived_buffers,
+                record=self.loaded.meta["model"],
+            )
         return model
 
-    def restore(self, run: TrainingRun, world: World | None, root: Path, *, omit: Iterable[str] = (),
-                swap_rng: bool = False) -> None:
+    def restore(
+        self,
+        run: TrainingRun,
+        world: World | None,
+        root: Path,
+        *,
+        omit: Iterable[str] = (),
+        swap_rng: bool = False,
+    ) -> None:
         """Load the checkpoint into the built run: weights (unless :meth:`prepare` did),
         optimizer, scheduler, data position, scaler, step and history, RNG states last."""
         if self.meta is None:
@@ -219,12 +268,21 @@ class StartingPoint:
             self.loaded = None
         else:
             loaded = load_checkpoint(self.spec, root, into=run.model)
-            if loaded.folder != self.folder or loaded.meta != self.meta:  # we hold the lock: an outside writer
+            if (
+                loaded.folder != self.folder or loaded.meta != self.meta
+            ):  # we hold the lock: an outside writer
                 raise CheckpointError(f"{self.folder} changed while it was being loaded: resume again")
             self.verified = True
-            restore_state(run, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors,
-                          omit=omit, step=loaded.meta["step"], derived=loaded.derived_buffers,
-                          record=loaded.meta["model"])
+            restore_state(
+                run,
+                loaded.model_tensors,
+                loaded.meta["training_state"],
+                loaded.state_tensors,
+                omit=omit,
+                step=loaded.meta["step"],
+                derived=loaded.derived_buffers,
+                record=loaded.meta["model"],
+            )
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
 
     def messages(self, new_changes: list[dict[str, Any]], world: World | None) -> list[str]:
@@ -234,21 +292,28 @@ class StartingPoint:
             where = f" ({world.world_size} processes, {world.mode})" if world is not None else ""
             lines.append(f"resumed from {self.folder} at step {self.step}{where}")
             if self.extended:
-                lines.append(f"extended from max_steps {self.lineage[-1]['from_max_steps']} to "
-                             f"{self.lineage[-1]['to_max_steps']} (recorded in meta.json lineage)")
+                lines.append(
+                    f"extended from max_steps {self.lineage[-1]['from_max_steps']} to "
+                    f"{self.lineage[-1]['to_max_steps']} (recorded in meta.json lineage)"
+                )
         for change in new_changes:
             if change["item"] == "launch":
-                lines.append(f"moved from {Launch(**change['recorded']).describe()} to "
-                             f"{Launch(**change['now']).describe()} at step {change['step']}; the result is no "
-                             "longer bitwise that of the first launch (recorded in meta.json)")
+                lines.append(
+                    f"moved from {Launch(**change['recorded']).describe()} to "
+                    f"{Launch(**change['now']).describe()} at step {change['step']}; the result is no "
+                    "longer bitwise that of the first launch (recorded in meta.json)"
+                )
             else:
-                lines.append(f"environment changed: {change['item']} {change['recorded']!r} -> {change['now']!r}; "
-                             "the result is no longer bitwise reproducible (recorded in meta.json)")
+                lines.append(
+                    f"environment changed: {change['item']} {change['recorded']!r} -> {change['now']!r}; "
+                    "the result is no longer bitwise reproducible (recorded in meta.json)"
+                )
         return lines + self.warm_report
 
 
-def plan_start(store: Any, config: Config, data_fingerprint: str, request: StartRequest, launch: Launch
-               ) -> StartingPoint:
+def plan_start(
+    store: Any, config: Config, data_fingerprint: str, request: StartRequest, launch: Launch
+) -> StartingPoint:
     """Decide where the run starts (holding ``store``'s lock; under torchrun, rank 0) and
     refuse what would not continue the run exactly: a fresh run over committed checkpoints,
     a resume behind newer ones (either would interleave two runs' steps in one folder),
@@ -260,9 +325,13 @@ def plan_start(store: Any, config: Config, data_fingerprint: str, request: Start
     spec = store.resume_target(request.resume)
     if spec is None:
         if request.extend_to is not None:
-            raise PipelineError(f"--extend-to continues a run, but {store.root}/ holds no checkpoint to continue: "
-                                "train it first (--max-steps sets the length of a new run)")
-        return StartingPoint(config=config, init_from=None if request.init_from is None else Path(request.init_from))
+            raise PipelineError(
+                f"--extend-to continues a run, but {store.root}/ holds no checkpoint to continue: "
+                "train it first (--max-steps sets the length of a new run)"
+            )
+        return StartingPoint(
+            config=config, init_from=None if request.init_from is None else Path(request.init_from)
+        )
     folder, meta = checkpoint_meta(spec, store.root)
     start = StartingPoint(config=config, spec=spec, folder=folder, meta=meta)
     if is_distributed(meta) or launch.world_size > 1 or launch.parallel != "none":
@@ -272,8 +341,10 @@ def plan_start(store: Any, config: Config, data_fingerprint: str, request: Start
         step = start.meta["step"]
         newer = [s for s in store.committed_steps() if s > step]
         if newer and Path(start.folder).resolve().parent == store.root.resolve():
-            raise CheckpointError(f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
-                                  "resume from latest, or use another --checkpoint-dir")
+            raise CheckpointError(
+                f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
+                "resume from latest, or use another --checkpoint-dir"
+            )
         _continue(start, data_fingerprint, request, launch)
         if request.stop_at is not None and request.stop_at <= step:
             raise PipelineError(f"--stop-at {request.stop_at} is not after the resume step {step}")
@@ -288,32 +359,50 @@ def _continue(start: StartingPoint, data_fingerprint: str, request: StartRequest
         if not request.reshard:
             raise _launch_mismatch(start.folder, recorded, launch, start.config)
         start.launch_change = {"recorded": recorded.to_dict(), "now": launch.to_dict()}
-    start.config, start.lineage = continued_config(start.meta, start.config, data_fingerprint,
-                                                   extend_to=request.extend_to)
+    start.config, start.lineage = continued_config(
+        start.meta, start.config, data_fingerprint, extend_to=request.extend_to
+    )
     if not request.allow_environment_change:
         check_code_unchanged(start.meta, start.config, use="resume")
     start.extended = request.extend_to is not None
 
 
 def _launch_mismatch(folder: Path, recorded: Launch, now: Launch, config: Config) -> LaunchMismatch:
-    if (recorded.parallel, recorded.ddp_find_unused_parameters) == (now.parallel, now.ddp_find_unused_parameters):
-        return WorldSizeMismatch(f"{folder} was written by {recorded.world_size} processes, this launch has "
-                                 f"{now.world_size}: relaunch with --nproc-per-node {recorded.world_size}, or pass "
-                                 "--reshard to redistribute it (RNG streams are then re-derived)")
-    return LaunchMismatch(f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: resume it "
-                          f"as it was launched ({recorded.command(config)}), or pass --reshard to move the run to this "
-                          "launch (recorded in meta.json; docs/distributed.md)")
+    if (recorded.parallel, recorded.ddp_find_unused_parameters) == (
+        now.parallel,
+        now.ddp_find_unused_parameters,
+    ):
+        return WorldSizeMismatch(
+            f"{folder} was written by {recorded.world_size} processes, this launch has "
+            f"{now.world_size}: relaunch with --nproc-per-node {recorded.world_size}, or pass "
+            "--reshard to redistribute it (RNG streams are then re-derived)"
+        )
+    return LaunchMismatch(
+        f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: resume it "
+        f"as it was launched ({recorded.command(config)}), or pass --reshard to move the run to this "
+        "launch (recorded in meta.json; docs/distributed.md)"
+    )
 
 
-def share_start(world: World, start: StartingPoint | None, config: Config, data_fingerprint: str,
-                request: StartRequest, launch: Launch) -> StartingPoint:
+def share_start(
+    world: World,
+    start: StartingPoint | None,
+    config: Config,
+    data_fingerprint: str,
+    request: StartRequest,
+    launch: Launch,
+) -> StartingPoint:
     """Rank 0's decision on every rank: the checkpoint's folder is broadcast, the others read
     its sealed meta.json (rank 0 verified every file) and derive the same config."""
-    folder = world.broadcast_text(str(start.folder) if start is not None and start.folder is not None else None)
+    folder = world.broadcast_text(
+        str(start.folder) if start is not None and start.folder is not None else None
+    )
     if world.rank == 0:
         return start
     if not folder:
-        return StartingPoint(config=config, init_from=None if request.init_from is None else Path(request.init_from))
+        return StartingPoint(
+            config=config, init_from=None if request.init_from is None else Path(request.init_from)
+        )
     shared = StartingPoint(config=config, folder=Path(folder), meta=read_meta(Path(folder)), verified=True)
     _continue(shared, data_fingerprint, request, launch)
     return shared
@@ -326,9 +415,13 @@ def _warm_start(model: torch.nn.Module, source: Path) -> list[str]:
         tensors = loaded.model_tensors
         own, derived = model.state_dict(), loaded.derived_buffers
         if isinstance(derived, list):  # one this model lacks or shapes otherwise is not copied below
-            derived = [n for n in derived if n not in tensors or (n in own and own[n].shape == tensors[n].shape)]
+            derived = [
+                n for n in derived if n not in tensors or (n in own and own[n].shape == tensors[n].shape)
+            ]
         check_derived_buffers(model, tensors, derived)
-        if MODEL_FILE in loaded.meta["files"]:  # a distributed checkpoint's shards were consolidated by the load
+        if (
+            MODEL_FILE in loaded.meta["files"]
+        ):  # a distributed checkpoint's shards were consolidated by the load
             source = source / MODEL_FILE
     elif not source.is_file():
         raise CheckpointError(f"--init-from {source}: no such checkpoint folder or safetensors file")
@@ -338,6 +431,8 @@ def _warm_start(model: torch.nn.Module, source: Path) -> list[str]:
         except SchemaMismatch as exc:
             raise CheckpointError(f"--init-from {source}: not a readable safetensors file ({exc})") from None
     result = warm_start(model, tensors)
-    lines = [f"init-from {source}: loaded {len(result['loaded'])}, skipped {len(result['skipped'])}, "
-             f"new {len(result['new'])}"]
+    lines = [
+        f"init-from {source}: loaded {len(result['loaded'])}, skipped {len(result['skipped'])}, "
+        f"new {len(result['new'])}"
+    ]
     return lines + [f"  {kind}: {name}" for kind in ("skipped", "new") for name in result[kind]]

@@ -17,7 +17,14 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import OMITTABLE, Checkpointer, CheckpointStore, SavedCheckpoint, check_capturable, model_summary
+from .checkpoint import (
+    OMITTABLE,
+    Checkpointer,
+    CheckpointStore,
+    SavedCheckpoint,
+    check_capturable,
+    model_summary,
+)
 from .cli import script_command
 from .config import Config
 from .data import load_manifest
@@ -51,7 +58,9 @@ class TrainingHooks:
     def __post_init__(self) -> None:
         unknown = set(self.skip_restore) - set(OMITTABLE)
         if unknown:
-            raise ValueError(f"skip_restore names unknown components {sorted(unknown)}; choose from {OMITTABLE}")
+            raise ValueError(
+                f"skip_restore names unknown components {sorted(unknown)}; choose from {OMITTABLE}"
+            )
 
 
 @dataclass(slots=True)
@@ -95,7 +104,9 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     batch, scale = run.feed.next_batch()  # this rank's slice under torchrun
 
     def forward() -> torch.Tensor:
-        with torch.autocast(run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
+        with torch.autocast(
+            run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None
+        ):
             loss = run.data.loss(run.model, batch)
         return loss if world is None else loss * scale
 
@@ -138,15 +149,24 @@ def final_checkpoint(saved: SavedCheckpoint | None, store: CheckpointStore, step
     return store.path_for(step) if step in store.committed_steps() else None
 
 
-def run_provenance(config: Config, manifest: dict, device: torch.device, changes: list[dict[str, Any]],
-                   lineage: list[dict[str, int]] | None = None) -> dict:
+def run_provenance(
+    config: Config,
+    manifest: dict,
+    device: torch.device,
+    changes: list[dict[str, Any]],
+    lineage: list[dict[str, int]] | None = None,
+) -> dict:
     """What every checkpoint of a run records about where it came from, and the
     environment it computes in (``changes``: accepted environment changes so far;
     ``lineage``: its --extend-to history)."""
     return {
         "config": config.to_dict(),
-        "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(),
-                         "factories": factories_fingerprint(config), "sources": counted_sources(config)},
+        "fingerprints": {
+            "data": manifest["fingerprint"],
+            "code": code_fingerprint(),
+            "factories": factories_fingerprint(config),
+            "sources": counted_sources(config),
+        },
         "versions": library_versions(),
         "device": str(device),
         "environment": {**current_environment(device), "changes": changes},
@@ -190,13 +210,20 @@ def train(
     Where the run starts, and every refusal of it, is :mod:`pipeline.start`'s.
     """
     hooks = hooks or TrainingHooks()
-    request = StartRequest(resume=resume, init_from=init_from, extend_to=extend_to, stop_at=stop_at,
-                           reshard=reshard, allow_environment_change=allow_environment_change)
+    request = StartRequest(
+        resume=resume,
+        init_from=init_from,
+        extend_to=extend_to,
+        stop_at=stop_at,
+        reshard=reshard,
+        allow_environment_change=allow_environment_change,
+    )
     request.check()
     launch = Launch.of_run(config, world)
     if world is not None:  # this run's copy: its DDP bucket setting, buckets not yet settled
-        world = dataclasses.replace(world, find_unused_parameters=config.training.ddp_find_unused_parameters,
-                                    buckets_settled=True)
+        world = dataclasses.replace(
+            world, find_unused_parameters=config.training.ddp_find_unused_parameters, buckets_settled=True
+        )
     together = world.together if world is not None else (lambda what: contextlib.nullcontext())
     first = world is None or world.rank == 0
     device = world.device if world is not None else resolve_device(config)
@@ -232,8 +259,12 @@ def train(
                 check_capturable(run)
             if hooks.on_start is not None:
                 hooks.on_start(run)
-        report = Progress(total=config.training.max_steps, initial=start.step or 0,
-                          log_every=config.training.log_every, enabled=progress and first)
+        report = Progress(
+            total=config.training.max_steps,
+            initial=start.step or 0,
+            log_every=config.training.log_every,
+            enabled=progress and first,
+        )
         for line in start.messages(new, world):
             report.message(line)
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
@@ -242,37 +273,70 @@ def train(
         else:
             from .checkpoint import DistributedCheckpointer  # torch.distributed.checkpoint: lazily
 
-            checkpointer = DistributedCheckpointer(store, world, provenance, summary,
-                                                   resharded_from=start.resharded_from(world.world_size),
-                                                   background=config.checkpoint.async_)
-        hint = resume_hint or (world.resume_command() if world is not None else
-                               script_command(config, "02_train.py", "--resume", "latest"))
+            checkpointer = DistributedCheckpointer(
+                store,
+                world,
+                provenance,
+                summary,
+                resharded_from=start.resharded_from(world.world_size),
+                background=config.checkpoint.async_,
+            )
+        hint = resume_hint or (
+            world.resume_command()
+            if world is not None
+            else script_command(config, "02_train.py", "--resume", "latest")
+        )
         try:
-            saved = _loop(run, checkpointer, report, stop_at=stop_at, resumed=start.step is not None,
-                          on_step=hooks.on_step, resume_hint=hint, world=world)
+            saved = _loop(
+                run,
+                checkpointer,
+                report,
+                stop_at=stop_at,
+                resumed=start.step is not None,
+                on_step=hooks.on_step,
+                resume_hint=hint,
+                world=world,
+            )
         finally:
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
-        return TrainResult(step=run.step, max_steps=config.training.max_steps,
-                           checkpoint=final_checkpoint(saved, store, run.step), history=run.history,
-                           resumed_from=start.step, rank=world.rank if world is not None else 0)
+        return TrainResult(
+            step=run.step,
+            max_steps=config.training.max_steps,
+            checkpoint=final_checkpoint(saved, store, run.step),
+            history=run.history,
+            resumed_from=start.step,
+            rank=world.rank if world is not None else 0,
+        )
     finally:
         store.release()
 
 
-def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, stop_at: int | None, resumed: bool,
-          on_step: Callable[[TrainingRun], None] | None, resume_hint: str, world: World | None = None):
+def _loop(
+    run: TrainingRun,
+    checkpointer: Checkpointer,
+    report: Progress,
+    *,
+    stop_at: int | None,
+    resumed: bool,
+    on_step: Callable[[TrainingRun], None] | None,
+    resume_hint: str,
+    world: World | None = None,
+):
     """Step to the end (or a stop signal), saving on the configured steps and the last one.
 
     Under torchrun a signal seen by any rank is agreed on at the top of each step (one
     small all-reduce), so every rank stops after the same step and saves it together.
     """
     every = run.config.checkpoint.every
-    end = min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
+    end = (
+        min(run.config.training.max_steps, stop_at) if stop_at is not None else run.config.training.max_steps
+    )
     last_saved = run.step if resumed else None
     saved = None
     # Closing the feed stops its DataLoader workers, whatever ends the loop.
     with _StopSignals() as signals, contextlib.closing(run.feed):
+
         def stop_requested() -> int | None:
             return signals.signum if world is None else world.agree_signal(signals.signum)
 
@@ -282,9 +346,11 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
             # With fp16 AMP too: the GradScaler skips steps whose gradients overflow, but a
             # non-finite loss is a diverged model, not an overflow to wait out.
             if not math.isfinite(loss):
-                raise TrainingDiverged(f"loss is {loss} at step {run.step}; nothing was saved for this step and "
-                                       f"the last checkpoint ({last_saved}) is kept: lower optimizer.lr or check "
-                                       "the data")
+                raise TrainingDiverged(
+                    f"loss is {loss} at step {run.step}; nothing was saved for this step and "
+                    f"the last checkpoint ({last_saved}) is kept: lower optimizer.lr or check "
+                    "the data"
+                )
             report.update(run.step, loss, lr)
             if on_step is not None:
                 on_step(run)
@@ -300,8 +366,10 @@ def _loop(run: TrainingRun, checkpointer: Checkpointer, report: Progress, *, sto
         if stop is not None:
             name = signal.Signals(stop).name
             where = saved.path if saved is not None else checkpointer.store.path_for(run.step)
-            message = (f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
-                       f"Resume with: {resume_hint}")
+            message = (
+                f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
+                f"Resume with: {resume_hint}"
+            )
             if world is not None and world.rank != 0:
                 raise PeerFailed(message, 128 + stop)  # rank 0 says it once
             raise Preempted(message, stop)

@@ -15,7 +15,9 @@ from pipeline.data import prepare_data
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_arguments(parser)
     config = config_from_args(parser.parse_args())
     folder, manifest, changed = prepare_data(config)

@@ -31,38 +31,84 @@ from pipeline.proof import describe, summary_line, verify_resume, verify_resume_
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_arguments(parser)
-    parser.add_argument("--output", type=Path, required=True, help="new folder for checkpoints and the report")
-    parser.add_argument("--steps", type=int, metavar="N", help="steps of the continuous run (default 10, at most "
-                        "training.max_steps)")
-    parser.add_argument("--cut", type=int, metavar="K", help="checkpoint and resume after step K (default: the "
-                        "last step inside an epoch with an epoch boundary still to come)")
-    parser.add_argument("--atol", type=float, default=0.0, metavar="X",
-                        help="absolute tolerance for floating values, rtol 0 (default 0: bitwise)")
-    parser.add_argument("--jobs", type=int, metavar="J", help="leg processes at once (default: one per leg, all "
-                        "of a phase at once, on CPU; 1 on CUDA); with fewer processes than legs each runs several "
-                        "in turn, the resume always first in a fresh one")
-    parser.add_argument("--nproc-per-node", type=int, metavar="P", help="prove the resume of a torchrun run "
-                        "with P processes (training.parallel ddp or fsdp2); each leg is a torchrun launch")
+    parser.add_argument(
+        "--output", type=Path, required=True, help="new folder for checkpoints and the report"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="steps of the continuous run (default 10, at most training.max_steps)",
+    )
+    parser.add_argument(
+        "--cut",
+        type=int,
+        metavar="K",
+        help="checkpoint and resume after step K (default: the "
+        "last step inside an epoch with an epoch boundary still to come)",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="absolute tolerance for floating values, rtol 0 (default 0: bitwise)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        metavar="J",
+        help="leg processes at once (default: one per leg, all "
+        "of a phase at once, on CPU; 1 on CUDA); with fewer processes than legs each runs several "
+        "in turn, the resume always first in a fresh one",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="P",
+        help="prove the resume of a torchrun run "
+        "with P processes (training.parallel ddp or fsdp2); each leg is a torchrun launch",
+    )
     args = parser.parse_args()
     if args.output.exists() or args.output.is_symlink():
         # Checked before anything else is read: an existing folder is left exactly as it is.
-        raise PipelineError(f"{args.output} already exists: the proof writes only into a new folder "
-                            "(nothing was touched); pass another --output")
+        raise PipelineError(
+            f"{args.output} already exists: the proof writes only into a new folder "
+            "(nothing was touched); pass another --output"
+        )
     if args.jobs is not None and args.nproc_per_node is not None:
-        raise PipelineError("--jobs applies to single-process legs; with --nproc-per-node each leg is a torchrun launch")
+        raise PipelineError(
+            "--jobs applies to single-process legs; with --nproc-per-node each leg is a torchrun launch"
+        )
     if args.jobs is not None and args.jobs < 1:
         raise PipelineError(f"--jobs must be >= 1 (got {args.jobs})")
     config = config_from_args(args)
     try:
         if args.nproc_per_node is not None:
-            report = verify_resume_distributed(config, output=args.output, nproc=args.nproc_per_node,
-                                               steps=args.steps, cut=args.cut, atol=args.atol,
-                                               echo=lambda line: print(line, flush=True))
+            report = verify_resume_distributed(
+                config,
+                output=args.output,
+                nproc=args.nproc_per_node,
+                steps=args.steps,
+                cut=args.cut,
+                atol=args.atol,
+                echo=lambda line: print(line, flush=True),
+            )
         else:
-            report = verify_resume(config, output=args.output, steps=args.steps, cut=args.cut, atol=args.atol,
-                                   config_path=args.config, jobs=args.jobs, echo=lambda line: print(line, flush=True))
+            report = verify_resume(
+                config,
+                output=args.output,
+                steps=args.steps,
+                cut=args.cut,
+                atol=args.atol,
+                config_path=args.config,
+                jobs=args.jobs,
+                echo=lambda line: print(line, flush=True),
+            )
     except ProofIncomplete as exc:
         print(json.dumps(summary_line(exc.report, args.output)), flush=True)
         raise

@@ -23,13 +23,22 @@ from pipeline.evaluate import evaluate_checkpoint, write_metrics
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_arguments(parser)
-    parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
-                        help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir)")
-    parser.add_argument("--output", type=Path,
-                        help="where to write the record (default: the config's outputs.metrics, metrics.json for "
-                             "config.yaml)")
+    parser.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="latest|PATH",
+        help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="where to write the record (default: the config's outputs.metrics, metrics.json for "
+        "config.yaml)",
+    )
     args = parser.parse_args()
     config = config_from_args(args)
     record = evaluate_checkpoint(config, args.checkpoint)

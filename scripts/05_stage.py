@@ -37,35 +37,75 @@ from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_o
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_arguments(parser)
-    parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
-                        help="checkpoint to stage (default: the newest committed one in checkpoint.dir)")
-    parser.add_argument("--stage", type=Path,
-                        help="stage folder (default: the config's outputs.stage, hub_stage for config.yaml)")
-    parser.add_argument("--metrics", type=Path,
-                        help="metrics from scripts/04_evaluate.py (default: the config's outputs.metrics, "
-                             "metrics.json for config.yaml)")
+    parser.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="latest|PATH",
+        help="checkpoint to stage (default: the newest committed one in checkpoint.dir)",
+    )
+    parser.add_argument(
+        "--stage",
+        type=Path,
+        help="stage folder (default: the config's outputs.stage, hub_stage for config.yaml)",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=Path,
+        help="metrics from scripts/04_evaluate.py (default: the config's outputs.metrics, "
+        "metrics.json for config.yaml)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="stage without metrics; the card says so")
     parser.add_argument("--allow-nonfinite", action="store_true", help="stage weights that hold NaN or inf")
-    parser.add_argument("--repo-id", metavar="NAMESPACE/NAME",
-                        help="repository the card's snippets download from (without it the card names none)")
+    parser.add_argument(
+        "--repo-id",
+        metavar="NAMESPACE/NAME",
+        help="repository the card's snippets download from (without it the card names none)",
+    )
     signing = parser.add_mutually_exclusive_group()
-    signing.add_argument("--sign-key", type=Path, metavar="KEY.pem",
-                         help="sign the stage with this ECDSA private key (PEM, outside the stage)")
-    signing.add_argument("--sign-sigstore", action="store_true",
-                         help="sign keylessly with Sigstore (needs network and an OpenID identity)")
-    parser.add_argument("--sign-certificate", type=Path, metavar="CERT.pem",
-                        help="with --sign-key: the key's certificate, carried in the signature")
-    parser.add_argument("--sign-chain", type=Path, action="append", default=[], metavar="CA.pem",
-                        help="with --sign-certificate: an issuing CA certificate, up to the root (repeatable)")
-    parser.add_argument("--proof", type=Path, metavar="DIR",
-                        help="stage the resume proof in DIR (scripts/03_verify_resume.py --output) if it proves "
-                             "this checkpoint's config, code and data")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-                        help="split the weights into modelo-0000i-of-0000N.safetensors files of at most SIZE "
-                             f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained; the Hub "
-                             "refuses files above 50GB)")
+    signing.add_argument(
+        "--sign-key",
+        type=Path,
+        metavar="KEY.pem",
+        help="sign the stage with this ECDSA private key (PEM, outside the stage)",
+    )
+    signing.add_argument(
+        "--sign-sigstore",
+        action="store_true",
+        help="sign keylessly with Sigstore (needs network and an OpenID identity)",
+    )
+    parser.add_argument(
+        "--sign-certificate",
+        type=Path,
+        metavar="CERT.pem",
+        help="with --sign-key: the key's certificate, carried in the signature",
+    )
+    parser.add_argument(
+        "--sign-chain",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="CA.pem",
+        help="with --sign-certificate: an issuing CA certificate, up to the root (repeatable)",
+    )
+    parser.add_argument(
+        "--proof",
+        type=Path,
+        metavar="DIR",
+        help="stage the resume proof in DIR (scripts/03_verify_resume.py --output) if it proves "
+        "this checkpoint's config, code and data",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help="split the weights into modelo-0000i-of-0000N.safetensors files of at most SIZE "
+        f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained; the Hub "
+        "refuses files above 50GB)",
+    )
     args = parser.parse_args()
     if (args.sign_certificate or args.sign_chain) and args.sign_key is None:
         parser.error("--sign-certificate and --sign-chain need --sign-key (the certificate's private key)")
@@ -77,22 +117,37 @@ def main() -> int:
     stage = args.stage or Path(config.outputs.stage)
     signer = None
     if args.sign_key is not None:
-        signer = key_signer(args.sign_key, stage, certificate=args.sign_certificate,
-                            chain=tuple(args.sign_chain))
+        signer = key_signer(
+            args.sign_key, stage, certificate=args.sign_certificate, chain=tuple(args.sign_chain)
+        )
     elif args.sign_sigstore:
         signer = sigstore_signer()
-    result = build_stage(config, StageBuild(checkpoint=args.checkpoint, stage_dir=stage, with_metrics=not args.no_metrics,
-                                            metrics=args.metrics, allow_nonfinite=args.allow_nonfinite,
-                                            repo_id=args.repo_id, max_shard_size=args.max_shard_size, proof=args.proof,
-                                            signer=signer))
+    result = build_stage(
+        config,
+        StageBuild(
+            checkpoint=args.checkpoint,
+            stage_dir=stage,
+            with_metrics=not args.no_metrics,
+            metrics=args.metrics,
+            allow_nonfinite=args.allow_nonfinite,
+            repo_id=args.repo_id,
+            max_shard_size=args.max_shard_size,
+            proof=args.proof,
+            signer=signer,
+        ),
+    )
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))
     metrics = "with metrics" if result.with_metrics else "without metrics"
-    print(f"staged step {result.step} from {result.source} into {result.stage}/ ({metrics}); "
-          f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256")
+    print(
+        f"staged step {result.step} from {result.source} into {result.stage}/ ({metrics}); "
+        f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256"
+    )
     if signer is not None:
-        print(f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}")
+        print(
+            f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}"
+        )
     return 0
 
 

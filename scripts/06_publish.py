@@ -41,45 +41,101 @@ from pipeline.layout import RECEIPT_DIR, STAGE_DIR
 
 
 def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--repo-id", required=True, metavar="NAMESPACE/NAME", help="model repo to publish to")
-    parser.add_argument("--endpoint", metavar="URL", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
-    parser.add_argument("--revision", default="main", metavar="BRANCH", help="branch to commit to (default: main)")
-    parser.add_argument("--private", action="store_true", default=None, help="create the repo private (if missing)")
-    parser.add_argument("--path-in-repo", default="", metavar="DIR", help="folder in the repo (default: the root)")
-    parser.add_argument("--message", metavar="TEXT", help="commit title (default names the step and weights SHA-256)")
-    parser.add_argument("--dry-run", action="store_true", help="print the planned commit; send no write request")
-    parser.add_argument("--create-pr", action="store_true",
-                        help="open a pull request against --revision instead of pushing to it")
-    parser.add_argument("--tag", metavar="NAME", help="tag the published commit (a card can then pin revision=NAME)")
-    parser.add_argument("--force-repo-id", action="store_true",
-                        help="publish even though the stage's card was staged for another --repo-id")
-    parser.add_argument("--stage", type=Path,
-                        help=f"stage folder (default: the outputs.stage of --config; {STAGE_DIR} for config.yaml)")
-    parser.add_argument("--config", type=Path, help="the config whose stage to publish (default: config.yaml)")
-    parser.add_argument("--debug", action="store_true",
-                        help="on a failure, print the traceback of the exception behind the one-line error")
-    parser.add_argument("--receipt-dir", type=Path, default=Path(RECEIPT_DIR),
-                        help=f"where the receipt is written (default: {RECEIPT_DIR})")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="deadline of the whole publish in seconds (default: 300 + 1 per MB staged)")
+    parser.add_argument(
+        "--endpoint", metavar="URL", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)"
+    )
+    parser.add_argument(
+        "--revision", default="main", metavar="BRANCH", help="branch to commit to (default: main)"
+    )
+    parser.add_argument(
+        "--private", action="store_true", default=None, help="create the repo private (if missing)"
+    )
+    parser.add_argument(
+        "--path-in-repo", default="", metavar="DIR", help="folder in the repo (default: the root)"
+    )
+    parser.add_argument(
+        "--message", metavar="TEXT", help="commit title (default names the step and weights SHA-256)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the planned commit; send no write request"
+    )
+    parser.add_argument(
+        "--create-pr",
+        action="store_true",
+        help="open a pull request against --revision instead of pushing to it",
+    )
+    parser.add_argument(
+        "--tag", metavar="NAME", help="tag the published commit (a card can then pin revision=NAME)"
+    )
+    parser.add_argument(
+        "--force-repo-id",
+        action="store_true",
+        help="publish even though the stage's card was staged for another --repo-id",
+    )
+    parser.add_argument(
+        "--stage",
+        type=Path,
+        help=f"stage folder (default: the outputs.stage of --config; {STAGE_DIR} for config.yaml)",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="the config whose stage to publish (default: config.yaml)"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on a failure, print the traceback of the exception behind the one-line error",
+    )
+    parser.add_argument(
+        "--receipt-dir",
+        type=Path,
+        default=Path(RECEIPT_DIR),
+        help=f"where the receipt is written (default: {RECEIPT_DIR})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="deadline of the whole publish in seconds (default: 300 + 1 per MB staged)",
+    )
     signer = parser.add_argument_group("signature (stages signed by 05 --sign-key / --sign-sigstore)")
     keys = signer.add_mutually_exclusive_group()
-    keys.add_argument("--sign-key", type=Path, metavar="KEY.pem",
-                      help="the private key 05 signed with; its public half must verify model.sig")
-    keys.add_argument("--verify-key", type=Path, metavar="PUB.pem", help="public key that must verify model.sig")
-    signer.add_argument("--verify-chain", type=Path, action="append", default=[], metavar="CA.pem",
-                        help="certificate signatures: a trusted root or intermediate CA certificate (repeatable)")
+    keys.add_argument(
+        "--sign-key",
+        type=Path,
+        metavar="KEY.pem",
+        help="the private key 05 signed with; its public half must verify model.sig",
+    )
+    keys.add_argument(
+        "--verify-key", type=Path, metavar="PUB.pem", help="public key that must verify model.sig"
+    )
+    signer.add_argument(
+        "--verify-chain",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="CA.pem",
+        help="certificate signatures: a trusted root or intermediate CA certificate (repeatable)",
+    )
     signer.add_argument("--verify-identity", metavar="ID", help="Sigstore: the signer identity (online)")
-    signer.add_argument("--verify-issuer", metavar="URL", help="Sigstore: the identity's OpenID issuer (online)")
+    signer.add_argument(
+        "--verify-issuer", metavar="URL", help="Sigstore: the identity's OpenID issuer (online)"
+    )
     args, unknown = parser.parse_known_args()
     if unknown:
         # Never echo unknown arguments: a mistyped flag may carry a secret.
         token_flag = any(arg.split("=", 1)[0] == "--token" for arg in unknown)
-        reason = "--token is not accepted" if token_flag else f"{len(unknown)} unrecognized argument(s), not shown"
-        raise PipelineError(f"{reason}: the token is read from HF_TOKEN or `hf auth login`, never from the command "
-                           "line; see --help")
+        reason = (
+            "--token is not accepted" if token_flag else f"{len(unknown)} unrecognized argument(s), not shown"
+        )
+        raise PipelineError(
+            f"{reason}: the token is read from HF_TOKEN or `hf auth login`, never from the command "
+            "line; see --help"
+        )
     # The stage of the config 05 ran with; without config.yaml here, the default name.
     args.restage = "python scripts/05_stage.py"
     if args.config is not None:
@@ -87,8 +143,11 @@ def _parse() -> argparse.Namespace:
         args.restage = script_command(config, "05_stage.py")
         args.stage = args.stage or Path(config.outputs.stage)
     elif args.stage is None:
-        args.stage = Path(load_config(DEFAULT_CONFIG_PATH).outputs.stage) if DEFAULT_CONFIG_PATH.is_file() \
+        args.stage = (
+            Path(load_config(DEFAULT_CONFIG_PATH).outputs.stage)
+            if DEFAULT_CONFIG_PATH.is_file()
             else Path(STAGE_DIR)
+        )
     return args
 
 
@@ -101,13 +160,30 @@ def main() -> int:
 
     quiet_hub_progress_unless_terminal()
 
-    signer = ExpectedSigner(sign_key=args.sign_key, verify_key=args.verify_key, identity=args.verify_identity,
-                            issuer=args.verify_issuer, verify_chain=tuple(args.verify_chain))
-    publication = Publication(repo_id=args.repo_id, stage=args.stage, endpoint=args.endpoint, revision=args.revision,
-                              private=args.private, path_in_repo=args.path_in_repo, message=args.message,
-                              dry_run=args.dry_run, receipt_dir=args.receipt_dir, timeout_s=args.timeout,
-                              signer=signer, force_repo_id=args.force_repo_id, create_pr=args.create_pr, tag=args.tag,
-                              restage=args.restage)
+    signer = ExpectedSigner(
+        sign_key=args.sign_key,
+        verify_key=args.verify_key,
+        identity=args.verify_identity,
+        issuer=args.verify_issuer,
+        verify_chain=tuple(args.verify_chain),
+    )
+    publication = Publication(
+        repo_id=args.repo_id,
+        stage=args.stage,
+        endpoint=args.endpoint,
+        revision=args.revision,
+        private=args.private,
+        path_in_repo=args.path_in_repo,
+        message=args.message,
+        dry_run=args.dry_run,
+        receipt_dir=args.receipt_dir,
+        timeout_s=args.timeout,
+        signer=signer,
+        force_repo_id=args.force_repo_id,
+        create_pr=args.create_pr,
+        tag=args.tag,
+        restage=args.restage,
+    )
     result = publish(publication, say=lambda line: print(line, flush=True))
     if result.status == "dry run":
         print(format_plan(result.plan))
@@ -116,14 +192,20 @@ def main() -> int:
     if result.status == "already published":
         print(f"nothing to publish: {args.repo_id} already holds this stage at {result.commit}")
     elif args.create_pr:
-        print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit, as a pull request "
-              f"against {args.revision}")
+        print(
+            f"published step {result.plan.step} to {result.plan.repo_url} in one commit, as a pull request "
+            f"against {args.revision}"
+        )
     else:
         lost = " (the Hub's answer to the commit was lost; the commit was found on the branch)"
-        print(f"published step {result.plan.step} to {result.plan.repo_url} in one commit"
-              f"{lost if result.answer_lost else ''}")
+        print(
+            f"published step {result.plan.step} to {result.plan.repo_url} in one commit"
+            f"{lost if result.answer_lost else ''}"
+        )
     if result.signature is not None:
-        print(f"signed: model.sig verified, key fingerprint {result.signature.fingerprint or 'Sigstore identity'}")
+        print(
+            f"signed: model.sig verified, key fingerprint {result.signature.fingerprint or 'Sigstore identity'}"
+        )
     else:
         print("unsigned: the stage has no model.sig (stage with 05 --sign-key to sign it)")
     width = max((len(item.path_in_repo) for item in result.files), default=0)

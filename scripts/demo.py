@@ -83,7 +83,9 @@ def _steps(repo_id: str) -> list[Step]:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     steps = [
         Step("01_prepare_data.py", (), "prepare the data"),
-        Step("02_train.py", ("--resume", "auto"), "train (resumes, or finishes at once, if checkpoints exist)"),
+        Step(
+            "02_train.py", ("--resume", "auto"), "train (resumes, or finishes at once, if checkpoints exist)"
+        ),
         Step("03_verify_resume.py", ("--output", f"runs/proof-{stamp}"), "prove that resume is exact"),
         Step("04_evaluate.py", (), "evaluate the last checkpoint"),
         Step("05_stage.py", ("--repo-id", repo_id), "stage it for the Hub"),
@@ -94,7 +96,9 @@ def _steps(repo_id: str) -> list[Step]:
         if (SCRIPTS / step.script).exists():
             available.append(step)
         else:
-            print(f"notice: scripts/{step.script} is not in this checkout; skipping '{step.what}'", flush=True)
+            print(
+                f"notice: scripts/{step.script} is not in this checkout; skipping '{step.what}'", flush=True
+            )
     return available
 
 
@@ -109,11 +113,17 @@ def _metrics_current(config: Config) -> bool:
         record = read_metrics(ROOT / config.outputs.metrics)
     except PipelineError:
         return False
-    same = (record["step"] == meta["step"] and record["modelo_sha256"] == meta["files"][MODEL_FILE]["sha256"]
-            and record["fingerprints"] == {"data": meta["fingerprints"].get("data"), "code": code_fingerprint()})
+    same = (
+        record["step"] == meta["step"]
+        and record["modelo_sha256"] == meta["files"][MODEL_FILE]["sha256"]
+        and record["fingerprints"] == {"data": meta["fingerprints"].get("data"), "code": code_fingerprint()}
+    )
     if same:
-        print(f"{METRICS_FILE} already evaluates {folder} with this data and code; keeping it "
-              f"(delete it to evaluate again)", flush=True)
+        print(
+            f"{METRICS_FILE} already evaluates {folder} with this data and code; keeping it "
+            f"(delete it to evaluate again)",
+            flush=True,
+        )
     return same
 
 
@@ -134,8 +144,12 @@ def _start_hub(token: str) -> LocalHubProcess:
             errors.seek(0)
             said = [line.strip() for line in errors.read().splitlines() if line.strip()]
             cause = said[-1] if said else str(exc)
-            print(f"demo: the local Hub did not start: {cause} (state folder {HUB_ROOT.name}/); nothing else was "
-                  "run", file=sys.stderr, flush=True)
+            print(
+                f"demo: the local Hub did not start: {cause} (state folder {HUB_ROOT.name}/); nothing else was "
+                "run",
+                file=sys.stderr,
+                flush=True,
+            )
             raise DemoFailed("localhub", 1) from None
     return hub
 
@@ -154,11 +168,17 @@ def _summary(receipt: Path | None) -> list[str]:
     record = json.loads(receipt.read_text(encoding="utf-8"))
     files = record.get("files", {})
     total = sum(entry.get("size") or 0 for entry in files.values())
-    verified = "what landed was verified" if record.get("verified") else "what landed did NOT verify (see the receipt)"
-    lines = [f"demo: done. {record.get('repo_id')} (step {record.get('step')}) is published on the local Hub, now "
-             f"stopped; {verified}",
-             f"  commit   {record.get('commit_url')}",
-             f"  files    {len(files)}, {_size(total)} in all:"]
+    verified = (
+        "what landed was verified"
+        if record.get("verified")
+        else "what landed did NOT verify (see the receipt)"
+    )
+    lines = [
+        f"demo: done. {record.get('repo_id')} (step {record.get('step')}) is published on the local Hub, now "
+        f"stopped; {verified}",
+        f"  commit   {record.get('commit_url')}",
+        f"  files    {len(files)}, {_size(total)} in all:",
+    ]
     # One line per file at the top, one per folder (code/ holds the model's sources).
     groups: dict[str, list[int]] = {}
     for name, entry in files.items():
@@ -177,8 +197,11 @@ def _publish(repo_id: str, hub: LocalHubProcess, number: int, total: int) -> Pat
     _header(number, total, f"06_publish.py: publish to a local Hub as {repo_id}")
     print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
     receipts = ROOT / RECEIPT_DIR
-    step = Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
-                "publish")
+    step = Step(
+        "06_publish.py",
+        ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
+        "publish",
+    )
     _run(step, env=_env(HF_TOKEN=hub.token))
     return _newest_receipt(receipts, repo_id)
 

@@ -66,10 +66,16 @@ def pytest_runtest_setup(item) -> None:
     launches) would each build it again on both workers: slower, and silent. pytest-xdist
     appends the group to the node id on each worker; pytest 9.2 broke that (constraints.txt).
     Checked before the test's fixtures are built, so the failure is immediate."""
-    if item.config.getoption("loadgroup", False) and item.get_closest_marker("xdist_group") \
-            and "@" not in item.nodeid:
-        pytest.fail("--dist loadgroup did not group this xdist_group test: this pytest and pytest-xdist do not "
-                    "work together (see constraints.txt)", pytrace=False)
+    if (
+        item.config.getoption("loadgroup", False)
+        and item.get_closest_marker("xdist_group")
+        and "@" not in item.nodeid
+    ):
+        pytest.fail(
+            "--dist loadgroup did not group this xdist_group test: this pytest and pytest-xdist do not "
+            "work together (see constraints.txt)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -114,12 +120,17 @@ class RunFolder:
         """Config overrides that point in-process code (cwd = repo) at this folder."""
         return {"data.dir": str(self.data_dir), "checkpoint.dir": str(self.checkpoint_dir)}
 
-    def script(self, name: str, *args: str, env: Mapping[str, str] | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
+    def script(
+        self, name: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
         """Run ``scripts/<name> --config <repo>/config.yaml *args`` here; never raises.
         ``env`` adds variables to :func:`script_env`."""
-        return run_python([REPO / "scripts" / name, "--config", CONFIG, *args], cwd=self.root,
-                          env=script_env(**(env or {})), timeout=timeout)
+        return run_python(
+            [REPO / "scripts" / name, "--config", CONFIG, *args],
+            cwd=self.root,
+            env=script_env(**(env or {})),
+            timeout=timeout,
+        )
 
     def ok(self, name: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
         result = self.script(name, *args, **kwargs)

@@ -55,8 +55,14 @@ def make_run(data_dir):
 def _provenance() -> dict:
     from pipeline.environment import current_environment
 
-    return {"config": {}, "fingerprints": {"data": "d", "code": "c"}, "versions": {}, "device": "cpu",
-            "environment": {**current_environment(torch.device("cpu")), "changes": []}, "lineage": []}
+    return {
+        "config": {},
+        "fingerprints": {"data": "d", "code": "c"},
+        "versions": {},
+        "device": "cpu",
+        "environment": {**current_environment(torch.device("cpu")), "changes": []},
+        "lineage": [],
+    }
 
 
 def _temporary_folders(root: Path) -> list[str]:
@@ -122,8 +128,9 @@ def test_async_save_holds_the_state_of_its_own_step(make_run, tmp_path):
 
 
 @pytest.mark.parametrize("surfaces_at", ["next save", "close"])
-def test_failed_background_write_raises_in_training_thread_and_keeps_previous_checkpoint(make_run, tmp_path,
-                                                                                         surfaces_at):
+def test_failed_background_write_raises_in_training_thread_and_keeps_previous_checkpoint(
+    make_run, tmp_path, surfaces_at
+):
     run = make_run(1)
     with CheckpointStore(tmp_path) as store:
         checkpointer = Checkpointer(store, _provenance(), background=True)
@@ -152,27 +159,46 @@ def test_async_training_ends_bitwise_equal_to_sync_and_resumes_exactly(data_dir,
     sync, straight, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
     # Saving every step keeps a write in flight while the next steps train; the interrupted
     # run also saves mid-run, then resumes in a new process. Each run is its own process.
-    for folder, *args in ((sync, "--set", "checkpoint.async=false"),
-                          (straight, "--set", "checkpoint.async=true", "--checkpoint-every", "1"),
-                          (resumed, "--set", "checkpoint.async=true", "--checkpoint-every", "2", "--stop-at", "5"),
-                          (resumed, "--set", "checkpoint.async=true", "--resume", "latest")):
+    for folder, *args in (
+        (sync, "--set", "checkpoint.async=false"),
+        (straight, "--set", "checkpoint.async=true", "--checkpoint-every", "1"),
+        (resumed, "--set", "checkpoint.async=true", "--checkpoint-every", "2", "--stop-at", "5"),
+        (resumed, "--set", "checkpoint.async=true", "--resume", "latest"),
+    ):
         result = train(data_dir, folder, *args)
         assert result.returncode == 0, result.stderr
     for other in (straight, resumed):
         for name in FILES:
-            assert (sync / "step-00000010" / name).read_bytes() == (other / "step-00000010" / name).read_bytes(), \
-                f"{other.name}/{name} differs from the synchronous run"
-        assert verify_checkpoint(other / "step-00000010")["training_state"] == \
-            verify_checkpoint(sync / "step-00000010")["training_state"]
+            assert (sync / "step-00000010" / name).read_bytes() == (
+                other / "step-00000010" / name
+            ).read_bytes(), f"{other.name}/{name} differs from the synchronous run"
+        assert (
+            verify_checkpoint(other / "step-00000010")["training_state"]
+            == verify_checkpoint(sync / "step-00000010")["training_state"]
+        )
 
 
 def test_sigterm_during_async_training_waits_for_the_save_in_flight_which_verifies(data_dir, tmp_path):
     # A wide model (tens of MB per save) saved every step: a write is nearly always in flight.
-    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
-               str(tmp_path), "--max-steps", "100000", "--checkpoint-every", "1", "--set", "checkpoint.async=true",
-               "--set", "model.params.hidden=1500"]
-    process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    command = [
+        PYTHON,
+        "-B",
+        str(REPO / "scripts" / "02_train.py"),
+        *data_args(data_dir),
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--max-steps",
+        "100000",
+        "--checkpoint-every",
+        "1",
+        "--set",
+        "checkpoint.async=true",
+        "--set",
+        "model.params.hidden=1500",
+    ]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     for line in process.stderr:
         if line.startswith("step 3/"):
             break
@@ -209,7 +235,9 @@ def test_one_pass_load_returns_the_meta_and_what_read_tensors_returns(make_run, 
     for name, tensors in ((MODEL_FILE, loaded.model_tensors), (STATE_FILE, loaded.state_tensors)):
         expected = read_tensors(folder / name)
         assert tensors.keys() == expected.keys()
-        assert all(tensors[k].dtype == expected[k].dtype and torch.equal(tensors[k], expected[k]) for k in expected)
+        assert all(
+            tensors[k].dtype == expected[k].dtype and torch.equal(tensors[k], expected[k]) for k in expected
+        )
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -224,8 +252,9 @@ DAMAGE = {
     "truncated weights": lambda f: (f / MODEL_FILE).write_bytes((f / MODEL_FILE).read_bytes()[:-8]),
     "missing training state": lambda f: (f / STATE_FILE).unlink(),
     "stray file": lambda f: (f / "notes.txt").write_text("x"),
-    "edited meta.json": lambda f: (f / "meta.json").write_text((f / "meta.json").read_text().replace('"step": 2',
-                                                                                                  '"step": 3')),
+    "edited meta.json": lambda f: (f / "meta.json").write_text(
+        (f / "meta.json").read_text().replace('"step": 2', '"step": 3')
+    ),
 }
 
 
@@ -247,16 +276,33 @@ def test_load_refuses_damage_with_or_without_tensors_and_by_path_or_latest(make_
 def test_mixed_dtypes_are_stored_aligned_loaded_into_own_memory_and_viewed_by_read_tensors(tmp_path):
     # Adam's float32 step scalars between float64 moments: packed by name, the moments
     # would sit at offsets that are not multiples of 8.
-    mixed = {"a/step": torch.tensor(3.0), "a/exp_avg": torch.randn(5, dtype=torch.float64),
-             "b/flag": torch.tensor([True, False, True]), "b/exp_avg": torch.randn(7, dtype=torch.float64),
-             "c/ids": torch.arange(3, dtype=torch.int16), "empty": torch.zeros(0)}
-    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-            "environment": {}, "lineage": [], "training_state": {}}
+    mixed = {
+        "a/step": torch.tensor(3.0),
+        "a/exp_avg": torch.randn(5, dtype=torch.float64),
+        "b/flag": torch.tensor([True, False, True]),
+        "b/exp_avg": torch.randn(7, dtype=torch.float64),
+        "c/ids": torch.arange(3, dtype=torch.int16),
+        "empty": torch.zeros(0),
+    }
+    meta = {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {},
+    }
     with CheckpointStore(tmp_path) as store:
         folder = store.save(1, mixed, mixed, meta).path
     loaded = load_checkpoint(folder)
-    for name, tensors, mapped in ((MODEL_FILE, loaded.model_tensors, False), (STATE_FILE, loaded.state_tensors, False),
-                                  (STATE_FILE, read_tensors(folder / STATE_FILE), True)):
+    for name, tensors, mapped in (
+        (MODEL_FILE, loaded.model_tensors, False),
+        (STATE_FILE, loaded.state_tensors, False),
+        (STATE_FILE, read_tensors(folder / STATE_FILE), True),
+    ):
         assert all(torch.equal(tensors[k], v) and tensors[k].dtype == v.dtype for k, v in mixed.items())
         stored = [t for t in tensors.values() if t.numel()]
         assert all(t.data_ptr() % t.element_size() == 0 for t in stored), f"{name}: misaligned tensor"
@@ -265,7 +311,9 @@ def test_mixed_dtypes_are_stored_aligned_loaded_into_own_memory_and_viewed_by_re
         assert all((_mapped_file(t.data_ptr()) == str(folder / name)) is mapped for t in stored), name
 
 
-def test_resume_restores_the_loaded_state_without_another_copy_and_training_never_writes_the_file(make_run, tmp_path):
+def test_resume_restores_the_loaded_state_without_another_copy_and_training_never_writes_the_file(
+    make_run, tmp_path
+):
     folder = _saved_checkpoint(make_run, tmp_path)
     fresh = make_run(0)
     loaded = load_checkpoint("latest", tmp_path, into=fresh.model)
@@ -273,7 +321,8 @@ def test_resume_restores_the_loaded_state_without_another_copy_and_training_neve
     assert all(loaded.model_tensors[name].data_ptr() == p.data_ptr() for name, p in parameters.items())
     restore_state(fresh, loaded.model_tensors, loaded.meta["training_state"], loaded.state_tensors)
     exp_avg = next(iter(fresh.optimizer.state.values()))["exp_avg"]
-    assert any(exp_avg.data_ptr() == t.data_ptr() for t in loaded.state_tensors.values()), \
+    assert any(exp_avg.data_ptr() == t.data_ptr() for t in loaded.state_tensors.values()), (
         "optimizer state was copied again on restore"
+    )
     train_step(fresh)
     verify_checkpoint(folder)

@@ -36,7 +36,9 @@ def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(t
     before = rss()
     hashed = map_file(path)  # kept open: only given-back pages leave the count
     sha256_mapped({"big": hashed}, own=())
-    assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, "64 MiB hashed: at most a chunk or two stays mapped"
+    assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, (
+        "64 MiB hashed: at most a chunk or two stays mapped"
+    )
     hashed.close()
     before = rss()
     kept = map_file(path)
@@ -48,14 +50,20 @@ def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(t
 def test_a_sharded_checkpoints_tensors_come_whole_one_at_a_time_with_their_pages_released(tmp_path):
     """Four 16 MiB tensors split by rows across two shard files (as FSDP2 writes them): each
     comes back equal to the whole, and the process never holds much more than one."""
-    full = {f"layer{i}.weight": torch.arange(2048 * 2048, dtype=torch.float32).view(2048, 2048) + i for i in range(4)}
+    full = {
+        f"layer{i}.weight": torch.arange(2048 * 2048, dtype=torch.float32).view(2048, 2048) + i
+        for i in range(4)
+    }
     (tmp_path / "model").mkdir()
     files = {}
     for rank, rows in enumerate((slice(0, 1024), slice(1024, 2048))):
         name = f"model/shard-{rank + 1:05d}.safetensors"
         sharding = {key: {"saved_offsets": [rows.start, 0]} for key in full}
-        write_safetensors(tmp_path / name, {key: tensor[rows].clone() for key, tensor in full.items()},
-                          {"DCP_SHARDING_INFO": json.dumps(sharding)})
+        write_safetensors(
+            tmp_path / name,
+            {key: tensor[rows].clone() for key, tensor in full.items()},
+            {"DCP_SHARDING_INFO": json.dumps(sharding)},
+        )
         files[name] = MappedTensors(tmp_path / name)
     expected = {key: {"dtype": "F32", "shape": [2048, 2048]} for key in full}
     consolidated = ConsolidatedTensors(tmp_path, "model", expected, files)

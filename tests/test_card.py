@@ -35,26 +35,38 @@ def test_a_sample_of_every_byte_publishes_as_a_regular_text_readme(evaluated_run
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
         result = publish_stage(run.stage, hub.url, "test/every-byte", TOKEN)
         assert result.returncode == 0, result.stdout + result.stderr
-        entry = next(e for e in HfApi(endpoint=hub.url, token=TOKEN).list_repo_tree("test/every-byte")
-                     if e.path == "README.md")
+        entry = next(
+            e
+            for e in HfApi(endpoint=hub.url, token=TOKEN).list_repo_tree("test/every-byte")
+            if e.path == "README.md"
+        )
         assert entry.lfs is None, "README.md must land as a regular text file"
 
 
 def test_the_local_hub_rejects_a_regular_file_with_a_nul_byte_like_the_real_hub(tmp_path):
-    api_payload = "\n".join([
-        json.dumps({"key": "header", "value": {"summary": "binary"}}),
-        json.dumps({"key": "file", "value": {"path": "README.md", "encoding": "base64",
-                                             "content": "IyB0aXRsZQp0ZXh0AAo="}}),  # "# title\ntext\0\n"
-    ])
+    api_payload = "\n".join(
+        [
+            json.dumps({"key": "header", "value": {"summary": "binary"}}),
+            json.dumps(
+                {
+                    "key": "file",
+                    "value": {"path": "README.md", "encoding": "base64", "content": "IyB0aXRsZQp0ZXh0AAo="},
+                }
+            ),  # "# title\ntext\0\n"
+        ]
+    )
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
         api = HfApi(endpoint=hub.url, token=TOKEN)
         api.create_repo("test/binary")
         host, port = hub.url.removeprefix("http://").split(":")
         body = api_payload.encode()
         with socket.create_connection((host, int(port))) as conn:
-            conn.sendall(b"POST /api/models/test/binary/commit/main HTTP/1.1\r\nHost: x\r\n"
-                         + f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/x-ndjson\r\n".encode()
-                         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            conn.sendall(
+                b"POST /api/models/test/binary/commit/main HTTP/1.1\r\nHost: x\r\n"
+                + f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/x-ndjson\r\n".encode()
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
             answer = b""
             while chunk := conn.recv(65536):
                 answer += chunk
@@ -64,18 +76,52 @@ def test_the_local_hub_rejects_a_regular_file_with_a_nul_byte_like_the_real_hub(
 
 def test_card_section_sets_the_hub_metadata_and_the_evaluation_dataset(evaluated_run, run_copy):
     run = run_copy(evaluated_run)
-    run.ok("05_stage.py", "--set", "card.datasets=[karpathy/tiny_shakespeare]", "--set", "card.language=[en]",
-           "--set", "card.pipeline_tag=tabular-regression", "--set", "card.base_model=someone/base-mlp",
-           "--set", "card.license=mit", "--set", "card.tags=[regression, toy]")
+    run.ok(
+        "05_stage.py",
+        "--set",
+        "card.datasets=[karpathy/tiny_shakespeare]",
+        "--set",
+        "card.language=[en]",
+        "--set",
+        "card.pipeline_tag=tabular-regression",
+        "--set",
+        "card.base_model=someone/base-mlp",
+        "--set",
+        "card.license=mit",
+        "--set",
+        "card.tags=[regression, toy]",
+    )
     card = ModelCard.load(run.stage / "README.md")
     data = card.data
-    assert (data.library_name, data.pipeline_tag, data.language, data.datasets, data.base_model, data.license,
-            data.tags) == ("pytorch", "tabular-regression", ["en"], ["karpathy/tiny_shakespeare"],
-                           "someone/base-mlp", "mit", ["regression", "toy"])
+    assert (
+        data.library_name,
+        data.pipeline_tag,
+        data.language,
+        data.datasets,
+        data.base_model,
+        data.license,
+        data.tags,
+    ) == (
+        "pytorch",
+        "tabular-regression",
+        ["en"],
+        ["karpathy/tiny_shakespeare"],
+        "someone/base-mlp",
+        "mit",
+        ["regression", "toy"],
+    )
     assert {(r.dataset_name, r.dataset_type, r.task_type) for r in data.eval_results} == {
-        ("karpathy/tiny_shakespeare", "karpathy/tiny_shakespeare", "tabular-regression")}
-    run.ok("05_stage.py", "--set", "card.eval_dataset_name=Held-out rows", "--set", "card.eval_dataset_type=custom",
-           "--set", "card.library_name=my-lib")
+        ("karpathy/tiny_shakespeare", "karpathy/tiny_shakespeare", "tabular-regression")
+    }
+    run.ok(
+        "05_stage.py",
+        "--set",
+        "card.eval_dataset_name=Held-out rows",
+        "--set",
+        "card.eval_dataset_type=custom",
+        "--set",
+        "card.library_name=my-lib",
+    )
     data = ModelCard.load(run.stage / "README.md").data
     assert {(r.dataset_name, r.dataset_type) for r in data.eval_results} == {("Held-out rows", "custom")}
     assert data.library_name == "my-lib"
@@ -83,9 +129,12 @@ def test_card_section_sets_the_hub_metadata_and_the_evaluation_dataset(evaluated
 
 def test_invalid_card_metadata_is_refused_with_the_key_named(evaluated_run, run_copy):
     run = run_copy(evaluated_run)
-    for setting, key in (("card.language=[EN!]", "card.language"), ("card.datasets=[a b]", "card.datasets"),
-                         ("card.pipeline_tag=Text Generation", "card.pipeline_tag"),
-                         ("card.base_model=/home/x/model", "card.base_model")):
+    for setting, key in (
+        ("card.language=[EN!]", "card.language"),
+        ("card.datasets=[a b]", "card.datasets"),
+        ("card.pipeline_tag=Text Generation", "card.pipeline_tag"),
+        ("card.base_model=/home/x/model", "card.base_model"),
+    ):
         assert key in run.refused("05_stage.py", "--set", setting)
 
 

@@ -82,12 +82,26 @@ def short_run(tmp_path_factory) -> dict:
     _ok("01_prepare_data.py", *args)
     _ok("02_train.py", *args, "--quiet")
     _ok("04_evaluate.py", *args, "--output", str(root / "metrics.json"))
-    _ok("05_stage.py", *args, "--metrics", str(root / "metrics.json"), "--stage", str(root / "stage"),
-        "--repo-id", REPO_ID)
+    _ok(
+        "05_stage.py",
+        *args,
+        "--metrics",
+        str(root / "metrics.json"),
+        "--stage",
+        str(root / "stage"),
+        "--repo-id",
+        REPO_ID,
+    )
     checkpoint = root / "checkpoints" / "step-00000010"
     assert (checkpoint / "meta.json").is_file()
-    return {"root": root, "overrides": overrides, "args": args, "checkpoint": checkpoint,
-            "stage": root / "stage", "config": _config(overrides)}
+    return {
+        "root": root,
+        "overrides": overrides,
+        "args": args,
+        "checkpoint": checkpoint,
+        "stage": root / "stage",
+        "config": _config(overrides),
+    }
 
 
 def _fresh_model(config):
@@ -129,21 +143,35 @@ def test_published_weights_hold_the_tied_embedding_once_and_load_strictly_with_s
 
 
 @SHORT_RUN
-def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cannot_be_imported(short_run, tmp_path):
+def test_card_snippet_alone_rebuilds_the_published_model_where_this_project_cannot_be_imported(
+    short_run, tmp_path
+):
     """Acceptance: published, downloaded, and the card's first Python block run in an empty
     folder by an interpreter that cannot import `pipeline` or `examples` leaves `model`
     holding exactly the published weights, built by the code the repo ships."""
     stage = short_run["stage"]
     # The model's code closure only: not the data factory, and of this project the one
     # self-contained helper the model imports (read_params), plus the loader the card calls.
-    shipped = sorted(p.relative_to(stage / "code").as_posix() for p in (stage / "code").rglob("*") if p.is_file())
-    assert shipped == ["examples/__init__.py", "examples/charlm/__init__.py", "examples/charlm/model.py",
-                       "hub_loader.py", "pipeline/__init__.py", "pipeline/params.py"]
+    shipped = sorted(
+        p.relative_to(stage / "code").as_posix() for p in (stage / "code").rglob("*") if p.is_file()
+    )
+    assert shipped == [
+        "examples/__init__.py",
+        "examples/charlm/__init__.py",
+        "examples/charlm/model.py",
+        "hub_loader.py",
+        "pipeline/__init__.py",
+        "pipeline/params.py",
+    ]
     card = (stage / "README.md").read_text(encoding="utf-8")
     assert "Loading runs this repository's Python code" in card and 'revision = "main"' in card
     snippet = first_python_block(card)
     assert snippet.rstrip().endswith("model = load_model(folder)"), "a one-line loader"
-    assert "import pipeline" not in snippet and "from pipeline" not in snippet and "import examples" not in snippet
+    assert (
+        "import pipeline" not in snippet
+        and "from pipeline" not in snippet
+        and "import examples" not in snippet
+    )
     token = "charlm-test-token"
     with LocalHub(tmp_path / "hub", token=token) as hub:
         published = publish_stage(stage, hub.url, REPO_ID, token)
@@ -168,7 +196,9 @@ print("LOADED", sum(p.numel() for p in model.parameters()))
 
 
 @SHORT_RUN
-def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_from_the_card(short_run, tmp_path):
+def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_from_the_card(
+    short_run, tmp_path
+):
     """``--max-shard-size``: several files none above it, an index, their union the checkpoint's
     tensors bit for bit, every file in the manifest, one commit, and the card's snippet loads it."""
     from huggingface_hub import HfApi
@@ -176,8 +206,18 @@ def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_f
     from pipeline.audit import audit_stage
 
     stage, limit = tmp_path / "sharded", 40_000
-    _ok("05_stage.py", *short_run["args"], "--metrics", str(short_run["root"] / "metrics.json"), "--stage",
-        str(stage), "--repo-id", "test/sharded", "--max-shard-size", "40KB")
+    _ok(
+        "05_stage.py",
+        *short_run["args"],
+        "--metrics",
+        str(short_run["root"] / "metrics.json"),
+        "--stage",
+        str(stage),
+        "--repo-id",
+        "test/sharded",
+        "--max-shard-size",
+        "40KB",
+    )
     shards = sorted(p.name for p in stage.glob("modelo-*.safetensors"))
     assert len(shards) >= 3 and not (stage / "modelo.safetensors").exists()
     assert shards == [f"modelo-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
@@ -200,7 +240,9 @@ def test_sharded_stage_splits_below_the_size_publishes_in_one_commit_and_loads_f
         published = publish_stage(stage, hub.url, "test/sharded", token)
         assert published.returncode == 0, published.stdout + published.stderr
         commits = HfApi(endpoint=hub.url, token=token).list_repo_commits("test/sharded")
-        assert len(commits) == 2, "the repo's initial commit and one publication"  # create_repo adds the first
+        assert len(commits) == 2, (
+            "the repo's initial commit and one publication"
+        )  # create_repo adds the first
         check = """
 import json, torch
 from safetensors.torch import load_file
@@ -230,8 +272,10 @@ def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced
         # The fix it prints restages the config 06 was given, as printed.
         refused = publish_stage(stage, hub.url, "someone/else", token, "--config", str(CONFIG))
         assert refused.returncode == 2
-        assert f"scripts/05_stage.py --config {CONFIG} --repo-id someone/else, or pass --force-repo-id" \
+        assert (
+            f"scripts/05_stage.py --config {CONFIG} --repo-id someone/else, or pass --force-repo-id"
             in one_line_error(refused)
+        )
         assert hub.count("POST") == 0, "nothing was sent"
         forced = publish_stage(stage, hub.url, "someone/else", token, "--force-repo-id")
         assert forced.returncode == 0, forced.stdout + forced.stderr
@@ -248,7 +292,7 @@ def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(
     sample = recorded["sample"]
     assert sample.startswith("HAMLET:\n") and len(sample) > len("HAMLET:\n")
     # An undertrained model samples control bytes: the card shows them escaped, as text.
-    assert "## Sample" in card and printable(sample[len("HAMLET:\n"):].strip()) in card
+    assert "## Sample" in card and printable(sample[len("HAMLET:\n") :].strip()) in card
 
     # The same text again, in this process: sample() depends on the weights alone, and
     # leaves the run's RNGs and the model's mode as it found them.
@@ -258,7 +302,11 @@ def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(
     model = _fresh_model(config)
     load_model(model, str(stage / "modelo.safetensors"), strict=True)
     data = build_data(config, Path(config.data.dir))
-    before = (random.getstate(), np.random.get_state(legacy=False)["state"]["key"].tobytes(), torch.get_rng_state())
+    before = (
+        random.getstate(),
+        np.random.get_state(legacy=False)["state"]["key"].tobytes(),
+        torch.get_rng_state(),
+    )
     model.train()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the 04 process: the same kernels, so the same rounding
@@ -267,7 +315,11 @@ def test_card_shows_the_training_curve_and_the_sample_that_the_weights_generate(
     finally:
         torch.set_num_threads(threads)
     assert model.training
-    after = (random.getstate(), np.random.get_state(legacy=False)["state"]["key"].tobytes(), torch.get_rng_state())
+    after = (
+        random.getstate(),
+        np.random.get_state(legacy=False)["state"]["key"].tobytes(),
+        torch.get_rng_state(),
+    )
     assert before[:2] == after[:2] and torch.equal(before[2], after[2])
 
 
@@ -303,7 +355,13 @@ def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut
 
     # The proof travels with the model it proves: staged without machine paths, its verdict on the card.
     stage = tmp_path / "stage"
-    stage_args = (*short_run["args"], "--metrics", str(short_run["root"] / "metrics.json"), "--stage", str(stage))
+    stage_args = (
+        *short_run["args"],
+        "--metrics",
+        str(short_run["root"] / "metrics.json"),
+        "--stage",
+        str(stage),
+    )
     _ok("05_stage.py", *stage_args, "--proof", str(output))
     staged = (stage / "verification.json").read_text(encoding="utf-8")
     for machine in (str(tmp_path), str(REPO), str(Path.home()) + "/"):
@@ -314,8 +372,10 @@ def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut
     assert "[`verification.json`](verification.json)" in card
 
     # A proof of another config, or of other code, is refused with one line; the stage is untouched.
-    for where, change in ((("sources", "config", "resolved", "model", "params"), {"d_model": 48}),
-                          (("sources", "package"), {"fingerprint": "0" * 64})):
+    for where, change in (
+        (("sources", "config", "resolved", "model", "params"), {"d_model": 48}),
+        (("sources", "package"), {"fingerprint": "0" * 64}),
+    ):
         other = tmp_path / f"other-{len(where)}"
         other.mkdir()
         edited = json.loads(json.dumps(report))
@@ -327,16 +387,24 @@ def test_resume_proof_passes_on_a_short_run_with_an_epoch_boundary_after_the_cut
         result = _run("05_stage.py", *stage_args, "--proof", str(other))
         assert result.returncode == 2, result.stdout + result.stderr
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and ("proves other code" in lines[0] or "proves another config" in lines[0]), lines
+        assert len(lines) == 1 and ("proves other code" in lines[0] or "proves another config" in lines[0]), (
+            lines
+        )
     assert (stage / "verification.json").read_text(encoding="utf-8") == staged
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"model.params.n_head": "3"}, "model.params.d_model (128) must be a multiple of model.params.n_head (3)"),
-    ({"model.params.depth": "2"}, "unknown key model.params.depth"),
-    ({"data.params.block_size": "0"}, "data.params.block_size must be >= 1"),
-    ({"data.params.sample_temperature": "0"}, "data.params.sample_temperature must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"model.params.n_head": "3"},
+            "model.params.d_model (128) must be a multiple of model.params.n_head (3)",
+        ),
+        ({"model.params.depth": "2"}, "unknown key model.params.depth"),
+        ({"data.params.block_size": "0"}, "data.params.block_size must be >= 1"),
+        ({"data.params.sample_temperature": "0"}, "data.params.sample_temperature must be > 0"),
+    ],
+)
 def test_example_params_are_validated_with_the_key_named(overrides, message):
     from examples.charlm.data import data_params
 

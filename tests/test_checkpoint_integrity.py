@@ -24,8 +24,9 @@ from support import REPO, one_line_error, prepare_data, train
 def pristine(data_dir, tmp_path_factory) -> Path:
     """Checkpoints at steps 3 and 6 of a 10-step run (keep_last 2)."""
     folder = tmp_path_factory.mktemp("pristine")
-    result = train(data_dir, folder, "--max-steps", "10", "--stop-at", "6", "--checkpoint-every", "3",
-                   "--keep-last", "2")
+    result = train(
+        data_dir, folder, "--max-steps", "10", "--stop-at", "6", "--checkpoint-every", "3", "--keep-last", "2"
+    )
     assert result.returncode == 0, result.stderr
     assert CheckpointStore(folder).committed_steps() == [3, 6]
     return folder
@@ -40,8 +41,11 @@ def checkpoints(pristine, tmp_path) -> Path:
 
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file's hash, except the lock file, which records the pid of its last holder."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def resume(data_dir: Path, folder: Path, *extra: str):
@@ -49,11 +53,19 @@ def resume(data_dir: Path, folder: Path, *extra: str):
     return train(data_dir, folder, "--max-steps", "10", "--resume", "latest", *extra)
 
 
-def refusal(data_dir: Path, folder: Path, before: dict[str, str], *patterns: str, resume_from: str = "latest",
-            **overrides) -> str:
+def refusal(
+    data_dir: Path,
+    folder: Path,
+    before: dict[str, str],
+    *patterns: str,
+    resume_from: str = "latest",
+    **overrides,
+) -> str:
     """Resume in this process (fast: no interpreter start) and return the refusal message."""
-    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "checkpoint.dir": str(folder),
-                                                 "training.max_steps": 10, **overrides})
+    config = load_config(
+        REPO / "config.yaml",
+        {"data.dir": str(data_dir), "checkpoint.dir": str(folder), "training.max_steps": 10, **overrides},
+    )
     with pytest.raises(PipelineError) as refused:
         train_in_process(config, resume=resume_from, progress=False)
     message = str(refused.value)
@@ -174,8 +186,9 @@ def test_stale_temporary_folders_are_cleaned_on_the_next_start(data_dir, checkpo
 
 
 def test_resume_from_an_explicit_older_folder_is_refused_when_newer_steps_exist(data_dir, checkpoints):
-    refusal(data_dir, checkpoints, snapshot(checkpoints), "newer",
-            resume_from=str(checkpoints / "step-00000003"))
+    refusal(
+        data_dir, checkpoints, snapshot(checkpoints), "newer", resume_from=str(checkpoints / "step-00000003")
+    )
 
 
 def test_checkpoint_files_are_safetensors_not_pickles(pristine):
@@ -183,7 +196,7 @@ def test_checkpoint_files_are_safetensors_not_pickles(pristine):
     for name in ("modelo.safetensors", "estado_treino.safetensors"):
         raw = (folder / name).read_bytes()
         header_length = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + header_length])
+        header = json.loads(raw[8 : 8 + header_length])
         assert raw[:1] != b"\x80", f"{name} starts with a pickle protocol byte"
         assert header["__metadata__"]["format"] == "pt"
     weights = load_file(folder / "modelo.safetensors")
@@ -193,9 +206,13 @@ def test_checkpoint_files_are_safetensors_not_pickles(pristine):
 def test_no_pickle_in_any_load_path():
     """No module or script can unpickle: no pickle import, no torch.load, no weights_only=False."""
     forbidden = re.compile(r"import pickle|pickle\.load|torch\.load\(|weights_only\s*=\s*False|import dill")
-    offenders = [f"{path.relative_to(REPO)}:{n}" for folder in ("pipeline", "scripts")
-                 for path in (REPO / folder).rglob("*.py")
-                 for n, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
+    offenders = [
+        f"{path.relative_to(REPO)}:{n}"
+        for folder in ("pipeline", "scripts")
+        for path in (REPO / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if forbidden.search(line)
+    ]
     assert not offenders, offenders
 
 

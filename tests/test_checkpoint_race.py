@@ -27,9 +27,27 @@ def test_04_and_05_in_a_loop_against_a_trainer_that_prunes_every_step(trained_ru
     live = ("--set", "checkpoint.dir=live")
     # A long schedule: a save and a prune every step while 04 and 05 read.
     trainer = subprocess.Popen(
-        [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), "--config", str(REPO / "config.yaml"), *live,
-         "--quiet", "--max-steps", "1000000", "--checkpoint-every", "1", "--keep-last", "1"],
-        cwd=run.root, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            PYTHON,
+            "-B",
+            str(REPO / "scripts" / "02_train.py"),
+            "--config",
+            str(REPO / "config.yaml"),
+            *live,
+            "--quiet",
+            "--max-steps",
+            "1000000",
+            "--checkpoint-every",
+            "1",
+            "--keep-last",
+            "1",
+        ],
+        cwd=run.root,
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     store = CheckpointStore(run.root / "live")
     outcomes = []
     try:
@@ -37,8 +55,10 @@ def test_04_and_05_in_a_loop_against_a_trainer_that_prunes_every_step(trained_ru
         while not [s for s in store.committed_steps() if s >= 2] and time.monotonic() < deadline:
             time.sleep(0.1)  # the trainer is starting
         for attempt in range(RUNS_EACH):
-            for name, args in (("04_evaluate.py", ("--output", f"metrics-{attempt}.json")),
-                               ("05_stage.py", ("--no-metrics", "--stage", f"stage-{attempt}"))):
+            for name, args in (
+                ("04_evaluate.py", ("--output", f"metrics-{attempt}.json")),
+                ("05_stage.py", ("--no-metrics", "--stage", f"stage-{attempt}")),
+            ):
                 assert trainer.poll() is None, trainer.stderr.read()
                 result = run.script(name, *live, *args)
                 outcomes.append((name, attempt, result))

@@ -28,9 +28,17 @@ from pipeline.checkpoint.weights import dedupe_shared_tensors
 from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, SchemaMismatch
 from pipeline.hashing import HashingWriter, sha256_file
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
-        "lineage": [],
-        "training_state": split_state({"best": math.inf}, "state", {})}
+META = {
+    "created": "now",
+    "config": {},
+    "fingerprints": {},
+    "versions": {},
+    "device": "cpu",
+    "model": {},
+    "environment": {},
+    "lineage": [],
+    "training_state": split_state({"best": math.inf}, "state", {}),
+}
 
 
 def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:
@@ -42,6 +50,7 @@ def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:
 
 
 # -- store ---------------------------------------------------------------------------------
+
 
 def test_step_names_sort_as_integers_and_only_committed_folders_count(tmp_path):
     assert step_dir_name(10) == "step-00000010" and parse_step_dir("step-00000010") == 10
@@ -60,8 +69,9 @@ def test_prune_keeps_the_newest_and_deletes_oldest_first(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step-00000003", "step-00000004"]
 
 
-def test_a_save_returns_while_the_prune_runs_and_the_store_waits_for_it_before_anything_else(tmp_path,
-                                                                                            monkeypatch):
+def test_a_save_returns_while_the_prune_runs_and_the_store_waits_for_it_before_anything_else(
+    tmp_path, monkeypatch
+):
     store = _save(tmp_path, [1], keep_last=1)
     deleting, may_finish = threading.Event(), threading.Event()
     rmtree = shutil.rmtree
@@ -83,7 +93,9 @@ def test_a_save_returns_while_the_prune_runs_and_the_store_waits_for_it_before_a
 
 def test_a_prune_that_fails_other_than_by_the_os_raises_in_the_caller_at_the_next_wait(tmp_path, monkeypatch):
     store = _save(tmp_path, [1], keep_last=1)
-    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug in the prune")))
+    monkeypatch.setattr(
+        shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug in the prune"))
+    )
     with pytest.raises(RuntimeError, match="bug in the prune"):
         with store:
             store.save(2, {"w": torch.full((3,), 2.0)}, {"s": torch.zeros(1)}, META)
@@ -122,11 +134,19 @@ def test_a_second_store_on_the_same_folder_is_refused(tmp_path):
 
 # -- the safetensors reader and writer -------------------------------------------------------
 
+
 def test_written_file_hash_is_the_file_hash_and_plain_safetensors_reads_it(tmp_path):
-    tensors = {"a": torch.randn(1000, dtype=torch.float64), "b": torch.arange(7, dtype=torch.int16),
-               "empty": torch.zeros(0), "flag": torch.tensor([True, False])}
+    tensors = {
+        "a": torch.randn(1000, dtype=torch.float64),
+        "b": torch.arange(7, dtype=torch.int16),
+        "empty": torch.zeros(0),
+        "flag": torch.tensor([True, False]),
+    }
     sha, size = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
-    assert (sha, size) == (sha256_file(tmp_path / "x.safetensors"), (tmp_path / "x.safetensors").stat().st_size)
+    assert (sha, size) == (
+        sha256_file(tmp_path / "x.safetensors"),
+        (tmp_path / "x.safetensors").stat().st_size,
+    )
     for loaded in (load_file(tmp_path / "x.safetensors"), read_tensors(tmp_path / "x.safetensors")):
         assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
 
@@ -136,18 +156,27 @@ def _file(header: dict | bytes, data: bytes = b"") -> bytes:
     return len(raw).to_bytes(8, "little") + raw + data
 
 
-@pytest.mark.parametrize("raw, why", [
-    (b"", "shorter than the 8-byte header length"),
-    ((1 << 40).to_bytes(8, "little") + b"{}", "over the 104857600-byte limit"),
-    ((64).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
-    ((1000).to_bytes(8, "little") + b"{}", "runs past the end of the file"),  # under the header cap, past the end
-    (_file(b"[1, 2]"), "does not start with"),
-    (_file(b"\xff\xfe"), "utf-8"),
-    (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not hold"),
-    (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 4), "does not start the data at byte 0"),
-    (_file({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "non-negative integers"),
-    (_file({"t": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "X9"),
-])
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"", "shorter than the 8-byte header length"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", "over the 104857600-byte limit"),
+        ((64).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
+        (
+            (1000).to_bytes(8, "little") + b"{}",
+            "runs past the end of the file",
+        ),  # under the header cap, past the end
+        (_file(b"[1, 2]"), "does not start with"),
+        (_file(b"\xff\xfe"), "utf-8"),
+        (_file({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "do not hold"),
+        (
+            _file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 4),
+            "does not start the data at byte 0",
+        ),
+        (_file({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "non-negative integers"),
+        (_file({"t": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "X9"),
+    ],
+)
 def test_the_parser_refuses_malformed_files_naming_them(tmp_path, raw, why):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
@@ -172,16 +201,26 @@ def test_mapped_tensors_are_private_copies_on_write(tmp_path):
 
 # -- codec ---------------------------------------------------------------------------------
 
+
 def test_codec_round_trip_is_exact():
-    state = {"betas": (0.9, 0.999), "state": {0: {"exp_avg": torch.randn(3), "step": torch.tensor(2.0)}},
-             "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "none": None, "flag": True, "inf": math.inf,
-             "nested": [1, "two", (3,)], "np_scalar": np.float32(1.5)}
+    state = {
+        "betas": (0.9, 0.999),
+        "state": {0: {"exp_avg": torch.randn(3), "step": torch.tensor(2.0)}},
+        "arr": np.arange(6, dtype=np.uint16).reshape(2, 3),
+        "none": None,
+        "flag": True,
+        "inf": math.inf,
+        "nested": [1, "two", (3,)],
+        "np_scalar": np.float32(1.5),
+    }
     tensors: dict = {}
     tree = split_state(state, "opt", tensors)
     json.dumps(tree, allow_nan=True)  # the tree is plain JSON
     back = join_state(json.loads(json.dumps(tree)), tensors)
     assert back["betas"] == (0.9, 0.999) and isinstance(back["betas"], tuple)
-    assert list(back["state"]) == [0] and torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    assert list(back["state"]) == [0] and torch.equal(
+        back["state"][0]["exp_avg"], state["state"][0]["exp_avg"]
+    )
     assert back["arr"].dtype == np.uint16 and (back["arr"] == state["arr"]).all()
     assert back["nested"] == [1, "two", (3,)] and back["inf"] == math.inf and back["np_scalar"] == 1.5
 
@@ -206,6 +245,7 @@ def test_codec_refuses_two_entries_with_one_tensor_name_and_unpicklable_objects(
 
 
 # -- dedupe of shared storages ---------------------------------------------------------------
+
 
 class _Tied(torch.nn.Module):
     def __init__(self) -> None:
@@ -232,6 +272,7 @@ def test_dedupe_keeps_disjoint_slices_and_refuses_partial_aliases():
 
 # -- hashing ---------------------------------------------------------------------------------
 
+
 def test_sha256_file_and_hashing_writer_agree_with_hashlib_across_chunks(tmp_path):
     data = os.urandom(3 * 1024 + 17)
     with HashingWriter(tmp_path / "f") as out:
@@ -244,6 +285,7 @@ def test_sha256_file_and_hashing_writer_agree_with_hashlib_across_chunks(tmp_pat
 
 
 # -- durable: atomic folders, JSON, lock -------------------------------------------------------
+
 
 def test_json_writer_refuses_nan_naming_where_and_allows_it_only_when_asked(tmp_path):
     with pytest.raises(ValueError, match="nan at /a/1"):
@@ -315,7 +357,9 @@ def test_atomic_folder_never_replaces_a_folder_it_cannot_prove_it_built(tmp_path
         with pytest.raises(FileExistsError):
             with durable.atomic_folder(dest, owned=owned) as built:
                 _fill(built, "new")
-    assert (dest / "precious").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+    assert (dest / "precious").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "theirs"
+    ]
 
 
 def test_folder_lock_is_exclusive_and_released(tmp_path):
@@ -329,12 +373,16 @@ def test_folder_lock_is_exclusive_and_released(tmp_path):
 
 # -- the one private torch call ----------------------------------------------------------------
 
+
 def test_the_private_determinism_switch_is_what_the_public_call_uses():
     """run.configure_determinism calls torch._C._set_deterministic_algorithms to avoid
     importing the compiler stack; this fails when torch stops implementing the public
     call through it, or changes its signature."""
     assert "_set_deterministic_algorithms(" in inspect.getsource(torch.use_deterministic_algorithms)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     try:
         torch._C._set_deterministic_algorithms(True, warn_only=False)
         assert torch.are_deterministic_algorithms_enabled()
@@ -345,6 +393,7 @@ def test_the_private_determinism_switch_is_what_the_public_call_uses():
 
 # -- the public API ----------------------------------------------------------------------------
 
+
 def test_public_api_resolves_every_name_and_the_publish_path_stays_torch_free():
     import subprocess
     import sys
@@ -352,8 +401,10 @@ def test_public_api_resolves_every_name_and_the_publish_path_stays_torch_free():
     import pipeline
 
     assert all(getattr(pipeline, name) is not None for name in pipeline.__all__)
-    code = ("import sys, pipeline; pipeline.publish; pipeline.audit_stage; "
-            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, pipeline; pipeline.publish; pipeline.audit_stage; "
+        "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -364,5 +415,7 @@ def test_resume_target_refuses_a_fresh_run_over_committed_checkpoints(tmp_path):
     (tmp_path / "ck" / "step-00000003").mkdir(parents=True)
     (tmp_path / "ck" / "step-00000003" / "meta.json").write_text("{}")
     assert store.resume_target("auto") == "latest" and store.resume_target("latest") == "latest"
-    with pytest.raises(CheckpointError, match="already holds checkpoints up to step 3: continue with --resume latest"):
+    with pytest.raises(
+        CheckpointError, match="already holds checkpoints up to step 3: continue with --resume latest"
+    ):
         store.resume_target(None)

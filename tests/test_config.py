@@ -28,20 +28,23 @@ def test_default_config_file_matches_the_dataclass_defaults_where_it_should():
     assert config_from_dict(config.to_dict()) == config
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("training:\n  max_step: 10\n", r"unknown key training\.max_step"),
-    ("trainnig:\n  max_steps: 10\n", r"unknown section 'trainnig'"),
-    ("training:\n  max_steps: ten\n", r"training\.max_steps must be int"),
-    ("training:\n  max_steps: 0\n", r"training\.max_steps must be >= 1 \(got 0\)"),
-    ("training:\n  deterministic: 1\n", r"training\.deterministic must be bool"),
-    ("data:\n  batch_size: true\n", r"data\.batch_size must be an integer, got a boolean"),
-    ("checkpoint:\n  keep_last: 0\n", r"checkpoint\.keep_last must be >= 1"),
-    ("training:\n  device: tpu\n", r"training\.device must be one of"),
-    ("optimizer:\n  lr: -1\n", r"optimizer\.lr must be a finite number > 0"),
-    ("model:\n  factory: nocolon\n", r"model\.factory must look like"),
-    ("- just\n- a list\n", r"top level must be a mapping"),
-    ("training: [1, 2\n", r"not valid YAML at line"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("training:\n  max_step: 10\n", r"unknown key training\.max_step"),
+        ("trainnig:\n  max_steps: 10\n", r"unknown section 'trainnig'"),
+        ("training:\n  max_steps: ten\n", r"training\.max_steps must be int"),
+        ("training:\n  max_steps: 0\n", r"training\.max_steps must be >= 1 \(got 0\)"),
+        ("training:\n  deterministic: 1\n", r"training\.deterministic must be bool"),
+        ("data:\n  batch_size: true\n", r"data\.batch_size must be an integer, got a boolean"),
+        ("checkpoint:\n  keep_last: 0\n", r"checkpoint\.keep_last must be >= 1"),
+        ("training:\n  device: tpu\n", r"training\.device must be one of"),
+        ("optimizer:\n  lr: -1\n", r"optimizer\.lr must be a finite number > 0"),
+        ("model:\n  factory: nocolon\n", r"model\.factory must look like"),
+        ("- just\n- a list\n", r"top level must be a mapping"),
+        ("training: [1, 2\n", r"not valid YAML at line"),
+    ],
+)
 def test_bad_values_name_the_key_and_the_file(tmp_path, text, expected):
     path = write_config(tmp_path, text)
     with pytest.raises(ConfigError, match=expected) as error:
@@ -55,8 +58,9 @@ def test_ints_are_accepted_where_floats_are_expected(tmp_path):
 
 
 def test_set_overrides_are_typed_and_win_over_the_file():
-    overrides = parse_set_overrides(["training.max_steps=20", "optimizer.lr=1e-3", "checkpoint.async=true",
-                                     "model.params.hidden=8"])
+    overrides = parse_set_overrides(
+        ["training.max_steps=20", "optimizer.lr=1e-3", "checkpoint.async=true", "model.params.hidden=8"]
+    )
     config = load_config(REPO / "config.yaml", overrides)
     assert config.training.max_steps == 20 and config.optimizer.lr == 0.001
     assert config.checkpoint.async_ is True and config.model.params["hidden"] == 8

@@ -40,8 +40,12 @@ PROTOCOLS = {
 def test_every_crash_point_of_every_commit_protocol_recovers(protocol, request, tmp_path):
     # Only the stage swap needs a trained, evaluated and staged run (a session fixture).
     source = [str(request.getfixturevalue("staged_run").root)] if protocol == "stage" else []
-    result = run_python([HELPERS / "crash_child.py", protocol, str(tmp_path / "work"), *source], cwd=tmp_path,
-                        env=script_env(), timeout=600)
+    result = run_python(
+        [HELPERS / "crash_child.py", protocol, str(tmp_path / "work"), *source],
+        cwd=tmp_path,
+        env=script_env(),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     kinds = [report["ops"][index].split()[0] for index in report["crashed_at"]]
@@ -51,22 +55,35 @@ def test_every_crash_point_of_every_commit_protocol_recovers(protocol, request, 
 
 
 def test_the_ordering_check_names_each_missing_fsync_and_an_early_deletion():
-    good = [Op("mkdir", "/r/.tmp-a"), Op("create", "/r/.tmp-a/f"), Op("fsync", "/r/.tmp-a/f"),
-            Op("fsync", "/r/.tmp-a", is_dir=True), Op("rename", "/r/.tmp-a", "/r/a"), Op("fsync", "/r", is_dir=True),
-            Op("rename", "/r/old", "/r/.deleting-old"), Op("rmtree", "/r/.deleting-old", is_dir=True)]
+    good = [
+        Op("mkdir", "/r/.tmp-a"),
+        Op("create", "/r/.tmp-a/f"),
+        Op("fsync", "/r/.tmp-a/f"),
+        Op("fsync", "/r/.tmp-a", is_dir=True),
+        Op("rename", "/r/.tmp-a", "/r/a"),
+        Op("fsync", "/r", is_dir=True),
+        Op("rename", "/r/old", "/r/.deleting-old"),
+        Op("rmtree", "/r/.deleting-old", is_dir=True),
+    ]
     assert ordering_problems(good) == []
-    without = {2: "without an fsync after it was written", 3: "before the folder itself was fsynced",
-               5: "never fsynced after rename"}
+    without = {
+        2: "without an fsync after it was written",
+        3: "before the folder itself was fsynced",
+        5: "never fsynced after rename",
+    }
     for index, message in without.items():
-        assert any(message in p for p in ordering_problems(good[:index] + good[index + 1:])), index
+        assert any(message in p for p in ordering_problems(good[:index] + good[index + 1 :])), index
     early = good[:4] + good[6:7] + good[4:6] + good[7:]
     assert any("removes what existed before the commit" in p for p in ordering_problems(early))
 
 
 # -- simulated power loss ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("keep_last,before", [(1, [1]), (2, [1, 2]), (2, [1])])
-def test_power_cut_at_any_point_of_a_save_leaves_the_previous_or_the_new_checkpoint(tmp_path, keep_last, before):
+def test_power_cut_at_any_point_of_a_save_leaves_the_previous_or_the_new_checkpoint(
+    tmp_path, keep_last, before
+):
     protocol = CheckpointSave(keep_last, before)
     live = tmp_path / "live"
     live.mkdir()
@@ -90,4 +107,6 @@ def test_power_cut_at_any_point_of_a_save_leaves_the_previous_or_the_new_checkpo
         where = f"power cut after {point} of {len(recorder.ops)} calls ({recorder.ops[point - 1] if point else 'none'})"
         assert protocol.check(base, recovered=True) == [], where
         if point == len(states) - 1:  # save() returned: the new checkpoint must survive
-            assert protocol.new in protocol._store(base).committed_steps(), f"{where}: the returned save was lost"
+            assert protocol.new in protocol._store(base).committed_steps(), (
+                f"{where}: the returned save was lost"
+            )

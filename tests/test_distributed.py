@@ -50,14 +50,39 @@ STREAM = {"data.prepare": "inputs_factories:prepare_stream", "data.factory": "in
 
 
 def torchrun(nproc: int, *args: str, cwd: Path, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(command, cwd=cwd, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    command = [
+        sys.executable,
+        "-B",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *args,
+    ]
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env=script_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
 
 
 def train_args(data_dir: Path, checkpoint_dir: Path, *extra: str, parallel: str = "ddp") -> list[str]:
-    return [str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set", f"data.dir={data_dir}",
-            "--set", f"training.parallel={parallel}", "--checkpoint-dir", str(checkpoint_dir), *extra]
+    return [
+        str(REPO / "scripts" / "02_train.py"),
+        "--config",
+        str(CONFIG),
+        "--set",
+        f"data.dir={data_dir}",
+        "--set",
+        f"training.parallel={parallel}",
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+        *extra,
+    ]
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -76,35 +101,62 @@ def legs(data_dir, tmp_path_factory):
     runs = []
     for mode, background in (("ddp", False), ("fsdp2", True)):
         base = {"data.dir": str(data_dir), "training.parallel": mode, "checkpoint.async": background}
-        runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "stop_at": 6},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "resume": "latest",
-                  "record": str(root / f"ops_{mode}")},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}"), "checkpoint.keep_last": 2}}]
-    runs.append({"overrides": {**base, "checkpoint.dir": str(root / "mid_fsdp2")},
-                 "resume": str(root / "full_fsdp2" / "step-00000005")})
+        runs += [
+            {"overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")}, "stop_at": 6},
+            {
+                "overrides": {**base, "checkpoint.dir": str(root / f"cut_{mode}")},
+                "resume": "latest",
+                "record": str(root / f"ops_{mode}"),
+            },
+            {"overrides": {**base, "checkpoint.dir": str(root / f"full_{mode}"), "checkpoint.keep_last": 2}},
+        ]
+    runs.append(
+        {
+            "overrides": {**base, "checkpoint.dir": str(root / "mid_fsdp2")},
+            "resume": str(root / "full_fsdp2" / "step-00000005"),
+        }
+    )
     # A background save that fails: checkpoints on a real 64 KiB tmpfs (a step takes 20 pages).
     full_disk = root / "full_disk"
     mounted = os.geteuid() == 0 and _mount_tmpfs(full_disk, "size=64k")
-    runs.append({"overrides": {**base, "checkpoint.dir": str(full_disk)}} if mounted else
-                {"overrides": {**base, "checkpoint.dir": str(root / "not_mounted")}, "stop_at": 1})
+    runs.append(
+        {"overrides": {**base, "checkpoint.dir": str(full_disk)}}
+        if mounted
+        else {"overrides": {**base, "checkpoint.dir": str(root / "not_mounted")}, "stop_at": 1}
+    )
     stream = {"data.dir": str(root / "stream"), "training.parallel": "ddp", **QUIET_RNG, **STREAM}
     prepare_data(load_config(CONFIG, stream))
-    runs += [{"overrides": {**stream, "checkpoint.dir": str(root / "stream_full")}},
-             {"overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
-              "stop_at": 7},
-             {"overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
-              "resume": "latest"}]
+    runs += [
+        {"overrides": {**stream, "checkpoint.dir": str(root / "stream_full")}},
+        {
+            "overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
+            "stop_at": 7,
+        },
+        {
+            "overrides": {**stream, "checkpoint.dir": str(root / "stream_cut"), "checkpoint.keep_last": 2},
+            "resume": "latest",
+        },
+    ]
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
-    runs += [{"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
-             {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6}]
+    runs += [
+        {"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
+        {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
+    ]
     # fp16 AMP: float32 weights, the GradScaler's state saved and restored (the first steps
     # overflow at its initial scale, so steps are skipped, on every rank alike).
     for mode in ("fsdp2", "ddp"):
-        base = {"data.dir": str(data_dir), "training.parallel": mode, "training.amp": "fp16",
-                "training.dtype": "float32", "training.max_steps": 4}
-        runs += [{"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "stop_at": 2},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "resume": "latest"},
-                 {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_full_{mode}")}}]
+        base = {
+            "data.dir": str(data_dir),
+            "training.parallel": mode,
+            "training.amp": "fp16",
+            "training.dtype": "float32",
+            "training.max_steps": 4,
+        }
+        runs += [
+            {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "stop_at": 2},
+            {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "resume": "latest"},
+            {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_full_{mode}")}},
+        ]
     try:
         return root, launch_plan(2, root, "legs", runs), mounted
     finally:
@@ -114,7 +166,12 @@ def legs(data_dir, tmp_path_factory):
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(where)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(where)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def verify_distributed(folder: Path) -> dict:
@@ -133,7 +190,7 @@ def stage(checkpoint: Path, out: Path) -> Path:
 def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, tmp_path):
     root, results, _ = legs
     offset = 0 if mode == "ddp" else 3
-    cut, resumed, full = results[offset:offset + 3]
+    cut, resumed, full = results[offset : offset + 3]
     assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
     assert resumed["loss"] == full["loss"]  # the whole history, bit for bit
     staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
@@ -142,8 +199,11 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     # The consolidated file equals a full-state load of the shards by torch's own reader.
     weights = load_file(staged)
     gathered = {name: torch.zeros_like(tensor) for name, tensor in weights.items()}
-    dcp.load(gathered, storage_reader=HuggingFaceStorageReader(str(root / f"cut_{mode}" / "step-00000010" / "model")),
-             no_dist=True)
+    dcp.load(
+        gathered,
+        storage_reader=HuggingFaceStorageReader(str(root / f"cut_{mode}" / "step-00000010" / "model")),
+        no_dist=True,
+    )
     assert all(torch.equal(gathered[name], weights[name]) for name in weights)
     # Same names and header as a single-process checkpoint's modelo.safetensors.
     meta = json.loads((root / f"full_{mode}" / "step-00000010" / "meta.json").read_text())
@@ -160,7 +220,9 @@ def test_close_ends_the_default_groups_gloo_threads(legs):
     root, _, _ = legs
     for rank in range(2):
         threads = json.loads((root / f"legs-results.json-threads-rank{rank}.json").read_text())
-        assert sorted(threads["before_close"]) == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"], threads
+        assert sorted(threads["before_close"]) == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"], (
+            threads
+        )
         assert threads["after_close"] == [], (rank, threads)
 
 
@@ -184,7 +246,9 @@ def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     failed = results[7]
     assert failed["error"] in ("OSError", "CheckpointError", "PeerFailed"), failed
-    assert "No space left on device" in failed["message"] or "failed on another rank" in failed["message"], failed
+    assert "No space left on device" in failed["message"] or "failed on another rank" in failed["message"], (
+        failed
+    )
     assert "\n" not in failed["message"] and failed["exit_codes"] == [2, 2], failed
     assert not list((root / "full_disk").glob("step-*")), "a failed save left a step folder"
 
@@ -199,13 +263,24 @@ def test_a_distributed_save_fsyncs_before_publishing_and_prunes_only_after(legs,
     ops = []
     for rank in (0, 1):
         record = json.loads((root / f"ops_{mode}-rank{rank}.json").read_text())
-        ops += [(done, rank, Op(**op)) for op, done in zip(record["ops"], record["done"], strict=True)
-                if done is not None]  # a call that raised changed nothing
+        ops += [
+            (done, rank, Op(**op))
+            for op, done in zip(record["ops"], record["done"], strict=True)
+            if done is not None
+        ]  # a call that raised changed nothing
     ops = [op for _, _, op in sorted(ops, key=lambda item: item[:2])]
     assert ordering_problems(ops) == [], "\n".join(ordering_problems(ops))
-    created = [op.path.split("/.tmp-step-00000010-")[-1] for op in ops if op.kind == "create" and ".tmp-step" in op.path]
-    assert {name.split("/", 1)[1] for name in created} >= {"meta.json", "estado_treino.safetensors",
-                                                           "rng/rank-00000.safetensors", "rng/rank-00001.safetensors"}
+    created = [
+        op.path.split("/.tmp-step-00000010-")[-1]
+        for op in ops
+        if op.kind == "create" and ".tmp-step" in op.path
+    ]
+    assert {name.split("/", 1)[1] for name in created} >= {
+        "meta.json",
+        "estado_treino.safetensors",
+        "rng/rank-00000.safetensors",
+        "rng/rank-00001.safetensors",
+    }
     assert sum("/model/" in name for name in created) == 2 and sum("/optim/" in name for name in created) == 2
     kinds = [(op.kind, os.path.basename(op.target or op.path)) for op in ops]
     assert ("rename", "step-00000010") in kinds and ("rmtree", kinds[-1][1]) == kinds[-1]
@@ -290,25 +365,35 @@ def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(l
     _reseal(folder, lambda meta: meta["parallel"].update(mode="tp"))
     with pytest.raises(SchemaMismatch, match="malformed parallel record"):
         verify_distributed(folder)
-    _reseal(folder, lambda meta: (meta["parallel"].update(mode="fsdp2"),
-                                  meta["files"].pop("rng/rank-00001.safetensors")))
+    _reseal(
+        folder,
+        lambda meta: (meta["parallel"].update(mode="fsdp2"), meta["files"].pop("rng/rank-00001.safetensors")),
+    )
     with pytest.raises(SchemaMismatch, match="does not list rng/rank-00001.safetensors"):
         verify_distributed(folder)
 
 
 @LEGS
 def test_one_process_resumes_a_distributed_checkpoint_only_with_reshard_and_stages_only_its_metrics(
-        legs, data_dir, tmp_path):
+    legs, data_dir, tmp_path
+):
     folder = _damaged_copy(legs, tmp_path)  # intact copy in tmp_path/step-00000010
     config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path)})
-    with pytest.raises(LaunchMismatch, match=r"was written by 2 processes \(training.parallel fsdp2\), this run is "
-                                             r"one process \(training.parallel none\): .* pass --reshard"):
+    with pytest.raises(
+        LaunchMismatch,
+        match=r"was written by 2 processes \(training.parallel fsdp2\), this run is "
+        r"one process \(training.parallel none\): .* pass --reshard",
+    ):
         train(config, resume="latest", progress=False)
     # Another checkpoint's metrics stay off its card.
     other = evaluate_checkpoint(config, legs[0] / "full_fsdp2" / "step-00000005")
     with pytest.raises(StageError, match="evaluates step 5 .* not the checkpoint being staged"):
-        build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage",
-                    metrics=write_metrics(other, tmp_path / "metrics.json"))
+        build_stage(
+            config,
+            checkpoint=folder,
+            stage_dir=tmp_path / "stage",
+            metrics=write_metrics(other, tmp_path / "metrics.json"),
+        )
 
 
 @LEGS
@@ -326,14 +411,18 @@ def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
 def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
     """Run ``runs`` in one launch of tests/helpers/dist_leg.py; their results (rank 0's)."""
     plan = root / f"{name}.json"
-    plan.write_text(json.dumps({"config": str(CONFIG), "results": str(root / f"{name}-results.json"), "runs": runs}))
+    plan.write_text(
+        json.dumps({"config": str(CONFIG), "results": str(root / f"{name}-results.json"), "runs": runs})
+    )
     result = torchrun(nproc, str(HELPERS / "dist_leg.py"), str(plan), cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((root / f"{name}-results.json").read_text())
 
 
 @LEGS
-def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches_of_one_process(legs, tmp_path):
+def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches_of_one_process(
+    legs, tmp_path
+):
     """data.stream_split 'examples': global batch k holds the records of one process's batch
     k, each seeded by its position, so the 2-process run follows the 1-process one (DDP's
     reduction order aside) across the pass boundary at step 6."""
@@ -342,8 +431,9 @@ def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches
     assert cut["step"] == 7 and resumed["step"] == full["step"] == 10 and resumed["loss"] == full["loss"]
     source = verify_distributed(root / "stream_cut" / "step-00000010")["training_state"]["data"]["source"]
     assert source["world_size"] is None and [(r["pass"], r["consumed"]) for r in source["ranks"]] == [(1, 16)]
-    config = load_config(CONFIG, {"data.dir": str(root / "stream"), "checkpoint.dir": str(tmp_path), **QUIET_RNG,
-                                  **STREAM})
+    config = load_config(
+        CONFIG, {"data.dir": str(root / "stream"), "checkpoint.dir": str(tmp_path), **QUIET_RNG, **STREAM}
+    )
     alone = train(config, progress=False)
     assert max(abs(a - b) for a, b in zip(alone.history["loss"], full["loss"])) <= 1e-12
 
@@ -357,20 +447,41 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     assert results[12]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
     resume = {"resume": "latest", "overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}}
-    stream = {"data.dir": str(root / "stream"), "training.parallel": "ddp", **QUIET_RNG, **STREAM,
-              "checkpoint.dir": str(tmp_path / "stream")}
-    refused, forged, resharded, stream = launch_plan(1, tmp_path, "reshard", [
-        resume,
-        {**resume, "reshard": True, "overrides": {**base, "checkpoint.dir": str(tmp_path / "forged")},
-         "forge": {"from": str(root / "quiet_cut"), "to": str(tmp_path / "forged"),
-                   "key": ["training_state", "scheduler", "last_epoch"], "value": 5}},
-        {**resume, "reshard": True},
-        {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream}])
+    stream = {
+        "data.dir": str(root / "stream"),
+        "training.parallel": "ddp",
+        **QUIET_RNG,
+        **STREAM,
+        "checkpoint.dir": str(tmp_path / "stream"),
+    }
+    refused, forged, resharded, stream = launch_plan(
+        1,
+        tmp_path,
+        "reshard",
+        [
+            resume,
+            {
+                **resume,
+                "reshard": True,
+                "overrides": {**base, "checkpoint.dir": str(tmp_path / "forged")},
+                "forge": {
+                    "from": str(root / "quiet_cut"),
+                    "to": str(tmp_path / "forged"),
+                    "key": ["training_state", "scheduler", "last_epoch"],
+                    "value": 5,
+                },
+            },
+            {**resume, "reshard": True},
+            {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream},
+        ],
+    )
     # A stream split by examples has one position for all ranks: it moves to one process too.
     assert stream["step"] == 10, stream
     assert max(abs(a - b) for a, b in zip(stream["loss"], results[8]["loss"])) <= 1e-9
     assert refused["error"] == "WorldSizeMismatch", refused
-    assert "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
+    assert (
+        "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
+    )
     assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged
     assert resharded["step"] == 10, resharded
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
@@ -389,15 +500,19 @@ def test_fp16_amp_resumes_bitwise_with_its_grad_scaler(legs, mode, tmp_path):
     so one scaler state is saved, and a resume restores it."""
     root, results, _ = legs
     offset = 13 if mode == "fsdp2" else 16
-    cut, resumed, full = results[offset:offset + 3]
-    assert (cut["step"], resumed["step"], full["step"]) == (2, 4, 4), results[offset:offset + 3]
+    cut, resumed, full = results[offset : offset + 3]
+    assert (cut["step"], resumed["step"], full["step"]) == (2, 4, 4), results[offset : offset + 3]
     assert resumed["loss"] == full["loss"]
     meta = verify_distributed(root / f"fp16_full_{mode}" / "step-00000004")
     scaler = meta["training_state"]["scaler"]
-    assert scaler["scale"] < 2.0 ** 16, scaler  # overflowing steps were skipped
-    assert verify_distributed(root / f"fp16_cut_{mode}" / "step-00000004")["training_state"]["scaler"] == scaler
-    assert stage(root / f"fp16_cut_{mode}" / "step-00000004", tmp_path / "cut").read_bytes() == \
-        stage(root / f"fp16_full_{mode}" / "step-00000004", tmp_path / "full").read_bytes()
+    assert scaler["scale"] < 2.0**16, scaler  # overflowing steps were skipped
+    assert (
+        verify_distributed(root / f"fp16_cut_{mode}" / "step-00000004")["training_state"]["scaler"] == scaler
+    )
+    assert (
+        stage(root / f"fp16_cut_{mode}" / "step-00000004", tmp_path / "cut").read_bytes()
+        == stage(root / f"fp16_full_{mode}" / "step-00000004", tmp_path / "full").read_bytes()
+    )
 
 
 @LEGS
@@ -428,10 +543,16 @@ def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_
     find_unused_parameters (the default, so torch does not warn), resumes bitwise: every
     process settles DDP's buckets on its first batch before it steps."""
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", "model.params.hidden": 512}
-    cut, resumed, full = launch_plan(4, tmp_path, "four", [
-        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "stop_at": 6},
-        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "resume": "latest"},
-        {"overrides": {**base, "checkpoint.dir": str(tmp_path / "full")}}])
+    cut, resumed, full = launch_plan(
+        4,
+        tmp_path,
+        "four",
+        [
+            {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "stop_at": 6},
+            {"overrides": {**base, "checkpoint.dir": str(tmp_path / "cut")}, "resume": "latest"},
+            {"overrides": {**base, "checkpoint.dir": str(tmp_path / "full")}},
+        ],
+    )
     assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
     assert resumed["loss"] == full["loss"]
     for folder in (tmp_path / "cut" / "step-00000010", tmp_path / "full" / "step-00000010"):
@@ -449,23 +570,48 @@ def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(d
     the five controls, swap of two ranks' RNG streams included), compared bit for bit."""
     output = tmp_path / "proof"
     result = subprocess.run(
-        [sys.executable, "-B", str(REPO / "scripts" / "03_verify_resume.py"), "--config", str(CONFIG), "--set",
-         f"data.dir={data_dir}", "--set", "training.parallel=fsdp2", "--set", "training.deterministic=false",
-         "--nproc-per-node", "2", "--steps", "8", "--output", str(output)],
-        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-B",
+            str(REPO / "scripts" / "03_verify_resume.py"),
+            "--config",
+            str(CONFIG),
+            "--set",
+            f"data.dir={data_dir}",
+            "--set",
+            "training.parallel=fsdp2",
+            "--set",
+            "training.deterministic=false",
+            "--nproc-per-node",
+            "2",
+            "--steps",
+            "8",
+            "--output",
+            str(output),
+        ],
+        cwd=tmp_path,
+        env=script_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["all_checks_passed"] and summary["positive"] and summary["negative_divergence_detected"]
     report = json.loads((output / "verification.json").read_text())
     assert sorted(report["protocol"]["launches"]) == ["reference", "resume-and-controls"]
-    assert all("--nproc-per-node=2" in launch["command"] for launch in report["protocol"]["launches"].values())
+    assert all(
+        "--nproc-per-node=2" in launch["command"] for launch in report["protocol"]["launches"].values()
+    )
     positive = report["checks"]["positive"]
     assert {c["name"] for c in positive} >= {"final.model", "final.optimizer", "final.rng", "final.losses"}
     assert all(c["passed"] and c["max_abs_diff"] == 0.0 for c in positive), positive
     controls = report["components"]["negative"]
     assert sorted(controls) == ["data", "optimizer", "rank_rng", "rng", "scheduler"]
     assert all(c["result"] == "detected" and c["exercised"] for c in controls.values()), controls
-    assert controls["rank_rng"]["leg"] == "swap-rng" and "final.rng" in controls["rank_rng"]["diverged_checks"]
+    assert (
+        controls["rank_rng"]["leg"] == "swap-rng" and "final.rng" in controls["rank_rng"]["diverged_checks"]
+    )
     # The resume really started at the cut, from the reference's checkpoint.
     resumed = load_checkpoint(output / "resume" / "checkpoints" / "step-00000008", mode=LoadMode.VERIFY).meta
     assert resumed["parallel"]["world_size"] == 2 and report["boundary"]["cut"] < 8
@@ -497,11 +643,25 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def _launch(data_dir: Path, checkpoint_dir: Path, log: Path, *extra: str, parallel: str = "ddp") -> subprocess.Popen:
-    command = [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               *train_args(data_dir, checkpoint_dir, "--max-steps", "1000000", *extra, parallel=parallel)]
-    return subprocess.Popen(command, cwd=log.parent, env=script_env(OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+def _launch(
+    data_dir: Path, checkpoint_dir: Path, log: Path, *extra: str, parallel: str = "ddp"
+) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-B",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        *train_args(data_dir, checkpoint_dir, "--max-steps", "1000000", *extra, parallel=parallel),
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=log.parent,
+        env=script_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
 
 
 def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 120) -> None:
@@ -516,8 +676,16 @@ def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float =
 def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
-    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1000000", "--set", "training.log_every=2",
-                       parallel="fsdp2")
+    launcher = _launch(
+        data_dir,
+        checkpoints,
+        log,
+        "--checkpoint-every",
+        "1000000",
+        "--set",
+        "training.log_every=2",
+        parallel="fsdp2",
+    )
     try:
         _wait_for(lambda: "step 2/" in log.read_text(), launcher, "step 2")
         os.kill(_ranks(launcher)[1], signal.SIGTERM)
@@ -542,10 +710,16 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
     checkpoints = tmp_path / "ck"
     launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet")
     try:
-        _wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()),
-                  launcher, "a first checkpoint")
-        _wait_for(lambda: any(p.name.startswith(".tmp-step-") for p in checkpoints.iterdir()), launcher,
-                  "a save in progress")
+        _wait_for(
+            lambda: checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()),
+            launcher,
+            "a first checkpoint",
+        )
+        _wait_for(
+            lambda: any(p.name.startswith(".tmp-step-") for p in checkpoints.iterdir()),
+            launcher,
+            "a save in progress",
+        )
         os.kill(_ranks(launcher)[1], signal.SIGKILL)
         launcher.wait(timeout=120)
     finally:
@@ -558,8 +732,14 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
 
 
 def _world(rank: int, size: int) -> World:
-    return World(rank=rank, world_size=size, local_rank=rank, local_world_size=size, device=torch.device("cpu"),
-                 mode="ddp")
+    return World(
+        rank=rank,
+        world_size=size,
+        local_rank=rank,
+        local_world_size=size,
+        device=torch.device("cpu"),
+        mode="ddp",
+    )
 
 
 def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
@@ -576,8 +756,10 @@ def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
 
 
 def test_resume_command_repeats_the_launch_with_resume_latest():
-    command = _world(0, 2).resume_command(["scripts/02_train.py", "--set", "training.parallel=fsdp2",
-                                           "--resume=auto", "--quiet"])
-    assert command == ("torchrun --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
-                       "--quiet --resume latest")
-
+    command = _world(0, 2).resume_command(
+        ["scripts/02_train.py", "--set", "training.parallel=fsdp2", "--resume=auto", "--quiet"]
+    )
+    assert command == (
+        "torchrun --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
+        "--quiet --resume latest"
+    )

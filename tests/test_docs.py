@@ -21,7 +21,11 @@ MAP = REPO / "docs" / "ARCHITECTURE.md"
 
 
 def pages() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "examples").glob("*/README.md"))]
+    return [
+        REPO / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "examples").glob("*/README.md")),
+    ]
 
 
 def prose(text: str) -> str:
@@ -61,10 +65,15 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path, m
     monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
     (tmp_path / "there.md").write_text("# A heading: `here`\n", encoding="utf-8")
     page = tmp_path / "page.md"
-    page.write_text("[ok](there.md#a-heading-here) [gone](nowhere.md) [bad](there.md#elsewhere)\n"
-                    "`[code](nowhere.md)`\n```\n[block](nowhere.md)\n```\n", encoding="utf-8")
-    assert broken_links(page) == ["page.md: (nowhere.md) names a missing file",
-                                  "page.md: (there.md#elsewhere) names a missing heading"]
+    page.write_text(
+        "[ok](there.md#a-heading-here) [gone](nowhere.md) [bad](there.md#elsewhere)\n"
+        "`[code](nowhere.md)`\n```\n[block](nowhere.md)\n```\n",
+        encoding="utf-8",
+    )
+    assert broken_links(page) == [
+        "page.md: (nowhere.md) names a missing file",
+        "page.md: (there.md#elsewhere) names a missing heading",
+    ]
 
 
 def test_the_readme_is_a_front_door():
@@ -73,14 +82,20 @@ def test_the_readme_is_a_front_door():
 
 
 def test_no_line_of_the_architecture_map_is_an_essay():
-    long = [number for number, line in enumerate(MAP.read_text(encoding="utf-8").splitlines(), 1)
-            if len(line) > MAP_MAX_LINE]
+    long = [
+        number
+        for number, line in enumerate(MAP.read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > MAP_MAX_LINE
+    ]
     assert long == []
 
 
 def test_the_docs_describe_what_is_not_tracker_history():
-    found = [f"{page.relative_to(REPO)}: {match}" for page in pages()
-             for match in TRACKER.findall(page.read_text(encoding="utf-8"))]
+    found = [
+        f"{page.relative_to(REPO)}: {match}"
+        for page in pages()
+        for match in TRACKER.findall(page.read_text(encoding="utf-8"))
+    ]
     assert found == []
 
 
@@ -104,7 +119,10 @@ def mapped_modules(text: str) -> set[str]:
 
 def test_the_architecture_map_names_every_module():
     mapped = mapped_modules(MAP.read_text(encoding="utf-8"))
-    modules = {path.relative_to(REPO).as_posix() for package in ("pipeline", "localhub")
-               for path in (REPO / package).rglob("*.py")
-               if not (path.name == "__init__.py" and not path.read_text(encoding="utf-8").strip())}
+    modules = {
+        path.relative_to(REPO).as_posix()
+        for package in ("pipeline", "localhub")
+        for path in (REPO / package).rglob("*.py")
+        if not (path.name == "__init__.py" and not path.read_text(encoding="utf-8").strip())
+    }
     assert sorted(modules - mapped) == []

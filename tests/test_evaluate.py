@@ -25,7 +25,10 @@ def test_metrics_json_names_the_step_and_sha256_of_the_evaluated_weights(evaluat
     checkpoint = evaluated_run.checkpoint
     meta = json.loads((checkpoint / "meta.json").read_text())
     assert record["step"] == meta["step"] == 10
-    assert record["modelo_sha256"] == hashlib.sha256((checkpoint / "modelo.safetensors").read_bytes()).hexdigest()
+    assert (
+        record["modelo_sha256"]
+        == hashlib.sha256((checkpoint / "modelo.safetensors").read_bytes()).hexdigest()
+    )
     assert record["checkpoint"] == "estados_local/step-00000010"
     assert record["split"] == "heldout"
     assert record["fingerprints"]["data"] == meta["fingerprints"]["data"]
@@ -61,7 +64,10 @@ def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_
     other = run.root / "other_data"
     prepare_data(load_config(CONFIG, {"data.dir": str(other), "data.seed": 99}))
     config = load_config(CONFIG, {**run.overrides, "data.dir": str(other)})
-    assert load_manifest(config)["fingerprint"] != load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
+    assert (
+        load_manifest(config)["fingerprint"]
+        != load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
+    )
     with pytest.raises(DataError, match="step-00000010 was trained on"):
         evaluate_checkpoint(config)
 
@@ -77,7 +83,9 @@ def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_co
 
 
 @pytest.mark.parametrize("name", ["train.safetensors", "heldout.safetensors"])
-def test_a_same_size_in_place_edit_of_a_prepared_data_file_is_refused_by_02_and_04(trained_run, run_copy, name):
+def test_a_same_size_in_place_edit_of_a_prepared_data_file_is_refused_by_02_and_04(
+    trained_run, run_copy, name
+):
     run = run_copy(trained_run)
     path = run.data_dir / name
     data = bytearray(path.read_bytes())
@@ -88,16 +96,19 @@ def test_a_same_size_in_place_edit_of_a_prepared_data_file_is_refused_by_02_and_
         assert name in line and "changed since it was prepared" in line, (script, line)
 
 
-HOLDER = ("import sys, time\n"
-          "from pipeline.durable import scratch_folder\n"
-          "with scratch_folder(sys.argv[1], 'evaluate-weights') as folder:\n"
-          "    (folder / 'modelo.safetensors').write_bytes(b'x' * 4096)\n"
-          "    print(folder, flush=True)\n"
-          "    time.sleep(120)\n")
+HOLDER = (
+    "import sys, time\n"
+    "from pipeline.durable import scratch_folder\n"
+    "with scratch_folder(sys.argv[1], 'evaluate-weights') as folder:\n"
+    "    (folder / 'modelo.safetensors').write_bytes(b'x' * 4096)\n"
+    "    print(folder, flush=True)\n"
+    "    time.sleep(120)\n"
+)
 
 
 def test_a_weights_copy_left_by_a_killed_evaluate_is_removed_by_the_next_and_a_live_ones_is_kept(
-        evaluated_run, run_copy):
+    evaluated_run, run_copy
+):
     """04 copies the weights beside its metrics: a SIGKILL leaves that copy behind, the next
     04 removes it (nobody holds its lock), and leaves alone the one of an evaluate still
     running; its own is gone when it returns."""
@@ -109,15 +120,25 @@ def test_a_weights_copy_left_by_a_killed_evaluate_is_removed_by_the_next_and_a_l
     from support import script_env
 
     run = run_copy(evaluated_run)
-    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, str(run.root)], stdout=subprocess.PIPE, text=True,
-                                env=script_env()) for _ in range(2)]
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(run.root)], stdout=subprocess.PIPE, text=True, env=script_env()
+        )
+        for _ in range(2)
+    ]
     try:
         killed, live = (Path(holder.stdout.readline().strip()) for holder in holders)
         os.kill(holders[0].pid, signal.SIGKILL)
         holders[0].wait()
         assert killed.is_dir() and live.is_dir()
-        config = load_config(CONFIG, {"data.dir": str(run.data_dir), "checkpoint.dir": str(run.checkpoint_dir),
-                                      "outputs.metrics": str(run.metrics)})
+        config = load_config(
+            CONFIG,
+            {
+                "data.dir": str(run.data_dir),
+                "checkpoint.dir": str(run.checkpoint_dir),
+                "outputs.metrics": str(run.metrics),
+            },
+        )
         record = evaluate_checkpoint(config)
         assert record["step"] == 10
         assert not killed.exists(), "the killed evaluate's copy of the weights was left behind"

@@ -48,8 +48,16 @@ def published(tmp_path_factory):
     _ok("01_prepare_data.py", *args)
     _ok("02_train.py", *args, "--quiet")
     _ok("04_evaluate.py", *args, "--output", str(root / "metrics.json"))
-    _ok("05_stage.py", *args, "--metrics", str(root / "metrics.json"), "--stage", str(root / "stage"),
-        "--repo-id", REPO_ID)
+    _ok(
+        "05_stage.py",
+        *args,
+        "--metrics",
+        str(root / "metrics.json"),
+        "--stage",
+        str(root / "stage"),
+        "--repo-id",
+        REPO_ID,
+    )
     with LocalHub(root / "hub", token=TOKEN) as hub:
         result = publish_stage(root / "stage", hub.url, REPO_ID, TOKEN)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -74,19 +82,27 @@ text = generator("HAMLET:", max_new_tokens=12, do_sample=False)[0]["generated_te
 assert text.startswith("HAMLET:") and len(text) > len("HAMLET:"), text
 print("GENERATED", repr(text))
 """
-    result = run_as_hub_user(first_python_block(card) + "\n" + use, tmp_path / "empty", published["hub"].url, TOKEN)
+    result = run_as_hub_user(
+        first_python_block(card) + "\n" + use, tmp_path / "empty", published["hub"].url, TOKEN
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "GENERATED" in result.stdout
 
 
-def test_stage_holds_what_save_pretrained_writes_with_the_tied_weight_under_transformers_name(published, tmp_path):
+def test_stage_holds_what_save_pretrained_writes_with_the_tied_weight_under_transformers_name(
+    published, tmp_path
+):
     stage = published["stage"]
     model = transformers.LlamaForCausalLM.from_pretrained(stage)
     model.save_pretrained(tmp_path / "reference")
     for name in ("config.json", "generation_config.json"):
-        assert json.loads((stage / name).read_text()) == json.loads((tmp_path / "reference" / name).read_text()), name
-    with safe_open(str(stage / "modelo.safetensors"), "pt") as ours, \
-            safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as theirs:
+        assert json.loads((stage / name).read_text()) == json.loads(
+            (tmp_path / "reference" / name).read_text()
+        ), name
+    with (
+        safe_open(str(stage / "modelo.safetensors"), "pt") as ours,
+        safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as theirs,
+    ):
         assert set(ours.keys()) == set(theirs.keys())
         assert "model.embed_tokens.weight" in ours.keys() and "lm_head.weight" not in ours.keys()
         assert ours.metadata() == {"format": "pt"}
@@ -125,6 +141,8 @@ def test_no_staged_file_carries_a_machine_path_user_or_host_name(published):
             assert needle not in data, f"{path.name} holds {needle!r}"
         # The records only: the host name may be an ordinary word that prose or code uses.
         if path.name in ("meta.json", "config.json"):
-            assert not re.search(rb"(?<![\w.-])" + re.escape(host) + rb"(?![\w-])", data), f"{path.name} names the host"
+            assert not re.search(rb"(?<![\w.-])" + re.escape(host) + rb"(?![\w-])", data), (
+                f"{path.name} names the host"
+            )
     config = json.loads((stage / "meta.json").read_text())["config"]
     assert (config["data"]["dir"], config["checkpoint"]["dir"]) == ("<data.dir>", "<checkpoint.dir>")

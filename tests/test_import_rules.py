@@ -47,12 +47,14 @@ def python_files(*folders: str) -> list[Path]:
 
 
 def test_other_packages_import_the_checkpoint_package_only_through_its_init():
-    offenders = [f"{path.relative_to(REPO)} imports {name}"
-                 for path in python_files("pipeline", "scripts", "examples")
-                 if not path.is_relative_to(REPO / "pipeline" / "checkpoint")
-                 for name in imported_names(path)
-                 if name.startswith("pipeline.checkpoint.")
-                 and name.removeprefix("pipeline.checkpoint.") not in _checkpoint_exports()]
+    offenders = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in python_files("pipeline", "scripts", "examples")
+        if not path.is_relative_to(REPO / "pipeline" / "checkpoint")
+        for name in imported_names(path)
+        if name.startswith("pipeline.checkpoint.")
+        and name.removeprefix("pipeline.checkpoint.") not in _checkpoint_exports()
+    ]
     assert offenders == []
 
 
@@ -63,8 +65,12 @@ def _checkpoint_exports() -> set[str]:
 
 
 def test_localhub_imports_nothing_of_the_pipeline():
-    offenders = [f"{path.relative_to(REPO)} imports {name}" for path in python_files("localhub")
-                 for name in imported_names(path) if name == "pipeline" or name.startswith("pipeline.")]
+    offenders = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in python_files("localhub")
+        for name in imported_names(path)
+        if name == "pipeline" or name.startswith("pipeline.")
+    ]
     assert offenders == []
 
 
@@ -87,8 +93,12 @@ def publish_closure() -> dict[str, list[str]]:
 def test_the_publish_side_never_imports_torch():
     closure = publish_closure()
     assert "pipeline.publishing.commit" in closure and "pipeline.audit" in closure  # the walk reached them
-    offenders = [f"{module} imports {name}" for module, names in sorted(closure.items()) for name in names
-                 if name.split(".")[0] in ("torch", "matplotlib") or name in TORCH_SIDE]
+    offenders = [
+        f"{module} imports {name}"
+        for module, names in sorted(closure.items())
+        for name in names
+        if name.split(".")[0] in ("torch", "matplotlib") or name in TORCH_SIDE
+    ]
     assert offenders == []
 
 
@@ -97,12 +107,32 @@ def test_publish_dry_run_works_where_torch_cannot_be_imported(staged_run, tmp_pa
     for name in ("torch", "matplotlib"):
         (blocked / name).mkdir(parents=True)
         (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is blocked in this test')\n")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{blocked}:{TREE_PATH}", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{blocked}:{TREE_PATH}",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_DISABLE_XET": "1",
+    }
     with LocalHub(tmp_path / "hub", token="t") as hub:
-        result = subprocess.run([sys.executable, str(REPO / "scripts" / "06_publish.py"), "--repo-id", "alice/m",
-                                 "--endpoint", hub.url, "--stage", str(staged_run.stage), "--dry-run"],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "06_publish.py"),
+                "--repo-id",
+                "alice/m",
+                "--endpoint",
+                hub.url,
+                "--stage",
+                str(staged_run.stage),
+                "--dry-run",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 0, result.stderr
     assert "dry run: no write request was sent" in result.stdout
     # The blocker works: the same interpreter and path cannot import torch.

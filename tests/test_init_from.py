@@ -22,8 +22,18 @@ def base(data_dir, tmp_path_factory):
 def test_init_from_a_checkpoint_of_another_width_reports_loaded_skipped_new(base, tmp_path):
     data_dir, source = base
 
-    result = run_script("02_train.py", *data_args(data_dir), "--checkpoint-dir", str(tmp_path / "wide"),
-                        "--max-steps", "2", "--init-from", str(source), "--set", "model.params.hidden=8")
+    result = run_script(
+        "02_train.py",
+        *data_args(data_dir),
+        "--checkpoint-dir",
+        str(tmp_path / "wide"),
+        "--max-steps",
+        "2",
+        "--init-from",
+        str(source),
+        "--set",
+        "model.params.hidden=8",
+    )
     assert result.returncode == 0, result.stderr
     assert "loaded 1, skipped 5, new 0" in result.stderr
     assert "skipped: net.0.weight (shape (16, 3) vs (8, 3))" in result.stderr

@@ -36,7 +36,9 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop_mid_epoch(data_dir, tmp_path):
+def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop_mid_epoch(
+    data_dir, tmp_path
+):
     """torch, NumPy and random draws in __getitem__ (dropout on): 0 workers (fetched in the
     training process, whose own streams must not move), 2 workers, and 2 workers stopped at
     step 5 (mid-epoch, batches prefetched past it) then resumed: one history, one checkpoint."""
@@ -47,41 +49,67 @@ def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop
     assert runs["cut"].resumed_from == 5
     assert runs["zero"].history["loss"] == runs["two"].history["loss"] == runs["cut"].history["loss"]
     for name in ("two", "cut"):
-        assert_checkpoints_bitwise_equal(tmp_path / "zero" / "step-00000010", tmp_path / name / "step-00000010")
-    source = json.loads((tmp_path / "cut" / "step-00000010" / "meta.json").read_text())["training_state"]["data"]
+        assert_checkpoints_bitwise_equal(
+            tmp_path / "zero" / "step-00000010", tmp_path / name / "step-00000010"
+        )
+    source = json.loads((tmp_path / "cut" / "step-00000010" / "meta.json").read_text())["training_state"][
+        "data"
+    ]
     assert source["source"] == {"kind": "dataset", "num_samples": 24, "fingerprint": None}
 
 
-@pytest.mark.parametrize("knob, message", [
-    ("INPUTS_FAIL_AT", r"train_dataset\[21\] \(epoch 0\) raised ValueError: row 21 is corrupt; the last committed "
-                       r"checkpoint is intact"),
-    ("INPUTS_KILL_AT", r"a DataLoader worker died: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"),
-], ids=["raises", "killed"])
+@pytest.mark.parametrize(
+    "knob, message",
+    [
+        (
+            "INPUTS_FAIL_AT",
+            r"train_dataset\[21\] \(epoch 0\) raised ValueError: row 21 is corrupt; the last committed "
+            r"checkpoint is intact",
+        ),
+        (
+            "INPUTS_KILL_AT",
+            r"a DataLoader worker died: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly",
+        ),
+    ],
+    ids=["raises", "killed"],
+)
 def test_a_sample_that_raises_or_a_worker_killed_mid_epoch_ends_in_one_line_with_the_checkpoint_intact(
-        data_dir, tmp_path, monkeypatch, knob, message):
+    data_dir, tmp_path, monkeypatch, knob, message
+):
     monkeypatch.setenv(knob, "21")  # unshuffled: step 6 reads rows 20..23
     monkeypatch.setenv("INPUTS_KILL_AFTER", str(tmp_path / "step-00000002"))
-    config = _config(data_dir, tmp_path, **NOISY, **{"data.num_workers": 2, "data.shuffle": False,
-                                                     "checkpoint.every": 2, "checkpoint.async": False})
+    config = _config(
+        data_dir,
+        tmp_path,
+        **NOISY,
+        **{"data.num_workers": 2, "data.shuffle": False, "checkpoint.every": 2, "checkpoint.async": False},
+    )
     with pytest.raises(DataError, match=message) as refused:
         train(config, progress=False)
     _one_line(refused)
     # A killed worker may take the batches it had finished with it (its queue's writer dies
     # too), so the run may stop at step 4 or 6; the sample that raises stops it at step 6.
     (kept,) = tmp_path.glob("step-*")
-    assert load_checkpoint(kept, mode=LoadMode.VERIFY).meta["step"] in ((4,) if knob == "INPUTS_FAIL_AT" else (2, 4))
+    assert load_checkpoint(kept, mode=LoadMode.VERIFY).meta["step"] in (
+        (4,) if knob == "INPUTS_FAIL_AT" else (2, 4)
+    )
 
 
-def test_a_training_set_whose_length_or_fingerprint_changed_since_the_checkpoint_is_refused(data_dir, tmp_path,
-                                                                                              monkeypatch):
+def test_a_training_set_whose_length_or_fingerprint_changed_since_the_checkpoint_is_refused(
+    data_dir, tmp_path, monkeypatch
+):
     config = _config(data_dir, tmp_path, **NOISY)
     train(config, progress=False, stop_at=3)
     monkeypatch.setenv("INPUTS_ROWS", "23")
-    with pytest.raises(DataError, match="the training set had 24 samples when the checkpoint was saved and has 23"):
+    with pytest.raises(
+        DataError, match="the training set had 24 samples when the checkpoint was saved and has 23"
+    ):
         train(config, progress=False, resume="latest")
     monkeypatch.delenv("INPUTS_ROWS")
     monkeypatch.setenv("INPUTS_FINGERPRINT", "rows-v2")
-    with pytest.raises(DataError, match="fingerprint is 'rows-v2', the checkpoint's None: its content changed") as exc:
+    with pytest.raises(
+        DataError, match="fingerprint is 'rows-v2', the checkpoint's None: its content changed"
+    ) as exc:
         train(config, progress=False, resume="latest")
     _one_line(exc)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003"]
@@ -95,14 +123,27 @@ def stream_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.heavy
-def test_a_stream_is_proven_to_resume_bitwise_mid_pass_and_its_checkpoints_hold_no_pickle(stream_dir, tmp_path):
+def test_a_stream_is_proven_to_resume_bitwise_mid_pass_and_its_checkpoints_hold_no_pickle(
+    stream_dir, tmp_path
+):
     """scripts/03 on 24 rows in 2 JSON-lines shards, batches of 4, noise added by a map: cut
     at step 5 (mid-pass), the resumed run crosses into the second pass; omit-data (the stream
     read from its start again) diverges."""
     output = tmp_path / "proof"
-    result = run_script("03_verify_resume.py", "--config", str(CONFIG), *_set_args({"data.dir": stream_dir, **STREAM}),
-                        "--set", "training.deterministic=false", "--jobs", "1", "--output", str(output), cwd=tmp_path,
-                        env=script_env(OMP_NUM_THREADS="1"))
+    result = run_script(
+        "03_verify_resume.py",
+        "--config",
+        str(CONFIG),
+        *_set_args({"data.dir": stream_dir, **STREAM}),
+        "--set",
+        "training.deterministic=false",
+        "--jobs",
+        "1",
+        "--output",
+        str(output),
+        cwd=tmp_path,
+        env=script_env(OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((output / "verification.json").read_text())
     assert report["all_checks_passed"] and report["protocol"]["data"]["mode"] == "stream"
@@ -128,22 +169,33 @@ def test_a_saved_stream_position_of_another_source_is_refused_in_one_line(stream
     train(_config(stream_dir, tmp_path / "cut", **STREAM), progress=False, stop_at=3)
     from inputs_factories import build_mapped_stream
 
-    other = build_mapped_stream(_config(stream_dir, tmp_path, **STREAM), stream_dir).train_iterable.state_dict()
+    other = build_mapped_stream(
+        _config(stream_dir, tmp_path, **STREAM), stream_dir
+    ).train_iterable.state_dict()
     meta_path = tmp_path / "cut" / "step-00000003" / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["training_state"]["data"]["source"]["ranks"][0]["state"] = other  # identity kept, as a forger would
     meta["meta_sha256"] = meta_sha256(meta)
     meta_path.write_bytes(json_bytes(meta))
-    with pytest.raises(DataError, match=r"source\.ranks\[0\]\.state\.examples_iterable\S* (has other fields|is "
-                                        r"'MappedExamplesIterable'.*): the saved stream position does not belong to "
-                                        r"this train_iterable") as exc:
+    with pytest.raises(
+        DataError,
+        match=r"source\.ranks\[0\]\.state\.examples_iterable\S* (has other fields|is "
+        r"'MappedExamplesIterable'.*): the saved stream position does not belong to "
+        r"this train_iterable",
+    ) as exc:
         train(_config(stream_dir, tmp_path / "cut", **STREAM), progress=False, resume="latest")
     _one_line(exc)
 
 
-def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_first_step(stream_dir, tmp_path):
-    config = _config(stream_dir, tmp_path, **{**STREAM, "data.factory": "inputs_factories:build_buffered_stream"})
-    with pytest.raises(DataError, match=r"does not resume exactly from its own state_dict\(\).*shuffle buffer") as exc:
+def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_first_step(
+    stream_dir, tmp_path
+):
+    config = _config(
+        stream_dir, tmp_path, **{**STREAM, "data.factory": "inputs_factories:build_buffered_stream"}
+    )
+    with pytest.raises(
+        DataError, match=r"does not resume exactly from its own state_dict\(\).*shuffle buffer"
+    ) as exc:
         train(config, progress=False)
     _one_line(exc)
     assert not list(tmp_path.glob("step-*"))
@@ -159,5 +211,7 @@ def test_a_stream_checkpoint_is_refused_by_a_map_style_run_and_back(stream_dir, 
     meta["training_state"]["data"]["source"] = {"kind": "dataset", "num_samples": 24, "fingerprint": None}
     meta["meta_sha256"] = meta_sha256(meta)
     meta_path.write_bytes(json_bytes(meta))
-    with pytest.raises(DataError, match="trained from a 'dataset' source, this run's data.factory gives a 'stream'"):
+    with pytest.raises(
+        DataError, match="trained from a 'dataset' source, this run's data.factory gives a 'stream'"
+    ):
         train(_config(stream_dir, tmp_path / "m", **STREAM), progress=False, resume="latest")

@@ -49,12 +49,30 @@ def two_agents(root: Path, runs: list[dict]) -> tuple[list[dict], str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    agents = [subprocess.Popen(
-        [sys.executable, "-B", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=launches",
-         f"--rdzv-conf=is_host={'true' if host else 'false'}", str(HELPERS / "dist_leg.py"), str(plan)],
-        cwd=root, env=script_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for host in (True, False)]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-B",
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=launches",
+                f"--rdzv-conf=is_host={'true' if host else 'false'}",
+                str(HELPERS / "dist_leg.py"),
+                str(plan),
+            ],
+            cwd=root,
+            env=script_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for host in (True, False)
+    ]
     outputs = []
     try:
         outputs = [agent.communicate(timeout=300) for agent in agents]
@@ -69,24 +87,48 @@ def two_agents(root: Path, runs: list[dict]) -> tuple[list[dict], str]:
 def moves(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("launches")
     quiet = {"data.dir": str(data_dir), **QUIET}
-    train(load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_cut")}), stop_at=6, progress=False)
+    train(
+        load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_cut")}), stop_at=6, progress=False
+    )
     train(load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_full")}), progress=False)
     single_cut = str(root / "single_cut" / "step-00000006")
     ddp = {"data.dir": str(data_dir), "training.parallel": "ddp"}
-    results, output = two_agents(root, [
-        {"overrides": {**ddp, "checkpoint.dir": str(root / "straight")}},
-        {"overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6}},
-        {"overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6}, "resume": "latest",
-         "extend_to": 10, "progress": True},
-        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")}, "resume": single_cut},
-        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")}, "resume": single_cut, "reshard": True,
-         "progress": True},
-        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "warm"), "training.max_steps": 2},
-         "init_from": str(root / "single_full" / "step-00000010"), "progress": True},
-        {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
-        {"overrides": {**ddp, **QUIET, "training.parallel": "fsdp2", "checkpoint.dir": str(root / "to_fsdp2")},
-         "resume": str(root / "quiet_cut" / "step-00000006"), "reshard": True},
-    ])
+    results, output = two_agents(
+        root,
+        [
+            {"overrides": {**ddp, "checkpoint.dir": str(root / "straight")}},
+            {"overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6}},
+            {
+                "overrides": {**ddp, "checkpoint.dir": str(root / "extended"), "training.max_steps": 6},
+                "resume": "latest",
+                "extend_to": 10,
+                "progress": True,
+            },
+            {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")}, "resume": single_cut},
+            {
+                "overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "up")},
+                "resume": single_cut,
+                "reshard": True,
+                "progress": True,
+            },
+            {
+                "overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "warm"), "training.max_steps": 2},
+                "init_from": str(root / "single_full" / "step-00000010"),
+                "progress": True,
+            },
+            {"overrides": {**ddp, **QUIET, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
+            {
+                "overrides": {
+                    **ddp,
+                    **QUIET,
+                    "training.parallel": "fsdp2",
+                    "checkpoint.dir": str(root / "to_fsdp2"),
+                },
+                "resume": str(root / "quiet_cut" / "step-00000006"),
+                "reshard": True,
+            },
+        ],
+    )
     return root, results, output
 
 
@@ -114,8 +156,9 @@ def test_two_agents_extend_a_run_bitwise_as_in_one_process(moves, tmp_path):
     straight, first, extended = results[:3]
     assert (first["step"], extended["step"], straight["step"]) == (6, 10, 10)
     assert extended["loss"] == straight["loss"]
-    assert staged_bytes(root / "extended" / "step-00000010", tmp_path / "a") == \
-        staged_bytes(root / "straight" / "step-00000010", tmp_path / "b")
+    assert staged_bytes(root / "extended" / "step-00000010", tmp_path / "a") == staged_bytes(
+        root / "straight" / "step-00000010", tmp_path / "b"
+    )
     meta = load_checkpoint(root / "extended" / "step-00000010", mode=LoadMode.VERIFY).meta
     assert meta["lineage"] == [{"from_max_steps": 6, "at_step": 6, "to_max_steps": 10}]
     assert meta["config"]["training"]["max_steps"] == 10 and meta["parallel"]["world_size"] == 2
@@ -128,16 +171,24 @@ def test_a_single_process_run_continues_under_torchrun_only_with_reshard(moves):
     root, results, output = moves
     refused, moved = results[3:5]
     assert refused["error"] == "LaunchMismatch" and refused["exit_codes"] == [2, 2], refused
-    assert "was written by one process (training.parallel none), this run is 2 processes (training.parallel ddp" \
-        in refused["message"] and "pass --reshard" in refused["message"], refused
+    assert (
+        "was written by one process (training.parallel none), this run is 2 processes (training.parallel ddp"
+        in refused["message"]
+        and "pass --reshard" in refused["message"]
+    ), refused
     assert moved["step"] == 10, moved
     worst = worst_difference(root / "up" / "step-00000010", root / "single_full" / "step-00000010")
     assert worst <= 1e-9, worst
     meta = load_checkpoint(root / "up" / "step-00000010", mode=LoadMode.VERIFY).meta
     assert meta["parallel"]["mode"] == "ddp" and meta["resharded_from"] == 1
-    assert meta["environment"]["changes"] == [{
-        "item": "launch", "step": 6, "recorded": {"parallel": "none", "world_size": 1, "ddp_find_unused_parameters": None},
-        "now": {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": False}}]
+    assert meta["environment"]["changes"] == [
+        {
+            "item": "launch",
+            "step": 6,
+            "recorded": {"parallel": "none", "world_size": 1, "ddp_find_unused_parameters": None},
+            "now": {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": False},
+        }
+    ]
     assert "moved from one process (training.parallel none) to 2 processes (training.parallel ddp" in output
 
 
@@ -147,8 +198,15 @@ def test_init_from_a_single_process_checkpoint_starts_a_two_process_run(moves, d
     assert results[5]["step"] == 2, results[5]
     source = root / "single_full" / "step-00000010"
     assert f"init-from {source / 'modelo.safetensors'}: loaded 6, skipped 0, new 0" in output
-    alone = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET, "checkpoint.dir": str(tmp_path / "warm"),
-                                 "training.max_steps": 2})
+    alone = load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            **QUIET,
+            "checkpoint.dir": str(tmp_path / "warm"),
+            "training.max_steps": 2,
+        },
+    )
     train(alone, init_from=source, progress=False)
     worst = worst_difference(root / "warm" / "step-00000002", tmp_path / "warm" / "step-00000002")
     assert worst <= 1e-9, worst
@@ -166,13 +224,19 @@ def test_a_torchrun_run_continues_in_one_process_or_under_fsdp2_only_with_reshar
     worst = worst_difference(root / "to_fsdp2" / "step-00000010", root / "single_full" / "step-00000010")
     assert worst <= 1e-9, worst
     meta = load_checkpoint(root / "to_fsdp2" / "step-00000010", mode=LoadMode.VERIFY).meta
-    assert meta["parallel"]["mode"] == "fsdp2" and meta["environment"]["changes"][0]["recorded"]["parallel"] == "ddp"
+    assert (
+        meta["parallel"]["mode"] == "fsdp2"
+        and meta["environment"]["changes"][0]["recorded"]["parallel"] == "ddp"
+    )
 
     cut = tmp_path / "cut"
     shutil.copytree(root / "quiet_cut", cut)
     config = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET, "checkpoint.dir": str(cut)})
-    with pytest.raises(LaunchMismatch, match=r"was written by 2 processes \(training.parallel ddp, "
-                                             r"ddp_find_unused_parameters false\), this run is one process"):
+    with pytest.raises(
+        LaunchMismatch,
+        match=r"was written by 2 processes \(training.parallel ddp, "
+        r"ddp_find_unused_parameters false\), this run is one process",
+    ):
         train(config, resume="latest", progress=False)
     forged = tmp_path / "forged" / "step-00000006"
     shutil.copytree(cut / "step-00000006", forged)
@@ -192,7 +256,9 @@ def test_a_torchrun_run_continues_in_one_process_or_under_fsdp2_only_with_reshar
 
 
 def _ranks(launcher: subprocess.Popen) -> list[int]:
-    return [int(pid) for pid in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()]
+    return [
+        int(pid) for pid in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    ]
 
 
 def _alive(pid: int) -> bool:
@@ -206,11 +272,34 @@ def _alive(pid: int) -> bool:
 def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_dir, tmp_path):
     log, checkpoints = tmp_path / "log.txt", tmp_path / "ck"
     launcher = subprocess.Popen(
-        [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set", f"data.dir={data_dir}",
-         "--set", "training.parallel=ddp", "--checkpoint-dir", str(checkpoints), "--max-steps", "1000000",
-         "--checkpoint-every", "1000000", "--set", "training.log_every=2"],
-        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        [
+            sys.executable,
+            "-B",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(REPO / "scripts" / "02_train.py"),
+            "--config",
+            str(CONFIG),
+            "--set",
+            f"data.dir={data_dir}",
+            "--set",
+            "training.parallel=ddp",
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--max-steps",
+            "1000000",
+            "--checkpoint-every",
+            "1000000",
+            "--set",
+            "training.log_every=2",
+        ],
+        cwd=tmp_path,
+        env=script_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -244,13 +333,20 @@ def _launcher_killed_under(rank: str, tmp_path: Path) -> Iterator[tuple[subproce
     launcher once the rank is ready, and yield (launcher, the rank's pid). The launcher's
     stdout is the rank's too; its stderr goes to tmp_path/err.txt. A rank still alive on
     the way out is killed."""
-    launcher = ("import subprocess, sys\n"
-                f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
-                "print(rank.pid, flush=True)\n"
-                "sys.stdin.read()\n")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], env=script_env(OMP_NUM_THREADS="1"),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=(tmp_path / "err.txt").open("w"), text=True)
+    launcher = (
+        "import subprocess, sys\n"
+        f"rank = subprocess.Popen([sys.executable, '-c', {rank!r}], stdout=sys.stdout, stderr=sys.stderr)\n"
+        "print(rank.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", launcher],
+        env=script_env(OMP_NUM_THREADS="1"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "err.txt").open("w"),
+        text=True,
+    )
     pid = int(parent.stdout.readline())
     try:
         assert parent.stdout.readline().strip() == "ready", (tmp_path / "err.txt").read_text()[-3000:]
@@ -273,12 +369,14 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
     """The watchdog's last resort: a rank still running ``grace`` seconds after its
     launcher died (here one that ignores SIGTERM, as one stuck in a collective would) is
     ended, with one line saying why."""
-    rank = ("import signal, sys, time\n"
-            "from pipeline.distributed.world import end_with_launcher\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "end_with_launcher(grace=0.5)\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(120)\n")
+    rank = (
+        "import signal, sys, time\n"
+        "from pipeline.distributed.world import end_with_launcher\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "end_with_launcher(grace=0.5)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
         assert _ends_within(pid, 30), "the rank outlived its launcher"
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
@@ -288,15 +386,17 @@ def test_a_rank_whose_agent_died_before_its_watchdog_started_is_ended(tmp_path):
     """An agent killed while its ranks still start up (importing, joining the store) left
     them waiting on its store for minutes: the watchdog took the parent of the moment it
     started, by then already the new one. It watches the process that started the rank."""
-    rank = ("import os, sys, time\n"
-            "from pipeline.distributed.world import end_with_launcher\n"
-            "launcher = os.getppid()\n"
-            "print('ready', flush=True)\n"
-            "while os.getppid() == launcher:\n"
-            "    time.sleep(0.02)\n"
-            "end_with_launcher(grace=30)\n"
-            "time.sleep(60)\n"
-            "print('still running', flush=True)\n")
+    rank = (
+        "import os, sys, time\n"
+        "from pipeline.distributed.world import end_with_launcher\n"
+        "launcher = os.getppid()\n"
+        "print('ready', flush=True)\n"
+        "while os.getppid() == launcher:\n"
+        "    time.sleep(0.02)\n"
+        "end_with_launcher(grace=30)\n"
+        "time.sleep(60)\n"
+        "print('still running', flush=True)\n"
+    )
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
         assert _ends_within(pid, 20), "a rank whose agent died before its watchdog started was never stopped"
     errors = [line for line in (tmp_path / "err.txt").read_text().splitlines() if line.startswith("error:")]
@@ -307,42 +407,70 @@ def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_die
     """A peer's signal can stop this rank before its own watchdog noticed the dead agent:
     a SIGTERM sent after the loop restored the default handler would kill it before it
     reports the stop (its checkpoint committed, its line and exit code lost)."""
-    rank = ("import time\n"
-            "import torch, torch.distributed as dist\n"
-            "from pipeline.distributed.world import World, end_with_launcher\n"
-            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-            "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
-            "              mode='ddp')\n"
-            "assert world.agree_signal(15) == 15\n"
-            "end_with_launcher(grace=30)\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(2)  # several watchdog polls after the launcher is gone\n"
-            "print('reported its stop', flush=True)\n")
+    rank = (
+        "import time\n"
+        "import torch, torch.distributed as dist\n"
+        "from pipeline.distributed.world import World, end_with_launcher\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
+        "              mode='ddp')\n"
+        "assert world.agree_signal(15) == 15\n"
+        "end_with_launcher(grace=30)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(2)  # several watchdog polls after the launcher is gone\n"
+        "print('reported its stop', flush=True)\n"
+    )
     with _launcher_killed_under(rank, tmp_path) as (launcher, _):
-        assert launcher.stdout.readline().strip() == "reported its stop", "the watchdog killed a stopping rank"
+        assert launcher.stdout.readline().strip() == "reported its stop", (
+            "the watchdog killed a stopping rank"
+        )
 
 
 def test_a_rank_whose_launch_store_dies_while_it_joins_stops_with_one_line(data_dir, tmp_path):
     """The agent's store gone while a rank joins the process group (the agent killed as its
     ranks start): one line and exit 2, not torch's traceback."""
-    host = ("import sys, time\n"
-            "import torch.distributed as dist\n"
-            "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-            "print(store.port, flush=True)\n"
-            "while store.num_keys() < 2:  # the joining rank has written its own keys\n"
-            "    time.sleep(0.05)\n"
-            "print('joined', flush=True)\n"
-            "time.sleep(120)\n")
-    store = subprocess.Popen([sys.executable, "-c", host], env=script_env(OMP_NUM_THREADS="1"),
-                             stdout=subprocess.PIPE, text=True)
+    host = (
+        "import sys, time\n"
+        "import torch.distributed as dist\n"
+        "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+        "print(store.port, flush=True)\n"
+        "while store.num_keys() < 2:  # the joining rank has written its own keys\n"
+        "    time.sleep(0.05)\n"
+        "print('joined', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    store = subprocess.Popen(
+        [sys.executable, "-c", host], env=script_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(store.stdout.readline())
         rank = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "02_train.py"), "--config", str(CONFIG), "--set",
-             f"data.dir={data_dir}", "--set", "training.parallel=ddp", "--checkpoint-dir", str(tmp_path / "ck")],
-            cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
-                                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(REPO / "scripts" / "02_train.py"),
+                "--config",
+                str(CONFIG),
+                "--set",
+                f"data.dir={data_dir}",
+                "--set",
+                "training.parallel=ddp",
+                "--checkpoint-dir",
+                str(tmp_path / "ck"),
+            ],
+            cwd=tmp_path,
+            env=script_env(
+                OMP_NUM_THREADS="1",
+                RANK="1",
+                WORLD_SIZE="2",
+                LOCAL_RANK="1",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert store.stdout.readline().strip() == "joined"
             store.kill()
@@ -359,15 +487,22 @@ def test_a_rank_whose_launch_store_dies_while_it_joins_stops_with_one_line(data_
 def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(data_dir, tmp_path):
     """torch.distributed.checkpoint costs a second or more to import: a run in one process,
     fresh then resumed and extended, leaves it alone."""
-    probe = ("import sys\n"
-             "from pipeline.config import load_config\n"
-             "from pipeline.train import train\n"
-             "config = load_config(sys.argv[1], {'data.dir': sys.argv[2], 'checkpoint.dir': sys.argv[3],\n"
-             "                                   'training.max_steps': 2})\n"
-             "train(config, progress=False)\n"
-             "train(config, resume='latest', extend_to=3, progress=False)\n"
-             "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))\n"
-             "assert not loaded, loaded\n")
-    result = subprocess.run([sys.executable, "-c", probe, str(CONFIG), str(data_dir), str(tmp_path / "ck")],
-                            env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    probe = (
+        "import sys\n"
+        "from pipeline.config import load_config\n"
+        "from pipeline.train import train\n"
+        "config = load_config(sys.argv[1], {'data.dir': sys.argv[2], 'checkpoint.dir': sys.argv[3],\n"
+        "                                   'training.max_steps': 2})\n"
+        "train(config, progress=False)\n"
+        "train(config, resume='latest', extend_to=3, progress=False)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(CONFIG), str(data_dir), str(tmp_path / "ck")],
+        env=script_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]

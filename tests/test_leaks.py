@@ -39,7 +39,7 @@ def test_a_secret_spanning_two_read_chunks_is_found(tmp_path, secret_kind):
     # The file is read in CHUNK-sized reads: put the secret across the first boundary.
     start = CHUNK - len(secret) // 2
     data = bytearray(b"\0" * (CHUNK + 4096))
-    data[start:start + len(secret)] = secret.encode()
+    data[start : start + len(secret)] = secret.encode()
     (tmp_path / "modelo.safetensors").write_bytes(bytes(data))
     message = refused(tmp_path, rules(environ={"HF_TOKEN": literal}))
     assert message.startswith("modelo.safetensors holds ")
@@ -62,7 +62,9 @@ def test_the_token_saved_by_hf_auth_login_is_found_without_being_shown(tmp_path,
 
 
 def test_a_pem_private_key_is_refused(tmp_path):
-    (tmp_path / "notes.txt").write_text("-----BEGIN EC PRIVATE KEY-----\nMHcCAQEE...\n-----END EC PRIVATE KEY-----\n")
+    (tmp_path / "notes.txt").write_text(
+        "-----BEGIN EC PRIVATE KEY-----\nMHcCAQEE...\n-----END EC PRIVATE KEY-----\n"
+    )
     assert "notes.txt holds a PEM private key" in refused(tmp_path, rules())
 
 
@@ -70,6 +72,7 @@ def test_a_pem_private_key_is_refused(tmp_path):
 def test_this_machines_paths_and_host_name_are_refused_in_text(tmp_path, kind):
     machine = rules(home="/home/alice", cwd="/srv/projects/mine", hostname="builder-17.corp")
     from pipeline.leaks import _PACKAGE_CHECKOUT
+
     leaked, words = {
         "home": ("/home/alice/.cache/x", "the home folder's path"),
         "working": ("/srv/projects/mine/estados_local", "the working folder's absolute path"),
@@ -101,19 +104,45 @@ def test_short_token_values_are_not_matched_by_chance(tmp_path):
 # (and secret scanners do not flag it). Values are invented.
 SAMPLES = {
     "aws-key": ("an AWS access key", "aws_access_key_id = " + "AKIA" + "Q7RTX2MZP4LKWN3D"),
-    "aws-secret": ("an AWS access key", "AWS_SECRET_ACCESS_KEY=" + "wJalrXUtnFEMI/K7MDENG/" + "bPxRfiCYzq8Xv2Lm0T"),
+    "aws-secret": (
+        "an AWS access key",
+        "AWS_SECRET_ACCESS_KEY=" + "wJalrXUtnFEMI/K7MDENG/" + "bPxRfiCYzq8Xv2Lm0T",
+    ),
     "github-token": ("a GitHub token", "token: " + "gh" + "p_" + "a1B2c3D4e5F6g7H8i9J0" * 2),
     "github-pat": ("a GitHub token", "GH=" + "github" + "_pat_" + "11ABCDEFG0" * 3 + "_" + "xYz" * 20),
-    "openai-key": ("an OpenAI API key", 'openai.api_key = "' + "sk" + "-proj-" + "Ab3dEf6hIj9kLm2nOp5q" * 2 + '"'),
-    "openai-legacy": ("an OpenAI API key", "key " + "sk" + "-" + "Ab3dEf6hIj9kLm2nOp5q" + "T3Blbk" + "FJ" + "x" * 20),
-    "slack-token": ("a Slack token", "SLACK=" + "xo" + "xb-" + "123456789012-1234567890123-" + "AbCdEfGh" * 3),
+    "openai-key": (
+        "an OpenAI API key",
+        'openai.api_key = "' + "sk" + "-proj-" + "Ab3dEf6hIj9kLm2nOp5q" * 2 + '"',
+    ),
+    "openai-legacy": (
+        "an OpenAI API key",
+        "key " + "sk" + "-" + "Ab3dEf6hIj9kLm2nOp5q" + "T3Blbk" + "FJ" + "x" * 20,
+    ),
+    "slack-token": (
+        "a Slack token",
+        "SLACK=" + "xo" + "xb-" + "123456789012-1234567890123-" + "AbCdEfGh" * 3,
+    ),
     "hf-org-token": ("an api_org_ token", "api" + "_org_" + "QwErTyUiOp" * 4),
-    "google-api-key": ("a Google API key", "maps key " + "AI" + "za" + "SyD3" + "x7Yk_9-Qp2Lm4Nw6Rt8Zv0Bc1De3Fg5"),
+    "google-api-key": (
+        "a Google API key",
+        "maps key " + "AI" + "za" + "SyD3" + "x7Yk_9-Qp2Lm4Nw6Rt8Zv0Bc1De3Fg5",
+    ),
     "wandb-key": ("a W&B API key", "wandb.login(key=" + '"' + "0123456789abcdef" * 2 + "01234567" + '")'),
-    "wandb-netrc": ("a W&B API key", "machine api.wandb" + ".ai\n  login user\n  password " + "fedcba9876543210" * 2
-                    + "fedcba98\n"),
-    "jwt": ("a JSON Web Token", "Authorization: Bearer " + "ey" + "JhbGciOiJIUzI1NiJ9" + "." + "ey"
-            + "JzdWIiOiIxMjM0NTY3ODkwIn0" + "." + "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"),
+    "wandb-netrc": (
+        "a W&B API key",
+        "machine api.wandb" + ".ai\n  login user\n  password " + "fedcba9876543210" * 2 + "fedcba98\n",
+    ),
+    "jwt": (
+        "a JSON Web Token",
+        "Authorization: Bearer "
+        + "ey"
+        + "JhbGciOiJIUzI1NiJ9"
+        + "."
+        + "ey"
+        + "JzdWIiOiIxMjM0NTY3ODkwIn0"
+        + "."
+        + "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    ),
 }
 # Look like the formats above but are not credentials: they must pass.
 HARMLESS = [
@@ -148,7 +177,7 @@ def test_a_credential_spanning_two_read_chunks_of_a_text_file_is_found(tmp_path)
     start = CHUNK - len(secret) // 2  # across the first chunk boundary
     data = bytearray(b"a" * (CHUNK + 4096))
     data[start - 1] = ord(" ")
-    data[start:start + len(secret)] = secret.encode()
+    data[start : start + len(secret)] = secret.encode()
     data[start + len(secret)] = ord(" ")
     (tmp_path / "notes.txt").write_bytes(bytes(data))
     assert refused(tmp_path, rules()).startswith(f"notes.txt holds {what};")
@@ -164,13 +193,19 @@ def test_a_false_positive_is_published_only_where_the_config_allows_it_and_never
     assert "card.allow_leaks: {other.md: [jwt]}" in str(caught.value)  # the fix names the entry
     (tmp_path / "other.md").unlink()
     assert scan_secrets(tmp_path, rules(), allow={"README.md": ["jwt"]}) == [("README.md", what)]
-    for never in ({"README.md": ["private-key"]}, {"README.md": ["secret"]}, {"/etc/x": ["jwt"]}, ["README.md"]):
+    for never in (
+        {"README.md": ["private-key"]},
+        {"README.md": ["secret"]},
+        {"/etc/x": ["jwt"]},
+        ["README.md"],
+    ):
         with pytest.raises(ConfigError, match="card.allow_leaks"):
             scan_secrets(tmp_path, rules(), allow=never)
 
 
 def test_weights_are_searched_for_this_machines_tokens_in_every_byte_and_for_token_formats_outside_float_tensors(
-        tmp_path):
+    tmp_path,
+):
     from safetensors.numpy import save_file
 
     literal = f"plain-{secrets.token_hex(12)}"
@@ -180,6 +215,9 @@ def test_weights_are_searched_for_this_machines_tokens_in_every_byte_and_for_tok
     message = refused(tmp_path, rules(environ={"HF_TOKEN": literal}))
     assert message.startswith("modelo.safetensors holds the value of HF_TOKEN") and literal not in message
     # A token format in the file's header (its metadata) is searched like any other bytes.
-    save_file({"a.weight": np.zeros(4, np.float32)}, str(tmp_path / "modelo.safetensors"),
-              metadata={"note": f"pushed with {HF_SHAPED}"})
+    save_file(
+        {"a.weight": np.zeros(4, np.float32)},
+        str(tmp_path / "modelo.safetensors"),
+        metadata={"note": f"pushed with {HF_SHAPED}"},
+    )
     assert refused(tmp_path, rules()).startswith("modelo.safetensors holds an hf_ token")

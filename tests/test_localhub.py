@@ -72,16 +72,24 @@ def git_blob_sha1(data: bytes) -> str:
 def hf_env(tmp_path, monkeypatch):
     hf_home = tmp_path / "hf_home"
     for key, value in {
-        "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
-        "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
     }.items():
         monkeypatch.setenv(key, value)
     for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_CACHE", "LOCALHUB_TOKEN"):
         monkeypatch.delenv(key, raising=False)
     for name, value in {
-        "HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
-        "HF_HUB_DISABLE_IMPLICIT_TOKEN": True, "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
-        "HF_TOKEN_PATH": str(hf_home / "token"), "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens"),
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": True,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_CACHE": str(hf_home / "hub"),
+        "HF_TOKEN_PATH": str(hf_home / "token"),
+        "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens"),
     }.items():
         monkeypatch.setattr(constants, name, value)
 
@@ -114,8 +122,9 @@ def _commit_ids(api: HfApi, repo_id: str = REPO, **kwargs) -> list[str]:
 
 def _download(hub, tmp_path, filename, **kwargs) -> bytes:
     kwargs.setdefault("token", TOKEN)
-    path = hf_hub_download(kwargs.pop("repo_id", REPO), filename, endpoint=hub.url,
-                           cache_dir=tmp_path / "cache", **kwargs)
+    path = hf_hub_download(
+        kwargs.pop("repo_id", REPO), filename, endpoint=hub.url, cache_dir=tmp_path / "cache", **kwargs
+    )
     return Path(path).read_bytes()
 
 
@@ -161,7 +170,11 @@ def test_commit_regular_and_lfs_files_round_trip(api, hub, repo, tmp_path):
     assert _download(hub, tmp_path, "config.json") == CONFIG
     snapshot = Path(snapshot_download(repo, endpoint=hub.url, token=TOKEN, cache_dir=tmp_path / "snap"))
     assert (snapshot / "model.safetensors").read_bytes() == WEIGHTS
-    assert sorted(p.name for p in snapshot.iterdir()) == [".gitattributes", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in snapshot.iterdir()) == [
+        ".gitattributes",
+        "config.json",
+        "model.safetensors",
+    ]
     assert api.model_info(repo, files_metadata=True).sha == info.oid
     assert api.list_repo_refs(repo).branches[0].target_commit == info.oid
     assert api.file_exists(repo, "config.json") and not api.file_exists(repo, "nope.json")
@@ -174,8 +187,9 @@ def test_damaged_stored_object_is_a_server_error_not_a_hang(api, hub, repo):
 
     api.create_commit(repo, _ops(), commit_message="add model")
     hub.store.object_path(hashlib.sha256(WEIGHTS).hexdigest()).write_bytes(WEIGHTS[:100])
-    request = urllib.request.Request(f"{hub.url}/{repo}/resolve/main/model.safetensors",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    request = urllib.request.Request(
+        f"{hub.url}/{repo}/resolve/main/model.safetensors", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(request, timeout=10)
     assert error.value.code == 500 and "damaged" in error.value.headers.get("X-Error-Message", "")
@@ -195,7 +209,9 @@ def test_rerun_skips_uploaded_blobs_and_unchanged_files(api, hub, repo):
 
 def test_range_requests_are_served(hub, api, repo):
     api.create_commit(repo, _ops(), commit_message="add model")
-    request = urllib.request.Request(f"{hub.url}/{repo}/resolve/main/model.safetensors", headers={"Range": "bytes=10-19"})
+    request = urllib.request.Request(
+        f"{hub.url}/{repo}/resolve/main/model.safetensors", headers={"Range": "bytes=10-19"}
+    )
     with urllib.request.urlopen(request) as response:
         assert response.status == 206 and response.read() == WEIGHTS[10:20]
         assert response.headers["Content-Range"] == f"bytes 10-19/{len(WEIGHTS)}"
@@ -244,10 +260,13 @@ def test_missing_repo_revision_and_entry_raise_the_client_errors(api, hub, repo,
 
 def test_stale_parent_commit_is_refused_with_412(api, hub, repo, tmp_path):
     [initial] = _commit_ids(api)
-    first = api.create_commit(repo, [CommitOperationAdd("a.txt", b"one")], commit_message="one",
-                              parent_commit=initial)
+    first = api.create_commit(
+        repo, [CommitOperationAdd("a.txt", b"one")], commit_message="one", parent_commit=initial
+    )
     with pytest.raises(HfHubHTTPError) as err:
-        api.create_commit(repo, [CommitOperationAdd("a.txt", b"two")], commit_message="two", parent_commit=initial)
+        api.create_commit(
+            repo, [CommitOperationAdd("a.txt", b"two")], commit_message="two", parent_commit=initial
+        )
     assert err.value.response.status_code == 412
     assert _commit_ids(api) == [first.oid, initial]
     assert _download(hub, tmp_path, "a.txt") == b"one"
@@ -319,8 +338,9 @@ def test_commit_referencing_a_missing_lfs_object_is_rejected_whole(api, hub, rep
 
 def test_lfs_put_checks_signature_and_content(hub, repo):
     upload = UploadInfo.from_bytes(WEIGHTS)
-    [action], errors, _ = post_lfs_batch_info(upload_infos=[upload], token=TOKEN, repo_type="model",
-                                              repo_id=repo, endpoint=hub.url)
+    [action], errors, _ = post_lfs_batch_info(
+        upload_infos=[upload], token=TOKEN, repo_type="model", repo_id=repo, endpoint=hub.url
+    )
     href = action["actions"]["upload"]["href"]
 
     def put(url: str, body: bytes) -> int:
@@ -335,8 +355,9 @@ def test_lfs_put_checks_signature_and_content(hub, repo):
     assert put(href.replace("sig=", "sig=0"), WEIGHTS) == 403
     assert not hub.store.has_object(upload.sha256.hex())
     assert put(href, WEIGHTS) == 200
-    [again], _, _ = post_lfs_batch_info(upload_infos=[upload], token=TOKEN, repo_type="model",
-                                        repo_id=repo, endpoint=hub.url)
+    [again], _, _ = post_lfs_batch_info(
+        upload_infos=[upload], token=TOKEN, repo_type="model", repo_id=repo, endpoint=hub.url
+    )
     assert "actions" not in again  # already stored: a rerun uploads nothing
 
 
@@ -356,16 +377,28 @@ def test_admin_endpoint_drives_faults_and_reports_counts(api, hub, repo):
 def test_branches_and_deletions(api, hub, repo, tmp_path):
     api.create_branch(repo, branch="dev")
     api.create_branch(repo, branch="dev", exist_ok=True)
-    api.create_commit(repo, [CommitOperationAdd("a/x.txt", b"x"), CommitOperationAdd("a/y.txt", b"y"),
-                             CommitOperationAdd("b.txt", b"b")], commit_message="on dev", revision="dev")
+    api.create_commit(
+        repo,
+        [
+            CommitOperationAdd("a/x.txt", b"x"),
+            CommitOperationAdd("a/y.txt", b"y"),
+            CommitOperationAdd("b.txt", b"b"),
+        ],
+        commit_message="on dev",
+        revision="dev",
+    )
     refs = {b.name: b.target_commit for b in api.list_repo_refs(repo).branches}
     assert set(refs) == {"main", "dev"} and refs["main"] != refs["dev"]
     assert len(_commit_ids(api, revision="dev")) == 2 and len(_commit_ids(api)) == 1
     assert _download(hub, tmp_path, "a/x.txt", revision="dev") == b"x"
     assert not api.file_exists(repo, "b.txt")
 
-    api.create_commit(repo, [CommitOperationDelete("a/"), CommitOperationDelete("b.txt")],
-                      commit_message="clean", revision="dev")
+    api.create_commit(
+        repo,
+        [CommitOperationDelete("a/"), CommitOperationDelete("b.txt")],
+        commit_message="clean",
+        revision="dev",
+    )
     assert api.list_repo_files(repo, revision="dev") == [".gitattributes"]
 
 
@@ -390,8 +423,9 @@ def test_subprocess_server_prints_url_persists_and_stops_cleanly(tmp_path):
         try:
             api = HfApi(endpoint=restarted.url, token=TOKEN)
             assert _commit_ids(api)[0] == info.oid and len(_commit_ids(api)) == 2
-            path = hf_hub_download(REPO, "model.safetensors", endpoint=restarted.url, token=TOKEN,
-                                   cache_dir=tmp_path / "cache")
+            path = hf_hub_download(
+                REPO, "model.safetensors", endpoint=restarted.url, token=TOKEN, cache_dir=tmp_path / "cache"
+            )
             assert Path(path).read_bytes() == WEIGHTS
         finally:
             assert restarted.stop() == 0
@@ -413,8 +447,13 @@ def test_in_process_restart_keeps_state_and_one_root_has_one_server(tmp_path):
 def test_non_loopback_host_is_refused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for host in ("0.0.0.0", "192.168.1.10", "example.com"):
-        result = subprocess.run([sys.executable, "-m", "localhub", "--root", str(tmp_path), "--host", host],
-                                capture_output=True, text=True, env=env, timeout=15)
+        result = subprocess.run(
+            [sys.executable, "-m", "localhub", "--root", str(tmp_path), "--host", host],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=15,
+        )
         assert result.returncode == 2 and result.stdout == ""
         assert len(result.stderr.strip().splitlines()) == 1 and "loopback" in result.stderr
     with pytest.raises(ValueError):
@@ -424,8 +463,10 @@ def test_non_loopback_host_is_refused(tmp_path):
 
 # -- Xet (the client's default path; the publish tests cover uploads, faults and verification) ----------------
 
-def test_xet_stored_file_is_served_rebuilt_by_any_byte_range_and_the_cas_checks_token_scopes(hub, api, repo,
-                                                                                             monkeypatch):
+
+def test_xet_stored_file_is_served_rebuilt_by_any_byte_range_and_the_cas_checks_token_scopes(
+    hub, api, repo, monkeypatch
+):
     monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
     data = os.urandom(300_000) + bytes(200_000)  # random, then zeros: several chunks of different sizes
@@ -436,14 +477,17 @@ def test_xet_stored_file_is_served_rebuilt_by_any_byte_range_and_the_cas_checks_
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # A client without Xet gets the bytes rebuilt from the CAS, whole or any range of them.
     for first, last in ((0, len(data) - 1), (70_000, 270_123), (len(data) - 10, len(data) - 1)):
-        answer = httpx2.get(f"{hub.url}/{REPO}/resolve/main/w.safetensors",
-                            headers={**auth, "Range": f"bytes={first}-{last}"})
-        assert answer.content == data[first:last + 1] and answer.headers["X-Xet-Hash"] == entry.xet_hash
+        answer = httpx2.get(
+            f"{hub.url}/{REPO}/resolve/main/w.safetensors", headers={**auth, "Range": f"bytes={first}-{last}"}
+        )
+        assert answer.content == data[first : last + 1] and answer.headers["X-Xet-Hash"] == entry.xet_hash
     # The reconstruction of a range starts in the chunk holding its first byte.
     grant = httpx2.get(f"{hub.url}/api/models/{REPO}/xet-read-token/main", headers=auth).json()
     read = {"Authorization": f"Bearer {grant['accessToken']}"}
-    plan = httpx2.get(f"{grant['casUrl']}/v1/reconstructions/{entry.xet_hash}",
-                      headers={**read, "Range": "bytes=70000-270123"}).json()
+    plan = httpx2.get(
+        f"{grant['casUrl']}/v1/reconstructions/{entry.xet_hash}",
+        headers={**read, "Range": "bytes=70000-270123"},
+    ).json()
     covered = sum(term["unpacked_length"] for term in plan["terms"])
     assert 0 < plan["offset_into_first_range"] < plan["terms"][0]["unpacked_length"]
     assert covered - plan["offset_into_first_range"] >= 200_124 and covered < len(data)

@@ -23,9 +23,17 @@ from pipeline.checkpoint import CheckpointStore
 
 from support import assert_checkpoints_bitwise_equal, one_line_error, run_script, verify_checkpoint
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
-        "lineage": [],
-        "training_state": {"best": 0.5}}
+META = {
+    "created": "now",
+    "config": {},
+    "fingerprints": {},
+    "versions": {},
+    "device": "cpu",
+    "model": {},
+    "environment": {},
+    "lineage": [],
+    "training_state": {"best": 0.5},
+}
 
 
 @contextlib.contextmanager
@@ -34,8 +42,11 @@ def tmpfs(where: Path, *options: str) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=1m", *options)), "tmpfs", str(where)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(("size=1m", *options)), "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -68,15 +79,19 @@ def leftovers(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_training_into_a_full_disk_is_one_line_keeps_the_last_checkpoint_and_resumes_bitwise(
-        trained_run, tmp_path, mode):
+    trained_run, tmp_path, mode
+):
     data = ["--set", f"data.dir={trained_run.data_dir}", "--set", f"checkpoint.async={mode == 'async'}"]
     with tmpfs(tmp_path / "disk") as disk:
         checkpoints = disk / "estados_local"
-        first = run_script("02_train.py", *data, "--checkpoint-dir", str(checkpoints), "--quiet", "--stop-at", "5")
+        first = run_script(
+            "02_train.py", *data, "--checkpoint-dir", str(checkpoints), "--quiet", "--stop-at", "5"
+        )
         assert first.returncode == 0, first.stderr
         filler = fill(disk)
-        result = run_script("02_train.py", *data, "--checkpoint-dir", str(checkpoints), "--quiet",
-                            "--resume", "latest")
+        result = run_script(
+            "02_train.py", *data, "--checkpoint-dir", str(checkpoints), "--quiet", "--resume", "latest"
+        )
         assert result.returncode == 2, result.stdout + result.stderr
         line = one_line_error(result)
         assert "no space left on the device" in line and str(checkpoints) in line, line
@@ -85,8 +100,9 @@ def test_training_into_a_full_disk_is_one_line_keeps_the_last_checkpoint_and_res
         assert verify_checkpoint(checkpoints / "step-00000005")["step"] == 5
         filler.unlink()
         shutil.copytree(checkpoints, tmp_path / "elsewhere", ignore=shutil.ignore_patterns(".lock"))
-    resumed = run_script("02_train.py", *data, "--checkpoint-dir", str(tmp_path / "elsewhere"), "--quiet",
-                         "--resume", "latest")
+    resumed = run_script(
+        "02_train.py", *data, "--checkpoint-dir", str(tmp_path / "elsewhere"), "--quiet", "--resume", "latest"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert_checkpoints_bitwise_equal(tmp_path / "elsewhere" / "step-00000010", trained_run.checkpoint)
 
@@ -99,7 +115,9 @@ def test_staging_onto_a_full_disk_is_one_line_and_leaves_nothing_behind(evaluate
         assert sorted(p.name for p in disk.iterdir() if p.name != ".hub_stage.lock") == [filler.name]
 
 
-def test_evaluating_beside_a_full_disk_names_the_weights_copy_and_leaves_nothing_behind(evaluated_run, tmp_path):
+def test_evaluating_beside_a_full_disk_names_the_weights_copy_and_leaves_nothing_behind(
+    evaluated_run, tmp_path
+):
     """04 copies the weights beside the metrics it writes: on a full disk the failed write
     names that file (a write through a descriptor names none by itself)."""
     with tmpfs(tmp_path / "disk") as disk:
@@ -125,7 +143,8 @@ def test_a_json_record_or_a_failed_proofs_report_on_a_full_disk_names_the_file(t
             _fail(disk, {"pad": "x" * 8192}, "leg resume exited with code 1: (no output)")
         assert str(incomplete.value) == (
             "the proof could not complete: leg resume exited with code 1: (no output); the report could not be "
-            f"written either ({disk / 'verification.json'}: no space left on the device)")
+            f"written either ({disk / 'verification.json'}: no space left on the device)"
+        )
         assert leftovers(disk) == [] and not list(disk.glob(".*.tmp"))
 
 
@@ -133,8 +152,10 @@ def test_read_only_file_systems_are_one_line_for_the_lock_a_folder_and_metrics(e
     with tmpfs(tmp_path / "ro") as ro:
         (ro / "estados_local").mkdir()
         remount_read_only(ro)
-        for args in (["--checkpoint-dir", str(ro / "estados_local")],         # its .lock
-                     ["--checkpoint-dir", str(ro / "new" / "estados_local")]):  # mkdir
+        for args in (
+            ["--checkpoint-dir", str(ro / "estados_local")],  # its .lock
+            ["--checkpoint-dir", str(ro / "new" / "estados_local")],
+        ):  # mkdir
             line = evaluated_run.refused("02_train.py", "--quiet", "--set", "training.max_steps=1", *args)
             assert "read-only file system" in line and str(ro) in line, line
         line = evaluated_run.refused("04_evaluate.py", "--output", str(ro / "metrics.json"))
@@ -144,6 +165,7 @@ def test_read_only_file_systems_are_one_line_for_the_lock_a_folder_and_metrics(e
 
 def test_a_prune_that_fails_after_the_commit_warns_and_the_next_save_retries(tmp_path, caplog):
     """The failure is real: the oldest checkpoint is a mount point, which rename refuses."""
+
     def save(store: CheckpointStore, step: int) -> None:
         store.save(step, {"w": torch.full((3,), float(step))}, {"s": torch.zeros(1)}, META)
 
@@ -167,8 +189,13 @@ def test_a_prune_that_fails_after_the_commit_warns_and_the_next_save_retries(tmp
 
 
 def test_params_asking_for_more_memory_than_there_is_are_one_line(tmp_path):
-    result = run_script("01_prepare_data.py", "--set", f"data.dir={tmp_path / 'data'}",
-                        "--set", "data.params.num_train=1000000000000")
+    result = run_script(
+        "01_prepare_data.py",
+        "--set",
+        f"data.dir={tmp_path / 'data'}",
+        "--set",
+        "data.params.num_train=1000000000000",
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     line = one_line_error(result)
     assert line.startswith("error: out of memory") and "params" in line, line

@@ -20,23 +20,38 @@ from pipeline.errors import InternalError
 
 from support import REPO
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
-        "lineage": [],
-        "training_state": {"best": 0.5}}
+META = {
+    "created": "now",
+    "config": {},
+    "fingerprints": {},
+    "versions": {},
+    "device": "cpu",
+    "model": {},
+    "environment": {},
+    "lineage": [],
+    "training_state": {"best": 0.5},
+}
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def _sha256sum_manifest(folder: Path) -> None:
     """A manifest in `sha256sum` format over the folder, as a user's release script writes it."""
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(folder).as_posix()}\n"
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in ("MANIFEST.sha256", "model.sig")]
+    lines = [
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(folder).as_posix()}\n"
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in ("MANIFEST.sha256", "model.sig")
+    ]
     (folder / "MANIFEST.sha256").write_text("".join(lines))
 
 
-def test_05_refuses_a_foreign_folder_with_its_own_manifest_and_leaves_it_byte_for_byte(evaluated_run, run_copy):
+def test_05_refuses_a_foreign_folder_with_its_own_manifest_and_leaves_it_byte_for_byte(
+    evaluated_run, run_copy
+):
     run = run_copy(evaluated_run)
     release = run.root / "release"
     release.mkdir()

@@ -59,31 +59,50 @@ CONFIG = REPO_ROOT / "config.yaml"
 TOKEN = f"pub-test-{secrets.token_hex(16)}"
 WRONG_TOKEN = f"pub-wrong-{secrets.token_hex(16)}"
 SECRETS = (TOKEN, WRONG_TOKEN)
-STAGED = ("MANIFEST.sha256", "README.md", "meta.json", "modelo.safetensors", "training_curve.png", "config.json",
-          "model.safetensors.index.json")
+STAGED = (
+    "MANIFEST.sha256",
+    "README.md",
+    "meta.json",
+    "modelo.safetensors",
+    "training_curve.png",
+    "config.json",
+    "model.safetensors.index.json",
+)
 
 
 def stage_files(stage: Path) -> set[str]:
     """Every file of a stage (the top-level ones above plus the model's code under code/)."""
     return {p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()}
+
+
 _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
 
 
 # -- fixtures ----------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def hf_env(tmp_path, monkeypatch):
     """The client in this process: LFS path, no telemetry, a private HF_HOME, no implicit token."""
     hf_home = tmp_path / "hf_home"
-    for key, value in {"HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home),
-                       "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
+    for key, value in {
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }.items():
         monkeypatch.setenv(key, value)
     for key in _SCRUBBED:
         monkeypatch.delenv(key, raising=False)
-    for name, value in {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
-                        "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
-                        "HF_TOKEN_PATH": str(hf_home / "token"),
-                        "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens")}.items():
+    for name, value in {
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_CACHE": str(hf_home / "hub"),
+        "HF_TOKEN_PATH": str(hf_home / "token"),
+        "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens"),
+    }.items():
         monkeypatch.setattr(constants, name, value)
     # In this process the upload bars only clutter the test output (the script keeps its own).
     disable_progress_bars()
@@ -151,21 +170,44 @@ def published(request, staged_run, module_hub, tmp_path_factory):
     first_requests = module_hub.request_counts()
     module_hub.reset_request_counts()
     rerun = run_publish(staged_run.stage, module_hub, repo_id, receipts, protocol=protocol)
-    return SimpleNamespace(first=first, rerun=rerun, first_requests=first_requests,
-                           rerun_requests=module_hub.request_counts(), repo_id=repo_id, receipts=receipts,
-                           hub=module_hub, run=staged_run, protocol=protocol)
+    return SimpleNamespace(
+        first=first,
+        rerun=rerun,
+        first_requests=first_requests,
+        rerun_requests=module_hub.request_counts(),
+        repo_id=repo_id,
+        receipts=receipts,
+        hub=module_hub,
+        run=staged_run,
+        protocol=protocol,
+    )
 
 
 # -- helpers -----------------------------------------------------------------------------
 
-def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args: str,
-                token: str | None = TOKEN, protocol: str = "lfs", timeout: float = 300,
-                env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+
+def run_publish(
+    stage: Path,
+    hub: LocalHub,
+    repo_id: str,
+    receipts: Path,
+    *args: str,
+    token: str | None = TOKEN,
+    protocol: str = "lfs",
+    timeout: float = 300,
+    env: dict[str, str | None] | None = None,
+) -> subprocess.CompletedProcess:
     """scripts/06_publish.py as a subprocess; fails the test if any secret shows in its output.
     ``env`` sets variables (None removes one)."""
     base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED + ("HF_HUB_DISABLE_XET",)}
-    base.update({"HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TREE_PATH,
-                 "HF_HOME": str(receipts.parent / "hf_home_script")})
+    base.update(
+        {
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": TREE_PATH,
+            "HF_HOME": str(receipts.parent / "hf_home_script"),
+        }
+    )
     if protocol == "lfs":
         base["HF_HUB_DISABLE_XET"] = "1"
     if token is not None:
@@ -176,8 +218,23 @@ def run_publish(stage: Path, hub: LocalHub, repo_id: str, receipts: Path, *args:
         else:
             base[name] = value
     env = base
-    result = run_python([SCRIPT, "--repo-id", repo_id, "--endpoint", hub.url, "--stage", stage,
-                         "--receipt-dir", receipts, *args], cwd=stage.parent, env=env, timeout=timeout)
+    result = run_python(
+        [
+            SCRIPT,
+            "--repo-id",
+            repo_id,
+            "--endpoint",
+            hub.url,
+            "--stage",
+            stage,
+            "--receipt-dir",
+            receipts,
+            *args,
+        ],
+        cwd=stage.parent,
+        env=env,
+        timeout=timeout,
+    )
     for secret in SECRETS:
         assert secret not in result.stdout + result.stderr, "a token was printed"
     return result
@@ -205,15 +262,19 @@ def write_requests(hub: LocalHub) -> int:
 
 def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, *, say=None, **fields):
     """publish() in this process (its retry waits are recorded by the ``waits`` fixture)."""
-    publication = Publication(repo_id=repo_id, stage=stage, endpoint=hub.url, receipt_dir=tmp_path / "receipts",
-                              **fields)
+    publication = Publication(
+        repo_id=repo_id, stage=stage, endpoint=hub.url, receipt_dir=tmp_path / "receipts", **fields
+    )
     return publish(publication, say=say or (lambda line: None))
 
 
 def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, prefix: str = "") -> None:
     api = api_for(hub)
-    listed = {f.path: f for f in api.list_repo_tree(repo_id, prefix or None, recursive=True)
-              if hasattr(f, "blob_id")}
+    listed = {
+        f.path: f
+        for f in api.list_repo_tree(repo_id, prefix or None, recursive=True)
+        if hasattr(f, "blob_id")
+    }
     assert set(STAGED) <= stage_files(stage)
     assert set(listed) - {".gitattributes"} == {prefix + name for name in stage_files(stage)}
     manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
@@ -227,6 +288,7 @@ def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, pre
 
 
 # -- publishing and rerunning (subprocess) -----------------------------------------------
+
 
 @PUBLISHED
 def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(published):
@@ -247,7 +309,9 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
 def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
     [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"], expand=True)
     checkpoint_meta = json.loads((published.run.checkpoint / "meta.json").read_text())
-    assert entry.lfs is not None and entry.lfs.sha256 == checkpoint_meta["files"]["modelo.safetensors"]["sha256"]
+    assert (
+        entry.lfs is not None and entry.lfs.sha256 == checkpoint_meta["files"]["modelo.safetensors"]["sha256"]
+    )
     if published.protocol == "xet":  # stored in the CAS: the Hub names its Xet file hash too
         assert entry.xet_hash is not None and len(entry.xet_hash) == 64 and int(entry.xet_hash, 16) >= 0
         assert published.hub.store.xet.file(entry.xet_hash)["size"] == entry.size
@@ -262,7 +326,11 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
     record = json.loads(receipt.read_text())
     assert receipt.name == f"{published.repo_id.replace('/', '--')}-{head[:12]}.json"
     assert (record["repo_id"], record["commit"], record["status"], record["verified"]) == (
-        published.repo_id, head, "published", True)
+        published.repo_id,
+        head,
+        "published",
+        True,
+    )
     assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: record["files"][name]["found"] for name in manifest} == manifest
@@ -273,8 +341,11 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
     assert (weights["storage"], weights["checked_by"]) == expected_check[published.protocol]
     assert (weights["xet_hash"] is not None) == (published.protocol == "xet")
     # Verified without reading the weights back: no download, no Xet reconstruction or xorb read.
-    reads = [key for key in published.first_requests
-             if key.startswith("GET") and re.search(r"modelo\.safetensors$|/reconstructions/|/_xet/data/", key)]
+    reads = [
+        key
+        for key in published.first_requests
+        if key.startswith("GET") and re.search(r"modelo\.safetensors$|/reconstructions/|/_xet/data/", key)
+    ]
     assert reads == [], reads
     assert not any(p.suffix == ".json" and "receipt" in p.name for p in published.run.stage.iterdir())
 
@@ -283,18 +354,25 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
 def test_rerun_makes_no_commit_and_says_already_published(published):
     assert published.rerun.returncode == 0, published.rerun.stderr
     head = api_for(published.hub).repo_info(published.repo_id).sha
-    assert f"nothing to publish: {published.repo_id} already holds this stage at {head}" in published.rerun.stdout
+    assert (
+        f"nothing to publish: {published.repo_id} already holds this stage at {head}"
+        in published.rerun.stdout
+    )
     assert len(commit_titles(published.hub, published.repo_id)) == 2
-    assert not any(key.startswith(("POST", "PUT", "DELETE")) for key in published.rerun_requests), \
+    assert not any(key.startswith(("POST", "PUT", "DELETE")) for key in published.rerun_requests), (
         published.rerun_requests
+    )
 
 
 @PUBLISHED
 def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published, tmp_path, monkeypatch):
     use_protocol(monkeypatch, published.protocol)
     rebuilt = published.hub.count("GET", r"/reconstructions/")
-    folder = Path(snapshot_download(published.repo_id, endpoint=published.hub.url, token=TOKEN,
-                                    cache_dir=tmp_path / "cache"))
+    folder = Path(
+        snapshot_download(
+            published.repo_id, endpoint=published.hub.url, token=TOKEN, cache_dir=tmp_path / "cache"
+        )
+    )
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in manifest} == manifest
     # Over Xet the weights came back through the CAS reconstruction API, not a plain GET.
@@ -312,6 +390,7 @@ def test_published_repo_reproduces_the_staged_metric_in_a_fresh_model(published,
 
 
 # -- refusals (subprocess) -----------------------------------------------------------------
+
 
 def test_tampered_stage_is_refused_before_any_request(staged_run, run_copy, hub, tmp_path):
     run = run_copy(staged_run)
@@ -360,8 +439,10 @@ def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, t
 
 # -- faults (in process: the same code, sleeps recorded instead of slept) ------------------
 
-def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path,
-                                                                                 token_env):
+
+def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
+    staged_run, hub, tmp_path, token_env
+):
     hub.fail_next_commit(times=COMMIT_ATTEMPTS, status=500)
     with pytest.raises(HubUnavailable) as refused:
         publish_here(staged_run.stage, hub, "alice/flaky", tmp_path)
@@ -382,15 +463,22 @@ def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_pa
     assert len(commit_titles(hub, "alice/retried")) == 2
 
 
-def test_commit_that_landed_but_answered_500_is_not_made_twice(staged_run, hub, tmp_path, token_env, monkeypatch):
+def test_commit_that_landed_but_answered_500_is_not_made_twice(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
     real_create_commit = HfApi.create_commit
 
     def lands_then_answers_500(self, *args, **kwargs):
         real_create_commit(self, *args, **kwargs)
         # The commit is written, but the answer the client gets is a real HTTP 500 from the server.
         hub.fail_next_commit(times=1, status=500)
-        hf_raise_for_status(httpx2.post(f"{hub.url}/api/models/alice/lost-answer/commit/main",
-                                        headers={"Authorization": f"Bearer {TOKEN}"}, content=b""))
+        hf_raise_for_status(
+            httpx2.post(
+                f"{hub.url}/api/models/alice/lost-answer/commit/main",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                content=b"",
+            )
+        )
 
     monkeypatch.setattr(HfApi, "create_commit", lands_then_answers_500)
     said: list[str] = []
@@ -400,8 +488,9 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(staged_run, hub, 
     assert any("had landed" in line for line in said), said
 
 
-def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_run, hub, tmp_path, token_env,
-                                                                     no_client_sleep):
+def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(
+    staged_run, hub, tmp_path, token_env, no_client_sleep
+):
     hub.drop_next_upload(times=12)  # both LFS files: the first try and 5 client retries each
     with pytest.raises(UploadInterrupted) as refused:
         publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
@@ -417,6 +506,7 @@ def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(staged_ru
 
 # -- Xet faults (in process, the client on its default Xet path) ------------------------------
 
+
 def stored(hub: LocalHub, kind: str) -> list[Path]:
     """Files the hub's Xet CAS holds under ``kind`` ("xorbs", "shards", ...)."""
     return sorted(p for p in (hub.store.xet.root / kind).rglob("*") if p.is_file())
@@ -424,15 +514,19 @@ def stored(hub: LocalHub, kind: str) -> list[Path]:
 
 def cas_post(hub: LocalHub, repo_id: str, path: str, body: bytes) -> httpx2.Response:
     """POST to the CAS with a write token obtained from the Hub, as the Xet client does."""
-    answer = httpx2.get(f"{hub.url}/api/models/{repo_id}/xet-write-token/main",
-                        headers={"Authorization": f"Bearer {TOKEN}"})
+    answer = httpx2.get(
+        f"{hub.url}/api/models/{repo_id}/xet-write-token/main", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     grant = answer.json()
     assert answer.headers["X-Xet-Access-Token"] == grant["accessToken"] and grant["exp"] > 0
-    return httpx2.post(f"{grant['casUrl']}/{path}", content=body,
-                       headers={"Authorization": f"Bearer {grant['accessToken']}"})
+    return httpx2.post(
+        f"{grant['casUrl']}/{path}", content=body, headers={"Authorization": f"Bearer {grant['accessToken']}"}
+    )
 
 
-def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(staged_run, hub, tmp_path, token_env, xet):
+def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(
+    staged_run, hub, tmp_path, token_env, xet
+):
     hub.corrupt_next_xorb(times=50)  # one byte flipped after the client hashed the xorb, every try
     with pytest.raises(UploadInterrupted) as refused:
         publish_here(staged_run.stage, hub, "alice/corrupted", tmp_path)
@@ -452,7 +546,8 @@ def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(staged_ru
     answer = cas_post(hub, "alice/corrupted", f"v1/xorbs/default/{xorb.name}", bytes(data))
     assert answer.status_code == 400 and "refused" in answer.json()["error"]
     assert cas_post(hub, "alice/corrupted", f"v1/xorbs/default/{xorb.name}", xorb.read_bytes()).json() == {
-        "was_inserted": False}
+        "was_inserted": False
+    }
     # A shard whose file hash does not match its chunks is refused too, and records nothing.
     shard = bytearray(stored(hub, "shards")[0].read_bytes())
     shard[48] ^= 0x01  # first byte of the first file's hash
@@ -461,8 +556,9 @@ def test_corrupted_xorb_is_refused_by_the_cas_and_nothing_is_committed(staged_ru
     assert len(stored(hub, "shards")) == 1
 
 
-def test_xet_token_revoked_mid_upload_leaves_no_commit_and_a_rerun_lands_one(staged_run, hub, tmp_path,
-                                                                            token_env, xet):
+def test_xet_token_revoked_mid_upload_leaves_no_commit_and_a_rerun_lands_one(
+    staged_run, hub, tmp_path, token_env, xet
+):
     hub.expire_xet_tokens(after_requests=2)  # the token dies after the dedup queries, before the xorb
     with pytest.raises(UploadInterrupted) as refused:
         publish_here(staged_run.stage, hub, "alice/xet-revoked", tmp_path)
@@ -472,8 +568,9 @@ def test_xet_token_revoked_mid_upload_leaves_no_commit_and_a_rerun_lands_one(sta
     assert result.status == "published" and len(commit_titles(hub, "alice/xet-revoked")) == 2
 
 
-def test_xet_tokens_expiring_during_the_upload_are_refreshed_and_one_commit_lands(staged_run, tmp_path, token_env,
-                                                                                xet):
+def test_xet_tokens_expiring_during_the_upload_are_refreshed_and_one_commit_lands(
+    staged_run, tmp_path, token_env, xet
+):
     with LocalHub(tmp_path / "short", token=TOKEN, xet_token_ttl=2) as hub:  # shorter than one upload
         result = publish_here(staged_run.stage, hub, "alice/xet-refreshed", tmp_path)
         assert result.status == "published" and len(commit_titles(hub, "alice/xet-refreshed")) == 2
@@ -489,8 +586,9 @@ def test_rate_limited_commit_waits_retry_after_then_lands(staged_run, hub, tmp_p
     assert len(commit_titles(hub, "alice/limited")) == 2
 
 
-def test_retry_after_beyond_the_deadline_gives_up_at_once_without_committing(staged_run, hub, tmp_path, token_env,
-                                                                            waits):
+def test_retry_after_beyond_the_deadline_gives_up_at_once_without_committing(
+    staged_run, hub, tmp_path, token_env, waits
+):
     hub.rate_limit_next(times=1, retry_after=3600, method="POST", path=r"/commit/main$")
     with pytest.raises(PublishTimedOut) as refused:
         publish_here(staged_run.stage, hub, "alice/patient", tmp_path, timeout_s=60)
@@ -501,14 +599,17 @@ def test_retry_after_beyond_the_deadline_gives_up_at_once_without_committing(sta
     assert commit_titles(hub, "alice/patient") == ["initial commit"]
 
 
-def test_push_after_the_head_was_read_fails_with_412_and_overwrites_nothing(staged_run, hub, tmp_path, token_env,
-                                                                          monkeypatch):
+def test_push_after_the_head_was_read_fails_with_412_and_overwrites_nothing(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
     rival = api_for(hub)
     real_create_commit = HfApi.create_commit
 
     def someone_pushes_first(self, repo_id, operations, **kwargs):
         # Between our read of the head and our commit, another client pushes to the branch.
-        real_create_commit(rival, repo_id, [CommitOperationAdd("notes.txt", b"theirs\n")], commit_message="theirs")
+        real_create_commit(
+            rival, repo_id, [CommitOperationAdd("notes.txt", b"theirs\n")], commit_message="theirs"
+        )
         return real_create_commit(self, repo_id, operations, **kwargs)
 
     api_for(hub).create_repo("alice/contested")
@@ -534,8 +635,9 @@ def test_dry_run_plans_the_commit_and_sends_no_write_request(staged_run, hub, tm
     assert not (tmp_path / "receipts").exists()
 
 
-def test_upload_reuses_the_audit_sha256_instead_of_hashing_again(staged_run, hub, tmp_path, token_env,
-                                                                monkeypatch):
+def test_upload_reuses_the_audit_sha256_instead_of_hashing_again(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
     def hashed_again(fileobj, *args, **kwargs):
         raise AssertionError("the client hashed a staged file a second time")
 
@@ -545,12 +647,15 @@ def test_upload_reuses_the_audit_sha256_instead_of_hashing_again(staged_run, hub
     assert_holds_exactly_the_stage(hub, "alice/hashed-once", staged_run.stage)
 
 
-def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(staged_run, hub, tmp_path,
-                                                                               token_env):
+def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(
+    staged_run, hub, tmp_path, token_env
+):
     publish_here(staged_run.stage, hub, "alice/folder", tmp_path, path_in_repo="model")
-    api_for(hub).create_commit("alice/folder", [CommitOperationAdd("model/old.bin", b"\0old"),
-                                                CommitOperationAdd("notes.txt", b"outside\n")],
-                               commit_message="someone adds files")
+    api_for(hub).create_commit(
+        "alice/folder",
+        [CommitOperationAdd("model/old.bin", b"\0old"), CommitOperationAdd("notes.txt", b"outside\n")],
+        commit_message="someone adds files",
+    )
     before = len(commit_titles(hub, "alice/folder"))
     result = publish_here(staged_run.stage, hub, "alice/folder", tmp_path, path_in_repo="model")
     assert result.status == "published" and result.plan.deletions == ("model/old.bin",)
@@ -559,8 +664,9 @@ def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(
     assert {".gitattributes", "notes.txt"} <= set(api_for(hub).list_repo_files("alice/folder"))
 
 
-def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(staged_run, hub, tmp_path, token_env,
-                                                                         monkeypatch):
+def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
     real_create_commit = HfApi.create_commit
     card_sha = parse_manifest((staged_run.stage / "MANIFEST.sha256").read_bytes())["README.md"]
 
@@ -581,15 +687,20 @@ def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(stage
     assert record["verified"] is False and not record["files"]["README.md"]["ok"]
 
 
-def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(staged_run, run_copy, hub, tmp_path):
+def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(
+    staged_run, run_copy, hub, tmp_path
+):
     receipts = tmp_path / "receipts"
     api = api_for(hub)
     first = run_publish(staged_run.stage, hub, "alice/tagged", receipts, "--tag", "v1")
     assert first.returncode == 0, first.stdout + first.stderr
     main = api.repo_info("alice/tagged").sha
     assert [(t.name, t.target_commit) for t in api.list_repo_refs("alice/tagged").tags] == [("v1", main)]
-    pinned = Path(snapshot_download("alice/tagged", revision="v1", endpoint=hub.url, token=TOKEN,
-                                    cache_dir=tmp_path / "cache"))
+    pinned = Path(
+        snapshot_download(
+            "alice/tagged", revision="v1", endpoint=hub.url, token=TOKEN, cache_dir=tmp_path / "cache"
+        )
+    )
     assert (pinned / "meta.json").read_bytes() == (staged_run.stage / "meta.json").read_bytes()
     again = run_publish(staged_run.stage, hub, "alice/tagged", receipts, "--tag", "v1")
     assert again.returncode == 0 and "nothing to publish" in again.stdout, again.stdout + again.stderr
@@ -605,13 +716,16 @@ def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(sta
     assert api.repo_info("alice/tagged").sha == main, "the branch did not move"
     pulls = api.list_repo_refs("alice/tagged", include_pull_requests=True).pull_requests
     assert [p.ref for p in pulls] == ["refs/pr/1"]
-    proposed = api.hf_hub_download("alice/tagged", "README.md", revision="refs/pr/1", cache_dir=tmp_path / "c2")
+    proposed = api.hf_hub_download(
+        "alice/tagged", "README.md", revision="refs/pr/1", cache_dir=tmp_path / "c2"
+    )
     assert Path(proposed).read_bytes() == (changed.stage / "README.md").read_bytes()
     assert api.list_repo_commits("alice/tagged", revision="refs/pr/1")[0].commit_id == pulls[0].target_commit
 
 
-def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_weights_back(staged_run, hub, tmp_path,
-                                                                                            token_env, xet):
+def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_weights_back(
+    staged_run, hub, tmp_path, token_env, xet
+):
     hub.list_other_xet_hash()  # the weights' entry names other chunks than the ones uploaded
     with pytest.raises(VerificationFailed) as failed:
         publish_here(staged_run.stage, hub, "alice/other-chunks", tmp_path)
@@ -620,13 +734,17 @@ def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_w
     [receipt] = list((tmp_path / "receipts").glob("*.json"))
     record = json.loads(receipt.read_text())
     weights = record["files"]["modelo.safetensors"]
-    assert record["verified"] is False and (weights["storage"], weights["checked_by"]) == ("xet", "Hub Xet hash")
+    assert record["verified"] is False and (weights["storage"], weights["checked_by"]) == (
+        "xet",
+        "Hub Xet hash",
+    )
     assert [name for name, entry in record["files"].items() if not entry["ok"]] == ["modelo.safetensors"]
     assert hub.count("GET", r"/reconstructions/|/_xet/data/") == 0
 
 
-def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(staged_run, hub, tmp_path,
-                                                                                         token_env):
+def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(
+    staged_run, hub, tmp_path, token_env
+):
     hub.store_other_lfs_bytes()  # the first LFS file of the next commit: modelo.safetensors
     with pytest.raises(VerificationFailed) as failed:
         publish_here(staged_run.stage, hub, "alice/lost-bytes", tmp_path)
@@ -642,7 +760,8 @@ def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_veri
 
 @pytest.mark.parametrize("mtime_put_back", [False, True], ids=["plain", "mtime-put-back"])
 def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
-        staged_run, run_copy, hub, tmp_path, token_env, mtime_put_back):
+    staged_run, run_copy, hub, tmp_path, token_env, mtime_put_back
+):
     stage = run_copy(staged_run).stage
 
     def edit_when_committing(line: str) -> None:

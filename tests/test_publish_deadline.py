@@ -19,7 +19,12 @@ from pipeline.errors import PublishError
 
 from support import XET_FAST_RETRIES
 
-hf_env, hub, token_env, waits = test_publish.hf_env, test_publish.hub, test_publish.token_env, test_publish.waits
+hf_env, hub, token_env, waits = (
+    test_publish.hf_env,
+    test_publish.hub,
+    test_publish.token_env,
+    test_publish.waits,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
@@ -35,11 +40,13 @@ def timed_publish(stage, hub, repo_id, receipts, *args, **kwargs):
 
 
 def test_06_stops_within_its_timeout_when_every_xorb_or_shard_upload_fails_and_a_rerun_publishes_once(
-        staged_run, hub, tmp_path):
+    staged_run, hub, tmp_path
+):
     receipts, repo = tmp_path / "receipts", "alice/xet-deadline"
     hub.drop_next_xorb(times=100_000)  # every xorb upload is cut mid-body
-    dropped, elapsed = timed_publish(staged_run.stage, hub, repo, receipts, "--timeout", "10", protocol="xet",
-                                     env=XET_DEFAULTS)
+    dropped, elapsed = timed_publish(
+        staged_run.stage, hub, repo, receipts, "--timeout", "10", protocol="xet", env=XET_DEFAULTS
+    )
     line = error_line_after_uploads(dropped)
     assert elapsed < 30, elapsed
     assert "the Xet client gave up on the Xet xorb upload" in line and "10s --timeout" in line, line
@@ -48,8 +55,9 @@ def test_06_stops_within_its_timeout_when_every_xorb_or_shard_upload_fails_and_a
 
     hub.clear_faults()
     hub.fail_next_shard(times=100_000, status=503)  # the data lands, the file's registration never does
-    failed, elapsed = timed_publish(staged_run.stage, hub, repo, receipts, "--timeout", "10", protocol="xet",
-                                    env=XET_DEFAULTS)
+    failed, elapsed = timed_publish(
+        staged_run.stage, hub, repo, receipts, "--timeout", "10", protocol="xet", env=XET_DEFAULTS
+    )
     line = error_line_after_uploads(failed)
     assert elapsed < 30, elapsed
     assert "the Xet shard upload" in line and "503" in line and "nothing was committed" in line, line
@@ -68,31 +76,46 @@ def test_06_stops_within_its_timeout_when_every_xorb_or_shard_upload_fails_and_a
 
 def test_06_stops_within_its_timeout_when_every_lfs_preupload_fails(staged_run, hub, tmp_path):
     hub.rate_limit_next(times=100_000, retry_after=None, method="POST", path=r"/preupload/", status=503)
-    result, elapsed = timed_publish(staged_run.stage, hub, "alice/lfs-deadline", tmp_path / "receipts",
-                                    "--timeout", "2")
+    result, elapsed = timed_publish(
+        staged_run.stage, hub, "alice/lfs-deadline", tmp_path / "receipts", "--timeout", "2"
+    )
     line = error_line_after_uploads(result)
     # The client's own backoff between two tries (at most 8 s) may end past the deadline; no try starts after it.
     assert elapsed < 20, elapsed
     assert "ran out of its 2s --timeout while uploading and committing" in line, line
-    assert "the preupload request sent" in line and "last error: HTTP 503 to the preupload request" in line, line
+    assert "the preupload request sent" in line and "last error: HTTP 503 to the preupload request" in line, (
+        line
+    )
     assert "nothing was committed" in line, line
-    assert hub.count("POST", r"/commit/") == 0 and commit_titles(hub, "alice/lfs-deadline") == ["initial commit"]
+    assert hub.count("POST", r"/commit/") == 0 and commit_titles(hub, "alice/lfs-deadline") == [
+        "initial commit"
+    ]
 
 
 def test_a_503_on_the_first_read_and_a_429_on_repo_creation_are_retried_and_a_read_failing_for_good_is_one_line(
-        staged_run, hub, tmp_path, token_env, waits):
-    hub.rate_limit_next(times=1, retry_after=None, method="GET", path=r"/alice/retried/revision/main$", status=503)
+    staged_run, hub, tmp_path, token_env, waits
+):
+    hub.rate_limit_next(
+        times=1, retry_after=None, method="GET", path=r"/alice/retried/revision/main$", status=503
+    )
     hub.rate_limit_next(times=1, retry_after=3, method="POST", path=r"/api/repos/create$")
     said: list[str] = []
     result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path, say=said.append)
     assert result.status == "published" and waits == [1.0, 3.0], (waits, said)
-    assert hub.count("GET", r"/alice/retried/revision/main$") >= 3 and hub.count("POST", r"/api/repos/create$") == 2
+    assert (
+        hub.count("GET", r"/alice/retried/revision/main$") >= 3
+        and hub.count("POST", r"/api/repos/create$") == 2
+    )
     assert len(commit_titles(hub, "alice/retried")) == 2
-    assert any(line.startswith("creating the repo: HTTP 429 to the repo creation; retrying in 3s") for line in said)
+    assert any(
+        line.startswith("creating the repo: HTTP 429 to the repo creation; retrying in 3s") for line in said
+    )
 
     waits.clear()
     hub.reset_request_counts()
-    hub.rate_limit_next(times=100, retry_after=None, method="GET", path=r"/alice/down/revision/main$", status=502)
+    hub.rate_limit_next(
+        times=100, retry_after=None, method="GET", path=r"/alice/down/revision/main$", status=502
+    )
     with pytest.raises(PublishError) as refused:
         publish_here(staged_run.stage, hub, "alice/down", tmp_path)
     message = str(refused.value)

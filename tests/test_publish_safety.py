@@ -19,7 +19,15 @@ import pytest
 import test_publish
 from huggingface_hub import HfApi
 from test_leaks import SAMPLES
-from test_publish import TOKEN, api_for, commit_titles, one_error_line, publish_here, run_publish, write_requests
+from test_publish import (
+    TOKEN,
+    api_for,
+    commit_titles,
+    one_error_line,
+    publish_here,
+    run_publish,
+    write_requests,
+)
 
 from pipeline.audit import parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
@@ -27,8 +35,13 @@ from pipeline.publishing.client import Target
 from pipeline.publishing.deadline import Deadline
 
 # The loopback Hub fixtures of test_publish.py (hf_env and waits are autouse there, and so here).
-hf_env, hub, token_env, no_client_sleep, waits = (test_publish.hf_env, test_publish.hub, test_publish.token_env,
-                                                  test_publish.no_client_sleep, test_publish.waits)
+hf_env, hub, token_env, no_client_sleep, waits = (
+    test_publish.hf_env,
+    test_publish.hub,
+    test_publish.token_env,
+    test_publish.no_client_sleep,
+    test_publish.waits,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
@@ -54,22 +67,33 @@ def plant(stage: Path, text: str, name: str = "README.md") -> None:
         (stage / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     names = sorted(parse_manifest((stage / "MANIFEST.sha256").read_bytes()))
     (stage / "MANIFEST.sha256").write_text(
-        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    )
 
 
 PLANTED = {  # what is planted, and the words of the refusal; credential samples from test_leaks.py
     "hf_token_value": (f"\nask {TOKEN}\n", "the value of HF_TOKEN"),
     "hf_pattern": ("\nhf_" + "x9Y" * 12 + "\n", "an hf_ token"),
     "home_folder": (f"\nbuilt in {os.path.expanduser('~')}/work\n", "the home folder's path"),
-    "private_key": ("\n-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMG\n-----END PRIVATE KEY-----\n", "a PEM private key"),
-    **{kind: (f"\n{SAMPLES[kind][1]}\n", SAMPLES[kind][0]) for kind in ("aws-key", "github-token", "openai-key")},
+    "private_key": (
+        "\n-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMG\n-----END PRIVATE KEY-----\n",
+        "a PEM private key",
+    ),
+    **{
+        kind: (f"\n{SAMPLES[kind][1]}\n", SAMPLES[kind][0])
+        for kind in ("aws-key", "github-token", "openai-key")
+    },
 }
 
 
-@pytest.mark.parametrize(("planted", "place"), [(kind, "card") for kind in sorted(PLANTED)]
-                         + [(kind, "code") for kind in ("aws-key", "github-token", "openai-key")])
-def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(staged_run, run_copy, hub, tmp_path, planted,
-                                                                     place):
+@pytest.mark.parametrize(
+    ("planted", "place"),
+    [(kind, "card") for kind in sorted(PLANTED)]
+    + [(kind, "code") for kind in ("aws-key", "github-token", "openai-key")],
+)
+def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(
+    staged_run, run_copy, hub, tmp_path, planted, place
+):
     run = run_copy(staged_run)
     text, kind = PLANTED[planted]
     code = sorted(p.relative_to(run.stage).as_posix() for p in (run.stage / "code").rglob("*.py"))
@@ -89,13 +113,18 @@ def test_05_refuses_a_card_holding_cloud_keys_naming_each_and_keeps_the_stage(st
     keys = [SAMPLES[kind][1].split()[-1] for kind in ("aws-key", "github-token", "openai-key")]
     result = run.script("05_stage.py", "--set", f"card.description=Pull with {' or '.join(keys)}.")
     line = one_error_line(result)
-    assert line.startswith("error: README.md holds an AWS access key, a GitHub token and an OpenAI API key"), line
-    assert "nothing was staged" in line and not any(key[-12:] in result.stdout + result.stderr for key in keys)
+    assert line.startswith(
+        "error: README.md holds an AWS access key, a GitHub token and an OpenAI API key"
+    ), line
+    assert "nothing was staged" in line and not any(
+        key[-12:] in result.stdout + result.stderr for key in keys
+    )
     assert (run.stage / "README.md").read_bytes() == before
 
 
 def test_a_false_positive_allowed_by_the_config_is_staged_recorded_and_published_and_only_there(
-        staged_run, run_copy, hub, tmp_path):
+    staged_run, run_copy, hub, tmp_path
+):
     run = run_copy(staged_run)
     what, text = SAMPLES["jwt"]
     example = text.split()[-1]
@@ -119,7 +148,8 @@ def test_a_false_positive_allowed_by_the_config_is_staged_recorded_and_published
 
 
 def test_a_commit_whose_answer_is_withheld_is_found_on_the_branch_and_a_rerun_adds_nothing(
-        staged_run, hub, tmp_path):
+    staged_run, hub, tmp_path
+):
     hub.withhold_next_commit_answer()  # the Hub applies the commit, then never answers
     started = time.monotonic()
     first = run_publish(staged_run.stage, hub, "alice/lost", tmp_path / "receipts", "--timeout", "4")
@@ -138,7 +168,9 @@ def test_a_commit_that_times_out_without_landing_says_nothing_was_committed(stag
     hub.withhold_next_commit_answer(apply=False)
     result = run_publish(staged_run.stage, hub, "alice/timeout", tmp_path / "receipts", "--timeout", "3")
     line = error_line_after_uploads(result)
-    assert f"no answer from {hub.url} to the commit within" in line and "all the --timeout had left" in line, line
+    assert (
+        f"no answer from {hub.url} to the commit within" in line and "all the --timeout had left" in line
+    ), line
     assert "nothing was committed" in line
     assert "landed" not in line
     assert commit_titles(hub, "alice/timeout") == ["initial commit"]
@@ -158,8 +190,9 @@ def test_a_receipt_folder_that_cannot_be_written_is_refused_before_any_write(sta
     assert write_requests(hub) == 0
 
 
-def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(staged_run, hub, tmp_path,
-                                                                              token_env):
+def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(
+    staged_run, hub, tmp_path, token_env
+):
     receipts = tmp_path / "receipts"
 
     def receipt_folder_disappears(line: str) -> None:
@@ -179,7 +212,8 @@ def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(s
 
 
 def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_committed(
-        staged_run, hub, tmp_path, token_env, monkeypatch, no_client_sleep):
+    staged_run, hub, tmp_path, token_env, monkeypatch, no_client_sleep
+):
     real_create_commit = HfApi.create_commit
     card_sha = parse_manifest((staged_run.stage / "MANIFEST.sha256").read_bytes())["README.md"]
 
@@ -197,8 +231,15 @@ def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_c
 
 
 def test_the_token_is_not_in_the_repr_of_the_publish_target():
-    target = Target(HfApi(endpoint="http://127.0.0.1:1", token=TOKEN), "http://127.0.0.1:1", "alice/x", "main",
-                    "", TOKEN, Deadline(60))
+    target = Target(
+        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
+        "http://127.0.0.1:1",
+        "alice/x",
+        "main",
+        "",
+        TOKEN,
+        Deadline(60),
+    )
     assert TOKEN not in repr(target) and "alice/x" in repr(target)
 
 
@@ -234,30 +275,40 @@ def test_a_hub_that_accepts_but_never_answers_a_read_is_one_line_within_the_time
     try:
         started = time.monotonic()
         # Unbounded, 06 would wait for as long as the listener is open: subprocess.run's limit ends it.
-        result = run_publish(staged_run.stage, silent, "alice/silent", tmp_path / "receipts", "--timeout", "1",
-                             timeout=90)
+        result = run_publish(
+            staged_run.stage, silent, "alice/silent", tmp_path / "receipts", "--timeout", "1", timeout=90
+        )
         elapsed = time.monotonic() - started
     finally:
         listener.close()
     line = one_error_line(result)
     assert "ran out of its 1s --timeout while reading branch main" in line, line
-    assert f"no answer from {silent.url} to reading the branch head" in line and "nothing was committed" in line, line
+    assert (
+        f"no answer from {silent.url} to reading the branch head" in line and "nothing was committed" in line
+    ), line
     assert elapsed < 30, elapsed
 
 
-def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(staged_run, run_copy, hub, tmp_path,
-                                                                           token_env):
+def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(
+    staged_run, run_copy, hub, tmp_path, token_env
+):
     first = publish_here(staged_run.stage, hub, "alice/pr-lost", tmp_path)
     assert first.status == "published"
     changed = run_copy(staged_run)
     changed.ok("05_stage.py", "--set", "card.description=A second version.")
     api = api_for(hub)
-    api.upload_file(path_or_fileobj=b"a note\n", path_in_repo="notes.txt", repo_id="alice/pr-lost",
-                    commit_message="someone else's pull request", create_pr=True)
+    api.upload_file(
+        path_or_fileobj=b"a note\n",
+        path_in_repo="notes.txt",
+        repo_id="alice/pr-lost",
+        commit_message="someone else's pull request",
+        create_pr=True,
+    )
     hub.withhold_next_commit_answer()  # our pull request is opened, then its answer never comes
     lines: list[str] = []
-    result = publish_here(changed.stage, hub, "alice/pr-lost", tmp_path, create_pr=True, timeout_s=2,
-                          say=lines.append)
+    result = publish_here(
+        changed.stage, hub, "alice/pr-lost", tmp_path, create_pr=True, timeout_s=2, say=lines.append
+    )
     assert result.status == "published", result
     assert any("the answer to the commit was lost, but the commit landed" in line for line in lines), lines
     pulls = api.list_repo_refs("alice/pr-lost", include_pull_requests=True).pull_requests

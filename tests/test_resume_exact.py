@@ -43,7 +43,9 @@ def test_stop_at_5_then_resume_in_second_process_is_bitwise_equal(data_dir, refe
     assert first.returncode == 0, first.stderr
     assert CheckpointStore(tmp_path).committed_steps() == [5]
     # A different checkpoint interval after the resume: saving must not consume randomness.
-    second = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest", "--checkpoint-every", "3", *mode)
+    second = train(
+        data_dir, tmp_path, "--max-steps", "10", "--resume", "latest", "--checkpoint-every", "3", *mode
+    )
     assert second.returncode == 0, second.stderr
     assert_checkpoints_bitwise_equal(reference, tmp_path / "step-00000010")
     resumed, straight = verify_checkpoint(tmp_path / "step-00000010"), verify_checkpoint(reference)
@@ -83,11 +85,18 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     """
     total = 300
     straight = tmp_path / "straight"
-    assert train(data_dir, straight, "--max-steps", str(total), "--checkpoint-every", str(total)).returncode == 0
+    assert (
+        train(data_dir, straight, "--max-steps", str(total), "--checkpoint-every", str(total)).returncode == 0
+    )
 
     killed_dir = tmp_path / "killed"
-    overrides = {"data.dir": str(data_dir), "checkpoint.dir": str(killed_dir), "training.max_steps": total,
-                 "checkpoint.every": 1, "checkpoint.keep_last": 2}
+    overrides = {
+        "data.dir": str(data_dir),
+        "checkpoint.dir": str(killed_dir),
+        "training.max_steps": total,
+        "checkpoint.every": 1,
+        "checkpoint.keep_last": 2,
+    }
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["support", "pipeline.train", "torch._dynamo"])
     chooser = random.Random(20261130)
@@ -95,21 +104,27 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     while kills < KILLS:
         committed_before = max(CheckpointStore(killed_dir).committed_steps(), default=0)
         started = context.Event()
-        trainer = context.Process(target=train_until_killed, args=(str(REPO / "config.yaml"), overrides, started))
+        trainer = context.Process(
+            target=train_until_killed, args=(str(REPO / "config.yaml"), overrides, started)
+        )
         trainer.start()
         if started.wait(timeout=60):
             # Under load a kill could land before this run committed anything, which proves
             # nothing and, repeated, never moves the run on: wait for a save newer than the one
             # it resumed from, then kill at a random instant of the saves that follow.
             deadline = time.monotonic() + 60
-            while (max(CheckpointStore(killed_dir).committed_steps(), default=0) <= committed_before
-                   and time.monotonic() < deadline):
+            while (
+                max(CheckpointStore(killed_dir).committed_steps(), default=0) <= committed_before
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.005)
             time.sleep(chooser.uniform(0.0, 0.05))
             os.kill(trainer.pid, signal.SIGKILL)
             kills += 1
         trainer.join(timeout=60)
-        assert trainer.exitcode == -signal.SIGKILL, f"trainer ended with {trainer.exitcode} before it was killed"
+        assert trainer.exitcode == -signal.SIGKILL, (
+            f"trainer ended with {trainer.exitcode} before it was killed"
+        )
         steps = CheckpointStore(killed_dir).committed_steps()
         assert steps, "a killed run left no committed checkpoint"
         assert steps[-1] < total, f"the run finished before {KILLS} kills; raise the step count"
@@ -118,8 +133,18 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
     assert len(set(steps_seen)) > 5, f"kills did not land at varied steps: {steps_seen}"
 
     # The last leg saves only at the end: the interval does not change the numbers (tested above).
-    final = train(data_dir, killed_dir, "--max-steps", str(total), "--checkpoint-every", str(total),
-                  "--keep-last", "2", "--resume", "latest")
+    final = train(
+        data_dir,
+        killed_dir,
+        "--max-steps",
+        str(total),
+        "--checkpoint-every",
+        str(total),
+        "--keep-last",
+        "2",
+        "--resume",
+        "latest",
+    )
     assert final.returncode == 0, final.stderr
     assert not [p for p in killed_dir.iterdir() if p.name.startswith(".tmp-")], "stale temporary folder left"
     assert_checkpoints_bitwise_equal(straight / f"step-{total:08d}", killed_dir / f"step-{total:08d}")
@@ -131,10 +156,21 @@ def test_resume_after_sigkill_is_bitwise_equal(data_dir, tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT])
 def test_preemption_signal_finishes_the_step_checkpoints_and_says_how_to_resume(data_dir, tmp_path, signum):
     total = 400
-    command = [PYTHON, "-B", str(REPO / "scripts" / "02_train.py"), *data_args(data_dir), "--checkpoint-dir",
-               str(tmp_path), "--max-steps", str(total), "--checkpoint-every", "1000"]
-    process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    command = [
+        PYTHON,
+        "-B",
+        str(REPO / "scripts" / "02_train.py"),
+        *data_args(data_dir),
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--max-steps",
+        str(total),
+        "--checkpoint-every",
+        "1000",
+    ]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert _wait_for_training(process)
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)

@@ -31,8 +31,9 @@ def _env() -> dict[str, str]:
 
 def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     # The timeout only stops a hung run from blocking the suite; nothing asserts on time.
-    return run_python([REPO / "scripts" / name, "--config", REPO / "config.yaml", *args], cwd=cwd, env=_env(),
-                      timeout=900)
+    return run_python(
+        [REPO / "scripts" / name, "--config", REPO / "config.yaml", *args], cwd=cwd, env=_env(), timeout=900
+    )
 
 
 @dataclass
@@ -53,8 +54,9 @@ class Proof:
 def _prove(data_dir: Path, workdir: Path, *args: str) -> Proof:
     workdir.mkdir(parents=True, exist_ok=True)
     output = workdir / "proof"
-    result = _script("03_verify_resume.py", "--set", f"data.dir={data_dir}", "--output", str(output), *args,
-                     cwd=workdir)
+    result = _script(
+        "03_verify_resume.py", "--set", f"data.dir={data_dir}", "--output", str(output), *args, cwd=workdir
+    )
     return Proof(result, output, workdir)
 
 
@@ -93,9 +95,14 @@ def default_proof(data_dir, tmp_path_factory) -> Proof:
 @DEFAULT_PROOF
 def test_default_config_is_proven_bitwise_with_all_four_omissions_detected(default_proof):
     assert default_proof.result.returncode == 0, default_proof.result.stdout + default_proof.result.stderr
-    assert default_proof.summary == {"device": "cpu", "all_checks_passed": True, "positive": True,
-                                     "negative_divergence_detected": True, "failed_components": [],
-                                     "report": str(default_proof.output / "verification.json")}
+    assert default_proof.summary == {
+        "device": "cpu",
+        "all_checks_passed": True,
+        "positive": True,
+        "negative_divergence_detected": True,
+        "failed_components": [],
+        "report": str(default_proof.output / "verification.json"),
+    }
     report = default_proof.report
     assert report["completed"] and report["all_checks_passed"] and report["positive"]
     assert report["negative_divergence_detected"]
@@ -106,10 +113,19 @@ def test_default_config_is_proven_bitwise_with_all_four_omissions_detected(defau
     assert report["components"]["negative"]["scaler"]["result"] == "not exercised"
     # Measured differences are reported, zero included, and zero means bitwise here.
     positive = report["checks"]["positive"]
-    assert {c["name"] for c in positive} >= {"final.model", "final.optimizer", "final.scheduler", "final.data",
-                                              "final.rng", "final.losses", "final.learning_rates",
-                                              "after_cut.data_order", "boundary.rng_next_draws",
-                                              "final.rng_next_draws", "final.metric"}
+    assert {c["name"] for c in positive} >= {
+        "final.model",
+        "final.optimizer",
+        "final.scheduler",
+        "final.data",
+        "final.rng",
+        "final.losses",
+        "final.learning_rates",
+        "after_cut.data_order",
+        "boundary.rng_next_draws",
+        "final.rng_next_draws",
+        "final.metric",
+    }
     assert all(c["passed"] and c["max_abs_diff"] == 0.0 for c in positive), positive
     assert report["protocol"]["tolerance"] == {"atol": 0.0, "rtol": 0.0, "mode": "bitwise"}
 
@@ -126,7 +142,9 @@ def test_default_cut_lands_inside_an_epoch_with_a_reshuffle_after_the_resume(def
 @DEFAULT_PROOF
 def test_report_records_environment_sources_and_every_leg_command(default_proof):
     report, output = default_proof.report, default_proof.output
-    assert report["environment"]["python"] and report["environment"]["torch"] and report["environment"]["numpy"]
+    assert (
+        report["environment"]["python"] and report["environment"]["torch"] and report["environment"]["numpy"]
+    )
     reproduced = report["environment"]["reproduced"]
     assert reproduced["intra_op_threads"] == 1 and reproduced["deterministic_algorithms"] is True
     assert {"inter_op_threads", "cudnn_deterministic", "cudnn_benchmark", "device_type"} <= set(reproduced)
@@ -147,7 +165,8 @@ def test_report_records_environment_sources_and_every_leg_command(default_proof)
 
 @DEFAULT_PROOF
 def test_legs_sharing_a_process_with_two_dataloader_workers_end_bitwise_where_each_in_its_own_did(
-        default_proof, data_dir, tmp_path):
+    default_proof, data_dir, tmp_path
+):
     """--jobs 1: one process per phase (continuous then cut; resume, first in its fresh
     interpreter, then every control), and the samples read by 2 DataLoader workers. Every leg
     ends bitwise as in the default proof, where each leg had a process of its own and the
@@ -155,36 +174,66 @@ def test_legs_sharing_a_process_with_two_dataloader_workers_end_bitwise_where_ea
     the loader's position is really restored)."""
     packed = _prove(data_dir, tmp_path, "--jobs", "1", "--set", "data.num_workers=2")
     assert packed.result.returncode == 0, packed.result.stdout + packed.result.stderr
-    assert packed.report["protocol"]["data"] == {"mode": "dataset", "num_workers": 2, "stream_split": None,
-                                                 "source": "pipeline.tasks.regression.AugmentedRows"}
-    assert "inputs: dataset (pipeline.tasks.regression.AugmentedRows, 2 DataLoader workers)" in packed.result.stdout
+    assert packed.report["protocol"]["data"] == {
+        "mode": "dataset",
+        "num_workers": 2,
+        "stream_split": None,
+        "source": "pipeline.tasks.regression.AugmentedRows",
+    }
+    assert (
+        "inputs: dataset (pipeline.tasks.regression.AugmentedRows, 2 DataLoader workers)"
+        in packed.result.stdout
+    )
     assert default_proof.report["protocol"]["data"]["num_workers"] == 0
-    assert "running resume, omit-rng, omit-optimizer, omit-scheduler, omit-data (1 process)" in packed.result.stdout
+    assert (
+        "running resume, omit-rng, omit-optimizer, omit-scheduler, omit-data (1 process)"
+        in packed.result.stdout
+    )
     legs, alone = packed.report["protocol"]["legs"], default_proof.report["protocol"]["legs"]
     specs = {name: [arg for arg in leg["command"] if arg.endswith("spec.json")] for name, leg in legs.items()}
-    assert specs["continuous"] == specs["cut"] == [str(packed.output / n / "spec.json") for n in ("continuous", "cut")]
-    assert specs["resume"] == specs["omit-data"] == [str(packed.output / n / "spec.json") for n in
-                                                     ("resume", *(f"omit-{c}" for c in CONTROLS))]
+    assert (
+        specs["continuous"]
+        == specs["cut"]
+        == [str(packed.output / n / "spec.json") for n in ("continuous", "cut")]
+    )
+    assert (
+        specs["resume"]
+        == specs["omit-data"]
+        == [str(packed.output / n / "spec.json") for n in ("resume", *(f"omit-{c}" for c in CONTROLS))]
+    )
     assert all(len([a for a in leg["command"] if a.endswith("spec.json")]) == 1 for leg in alone.values())
     for name in legs:
         step = 5 if name == "cut" else 10
-        assert_checkpoints_bitwise_equal(default_proof.output / name / "checkpoints" / f"step-{step:08d}",
-                                         packed.output / name / "checkpoints" / f"step-{step:08d}")
+        assert_checkpoints_bitwise_equal(
+            default_proof.output / name / "checkpoints" / f"step-{step:08d}",
+            packed.output / name / "checkpoints" / f"step-{step:08d}",
+        )
         assert "error" not in (packed.output / name / "log.txt").read_text(), name  # each leg logged apart
     assert packed.report["components"] == default_proof.report["components"]
     assert packed.report["final_metrics"] == default_proof.report["final_metrics"]
 
 
 def test_a_leg_failing_in_a_shared_process_is_named_and_the_legs_after_it_never_run(data_dir, tmp_path):
-    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_once_per_process_data",
-                   "--jobs", "1", *FAST)
+    proof = _prove(
+        data_dir,
+        tmp_path,
+        "--set",
+        "data.factory=proof_factories:build_once_per_process_data",
+        "--jobs",
+        "1",
+        *FAST,
+    )
     assert proof.result.returncode == 2, proof.result.stdout + proof.result.stderr
     line = _one_line_error(proof.result)
     assert "leg cut exited with code 2: error: this task's data can be built once per process" in line, line
     report = json.loads((proof.output / "verification.json").read_text())
     assert report["completed"] is False and report["all_checks_passed"] is False
     codes = {name: leg["exit_code"] for name, leg in report["protocol"]["legs"].items()}
-    assert codes == {"continuous": 0, "cut": 2, **{name: None for name in codes if name not in ("continuous", "cut")}}
+    assert codes == {
+        "continuous": 0,
+        "cut": 2,
+        **{name: None for name in codes if name not in ("continuous", "cut")},
+    }
     assert (proof.output / "cut" / "log.txt").read_text().strip().endswith("built once per process")
     assert not (proof.output / "resume" / "log.txt").exists()
 
@@ -212,12 +261,21 @@ def test_cut_or_steps_outside_the_run_is_refused_before_the_output_exists(data_d
     assert not proof.output.exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc-per-node", "2"], "needs training.parallel ddp or fsdp2"),
-    (["--nproc-per-node", "1", "--set", "training.parallel=ddp"], "--nproc-per-node must be >= 2"),
-    (["--nproc-per-node", "2", "--set", "training.parallel=ddp", "--jobs", "2"], "--jobs applies to single-process"),
-], ids=["not-parallel", "one-process", "jobs"])
-def test_a_torchrun_proof_that_cannot_run_is_refused_before_the_output_exists(data_dir, tmp_path, args, message):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc-per-node", "2"], "needs training.parallel ddp or fsdp2"),
+        (["--nproc-per-node", "1", "--set", "training.parallel=ddp"], "--nproc-per-node must be >= 2"),
+        (
+            ["--nproc-per-node", "2", "--set", "training.parallel=ddp", "--jobs", "2"],
+            "--jobs applies to single-process",
+        ),
+    ],
+    ids=["not-parallel", "one-process", "jobs"],
+)
+def test_a_torchrun_proof_that_cannot_run_is_refused_before_the_output_exists(
+    data_dir, tmp_path, args, message
+):
     proof = _prove(data_dir, tmp_path, *args)
     assert proof.result.returncode == 2
     assert message in _one_line_error(proof.result)
@@ -233,7 +291,9 @@ def test_unprepared_data_is_refused_with_a_hint_to_run_01(tmp_path):
 
 @pytest.mark.heavy
 def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir, tmp_path):
-    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST, *PACKED)
+    proof = _prove(
+        data_dir, tmp_path, "--set", "data.factory=proof_factories:build_forgetful_data", *FAST, *PACKED
+    )
     assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
     summary, report = proof.summary, proof.report
     assert summary["positive"] is False and summary["all_checks_passed"] is False
@@ -246,23 +306,46 @@ def test_sampler_that_forgets_its_position_fails_the_proof_naming_data(data_dir,
 
 
 @pytest.mark.heavy
-def test_unexercised_rng_passes_and_a_control_that_cannot_diverge_fails_with_exit_1_naming_it(data_dir, tmp_path):
+def test_unexercised_rng_passes_and_a_control_that_cannot_diverge_fails_with_exit_1_naming_it(
+    data_dir, tmp_path
+):
     """One proof, two verdicts: the run draws no randomness at all (quiet data, no dropout, no
     shuffle), so leaving RNG out is "not exercised", which is not a failure; and the settling
     scheduler's control cannot diverge, which is. Only the scheduler is named."""
-    proof = _prove(data_dir, tmp_path, "--set", "data.factory=proof_factories:build_quiet_data",
-                   "--set", "model.params.dropout=0.0", "--set", "data.shuffle=false",
-                   "--set", "scheduler.factory=proof_factories:settling_scheduler", "--steps", "10", "--cut", "5", *FAST,
-                   *PACKED)
+    proof = _prove(
+        data_dir,
+        tmp_path,
+        "--set",
+        "data.factory=proof_factories:build_quiet_data",
+        "--set",
+        "model.params.dropout=0.0",
+        "--set",
+        "data.shuffle=false",
+        "--set",
+        "scheduler.factory=proof_factories:settling_scheduler",
+        "--steps",
+        "10",
+        "--cut",
+        "5",
+        *FAST,
+        *PACKED,
+    )
     assert proof.result.returncode == 1, proof.result.stdout + proof.result.stderr
     summary, controls = proof.summary, proof.report["components"]["negative"]
     assert summary["positive"] is True and summary["negative_divergence_detected"] is False
     assert summary["all_checks_passed"] is False and summary["failed_components"] == ["scheduler"]
     scheduler = controls["scheduler"]
-    assert scheduler["result"] == "not detected" and scheduler["exercised"] and scheduler["diverged_checks"] == {}
+    assert (
+        scheduler["result"] == "not detected"
+        and scheduler["exercised"]
+        and scheduler["diverged_checks"] == {}
+    )
     assert controls["rng"]["result"] == "not exercised" and not controls["rng"]["exercised"]
     # The RNG control still ran and was compared: leaving RNG out changed nothing at all.
-    assert proof.report["protocol"]["legs"]["omit-rng"]["exit_code"] == 0 and controls["rng"]["diverged_checks"] == {}
+    assert (
+        proof.report["protocol"]["legs"]["omit-rng"]["exit_code"] == 0
+        and controls["rng"]["diverged_checks"] == {}
+    )
     assert [controls[c]["result"] for c in ("optimizer", "data")] == ["detected"] * 2
 
 
@@ -271,9 +354,13 @@ def test_a_comparison_fails_on_any_difference_beyond_atol_and_measures_it():
 
     from pipeline.proof.compare import compare
 
-    same = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.0]), "n": 3}, 0.0)
+    same = compare(
+        "x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.0]), "n": 3}, 0.0
+    )
     assert same.passed and same.max_abs_diff == 0.0 and same.differing == 0
-    off = compare("x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.5]), "n": 3}, 0.0)
+    off = compare(
+        "x", "model", {"w": torch.tensor([1.0, 2.0]), "n": 3}, {"w": torch.tensor([1.0, 2.5]), "n": 3}, 0.0
+    )
     assert not off.passed and off.max_abs_diff == 0.5 and off.differing == 1 and off.first_difference == "w"
     assert compare("x", "model", {"w": torch.tensor([2.0])}, {"w": torch.tensor([2.5])}, 0.5).passed
     assert not compare("x", "model", 0.0, -0.0, 0.0).passed  # bitwise at atol 0

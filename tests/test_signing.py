@@ -35,10 +35,16 @@ def write_key(folder: Path, name: str, key=None) -> tuple[Path, Path]:
     key = key or ec.generate_private_key(ec.SECP256R1())
     private = folder / f"{name}.pem"
     public = folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return private, public
 
 
@@ -50,15 +56,30 @@ def fingerprint(public: Path) -> str:
 
 def stock_verify(public: Path, folder: Path) -> subprocess.CompletedProcess:
     """What the card tells a consumer to run on a download folder."""
-    return subprocess.run([str(CLI), "verify", "key", "--public_key", str(public), "--signature",
-                           str(folder / "model.sig"), "--ignore-paths", str(folder / ".cache"), "--allow_symlinks",
-                           str(folder)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            str(CLI),
+            "verify",
+            "key",
+            "--public_key",
+            str(public),
+            "--signature",
+            str(folder / "model.sig"),
+            "--ignore-paths",
+            str(folder / ".cache"),
+            "--allow_symlinks",
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def card_recipe(card: str) -> list[str]:
     """The lines of the shell block of the card's Signature section: install, download, verify."""
-    section = card[card.index("## Signature"):]
-    return section[section.index("```sh\n") + 6:section.index("\n```", section.index("```sh"))].splitlines()
+    section = card[card.index("## Signature") :]
+    return section[section.index("```sh\n") + 6 : section.index("\n```", section.index("```sh"))].splitlines()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +87,12 @@ def keys(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
     private, public = write_key(folder, "release")
     other_private, other_public = write_key(folder, "other")
-    return {"private": private, "public": public, "other_private": other_private, "other_public": other_public}
+    return {
+        "private": private,
+        "public": public,
+        "other_private": other_private,
+        "other_public": other_public,
+    }
 
 
 # The tests that read the signed stage go to one xdist worker, so it is signed once.
@@ -85,8 +111,17 @@ def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     run, result = signed_run
     stage = run.stage
     names = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
-    assert {"MANIFEST.sha256", "README.md", "meta.json", "model.sig", "modelo.safetensors", "signing_key.pub",
-            "training_curve.png", "config.json", "model.safetensors.index.json"} <= set(names)
+    assert {
+        "MANIFEST.sha256",
+        "README.md",
+        "meta.json",
+        "model.sig",
+        "modelo.safetensors",
+        "signing_key.pub",
+        "training_curve.png",
+        "config.json",
+        "model.safetensors.index.json",
+    } <= set(names)
     # The manifest lists everything but the signature; the signature covers everything else.
     manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
     assert set(manifest) == set(names) - {"MANIFEST.sha256", "model.sig"}
@@ -101,7 +136,8 @@ def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
         "pip install huggingface_hub model-signing==1.1.1 pyopenssl",
         "hf download alice/signed --local-dir model  # --revision <commit> for a fixed commit",
         "model_signing verify key --public_key model/signing_key.pub --signature model/model.sig "
-        "--ignore-paths model/.cache --allow_symlinks model"]
+        "--ignore-paths model/.cache --allow_symlinks model",
+    ]
     assert fingerprint(keys["public"]) in result.stdout
 
 
@@ -125,7 +161,9 @@ def test_an_unsigned_stage_says_so_in_its_card(staged_run):
 def test_a_key_inside_the_stage_or_of_an_unsupported_kind_is_refused(evaluated_run, run_copy, tmp_path):
     run = run_copy(evaluated_run)
     run.ok("05_stage.py")
-    before = {p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob('*') if p.is_file()}
+    before = {
+        p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob("*") if p.is_file()
+    }
     inside, _ = write_key(tmp_path, "inside")
     shutil.copy(inside, run.stage / "key.pem")
     line = run.refused("05_stage.py", "--sign-key", str(run.stage / "key.pem"))
@@ -134,15 +172,22 @@ def test_a_key_inside_the_stage_or_of_an_unsupported_kind_is_refused(evaluated_r
     edwards, _ = write_key(tmp_path, "edwards", ed25519.Ed25519PrivateKey.generate())
     line = run.refused("05_stage.py", "--sign-key", str(edwards))
     assert "ECDSA keys only" in line
-    assert {p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob('*') if p.is_file()} == before
+    assert {
+        p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob("*") if p.is_file()
+    } == before
 
 
 def test_sigstore_keyless_signing_refuses_in_one_line_when_offline(evaluated_run, run_copy, tmp_path):
     run = run_copy(evaluated_run)
     # Offline: every HTTPS request goes to a closed local port.
-    offline = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
-               "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-               "XDG_DATA_HOME": str(tmp_path / "data")}
+    offline = {
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "NO_PROXY": "",
+        "HOME": str(tmp_path),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+    }
     line = run.refused("05_stage.py", "--sign-sigstore", env=offline)
     assert "Sigstore keyless signing needs network access" in line and "--sign-key" in line
     assert not run.stage.exists()
@@ -151,7 +196,8 @@ def test_sigstore_keyless_signing_refuses_in_one_line_when_offline(evaluated_run
 @SIGNED_RUN
 @pytest.mark.heavy
 def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_and_one_flipped_byte_fails(
-        signed_run, keys, hub, tmp_path):
+    signed_run, keys, hub, tmp_path
+):
     """Acceptance: in a new virtualenv holding only what the card's pip line installs, the
     card's download step and verify command exit 0 as printed; the same command verifies the
     Hub-cache folder (symlinks) that the card's loading snippet downloads into. (Without
@@ -160,10 +206,14 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
     from fresh_venv import fresh_venv
 
     run, _ = signed_run
-    result = run_publish(run.stage, hub, "alice/signed", tmp_path / "receipts", "--sign-key", str(keys["private"]))
+    result = run_publish(
+        run.stage, hub, "alice/signed", tmp_path / "receipts", "--sign-key", str(keys["private"])
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"key fingerprint {fingerprint(keys['public'])}" in result.stdout
-    assert len(commit_titles(hub, "alice/signed")) == 2  # "initial commit" + ours: the signature in the same one
+    assert (
+        len(commit_titles(hub, "alice/signed")) == 2
+    )  # "initial commit" + ours: the signature in the same one
     [receipt] = (tmp_path / "receipts").glob("*.json")
     record = json.loads(receipt.read_text())
     assert record["signature"]["fingerprint"] == fingerprint(keys["public"])
@@ -175,17 +225,28 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
     user.mkdir()
 
     def as_user(line: str, bin_dir: Path) -> subprocess.CompletedProcess:
-        env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(bin_dir.parent),
-                   HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "user_hf_home"))
-        return subprocess.run(line, shell=True, cwd=user, env=env, capture_output=True, text=True, timeout=180)
+        env = {
+            key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))
+        }
+        env.update(
+            PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            VIRTUAL_ENV=str(bin_dir.parent),
+            HF_ENDPOINT=hub.url,
+            HF_TOKEN=TOKEN,
+            HF_HOME=str(tmp_path / "user_hf_home"),
+        )
+        return subprocess.run(
+            line, shell=True, cwd=user, env=env, capture_output=True, text=True, timeout=180
+        )
 
     clean = fresh_venv(tmp_path / "venv", requirements)
     for line in (download, verify):
         ran = as_user(line, clean)
         assert ran.returncode == 0, f"{line}\n{ran.stdout}\n{ran.stderr}"
-    cached = as_user("python -c 'from huggingface_hub import snapshot_download; print(snapshot_download(\"alice/signed\"))'",
-                     clean).stdout.strip()
+    cached = as_user(
+        "python -c 'from huggingface_hub import snapshot_download; print(snapshot_download(\"alice/signed\"))'",
+        clean,
+    ).stdout.strip()
     assert Path(cached, "modelo.safetensors").is_symlink()
     ran = as_user(verify.replace(" model/", f" {cached}/").removesuffix(" model") + f" {cached}", clean)
     assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -204,13 +265,15 @@ def regenerate_manifest(stage: Path) -> None:
     """What someone editing the stage by hand would do: `sha256sum` over the listed files again."""
     names = sorted(parse_manifest((stage / "MANIFEST.sha256").read_bytes()))
     (stage / "MANIFEST.sha256").write_text(
-        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    )
 
 
 @SIGNED_RUN
 @pytest.mark.parametrize("case", ["edited_after_signing", "another_key_given_to_06", "signature_removed"])
 def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
-        signed_run, keys, run_copy, hub, tmp_path, case):
+    signed_run, keys, run_copy, hub, tmp_path, case
+):
     run = run_copy(signed_run[0])
     args = ["--sign-key", str(keys["private"])]
     if case == "edited_after_signing":
@@ -222,9 +285,11 @@ def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
     else:
         (run.stage / "model.sig").unlink()
     line = one_error_line(run_publish(run.stage, hub, "alice/signed", tmp_path / "receipts", *args))
-    expected = {"edited_after_signing": "does not verify with --sign-key",
-                "another_key_given_to_06": "signed with another key",
-                "signature_removed": "no model.sig"}[case]
+    expected = {
+        "edited_after_signing": "does not verify with --sign-key",
+        "another_key_given_to_06": "signed with another key",
+        "signature_removed": "no model.sig",
+    }[case]
     assert expected in line, line
     assert write_requests(hub) == 0 and hub.count() == 0
     assert not (tmp_path / "receipts").exists()
@@ -241,24 +306,57 @@ def write_certificates(folder: Path, leaf_key_path: Path) -> tuple[Path, Path]:
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"test root {folder.name}")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-          .not_valid_after(now + datetime.timedelta(days=30))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     leaf_key = serialization.load_pem_private_key(leaf_key_path.read_bytes(), password=None)
-    leaf = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "model publisher")]))
-            .issuer_name(ca_name).public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "model publisher")]))
+        .issuer_name(ca_name)
+        .public_key(leaf_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     ca_path, leaf_path = folder / "root-ca.crt", folder / "publisher.crt"
     ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     leaf_path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
@@ -267,19 +365,42 @@ def write_certificates(folder: Path, leaf_key_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.heavy
 def test_certificate_signed_stage_publishes_with_its_root_and_is_refused_under_another_ca(
-        evaluated_run, run_copy, keys, hub, tmp_path):
+    evaluated_run, run_copy, keys, hub, tmp_path
+):
     run = run_copy(evaluated_run)
     (tmp_path / "ours").mkdir()
     (tmp_path / "theirs").mkdir()
     root, certificate = write_certificates(tmp_path / "ours", keys["private"])
     other_root, _ = write_certificates(tmp_path / "theirs", keys["private"])
-    run.ok("05_stage.py", "--sign-key", str(keys["private"]), "--sign-certificate", str(certificate),
-           "--sign-chain", str(root))
+    run.ok(
+        "05_stage.py",
+        "--sign-key",
+        str(keys["private"]),
+        "--sign-certificate",
+        str(certificate),
+        "--sign-chain",
+        str(root),
+    )
     assert "model_signing verify certificate --certificate_chain" in (run.stage / "README.md").read_text()
-    cli = subprocess.run([str(CLI), "verify", "certificate", "--certificate_chain", str(root), "--signature",
-                          str(run.stage / "model.sig"), str(run.stage)], capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [
+            str(CLI),
+            "verify",
+            "certificate",
+            "--certificate_chain",
+            str(root),
+            "--signature",
+            str(run.stage / "model.sig"),
+            str(run.stage),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0, cli.stdout + cli.stderr
-    line = one_error_line(run_publish(run.stage, hub, "alice/cert", tmp_path / "r1", "--verify-chain", str(other_root)))
+    line = one_error_line(
+        run_publish(run.stage, hub, "alice/cert", tmp_path / "r1", "--verify-chain", str(other_root))
+    )
     assert "does not verify against --verify-chain" in line and hub.count() == 0
     result = run_publish(run.stage, hub, "alice/cert", tmp_path / "r2", "--verify-chain", str(root))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -27,10 +27,20 @@ CONFIG = REPO / "config.yaml"
 def test_a_nan_loss_stops_training_under_fp16_amp_too(data_dir, tmp_path):
     from pipeline.train import train
 
-    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"),
-                                  "data.factory": "failure_factories:build_nan_after_data",
-                                  "training.amp": "fp16", "training.dtype": "float32"})
-    with pytest.raises(TrainingDiverged, match="loss is nan at step 3"), warnings.catch_warnings(record=True) as seen:
+    config = load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / "ck"),
+            "data.factory": "failure_factories:build_nan_after_data",
+            "training.amp": "fp16",
+            "training.dtype": "float32",
+        },
+    )
+    with (
+        pytest.raises(TrainingDiverged, match="loss is nan at step 3"),
+        warnings.catch_warnings(record=True) as seen,
+    ):
         warnings.simplefilter("always")
         train(config, progress=False)
     # The steps the GradScaler skipped move the schedule on without torch's order warning.
@@ -48,10 +58,14 @@ def test_prepared_data_is_fsynced_file_by_file_folder_by_folder_and_the_parent(t
 
     monkeypatch.setattr(durable, "step", recording_step)
     target = tmp_path / "data" / "nested"
-    config = load_config(CONFIG, {"data.dir": str(target), "data.prepare": "failure_factories:prepare_nested"})
+    config = load_config(
+        CONFIG, {"data.dir": str(target), "data.prepare": "failure_factories:prepare_nested"}
+    )
     prepare_data(config)
     temporary = next(p for name, p in synced if name == "fsync_temp" and p.parent == target.parent)
-    relative = {(name, p.relative_to(temporary).as_posix()) for name, p in synced if p.is_relative_to(temporary)}
+    relative = {
+        (name, p.relative_to(temporary).as_posix()) for name, p in synced if p.is_relative_to(temporary)
+    }
     files = {"top.bin", "sub/middle.bin", "sub/deeper/bottom.bin", "manifest.json"}
     assert {("fsync_file", f) for f in files} <= relative
     assert {("fsync_temp", f) for f in (".", "sub", "sub/deeper")} <= relative
@@ -74,17 +88,26 @@ def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged
     meta_path.write_text(json.dumps(meta) + " " * (16 * 1024 * 1024))  # still valid JSON
     digest = hashlib.sha256(meta_path.read_bytes()).hexdigest()
     manifest = run.stage / "MANIFEST.sha256"
-    manifest.write_text("".join(line if not line.endswith("  meta.json\n") else f"{digest}  meta.json\n"
-                                for line in manifest.read_text().splitlines(keepends=True)))
+    manifest.write_text(
+        "".join(
+            line if not line.endswith("  meta.json\n") else f"{digest}  meta.json\n"
+            for line in manifest.read_text().splitlines(keepends=True)
+        )
+    )
     with pytest.raises(StageAuditError, match="meta.json is .* bytes, over the 16777216-byte limit"):
         audit_stage(run.stage)
 
 
-@pytest.mark.parametrize("in_the_way, expected", [
-    ({"notes.txt": "mine", "old/": None, "a.bin": "x", "b.bin": "y"},
-     r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json"),
-    ("a file", r"exists and is not a folder"),
-])
+@pytest.mark.parametrize(
+    "in_the_way, expected",
+    [
+        (
+            {"notes.txt": "mine", "old/": None, "a.bin": "x", "b.bin": "y"},
+            r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json",
+        ),
+        ("a file", r"exists and is not a folder"),
+    ],
+)
 def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_the_way, expected):
     target = tmp_path / "data"
     if isinstance(in_the_way, dict):
@@ -93,12 +116,16 @@ def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_th
             (target / name).mkdir() if text is None else (target / name).write_text(text)
     else:
         target.write_text(in_the_way)
-    before = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
-                    for p in tmp_path.rglob("*"))
+    before = sorted(
+        (p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
+        for p in tmp_path.rglob("*")
+    )
     with pytest.raises(DataError, match=expected):
         prepare_data(load_config(CONFIG, {"data.dir": str(target)}))
-    after = sorted((p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
-                   for p in tmp_path.rglob("*"))
+    after = sorted(
+        (p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
+        for p in tmp_path.rglob("*")
+    )
     assert after == before
 
 
@@ -106,4 +133,8 @@ def test_01_prepares_into_an_empty_folder(tmp_path):
     target = tmp_path / "data"
     target.mkdir()
     folder, manifest, changed = prepare_data(load_config(CONFIG, {"data.dir": str(target)}))
-    assert changed and (target / "manifest.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    assert (
+        changed
+        and (target / "manifest.json").is_file()
+        and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    )

@@ -27,8 +27,15 @@ from pipeline.run import build_model
 from pipeline.stage import build_stage
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
-STAGED = {"modelo.safetensors", "meta.json", "README.md", "training_curve.png", "MANIFEST.sha256", "config.json",
-          "model.safetensors.index.json"}
+STAGED = {
+    "modelo.safetensors",
+    "meta.json",
+    "README.md",
+    "training_curve.png",
+    "MANIFEST.sha256",
+    "config.json",
+    "model.safetensors.index.json",
+}
 # The default model's factory module, shipped under code/ with the local modules it imports.
 FACTORY_SOURCE = "code/pipeline/tasks/mlp.py"
 
@@ -36,6 +43,8 @@ FACTORY_SOURCE = "code/pipeline/tasks/mlp.py"
 def staged_files(stage: Path) -> set[str]:
     """Every file of a stage, as a relative path."""
     return {p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()}
+
+
 # Built by concatenation so this file itself never holds a token-shaped string.
 FAKE_TOKEN = "hf_" + "Zq7" * 12
 
@@ -45,13 +54,16 @@ def sha256(path: Path) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def leftovers(run) -> list[str]:
     """Hidden temporary or set-aside stages next to hub_stage/."""
-    return sorted(p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage")
-                  and p.name != ".hub_stage.lock")
+    return sorted(
+        p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage") and p.name != ".hub_stage.lock"
+    )
 
 
 def staged_meta(run) -> dict:
@@ -85,9 +97,14 @@ def poison_weights(checkpoint: Path) -> str:
 
 # -- the stage --------------------------------------------------------------------------
 
+
 def test_stage_verifies_with_sha256sum_c(staged_run):
-    result = subprocess.run(["sha256sum", "--check", "--strict", "MANIFEST.sha256"], cwd=staged_run.stage,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["sha256sum", "--check", "--strict", "MANIFEST.sha256"],
+        cwd=staged_run.stage,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     files = staged_files(staged_run.stage)
     assert sorted(result.stdout.splitlines()) == sorted(f"{name}: OK" for name in files - {"MANIFEST.sha256"})
@@ -97,13 +114,18 @@ def test_stage_verifies_with_sha256sum_c(staged_run):
 
 def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
     checkpoint = staged_run.checkpoint
-    assert (staged_run.stage / "modelo.safetensors").read_bytes() == (checkpoint / "modelo.safetensors").read_bytes()
+    assert (staged_run.stage / "modelo.safetensors").read_bytes() == (
+        checkpoint / "modelo.safetensors"
+    ).read_bytes()
     source = json.loads((checkpoint / "meta.json").read_text())
     meta = staged_meta(staged_run)
     assert meta["step"] == source["step"] == 10
     assert meta["files"]["modelo.safetensors"] == source["files"]["modelo.safetensors"]
-    assert meta["source_checkpoint"] == {"folder": "step-00000010", "schema": source["schema"],
-                                         "meta_file_sha256": sha256(checkpoint / "meta.json")}
+    assert meta["source_checkpoint"] == {
+        "folder": "step-00000010",
+        "schema": source["schema"],
+        "meta_file_sha256": sha256(checkpoint / "meta.json"),
+    }
     assert meta["provenance"]["fingerprints"] == source["fingerprints"]
     assert meta["provenance"]["versions"] == source["versions"]
     assert meta["metrics"]["values"] == json.loads(staged_run.metrics.read_text())["metrics"]
@@ -111,8 +133,21 @@ def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
 
 def test_staged_record_carries_no_optimizer_or_rng_internals(staged_run):
     meta = staged_meta(staged_run)
-    assert set(meta) == {"schema", "step", "config", "model", "export", "repo_id", "training", "metrics",
-                         "provenance", "source_checkpoint", "checks", "files", "proof"}
+    assert set(meta) == {
+        "schema",
+        "step",
+        "config",
+        "model",
+        "export",
+        "repo_id",
+        "training",
+        "metrics",
+        "provenance",
+        "source_checkpoint",
+        "checks",
+        "files",
+        "proof",
+    }
     text = (staged_run.stage / "meta.json").read_text()
     for internal in ("training_state", "exp_avg", "torch_cpu", "numpy_generator", "permutation"):
         assert internal not in text
@@ -147,17 +182,25 @@ def test_a_card_staged_without_repo_id_names_no_repo_and_loads_from_any_download
 
     card = (staged_run.stage / "README.md").read_text(encoding="utf-8")
     assert "repo_id" not in first_python_block(card)
-    download = f"import shutil\nshutil.copytree({str(staged_run.stage)!r}, 'model')\n"  # what `hf download` leaves
-    check = ("\nimport torch\nfrom safetensors.torch import load_file\n"
-             "assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file('model/modelo.safetensors').items())\n"
-             "print('LOADED', type(model).__name__)\n")
-    result = run_as_hub_user(download + first_python_block(card) + check, tmp_path / "reader", "http://127.0.0.1:9", "x")
+    download = (
+        f"import shutil\nshutil.copytree({str(staged_run.stage)!r}, 'model')\n"  # what `hf download` leaves
+    )
+    check = (
+        "\nimport torch\nfrom safetensors.torch import load_file\n"
+        "assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file('model/modelo.safetensors').items())\n"
+        "print('LOADED', type(model).__name__)\n"
+    )
+    result = run_as_hub_user(
+        download + first_python_block(card) + check, tmp_path / "reader", "http://127.0.0.1:9", "x"
+    )
     assert result.returncode == 0 and "LOADED MLP" in result.stdout, result.stdout + result.stderr
 
 
 def test_staged_weights_reproduce_the_recorded_metric_exactly(staged_run):
     meta = staged_meta(staged_run)
-    config = config_from_dict({**meta["config"], "data": {**meta["config"]["data"], "dir": str(staged_run.data_dir)}})
+    config = config_from_dict(
+        {**meta["config"], "data": {**meta["config"]["data"], "dir": str(staged_run.data_dir)}}
+    )
     model = build_model(config)
     load_model_weights(model, load_file(staged_run.stage / "modelo.safetensors"))
     metrics = load_task_data(config).evaluate(model, torch.device("cpu"))
@@ -199,6 +242,7 @@ def test_reevaluating_the_same_weights_then_restaging_changes_no_byte(staged_run
 
 # -- refusals ---------------------------------------------------------------------------
 
+
 def flip_a_weight_byte(run):
     path = run.checkpoint / "modelo.safetensors"
     data = bytearray(path.read_bytes())
@@ -233,7 +277,9 @@ def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(staged_r
         build_stage(in_process_config(run), stage_dir=run.stage, with_metrics=False)
     assert snapshot(run.stage) == before
     assert leftovers(run) == []
-    result = build_stage(in_process_config(run), stage_dir=tmp_path / "stage", with_metrics=False, allow_nonfinite=True)
+    result = build_stage(
+        in_process_config(run), stage_dir=tmp_path / "stage", with_metrics=False, allow_nonfinite=True
+    )
     assert result.nonfinite == [name]
     assert "NaN or infinite" in (tmp_path / "stage" / "README.md").read_text()
 
@@ -244,8 +290,11 @@ def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, 
     monkeypatch.setenv("HF_TOKEN", secret)
     before = snapshot(run.stage)
     with pytest.raises(SecretInStage, match="the value of HF_TOKEN") as refused:
-        build_stage(in_process_config(run, **{"card.description": f"internal key {secret}"}), stage_dir=run.stage,
-                    metrics=run.metrics)
+        build_stage(
+            in_process_config(run, **{"card.description": f"internal key {secret}"}),
+            stage_dir=run.stage,
+            metrics=run.metrics,
+        )
     assert secret not in str(refused.value)
     assert snapshot(run.stage) == before
 
@@ -256,7 +305,9 @@ def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy, other):
     record = json.loads(run.metrics.read_text())
     record.update(other)  # another step, or the same step of other weights
     run.metrics.write_text(json.dumps(record))
-    with pytest.raises(StageError, match=r"rerun \S+ scripts/04_evaluate\.py .*--checkpoint \S+step-00000010"):
+    with pytest.raises(
+        StageError, match=r"rerun \S+ scripts/04_evaluate\.py .*--checkpoint \S+step-00000010"
+    ):
         build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert not run.stage.exists()
 
@@ -270,9 +321,13 @@ def test_latest_is_the_newest_committed_checkpoint_never_a_temporary_folder(eval
     poison_weights(temporary)
     result = build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert result.step == 10 and result.source.name == "step-00000010"
-    assert (run.stage / "modelo.safetensors").read_bytes() == (run.checkpoint / "modelo.safetensors").read_bytes()
+    assert (run.stage / "modelo.safetensors").read_bytes() == (
+        run.checkpoint / "modelo.safetensors"
+    ).read_bytes()
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
-        build_stage(in_process_config(run), checkpoint=temporary, stage_dir=run.root / "other", with_metrics=False)
+        build_stage(
+            in_process_config(run), checkpoint=temporary, stage_dir=run.root / "other", with_metrics=False
+        )
 
 
 def test_a_folder_not_built_by_05_is_never_replaced(evaluated_run, run_copy):
@@ -285,6 +340,7 @@ def test_a_folder_not_built_by_05_is_never_replaced(evaluated_run, run_copy):
 
 
 # -- audit ------------------------------------------------------------------------------
+
 
 def test_audit_returns_the_verified_sha256_and_size_of_every_file_to_upload(staged_run):
     audited = audit_stage(staged_run.stage)
@@ -325,7 +381,11 @@ def disagree_with_meta(stage):
     meta = json.loads((stage / "meta.json").read_text())
     meta["files"]["modelo.safetensors"]["sha256"] = "0" * 64
     (stage / "meta.json").write_text(json.dumps(meta))
-    lines = [line for line in (stage / "MANIFEST.sha256").read_text().splitlines() if not line.endswith("meta.json")]
+    lines = [
+        line
+        for line in (stage / "MANIFEST.sha256").read_text().splitlines()
+        if not line.endswith("meta.json")
+    ]
     lines.append(f"{sha256(stage / 'meta.json')}  meta.json")
     (stage / "MANIFEST.sha256").write_text("\n".join(lines) + "\n")
     return "meta.json records a different SHA-256"
@@ -337,8 +397,18 @@ def binary_mode_manifest_line(stage):
     return "line"
 
 
-@pytest.mark.parametrize("tamper", [add_file, change_card, remove_curve, add_link, add_folder, disagree_with_meta,
-                                    binary_mode_manifest_line])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        add_file,
+        change_card,
+        remove_curve,
+        add_link,
+        add_folder,
+        disagree_with_meta,
+        binary_mode_manifest_line,
+    ],
+)
 def test_audit_rejects_a_stage_changed_after_it_was_built(staged_run, tmp_path, tamper):
     stage = tmp_path / "hub_stage"
     shutil.copytree(staged_run.stage, stage)
@@ -365,9 +435,10 @@ def _same_size_edit(path: Path) -> None:
 def test_audit_refuses_a_same_size_edit_of_each_staged_file(staged_run, tmp_path, name):
     stage = tmp_path / "hub_stage"
     shutil.copytree(staged_run.stage, stage)
-    named = sorted(STAGED - {"MANIFEST.sha256"})[0] if name == "MANIFEST.sha256" else name  # its first line's file
+    named = (
+        sorted(STAGED - {"MANIFEST.sha256"})[0] if name == "MANIFEST.sha256" else name
+    )  # its first line's file
     _same_size_edit(stage / name)
     assert (stage / name).stat().st_size == (staged_run.stage / name).stat().st_size
     with pytest.raises(StageAuditError, match=named):
         audit_stage(stage)
-

@@ -29,9 +29,14 @@ def roundtrip(obj, tmp_path):
 
 def test_adamw_state_with_groups_round_trips_exactly(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
-    optimizer = torch.optim.AdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
-                                   {"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias],
-                                    "weight_decay": 0.0}], lr=1e-3, betas=(0.8, 0.95))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+            {"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.8, 0.95),
+    )
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
@@ -44,11 +49,17 @@ def test_adamw_state_with_groups_round_trips_exactly(tmp_path):
             assert torch.equal(back["state"][index][key], value), (index, key)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
-                                   torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool],
+)
 def test_streamed_safetensors_file_reads_back_with_plain_safetensors(tmp_path, dtype):
-    tensors = {"matrix": (torch.arange(12) % 3).to(dtype).reshape(3, 4), "scalar": torch.tensor(1).to(dtype),
-               "empty": torch.zeros(0, 2, dtype=dtype), "strided": torch.ones(4, 4, dtype=dtype)[:, 1]}
+    tensors = {
+        "matrix": (torch.arange(12) % 3).to(dtype).reshape(3, 4),
+        "scalar": torch.tensor(1).to(dtype),
+        "empty": torch.zeros(0, 2, dtype=dtype),
+        "strided": torch.ones(4, 4, dtype=dtype)[:, 1],
+    }
     sha, size = write_safetensors(tmp_path / "t.safetensors", tensors, metadata={"k": "v"})
     assert size == (tmp_path / "t.safetensors").stat().st_size
     from pipeline.hashing import sha256_file
@@ -65,13 +76,27 @@ def test_rng_restore_reproduces_every_family_and_peeking_draws_nothing():
     state = capture_rng(generator)
     peeked = peek_next_draws(generator)
     assert peek_next_draws(generator) == peeked, "peeking changed the live generators"
-    expected = (random.random(), generator.random(), np.random.random_sample(), torch.rand(1, dtype=torch.float64))
+    expected = (
+        random.random(),
+        generator.random(),
+        np.random.random_sample(),
+        torch.rand(1, dtype=torch.float64),
+    )
     seed_everything(99)
     restore_rng(state, generator, need_cuda=False)
-    again = (random.random(), generator.random(), np.random.random_sample(), torch.rand(1, dtype=torch.float64))
+    again = (
+        random.random(),
+        generator.random(),
+        np.random.random_sample(),
+        torch.rand(1, dtype=torch.float64),
+    )
     assert again[:3] == expected[:3] and torch.equal(again[3], expected[3])
-    assert peeked == {"python": expected[0], "numpy_generator": expected[1], "numpy_legacy": expected[2],
-                      "torch_cpu": float(expected[3])}
+    assert peeked == {
+        "python": expected[0],
+        "numpy_generator": expected[1],
+        "numpy_legacy": expected[2],
+        "torch_cpu": float(expected[3]),
+    }
 
 
 def test_rng_state_missing_a_family_is_refused():
@@ -87,7 +112,9 @@ def test_sampler_resumes_mid_epoch_and_reshuffles_identically(tmp_path):
     batches = [straight.next_indices() for _ in range(7)]
     assert [len(b) for b in batches[:3]] == [4, 4, 2], "the last batch of an epoch is short without drop_last"
     epochs = [sum(batches[:3], []), sum(batches[3:6], [])]
-    assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1], "each epoch reshuffles"
+    assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1], (
+        "each epoch reshuffles"
+    )
 
     generator = np.random.Generator(np.random.PCG64(3))
     first = EpochSampler(10, 4, generator)
@@ -154,17 +181,20 @@ def test_determinism_switch_is_on_after_building_a_run():
 
     from support import PYTHON, REPO
 
-    probe = ("import sys, torch\n"
-             "from pipeline.config import load_config\n"
-             "from pipeline.run import configure_determinism\n"
-             "configure_determinism(load_config(sys.argv[1]))\n"
-             "assert torch.are_deterministic_algorithms_enabled()\n"
-             "assert 'torch._inductor' not in sys.modules\n"
-             "import torch._inductor.config as inductor\n"
-             "configure_determinism(load_config(sys.argv[1]))\n"
-             "assert inductor.deterministic is True\n")
-    result = subprocess.run([PYTHON, "-c", probe, str(REPO / "config.yaml")], capture_output=True, text=True,
-                            timeout=120)
+    probe = (
+        "import sys, torch\n"
+        "from pipeline.config import load_config\n"
+        "from pipeline.run import configure_determinism\n"
+        "configure_determinism(load_config(sys.argv[1]))\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert 'torch._inductor' not in sys.modules\n"
+        "import torch._inductor.config as inductor\n"
+        "configure_determinism(load_config(sys.argv[1]))\n"
+        "assert inductor.deterministic is True\n"
+    )
+    result = subprocess.run(
+        [PYTHON, "-c", probe, str(REPO / "config.yaml")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -189,12 +219,19 @@ def test_state_that_cannot_be_saved_fails_before_the_first_step(data_dir, tmp_pa
 
     from support import REPO
 
-    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir),
-                                                 "checkpoint.dir": str(tmp_path / "ckpt"),
-                                                 "scheduler.factory": "test_state_roundtrip:unsaveable_scheduler",
-                                                 "scheduler.params": {}})
+    config = load_config(
+        REPO / "config.yaml",
+        {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / "ckpt"),
+            "scheduler.factory": "test_state_roundtrip:unsaveable_scheduler",
+            "scheduler.params": {},
+        },
+    )
     steps = []
-    with pytest.raises(CheckpointError, match=r"cannot be checkpointed: cannot save set at 'scheduler/lr_lambdas"):
+    with pytest.raises(
+        CheckpointError, match=r"cannot be checkpointed: cannot save set at 'scheduler/lr_lambdas"
+    ):
         train(config, progress=False, hooks=TrainingHooks(on_step=lambda run: steps.append(run.step)))
     assert steps == []
 
@@ -209,8 +246,13 @@ def test_amp_grad_scaler_state_round_trips_and_a_mismatch_is_refused(data_dir):
 
     config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "training.amp": "fp16"})
     source = build_run(config, torch.device("cpu"))
-    saved = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-             "_growth_tracker": 7}
+    saved = {
+        "scale": 1024.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 7,
+    }
     source.scaler.load_state_dict(saved)
     model_tensors, state, tensors = capture_state(source)
     target = build_run(config, torch.device("cpu"))
@@ -228,8 +270,10 @@ def test_warmup_cosine_rises_linearly_then_decays_to_the_floor_at_max_steps():
 
     from support import REPO
 
-    config = load_config(REPO / "config.yaml", {"training.max_steps": 12, "scheduler.params": {
-        "warmup_steps": 4, "min_ratio": 0.1}})
+    config = load_config(
+        REPO / "config.yaml",
+        {"training.max_steps": 12, "scheduler.params": {"warmup_steps": 4, "min_ratio": 0.1}},
+    )
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
     scheduler = warmup_cosine(optimizer, config)
     rates = []

@@ -53,11 +53,23 @@ print(json.dumps({"step": result.step, "network_modules": network}))
 
 
 def test_training_sends_no_request_and_imports_no_network_client(recording_server, data_dir, tmp_path):
-    env = script_env(HF_ENDPOINT=recording_server, HTTP_PROXY=recording_server, HTTPS_PROXY=recording_server,
-                     ALL_PROXY=recording_server, http_proxy=recording_server, https_proxy=recording_server,
-                     HF_TOKEN="hf_" + "x" * 34)
-    result = subprocess.run([PYTHON, "-c", PROBE, str(REPO / "config.yaml"), str(data_dir), str(tmp_path / "ckpt")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env = script_env(
+        HF_ENDPOINT=recording_server,
+        HTTP_PROXY=recording_server,
+        HTTPS_PROXY=recording_server,
+        ALL_PROXY=recording_server,
+        http_proxy=recording_server,
+        https_proxy=recording_server,
+        HF_TOKEN="hf_" + "x" * 34,
+    )
+    result = subprocess.run(
+        [PYTHON, "-c", PROBE, str(REPO / "config.yaml"), str(data_dir), str(tmp_path / "ckpt")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["step"] == 6

@@ -23,8 +23,9 @@ def test_this_process_and_script_subprocesses_import_the_tree_under_test(tmp_pat
     assert Path(pipeline.__file__).resolve() == REPO / "pipeline" / "__init__.py"
     code = "import pipeline, support; print(pipeline.__file__); print(support.__file__)"
     for env in (script_env(), None):  # None: a subprocess that inherits this process's environment
-        out = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            [PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         assert [Path(p).resolve() for p in out] == [REPO / "pipeline" / "__init__.py", HELPERS / "support.py"]
     assert sys.path[0] in (str(REPO), str(REPO / "tests"), str(HELPERS))
 
@@ -36,12 +37,14 @@ def test_a_script_forked_from_the_zygote_sees_what_a_real_exec_sees(tmp_path):
     # own here (TORCHINDUCTOR_CACHE_DIR), which must not turn every later run into an exec.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     probe = tmp_path / "probe.py"
-    probe.write_text("import json, os, sys, pipeline\n"
-                     "print(json.dumps([sys.argv, os.getcwd(), os.environ.get('PROBE'), pipeline.__file__,\n"
-                     "                  sys.path[0], sys.flags.dont_write_bytecode]))\n"
-                     "print(os.getppid())\n"
-                     "print('to stderr', file=sys.stderr)\n"
-                     "sys.exit(3)\n")
+    probe.write_text(
+        "import json, os, sys, pipeline\n"
+        "print(json.dumps([sys.argv, os.getcwd(), os.environ.get('PROBE'), pipeline.__file__,\n"
+        "                  sys.path[0], sys.flags.dont_write_bytecode]))\n"
+        "print(os.getppid())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
     env = script_env(PROBE="x y")
     forked = run_python([probe, "a", "b c"], cwd=tmp_path, env=env)
     execed = run_python([probe, "a", "b c"], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "3"})
@@ -49,7 +52,13 @@ def test_a_script_forked_from_the_zygote_sees_what_a_real_exec_sees(tmp_path):
     assert forked.stderr == execed.stderr == "to stderr\n"
     seen, parent = forked.stdout.splitlines()
     assert seen == execed.stdout.splitlines()[0]
-    assert json.loads(seen) == [[str(probe), "a", "b c"], str(tmp_path), "x y", str(REPO / "pipeline" / "__init__.py"),
-                                str(tmp_path), True]
+    assert json.loads(seen) == [
+        [str(probe), "a", "b c"],
+        str(tmp_path),
+        "x y",
+        str(REPO / "pipeline" / "__init__.py"),
+        str(tmp_path),
+        True,
+    ]
     # The forked one is a child of the zygote, the other one of this process.
     assert int(parent) != os.getpid() and int(execed.stdout.splitlines()[1]) == os.getpid()

@@ -54,6 +54,7 @@ def refused(folder: Path, *fragments: str, error: type[PipelineError] = Pipeline
 
 # -- 1. meta.json covers itself --------------------------------------------------------------
 
+
 def test_the_seal_is_the_three_lines_of_the_readme(folder):
     meta = read_meta_json(folder)
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
@@ -149,6 +150,7 @@ def test_a_flipped_meta_byte_is_refused_by_the_real_script(trained_run, run_copy
 
 # -- 2. one strict safetensors parser --------------------------------------------------------
 
+
 def tensor_file(header: dict | bytes, data: bytes) -> bytes:
     raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -157,7 +159,7 @@ def tensor_file(header: dict | bytes, data: bytes) -> bytes:
 
 def _split(original: bytes) -> tuple[dict, bytes]:
     length = int.from_bytes(original[:8], "little")
-    return json.loads(original[8:8 + length]), original[8 + length:]
+    return json.loads(original[8 : 8 + length]), original[8 + length :]
 
 
 def _by_offset(header: dict) -> list[str]:
@@ -188,18 +190,29 @@ def hostile_variants(original: bytes) -> dict[str, bytes]:
     return {
         "overlapping ranges": edited(overlap),
         "a hole between tensors": edited(hole),
-        "data not starting at 0": edited(lambda h: [h[n].__setitem__("data_offsets", [o + 8 for o in h[n]["data_offsets"]])
-                                                    for n in _by_offset(h)]),
+        "data not starting at 0": edited(
+            lambda h: [
+                h[n].__setitem__("data_offsets", [o + 8 for o in h[n]["data_offsets"]]) for n in _by_offset(h)
+            ]
+        ),
         "trailing bytes": tensor_file(header, data + b"\0" * 8),
         "duplicate name after decoding escapes": tensor_file(duplicate.encode(), data),
         "100k-deep metadata": tensor_file(deep.encode(), data),
         "non-string metadata": edited(lambda h: h.__setitem__("__metadata__", {"format": 1})),
         "a tensor named __metadata__": edited(lambda h: h.__setitem__("__metadata__", h.pop(first))),
-        "booleans as offsets": edited(lambda h: h.__setitem__(first, {**h[first], "data_offsets": [False, True]})),
-        "float dims": edited(lambda h: h.__setitem__(first, {**h[first], "shape": [float(d) for d in h[first]["shape"]]})),
-        "negative dim": edited(lambda h: h.__setitem__(first, {**h[first], "shape": [-1, *h[first]["shape"][1:]]})),
+        "booleans as offsets": edited(
+            lambda h: h.__setitem__(first, {**h[first], "data_offsets": [False, True]})
+        ),
+        "float dims": edited(
+            lambda h: h.__setitem__(first, {**h[first], "shape": [float(d) for d in h[first]["shape"]]})
+        ),
+        "negative dim": edited(
+            lambda h: h.__setitem__(first, {**h[first], "shape": [-1, *h[first]["shape"][1:]]})
+        ),
         "shape [0, 2**62, 4]": edited(lambda h: h.__setitem__(first, {**h[first], "shape": [0, 2**62, 4]})),
-        "offsets past the end": edited(lambda h: h.__setitem__(first, {**h[first], "data_offsets": [0, 2**70]})),
+        "offsets past the end": edited(
+            lambda h: h.__setitem__(first, {**h[first], "data_offsets": [0, 2**70]})
+        ),
         "unknown dtype": edited(lambda h: h.__setitem__(first, {**h[first], "dtype": "F33"})),
         "header length past the end": (10**6).to_bytes(8, "little") + original[8:],
         "header not an object": tensor_file(b"[]", data),
@@ -207,13 +220,22 @@ def hostile_variants(original: bytes) -> dict[str, bytes]:
 
 
 RULES = {
-    "overlapping ranges": "overlaps", "a hole between tensors": "hole", "data not starting at 0": "byte 0",
-    "trailing bytes": "trailing bytes", "duplicate name after decoding escapes": "appears twice",
-    "100k-deep metadata": "nested too deeply", "non-string metadata": "__metadata__ must map strings",
-    "a tensor named __metadata__": "__metadata__ must map strings", "booleans as offsets": "data_offsets must be",
-    "float dims": "shape must be", "negative dim": "shape must be", "shape [0, 2**62, 4]": "overflows",
-    "offsets past the end": "overflows|do not hold|run past", "unknown dtype": "unknown dtype",
-    "header length past the end": "runs past the end", "header not an object": "start with '{'",
+    "overlapping ranges": "overlaps",
+    "a hole between tensors": "hole",
+    "data not starting at 0": "byte 0",
+    "trailing bytes": "trailing bytes",
+    "duplicate name after decoding escapes": "appears twice",
+    "100k-deep metadata": "nested too deeply",
+    "non-string metadata": "__metadata__ must map strings",
+    "a tensor named __metadata__": "__metadata__ must map strings",
+    "booleans as offsets": "data_offsets must be",
+    "float dims": "shape must be",
+    "negative dim": "shape must be",
+    "shape [0, 2**62, 4]": "overflows",
+    "offsets past the end": "overflows|do not hold|run past",
+    "unknown dtype": "unknown dtype",
+    "header length past the end": "runs past the end",
+    "header not an object": "start with '{'",
 }
 
 
@@ -243,8 +265,14 @@ def test_the_parser_refuses_every_hostile_variant_naming_the_file_and_the_rule(t
         except Exception:  # noqa: BLE001 - any refusal of the official reader counts
             official_refuses.append(name)
     # The reference refuses these too; the rest are the issue's additions.
-    assert {"overlapping ranges", "a hole between tensors", "trailing bytes", "header length past the end",
-            "unknown dtype", "non-string metadata"} <= set(official_refuses)
+    assert {
+        "overlapping ranges",
+        "a hole between tensors",
+        "trailing bytes",
+        "header length past the end",
+        "unknown dtype",
+        "non-string metadata",
+    } <= set(official_refuses)
 
 
 def test_a_file_written_by_safetensors_itself_reads_back_identically(tmp_path):
@@ -253,8 +281,13 @@ def test_a_file_written_by_safetensors_itself_reads_back_identically(tmp_path):
 
     from pipeline.checkpoint import read_tensors
 
-    tensors = {"f64": torch.randn(3, 2, dtype=torch.float64), "bf16": torch.randn(5).bfloat16(),
-               "i8": torch.arange(7, dtype=torch.int8), "empty": torch.zeros(0, 3), "flag": torch.tensor([True])}
+    tensors = {
+        "f64": torch.randn(3, 2, dtype=torch.float64),
+        "bf16": torch.randn(5).bfloat16(),
+        "i8": torch.arange(7, dtype=torch.int8),
+        "empty": torch.zeros(0, 3),
+        "flag": torch.tensor([True]),
+    }
     save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"k": "v"})
     loaded = read_tensors(tmp_path / "x.safetensors")
     assert loaded.keys() == tensors.keys()
@@ -270,11 +303,24 @@ def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensor
 
     from pipeline.checkpoint import CheckpointStore
 
-    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-            "environment": {}, "lineage": [], "training_state": {}}
+    meta = {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {},
+    }
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, {"w": torch.randn(65536, dtype=torch.float64)},
-                            {"s": torch.randn(65536, dtype=torch.float64)}, meta).path
+        folder = store.save(
+            1,
+            {"w": torch.randn(65536, dtype=torch.float64)},
+            {"s": torch.randn(65536, dtype=torch.float64)},
+            meta,
+        ).path
     loaded = load_checkpoint(folder, mode=mode)
     assert bool(loaded.state_tensors) is (mode is LoadMode.FULL) and loaded.model_tensors
     owned = {"modelo.safetensors": loaded.model_tensors, "estado_treino.safetensors": loaded.state_tensors}
@@ -308,8 +354,17 @@ def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path)
             self.register_buffer("b", torch.zeros(4096))
 
     saved = {"w": torch.randn(65536, dtype=torch.float64), "v": torch.randn(3, 5), "b": torch.randn(4096)}
-    meta = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {},
-            "environment": {}, "lineage": [], "training_state": {}}
+    meta = {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {},
+    }
     with CheckpointStore(tmp_path) as store:
         folder = store.save(1, saved, {"s": torch.randn(4096)}, meta).path
     model = Model()
@@ -327,7 +382,11 @@ def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path)
     assert all(torch.equal(loaded.model_tensors[name], value) for name, value in saved.items())
     load_model_weights(model, loaded.model_tensors)
     assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items())
-    for position in (8 + length + 5, 8 + length + 65536 * 8 + 3, len(raw) - 1):  # in w, in b, in v (file order)
+    for position in (
+        8 + length + 5,
+        8 + length + 65536 * 8 + 3,
+        len(raw) - 1,
+    ):  # in w, in b, in v (file order)
         damaged = bytearray(raw)
         damaged[position] ^= 0x10
         path.write_bytes(damaged)
@@ -343,8 +402,14 @@ def install_hostile(folder: Path, name: str, raw: bytes) -> None:
     write_sealed(folder, meta)
 
 
-REWRITTEN = ("overlapping ranges", "trailing bytes", "100k-deep metadata", "duplicate name after decoding escapes",
-             "negative dim", "shape [0, 2**62, 4]")
+REWRITTEN = (
+    "overlapping ranges",
+    "trailing bytes",
+    "100k-deep metadata",
+    "duplicate name after decoding escapes",
+    "negative dim",
+    "shape [0, 2**62, 4]",
+)
 
 
 def test_hostile_files_with_rewritten_hashes_are_refused_by_resume_evaluate_and_stage(trained_run, run_copy):
@@ -355,19 +420,27 @@ def test_hostile_files_with_rewritten_hashes_are_refused_by_resume_evaluate_and_
     from pipeline.train import train
 
     run = run_copy(trained_run)
-    original = {n: (run.checkpoint / n).read_bytes() for n in ("modelo.safetensors", "estado_treino.safetensors",
-                                                                 "meta.json")}
+    original = {
+        n: (run.checkpoint / n).read_bytes()
+        for n in ("modelo.safetensors", "estado_treino.safetensors", "meta.json")
+    }
     config = load_config(REPO / "config.yaml", {**run.overrides, "training.max_steps": 12})
     for target in ("modelo.safetensors", "estado_treino.safetensors"):
         variants = hostile_variants(original[target])
         for variant in REWRITTEN:
             install_hostile(run.checkpoint, target, variants[variant])
-            for consumer in (lambda: train(config, resume="latest", progress=False),
-                             lambda: evaluate_checkpoint(config),
-                             lambda: build_stage(config, stage_dir=run.stage, with_metrics=False)):
+            for consumer in (
+                lambda: train(config, resume="latest", progress=False),
+                lambda: evaluate_checkpoint(config),
+                lambda: build_stage(config, stage_dir=run.stage, with_metrics=False),
+            ):
                 with pytest.raises(PipelineError) as caught:
                     consumer()
-                assert "\n" not in str(caught.value) and target in str(caught.value), (target, variant, caught.value)
+                assert "\n" not in str(caught.value) and target in str(caught.value), (
+                    target,
+                    variant,
+                    caught.value,
+                )
             for name, raw in original.items():
                 (run.checkpoint / name).write_bytes(raw)
     assert not run.stage.exists()
@@ -378,13 +451,16 @@ def test_a_hostile_file_with_rewritten_hashes_is_one_line_from_each_script(train
     run = run_copy(trained_run)
     raw = (run.checkpoint / "modelo.safetensors").read_bytes()
     install_hostile(run.checkpoint, "modelo.safetensors", hostile_variants(raw)["overlapping ranges"])
-    args = {"02_train.py": ("--quiet", "--resume", "latest", "--max-steps", "12"),
-            "05_stage.py": ("--no-metrics",)}.get(script, ())
+    args = {
+        "02_train.py": ("--quiet", "--resume", "latest", "--max-steps", "12"),
+        "05_stage.py": ("--no-metrics",),
+    }.get(script, ())
     line = run.refused(script, *args)
     assert "modelo.safetensors" in line and "overlaps" in line
 
 
 # -- 3. the restored tree is validated before it touches a live object -----------------------
+
 
 def _set(tree: dict, path: str, value) -> None:
     *parents, last = path.split(".")
@@ -415,27 +491,49 @@ STATE_EDITS = {
     "step -100": (lambda m: _set(m, "training_state.progress.step", -100), "progress.step"),
     "step 10**4000": (lambda m: _set(m, "training_state.progress.step", 10**4000), "progress.step"),
     "step 9 in a step-10 checkpoint": (lambda m: _set(m, "training_state.progress.step", 9), "progress.step"),
-    "NaN learning rate": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", {"__float__": "nan"}),
-                          "param_groups[0].lr"),
-    "infinite learning rate": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr",
-                                              {"__float__": "inf"}), "param_groups[0].lr"),
-    "learning rate as a string": (lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", "0.01"),
-                                  "param_groups[0].lr"),
-    "param groups as a string": (lambda m: _set(m, "training_state.optimizer.param_groups", "x"), "param_groups"),
+    "NaN learning rate": (
+        lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", {"__float__": "nan"}),
+        "param_groups[0].lr",
+    ),
+    "infinite learning rate": (
+        lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", {"__float__": "inf"}),
+        "param_groups[0].lr",
+    ),
+    "learning rate as a string": (
+        lambda m: _set(m, "training_state.optimizer.param_groups.0.lr", "0.01"),
+        "param_groups[0].lr",
+    ),
+    "param groups as a string": (
+        lambda m: _set(m, "training_state.optimizer.param_groups", "x"),
+        "param_groups",
+    ),
     "one tensor referenced twice": (_alias, "referenced twice"),
     "moments of another parameter's shape": (_swap_refs, "optimizer.state[0].exp_avg"),
     "cursor past the data": (lambda m: _set(m, "training_state.data.sampler.cursor", 10**6), "data.sampler"),
     "negative epoch": (lambda m: _set(m, "training_state.data.sampler.epoch", -1), "data.sampler"),
-    "scheduler position off the step": (lambda m: _set(m, "training_state.scheduler.last_epoch", 3),
-                                        "scheduler.last_epoch"),
-    "scheduler field of the wrong type": (lambda m: _set(m, "training_state.scheduler.base_lrs", 0.01),
-                                          "scheduler.base_lrs"),
-    "broken python RNG state": (lambda m: _set(m, "training_state.rng.python", {"__tuple__": [3, [1, 2], None]}),
-                                "rng.python"),
+    "scheduler position off the step": (
+        lambda m: _set(m, "training_state.scheduler.last_epoch", 3),
+        "scheduler.last_epoch",
+    ),
+    "scheduler field of the wrong type": (
+        lambda m: _set(m, "training_state.scheduler.base_lrs", 0.01),
+        "scheduler.base_lrs",
+    ),
+    "broken python RNG state": (
+        lambda m: _set(m, "training_state.rng.python", {"__tuple__": [3, [1, 2], None]}),
+        "rng.python",
+    ),
     "rng family missing": (lambda m: m["training_state"]["rng"].pop("torch_cpu"), "rng"),
-    "unknown marker field": (lambda m: _set(m, "training_state.optimizer.param_groups.0.betas",
-                                            {"__tuple__": [0.9, 0.999], "x": 1}), "malformed"),
-    "object dtype array": (lambda m: _set(m, "training_state.data.sampler.permutation.dtype", "|O"), "permutation"),
+    "unknown marker field": (
+        lambda m: _set(
+            m, "training_state.optimizer.param_groups.0.betas", {"__tuple__": [0.9, 0.999], "x": 1}
+        ),
+        "malformed",
+    ),
+    "object dtype array": (
+        lambda m: _set(m, "training_state.data.sampler.permutation.dtype", "|O"),
+        "permutation",
+    ),
 }
 
 
@@ -506,14 +604,21 @@ def test_a_sealed_state_edit_is_one_line_from_the_real_script(trained_run, run_c
 
 # -- 4. resume is exact across environments, or refused ----------------------------------------
 
+
 def test_every_checkpoint_records_what_changes_the_numbers(trained_run):
     import numpy as np
     import torch
 
     environment = read_meta_json(trained_run.checkpoint)["environment"]
-    assert environment == {**environment, "intra_op_threads": 1, "deterministic_algorithms": True,
-                           "device_type": "cpu", "torch": torch.__version__, "numpy": np.__version__,
-                           "changes": []}
+    assert environment == {
+        **environment,
+        "intra_op_threads": 1,
+        "deterministic_algorithms": True,
+        "device_type": "cpu",
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "changes": [],
+    }
     assert type(environment["inter_op_threads"]) is int
 
 
@@ -546,6 +651,7 @@ def test_an_environment_that_cannot_be_reproduced_is_refused_unless_allowed(stop
     result = run.ok("02_train.py", "--resume", "latest", "--allow-environment-change")
     assert "no longer bitwise" in result.stderr + result.stdout
     import torch
+
     changes = read_meta_json(run.checkpoint)["environment"]["changes"]
     assert run.checkpoint.name == "step-00000010"
     assert changes == [{"item": "torch", "recorded": "1.0.0", "now": torch.__version__, "step": 5}]
@@ -558,24 +664,43 @@ def test_charlm_cut_with_one_thread_and_resumed_with_two_is_bitwise_the_one_thre
     from support import assert_checkpoints_bitwise_equal, run_script, script_env
 
     config = str(REPO / "examples" / "charlm" / "config.yaml")
-    common = ["--config", config, "--set", f"data.dir={tmp_path / 'data'}", "--set", "training.max_steps=6",
-              "--set", "data.params.max_chars=20000", "--quiet"]
+    common = [
+        "--config",
+        config,
+        "--set",
+        f"data.dir={tmp_path / 'data'}",
+        "--set",
+        "training.max_steps=6",
+        "--set",
+        "data.params.max_chars=20000",
+        "--quiet",
+    ]
 
     def script(name: str, threads: str, *args: str):
-        result = run_script(name, *common[:-1] if name == "01_prepare_data.py" else common, *args,
-                            env=script_env(OMP_NUM_THREADS=threads))
+        result = run_script(
+            name,
+            *common[:-1] if name == "01_prepare_data.py" else common,
+            *args,
+            env=script_env(OMP_NUM_THREADS=threads),
+        )
         assert result.returncode == 0, result.stderr
+
     script("01_prepare_data.py", "1")
     script("02_train.py", "1", "--checkpoint-dir", str(tmp_path / "straight"))
     script("02_train.py", "1", "--checkpoint-dir", str(tmp_path / "cut"), "--stop-at", "3")
     script("02_train.py", "2", "--checkpoint-dir", str(tmp_path / "cut"), "--resume", "latest")
-    assert_checkpoints_bitwise_equal(tmp_path / "straight" / "step-00000006", tmp_path / "cut" / "step-00000006")
+    assert_checkpoints_bitwise_equal(
+        tmp_path / "straight" / "step-00000006", tmp_path / "cut" / "step-00000006"
+    )
     script("02_train.py", "2", "--checkpoint-dir", str(tmp_path / "two"), "--set", "training.threads=2")
     with pytest.raises(AssertionError, match="tensors differ"):
-        assert_checkpoints_bitwise_equal(tmp_path / "straight" / "step-00000006", tmp_path / "two" / "step-00000006")
+        assert_checkpoints_bitwise_equal(
+            tmp_path / "straight" / "step-00000006", tmp_path / "two" / "step-00000006"
+        )
 
 
 # -- 5. the printed resume command is the one to run --------------------------------------------
+
 
 @pytest.mark.heavy
 def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_dir, tmp_path):
@@ -590,14 +715,29 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     from support import PYTHON, assert_checkpoints_bitwise_equal, run_python, script_env, verify_checkpoint
 
     (tmp_path / "my config.yaml").write_text((REPO / "config.yaml").read_text())
-    args = ["--config", "my config.yaml", "--set", f"data.dir={data_dir}", "--set", "training.max_steps=300",
-            "--set", "checkpoint.every=1000"]
+    args = [
+        "--config",
+        "my config.yaml",
+        "--set",
+        f"data.dir={data_dir}",
+        "--set",
+        "training.max_steps=300",
+        "--set",
+        "checkpoint.every=1000",
+    ]
     script = str(REPO / "scripts" / "02_train.py")
-    straight = run_python([script, *args, "--checkpoint-dir", "runs/straight", "--quiet"], cwd=tmp_path,
-                          env=script_env())
+    straight = run_python(
+        [script, *args, "--checkpoint-dir", "runs/straight", "--quiet"], cwd=tmp_path, env=script_env()
+    )
     assert straight.returncode == 0, straight.stderr
-    process = subprocess.Popen([PYTHON, script, *args, "--checkpoint-dir", "runs/x"], cwd=tmp_path, env=script_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [PYTHON, script, *args, "--checkpoint-dir", "runs/x"],
+        cwd=tmp_path,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in process.stderr:
         if line.startswith("step 2/"):
             break
@@ -610,13 +750,17 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
     verify_checkpoint(tmp_path / "runs/x" / f"step-{stopped[0]:08d}")
     printed = stderr.split("Resume with: ", 1)[1].strip()
     assert "--checkpoint-dir runs/x" in printed and "'my config.yaml'" in printed
-    resumed = subprocess.run(shlex.split(printed), cwd=tmp_path, env=script_env(), capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(
+        shlex.split(printed), cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
-    assert_checkpoints_bitwise_equal(tmp_path / "runs/straight/step-00000300", tmp_path / "runs/x/step-00000300")
+    assert_checkpoints_bitwise_equal(
+        tmp_path / "runs/straight/step-00000300", tmp_path / "runs/x/step-00000300"
+    )
 
 
 # -- 6. stale derived buffers are refused -----------------------------------------------------
+
 
 def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_stage(data_dir, tmp_path):
     """``scale`` is built from a code constant; ``bn``'s statistics are trained. Edit the
@@ -627,8 +771,14 @@ def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_s
     run = RunFolder(tmp_path)
     module = tmp_path / "scaled_factories.py"
     module.write_text((Path(__file__).parent / "helpers" / "buffer_factories.py").read_text())
-    args = ("--set", f"data.dir={data_dir}", "--set", "model.factory=scaled_factories:build_model",
-            "--set", "training.max_steps=6")
+    args = (
+        "--set",
+        f"data.dir={data_dir}",
+        "--set",
+        "model.factory=scaled_factories:build_model",
+        "--set",
+        "training.max_steps=6",
+    )
     run.ok("02_train.py", *args, "--quiet", "--stop-at", "4")
     derived = read_meta_json(run.checkpoint)["model"]["derived_buffers"]
     assert "scale" in derived and not any(name.startswith("bn.") for name in derived)
@@ -636,11 +786,16 @@ def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_s
     module.write_text(module.read_text().replace("SCALE = 1.0", "SCALE = 2.0"))
     # Resume and stage name the changed file first (the code a checkpoint counts); accepted
     # on purpose, the resume still refuses the buffer this code no longer builds.
-    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest")), ("05_stage.py", ("--no-metrics",))):
+    for script, extra in (
+        ("02_train.py", ("--quiet", "--resume", "latest")),
+        ("05_stage.py", ("--no-metrics",)),
+    ):
         line = run.refused(script, *args, *extra)
         assert "scaled_factories.py (the model's code) changed since step 4" in line, (script, line)
-    for script, extra in (("02_train.py", ("--quiet", "--resume", "latest", "--allow-environment-change")),
-                          ("04_evaluate.py", ())):
+    for script, extra in (
+        ("02_train.py", ("--quiet", "--resume", "latest", "--allow-environment-change")),
+        ("04_evaluate.py", ()),
+    ):
         line = run.refused(script, *args, *extra)
         assert "buffer scale" in line and "code or config that builds it changed" in line, (script, line)
     module.write_text(module.read_text().replace("SCALE = 2.0", "SCALE = 1.0"))

@@ -24,15 +24,30 @@ if str(REPO) not in sys.path:
 REPO_ID = "test/vision"
 
 
-def test_the_vision_example_goes_from_its_images_to_a_published_repo_that_the_card_loads(tmp_path, monkeypatch):
+def test_the_vision_example_goes_from_its_images_to_a_published_repo_that_the_card_loads(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # datasets' cache of the parquet files
-    config = load_config(CONFIG, {"data.dir": str(tmp_path / "data"), "checkpoint.dir": str(tmp_path / "ck"),
-                                  "data.params.num_train": 24, "data.params.num_heldout": 12, "data.batch_size": 8,
-                                  "training.max_steps": 6, "checkpoint.every": 3, "scheduler.params.warmup_steps": 2})
+    config = load_config(
+        CONFIG,
+        {
+            "data.dir": str(tmp_path / "data"),
+            "checkpoint.dir": str(tmp_path / "ck"),
+            "data.params.num_train": 24,
+            "data.params.num_heldout": 12,
+            "data.batch_size": 8,
+            "training.max_steps": 6,
+            "checkpoint.every": 3,
+            "scheduler.params.warmup_steps": 2,
+        },
+    )
     assert config.data.num_workers == 2
     prepare_data(config)
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["heldout.parquet", "manifest.json",
-                                                                     "train.parquet"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "heldout.parquet",
+        "manifest.json",
+        "train.parquet",
+    ]
     result = train(config, progress=False)
     assert result.step == 6 and result.history["loss"][-1] < result.history["loss"][0]
     record = evaluate_checkpoint(config)

@@ -64,9 +64,13 @@ def test_a_model_record_that_disagrees_with_the_weights_is_refused_by_the_stage(
     meta = read_meta_json(run.checkpoint)
     meta["model"]["tensors"]["net.0.bias"]["shape"] = [17]
     write_sealed(run.checkpoint, meta)
-    with pytest.raises(StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"):
+    with pytest.raises(
+        StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"
+    ):
         build_stage(config, StageBuild(stage_dir=run.stage, with_metrics=False))
-    with pytest.raises(StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"):
+    with pytest.raises(
+        StateMismatch, match=r"does not fit the model recorded in meta.json \(tensor net.0.bias\)"
+    ):
         evaluate_checkpoint(config)  # the same check where 04 loads the weights
     meta["model"]["tensors"]["net.0.bias"]["shape"] = [16]
     meta["model"]["tied"] = ["net.0.weight"]
@@ -100,14 +104,17 @@ def test_tied_weights_must_be_stored_once_under_the_kept_name():
     skeleton.head.weight = skeleton.embed.weight  # a tie between parameters without storage: one object
     spec = torch.empty(5, 3, device="meta")
     record = {"tensors": {"embed.weight": {"dtype": "float32", "shape": [5, 3]}}, "tied": ["head.weight"]}
-    assert check_weights_fit(skeleton, {"embed.weight": spec}, record=record) == {"head.weight": "embed.weight"}
+    assert check_weights_fit(skeleton, {"embed.weight": spec}, record=record) == {
+        "head.weight": "embed.weight"
+    }
     with pytest.raises(StateMismatch, match="tied weights"):
         check_weights_fit(skeleton, {"embed.weight": spec}, record={**record, "tied": []})
 
 
 @pytest.mark.parametrize("name", ["net.0.\u202eweight", "net.0.weight\x00", "net.\u200b0.weight", ""])
 def test_a_tensor_name_with_a_control_bidi_or_invisible_character_is_refused_reading_and_writing(
-        trained_run, tmp_path, name):
+    trained_run, tmp_path, name
+):
     raw = (trained_run.checkpoint / "modelo.safetensors").read_bytes()
     path = tmp_path / "renamed.safetensors"
     path.write_bytes(rename_tensor(raw, "net.0.weight", name))
@@ -119,13 +126,21 @@ def test_a_tensor_name_with_a_control_bidi_or_invisible_character_is_refused_rea
 
 
 def test_the_streamed_writer_writes_the_bytes_of_the_one_writer_one_tensor_at_a_time(tmp_path):
-    tensors = {"b": torch.arange(6, dtype=torch.float64).view(2, 3), "a": torch.ones(5, dtype=torch.int8),
-               "c": torch.zeros(0, 4), "d": torch.full((3,), 7, dtype=torch.bfloat16)}
+    tensors = {
+        "b": torch.arange(6, dtype=torch.float64).view(2, 3),
+        "a": torch.ones(5, dtype=torch.int8),
+        "c": torch.zeros(0, 4),
+        "d": torch.full((3,), 7, dtype=torch.bfloat16),
+    }
     expected = write_safetensors(tmp_path / "whole.safetensors", tensors, {"format": "pt"})
     specs = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
     asked = []
-    streamed = write_safetensors_streamed(tmp_path / "streamed.safetensors", specs,
-                                          lambda name: asked.append(name) or tensors[name], {"format": "pt"})
+    streamed = write_safetensors_streamed(
+        tmp_path / "streamed.safetensors",
+        specs,
+        lambda name: asked.append(name) or tensors[name],
+        {"format": "pt"},
+    )
     assert streamed == expected and asked == ["b", "c", "d", "a"]  # widest first, as the header orders them
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
     mapped = MappedTensors(tmp_path / "streamed.safetensors")
@@ -158,11 +173,14 @@ def _package(root: Path, files: dict[str, str]) -> None:
 
 
 def test_only_the_model_closure_ships_and_model_code_needing_the_pipeline_or_the_data_module_is_refused(
-        tmp_path, monkeypatch):
-    _package(tmp_path, {
-        "mine/__init__.py": "",
-        "mine/layers.py": "import torch\n",
-        "mine/model.py": """
+    tmp_path, monkeypatch
+):
+    _package(
+        tmp_path,
+        {
+            "mine/__init__.py": "",
+            "mine/layers.py": "import torch\n",
+            "mine/model.py": """
             from typing import TYPE_CHECKING
             from pipeline.params import read_params
             from .layers import torch
@@ -173,33 +191,49 @@ def test_only_the_model_closure_ships_and_model_code_needing_the_pipeline_or_the
             except ImportError:
                 not_installed_anywhere = None
             """,
-        "mine/data.py": "from pipeline.checkpoint import read_tensors\n",
-        "mine/bad_model.py": "from .data import read_tensors\n",
-        "mine/internal_model.py": "from pipeline.config import Config\n",
-    })
+            "mine/data.py": "from pipeline.checkpoint import read_tensors\n",
+            "mine/bad_model.py": "from .data import read_tensors\n",
+            "mine/internal_model.py": "from pipeline.config import Config\n",
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     project = REPO / "pipeline"
-    shipped = model_sources("mine.model", tmp_path, project_root=project, data_modules=frozenset({"mine.data"}))
-    assert sorted(shipped) == ["mine/__init__.py", "mine/layers.py", "mine/model.py", "pipeline/__init__.py",
-                               "pipeline/params.py"]
+    shipped = model_sources(
+        "mine.model", tmp_path, project_root=project, data_modules=frozenset({"mine.data"})
+    )
+    assert sorted(shipped) == [
+        "mine/__init__.py",
+        "mine/layers.py",
+        "mine/model.py",
+        "pipeline/__init__.py",
+        "pipeline/params.py",
+    ]
     with pytest.raises(StageError, match=r"\(mine.bad_model\) imports mine.data, the data factory's module"):
         model_sources("mine.bad_model", tmp_path, project_root=project, data_modules=frozenset({"mine.data"}))
     with pytest.raises(StageError, match=r"imports pipeline.config, which is not published with it"):
         model_sources("mine.internal_model", tmp_path, project_root=project)
 
 
-def test_the_users_card_sections_are_in_the_card_and_scanned_like_every_staged_file(evaluated_run, run_copy,
-                                                                                   monkeypatch):
+def test_the_users_card_sections_are_in_the_card_and_scanned_like_every_staged_file(
+    evaluated_run, run_copy, monkeypatch
+):
     run = run_copy(evaluated_run)
-    (run.root / "card.md").write_text("## Intended use\n\nTeaching exact resume.\n\n## Limitations\n\nNone known.\n")
+    (run.root / "card.md").write_text(
+        "## Intended use\n\nTeaching exact resume.\n\n## Limitations\n\nNone known.\n"
+    )
     config = load_config(REPO / "config.yaml", {**run.overrides, "card.sections": "card.md"})
     monkeypatch.chdir(run.root)  # paths in the config are relative to where the scripts run
     build_stage(config, StageBuild(stage_dir=run.stage, metrics=run.metrics))
     card = (run.stage / "README.md").read_text()
-    assert card.index("## Intended use") < card.index("## How to load it") and "Teaching exact resume." in card
+    assert (
+        card.index("## Intended use") < card.index("## How to load it") and "Teaching exact resume." in card
+    )
     assert json.loads((run.stage / "meta.json").read_text())["config"]["card"]["sections"] == "card.md"
+
     def files() -> dict[str, bytes]:
-        return {p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob("*") if p.is_file()}
+        return {
+            p.relative_to(run.stage).as_posix(): p.read_bytes() for p in run.stage.rglob("*") if p.is_file()
+        }
 
     before = files()
     (run.root / "card.md").write_text("## Contact\n\nhf_" + "a1B2" * 10 + "\n")

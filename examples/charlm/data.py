@@ -55,9 +55,13 @@ def data_params(config: Config) -> dict[str, Any]:
     if params["block_size"] < 1:
         raise ConfigError(f"data.params.block_size must be >= 1 (got {params['block_size']})")
     if params["max_chars"] < 0:
-        raise ConfigError(f"data.params.max_chars must be >= 0, 0 meaning the whole text (got {params['max_chars']})")
+        raise ConfigError(
+            f"data.params.max_chars must be >= 0, 0 meaning the whole text (got {params['max_chars']})"
+        )
     if not 0 < params["heldout_fraction"] < 1:
-        raise ConfigError(f"data.params.heldout_fraction must be in (0, 1) (got {params['heldout_fraction']})")
+        raise ConfigError(
+            f"data.params.heldout_fraction must be in (0, 1) (got {params['heldout_fraction']})"
+        )
     if params["sample_chars"] < 0:
         raise ConfigError(f"data.params.sample_chars must be >= 0 (got {params['sample_chars']})")
     if params["sample_temperature"] <= 0:
@@ -73,7 +77,7 @@ def prepare(config: Config, out_dir: Path) -> None:
         raise ConfigError(f"data.params.text: {source} is not a file")
     raw = source.read_bytes()
     if params["max_chars"]:
-        raw = raw[:params["max_chars"]]
+        raw = raw[: params["max_chars"]]
     split = int(len(raw) * (1 - params["heldout_fraction"]))
     ids = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     write_safetensors(out_dir / "train.safetensors", {"ids": ids[:split].clone()})
@@ -88,10 +92,14 @@ class CharData:
         # Room for the largest offset plus the one-byte shift of the targets.
         self.num_train = len(train) // block - 1
         if self.num_train < 1:
-            raise DataError(f"the training text ({len(train)} bytes) is too short for block_size {block}: "
-                            "it needs at least two blocks")
+            raise DataError(
+                f"the training text ({len(train)} bytes) is too short for block_size {block}: "
+                "it needs at least two blocks"
+            )
         if len(heldout) < block + 1:
-            raise DataError(f"the held-out text ({len(heldout)} bytes) is shorter than block_size + 1 = {block + 1}")
+            raise DataError(
+                f"the held-out text ({len(heldout)} bytes) is shorter than block_size + 1 = {block + 1}"
+            )
         self.train = train.to(torch.int64)
         self.heldout = heldout.to(torch.int64)
         self.params = params
@@ -107,7 +115,7 @@ class CharData:
         starts = np.asarray(indices, dtype=np.int64) * block
         if self.params["random_offset"]:
             starts = starts + self.rng.integers(0, block, size=len(starts))
-        rows = torch.stack([self.train[s:s + block + 1] for s in starts.tolist()])
+        rows = torch.stack([self.train[s : s + block + 1] for s in starts.tolist()])
         return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -120,7 +128,7 @@ class CharData:
         """Mean next-byte cross-entropy over every non-overlapping held-out window."""
         block = self.block_size
         count = (len(self.heldout) - 1) // block
-        rows = self.heldout[:count * block + 1]
+        rows = self.heldout[: count * block + 1]
         inputs = rows[:-1].view(count, block)
         targets = rows[1:].view(count, block)
         total = 0.0
@@ -128,10 +136,11 @@ class CharData:
         model.eval()
         try:
             for first in range(0, count, _EVAL_BATCH):
-                logits = self.logits(model, inputs[first:first + _EVAL_BATCH].to(device))
-                chunk = targets[first:first + _EVAL_BATCH].to(device)
-                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), chunk.reshape(-1),
-                                         reduction="sum").item()
+                logits = self.logits(model, inputs[first : first + _EVAL_BATCH].to(device))
+                chunk = targets[first : first + _EVAL_BATCH].to(device)
+                total += F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).double(), chunk.reshape(-1), reduction="sum"
+                ).item()
         finally:
             model.train(was_training)
         loss = total / (count * block)
@@ -150,7 +159,7 @@ class CharData:
         model.eval()
         try:
             for _ in range(params["sample_chars"]):
-                context = torch.tensor([ids[-self.block_size:]], dtype=torch.int64, device=device)
+                context = torch.tensor([ids[-self.block_size :]], dtype=torch.int64, device=device)
                 logits = self.logits(model, context)[0, -1].double().cpu()
                 probs = torch.softmax(logits / params["sample_temperature"], dim=-1)
                 ids.append(int(torch.multinomial(probs, 1, generator=generator)))

@@ -48,7 +48,9 @@ class Block(nn.Module):
     def _attend(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )
         # No dropout inside attention: it would force the slow math kernel on CPU.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
@@ -61,8 +63,9 @@ class Block(nn.Module):
 class CharTransformer(nn.Module):
     """Byte ids ``(batch, length)`` to next-byte logits ``(batch, length, vocab)``."""
 
-    def __init__(self, *, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int,
-                 dropout: float) -> None:
+    def __init__(
+        self, *, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int, dropout: float
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.embed = nn.Embedding(vocab_size, d_model)
@@ -99,15 +102,19 @@ def build_model(config: Config) -> CharTransformer:
     params = read_params(config.model.params, "model.params", MODEL_SPEC)
     block_size = config.data.params.get("block_size", BLOCK_SIZE)
     if type(block_size) is not int:  # the data factory validates the rest of data.params
-        raise ConfigError(f"data.params.block_size must be int, got {type(block_size).__name__} {block_size!r}")
+        raise ConfigError(
+            f"data.params.block_size must be int, got {type(block_size).__name__} {block_size!r}"
+        )
     if block_size < 1:
         raise ConfigError(f"data.params.block_size must be >= 1 (got {block_size})")
     for key in ("d_model", "n_layer", "n_head"):
         if params[key] < 1:
             raise ConfigError(f"model.params.{key} must be >= 1 (got {params[key]})")
     if params["d_model"] % params["n_head"]:
-        raise ConfigError(f"model.params.d_model ({params['d_model']}) must be a multiple of "
-                          f"model.params.n_head ({params['n_head']})")
+        raise ConfigError(
+            f"model.params.d_model ({params['d_model']}) must be a multiple of "
+            f"model.params.n_head ({params['n_head']})"
+        )
     if not 0 <= params["dropout"] < 1:
         raise ConfigError(f"model.params.dropout must be in [0, 1) (got {params['dropout']})")
     return CharTransformer(vocab_size=VOCAB_SIZE, block_size=block_size, **params)

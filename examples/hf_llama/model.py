@@ -35,9 +35,16 @@ def build_model(config: Config) -> LlamaForCausalLM:
     if params["hidden_size"] % params["num_attention_heads"]:
         raise ConfigError("model.params.hidden_size must be a multiple of model.params.num_attention_heads")
     end = VOCAB_SIZE - 1
-    llama = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=data_params(config)["block_size"],
-                        num_key_value_heads=params["num_attention_heads"], tie_word_embeddings=True,
-                        bos_token_id=end, eos_token_id=end, pad_token_id=end, **params)
+    llama = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=data_params(config)["block_size"],
+        num_key_value_heads=params["num_attention_heads"],
+        tie_word_embeddings=True,
+        bos_token_id=end,
+        eos_token_id=end,
+        pad_token_id=end,
+        **params,
+    )
     return LlamaForCausalLM(llama)
 
 

@@ -20,7 +20,11 @@ VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
 
 def _byte_symbols() -> list[str]:
     """GPT-2's printable stand-in for each byte (ByteLevel pre-tokenizer's alphabet), by byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     symbols, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -45,8 +49,12 @@ def tokenizer_files() -> dict[str, bytes]:
     """The files ``save_pretrained`` writes for this tokenizer (tokenizer.json, tokenizer_config.json, ...)."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
-                                   pad_token=END_OF_TEXT)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(),
+        eos_token=END_OF_TEXT,
+        bos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+    )
     with tempfile.TemporaryDirectory() as folder:
         fast.save_pretrained(folder)
         return {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir()) if path.is_file()}

@@ -44,9 +44,13 @@ def data_params(config: Config) -> dict[str, Any]:
         if params[key] < 1:
             raise ConfigError(f"data.params.{key} must be >= 1 (got {params[key]})")
     if params["image_size"] < 8 or params["image_size"] % 4:
-        raise ConfigError(f"data.params.image_size must be a multiple of 4, at least 8 (got {params['image_size']})")
+        raise ConfigError(
+            f"data.params.image_size must be a multiple of 4, at least 8 (got {params['image_size']})"
+        )
     if not 0 <= params["crop_padding"] < params["image_size"] // 2:
-        raise ConfigError(f"data.params.crop_padding must be in [0, image_size/2) (got {params['crop_padding']})")
+        raise ConfigError(
+            f"data.params.crop_padding must be in [0, image_size/2) (got {params['crop_padding']})"
+        )
     return params
 
 
@@ -54,8 +58,10 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise DataError("examples/vision reads its images with Hugging Face datasets: pip install "
-                        "'exact-resume-pipeline[datasets]'") from None
+        raise DataError(
+            "examples/vision reads its images with Hugging Face datasets: pip install "
+            "'exact-resume-pipeline[datasets]'"
+        ) from None
     return datasets
 
 
@@ -73,7 +79,7 @@ def _picture(label: int, size: int, rng: np.random.Generator):
     else:
         side = size // 2
         top, left = rng.integers(0, size - side, size=2)
-        pixels[top:top + side, left:left + side] = ink
+        pixels[top : top + side, left : left + side] = ink
     return Image.fromarray(pixels, mode="RGB")
 
 
@@ -92,7 +98,10 @@ def prepare(config: Config, out_dir: Path) -> None:
 
 def _tensor(image: Any) -> torch.Tensor:
     """A PIL image as a float ``(3, H, W)`` tensor in [0, 1]."""
-    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255
+    return (
+        torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float()
+        / 255
+    )
 
 
 class AugmentedImages(torch.utils.data.Dataset):
@@ -112,7 +121,7 @@ class AugmentedImages(torch.utils.data.Dataset):
             size = image.shape[-1]
             padded = F.pad(image, [self.padding] * 4, mode="reflect")
             top, left = torch.randint(0, 2 * self.padding + 1, (2,)).tolist()
-            image = padded[:, top:top + size, left:left + size]
+            image = padded[:, top : top + size, left : left + size]
         if random.random() < 0.5:
             image = image.flip(-1)
         return image.contiguous(), row["label"]
@@ -147,6 +156,8 @@ class VisionData:
 def build_data(config: Config, data_dir: Path) -> VisionData:
     """``data.factory``: both splits read back with ``datasets``."""
     datasets = _datasets()
-    splits = {name: datasets.load_dataset("parquet", data_files=str(data_dir / f"{name}.parquet"), split="train")
-              for name in ("train", "heldout")}
+    splits = {
+        name: datasets.load_dataset("parquet", data_files=str(data_dir / f"{name}.parquet"), split="train")
+        for name in ("train", "heldout")
+    }
     return VisionData(splits["train"], splits["heldout"], data_params(config)["crop_padding"])

@@ -72,7 +72,9 @@ class TokenIssuer:
         scheme, _, token = (authorization or "").partition(" ")
         body, _, sig = token.strip().partition(".")
         if scheme.lower() != "bearer" or not hmac.compare_digest(sig.encode(), self._sign(body).encode()):
-            raise HubError(401, "Missing or invalid Xet access token: get one from the Hub's xet-*-token endpoint")
+            raise HubError(
+                401, "Missing or invalid Xet access token: get one from the Hub's xet-*-token endpoint"
+            )
         payload = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
         with self._lock:
             generation = self._generation
@@ -107,7 +109,7 @@ class Cas:
         index = root / "chunks.idx"
         raw = index.read_bytes() if index.is_file() else b""
         for pos in range(0, len(raw) - len(raw) % 64, 64):  # a torn last record (crash) is ignored
-            self._chunk_index.setdefault(raw[pos:pos + 32], raw[pos + 32:pos + 64])
+            self._chunk_index.setdefault(raw[pos : pos + 32], raw[pos + 32 : pos + 64])
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ xorbs
@@ -180,9 +182,13 @@ class Cas:
         for name, chunks in shard.xorbs.items():
             stored = self.xorb(hash_hex(name))
             if stored is None:
-                raise HubError(400, f"Shard refused: it lists xorb {hash_hex(name)}, which was never uploaded")
+                raise HubError(
+                    400, f"Shard refused: it lists xorb {hash_hex(name)}, which was never uploaded"
+                )
             if chunks != list(zip(stored.chunk_hashes, stored.chunk_sizes)):
-                raise HubError(400, f"Shard refused: its chunk list for xorb {hash_hex(name)} differs from the xorb")
+                raise HubError(
+                    400, f"Shard refused: its chunk list for xorb {hash_hex(name)} differs from the xorb"
+                )
         records = [self._check_file(entry) for entry in shard.files]
         new = 0
         for name, record in records:
@@ -195,8 +201,12 @@ class Cas:
                 _atomic_write(index, json.dumps({"xetHash": name, "size": record["size"]}).encode(), self.tmp)
         # A dedup answer lists the xorbs uploaded together, as the real CAS answers with the shard that
         # registered a chunk: one query then covers a whole file, not only the xorb of the chunk asked.
-        related = list(dict.fromkeys([hash_hex(s.xorb) for f in shard.files for s in f.segments]
-                                     + [hash_hex(name) for name in shard.xorbs]))[:_MAX_RELATED]
+        related = list(
+            dict.fromkeys(
+                [hash_hex(s.xorb) for f in shard.files for s in f.segments]
+                + [hash_hex(name) for name in shard.xorbs]
+            )
+        )[:_MAX_RELATED]
         for name in related:
             _atomic_write(self.root / "related" / f"{name}.json", json.dumps(related).encode(), self.tmp)
         _atomic_write(self.root / "shards" / hashlib.sha256(data).hexdigest(), data, self.tmp)
@@ -208,22 +218,30 @@ class Cas:
         for seg in entry.segments:
             xorb = self.xorb(hash_hex(seg.xorb))
             if xorb is None:
-                raise HubError(400, f"Shard refused: file {name} uses xorb {hash_hex(seg.xorb)}, which is not stored")
+                raise HubError(
+                    400, f"Shard refused: file {name} uses xorb {hash_hex(seg.xorb)}, which is not stored"
+                )
             if seg.chunk_end > len(xorb.chunk_hashes):
                 raise HubError(400, f"Shard refused: file {name} asks for chunks past the end of a xorb")
-            hashes = xorb.chunk_hashes[seg.chunk_start:seg.chunk_end]
-            sizes = xorb.chunk_sizes[seg.chunk_start:seg.chunk_end]
+            hashes = xorb.chunk_hashes[seg.chunk_start : seg.chunk_end]
+            sizes = xorb.chunk_sizes[seg.chunk_start : seg.chunk_end]
             if sum(sizes) != seg.size:
-                raise HubError(400, f"Shard refused: file {name} declares {seg.size} bytes for a range of"
-                                    f" {sum(sizes)}")
+                raise HubError(
+                    400, f"Shard refused: file {name} declares {seg.size} bytes for a range of {sum(sizes)}"
+                )
             if seg.verification is None or seg.verification != verification_hash(hashes):
-                raise HubError(400, f"Shard refused: file {name} lacks a valid verification hash for xorb"
-                                    f" {hash_hex(seg.xorb)}")
+                raise HubError(
+                    400,
+                    f"Shard refused: file {name} lacks a valid verification hash for xorb"
+                    f" {hash_hex(seg.xorb)}",
+                )
             chunks.extend(zip(hashes, sizes))
             segments.append([hash_hex(seg.xorb), seg.chunk_start, seg.chunk_end, seg.size])
         if file_hash(chunks) != entry.hash:
             raise HubError(400, f"Shard refused: the chunks of file {name} do not hash to its file hash")
-        sha256 = hash_hex(entry.sha256) if entry.sha256 is not None else None  # stored as a hash: same word order
+        sha256 = (
+            hash_hex(entry.sha256) if entry.sha256 is not None else None
+        )  # stored as a hash: same word order
         return name, {"size": sum(s[3] for s in segments), "sha256": sha256, "segments": segments}
 
     def file(self, name: str) -> dict | None:
@@ -276,10 +294,11 @@ class Cas:
             xorb = self.xorb(xorb_name)
             data = self.xorb_path(xorb_name).read_bytes()
             for index in range(start, end):
-                piece = decode_chunk(data, xorb.chunk_start(index), xorb.chunk_ends[index])[offset:offset + remaining]
+                piece = decode_chunk(data, xorb.chunk_start(index), xorb.chunk_ends[index])[
+                    offset : offset + remaining
+                ]
                 offset = 0
                 remaining -= len(piece)
                 yield piece
                 if remaining <= 0:
                     return
-

@@ -47,21 +47,121 @@ MAX_CHUNK_SIZE = 128 * 1024  # twice the 64 KiB target; the spec caps chunks her
 MAX_XORB_SIZE = 64 * 1024 * 1024  # serialized; the CAS refuses larger xorbs
 
 # Keys of the keyed BLAKE3 hashes, as published in the specification.
-_DATA_KEY = bytes([
-    102, 151, 245, 119, 91, 149, 80, 222, 49, 53, 203, 172, 165, 151, 24, 28,
-    157, 228, 33, 16, 155, 235, 43, 88, 180, 208, 176, 75, 147, 173, 242, 41])
-_INTERNAL_NODE_KEY = bytes([
-    1, 126, 197, 199, 165, 71, 41, 150, 253, 148, 102, 102, 180, 138, 2, 230,
-    93, 221, 83, 111, 55, 199, 109, 210, 248, 99, 82, 230, 74, 83, 113, 63])
-_VERIFICATION_KEY = bytes([
-    127, 24, 87, 214, 206, 86, 237, 102, 18, 127, 249, 19, 231, 165, 195, 243,
-    164, 205, 38, 213, 181, 219, 73, 230, 65, 36, 152, 127, 40, 251, 148, 195])
+_DATA_KEY = bytes(
+    [
+        102,
+        151,
+        245,
+        119,
+        91,
+        149,
+        80,
+        222,
+        49,
+        53,
+        203,
+        172,
+        165,
+        151,
+        24,
+        28,
+        157,
+        228,
+        33,
+        16,
+        155,
+        235,
+        43,
+        88,
+        180,
+        208,
+        176,
+        75,
+        147,
+        173,
+        242,
+        41,
+    ]
+)
+_INTERNAL_NODE_KEY = bytes(
+    [
+        1,
+        126,
+        197,
+        199,
+        165,
+        71,
+        41,
+        150,
+        253,
+        148,
+        102,
+        102,
+        180,
+        138,
+        2,
+        230,
+        93,
+        221,
+        83,
+        111,
+        55,
+        199,
+        109,
+        210,
+        248,
+        99,
+        82,
+        230,
+        74,
+        83,
+        113,
+        63,
+    ]
+)
+_VERIFICATION_KEY = bytes(
+    [
+        127,
+        24,
+        87,
+        214,
+        206,
+        86,
+        237,
+        102,
+        18,
+        127,
+        249,
+        19,
+        231,
+        165,
+        195,
+        243,
+        164,
+        205,
+        38,
+        213,
+        181,
+        219,
+        73,
+        230,
+        65,
+        36,
+        152,
+        127,
+        40,
+        251,
+        148,
+        195,
+    ]
+)
 _ZERO_KEY = bytes(32)
 _BRANCHING = 4  # mean fan-out of the aggregated tree: a node closes on a hash that is 0 mod 4
 
 _XORB_IDENT, _HASHES_IDENT, _BOUNDARIES_IDENT = b"XETBLOB", b"XBLBHSH", b"XBLBBND"
-_SHARD_TAG = b"HFRepoMetaData\x00" + bytes([85, 105, 103, 69, 106, 123, 129, 87, 131, 165, 189, 217, 92, 205,
-                                             209, 74, 169])
+_SHARD_TAG = b"HFRepoMetaData\x00" + bytes(
+    [85, 105, 103, 69, 106, 123, 129, 87, 131, 165, 189, 217, 92, 205, 209, 74, 169]
+)
 _SHARD_VERSION = 2
 _ENTRY = 48  # every shard record (file or xorb header and entry) is 48 bytes
 _BOOKEND = b"\xff" * 32
@@ -77,7 +177,7 @@ class FormatError(ValueError):
 # ---------------------------------------------------------------------- hashes
 def hash_hex(digest: bytes) -> str:
     """The protocol's hex form of a 32-byte hash: four little-endian u64 words, each printed as hex."""
-    return "".join(digest[i:i + 8][::-1].hex() for i in range(0, 32, 8))
+    return "".join(digest[i : i + 8][::-1].hex() for i in range(0, 32, 8))
 
 
 def hash_from_hex(text: str) -> bytes:
@@ -88,7 +188,7 @@ def hash_from_hex(text: str) -> bytes:
         raw = bytes.fromhex(text)
     except ValueError:
         raise FormatError(f"not a Xet hash: {text!r}") from None
-    return b"".join(raw[i:i + 8][::-1] for i in range(0, 32, 8))
+    return b"".join(raw[i : i + 8][::-1] for i in range(0, 32, 8))
 
 
 def chunk_hash(data: bytes) -> bytes:
@@ -151,7 +251,7 @@ def _decompress(scheme: int, payload: bytes, size: int) -> bytes:
             out, pos = bytearray(size), 0
             for group in range(4):
                 n = size // 4 + (1 if group < size % 4 else 0)
-                out[group::4] = data[pos:pos + n]
+                out[group::4] = data[pos : pos + n]
                 pos += n
             data = bytes(out)
     else:
@@ -176,7 +276,9 @@ class Xorb:
 
 def decode_chunk(data: bytes, start: int, stop: int) -> bytes:
     """The bytes of the chunk serialized at data[start:stop] (header included)."""
-    return _decompress(data[start + 4], data[start + 8:stop], int.from_bytes(data[start + 5:start + 8], "little"))
+    return _decompress(
+        data[start + 4], data[start + 8 : stop], int.from_bytes(data[start + 5 : start + 8], "little")
+    )
 
 
 def _iter_chunks(data: bytes, end: int):
@@ -186,8 +288,8 @@ def _iter_chunks(data: bytes, end: int):
         if end - pos < 8:
             raise FormatError(f"truncated chunk header at byte {pos}")
         version, scheme = data[pos], data[pos + 4]
-        stored = int.from_bytes(data[pos + 1:pos + 4], "little")
-        size = int.from_bytes(data[pos + 5:pos + 8], "little")
+        stored = int.from_bytes(data[pos + 1 : pos + 4], "little")
+        size = int.from_bytes(data[pos + 5 : pos + 8], "little")
         if version != 0:
             raise FormatError(f"chunk header version {version} at byte {pos} (expected 0)")
         if size == 0 or size > MAX_CHUNK_SIZE or stored > 2 * MAX_CHUNK_SIZE:
@@ -204,7 +306,7 @@ def _footer_bounds(data: bytes) -> int:
     if len(data) >= 4:
         info_length = int.from_bytes(data[-4:], "little")
         start = len(data) - 4 - info_length
-        if info_length >= 8 and start >= 0 and data[start:start + 7] == _XORB_IDENT:
+        if info_length >= 8 and start >= 0 and data[start : start + 7] == _XORB_IDENT:
             return start
     return len(data)
 
@@ -216,7 +318,7 @@ def parse_xorb(data: bytes, expected_hash: bytes) -> Xorb:
     chunks_end = _footer_bounds(data)
     hashes, ends, sizes = [], [], []
     for start, stop, scheme, size in _iter_chunks(data, chunks_end):
-        chunk = _decompress(scheme, data[start + 8:stop], size)
+        chunk = _decompress(scheme, data[start + 8 : stop], size)
         hashes.append(chunk_hash(chunk))
         ends.append(stop)
         sizes.append(size)
@@ -224,8 +326,10 @@ def parse_xorb(data: bytes, expected_hash: bytes) -> Xorb:
         raise FormatError("xorb holds no chunk")
     computed = merkle_root(list(zip(hashes, sizes)))
     if computed != expected_hash:
-        raise FormatError(f"xorb hash mismatch: its chunks hash to {hash_hex(computed)},"
-                          f" it was sent as {hash_hex(expected_hash)}")
+        raise FormatError(
+            f"xorb hash mismatch: its chunks hash to {hash_hex(computed)},"
+            f" it was sent as {hash_hex(expected_hash)}"
+        )
     xorb = Xorb(computed, hashes, ends, sizes)
     if chunks_end < len(data):
         _check_xorb_footer(data[chunks_end:-4], xorb)
@@ -241,13 +345,16 @@ def _check_xorb_footer(footer: bytes, xorb: Xorb) -> None:
     if footer[8:40] != xorb.hash:
         raise FormatError("xorb footer names another xorb hash")
     pos = 40
-    if footer[pos:pos + 7] != _HASHES_IDENT or int.from_bytes(footer[pos + 8:pos + 12], "little") != n:
+    if footer[pos : pos + 7] != _HASHES_IDENT or int.from_bytes(footer[pos + 8 : pos + 12], "little") != n:
         raise FormatError("xorb footer hash section is malformed")
     pos += 12
-    if [footer[pos + 32 * i:pos + 32 * i + 32] for i in range(n)] != xorb.chunk_hashes:
+    if [footer[pos + 32 * i : pos + 32 * i + 32] for i in range(n)] != xorb.chunk_hashes:
         raise FormatError("xorb footer chunk hashes differ from the chunks")
     pos += 32 * n
-    if footer[pos:pos + 7] != _BOUNDARIES_IDENT or int.from_bytes(footer[pos + 8:pos + 12], "little") != n:
+    if (
+        footer[pos : pos + 7] != _BOUNDARIES_IDENT
+        or int.from_bytes(footer[pos + 8 : pos + 12], "little") != n
+    ):
         raise FormatError("xorb footer boundary section is malformed")
     pos += 12
     ends = list(struct.unpack_from(f"<{n}I", footer, pos))
@@ -258,7 +365,7 @@ def _check_xorb_footer(footer: bytes, xorb: Xorb) -> None:
         expected_unpacked.append(running)
     if ends != xorb.chunk_ends or unpacked != expected_unpacked:
         raise FormatError("xorb footer chunk boundaries differ from the chunks")
-    if int.from_bytes(footer[pos + 8 * n:pos + 8 * n + 4], "little") != n:
+    if int.from_bytes(footer[pos + 8 * n : pos + 8 * n + 4], "little") != n:
         raise FormatError("xorb footer chunk count is inconsistent")
 
 
@@ -299,7 +406,7 @@ def _entry_header(data: bytes, pos: int, section: str) -> tuple[bytes | None, in
     """The entry header at ``pos`` and the position after it; None at the section's end marker."""
     if pos + _ENTRY > len(data):
         raise FormatError(f"shard {section} section is truncated (no end marker)")
-    header = data[pos:pos + _ENTRY]
+    header = data[pos : pos + _ENTRY]
     return (None if header[:32] == _BOOKEND else header), pos + _ENTRY
 
 
@@ -317,11 +424,11 @@ def _parse_sections(data: bytes, footer_size: int) -> Shard:
         pos += count * _ENTRY
         checks: list[bytes | None] = [None] * count
         if flags & _FLAG_VERIFICATION:
-            checks = [data[pos + i * _ENTRY:pos + i * _ENTRY + 32] for i in range(count)]
+            checks = [data[pos + i * _ENTRY : pos + i * _ENTRY + 32] for i in range(count)]
             pos += count * _ENTRY
         sha256 = None
         if flags & _FLAG_METADATA_EXT:
-            sha256 = data[pos:pos + 32]
+            sha256 = data[pos : pos + 32]
             pos += _ENTRY
         segments = []
         for (xorb, _flags, size, first, last), check in zip(raw, checks):
@@ -352,6 +459,8 @@ def _parse_sections(data: bytes, footer_size: int) -> Shard:
 
 # ---------------------------------------------------------------------- global dedup answers
 _FOOTER_SIZE = 200
+
+
 def _truncated(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little")
 
@@ -381,8 +490,18 @@ def dedup_shard(xorbs: list[Xorb], now: int, valid_for: int) -> bytes:
     stored = sum(sum(x.chunk_sizes) for x in xorbs)
     on_disk = sum(x.chunk_ends[-1] for x in xorbs)
     footer_at = len(out)
-    out += struct.pack("<9Q", 1, 48, xorb_section, file_lookup_at, 0, xorb_lookup_at, len(xorb_lookup),
-                       chunk_lookup_at, len(chunk_lookup))
+    out += struct.pack(
+        "<9Q",
+        1,
+        48,
+        xorb_section,
+        file_lookup_at,
+        0,
+        xorb_lookup_at,
+        len(xorb_lookup),
+        chunk_lookup_at,
+        len(chunk_lookup),
+    )
     out += bytes(32)  # no HMAC key: chunk hashes in clear
     out += struct.pack("<2Q", now, now + valid_for) + bytes(48)
     out += struct.pack("<4Q", on_disk, stored, stored, footer_at)

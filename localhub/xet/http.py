@@ -41,14 +41,19 @@ def token(h: "Handler", scope: str, repo_type: str, repo_id: str, args: list[str
         h._readable_repo(repo_type, repo_id)
     access, exp = h.hub.xet_tokens.issue(scope, f"{repo_type}/{repo_id}")
     cas = f"{h.hub.url}/_xet/{h.hub.store.xet.id}"
-    h._send_json({"accessToken": access, "exp": exp, "casUrl": cas},
-                 headers={"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": access, "X-Xet-Token-Expiration": str(exp)})
+    h._send_json(
+        {"accessToken": access, "exp": exp, "casUrl": cas},
+        headers={"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": access, "X-Xet-Token-Expiration": str(exp)},
+    )
 
 
 def _require_extra() -> None:
     if not AVAILABLE:
-        raise HubError(501, "this local Hub speaks Xet only with the optional extra installed"
-                            " (pip install -e '.[localhub]': blake3, lz4); or set HF_HUB_DISABLE_XET=1 to use LFS")
+        raise HubError(
+            501,
+            "this local Hub speaks Xet only with the optional extra installed"
+            " (pip install -e '.[localhub]': blake3, lz4); or set HF_HUB_DISABLE_XET=1 to use LFS",
+        )
 
 
 def route(h: "Handler", method: str, segs: list[str]) -> None:
@@ -87,7 +92,11 @@ def _upload_xorb(h: "Handler", name: str) -> None:
         h._drop_connection(after_bytes)
     data = h._body()
     if h.hub.faults.take_xorb_corruption() and data:
-        data = bytes([data[0] ^ 0x01]) + data[1:] if len(data) < 9 else data[:8] + bytes([data[8] ^ 0x01]) + data[9:]
+        data = (
+            bytes([data[0] ^ 0x01]) + data[1:]
+            if len(data) < 9
+            else data[:8] + bytes([data[8] ^ 0x01]) + data[9:]
+        )
     inserted = h.hub.store.xet.put_xorb(name, data)
     h._send_json({"was_inserted": inserted})
 
@@ -117,13 +126,18 @@ def _reconstruction(h: "Handler", version: str, name: str) -> None:
     out_terms, fetch = [], {}
     for xorb_name, start, end, size in terms:
         xorb = cas.xorb(xorb_name)
-        chunks, span = {"start": start, "end": end}, {"start": xorb.chunk_start(start), "end": xorb.chunk_ends[end - 1] - 1}
+        chunks, span = (
+            {"start": start, "end": end},
+            {"start": xorb.chunk_start(start), "end": xorb.chunk_ends[end - 1] - 1},
+        )
         out_terms.append({"hash": xorb_name, "unpacked_length": size, "range": chunks})
         url = f"{h.hub.url}/_xet/data/{xorb_name}?exp={exp}&sig={_sign(h, xorb_name, exp)}"
         if version == "v1":
             fetch.setdefault(xorb_name, []).append({"range": chunks, "url": url, "url_range": span})
         else:
-            fetch.setdefault(xorb_name, []).append({"url": url, "ranges": [{"chunks": chunks, "bytes": span}]})
+            fetch.setdefault(xorb_name, []).append(
+                {"url": url, "ranges": [{"chunks": chunks, "bytes": span}]}
+            )
     key = "fetch_info" if version == "v1" else "xorbs"
     h._send_json({"offset_into_first_range": offset, "terms": out_terms, key: fetch})
 
@@ -174,8 +188,11 @@ def resolve(h: "Handler", repo_type: str, repo_id: str, commit_id: str, entry: d
     record = h.hub.store.xet.file(name)
     if record is None or record["size"] != entry["size"]:
         raise HubError(500, f"Xet file {name} is missing or damaged on this server")
-    headers = {**headers, "X-Xet-Hash": name,
-               "Link": f'<{h.hub.url}/api/{repo_type}s/{repo_id}/xet-read-token/{commit_id}>; rel="xet-auth"'}
+    headers = {
+        **headers,
+        "X-Xet-Hash": name,
+        "Link": f'<{h.hub.url}/api/{repo_type}s/{repo_id}/xet-read-token/{commit_id}>; rel="xet-auth"',
+    }
     size = entry["size"]
     first, last = h._byte_range(size)
     pieces = h.hub.store.xet.read(name, first, last) if h._method == "GET" and size else []

@@ -33,7 +33,15 @@ from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, 
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
-from .store import CheckpointStore, SavedCheckpoint, is_distributed, parse_step_dir, read_meta, resolve, step_dir_name
+from .store import (
+    CheckpointStore,
+    SavedCheckpoint,
+    is_distributed,
+    parse_step_dir,
+    read_meta,
+    resolve,
+    step_dir_name,
+)
 from .tensorfile import (
     PUBLISHED_METADATA,
     MappedTensors,
@@ -52,8 +60,14 @@ from .weights import (
     warm_start,
 )
 
-_DISTRIBUTED = ("DistributedCheckpointer", "live_components", "read_full_state", "read_rank_rng", "restore_distributed",
-                "restore_from_single")
+_DISTRIBUTED = (
+    "DistributedCheckpointer",
+    "live_components",
+    "read_full_state",
+    "read_rank_rng",
+    "restore_distributed",
+    "restore_from_single",
+)
 
 __all__ = [
     *_DISTRIBUTED,

@@ -82,7 +82,9 @@ class Checkpointer(OneSaveInFlight):
     store's lock is released.
     """
 
-    def __init__(self, store: CheckpointStore, provenance: dict[str, Any], *, background: bool = False) -> None:
+    def __init__(
+        self, store: CheckpointStore, provenance: dict[str, Any], *, background: bool = False
+    ) -> None:
         self.store = store
         self.provenance = provenance
         self.background = background
@@ -112,20 +114,34 @@ class Checkpointer(OneSaveInFlight):
         # is this checkpointer's own; training changes none of it.
         return self._start(run.step, copies["model"], copies["state"], meta)
 
-    def _start(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
-               meta: dict[str, Any]) -> PendingSave:
+    def _start(
+        self,
+        step: int,
+        model_tensors: Mapping[str, torch.Tensor],
+        state_tensors: Mapping[str, torch.Tensor],
+        meta: dict[str, Any],
+    ) -> PendingSave:
         pending = PendingSave(step, self.store.path_for(step))
         # Not a daemon: if the interpreter exits without close(), it still waits for the
         # commit instead of killing the write halfway (which would only leave a temp folder).
-        thread = threading.Thread(target=self._write, args=(pending, model_tensors, state_tensors, meta),
-                                  name=f"checkpoint-step-{step}", daemon=False)
+        thread = threading.Thread(
+            target=self._write,
+            args=(pending, model_tensors, state_tensors, meta),
+            name=f"checkpoint-step-{step}",
+            daemon=False,
+        )
         pending._thread = thread
         self._in_flight = pending
         thread.start()
         return pending
 
-    def _write(self, pending: PendingSave, model_tensors: Mapping[str, torch.Tensor],
-               state_tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def _write(
+        self,
+        pending: PendingSave,
+        model_tensors: Mapping[str, torch.Tensor],
+        state_tensors: Mapping[str, torch.Tensor],
+        meta: dict[str, Any],
+    ) -> None:
         try:
             saved = self.store.save(pending.step, model_tensors, state_tensors, meta)
         except BaseException as exc:  # re-raised in the training thread by PendingSave.result

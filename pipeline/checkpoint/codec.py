@@ -27,8 +27,13 @@ _MARKERS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _FLOAT)
 _NONFINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
 # Stored as they are (bool is a subclass of int, but type() tells them apart).
 _PLAIN = frozenset({int, str, bool, type(None)})
-_MARKER_FIELDS = {_TENSOR: {_TENSOR}, _NDARRAY: {_NDARRAY, "dtype", "shape"}, _TUPLE: {_TUPLE}, _DICT: {_DICT},
-                  _FLOAT: {_FLOAT}}
+_MARKER_FIELDS = {
+    _TENSOR: {_TENSOR},
+    _NDARRAY: {_NDARRAY, "dtype", "shape"},
+    _TUPLE: {_TUPLE},
+    _DICT: {_DICT},
+    _FLOAT: {_FLOAT},
+}
 
 
 def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -63,8 +68,12 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) and k not in _MARKERS for k in obj):
             return {k: split_state(v, f"{prefix}/{k}", tensors) for k, v in obj.items()}
-        return {_DICT: [[split_state(k, f"{prefix}/key{i}", tensors), split_state(v, f"{prefix}/{k}", tensors)]
-                        for i, (k, v) in enumerate(obj.items())]}
+        return {
+            _DICT: [
+                [split_state(k, f"{prefix}/key{i}", tensors), split_state(v, f"{prefix}/{k}", tensors)]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, tuple):
         return {_TUPLE: [split_state(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
@@ -74,12 +83,15 @@ def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, float):
         # JSON has no inf/nan: a marker keeps the tree strict JSON (repr gives "inf", "nan").
         return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}
-    raise TypeError(f"cannot save {type(obj).__name__} at {prefix!r}: only tensors, arrays, numbers, "
-                    "strings, lists, tuples and dicts are stored (no pickle)")
+    raise TypeError(
+        f"cannot save {type(obj).__name__} at {prefix!r}: only tensors, arrays, numbers, "
+        "strings, lists, tuples and dicts are stored (no pickle)"
+    )
 
 
-def join_state(tree: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | None = None,
-               where: str = "state") -> Any:
+def join_state(
+    tree: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | None = None, where: str = "state"
+) -> Any:
     """Inverse of :func:`split_state`, strict: the tree may be hostile.
 
     Every marker must have exactly its fields; a tensor must exist and, when the caller
@@ -113,8 +125,12 @@ def join_state(tree: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | 
         return tuple(join_state(v, tensors, used, f"{where}/{i}") for i, v in enumerate(items))
     if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
         raise ValueError(f"{where}: {_DICT} must hold [key, value] pairs")
-    joined = {_hashable(join_state(k, tensors, used, f"{where}/key{i}")): join_state(v, tensors, used, f"{where}/{i}")
-              for i, (k, v) in enumerate(items)}
+    joined = {
+        _hashable(join_state(k, tensors, used, f"{where}/key{i}")): join_state(
+            v, tensors, used, f"{where}/{i}"
+        )
+        for i, (k, v) in enumerate(items)
+    }
     if len(joined) != len(items):
         raise ValueError(f"{where}: a key appears twice")
     return joined
@@ -132,8 +148,11 @@ def _take(name: Any, tensors: Mapping[str, torch.Tensor], used: set[str] | None,
 
 def _ndarray(tree: dict[str, Any], tensor: torch.Tensor, where: str) -> np.ndarray:
     shape = tree["shape"]
-    if not isinstance(tree["dtype"], str) or not isinstance(shape, list) or not all(
-            type(d) is int and d >= 0 for d in shape):
+    if (
+        not isinstance(tree["dtype"], str)
+        or not isinstance(shape, list)
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
         raise ValueError(f"{where}: malformed array dtype or shape")
     try:
         dtype = np.dtype(tree["dtype"])
@@ -142,7 +161,9 @@ def _ndarray(tree: dict[str, Any], tensor: torch.Tensor, where: str) -> np.ndarr
     if dtype.kind not in "biuf" or tensor.dtype != torch.uint8 or tensor.dim() != 1:
         raise ValueError(f"{where}: arrays hold plain numbers as bytes, not {tree['dtype']!r}")
     if math.prod(shape) * dtype.itemsize != tensor.numel():
-        raise ValueError(f"{where}: {tensor.numel()} bytes do not hold a {tree['dtype']} array of shape {shape}")
+        raise ValueError(
+            f"{where}: {tensor.numel()} bytes do not hold a {tree['dtype']} array of shape {shape}"
+        )
     return np.frombuffer(tensor.numpy().tobytes(), dtype=dtype).reshape(shape).copy()
 
 

@@ -17,8 +17,13 @@ LAUNCH_KEYS = frozenset({"training.parallel", "training.ddp_find_unused_paramete
 
 
 def _compared_keys(flat: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in flat.items() if key not in LAUNCH_KEYS
-            and key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS}
+    return {
+        key: value
+        for key, value in flat.items()
+        if key not in LAUNCH_KEYS
+        and key not in RESUME_IRRELEVANT_KEYS
+        and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS
+    }
 
 
 def _saved_config(meta: dict[str, Any]) -> Config:
@@ -32,8 +37,9 @@ def _with_max_steps(config: Config, max_steps: int) -> Config:
     return dataclasses.replace(config, training=dataclasses.replace(config.training, max_steps=max_steps))
 
 
-def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str, *,
-                     extend_to: int | None) -> tuple[Config, list[dict]]:
+def continued_config(
+    meta: dict[str, Any], config: Config, data_fingerprint: str, *, extend_to: int | None
+) -> tuple[Config, list[dict]]:
     """The config a resume continues with, and the run's lineage (``meta.json`` ``lineage``),
     after :func:`check_resume_compatible`.
 
@@ -47,16 +53,19 @@ def continued_config(meta: dict[str, Any], config: Config, data_fingerprint: str
     lengths = [entry["from_max_steps"] for entry in lineage] + [recorded]
     if config.training.max_steps not in lengths:
         history = f" (extended from {lengths[0]})" if lineage else ""
-        raise ConfigMismatch(f"training.max_steps is {config.training.max_steps}, but the checkpoint's run is "
-                             f"{recorded} steps{history}: resume it as it is, or train it further with "
-                             f"--extend-to N (N > {max(recorded, step)})")
+        raise ConfigMismatch(
+            f"training.max_steps is {config.training.max_steps}, but the checkpoint's run is "
+            f"{recorded} steps{history}: resume it as it is, or train it further with "
+            f"--extend-to N (N > {max(recorded, step)})"
+        )
     config = _with_max_steps(config, recorded)
     check_resume_compatible(meta, config, data_fingerprint)
     if extend_to is None:
         return config, lineage
     if extend_to <= step or extend_to <= recorded:
-        raise ConfigError(f"--extend-to {extend_to} must exceed the checkpoint's step {step} and its max_steps "
-                          f"{recorded}")
+        raise ConfigError(
+            f"--extend-to {extend_to} must exceed the checkpoint's step {step} and its max_steps {recorded}"
+        )
     lineage.append({"from_max_steps": recorded, "at_step": step, "to_max_steps": extend_to})
     return _with_max_steps(config, extend_to), lineage
 
@@ -70,10 +79,14 @@ def check_resume_compatible(meta: dict[str, Any], config: Config, data_fingerpri
     if differing:
         key = differing[0]
         more = f" (and {len(differing) - 1} more: {', '.join(differing[1:4])})" if len(differing) > 1 else ""
-        raise ConfigMismatch(f"config differs from the checkpoint at {key}: checkpoint has {saved.get(key)!r}, "
-                             f"{config.source} has {current.get(key)!r}{more}. Resume with the checkpoint's config, "
-                             "or start a new run in another --checkpoint-dir")
+        raise ConfigMismatch(
+            f"config differs from the checkpoint at {key}: checkpoint has {saved.get(key)!r}, "
+            f"{config.source} has {current.get(key)!r}{more}. Resume with the checkpoint's config, "
+            "or start a new run in another --checkpoint-dir"
+        )
     if meta["fingerprints"].get("data") != data_fingerprint:
-        raise ConfigMismatch(f"the prepared data differs from the data the checkpoint was trained on "
-                             f"(fingerprint {data_fingerprint[:12]} vs {str(meta['fingerprints'].get('data'))[:12]}): "
-                             "restore the original data folder")
+        raise ConfigMismatch(
+            f"the prepared data differs from the data the checkpoint was trained on "
+            f"(fingerprint {data_fingerprint[:12]} vs {str(meta['fingerprints'].get('data'))[:12]}): "
+            "restore the original data folder"
+        )

@@ -72,8 +72,14 @@ from .tensorfile import map_file, parse_header, read_tensors, write_safetensors
 from .validate import HISTORY, validated_state
 from .weights import check_derived_buffers, derived_buffer_names
 
-__all__ = ["DistributedCheckpointer", "restore_distributed", "restore_from_single", "live_components", "read_full_state",
-           "read_rank_rng"]
+__all__ = [
+    "DistributedCheckpointer",
+    "restore_distributed",
+    "restore_from_single",
+    "live_components",
+    "read_full_state",
+    "read_rank_rng",
+]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _RNG_KEY = "rng"
@@ -119,20 +125,33 @@ class _StreamedShardWriter(HuggingFaceStorageWriter):
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
                 # Anything else would become a torch.save (zip, pickle) entry in torch's writer.
-                raise CheckpointError(f"{item.index.fqn} is not a tensor: a distributed checkpoint holds tensors only")
+                raise CheckpointError(
+                    f"{item.index.fqn} is not a tensor: a distributed checkpoint holds tensors only"
+                )
             fqn = item.index.fqn
             tensors[fqn] = tensor.detach().cpu()
             sharding[fqn] = {_SAVED_OFFSETS: list(item.tensor_data.chunk.offsets)}
-            results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
-                                       storage_data=name))
-        self.written[f"{self.part}/{name}"] = write_safetensors(self.folder / name, tensors, metadata={
-            _SHARDING_INFO: json.dumps(sharding, sort_keys=True), _DCP_VERSION: "1.0", "format": "pt"})
+            results.append(
+                WriteResult(
+                    index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(), storage_data=name
+                )
+            )
+        self.written[f"{self.part}/{name}"] = write_safetensors(
+            self.folder / name,
+            tensors,
+            metadata={
+                _SHARDING_INFO: json.dumps(sharding, sort_keys=True),
+                _DCP_VERSION: "1.0",
+                "format": "pt",
+            },
+        )
         done.set_result(results)
         return done
 
 
-def _dcp_save(tensors: dict[str, torch.Tensor], temporary: Path, part: str, world: World
-              ) -> dict[str, tuple[str, int]]:
+def _dcp_save(
+    tensors: dict[str, torch.Tensor], temporary: Path, part: str, world: World
+) -> dict[str, tuple[str, int]]:
     """Save ``tensors`` with DCP into ``temporary / part``; this rank's file's (sha256, size)."""
     odd = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if odd:
@@ -146,11 +165,15 @@ def live_components(run: TrainingRun) -> dict[str, Any]:
     """This rank's live state of each saved component besides the model (copies): what
     the resume proof compares to see whether a control changed what was restored."""
     _, optimizer, _ = _optimizer_state(run)
-    return {"optimizer": {name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
-                          for name, t in optimizer.items()},
-            "scheduler": copy.deepcopy(run.scheduler.state_dict()),
-            "data": capture_data(run, None),
-            "rng": capture_rng(run.generator)}
+    return {
+        "optimizer": {
+            name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+            for name, t in optimizer.items()
+        },
+        "scheduler": copy.deepcopy(run.scheduler.state_dict()),
+        "data": capture_data(run, None),
+        "rng": capture_rng(run.generator),
+    }
 
 
 def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -172,7 +195,10 @@ def read_full_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, An
     meta = loaded.meta
     maps = {name: map_file(folder / name) for name in meta["files"] if name.startswith(f"{DIST_OPTIM_DIR}/")}
     expected = meta["tensors"][DIST_OPTIM_DIR]
-    tensors = {**loaded.state_tensors, **consolidate(shard_tensors(folder, DIST_OPTIM_DIR, expected, maps), expected)}
+    tensors = {
+        **loaded.state_tensors,
+        **consolidate(shard_tensors(folder, DIST_OPTIM_DIR, expected, maps), expected),
+    }
     rng = {}
     for rank in range(meta["parallel"]["world_size"]):
         tree, rank_tensors = read_rank_rng(folder / rank_rng_file(rank))
@@ -195,8 +221,16 @@ class DistributedCheckpointer(OneSaveInFlight):
     :meth:`close` wait for it and raise its error in the training thread.
     """
 
-    def __init__(self, store: CheckpointStore, world: World, provenance: dict[str, Any], model_summary: dict,
-                 *, resharded_from: int | None = None, background: bool = False) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        world: World,
+        provenance: dict[str, Any],
+        model_summary: dict,
+        *,
+        resharded_from: int | None = None,
+        background: bool = False,
+    ) -> None:
         self.store = store
         self.world = world
         self.provenance = provenance
@@ -228,36 +262,56 @@ class DistributedCheckpointer(OneSaveInFlight):
             "rng": None,  # per rank, in rng/rank-NNNNN.safetensors
             # The same on every rank: DDP's gradients are all-reduced and FSDP2's found-inf flag
             # is too, so every rank skips the same steps.
-            "scaler": split_state(run.scaler.state_dict(), "scaler", shared) if run.scaler is not None else None,
+            "scaler": split_state(run.scaler.state_dict(), "scaler", shared)
+            if run.scaler is not None
+            else None,
             "progress": {"step": step},
         }
         for key in HISTORY:
-            shared[f"history/{key}"] = torch.tensor(run.history[key],
-                                                    dtype=torch.int64 if key == "step" else torch.float64)
+            shared[f"history/{key}"] = torch.tensor(
+                run.history[key], dtype=torch.int64 if key == "step" else torch.float64
+            )
         rng: dict[str, torch.Tensor] = {}
         rng_tree = split_state(capture_rng(run.generator), _RNG_KEY, rng)
-        record = {"step": step, "training_state": training_state, "rng_tree": rng_tree,
-                  "tensors": {DIST_MODEL_DIR: tensor_specs(model), DIST_OPTIM_DIR: tensor_specs(optimizer)},
-                  "model": {**self.model_summary, "derived_buffers": derived_buffer_names(model, run.fresh_buffers)}
-                  if self.world.rank == 0 else None}
+        record = {
+            "step": step,
+            "training_state": training_state,
+            "rng_tree": rng_tree,
+            "tensors": {DIST_MODEL_DIR: tensor_specs(model), DIST_OPTIM_DIR: tensor_specs(optimizer)},
+            "model": {**self.model_summary, "derived_buffers": derived_buffer_names(model, run.fresh_buffers)}
+            if self.world.rank == 0
+            else None,
+        }
         if not self.background:
             saved = self._commit(self.world, record, model, optimizer, rng, shared)
             self.last_saved_step = step
             return saved
-        copies = self.snapshot.copy({"model": _local(model), "optim": _local(optimizer), "rng": rng,
-                                     "shared": shared})
+        copies = self.snapshot.copy(
+            {"model": _local(model), "optim": _local(optimizer), "rng": rng, "shared": shared}
+        )
         pending = PendingSave(step, self.store.path_for(step))
         # Not a daemon: an interpreter exiting without close() still waits for the commit.
         # The record is not copied: split_state and tensor_specs built it for this save.
         pending._thread = threading.Thread(
-            target=self._write, name=f"checkpoint-step-{step}", daemon=False,
-            args=(pending, record, self._like(copies["model"], model), self._like(copies["optim"], optimizer),
-                  copies["rng"], copies["shared"]))
+            target=self._write,
+            name=f"checkpoint-step-{step}",
+            daemon=False,
+            args=(
+                pending,
+                record,
+                self._like(copies["model"], model),
+                self._like(copies["optim"], optimizer),
+                copies["rng"],
+                copies["shared"],
+            ),
+        )
         self._in_flight = pending
         pending._thread.start()
         return pending
 
-    def _like(self, copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _like(
+        self, copies: dict[str, torch.Tensor], live: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The snapshot's local copies as the live tensors were: sharded ones rewrapped with
         the same mesh, placements and global shape (no communication), so DCP writes the same
         chunks at the same offsets. A wrapper is kept while its buffer and layout are the
@@ -267,13 +321,27 @@ class DistributedCheckpointer(OneSaveInFlight):
             if not isinstance(tensor, DTensor):
                 wrapped[name] = copies[name]
                 continue
-            key = (copies[name].data_ptr(), copies[name].dtype, tensor.device_mesh, tensor.placements, tensor.shape,
-                   tensor.stride())
+            key = (
+                copies[name].data_ptr(),
+                copies[name].dtype,
+                tensor.device_mesh,
+                tensor.placements,
+                tensor.shape,
+                tensor.stride(),
+            )
             kept = self._wrappers.get(name)
             if kept is None or kept[0] != key:
-                kept = self._wrappers[name] = (key, DTensor.from_local(
-                    copies[name], tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
-                    stride=tensor.stride()))
+                kept = self._wrappers[name] = (
+                    key,
+                    DTensor.from_local(
+                        copies[name],
+                        tensor.device_mesh,
+                        tensor.placements,
+                        run_check=False,
+                        shape=tensor.shape,
+                        stride=tensor.stride(),
+                    ),
+                )
             wrapped[name] = kept[1]
         return wrapped
 
@@ -290,9 +358,15 @@ class DistributedCheckpointer(OneSaveInFlight):
         self.last_saved_step = saved.step
         pending._future.set_result(saved)
 
-    def _commit(self, world: World, record: dict[str, Any], model: dict[str, torch.Tensor],
-                optimizer: dict[str, torch.Tensor], rng: dict[str, torch.Tensor],
-                shared: dict[str, torch.Tensor]) -> SavedCheckpoint:
+    def _commit(
+        self,
+        world: World,
+        record: dict[str, Any],
+        model: dict[str, torch.Tensor],
+        optimizer: dict[str, torch.Tensor],
+        rng: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+    ) -> SavedCheckpoint:
         """The commit protocol (module docstring) on ``world``'s process group."""
         step = record["step"]
         final = self.store.path_for(step)
@@ -301,20 +375,27 @@ class DistributedCheckpointer(OneSaveInFlight):
             with world.together(f"saving step {step}"):
                 if world.rank == 0:
                     if final.exists():
-                        raise CheckpointError(f"{final} already exists; refusing to overwrite a committed checkpoint")
+                        raise CheckpointError(
+                            f"{final} already exists; refusing to overwrite a committed checkpoint"
+                        )
                     temporary = commit.enter_context(atomic_folder(final, files_synced=True))
             temporary = self.store.root / world.broadcast_text(temporary.name if temporary else None)
             with world.together(f"writing step {step}"):
                 # Each rank hashes what it writes, as it writes it (no file is read back).
-                hashed = {**_dcp_save(model, temporary, DIST_MODEL_DIR, world),
-                          **_dcp_save(optimizer, temporary, DIST_OPTIM_DIR, world)}
+                hashed = {
+                    **_dcp_save(model, temporary, DIST_MODEL_DIR, world),
+                    **_dcp_save(optimizer, temporary, DIST_OPTIM_DIR, world),
+                }
                 (temporary / DIST_RNG_DIR).mkdir(exist_ok=True)
                 hashed[rank_rng_file(world.rank)] = write_safetensors(
-                    temporary / rank_rng_file(world.rank), rng,
-                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)})
+                    temporary / rank_rng_file(world.rank),
+                    rng,
+                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)},
+                )
                 if world.rank == 0:
-                    hashed[STATE_FILE] = write_safetensors(temporary / STATE_FILE, shared,
-                                                           metadata={"format": "pt", "step": str(step)})
+                    hashed[STATE_FILE] = write_safetensors(
+                        temporary / STATE_FILE, shared, metadata={"format": "pt", "step": str(step)}
+                    )
             records = world.gather_text(json.dumps(hashed))
             files: dict[str, dict[str, Any]] = {}
             with world.together(f"committing step {step}"):
@@ -326,21 +407,25 @@ class DistributedCheckpointer(OneSaveInFlight):
                 self.store.prune_after_commit(step)
         return SavedCheckpoint(step=step, path=final, files=files)
 
-    def _seal(self, temporary: Path, record: dict[str, Any], files: dict[str, dict[str, Any]]
-              ) -> dict[str, dict[str, Any]]:
+    def _seal(
+        self, temporary: Path, record: dict[str, Any], files: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
         """Write the sealed meta.json last (rank 0)."""
-        write_meta(temporary, {
-            **self.provenance,
-            "schema": DIST_SCHEMA,
-            "step": record["step"],
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": record["model"],
-            "training_state": record["training_state"],
-            "files": files,
-            "parallel": self.world.describe(),
-            "tensors": record["tensors"],
-            "resharded_from": self.resharded_from,
-        })
+        write_meta(
+            temporary,
+            {
+                **self.provenance,
+                "schema": DIST_SCHEMA,
+                "step": record["step"],
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "model": record["model"],
+                "training_state": record["training_state"],
+                "files": files,
+                "parallel": self.world.describe(),
+                "tensors": record["tensors"],
+                "resharded_from": self.resharded_from,
+            },
+        )
         return files
 
 
@@ -355,34 +440,49 @@ def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
     for record in records:
         for name, (digest, size) in json_loads_strict(record.encode("utf-8")).items():
             if name in files:
-                raise CheckpointError(f"{temporary / name} was hashed by two ranks: their listings of the folder differ")
+                raise CheckpointError(
+                    f"{temporary / name} was hashed by two ranks: their listings of the folder differ"
+                )
             files[name] = {"sha256": digest, "size": size}
     present = sorted(p.relative_to(temporary).as_posix() for p in temporary.rglob("*") if not p.is_dir())
     for name in present:
         # What torch writes besides safetensors (.metadata, .distcp) is pickle.
         if not name.endswith(".safetensors"):
-            raise CheckpointError(f"{temporary / name}: a distributed checkpoint holds safetensors files only")
+            raise CheckpointError(
+                f"{temporary / name}: a distributed checkpoint holds safetensors files only"
+            )
     if sorted(files) != present:
         odd = sorted(set(files) ^ set(present))[0]
         raise CheckpointError(f"{temporary / odd}: the ranks' hashes and the folder's files differ")
     return dict(sorted(files.items()))
 
 
-def _dcp_load(template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str,
-              world: World | None) -> None:
+def _dcp_load(
+    template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str, world: World | None
+) -> None:
     if tensor_specs(template) != expected:
         odd = sorted(set(template) ^ set(expected)) or sorted(
-            n for n in template if tensor_specs({n: template[n]})[n] != expected[n])
-        raise StateMismatch(f"{folder}: the checkpoint's {what} tensors differ from this run's at {odd[0]}: "
-                            "it does not fit the model or optimizer built from the config")
+            n for n in template if tensor_specs({n: template[n]})[n] != expected[n]
+        )
+        raise StateMismatch(
+            f"{folder}: the checkpoint's {what} tensors differ from this run's at {odd[0]}: "
+            "it does not fit the model or optimizer built from the config"
+        )
     with warnings.catch_warnings():
         # One process reading every shard (a run moved to one process) is what no_dist means.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=world is None)
 
 
-def restore_distributed(run: TrainingRun, world: World | None, folder: Path, meta: dict[str, Any], *,
-                        omit: Iterable[str] = (), swap_rng: bool = False) -> None:
+def restore_distributed(
+    run: TrainingRun,
+    world: World | None,
+    folder: Path,
+    meta: dict[str, Any],
+    *,
+    omit: Iterable[str] = (),
+    swap_rng: bool = False,
+) -> None:
     """Load a verified distributed checkpoint (rank 0 ran
     :func:`pipeline.checkpoint.load_checkpoint` on it: hashes, strict headers, shard
     coverage; every rank read its sealed meta.json) into a built run: wrapped, one rank of a
@@ -416,9 +516,15 @@ def restore_distributed(run: TrainingRun, world: World | None, folder: Path, met
     shared = read_tensors(folder / STATE_FILE)
     state = {**meta["training_state"], "rng": rng_tree}
     _, _, live = _optimizer_state(run)
-    joined = validated_state(run, state, {**shared, **optimizer, **rng_tensors}, step=meta["step"], optimizer=live)
-    check_derived_buffers(getattr(run.model, "module", run.model), model, meta["model"]["derived_buffers"],
-                          source=str(folder / DIST_MODEL_DIR))
+    joined = validated_state(
+        run, state, {**shared, **optimizer, **rng_tensors}, step=meta["step"], optimizer=live
+    )
+    check_derived_buffers(
+        getattr(run.model, "module", run.model),
+        model,
+        meta["model"]["derived_buffers"],
+        source=str(folder / DIST_MODEL_DIR),
+    )
     with _fits(folder):
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
         if "optimizer" not in omit:
@@ -426,8 +532,9 @@ def restore_distributed(run: TrainingRun, world: World | None, folder: Path, met
         _restore_rest(run, joined, omit, rank, resharded, history=shared)
 
 
-def restore_from_single(run: TrainingRun, world: World, loaded: LoadedCheckpoint, *, omit: Iterable[str] = ()
-                        ) -> None:
+def restore_from_single(
+    run: TrainingRun, world: World, loaded: LoadedCheckpoint, *, omit: Iterable[str] = ()
+) -> None:
     """Continue a single-process checkpoint on this rank of a launch (``--reshard``).
 
     ``loaded``: the checkpoint, verified and read whole on this rank; its weights are
@@ -446,16 +553,28 @@ def restore_from_single(run: TrainingRun, world: World, loaded: LoadedCheckpoint
             names = {id(p): name for name, p in plain.named_parameters()}
             order = [names[id(p)] for group in run.optimizer.param_groups for p in group["params"]]
             saved = joined["optimizer"]
-            by_name = {"state": {order[index]: value for index, value in saved["state"].items()},
-                       "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                                        for group in saved["param_groups"]]}
-            set_optimizer_state_dict(run.model, run.optimizer, by_name,
-                                     options=StateDictOptions(full_state_dict=True))
+            by_name = {
+                "state": {order[index]: value for index, value in saved["state"].items()},
+                "param_groups": [
+                    {**group, "params": [order[i] for i in group["params"]]}
+                    for group in saved["param_groups"]
+                ],
+            }
+            set_optimizer_state_dict(
+                run.model, run.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
+            )
         _restore_rest(run, joined, omit, world.rank, True, history=tensors)
 
 
-def _restore_rest(run: TrainingRun, joined: dict[str, Any], omit: frozenset[str], rank: int, resharded: bool, *,
-                  history: dict[str, torch.Tensor]) -> None:
+def _restore_rest(
+    run: TrainingRun,
+    joined: dict[str, Any],
+    omit: frozenset[str],
+    rank: int,
+    resharded: bool,
+    *,
+    history: dict[str, torch.Tensor],
+) -> None:
     """Positions, scaler, step, history, and the RNGs last (see :func:`restore_distributed`)."""
     restore_positions(run, joined, omit)
     if "scaler" not in omit and run.scaler is not None:

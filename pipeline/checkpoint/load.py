@@ -47,7 +47,6 @@ from .weights import dedupe_shared_tensors
 __all__ = ["LoadMode", "LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint"]
 
 
-
 class LoadMode(enum.Enum):
     """Which tensors :func:`load_checkpoint` hands out; every byte is verified in each mode."""
 
@@ -85,8 +84,14 @@ class LoadedCheckpoint:
         return model.get("derived_buffers") if isinstance(model, dict) else None
 
 
-def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, mode: LoadMode = LoadMode.FULL,
-                    committed: bool = False, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
+def load_checkpoint(
+    spec: str | Path = "latest",
+    root: str | Path = CHECKPOINT_DIR,
+    *,
+    mode: LoadMode = LoadMode.FULL,
+    committed: bool = False,
+    into: torch.nn.Module | None = None,
+) -> LoadedCheckpoint:
     """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
 
     ``mode`` says which tensors are built (:class:`LoadMode`); every byte is verified.
@@ -103,7 +108,9 @@ def load_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
     return _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode, into=into))
 
 
-def checkpoint_meta(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR) -> tuple[Path, dict[str, Any]]:
+def checkpoint_meta(
+    spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR
+) -> tuple[Path, dict[str, Any]]:
     """(folder, meta.json) of ``spec``, as :func:`load_checkpoint` checks them (folder name,
     seal, schema, listing and sizes; for "latest", naming an older checkpoint that verifies
     if this one is refused), but no file hashed yet: what a resume reads to build the run
@@ -113,8 +120,13 @@ def checkpoint_meta(spec: str | Path = "latest", root: str | Path = CHECKPOINT_D
 
 
 @contextlib.contextmanager
-def pinned_checkpoint(spec: str | Path = "latest", root: str | Path = CHECKPOINT_DIR, *, mode: LoadMode = LoadMode.FULL,
-                      committed: bool = False) -> Iterator[LoadedCheckpoint]:
+def pinned_checkpoint(
+    spec: str | Path = "latest",
+    root: str | Path = CHECKPOINT_DIR,
+    *,
+    mode: LoadMode = LoadMode.FULL,
+    committed: bool = False,
+) -> Iterator[LoadedCheckpoint]:
     """:func:`load_checkpoint`, with the folder pinned against pruning until the block ends,
     so every later read of its files (a copy, a hash) sees the verified bytes."""
     with contextlib.ExitStack() as held:
@@ -138,8 +150,10 @@ def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) 
                 _load(candidate, mode=LoadMode.VERIFY)
             except (CheckpointError, OSError):  # damaged too, or pruned meanwhile by a trainer
                 continue
-            raise CheckpointError(f"{damage} The older checkpoint {candidate} verifies: resume from it with "
-                                  f"--resume {candidate} (nothing was deleted).") from None
+            raise CheckpointError(
+                f"{damage} The older checkpoint {candidate} verifies: resume from it with "
+                f"--resume {candidate} (nothing was deleted)."
+            ) from None
         raise
 
 
@@ -148,8 +162,9 @@ def _meta(folder: Path) -> dict[str, Any]:
         raise NoCheckpoint(f"{folder} is not a checkpoint folder")
     if parse_step_dir(folder.name) is None:
         # Temporary (.tmp-…) and half-deleted (.deleting-…) folders never count.
-        raise NoCheckpoint(f"{folder} is not a committed checkpoint (expected a folder named like "
-                           f"{step_dir_name(10)})")
+        raise NoCheckpoint(
+            f"{folder} is not a committed checkpoint (expected a folder named like {step_dir_name(10)})"
+        )
     meta = read_meta(folder)
     check_listing(folder, meta)
     return meta
@@ -162,24 +177,41 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
     used = _USED[mode]
     # Straight into the model's parameters (resume): not its buffers, which are compared
     # with the stored values before loading (check_derived_buffers).
-    parameters = {name: tensor for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
-                  if isinstance(tensor, torch.nn.Parameter)} if into is not None and mode is LoadMode.FULL else {}
+    parameters = (
+        {
+            name: tensor
+            for name, tensor in dedupe_shared_tensors(into.state_dict(keep_vars=True)).items()
+            if isinstance(tensor, torch.nn.Parameter)
+        }
+        if into is not None and mode is LoadMode.FULL
+        else {}
+    )
     # Reading a file costs a copy of it (benchmarks/README.md): only what is used is read.
-    read = read_verified({name: folder / name for name in meta["files"]},
-                         {name: (parameters if name == MODEL_FILE else {}) if name in used else None
-                          for name in meta["files"]})
+    read = read_verified(
+        {name: folder / name for name in meta["files"]},
+        {
+            name: (parameters if name == MODEL_FILE else {}) if name in used else None
+            for name in meta["files"]
+        },
+    )
     for name, entry in sorted(meta["files"].items()):
         if read[name][0] != entry["sha256"]:
-            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
-                                   "the file is damaged or was modified")
+            raise ChecksumMismatch(
+                f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was modified"
+            )
     # Parsed even with LoadMode.VERIFY: a file whose hash matches may still be malformed, and
     # evaluate, stage and resume must refuse exactly the same files.
     for name in (STATE_FILE, MODEL_FILE):
         if isinstance(read[name][1], ValueError):
-            raise SchemaMismatch(f"{folder / name} is not a valid safetensors file: "
-                                 f"{str(read[name][1]).splitlines()[0]}")
-    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
-                            state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {})
+            raise SchemaMismatch(
+                f"{folder / name} is not a valid safetensors file: {str(read[name][1]).splitlines()[0]}"
+            )
+    return LoadedCheckpoint(
+        folder=folder,
+        meta=meta,
+        model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
+        state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {},
+    )
 
 
 def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> LoadedCheckpoint:
@@ -195,8 +227,9 @@ def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> Loa
     digests = sha256_mapped(maps, own=used)
     for name, entry in sorted(meta["files"].items()):
         if digests[name] != entry["sha256"]:
-            raise ChecksumMismatch(f"{folder / name} SHA-256 differs from meta.json: "
-                                   "the file is damaged or was modified")
+            raise ChecksumMismatch(
+                f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was modified"
+            )
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
     # Every shard header parsed and every tensor's coverage checked before torch's
     # reader (resume) or the consolidation below (evaluate, stage) reads a value.
@@ -207,5 +240,6 @@ def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> Loa
             continue
         tensors_from_map(folder / name, maps[name])
     model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
-    return LoadedCheckpoint(folder=folder, meta=meta, model_tensors=model,
-                            state_tensors=state if STATE_FILE in used else {})
+    return LoadedCheckpoint(
+        folder=folder, meta=meta, model_tensors=model, state_tensors=state if STATE_FILE in used else {}
+    )

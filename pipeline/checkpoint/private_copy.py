@@ -52,8 +52,16 @@ class CheckpointWeights:
     size), which the stage publishes as is when nothing is renamed or split. ``origin``:
     where they were stored (named by refusals); ``record``: meta.json's ``model`` record."""
 
-    def __init__(self, source: MappedTensors | ConsolidatedTensors, copy: Path | None, entry: dict[str, Any] | None,
-                 files: list[MappedTensors], *, origin: str, record: Any) -> None:
+    def __init__(
+        self,
+        source: MappedTensors | ConsolidatedTensors,
+        copy: Path | None,
+        entry: dict[str, Any] | None,
+        files: list[MappedTensors],
+        *,
+        origin: str,
+        record: Any,
+    ) -> None:
         self._source: MappedTensors | ConsolidatedTensors | None = source
         self._files = files
         self.specs: dict[str, torch.Tensor] = dict(source.specs)
@@ -68,8 +76,11 @@ class CheckpointWeights:
         buffers recorded as derived are no longer what it computes; the tied aliases."""
         tied = check_weights_fit(model, self.specs, record=self.record, source=self.origin)
         derived = self.record.get("derived_buffers") if isinstance(self.record, Mapping) else None
-        names = [name for name in derived if isinstance(name, str) and name in self.specs] \
-            if isinstance(derived, list) else []
+        names = (
+            [name for name in derived if isinstance(name, str) and name in self.specs]
+            if isinstance(derived, list)
+            else []
+        )
         # Buffers are never sharded: each is a view of its file, not the reused assembly buffer.
         check_derived_buffers(model, {name: self.tensor(name) for name in names}, derived, source=self.origin)
         for name in names:
@@ -137,12 +148,20 @@ def open_weights(folder: Path, meta: dict[str, Any], scratch: Path) -> Checkpoin
         copy = scratch / MODEL_FILE
         entry = _copy_verified(folder / MODEL_FILE, copy, meta["files"][MODEL_FILE])
         mapped = MappedTensors(copy)
-        return CheckpointWeights(mapped, copy, entry, [mapped], origin=str(folder / MODEL_FILE), record=meta["model"])
+        return CheckpointWeights(
+            mapped, copy, entry, [mapped], origin=str(folder / MODEL_FILE), record=meta["model"]
+        )
     files = {}
     for name, entry in sorted(meta["files"].items()):
         if name.startswith(f"{DIST_MODEL_DIR}/"):
             _copy_verified(folder / name, scratch / name, entry)
             files[name] = MappedTensors(scratch / name)
     consolidated = ConsolidatedTensors(scratch, DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], files)
-    return CheckpointWeights(consolidated, None, None, list(files.values()), origin=str(folder / DIST_MODEL_DIR),
-                             record=meta["model"])
+    return CheckpointWeights(
+        consolidated,
+        None,
+        None,
+        list(files.values()),
+        origin=str(folder / DIST_MODEL_DIR),
+        record=meta["model"],
+    )

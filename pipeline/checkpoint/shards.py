@@ -29,7 +29,14 @@ from .tensorfile import (
     tensors_from_map,
 )
 
-__all__ = ["PARALLEL_MODES", "check_launch_record", "tensor_specs", "shard_tensors", "consolidate", "ConsolidatedTensors"]
+__all__ = [
+    "PARALLEL_MODES",
+    "check_launch_record",
+    "tensor_specs",
+    "shard_tensors",
+    "consolidate",
+    "ConsolidatedTensors",
+]
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 SHARDED_PARTS = (DIST_MODEL_DIR, DIST_OPTIM_DIR)
@@ -43,28 +50,45 @@ _SLICE_BYTES = 8 * 1024 * 1024
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``{name: {"dtype", "shape"}}`` of full tensors, as meta.json's ``tensors`` records them."""
-    return {name: {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape)} for name, t in sorted(tensors.items())}
+    return {
+        name: {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape)}
+        for name, t in sorted(tensors.items())
+    }
 
 
 def _spec_ok(spec: Any) -> bool:
-    return (isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and spec["dtype"] in SAFETENSORS_DTYPES.values()
-            and isinstance(spec["shape"], list)
-            and all(type(d) is int and d >= 0 for d in spec["shape"]))
+    return (
+        isinstance(spec, dict)
+        and set(spec) == {"dtype", "shape"}
+        and spec["dtype"] in SAFETENSORS_DTYPES.values()
+        and isinstance(spec["shape"], list)
+        and all(type(d) is int and d >= 0 for d in spec["shape"])
+    )
 
 
 def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
     """``parallel``, ``tensors``, ``resharded_from`` and the files table's names of a
     distributed meta.json (called by :func:`pipeline.checkpoint.store.read_meta`)."""
     parallel, tensors, resharded = meta["parallel"], meta["tensors"], meta["resharded_from"]
-    if not (isinstance(parallel, dict) and set(parallel) == {"mode", "world_size", "ddp_find_unused_parameters"}
-            and type(parallel["world_size"]) is int and parallel["world_size"] >= 1
-            and parallel["mode"] in PARALLEL_MODES and type(parallel["ddp_find_unused_parameters"]) is bool):
+    if not (
+        isinstance(parallel, dict)
+        and set(parallel) == {"mode", "world_size", "ddp_find_unused_parameters"}
+        and type(parallel["world_size"]) is int
+        and parallel["world_size"] >= 1
+        and parallel["mode"] in PARALLEL_MODES
+        and type(parallel["ddp_find_unused_parameters"]) is bool
+    ):
         raise SchemaMismatch(f"{path} has a malformed parallel record: the file is damaged")
     if not (resharded is None or (type(resharded) is int and resharded >= 1)):
         raise SchemaMismatch(f"{path} has a malformed resharded_from: the file is damaged")
-    if not (isinstance(tensors, dict) and set(tensors) == set(SHARDED_PARTS)
-            and all(isinstance(part, dict) and all(_spec_ok(spec) for spec in part.values())
-                    for part in tensors.values())):
+    if not (
+        isinstance(tensors, dict)
+        and set(tensors) == set(SHARDED_PARTS)
+        and all(
+            isinstance(part, dict) and all(_spec_ok(spec) for spec in part.values())
+            for part in tensors.values()
+        )
+    ):
         raise SchemaMismatch(f"{path} has a malformed tensors table: the file is damaged")
     ranks = {rank_rng_file(rank) for rank in range(parallel["world_size"])}
     for name in meta["files"]:
@@ -75,9 +99,11 @@ def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
     if missing:
         raise SchemaMismatch(f"{path} does not list {missing[0]}: the checkpoint is incomplete")
     if not all(any(name.startswith(f"{part}/") for name in meta["files"]) for part in SHARDED_PARTS) and any(
-            tensors[part] for part in SHARDED_PARTS):
-        raise SchemaMismatch(f"{path} lists no shard file for the model or the optimizer: the checkpoint is "
-                             "incomplete")
+        tensors[part] for part in SHARDED_PARTS
+    ):
+        raise SchemaMismatch(
+            f"{path} lists no shard file for the model or the optimizer: the checkpoint is incomplete"
+        )
 
 
 def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[tuple[list[int], str]]]:
@@ -94,18 +120,23 @@ def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[
                 if key == "__metadata__":
                     continue
                 offsets = sharding.get(key, {}).get(_OFFSETS_KEY, [0] * len(entry["shape"]))
-                if not (isinstance(offsets, list) and len(offsets) == len(entry["shape"])
-                        and all(type(o) is int and o >= 0 for o in offsets)):
+                if not (
+                    isinstance(offsets, list)
+                    and len(offsets) == len(entry["shape"])
+                    and all(type(o) is int and o >= 0 for o in offsets)
+                ):
                     raise ValueError(f"bad offsets for {key}")
                 chunks.setdefault(key, []).append((offsets, name))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise SchemaMismatch(f"{folder / name} has a malformed {_SHARDING_KEY} ({exc}): the file is damaged") \
-                from None
+            raise SchemaMismatch(
+                f"{folder / name} has a malformed {_SHARDING_KEY} ({exc}): the file is damaged"
+            ) from None
     return chunks
 
 
-def _covered(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
-             ) -> dict[str, list[tuple[list[int], str, torch.Tensor]]]:
+def _covered(
+    folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+) -> dict[str, list[tuple[list[int], str, torch.Tensor]]]:
     """``{tensor: [(offsets, file, chunk view)]}`` of ``part/`` once every expected tensor is
     tiled exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
     where = f"{folder / part}/"
@@ -125,33 +156,47 @@ def _covered(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping
             raise ChecksumMismatch(f"{where} holds no shard of tensor {name}: a shard file is missing")
         volume = 0
         for offsets, _, view in pieces:
-            if SAFETENSORS_DTYPES[view.dtype] != spec["dtype"] or view.dim() != len(full) or any(
-                    o + s > f for o, s, f in zip(offsets, view.shape, full)):
-                raise ChecksumMismatch(f"{where}: a shard of {name} does not fit its {spec['dtype']} tensor of "
-                                       f"shape {full}")
+            if (
+                SAFETENSORS_DTYPES[view.dtype] != spec["dtype"]
+                or view.dim() != len(full)
+                or any(o + s > f for o, s, f in zip(offsets, view.shape, full))
+            ):
+                raise ChecksumMismatch(
+                    f"{where}: a shard of {name} does not fit its {spec['dtype']} tensor of shape {full}"
+                )
             volume += view.numel()
         for i, (a, _, va) in enumerate(pieces):
-            for b, _, vb in pieces[i + 1:]:
-                if va.numel() and all(max(ao, bo) < min(ao + as_, bo + bs) for ao, as_, bo, bs in
-                                      zip(a, va.shape, b, vb.shape)):
+            for b, _, vb in pieces[i + 1 :]:
+                if va.numel() and all(
+                    max(ao, bo) < min(ao + as_, bo + bs) for ao, as_, bo, bs in zip(a, va.shape, b, vb.shape)
+                ):
                     raise ChecksumMismatch(f"{where}: two shards of {name} overlap")
         if volume != math.prod(full):
-            raise ChecksumMismatch(f"{where}: the shards of {name} cover {volume} of its {math.prod(full)} "
-                                   "elements: a shard file is missing or damaged")
+            raise ChecksumMismatch(
+                f"{where}: the shards of {name} cover {volume} of its {math.prod(full)} "
+                "elements: a shard file is missing or damaged"
+            )
         result[name] = pieces
     return result
 
 
-def shard_tensors(folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
-                  ) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+def shard_tensors(
+    folder: Path, part: str, expected: Mapping[str, Any], maps: Mapping[str, Any]
+) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
     """``{tensor: [(offsets, chunk view)]}`` of ``part/`` once every expected tensor is tiled
     exactly by its chunks; :class:`ChecksumMismatch` naming the tensor otherwise."""
-    return {name: [(offsets, view) for offsets, _, view in pieces]
-            for name, pieces in _covered(folder, part, expected, maps).items()}
+    return {
+        name: [(offsets, view) for offsets, _, view in pieces]
+        for name, pieces in _covered(folder, part, expected, maps).items()
+    }
 
 
-def _assemble(chunks: list[tuple[list[int], torch.Tensor]], shape: list[int],
-              release: Callable[[torch.Tensor], None] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def _assemble(
+    chunks: list[tuple[list[int], torch.Tensor]],
+    shape: list[int],
+    release: Callable[[torch.Tensor], None] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The full tensor from its covered chunks: a tensor held whole by one chunk is that
     view (no copy); a sharded one (FSDP2) is assembled once, into ``out`` if given. ``release``:
     called on each copied slice of a chunk (about 8 MiB), so its mapped pages can go as the
@@ -166,8 +211,8 @@ def _assemble(chunks: list[tuple[list[int], torch.Tensor]], shape: list[int],
             continue
         rows = max(1, _SLICE_BYTES // max(1, view[0].numel() * view.element_size()))
         for row in range(0, view.shape[0], rows):
-            target[row:row + rows].copy_(view[row:row + rows])
-            release(view[row:row + rows])
+            target[row : row + rows].copy_(view[row : row + rows])
+            release(view[row : row + rows])
     return full
 
 
@@ -184,11 +229,15 @@ class ConsolidatedTensors:
     keyed by its name in ``meta.json``'s files table (``model/…``), opened on files this
     process verified and does not write (a private copy); coverage is checked here."""
 
-    def __init__(self, folder: Path, part: str, expected: Mapping[str, Any], files: Mapping[str, MappedTensors]) -> None:
+    def __init__(
+        self, folder: Path, part: str, expected: Mapping[str, Any], files: Mapping[str, MappedTensors]
+    ) -> None:
         self._files = files
         self._pieces = _covered(folder, part, expected, {name: file.buffer for name, file in files.items()})
-        self.specs = {name: torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]], device="meta")
-                      for name, spec in sorted(expected.items())}
+        self.specs = {
+            name: torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]], device="meta")
+            for name, spec in sorted(expected.items())
+        }
         self._largest = max((s.numel() * s.element_size() for s in self.specs.values()), default=0)
         self._buffer: torch.Tensor | None = None
 
@@ -223,8 +272,9 @@ class ConsolidatedTensors:
             self.release(name)
 
 
-def consolidate(pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expected: Mapping[str, Any]
-                ) -> dict[str, torch.Tensor]:
+def consolidate(
+    pieces: Mapping[str, list[tuple[list[int], torch.Tensor]]], expected: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """Full tensors from covered chunks (:func:`_assemble`), all at once: a tensor held whole
     by one chunk is that view of the mapped file (no copy)."""
     return {name: _assemble(chunks, expected[name]["shape"]) for name, chunks in pieces.items()}

@@ -50,8 +50,10 @@ class SnapshotBuffers:
                     from_gpu |= source.device.type == "cuda"
                     if _plain_cpu(source):
                         target, origin = _as_bytes(buffer), _as_bytes(source)
-                        pieces += [(target[start:start + _PIECE], origin[start:start + _PIECE])
-                                   for start in range(0, len(origin), _PIECE)]
+                        pieces += [
+                            (target[start : start + _PIECE], origin[start : start + _PIECE])
+                            for start in range(0, len(origin), _PIECE)
+                        ]
                     else:
                         buffer.copy_(source, non_blocking=buffer.is_pinned())
                     snapshot[group][name] = buffer
@@ -85,8 +87,14 @@ _PIECE = 4 * 1024 * 1024
 
 
 def _plain_cpu(tensor: torch.Tensor) -> bool:
-    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg() and tensor.numel() > 0)
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.numel() > 0
+    )
 
 
 class _TwoHands:

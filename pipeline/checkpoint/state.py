@@ -21,12 +21,21 @@ from .codec import split_state
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
-__all__ = ["OMITTABLE", "capture_state", "capture_data", "check_capturable", "restore_state", "restore_positions"]
+__all__ = [
+    "OMITTABLE",
+    "capture_state",
+    "capture_data",
+    "check_capturable",
+    "restore_state",
+    "restore_positions",
+]
 
 OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
 
 
-def capture_state(run: TrainingRun) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+def capture_state(
+    run: TrainingRun,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
     """Return (model tensors, JSON state, state tensors). Tensors are the live ones: write
     them before the next step, or copy them (the async checkpointer does)."""
     model_tensors = dedupe_shared_tensors(run.model.state_dict())
@@ -55,9 +64,11 @@ def capture_data(run: TrainingRun, tensors: dict[str, torch.Tensor] | None) -> d
     task = task_state() if task_state else None
     if tensors is None:
         return copy.deepcopy({"sampler": sampler, "task": task, "source": run.feed.state_dict()})
-    return {"sampler": split_state(sampler, "data/sampler", tensors) if sampler is not None else None,
-            "task": split_state(task, "data/task", tensors) if task_state else None,
-            "source": run.feed.state_dict()}
+    return {
+        "sampler": split_state(sampler, "data/sampler", tensors) if sampler is not None else None,
+        "task": split_state(task, "data/task", tensors) if task_state else None,
+        "source": run.feed.state_dict(),
+    }
 
 
 def check_capturable(run: TrainingRun) -> None:
@@ -70,9 +81,17 @@ def check_capturable(run: TrainingRun) -> None:
         raise CheckpointError(f"this run's state cannot be checkpointed: {exc}") from None
 
 
-def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], state: Any,
-                  tensors: Mapping[str, torch.Tensor], *, omit: Iterable[str] = (), step: int | None = None,
-                  derived: Any = (), record: Any = None) -> None:
+def restore_state(
+    run: TrainingRun,
+    model_tensors: Mapping[str, torch.Tensor],
+    state: Any,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    omit: Iterable[str] = (),
+    step: int | None = None,
+    derived: Any = (),
+    record: Any = None,
+) -> None:
     """Validate everything first (:func:`~pipeline.checkpoint.validate.validated_state`;
     ``step``: the checkpoint's step, which the state must agree with; ``derived``: the
     checkpoint's derived buffers, compared with this run's fresh ones; ``record``: its
@@ -98,8 +117,9 @@ def restore_state(run: TrainingRun, model_tensors: Mapping[str, torch.Tensor], s
         if isinstance(exc, CheckpointError):
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise StateMismatch(f"saved training state does not fit the objects built from the config: {first_line}") \
-            from None
+        raise StateMismatch(
+            f"saved training state does not fit the objects built from the config: {first_line}"
+        ) from None
 
 
 def restore_positions(run: TrainingRun, joined: Mapping[str, Any], omit: Iterable[str] = ()) -> None:

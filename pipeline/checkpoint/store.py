@@ -53,9 +53,25 @@ from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
 from .shards import check_launch_record
 from .tensorfile import write_safetensors_files
 
-__all__ = ["SCHEMA_VERSION", "DIST_SCHEMA", "META_KEYS", "DIST_META_KEYS", "SEAL_KEY", "CheckpointStore",
-           "SavedCheckpoint", "step_dir_name", "parse_step_dir", "meta_sha256", "read_meta", "write_meta",
-           "is_distributed", "check_listing", "resolve", "pin", "LINEAGE_KEYS"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "DIST_SCHEMA",
+    "META_KEYS",
+    "DIST_META_KEYS",
+    "SEAL_KEY",
+    "CheckpointStore",
+    "SavedCheckpoint",
+    "step_dir_name",
+    "parse_step_dir",
+    "meta_sha256",
+    "read_meta",
+    "write_meta",
+    "is_distributed",
+    "check_listing",
+    "resolve",
+    "pin",
+    "LINEAGE_KEYS",
+]
 
 SCHEMA_VERSION = "pipeline.checkpoint/2"
 # A torchrun checkpoint (pipeline.distributed): the same sealed meta.json and the same
@@ -67,8 +83,21 @@ _UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
 SEAL_KEY = "meta_sha256"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 META_KEYS = frozenset(
-    {"schema", "step", "created", "config", "fingerprints", "versions", "device", "environment", "model",
-     "training_state", "lineage", "files", SEAL_KEY}
+    {
+        "schema",
+        "step",
+        "created",
+        "config",
+        "fingerprints",
+        "versions",
+        "device",
+        "environment",
+        "model",
+        "training_state",
+        "lineage",
+        "files",
+        SEAL_KEY,
+    }
 )
 # One entry of meta.json "lineage" per --extend-to, oldest first: the run's max_steps before
 # and after, and the step it was extended at.
@@ -120,9 +149,13 @@ class CheckpointStore:
             raise ValueError("keep_last must be >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
-        self._lock = FolderLock(self.root / LOCK_FILE, lambda holder: CheckpointLocked(
-            f"{self.root}/ is in use by another trainer (pid {holder}); wait for it "
-            "to finish or use another --checkpoint-dir"))
+        self._lock = FolderLock(
+            self.root / LOCK_FILE,
+            lambda holder: CheckpointLocked(
+                f"{self.root}/ is in use by another trainer (pid {holder}); wait for it "
+                "to finish or use another --checkpoint-dir"
+            ),
+        )
         self._pruning: threading.Thread | None = None
         self._prune_error: BaseException | None = None
 
@@ -154,8 +187,10 @@ class CheckpointStore:
         if resume == "auto":
             resume = "latest" if existing else None
         if resume is None and existing:
-            raise CheckpointError(f"{self.root}/ already holds checkpoints up to step {existing[-1]}: continue "
-                                  "with --resume latest, or pass another --checkpoint-dir for a new run")
+            raise CheckpointError(
+                f"{self.root}/ already holds checkpoints up to step {existing[-1]}: continue "
+                "with --resume latest, or pass another --checkpoint-dir for a new run"
+            )
         return resume
 
     def committed_steps(self) -> list[int]:
@@ -196,8 +231,13 @@ class CheckpointStore:
         return removed
 
     # -- saving --------------------------------------------------------------------------
-    def save(self, step: int, model_tensors: Mapping[str, torch.Tensor], state_tensors: Mapping[str, torch.Tensor],
-             meta: Mapping[str, Any]) -> SavedCheckpoint:
+    def save(
+        self,
+        step: int,
+        model_tensors: Mapping[str, torch.Tensor],
+        state_tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+    ) -> SavedCheckpoint:
         """Write one checkpoint atomically, then prune. Requires the lock.
 
         An error before the commit raises (the temporary folder is removed, older checkpoints
@@ -211,8 +251,12 @@ class CheckpointStore:
         files: dict[str, dict[str, Any]] = {}
         with atomic_folder(final, files_synced=True) as temporary:
             metadata = {"format": "pt", "step": str(step)}
-            written = write_safetensors_files([(temporary / name, tensors, metadata) for name, tensors in
-                                               ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))])
+            written = write_safetensors_files(
+                [
+                    (temporary / name, tensors, metadata)
+                    for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))
+                ]
+            )
             for name, (sha256, size) in zip(CHECKPOINT_FILES, written):
                 files[name] = {"sha256": sha256, "size": size}
             write_meta(temporary, {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files})
@@ -228,8 +272,9 @@ class CheckpointStore:
         self.wait_for_prune()
         # Not a daemon: an interpreter that exits mid-prune finishes it rather than leaving
         # a half-deleted folder for the next start to sweep.
-        self._pruning = threading.Thread(target=self._prune_logged, args=(step,), name=f"prune-after-step-{step}",
-                                         daemon=False)
+        self._pruning = threading.Thread(
+            target=self._prune_logged, args=(step,), name=f"prune-after-step-{step}", daemon=False
+        )
         self._pruning.start()
 
     def wait_for_prune(self) -> None:
@@ -246,8 +291,13 @@ class CheckpointStore:
         try:
             self._prune()
         except OSError as exc:
-            _log.warning("warning: step %d is committed, but pruning older checkpoints in %s/ failed (%s); "
-                         "training goes on and the next save retries", step, self.root, describe_os_error(exc))
+            _log.warning(
+                "warning: step %d is committed, but pruning older checkpoints in %s/ failed (%s); "
+                "training goes on and the next save retries",
+                step,
+                self.root,
+                describe_os_error(exc),
+            )
         except BaseException as exc:  # raised in the thread that waits for this prune
             self._prune_error = exc
 
@@ -266,7 +316,7 @@ class CheckpointStore:
 
     def _prune(self) -> list[int]:
         steps = self._listed_steps()
-        victims = steps[:-self.keep_last] if len(steps) > self.keep_last else []
+        victims = steps[: -self.keep_last] if len(steps) > self.keep_last else []
         pruned = []
         for step in victims:
             folder = self.path_for(step)
@@ -301,7 +351,9 @@ def pin(folder: str | Path) -> Iterator[Path]:
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
-        raise NoCheckpoint(f"{folder} is not a checkpoint folder (or was just pruned by a running trainer)") from None
+        raise NoCheckpoint(
+            f"{folder} is not a checkpoint folder (or was just pruned by a running trainer)"
+        ) from None
     try:
         # Waits only while a prune renames the folder away; then it no longer has this name.
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -334,15 +386,23 @@ def is_distributed(meta: Mapping[str, Any]) -> bool:
 
 def _files_ok(files: Any, distributed: bool) -> bool:
     if not isinstance(files, dict) or not all(
-            isinstance(e, dict) and set(e) == {"sha256", "size"} and isinstance(e["sha256"], str)
-            and type(e["size"]) is int for e in files.values()):
+        isinstance(e, dict)
+        and set(e) == {"sha256", "size"}
+        and isinstance(e["sha256"], str)
+        and type(e["size"]) is int
+        for e in files.values()
+    ):
         return False
     if not distributed:
         return set(files) == set(CHECKPOINT_FILES)
     # Relative safetensors paths inside the folder, nothing else (no "..", no absolute path).
     return STATE_FILE in files and all(
-        isinstance(name, str) and name.endswith(".safetensors") and name.count("/") <= 1
-        and all(part not in ("", ".", "..") for part in name.split("/")) for name in files)
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and name.count("/") <= 1
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+        for name in files
+    )
 
 
 def meta_sha256(record: Mapping[str, Any]) -> str:
@@ -383,7 +443,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
         meta["lineage"] = []  # written before runs could be extended (same schema): never extended
     if set(meta) != keys:
         odd = sorted(set(meta) ^ keys)
-        raise SchemaMismatch(f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged")
+        raise SchemaMismatch(
+            f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged"
+        )
     if not _files_ok(meta["files"], distributed):
         raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
     if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
@@ -400,23 +462,31 @@ def _sealed_meta(path: Path, folder: Path, raw: bytes) -> dict[str, Any]:
     try:
         meta = json_loads_strict(raw)
     except ValueError as exc:
-        raise SchemaMismatch(f"{path} is not valid JSON ({str(exc).splitlines()[0]}): the file is damaged") from None
+        raise SchemaMismatch(
+            f"{path} is not valid JSON ({str(exc).splitlines()[0]}): the file is damaged"
+        ) from None
     if not isinstance(meta, dict):
         raise SchemaMismatch(f"{path} is not a JSON object: the file is damaged")
     schema = meta.get("schema")
     if schema in _UNSEALED_SCHEMAS:
-        raise SchemaMismatch(f"{path} has schema {schema!r}, which predates the meta.json checksum "
-                             f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
-                             f"start a new run from its weights with --init-from {folder / MODEL_FILE}")
+        raise SchemaMismatch(
+            f"{path} has schema {schema!r}, which predates the meta.json checksum "
+            f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
+            f"start a new run from its weights with --init-from {folder / MODEL_FILE}"
+        )
     if schema not in (SCHEMA_VERSION, DIST_SCHEMA):
-        raise SchemaMismatch(f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
-                             "the checkpoint comes from another tool or version and is not loaded")
+        raise SchemaMismatch(
+            f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
+            "the checkpoint comes from another tool or version and is not loaded"
+        )
     try:
         sealed, exact = meta.get(SEAL_KEY) == meta_sha256(meta), raw == json_bytes(meta)
     except RecursionError:  # parsed, but too deep to encode again: no writer of ours made it
         raise SchemaMismatch(f"{path} is nested too deeply: the file is damaged") from None
     if not sealed:
-        raise ChecksumMismatch(f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited")
+        raise ChecksumMismatch(
+            f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited"
+        )
     if not exact:
         raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
     return meta
@@ -427,12 +497,24 @@ def _check_lineage(path: Path, lineage: Any, step: int) -> None:
     at or before this checkpoint's step."""
     previous = None
     for entry in lineage if isinstance(lineage, list) else [None]:
-        if not (isinstance(entry, dict) and set(entry) == LINEAGE_KEYS and all(type(v) is int for v in entry.values())
-                and 0 <= entry["at_step"] <= step and entry["at_step"] < entry["to_max_steps"]
-                and 1 <= entry["from_max_steps"] < entry["to_max_steps"]
-                and (previous is None or (entry["from_max_steps"] == previous["to_max_steps"]
-                                          and entry["at_step"] >= previous["at_step"]))):
-            raise SchemaMismatch(f"{path} has a malformed lineage entry ({str(entry)[:120]}): the file is damaged")
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == LINEAGE_KEYS
+            and all(type(v) is int for v in entry.values())
+            and 0 <= entry["at_step"] <= step
+            and entry["at_step"] < entry["to_max_steps"]
+            and 1 <= entry["from_max_steps"] < entry["to_max_steps"]
+            and (
+                previous is None
+                or (
+                    entry["from_max_steps"] == previous["to_max_steps"]
+                    and entry["at_step"] >= previous["at_step"]
+                )
+            )
+        ):
+            raise SchemaMismatch(
+                f"{path} has a malformed lineage entry ({str(entry)[:120]}): the file is damaged"
+            )
         previous = entry
 
 
@@ -443,19 +525,27 @@ def check_listing(folder: Path, meta: dict[str, Any]) -> None:
     # A distributed checkpoint nests its shards one level down (model/, optim/, rng/).
     folders = {name.rsplit("/", 1)[0] for name in listed if "/" in name}
     present = {p.relative_to(folder).as_posix() for p in folder.iterdir()}
-    present |= {p.relative_to(folder).as_posix() for sub in sorted(folders) if (folder / sub).is_dir()
-                and not (folder / sub).is_symlink() for p in (folder / sub).iterdir()}
+    present |= {
+        p.relative_to(folder).as_posix()
+        for sub in sorted(folders)
+        if (folder / sub).is_dir() and not (folder / sub).is_symlink()
+        for p in (folder / sub).iterdir()
+    }
     unexpected = sorted(present - listed - folders)
     if unexpected:
-        raise ChecksumMismatch(f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified")
+        raise ChecksumMismatch(
+            f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified"
+        )
     for name, entry in sorted(meta["files"].items()):
         path = folder / name
         if not path.is_file():
             raise ChecksumMismatch(f"{path} is missing")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise ChecksumMismatch(f"{path} is {size} bytes, meta.json records {entry['size']}: "
-                                   "the file is truncated or was modified")
+            raise ChecksumMismatch(
+                f"{path} is {size} bytes, meta.json records {entry['size']}: "
+                "the file is truncated or was modified"
+            )
 
 
 def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> tuple[Path, list[Path]]:
@@ -471,27 +561,36 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
         folder = Path(spec)
         _refuse_symlink(folder)
         if committed and parse_step_dir(folder.resolve().name) is None:
-            raise CheckpointError(f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
-                                  "checkpoints are evaluated or staged")
+            raise CheckpointError(
+                f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
+                "checkpoints are evaluated or staged"
+            )
         return folder, []
     store = CheckpointStore(root)
     steps = store.committed_steps()
     if not steps:
-        where = "pass --checkpoint PATH" if committed else "point --checkpoint-dir at the folder that holds them"
-        raise NoCheckpoint(f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, "
-                           f"or {where}")
+        where = (
+            "pass --checkpoint PATH" if committed else "point --checkpoint-dir at the folder that holds them"
+        )
+        raise NoCheckpoint(
+            f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, or {where}"
+        )
     _refuse_symlink(store.path_for(steps[-1]))
     older = [store.path_for(step) for step in reversed(steps[:-1])]
     return store.path_for(steps[-1]), [folder for folder in older if not folder.is_symlink()]
 
 
-_SYMLINK_REASON = ("it is a symbolic link, and checkpoints are folders their store wrote (pruning one would "
-                   "delete what a link points to)")
+_SYMLINK_REASON = (
+    "it is a symbolic link, and checkpoints are folders their store wrote (pruning one would "
+    "delete what a link points to)"
+)
 
 
 def _refuse_symlink(folder: Path) -> None:
     """Every reader refuses a step folder that is a symbolic link, the same way (resolved
     here, the one place a spec becomes a folder); the folder holding them may be one."""
     if folder.is_symlink():
-        raise CheckpointError(f"{folder} is not loaded: {_SYMLINK_REASON}; copy its target in its place "
-                              f"(cp -r --dereference), or pass the target folder itself")
+        raise CheckpointError(
+            f"{folder} is not loaded: {_SYMLINK_REASON}; copy its target in its place "
+            f"(cp -r --dereference), or pass the target folder itself"
+        )

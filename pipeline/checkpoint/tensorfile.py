@@ -37,10 +37,21 @@ import torch
 from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
 
-__all__ = ["PUBLISHED_METADATA", "SAFETENSORS_DTYPES", "write_safetensors", "write_safetensors_files",
-           "write_safetensors_streamed",
-           "read_tensors", "map_file", "MappedTensors", "sha256_mapped", "tensors_from_map", "parse_header",
-           "check_tensor_name", "safetensors_sha256"]
+__all__ = [
+    "PUBLISHED_METADATA",
+    "SAFETENSORS_DTYPES",
+    "write_safetensors",
+    "write_safetensors_files",
+    "write_safetensors_streamed",
+    "read_tensors",
+    "map_file",
+    "MappedTensors",
+    "sha256_mapped",
+    "tensors_from_map",
+    "parse_header",
+    "check_tensor_name",
+    "safetensors_sha256",
+]
 
 # The header metadata of every weights file written from tensors rather than copied (a
 # staged file, a distributed checkpoint's weights consolidated): what transformers checks.
@@ -84,6 +95,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 
 # -- writing ------------------------------------------------------------------------------
 
+
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
@@ -110,8 +122,11 @@ def _header(specs: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | Non
         if spec.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"tensor {name!r} has dtype {spec.dtype}, which safetensors cannot store")
         nbytes = spec.numel() * spec.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
@@ -124,15 +139,16 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _safetensors_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
-                        ) -> tuple[bytes, list[torch.Tensor]]:
+def _safetensors_layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[torch.Tensor]]:
     """The padded JSON header and the tensors (CPU, contiguous) in file order."""
     header, order = _header(tensors, metadata)
     return header, [_cpu_contiguous(tensors[name]) for name in order]
 
 
 def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
-    return [piece[start:start + size] for piece in pieces for start in range(0, len(piece), size)]
+    return [piece[start : start + size] for piece in pieces for start in range(0, len(piece), size)]
 
 
 class _Hasher(threading.Thread):
@@ -191,7 +207,7 @@ def _write_all(fd: int, chunks: list[memoryview]) -> int:
     for chunk in chunks:
         view = chunk
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         written += len(chunk)
         if advise and written - flushed >= WRITEBACK_WINDOW:
             # Start writeback of what is written (Linux does so for DONTNEED; PostgreSQL's
@@ -205,8 +221,9 @@ def _write_all(fd: int, chunks: list[memoryview]) -> int:
     return written
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[str, int]:
     """Write a safetensors file, hashing as bytes go to disk; fsync; return (sha256, size).
 
     Streaming avoids ``safetensors.torch.save``'s full in-memory copy of the file. The
@@ -218,8 +235,9 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
     return write_safetensors_files([(path, tensors, metadata)])[0]
 
 
-def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]]
-                            ) -> list[tuple[str, int]]:
+def write_safetensors_files(
+    files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]],
+) -> list[tuple[str, int]]:
     """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
     the other and each fsynced; (sha256, size) of each, in order.
 
@@ -230,7 +248,9 @@ def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch
     layouts = []
     for path, tensors, metadata in files:
         header, ordered = _safetensors_layout(tensors, metadata)
-        layouts.append((path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK)))
+        layouts.append(
+            (path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK))
+        )
     hasher = _Hasher([chunks for _, chunks in layouts])
     hasher.start()
     syncs: list[_Fsync] = []
@@ -264,9 +284,12 @@ def write_safetensors_files(files: Sequence[tuple[str | Path, Mapping[str, torch
     return [(digest.hexdigest(), size) for digest, size in zip(hasher.digests, sizes)]
 
 
-def write_safetensors_streamed(path: str | Path, specs: Mapping[str, torch.Tensor],
-                               produce: Callable[[str], torch.Tensor],
-                               metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+def write_safetensors_streamed(
+    path: str | Path,
+    specs: Mapping[str, torch.Tensor],
+    produce: Callable[[str], torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[str, int]:
     """:func:`write_safetensors` for tensors that need not be in memory together: the header
     comes from ``specs`` (``meta`` tensors of each dtype and shape), then each tensor is asked
     of ``produce(name)`` in file order, written, hashed and dropped before the next, so about
@@ -279,11 +302,13 @@ def write_safetensors_streamed(path: str | Path, specs: Mapping[str, torch.Tenso
         for name in order:
             tensor = produce(name)
             if tensor.dtype != specs[name].dtype or tensor.shape != specs[name].shape:
-                raise InternalError(f"{path}: tensor {name} came as {tensor.dtype} {tuple(tensor.shape)}, the header "
-                                    f"says {specs[name].dtype} {tuple(specs[name].shape)}")
+                raise InternalError(
+                    f"{path}: tensor {name} came as {tensor.dtype} {tuple(tensor.shape)}, the header "
+                    f"says {specs[name].dtype} {tuple(specs[name].shape)}"
+                )
             data = _tensor_bytes(_cpu_contiguous(tensor))
             for start in range(0, len(data), WRITE_CHUNK):
-                digest.update(data[start:start + WRITE_CHUNK])
+                digest.update(data[start : start + WRITE_CHUNK])
             written = _write_at(fd, data, written)
             del tensor, data
         os.fsync(fd)
@@ -295,17 +320,20 @@ def write_safetensors_streamed(path: str | Path, specs: Mapping[str, torch.Tenso
 def _write_at(fd: int, data: memoryview, offset: int) -> int:
     """Write ``data`` (the file's bytes from ``offset`` on) and start its writeback; the new end."""
     for start in range(0, len(data), WRITE_CHUNK):
-        view = data[start:start + WRITE_CHUNK]
+        view = data[start : start + WRITE_CHUNK]
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     if _ADVISE and len(data):
         with contextlib.suppress(OSError):  # only a hint (see _write_all)
             os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
     return offset + len(data)
 
 
-def safetensors_sha256(specs: Mapping[str, torch.Tensor], produce: Callable[[str], torch.Tensor] | None = None,
-                       metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+def safetensors_sha256(
+    specs: Mapping[str, torch.Tensor],
+    produce: Callable[[str], torch.Tensor] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[str, int]:
     """(SHA-256, size) of the file :func:`write_safetensors_streamed` would write, without
     writing it: ``produce(name)`` (default ``specs[name]``) is asked for each tensor in file order."""
     header, order = _header(specs, metadata)
@@ -321,6 +349,7 @@ _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
 # -- reading ------------------------------------------------------------------------------
+
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors file, memory-mapped (no pickle, no code execution).
@@ -343,12 +372,20 @@ class MappedTensors:
         try:
             self.header, self.data_start = parse_header(self.buffer)
         except ValueError as exc:
-            raise SchemaMismatch(f"{self.path} is not a valid safetensors file: {str(exc).splitlines()[0]}") from None
-        self.specs = {name: torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="meta")
-                      for name, entry in self.header.items() if name != "__metadata__"}
+            raise SchemaMismatch(
+                f"{self.path} is not a valid safetensors file: {str(exc).splitlines()[0]}"
+            ) from None
+        self.specs = {
+            name: torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]], device="meta")
+            for name, entry in self.header.items()
+            if name != "__metadata__"
+        }
         # The map's address, to find the pages under a view of it (release_view).
-        self._base = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr() \
-            if isinstance(self.buffer, mmap.mmap) else None
+        self._base = (
+            torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr()
+            if isinstance(self.buffer, mmap.mmap)
+            else None
+        )
 
     def tensor(self, name: str) -> torch.Tensor:
         """A view of the tensor's bytes in the map (no copy)."""
@@ -423,7 +460,9 @@ def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
     return digest.hexdigest()
 
 
-def sha256_mapped(maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None) -> dict[str, str]:
+def sha256_mapped(
+    maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None
+) -> dict[str, str]:
     """SHA-256 of each map, one thread per file (hashlib and madvise drop the GIL).
 
     ``own``: the files whose tensors will be viewed (default: all); their pages are copied
@@ -455,7 +494,9 @@ def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.T
         header, data_start = parse_header(buffer)
     except ValueError as exc:
         raise SchemaMismatch(f"{path} is not a valid safetensors file: {str(exc).splitlines()[0]}") from None
-    return {name: _tensor(buffer, data_start, entry) for name, entry in header.items() if name != "__metadata__"}
+    return {
+        name: _tensor(buffer, data_start, entry) for name, entry in header.items() if name != "__metadata__"
+    }
 
 
 def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple[dict[str, Any], int]:
@@ -471,7 +512,7 @@ def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple
         raise ValueError(f"header length {length} is over the {_MAX_HEADER}-byte limit")
     if length > size - 8:
         raise ValueError(f"header length {length} runs past the end of the file")
-    raw = bytes(buffer[8:8 + length])
+    raw = bytes(buffer[8 : 8 + length])
     if not raw.startswith(b"{"):
         raise ValueError("the header does not start with '{'")
     try:
@@ -481,8 +522,9 @@ def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     metadata = header.get("__metadata__")
-    if metadata is not None and not (isinstance(metadata, dict) and
-                                     all(isinstance(value, str) for value in metadata.values())):
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())
+    ):
         raise ValueError("__metadata__ must map strings to strings (no tensor may be named __metadata__)")
     spans = []
     for name, entry in header.items():
@@ -492,8 +534,11 @@ def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple
     position, data_size = 0, size - 8 - length
     for begin, end, name in sorted(spans):
         if begin != position:
-            what = "overlaps the tensor before it" if begin < position else (
-                "leaves a hole before it" if position else "does not start the data at byte 0")
+            what = (
+                "overlaps the tensor before it"
+                if begin < position
+                else ("leaves a hole before it" if position else "does not start the data at byte 0")
+            )
             raise ValueError(f"tensor {name!r} at data bytes {begin}..{end} {what}")
         position = end
     if position != data_size:
@@ -506,7 +551,9 @@ def check_tensor_name(name: str) -> None:
     """A tensor name is non-empty printable ASCII (space to ``~``): no control, invisible or
     bidirectional character can make a published name read as another. ``ValueError`` else."""
     if not name or not all(" " <= char <= "~" for char in name):
-        raise ValueError(f"tensor name {name!r} is not printable ASCII (letters, digits, punctuation, spaces)")
+        raise ValueError(
+            f"tensor name {name!r} is not printable ASCII (letters, digits, punctuation, spaces)"
+        )
 
 
 def _check_entry(name: str, entry: Any) -> tuple[int, int]:
@@ -520,7 +567,9 @@ def _check_entry(name: str, entry: Any) -> tuple[int, int]:
     # type() is int: JSON true/false decode to bools, which are ints to isinstance.
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"tensor {name!r}: shape must be a list of non-negative integers, not {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+    ):
         raise ValueError(f"tensor {name!r}: data_offsets must be two non-negative integers, not {offsets!r}")
     # Zero dims make the tensor empty, but the others must still fit: [0, 2**62, 4] is not a shape.
     bound = dtype.itemsize
@@ -531,8 +580,10 @@ def _check_entry(name: str, entry: Any) -> tuple[int, int]:
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if end < begin or end - begin != nbytes:
-        raise ValueError(f"tensor {name!r}: data offsets {offsets} do not hold a {entry['dtype']} tensor of "
-                         f"shape {shape} ({nbytes} bytes)")
+        raise ValueError(
+            f"tensor {name!r}: data offsets {offsets} do not hold a {entry['dtype']} tensor of "
+            f"shape {shape} ({nbytes} bytes)"
+        )
     return begin, end
 
 

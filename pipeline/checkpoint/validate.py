@@ -57,7 +57,9 @@ def _like(saved: Any, live: Any, where: str) -> None:
     elif isinstance(live, dict):
         if not isinstance(saved, dict) or set(saved) != set(live):
             odd = sorted(map(str, set(saved) ^ set(live))) if isinstance(saved, dict) else []
-            raise _fail(where, f"does not have the expected fields{f' (differs at {odd[:3]})' if odd else ''}")
+            raise _fail(
+                where, f"does not have the expected fields{f' (differs at {odd[:3]})' if odd else ''}"
+            )
         for key in live:
             _like(saved[key], live[key], f"{where}.{key}")
     elif isinstance(live, torch.Tensor):
@@ -75,8 +77,11 @@ def _optimizer(saved: Any, optimizer: torch.optim.Optimizer) -> None:
     for index, (group, fresh) in enumerate(zip(groups, live["param_groups"])):
         if not isinstance(group, dict) or group.get("params") != fresh["params"]:
             raise _fail(f"optimizer.param_groups[{index}].params", "differ from this model's parameters")
-        _like({k: v for k, v in group.items() if k != "params"}, {k: v for k, v in fresh.items() if k != "params"},
-              f"optimizer.param_groups[{index}]")
+        _like(
+            {k: v for k, v in group.items() if k != "params"},
+            {k: v for k, v in fresh.items() if k != "params"},
+            f"optimizer.param_groups[{index}]",
+        )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = saved["state"]
     if not isinstance(state, dict):
@@ -93,13 +98,16 @@ def _optimizer(saved: Any, optimizer: torch.optim.Optimizer) -> None:
                     if value.is_floating_point() and not math.isfinite(float(value)):
                         raise _fail(where, f"is {float(value)}")
                 elif value.shape != params[key].shape:
-                    raise _fail(where, f"has shape {tuple(value.shape)}, the parameter {tuple(params[key].shape)}")
+                    raise _fail(
+                        where, f"has shape {tuple(value.shape)}, the parameter {tuple(params[key].shape)}"
+                    )
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise _fail(where, f"is {value!r}, expected a tensor or a finite number")
 
 
-def _progress(state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], run: TrainingRun,
-              step: int | None) -> int:
+def _progress(
+    state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], run: TrainingRun, step: int | None
+) -> int:
     progress = state["progress"]
     if not isinstance(progress, dict) or set(progress) != {"step"}:
         raise _fail("progress", "is not {step}")
@@ -135,12 +143,20 @@ def _scratch_rng(rng: Any, generator: np.random.Generator) -> None:
             check(rng[family])
         except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as exc:
             raise _fail(f"rng.{family}", f"is not a valid state ({type(exc).__name__})") from None
-    if not isinstance(rng["torch_cuda"], list) or not all(isinstance(t, torch.Tensor) for t in rng["torch_cuda"]):
+    if not isinstance(rng["torch_cuda"], list) or not all(
+        isinstance(t, torch.Tensor) for t in rng["torch_cuda"]
+    ):
         raise _fail("rng.torch_cuda", "is not a list of byte tensors")
 
 
-def validated_state(run: TrainingRun, state: Any, tensors: Mapping[str, torch.Tensor], *,
-                    step: int | None = None, optimizer: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def validated_state(
+    run: TrainingRun,
+    state: Any,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    step: int | None = None,
+    optimizer: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Join and check every component of ``state`` against ``run`` (nothing is loaded):
     ``{"optimizer", "scheduler", "sampler", "task", "scaler", "rng", "step"}``.
 
@@ -199,10 +215,13 @@ def _data(joined: dict[str, Any], run: TrainingRun) -> None:
     scratch = make_sampler(run.data, np.random.Generator(np.random.PCG64(0)), run.config)
     if scratch is None or joined["sampler"] is None:
         if (scratch is None) != (joined["sampler"] is None):
-            raise _fail("data.sampler", "is missing" if scratch is not None else "is set, but a stream has no sampler")
+            raise _fail(
+                "data.sampler", "is missing" if scratch is not None else "is set, but a stream has no sampler"
+            )
         return
     try:
         scratch.load_state_dict(joined["sampler"])
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise _fail("data.sampler", f"does not fit this data ({str(exc).splitlines()[0] if str(exc) else exc!r})") \
-            from None
+        raise _fail(
+            "data.sampler", f"does not fit this data ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+        ) from None

@@ -85,23 +85,31 @@ class _FileRead:
                 self.map.madvise(mmap.MADV_SEQUENTIAL)
                 whole = memoryview(self.map)
                 for start in range(len(head), self.size, _HASH_CHUNK):
-                    self.hashing.chunks.put(whole[start:start + _HASH_CHUNK])
+                    self.hashing.chunks.put(whole[start : start + _HASH_CHUNK])
             return
-        for _, name in sorted((entry["data_offsets"][0], name) for name, entry in header.items()
-                              if name != "__metadata__"):
+        for _, name in sorted(
+            (entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__"
+        ):
             entry = header[name]
             dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
             target = destinations.get(name)
-            fits = (target is not None and target.dtype == dtype and list(target.shape) == shape
-                    and target.device.type == "cpu" and target.is_contiguous())
+            fits = (
+                target is not None
+                and target.dtype == dtype
+                and list(target.shape) == shape
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+            )
             tensor = target.detach() if fits else torch.empty(shape, dtype=dtype)
             self.tensors[name] = tensor
             begin, end = entry["data_offsets"]
             if begin == end:
                 continue
             view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            self.chunks += [(view[start:start + _READ_CHUNK], data_start + begin + start)
-                            for start in range(0, end - begin, _READ_CHUNK)]
+            self.chunks += [
+                (view[start : start + _READ_CHUNK], data_start + begin + start)
+                for start in range(0, end - begin, _READ_CHUNK)
+            ]
 
     def _pread(self, count: int, offset: int) -> bytes:
         data = os.pread(self.fd, count, offset)
@@ -119,8 +127,9 @@ class _FileRead:
             done += got
 
 
-def read_verified(paths: Mapping[str, Path], destinations: Mapping[str, Mapping[str, torch.Tensor] | None]
-                  ) -> dict[str, tuple[str, dict[str, torch.Tensor] | ValueError]]:
+def read_verified(
+    paths: Mapping[str, Path], destinations: Mapping[str, Mapping[str, torch.Tensor] | None]
+) -> dict[str, tuple[str, dict[str, torch.Tensor] | ValueError]]:
     """Hash every file of ``paths``, reading those whose tensors are used into memory of
     this process: ``{name: (sha256, tensors)}``, or ``(sha256, the parser's ValueError)``
     for a file that does not parse (nothing of it is used); the sha256 is empty for a file
@@ -167,5 +176,10 @@ def read_verified(paths: Mapping[str, Path], destinations: Mapping[str, Mapping[
     for read in reads.values():
         if read.hashing.error is not None:
             raise read.hashing.error
-    return {name: ("" if read.changed else (read.digest or read.hashing.digest).hexdigest(),
-                   read.error if read.error is not None else read.tensors) for name, read in reads.items()}
+    return {
+        name: (
+            "" if read.changed else (read.digest or read.hashing.digest).hexdigest(),
+            read.error if read.error is not None else read.tensors,
+        )
+        for name, read in reads.items()
+    }

@@ -15,8 +15,16 @@ import torch
 from ..errors import StateMismatch
 from ..layout import MODEL_FILE
 
-__all__ = ["dedupe_shared_tensors", "stored_layout", "check_weights_fit", "load_model_weights", "warm_start",
-           "model_summary", "derived_buffer_names", "check_derived_buffers"]
+__all__ = [
+    "dedupe_shared_tensors",
+    "stored_layout",
+    "check_weights_fit",
+    "load_model_weights",
+    "warm_start",
+    "model_summary",
+    "derived_buffer_names",
+    "check_derived_buffers",
+]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, int] | None:
@@ -41,7 +49,9 @@ def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
 def _is_complete(tensor: torch.Tensor) -> bool:
     """The tensor covers its whole storage (a slice of a larger buffer does not)."""
     storage = tensor.untyped_storage()
-    return tensor.data_ptr() == storage.data_ptr() and tensor.numel() * tensor.element_size() == storage.nbytes()
+    return (
+        tensor.data_ptr() == storage.data_ptr() and tensor.numel() * tensor.element_size() == storage.nbytes()
+    )
 
 
 def _shared_groups(state_dict: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -78,29 +88,43 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     for group in _shared_groups(state_dict):
         complete = sorted(name for name in group if _is_complete(state_dict[name]))
         if not complete:
-            raise ValueError(f"tensors {', '.join(sorted(group))} share memory but none covers all of it; "
-                             "make them contiguous copies before saving")
+            raise ValueError(
+                f"tensors {', '.join(sorted(group))} share memory but none covers all of it; "
+                "make them contiguous copies before saving"
+            )
         for name in group:
             if name != complete[0]:
                 del kept[name]
     return kept
 
 
-def check_derived_buffers(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], derived: Any,
-                          *, source: str = MODEL_FILE) -> None:
+def check_derived_buffers(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], derived: Any, *, source: str = MODEL_FILE
+) -> None:
     """Before loading: each buffer the checkpoint recorded as derived (still equal to its
     freshly built value when saved) must equal, bit for bit, what this code builds now.
     Otherwise the load would silently put back a value the current code no longer computes."""
     stored = model.state_dict()
-    if not isinstance(derived, list) or not all(isinstance(name, str) and name in tensors for name in derived):
-        raise StateMismatch(f"{source}: the derived-buffer list in meta.json is malformed: the checkpoint is damaged")
+    if not isinstance(derived, list) or not all(
+        isinstance(name, str) and name in tensors for name in derived
+    ):
+        raise StateMismatch(
+            f"{source}: the derived-buffer list in meta.json is malformed: the checkpoint is damaged"
+        )
     for name in derived:
         built, saved = stored.get(name), tensors[name]
-        if (built is None or built.device.type == "meta" or built.shape != saved.shape or built.dtype != saved.dtype
-                or not torch.equal(built.detach().cpu(), saved)):
-            raise StateMismatch(f"{source}: buffer {name} differs from the value this code builds (the code or config "
-                                "that builds it changed since the checkpoint was saved); restore that code, or start "
-                                "a new run")
+        if (
+            built is None
+            or built.device.type == "meta"
+            or built.shape != saved.shape
+            or built.dtype != saved.dtype
+            or not torch.equal(built.detach().cpu(), saved)
+        ):
+            raise StateMismatch(
+                f"{source}: buffer {name} differs from the value this code builds (the code or config "
+                "that builds it changed since the checkpoint was saved); restore that code, or start "
+                "a new run"
+            )
 
 
 def stored_layout(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -113,7 +137,9 @@ def stored_layout(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     for alias, tensor in state.items():
         if alias not in stored:
             same = [name for name in stored if _storage_key(stored[name]) == _storage_key(tensor)]
-            tied[alias] = next((name for name in same if stored[name].data_ptr() == tensor.data_ptr()), same[0])
+            tied[alias] = next(
+                (name for name in same if stored[name].data_ptr() == tensor.data_ptr()), same[0]
+            )
     return stored, tied
 
 
@@ -123,12 +149,19 @@ def _names(names: list[str]) -> str:
 
 def _described(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """``{name: {"dtype", "shape"}}`` as meta.json's model record writes it (:func:`model_summary`)."""
-    return {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-            for name, t in sorted(tensors.items())}
+    return {
+        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        for name, t in sorted(tensors.items())
+    }
 
 
-def check_weights_fit(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, record: Any = None,
-                      source: str = MODEL_FILE) -> dict[str, str]:
+def check_weights_fit(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    record: Any = None,
+    source: str = MODEL_FILE,
+) -> dict[str, str]:
     """THE check that stored weights fit the model built from their config, used by every
     reader (resume, evaluate, stage, the proof): the same names (tied weights stored once,
     under the name :func:`dedupe_shared_tensors` keeps), dtypes and shapes; with ``record``
@@ -141,32 +174,53 @@ def check_weights_fit(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         parts = ([f"missing {_names(missing)}"] if missing else []) + (
-            [f"unexpected {_names(unexpected)}"] if unexpected else [])
+            [f"unexpected {_names(unexpected)}"] if unexpected else []
+        )
         raise StateMismatch(f"{source} does not fit the configured model: {'; '.join(parts)}")
     for name, current in expected.items():
         saved = tensors[name]
         if saved.shape != current.shape or saved.dtype != current.dtype:
-            raise StateMismatch(f"{source}: tensor {name} is {saved.dtype} {tuple(saved.shape)}, the model expects "
-                                f"{current.dtype} {tuple(current.shape)}")
+            raise StateMismatch(
+                f"{source}: tensor {name} is {saved.dtype} {tuple(saved.shape)}, the model expects "
+                f"{current.dtype} {tuple(current.shape)}"
+            )
     if record is not None:
-        if not (isinstance(record, dict) and isinstance(record.get("tensors"), dict)
-                and isinstance(record.get("tied"), list)):
-            raise StateMismatch(f"{source}: the model record in meta.json is malformed: the checkpoint is damaged")
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("tensors"), dict)
+            and isinstance(record.get("tied"), list)
+        ):
+            raise StateMismatch(
+                f"{source}: the model record in meta.json is malformed: the checkpoint is damaged"
+            )
         described = _described(tensors)
         if record["tensors"] != described:
-            name = next(n for n in sorted({*described, *record["tensors"]})
-                        if described.get(n) != record["tensors"].get(n))
-            raise StateMismatch(f"{source} does not fit the model recorded in meta.json (tensor {name}): the "
-                                "checkpoint is damaged or was edited")
+            name = next(
+                n
+                for n in sorted({*described, *record["tensors"]})
+                if described.get(n) != record["tensors"].get(n)
+            )
+            raise StateMismatch(
+                f"{source} does not fit the model recorded in meta.json (tensor {name}): the "
+                "checkpoint is damaged or was edited"
+            )
         if record["tied"] != sorted(tied):
-            raise StateMismatch(f"{source} does not fit the model recorded in meta.json (tied weights "
-                                f"{record['tied']}, the model ties {sorted(tied)}): the checkpoint is damaged or was "
-                                "edited")
+            raise StateMismatch(
+                f"{source} does not fit the model recorded in meta.json (tied weights "
+                f"{record['tied']}, the model ties {sorted(tied)}): the checkpoint is damaged or was "
+                "edited"
+            )
     return tied
 
 
-def load_model_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str = MODEL_FILE,
-                       derived: Any = (), record: Any = None) -> None:
+def load_model_weights(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    source: str = MODEL_FILE,
+    derived: Any = (),
+    record: Any = None,
+) -> None:
     """Strict load, once :func:`check_weights_fit` passed (with ``record``: meta.json's
     ``model``, checked too) and the ``derived`` buffers :func:`check_derived_buffers`."""
     tied = check_weights_fit(model, tensors, record=record, source=source)
@@ -196,8 +250,11 @@ def warm_start(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
 
 def derived_buffer_names(stored: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Tensor]) -> list[str]:
     """The stored buffers still equal to their ``fresh`` value (see :func:`model_summary`)."""
-    return sorted(name for name, value in fresh.items() if name in stored and torch.equal(
-        stored[name].detach().cpu(), value.cpu()))
+    return sorted(
+        name
+        for name, value in fresh.items()
+        if name in stored and torch.equal(stored[name].detach().cpu(), value.cpu())
+    )
 
 
 def model_summary(model: torch.nn.Module, fresh: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -61,9 +61,14 @@ def launch_world(config: Config, device: torch.device) -> World | None:
     if config.training.parallel == "none" or not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size()
-    return World(rank=dist.get_rank(), world_size=size, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)), device=device,
-                 mode=config.training.parallel)
+    return World(
+        rank=dist.get_rank(),
+        world_size=size,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        device=device,
+        mode=config.training.parallel,
+    )
 
 
 def dataset_fingerprint(data: Any, dataset: Any) -> str | None:
@@ -104,8 +109,16 @@ class Feed:
 class _SamplerFeed(Feed):
     """Order from the run's sampler; the record is the training set's identity."""
 
-    def __init__(self, data: Any, sampler: Sampler, config: Config, device: torch.device, world: World | None,
-                 num_samples: int, fingerprint: str | None) -> None:
+    def __init__(
+        self,
+        data: Any,
+        sampler: Sampler,
+        config: Config,
+        device: torch.device,
+        world: World | None,
+        num_samples: int,
+        fingerprint: str | None,
+    ) -> None:
         self.data, self.sampler, self.config, self.device, self.world = data, sampler, config, device, world
         self.num_samples, self.fingerprint = num_samples, fingerprint
 
@@ -123,23 +136,31 @@ class _SamplerFeed(Feed):
         live = self.state_dict()
         _check_kind(saved, self.kind)
         if set(saved) != set(live):
-            raise DataError(f"training_state.data.source does not hold exactly {', '.join(live)}: the checkpoint "
-                            "is damaged")
+            raise DataError(
+                f"training_state.data.source does not hold exactly {', '.join(live)}: the checkpoint "
+                "is damaged"
+            )
         if type(saved["num_samples"]) is not int or saved["num_samples"] != self.num_samples:
-            raise DataError(f"the training set had {saved['num_samples']!r} samples when the checkpoint was saved and "
-                            f"has {self.num_samples} now: restore the data it was trained on, or start a new run "
-                            "(another --checkpoint-dir)")
+            raise DataError(
+                f"the training set had {saved['num_samples']!r} samples when the checkpoint was saved and "
+                f"has {self.num_samples} now: restore the data it was trained on, or start a new run "
+                "(another --checkpoint-dir)"
+            )
         if saved["fingerprint"] != self.fingerprint:
-            raise DataError(f"the training set's fingerprint is {self.fingerprint!r}, the checkpoint's "
-                            f"{saved['fingerprint']!r}: its content changed since the checkpoint; restore it, or start "
-                            "a new run (another --checkpoint-dir)")
+            raise DataError(
+                f"the training set's fingerprint is {self.fingerprint!r}, the checkpoint's "
+                f"{saved['fingerprint']!r}: its content changed since the checkpoint; restore it, or start "
+                "a new run (another --checkpoint-dir)"
+            )
 
 
 def _check_kind(saved: Any, kind: str) -> None:
     found = saved.get("kind") if isinstance(saved, dict) else None
     if found != kind:
-        raise DataError(f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a {kind!r} "
-                        "one: resume with the data factory it was trained with")
+        raise DataError(
+            f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a {kind!r} "
+            "one: resume with the data factory it was trained with"
+        )
 
 
 class BatchFeed(_SamplerFeed):
@@ -157,13 +178,24 @@ class LoaderFeed(_SamplerFeed):
 
     kind = "dataset"
 
-    def __init__(self, data: Any, sampler: Sampler, generator: np.random.Generator, config: Config,
-                 device: torch.device, world: World | None) -> None:
+    def __init__(
+        self,
+        data: Any,
+        sampler: Sampler,
+        generator: np.random.Generator,
+        config: Config,
+        device: torch.device,
+        world: World | None,
+    ) -> None:
         dataset = data.train_dataset
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise DataError(f"train_dataset is a {type(dataset).__name__}, which has no __len__ and __getitem__: "
-                            "give a map-style dataset, or a stream as train_iterable")
-        super().__init__(data, sampler, config, device, world, len(dataset), dataset_fingerprint(data, dataset))
+            raise DataError(
+                f"train_dataset is a {type(dataset).__name__}, which has no __len__ and __getitem__: "
+                "give a map-style dataset, or a stream as train_iterable"
+            )
+        super().__init__(
+            data, sampler, config, device, world, len(dataset), dataset_fingerprint(data, dataset)
+        )
         self.generator = generator
         self.collate = getattr(data, "collate", None) or default_collate
         self._iterator: Any = None
@@ -172,12 +204,17 @@ class LoaderFeed(_SamplerFeed):
         # Started at the first batch, after any restore: the copy starts at the live position.
         order = _Order(clone_sampler(self.sampler, self.data, self.generator, self.config), self.world)
         workers = self.config.data.num_workers
-        loader = DataLoader(_SeededSamples(self.data.train_dataset, self.config.training.seed), batch_sampler=order,
-                            num_workers=workers, collate_fn=_Collate(self.collate),
-                            pin_memory=self.device.type == "cuda", worker_init_fn=_worker_init if workers else None,
-                            # torch draws each iterator's worker base seed from this generator; by
-                            # default it would draw from the training process's torch stream.
-                            generator=torch.Generator().manual_seed(self.config.training.seed))
+        loader = DataLoader(
+            _SeededSamples(self.data.train_dataset, self.config.training.seed),
+            batch_sampler=order,
+            num_workers=workers,
+            collate_fn=_Collate(self.collate),
+            pin_memory=self.device.type == "cuda",
+            worker_init_fn=_worker_init if workers else None,
+            # torch draws each iterator's worker base seed from this generator; by
+            # default it would draw from the training process's torch stream.
+            generator=torch.Generator().manual_seed(self.config.training.seed),
+        )
         main = threading.current_thread() is threading.main_thread()
         before = signal.getsignal(signal.SIGCHLD) if main else None
         self._iterator = iter(loader)
@@ -202,19 +239,25 @@ class LoaderFeed(_SamplerFeed):
             # Raised here, outside the except block: the loader's error (whose traceback holds
             # the iterator) is gone, so closing frees the iterator and shuts its workers down.
             self.close()
-            raise DataError(f"a DataLoader worker died: {died} (killed by the OS? running out of memory is the usual "
-                            "cause: lower data.num_workers or the memory a sample takes); the last committed checkpoint "
-                            "is intact: resume with --resume latest")
+            raise DataError(
+                f"a DataLoader worker died: {died} (killed by the OS? running out of memory is the usual "
+                "cause: lower data.num_workers or the memory a sample takes); the last committed checkpoint "
+                "is intact: resume with --resume latest"
+            )
         if isinstance(fetched, _Failure):
             self.close()
-            raise DataError(fetched.message() + "; the last committed checkpoint is intact: fix it and resume with "
-                            "--resume latest")
+            raise DataError(
+                fetched.message() + "; the last committed checkpoint is intact: fix it and resume with "
+                "--resume latest"
+            )
         expected = [(epoch, i) for i in indices]
         if fetched.keys != expected:
             self.close()
-            raise DataError(f"the sampler gave other batches when copied from its saved state (epoch, index "
-                            f"{fetched.keys[:3]} instead of {expected[:3]}): a sampler must be a function of its "
-                            "state_dict() and the generator it was given")
+            raise DataError(
+                f"the sampler gave other batches when copied from its saved state (epoch, index "
+                f"{fetched.keys[:3]} instead of {expected[:3]}): a sampler must be a function of its "
+                "state_dict() and the generator it was given"
+            )
         return to_device(fetched.batch, self.device, non_blocking=self.device.type == "cuda"), scale
 
     def close(self) -> None:
@@ -308,8 +351,9 @@ def _worker_init(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def make_feed(data: Any, sampler: Sampler | None, generator: np.random.Generator, config: Config,
-              device: torch.device) -> Feed:
+def make_feed(
+    data: Any, sampler: Sampler | None, generator: np.random.Generator, config: Config, device: torch.device
+) -> Feed:
     """The feed for ``data``'s form (:func:`~pipeline.data.task.input_mode`)."""
     mode = input_mode(data)
     world = launch_world(config, device)
@@ -318,11 +362,15 @@ def make_feed(data: Any, sampler: Sampler | None, generator: np.random.Generator
 
         return StreamFeed(data, config, device, world)
     if config.data.num_workers and mode == "batches":
-        raise DataError(f"{config.source}: data.num_workers is {config.data.num_workers}, but data.factory gives "
-                        "get_batch, which runs in the training process: give a train_dataset to use workers, or set "
-                        "data.num_workers: 0")
+        raise DataError(
+            f"{config.source}: data.num_workers is {config.data.num_workers}, but data.factory gives "
+            "get_batch, which runs in the training process: give a train_dataset to use workers, or set "
+            "data.num_workers: 0"
+        )
     if sampler is None:
         raise DataError("data.factory's make_sampler returned None")
     if mode == "batches":
-        return BatchFeed(data, sampler, config, device, world, data.num_train, getattr(data, "fingerprint", None))
+        return BatchFeed(
+            data, sampler, config, device, world, data.num_train, getattr(data, "fingerprint", None)
+        )
     return LoaderFeed(data, sampler, generator, config, device, world)

@@ -26,8 +26,10 @@ def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
     return {
         path.relative_to(folder).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != DATA_MANIFEST_FILE
-        and not path.relative_to(folder).parts[0].startswith(".tmp-") and nested.isdisjoint(path.parents)
+        if path.is_file()
+        and path.name != DATA_MANIFEST_FILE
+        and not path.relative_to(folder).parts[0].startswith(".tmp-")
+        and nested.isdisjoint(path.parents)
     }
 
 
@@ -46,8 +48,10 @@ def _check_target(target: Path) -> None:
     if not (target / DATA_MANIFEST_FILE).is_file():
         names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise DataError(f"data.dir {target}/ already holds {shown} but no {DATA_MANIFEST_FILE}, so it is not "
-                        f"data prepared by scripts/01_prepare_data.py; nothing was touched: {hint}")
+        raise DataError(
+            f"data.dir {target}/ already holds {shown} but no {DATA_MANIFEST_FILE}, so it is not "
+            f"data prepared by scripts/01_prepare_data.py; nothing was touched: {hint}"
+        )
 
 
 def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
@@ -69,14 +73,22 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
             files = _files_table(staging)
             if not files:
                 raise DataError(f"{config.data.prepare} wrote no files")
-            manifest = {"schema": "pipeline.data/1", "prepare": config.data.prepare, "seed": config.data.seed,
-                        "params": config.data.params, "files": files, "fingerprint": fingerprint_table(files)}
+            manifest = {
+                "schema": "pipeline.data/1",
+                "prepare": config.data.prepare,
+                "seed": config.data.seed,
+                "params": config.data.params,
+                "files": files,
+                "fingerprint": fingerprint_table(files),
+            }
             if target.exists() and not _is_empty_folder(target):
                 existing = load_manifest(config)
                 if existing["fingerprint"] != manifest["fingerprint"]:
-                    raise DataError(f"{target}/ already holds different data (fingerprint "
-                                    f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
-                                    "move it away or set data.dir to prepare the new data")
+                    raise DataError(
+                        f"{target}/ already holds different data (fingerprint "
+                        f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
+                        "move it away or set data.dir to prepare the new data"
+                    )
             else:
                 # The manifest marks a folder this pipeline built (atomic_folder fsyncs it).
                 (staging / DATA_MANIFEST_FILE).write_bytes(json_bytes(manifest))
@@ -100,7 +112,9 @@ def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
         files = manifest["files"]
         fingerprint = manifest["fingerprint"]
     except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path} is damaged: rerun scripts/01_prepare_data.py into an empty data.dir") from None
+        raise DataError(
+            f"{path} is damaged: rerun scripts/01_prepare_data.py into an empty data.dir"
+        ) from None
     if verify:
         actual = _files_table(folder)
         if set(actual) != set(files):
@@ -108,8 +122,10 @@ def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
             raise DataError(f"{folder}/ does not match its manifest (file {extra[0]} added or missing)")
         for name, entry in files.items():
             if actual[name] != entry:
-                raise DataError(f"{folder}/{name} changed since it was prepared (SHA-256 differs): "
-                                "restore it or prepare the data again into an empty data.dir")
+                raise DataError(
+                    f"{folder}/{name} changed since it was prepared (SHA-256 differs): "
+                    "restore it or prepare the data again into an empty data.dir"
+                )
         if fingerprint_table(files) != fingerprint:
             raise DataError(f"{path} fingerprint does not match its file table")
     return manifest
@@ -119,4 +135,3 @@ def load_task_data(config: Config) -> Any:
     """Build the task data with ``data.factory`` from the verified data folder."""
     factory = resolve(config.data.factory, "data.factory")
     return factory(config, Path(config.data.dir))
-

@@ -29,8 +29,15 @@ class Sampler(Protocol):
 class EpochSampler:
     """Batches over a fresh permutation each epoch, drawn from the run's NumPy Generator."""
 
-    def __init__(self, num_rows: int, batch_size: int, generator: np.random.Generator, *,
-                 shuffle: bool = True, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        batch_size: int,
+        generator: np.random.Generator,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
         if num_rows < 1:
             raise DataError("the training set is empty")
         if drop_last and batch_size > num_rows:
@@ -54,10 +61,11 @@ class EpochSampler:
             if self.permutation is not None:
                 self.epoch += 1
             # Drawn lazily at the first batch of an epoch, so saving never draws.
-            self.permutation = (self.generator.permutation(self.num_rows) if self.shuffle
-                                else np.arange(self.num_rows))
+            self.permutation = (
+                self.generator.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
+            )
             self.cursor = 0
-        batch = self.permutation[self.cursor:self.cursor + self.batch_size]
+        batch = self.permutation[self.cursor : self.cursor + self.batch_size]
         self.cursor += len(batch)
         self.samples_seen += len(batch)
         return batch.tolist()
@@ -74,19 +82,33 @@ class EpochSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Checked before anything is set: a hostile checkpoint must not yield indices
         outside the data, or a position no run could have reached."""
-        if not isinstance(state, dict) or set(state) != {"epoch", "cursor", "samples_seen", "num_rows", "permutation"}:
-            raise DataError("checkpoint's sampler state does not hold epoch, cursor, samples_seen, num_rows, "
-                            "permutation")
+        if not isinstance(state, dict) or set(state) != {
+            "epoch",
+            "cursor",
+            "samples_seen",
+            "num_rows",
+            "permutation",
+        }:
+            raise DataError(
+                "checkpoint's sampler state does not hold epoch, cursor, samples_seen, num_rows, permutation"
+            )
         if state["num_rows"] != self.num_rows:
-            raise DataError(f"checkpoint's sampler covers {state['num_rows']} rows, the data has {self.num_rows}")
+            raise DataError(
+                f"checkpoint's sampler covers {state['num_rows']} rows, the data has {self.num_rows}"
+            )
         for key in ("epoch", "cursor", "samples_seen"):
             if type(state[key]) is not int or state[key] < 0:
                 raise DataError(f"checkpoint's sampler {key} is {state[key]!r}, expected an integer >= 0")
         permutation = state["permutation"]
         if permutation is not None and not (
-                isinstance(permutation, np.ndarray) and permutation.dtype == np.int64 and permutation.shape == (
-                    self.num_rows,) and np.array_equal(np.sort(permutation), np.arange(self.num_rows))):
-            raise DataError(f"checkpoint's sampler permutation is not a permutation of the {self.num_rows} rows")
+            isinstance(permutation, np.ndarray)
+            and permutation.dtype == np.int64
+            and permutation.shape == (self.num_rows,)
+            and np.array_equal(np.sort(permutation), np.arange(self.num_rows))
+        ):
+            raise DataError(
+                f"checkpoint's sampler permutation is not a permutation of the {self.num_rows} rows"
+            )
         if state["cursor"] > (self.num_rows if permutation is not None else 0):
             raise DataError(f"checkpoint's sampler cursor {state['cursor']} is past the data")
         self.epoch = state["epoch"]
@@ -106,8 +128,9 @@ def make_sampler(data: Any, generator: np.random.Generator, config: Config) -> S
         return None
     dataset = getattr(data, "train_dataset", None)
     rows = len(dataset) if dataset is not None else data.num_train
-    return EpochSampler(rows, config.data.batch_size, generator,
-                        shuffle=config.data.shuffle, drop_last=config.data.drop_last)
+    return EpochSampler(
+        rows, config.data.batch_size, generator, shuffle=config.data.shuffle, drop_last=config.data.drop_last
+    )
 
 
 def clone_sampler(sampler: Sampler, data: Any, generator: np.random.Generator, config: Config) -> Sampler:

@@ -39,7 +39,11 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
 def isolated_rng() -> Iterator[None]:
     """Run a block that reseeds the global generators, then restore the three states it may
     change: the caller's streams continue as if the block had not run."""
-    python, legacy, cpu = random.getstate(), np.random.get_state(legacy=False), torch.default_generator.get_state()
+    python, legacy, cpu = (
+        random.getstate(),
+        np.random.get_state(legacy=False),
+        torch.default_generator.get_state(),
+    )
     try:
         yield
     finally:

@@ -51,8 +51,9 @@ def _json_copy(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise DataError(f"{what} is not plain JSON ({exc}): a checkpoint stores a stream's state as JSON, never "
-                        "pickle") from None
+        raise DataError(
+            f"{what} is not plain JSON ({exc}): a checkpoint stores a stream's state as JSON, never pickle"
+        ) from None
 
 
 class StreamFeed(Feed):
@@ -62,13 +63,20 @@ class StreamFeed(Feed):
 
     def __init__(self, data: Any, config: Config, device: torch.device, world: World | None) -> None:
         source = data.train_iterable
-        if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
-            raise DataError(f"train_iterable is a {type(source).__name__} without state_dict() and load_state_dict(): "
-                            "a stream must save its position to resume exactly (a datasets.IterableDataset does)")
+        if not (
+            callable(getattr(source, "state_dict", None))
+            and callable(getattr(source, "load_state_dict", None))
+        ):
+            raise DataError(
+                f"train_iterable is a {type(source).__name__} without state_dict() and load_state_dict(): "
+                "a stream must save its position to resume exactly (a datasets.IterableDataset does)"
+            )
         if config.data.num_workers:
-            raise DataError(f"{config.source}: data.num_workers is {config.data.num_workers}, but a stream is read in the "
-                            "training process (its saved position is exact only there): set data.num_workers: 0, or "
-                            "give a map-style train_dataset")
+            raise DataError(
+                f"{config.source}: data.num_workers is {config.data.num_workers}, but a stream is read in the "
+                "training process (its saved position is exact only there): set data.num_workers: 0, or "
+                "give a map-style train_dataset"
+            )
         self.config, self.device, self.world = config, device, world
         self.seed = config.training.seed
         self.rank, self.world_size = (world.rank, world.world_size) if world is not None else (0, 1)
@@ -77,13 +85,21 @@ class StreamFeed(Feed):
         batch = config.data.batch_size
         if self.sharded:
             if batch % self.world_size:
-                raise DataError(f"data.batch_size {batch} does not divide over {self.world_size} processes: with "
-                                "data.stream_split 'shards' each rank reads the same number of samples per step")
-            self.reads, self.keep, self.scale = batch // self.world_size, list(range(batch // self.world_size)), 1.0
+                raise DataError(
+                    f"data.batch_size {batch} does not divide over {self.world_size} processes: with "
+                    "data.stream_split 'shards' each rank reads the same number of samples per step"
+                )
+            self.reads, self.keep, self.scale = (
+                batch // self.world_size,
+                list(range(batch // self.world_size)),
+                1.0,
+            )
             self.stride, self.offset = self.world_size, self.rank  # rank r's k-th sample is position kW + r
         else:
             self.reads, self.stride, self.offset = batch, 1, 0
-            self.keep, self.scale = world.slice(list(range(batch))) if world is not None else (list(range(batch)), 1.0)
+            self.keep, self.scale = (
+                world.slice(list(range(batch))) if world is not None else (list(range(batch)), 1.0)
+            )
         self.collate = getattr(data, "collate", None) or default_collate
         self.identity = self._identity(data, source)
         self.source = self._split(source)
@@ -97,10 +113,13 @@ class StreamFeed(Feed):
     def _identity(self, data: Any, source: Any) -> str:
         """What a saved state must have been taken from: the source's type, its fresh state's
         structure (the chain of readers and maps), its shards, features and fingerprint."""
-        record = {"type": f"{type(source).__module__}.{type(source).__qualname__}",
-                  "state": _json_copy(source.state_dict(), "train_iterable.state_dict()"),
-                  "num_shards": getattr(source, "num_shards", None), "features": str(getattr(source, "features", None)),
-                  "fingerprint": dataset_fingerprint(data, source)}
+        record = {
+            "type": f"{type(source).__module__}.{type(source).__qualname__}",
+            "state": _json_copy(source.state_dict(), "train_iterable.state_dict()"),
+            "num_shards": getattr(source, "num_shards", None),
+            "features": str(getattr(source, "features", None)),
+            "fingerprint": dataset_fingerprint(data, source),
+        }
         return sha256_bytes(json.dumps(record, sort_keys=True).encode("utf-8"))
 
     def _split(self, source: Any) -> Any:
@@ -108,14 +127,18 @@ class StreamFeed(Feed):
             return source
         datasets = sys.modules.get("datasets")
         if datasets is None or not isinstance(source, datasets.IterableDataset):
-            raise DataError(f"train_iterable is a {type(source).__name__}: under torchrun a stream is split with "
-                            "datasets.distributed.split_dataset_by_node, so it must be a datasets.IterableDataset")
+            raise DataError(
+                f"train_iterable is a {type(source).__name__}: under torchrun a stream is split with "
+                "datasets.distributed.split_dataset_by_node, so it must be a datasets.IterableDataset"
+            )
         from datasets.distributed import split_dataset_by_node
 
         shards = getattr(source, "num_shards", 1)
         if shards % self.world_size:
-            raise DataError(f"data.stream_split is 'shards' but the stream has {shards} shards, not a multiple of "
-                            f"{self.world_size} processes: use 'examples', or split the files evenly")
+            raise DataError(
+                f"data.stream_split is 'shards' but the stream has {shards} shards, not a multiple of "
+                f"{self.world_size} processes: use 'examples', or split the files evenly"
+            )
         return split_dataset_by_node(source, rank=self.rank, world_size=self.world_size, strategy=self.split)
 
     # -- reading -------------------------------------------------------------------------
@@ -138,16 +161,19 @@ class StreamFeed(Feed):
                 sample = next(self._iterator)
             except StopIteration:
                 if self.consumed == 0:
-                    raise DataError(f"the stream gave no sample in pass {self.pass_}"
-                                    f"{f' on rank {self.rank}' if self.sharded else ''}: train_iterable is empty") \
-                        from None
+                    raise DataError(
+                        f"the stream gave no sample in pass {self.pass_}"
+                        f"{f' on rank {self.rank}' if self.sharded else ''}: train_iterable is empty"
+                    ) from None
                 self.pass_, self.consumed, self._iterator = self.pass_ + 1, 0, None
                 continue
             except Exception as exc:
                 text = str(exc).strip()
-                raise DataError(f"train_iterable raised {type(exc).__name__} reading sample {self.consumed} of pass "
-                                f"{self.pass_}{f': {text.splitlines()[0][:300]}' if text else ''}; the last committed "
-                                "checkpoint is intact") from None
+                raise DataError(
+                    f"train_iterable raised {type(exc).__name__} reading sample {self.consumed} of pass "
+                    f"{self.pass_}{f': {text.splitlines()[0][:300]}' if text else ''}; the last committed "
+                    "checkpoint is intact"
+                ) from None
             self.consumed += 1
             return sample
 
@@ -159,7 +185,9 @@ class StreamFeed(Feed):
         try:
             batch = self.collate([samples[i] for i in self.keep])
         except Exception as exc:
-            raise DataError(f"collate of a stream batch raised {type(exc).__name__}: {str(exc).strip()[:300]}") from None
+            raise DataError(
+                f"collate of a stream batch raised {type(exc).__name__}: {str(exc).strip()[:300]}"
+            ) from None
         return to_device(batch, self.device), self.scale
 
     def _probe(self) -> None:
@@ -183,9 +211,11 @@ class StreamFeed(Feed):
             except StopIteration:
                 return  # too short to tell; a stream that short resumes by re-reading anyway
         if not _same(expected, got):
-            raise DataError("train_iterable does not resume exactly from its own state_dict(): after a save and load it "
-                            "reads other samples (a shuffle buffer? datasets does not save its contents). Shuffle the "
-                            "files instead (or use a map-style train_dataset, shuffled by the sampler): docs/data.md")
+            raise DataError(
+                "train_iterable does not resume exactly from its own state_dict(): after a save and load it "
+                "reads other samples (a shuffle buffer? datasets does not save its contents). Shuffle the "
+                "files instead (or use a map-style train_dataset, shuffled by the sampler): docs/data.md"
+            )
 
     def _read_seeded(self, reader: Iterator[Any], position: int) -> Any:
         seed_sample(self.seed, 0, position * self.stride + self.offset)
@@ -205,31 +235,47 @@ class StreamFeed(Feed):
         """The position: one for all ranks, or (``shards``) every rank's, gathered (every rank
         calls this together)."""
         own = self._own_record()
-        ranks = [json.loads(text) for text in self.world.gather_text(json.dumps(own, allow_nan=False))] \
-            if self.sharded else [own]
-        return {"kind": self.kind, "identity": self.identity, "split": self.split,
-                "world_size": self.world_size if self.sharded else None, "ranks": ranks}
+        ranks = (
+            [json.loads(text) for text in self.world.gather_text(json.dumps(own, allow_nan=False))]
+            if self.sharded
+            else [own]
+        )
+        return {
+            "kind": self.kind,
+            "identity": self.identity,
+            "split": self.split,
+            "world_size": self.world_size if self.sharded else None,
+            "ranks": ranks,
+        }
 
     def check_state(self, saved: Any) -> None:
         where = "training_state.data.source"
         found = saved.get("kind") if isinstance(saved, dict) else None
         if found != self.kind:
-            raise DataError(f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a "
-                            "'stream' one: resume with the data factory it was trained with")
+            raise DataError(
+                f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a "
+                "'stream' one: resume with the data factory it was trained with"
+            )
         if set(saved) != {"kind", "identity", "split", "world_size", "ranks"}:
-            raise DataError(f"{where} does not hold exactly kind, identity, split, world_size, ranks: the checkpoint "
-                            "is damaged")
+            raise DataError(
+                f"{where} does not hold exactly kind, identity, split, world_size, ranks: the checkpoint "
+                "is damaged"
+            )
         if saved["identity"] != self.identity:
-            raise DataError(f"{where}: the saved stream position belongs to another source (identity "
-                            f"{str(saved['identity'])[:12]}, this train_iterable's {self.identity[:12]}): resume with "
-                            "the stream it was trained on")
+            raise DataError(
+                f"{where}: the saved stream position belongs to another source (identity "
+                f"{str(saved['identity'])[:12]}, this train_iterable's {self.identity[:12]}): resume with "
+                "the stream it was trained on"
+            )
         if saved["split"] != self.split:
             raise DataError(f"{where}.split is {saved['split']!r}, data.stream_split is {self.split!r}")
         expected = self.world_size if self.sharded else None
         if saved["world_size"] != expected:
-            raise DataError(f"the stream's position was saved by {saved['world_size']!r} processes reading their own "
-                            f"shards, this launch has {self.world_size}: with data.stream_split 'shards' each process "
-                            f"holds its own position, so the run resumes on {saved['world_size']!r} processes only")
+            raise DataError(
+                f"the stream's position was saved by {saved['world_size']!r} processes reading their own "
+                f"shards, this launch has {self.world_size}: with data.stream_split 'shards' each process "
+                f"holds its own position, so the run resumes on {saved['world_size']!r} processes only"
+            )
         ranks = saved["ranks"]
         count = self.world_size if self.sharded else 1
         if not isinstance(ranks, list) or len(ranks) != count:
@@ -237,11 +283,14 @@ class StreamFeed(Feed):
         for rank, record in enumerate(ranks):
             at = f"{where}.ranks[{rank}]"
             if not isinstance(record, dict) or set(record) != {"pass", "consumed", "state"}:
-                raise DataError(f"{at} does not hold exactly pass, consumed, state: the checkpoint is damaged")
+                raise DataError(
+                    f"{at} does not hold exactly pass, consumed, state: the checkpoint is damaged"
+                )
             for key in ("pass", "consumed"):
                 if type(record[key]) is not int or record[key] < 0:
-                    raise DataError(f"{at}.{key} is {record[key]!r}, expected an integer >= 0: the checkpoint is "
-                                    "damaged")
+                    raise DataError(
+                        f"{at}.{key} is {record[key]!r}, expected an integer >= 0: the checkpoint is damaged"
+                    )
             if record["state"] is not None:
                 _shaped_like(record["state"], self.initial, f"{at}.state")
 
@@ -281,15 +330,21 @@ def _shaped_like(saved: Any, fresh: Any, where: str) -> None:
     elif type(saved) is not type(fresh):
         why = f"is not a {type(fresh).__name__}"
     if why is not None:
-        raise DataError(f"{where} {why}: the saved stream position does not belong to this train_iterable; resume with "
-                        "the stream it was trained on")
+        raise DataError(
+            f"{where} {why}: the saved stream position does not belong to this train_iterable; resume with "
+            "the stream it was trained on"
+        )
 
 
 def _same(a: Any, b: Any) -> bool:
     """Equal samples, whatever they hold (tensors, arrays, nested containers)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
-            torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     if hasattr(a, "__array__") and not isinstance(a, (str, bytes, dict, list, tuple)):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     if isinstance(a, dict):

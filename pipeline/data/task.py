@@ -41,23 +41,35 @@ class TaskData(Protocol):
 def input_mode(data: Any) -> str:
     """Which of the three forms ``data`` takes: ``"batches"``, ``"dataset"`` or ``"stream"``
     (refused in one line when it is none, or more than one)."""
-    forms = [name for name, present in (
-        ("batches", callable(getattr(data, "get_batch", None))),
-        ("dataset", getattr(data, "train_dataset", None) is not None),
-        ("stream", getattr(data, "train_iterable", None) is not None)) if present]
+    forms = [
+        name
+        for name, present in (
+            ("batches", callable(getattr(data, "get_batch", None))),
+            ("dataset", getattr(data, "train_dataset", None) is not None),
+            ("stream", getattr(data, "train_iterable", None) is not None),
+        )
+        if present
+    ]
     if len(forms) != 1:
         found = " and ".join(forms) if forms else "none of them"
-        raise DataError(f"data.factory returned a {type(data).__name__} with {found}: give exactly one of get_batch "
-                        "(with num_train), train_dataset or train_iterable (docs/data.md)")
+        raise DataError(
+            f"data.factory returned a {type(data).__name__} with {found}: give exactly one of get_batch "
+            "(with num_train), train_dataset or train_iterable (docs/data.md)"
+        )
     return forms[0]
-
 
 
 def describe_inputs(data: Any, config: Any) -> dict[str, Any]:
     """What the resume proof's report says about the inputs it proved."""
     mode = input_mode(data)
-    source = {"batches": data, "dataset": getattr(data, "train_dataset", None),
-              "stream": getattr(data, "train_iterable", None)}[mode]
-    return {"mode": mode, "source": f"{type(source).__module__}.{type(source).__qualname__}",
-            "num_workers": config.data.num_workers if mode == "dataset" else 0,
-            "stream_split": config.data.stream_split if mode == "stream" else None}
+    source = {
+        "batches": data,
+        "dataset": getattr(data, "train_dataset", None),
+        "stream": getattr(data, "train_iterable", None),
+    }[mode]
+    return {
+        "mode": mode,
+        "source": f"{type(source).__module__}.{type(source).__qualname__}",
+        "num_workers": config.data.num_workers if mode == "dataset" else 0,
+        "stream_split": config.data.stream_split if mode == "stream" else None,
+    }

@@ -32,7 +32,9 @@ def train_distributed(config: Config, *, world: World | None = None, **options: 
     """
     if world is not None:
         if world.mode != config.training.parallel:
-            raise PipelineError(f"the launch runs {world.mode}, the config asks for {config.training.parallel}")
+            raise PipelineError(
+                f"the launch runs {world.mode}, the config asks for {config.training.parallel}"
+            )
         return train(config, world=world, **options)
     world = World.start(config)
     try:

@@ -82,20 +82,30 @@ def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
         if not _stop_agreed.is_set():
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
                 # Not training yet (or no longer): the SIGTERM below ends the rank at once, unexplained.
-                print(f"error: the torchrun agent (pid {parent}) is gone before this rank started training; "
-                      "ending it", file=sys.stderr, flush=True)
+                print(
+                    f"error: the torchrun agent (pid {parent}) is gone before this rank started training; "
+                    "ending it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
-        print(f"error: the torchrun agent (pid {parent}) is gone and this rank did not stop within {grace:g} s; "
-              "ending it (the last committed checkpoint is intact)", file=sys.stderr, flush=True)
+        print(
+            f"error: the torchrun agent (pid {parent}) is gone and this rank did not stop within {grace:g} s; "
+            "ending it (the last committed checkpoint is intact)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + signal.SIGKILL)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 @contextlib.contextmanager
-def _peer_loss(what: str = "lost contact with another process of the launch",
-               then: str = "the last committed checkpoint is intact: relaunch with --resume latest") -> Iterator[None]:
+def _peer_loss(
+    what: str = "lost contact with another process of the launch",
+    then: str = "the last committed checkpoint is intact: relaunch with --resume latest",
+) -> Iterator[None]:
     """A collective (or the rendezvous) that fails because a peer process or the agent's
     store died is a one-line error here."""
     try:
@@ -133,8 +143,10 @@ class World:
         """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
         mode = config.training.parallel
         if mode == "none":
-            raise ConfigError(f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
-                              "training.parallel is 'none': set it to 'ddp' or 'fsdp2' (--set training.parallel=ddp)")
+            raise ConfigError(
+                f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
+                "training.parallel is 'none': set it to 'ddp' or 'fsdp2' (--set training.parallel=ddp)"
+            )
         end_with_launcher()
         local_rank = int(os.environ["LOCAL_RANK"])
         wanted = config.training.device
@@ -147,15 +159,23 @@ class World:
         else:
             device = torch.device("cpu")
         # The agent's store can go away while the ranks meet (the agent killed as they start).
-        with _peer_loss("could not join the launch's process group",
-                        "its torchrun agent or another process of it is gone; nothing was trained: launch again"):
+        with _peer_loss(
+            "could not join the launch's process group",
+            "its torchrun agent or another process of it is gone; nothing was trained: launch again",
+        ):
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
             mesh_group = dist.new_group()
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-                   device=device, mode=mode, find_unused_parameters=config.training.ddp_find_unused_parameters,
-                   mesh_group=mesh_group)
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+            device=device,
+            mode=mode,
+            find_unused_parameters=config.training.ddp_find_unused_parameters,
+            mesh_group=mesh_group,
+        )
 
     def own_group(self) -> "World":
         """This rank on a new gloo process group of every rank (CPU collectives, whatever
@@ -170,8 +190,11 @@ class World:
     def describe(self) -> dict[str, Any]:
         """What meta.json records about the launch that wrote a checkpoint: the DDP bucket
         setting too, as it changes the reduction order and so the numbers."""
-        return {"mode": self.mode, "world_size": self.world_size,
-                "ddp_find_unused_parameters": self.find_unused_parameters}
+        return {
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "ddp_find_unused_parameters": self.find_unused_parameters,
+        }
 
     def close(self) -> None:
         """Leave every process group and end their gloo worker threads while Python still
@@ -191,8 +214,10 @@ class World:
         total = len(indices)
         if total < self.world_size:
             # Every rank sees the same batch size, so every rank refuses together.
-            raise DataError(f"a batch of {total} rows cannot be split over {self.world_size} processes: raise "
-                            "data.batch_size, set data.drop_last, or launch fewer processes")
+            raise DataError(
+                f"a batch of {total} rows cannot be split over {self.world_size} processes: raise "
+                "data.batch_size, set data.drop_last, or launch fewer processes"
+            )
         start, stop = (total * self.rank) // self.world_size, (total * (self.rank + 1)) // self.world_size
         return list(indices[start:stop]), (stop - start) * self.world_size / total
 
@@ -230,7 +255,11 @@ class World:
             yield
         except Exception as exc:
             error = exc
-        code = getattr(error, "exit_code", 2 if isinstance(error, (PipelineError, OSError)) else 1) if error else 0
+        code = (
+            getattr(error, "exit_code", 2 if isinstance(error, (PipelineError, OSError)) else 1)
+            if error
+            else 0
+        )
         (agreed,) = self._max([code])
         if error is not None:
             raise error
@@ -255,16 +284,19 @@ class World:
         data = text.encode("utf-8")
         sizes = [torch.zeros(1, dtype=torch.int64, device=self._comm_device) for _ in range(self.world_size)]
         with _peer_loss():
-            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device),
-                            group=self.group)
+            dist.all_gather(
+                sizes,
+                torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device),
+                group=self.group,
+            )
         longest = max(int(size) for size in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8, device=self._comm_device)
         if data:
-            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         with _peer_loss():
             dist.all_gather(parts, mine, group=self.group)
-        return [bytes(part[:int(size)].cpu().numpy()).decode("utf-8") for part, size in zip(parts, sizes)]
+        return [bytes(part[: int(size)].cpu().numpy()).decode("utf-8") for part, size in zip(parts, sizes)]
 
     def barrier(self) -> None:
         self._max([0])
@@ -274,16 +306,22 @@ class World:
         """DDP or FSDP2 around the freshly built model (before the optimizer sees it)."""
         if self.mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
+
             self.buckets_settled = self.find_unused_parameters  # then DDP never rebuilds them
             return DistributedDataParallel(
-                model, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-                find_unused_parameters=self.find_unused_parameters)
+                model,
+                device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                find_unused_parameters=self.find_unused_parameters,
+            )
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
+
         if config.training.amp == "fp16":
             # GradScaler's found-inf flag is a 1-element tensor; DTensor all-reduces it over the
             # mesh (so every rank skips the same steps) and warns, every step, that it did.
-            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning
+            )
         return fully_shard(model, mesh=DeviceMesh.from_group(self.mesh_group, self.device.type))
 
     def settle_buckets(self, run: Any, loss: Callable[[], torch.Tensor]) -> None:
@@ -312,7 +350,12 @@ class World:
         """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind
         torchrun with this launch's shape)."""
         nodes = self.world_size // max(self.local_world_size, 1)
-        launch = ["torchrun", "--standalone"] if nodes == 1 else \
-            ["torchrun", f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
-        return resume_command(list(sys.argv if argv is None else argv),
-                              launcher=[*launch, f"--nproc-per-node={self.local_world_size}"])
+        launch = (
+            ["torchrun", "--standalone"]
+            if nodes == 1
+            else ["torchrun", f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
+        )
+        return resume_command(
+            list(sys.argv if argv is None else argv),
+            launcher=[*launch, f"--nproc-per-node={self.local_world_size}"],
+        )

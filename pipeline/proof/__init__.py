@@ -14,5 +14,13 @@ from .distributed import verify_resume_distributed
 from .plan import CONTROLS, DEFAULT_STEPS, plan_cut
 from .protocol import REPORT_SCHEMA, describe, summary_line, verify_resume
 
-__all__ = ["CONTROLS", "DEFAULT_STEPS", "REPORT_SCHEMA", "plan_cut", "verify_resume",
-           "summary_line", "describe", "verify_resume_distributed"]
+__all__ = [
+    "CONTROLS",
+    "DEFAULT_STEPS",
+    "REPORT_SCHEMA",
+    "plan_cut",
+    "verify_resume",
+    "summary_line",
+    "describe",
+    "verify_resume_distributed",
+]

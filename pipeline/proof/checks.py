@@ -34,10 +34,14 @@ _HISTORY = (("loss", "losses"), ("lr", "learning_rates"), ("step", "history_step
 def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float) -> list[Check]:
     """Weights, every state part, and the loss / learning-rate / step history."""
     checks = [compare(f"{prefix}.model", "model", reference.model, candidate.model, atol)]
-    checks += [compare(f"{prefix}.{part}", part, reference.component(part), candidate.component(part), atol)
-               for part in STATE_PARTS]
-    checks += [compare(f"{prefix}.{label}", "history", reference.history(key), candidate.history(key), atol)
-               for key, label in _HISTORY]
+    checks += [
+        compare(f"{prefix}.{part}", part, reference.component(part), candidate.component(part), atol)
+        for part in STATE_PARTS
+    ]
+    checks += [
+        compare(f"{prefix}.{label}", "history", reference.history(key), candidate.history(key), atol)
+        for key, label in _HISTORY
+    ]
     return checks
 
 
@@ -45,42 +49,83 @@ def _per_step(summary: dict[str, Any], key: str, first: int, last: int) -> dict[
     return {f"step {s['step']}": s[key] for s in summary["steps"] if first <= s["step"] <= last}
 
 
-def after_cut_checks(reference: dict[str, Any], candidate: dict[str, Any], cut: int, atol: float) -> list[Check]:
+def after_cut_checks(
+    reference: dict[str, Any], candidate: dict[str, Any], cut: int, atol: float
+) -> list[Check]:
     """Batches, sampler positions and RNG next draws at every step after the cut, the RNG
     next draws at the end, and the final metric."""
     end = max(reference["step"], candidate["step"])
     checks = [
-        compare("after_cut.data_order", "data", _per_step(reference, "indices", cut + 1, end),
-                _per_step(candidate, "indices", cut + 1, end), 0.0),
-        compare("after_cut.sampler_position", "data", _per_step(reference, "sampler", cut + 1, end),
-                _per_step(candidate, "sampler", cut + 1, end), 0.0),
-        compare("after_cut.rng_next_draws", "rng", _per_step(reference, "rng_next_draws", cut + 1, end),
-                _per_step(candidate, "rng_next_draws", cut + 1, end), atol),
-        compare("final.rng_next_draws", "rng", reference["end"]["rng_next_draws"],
-                candidate["end"]["rng_next_draws"], atol),
+        compare(
+            "after_cut.data_order",
+            "data",
+            _per_step(reference, "indices", cut + 1, end),
+            _per_step(candidate, "indices", cut + 1, end),
+            0.0,
+        ),
+        compare(
+            "after_cut.sampler_position",
+            "data",
+            _per_step(reference, "sampler", cut + 1, end),
+            _per_step(candidate, "sampler", cut + 1, end),
+            0.0,
+        ),
+        compare(
+            "after_cut.rng_next_draws",
+            "rng",
+            _per_step(reference, "rng_next_draws", cut + 1, end),
+            _per_step(candidate, "rng_next_draws", cut + 1, end),
+            atol,
+        ),
+        compare(
+            "final.rng_next_draws",
+            "rng",
+            reference["end"]["rng_next_draws"],
+            candidate["end"]["rng_next_draws"],
+            atol,
+        ),
         compare("final.metric", "metric", reference["end"]["metric"], candidate["end"]["metric"], atol),
     ]
     return checks
 
 
-def boundary_checks(cut: Bundle, restored: Bundle, cut_summary: dict[str, Any], restored_summary: dict[str, Any],
-                    atol: float) -> list[Check]:
+def boundary_checks(
+    cut: Bundle, restored: Bundle, cut_summary: dict[str, Any], restored_summary: dict[str, Any], atol: float
+) -> list[Check]:
     """The state the resume restored against the state the cut saved, and the next RNG draws."""
     return state_checks("boundary", cut, restored, atol) + [
-        compare("boundary.rng_next_draws", "rng", cut_summary["end"]["rng_next_draws"],
-                restored_summary["start"]["rng_next_draws"], atol),
+        compare(
+            "boundary.rng_next_draws",
+            "rng",
+            cut_summary["end"]["rng_next_draws"],
+            restored_summary["start"]["rng_next_draws"],
+            atol,
+        ),
     ]
 
 
-def prefix_checks(continuous: Bundle, cut: Bundle, continuous_summary: dict[str, Any], cut_summary: dict[str, Any],
-                  k: int, atol: float) -> list[Check]:
+def prefix_checks(
+    continuous: Bundle,
+    cut: Bundle,
+    continuous_summary: dict[str, Any],
+    cut_summary: dict[str, Any],
+    k: int,
+    atol: float,
+) -> list[Check]:
     """Before the cut both fresh runs must agree; otherwise no resume can match."""
     at_cut = next((s["rng_next_draws"] for s in continuous_summary["steps"] if s["step"] == k), None)
     return [
         compare("prefix.losses", "determinism", continuous.history("loss")[:k], cut.history("loss"), atol),
-        compare("prefix.learning_rates", "determinism", continuous.history("lr")[:k], cut.history("lr"), atol),
-        compare("prefix.data_order", "determinism", _per_step(continuous_summary, "indices", 1, k),
-                _per_step(cut_summary, "indices", 1, k), 0.0),
+        compare(
+            "prefix.learning_rates", "determinism", continuous.history("lr")[:k], cut.history("lr"), atol
+        ),
+        compare(
+            "prefix.data_order",
+            "determinism",
+            _per_step(continuous_summary, "indices", 1, k),
+            _per_step(cut_summary, "indices", 1, k),
+            0.0,
+        ),
         # The cut leg peeks after writing its checkpoint: a save that drew randomness shows here.
         compare("prefix.rng_next_draws", "determinism", at_cut, cut_summary["end"]["rng_next_draws"], atol),
     ]
@@ -91,10 +136,14 @@ def exercise_check(component: str, fresh: Bundle, cut: Bundle) -> Check:
 
     If not, leaving it unrestored restores the same values and no divergence is possible.
     """
-    return compare(f"exercise.{component}", component, fresh.component(component), cut.component(component), 0.0)
+    return compare(
+        f"exercise.{component}", component, fresh.component(component), cut.component(component), 0.0
+    )
 
 
-def first_divergent_step(reference: dict[str, Any], candidate: dict[str, Any], cut: int, atol: float) -> int | None:
+def first_divergent_step(
+    reference: dict[str, Any], candidate: dict[str, Any], cut: int, atol: float
+) -> int | None:
     """The first step after the cut whose loss differs."""
     theirs = {s["step"]: s["loss"] for s in candidate["steps"]}
     for record in reference["steps"]:
@@ -104,7 +153,9 @@ def first_divergent_step(reference: dict[str, Any], candidate: dict[str, Any], c
     return None
 
 
-def control_verdict(component: str, exercise: Check, outcome: list[Check], first_step: int | None) -> dict[str, Any]:
+def control_verdict(
+    component: str, exercise: Check, outcome: list[Check], first_step: int | None
+) -> dict[str, Any]:
     """Detected: some outcome check diverged. Not exercised: nothing to restore differed."""
     diverged = [check for check in outcome if not check.passed]
     exercised = not exercise.passed
@@ -118,10 +169,12 @@ def control_verdict(component: str, exercise: Check, outcome: list[Check], first
         "result": result,
         "exercised": exercised,
         "omission_detected": bool(diverged),
-        "why_exercised": (f"its state at the cut differs from the freshly built one at {exercise.first_difference} "
-                          f"({exercise.differing} of {exercise.compared} values)") if exercised else
-                         "its state at the cut equals the freshly built one, so leaving it out restores the same "
-                         "values",
+        "why_exercised": (
+            f"its state at the cut differs from the freshly built one at {exercise.first_difference} "
+            f"({exercise.differing} of {exercise.compared} values)"
+        )
+        if exercised
+        else "its state at the cut equals the freshly built one, so leaving it out restores the same values",
         "diverged_checks": {check.name: check.max_abs_diff for check in diverged},
         "first_divergent_loss_step": first_step,
     }

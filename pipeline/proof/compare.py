@@ -50,9 +50,16 @@ class Check:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "component": self.component, "passed": self.passed,
-                "max_abs_diff": self.max_abs_diff, "compared": self.compared, "differing": self.differing,
-                "first_difference": self.first_difference, "note": self.note}
+        return {
+            "name": self.name,
+            "component": self.component,
+            "passed": self.passed,
+            "max_abs_diff": self.max_abs_diff,
+            "compared": self.compared,
+            "differing": self.differing,
+            "first_difference": self.first_difference,
+            "note": self.note,
+        }
 
 
 @dataclass(slots=True)
@@ -99,8 +106,16 @@ def compare(name: str, component: str, reference: Any, candidate: Any, atol: flo
             differing += 1
             if first is None:
                 first, note = path or "value", why
-    return Check(name=name, component=component, passed=differing == 0, max_abs_diff=worst if comparable else None,
-                 compared=len(paths), differing=differing, first_difference=first, note=note)
+    return Check(
+        name=name,
+        component=component,
+        passed=differing == 0,
+        max_abs_diff=worst if comparable else None,
+        compared=len(paths),
+        differing=differing,
+        first_difference=first,
+        note=note,
+    )
 
 
 def _leaves(value: Any, path: str = "") -> dict[str, Any]:
@@ -165,7 +180,11 @@ def _tensors(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float
         return True, worst, ""
     index = int(bad.nonzero()[0, 0])
     where = "element" if a.dim() <= 1 else "flat element"
-    return False, worst, f"{count} of {a.numel()} elements differ, first at {where} {index}; max |diff| {worst:.3g}"
+    return (
+        False,
+        worst,
+        f"{count} of {a.numel()} elements differ, first at {where} {index}; max |diff| {worst:.3g}",
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

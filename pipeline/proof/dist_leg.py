@@ -40,10 +40,19 @@ def run_launch(spec_path: Path) -> None:
         for run in runs:
             config = config_from_dict(run["config"], source=str(spec_path))
             seen: dict[str, Any] = {}
-            hooks = TrainingHooks(skip_restore=tuple(run["omit"]), swap_rng=run["swap_rng"],
-                                  on_start=lambda live: seen.update(live_components(live)))
-            result = train_distributed(config, world=dataclasses.replace(world, mode=config.training.parallel),
-                                       resume=run["resume"], stop_at=run["stop_at"], progress=False, hooks=hooks)
+            hooks = TrainingHooks(
+                skip_restore=tuple(run["omit"]),
+                swap_rng=run["swap_rng"],
+                on_start=lambda live: seen.update(live_components(live)),
+            )
+            result = train_distributed(
+                config,
+                world=dataclasses.replace(world, mode=config.training.parallel),
+                resume=run["resume"],
+                stop_at=run["stop_at"],
+                progress=False,
+                hooks=hooks,
+            )
             entry: dict[str, Any] = {"name": run["name"], "step": result.step}
             if baseline is None:
                 baseline = seen
@@ -61,8 +70,10 @@ def run_launch(spec_path: Path) -> None:
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print("usage: torchrun ... -m pipeline.proof.dist_leg SPEC.json (internal to scripts/03_verify_resume.py)",
-              file=sys.stderr)
+        print(
+            "usage: torchrun ... -m pipeline.proof.dist_leg SPEC.json (internal to scripts/03_verify_resume.py)",
+            file=sys.stderr,
+        )
         return 2
     run_launch(Path(sys.argv[1]))
     return 0

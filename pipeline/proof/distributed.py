@@ -60,23 +60,35 @@ __all__ = ["verify_resume_distributed", "DIST_CONTROLS", "DIST_LEG_MODULE", "dis
 DIST_LEG_MODULE = "pipeline.proof.dist_leg"
 # (leg, component, omitted, swap_rng): the saved components, then the per-rank RNG swap.
 DIST_CONTROLS = tuple((f"omit-{name}", name, (name,), False) for name in CONTROLS) + (
-    ("swap-rng", "rank_rng", (), True),)
+    ("swap-rng", "rank_rng", (), True),
+)
 RESULTS_FILE = "results.json"
 
 
-def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps: int | None = None,
-                              cut: int | None = None, atol: float = 0.0,
-                              echo: Callable[[str], None] = print) -> dict[str, Any]:
+def verify_resume_distributed(
+    config: Config,
+    *,
+    output: Path,
+    nproc: int,
+    steps: int | None = None,
+    cut: int | None = None,
+    atol: float = 0.0,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Prove that a ``training.parallel`` run at world size ``nproc`` resumes exactly;
     return the report. Refusals and failures as :func:`pipeline.proof.verify_resume`."""
     output = Path(output)
     refuse_output(output, config)
     if config.training.parallel == "none":
-        raise ConfigError(f"{config.source}: --nproc-per-node needs training.parallel ddp or fsdp2 "
-                          "(--set training.parallel=ddp)")
+        raise ConfigError(
+            f"{config.source}: --nproc-per-node needs training.parallel ddp or fsdp2 "
+            "(--set training.parallel=ddp)"
+        )
     if nproc < 2:
-        raise ConfigError(f"--nproc-per-node must be >= 2 to prove a distributed resume (got {nproc}); "
-                          "one process is the plain proof (leave --nproc-per-node out)")
+        raise ConfigError(
+            f"--nproc-per-node must be >= 2 to prove a distributed resume (got {nproc}); "
+            "one process is the plain proof (leave --nproc-per-node out)"
+        )
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
     if config.training.amp == "fp16":
@@ -89,22 +101,44 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
 
     def run(name: str, every: int, **extra: Any) -> dict[str, Any]:
         raw = config.to_dict()
-        raw["checkpoint"] = {**raw["checkpoint"], "dir": str(output.resolve() / name / CHECKPOINTS_DIR),
-                             "every": every, "keep_last": n}
-        return {"name": name, "config": raw, "stop_at": n, "resume": None, "omit": [], "swap_rng": False, **extra}
+        raw["checkpoint"] = {
+            **raw["checkpoint"],
+            "dir": str(output.resolve() / name / CHECKPOINTS_DIR),
+            "every": every,
+            "keep_last": n,
+        }
+        return {
+            "name": name,
+            "config": raw,
+            "stop_at": n,
+            "resume": None,
+            "omit": [],
+            "swap_rng": False,
+            **extra,
+        }
 
     launches = {
         "reference": [run("reference", k)],
-        "resume-and-controls": [run("resume", n, resume=str(cut_folder))] + [
-            run(leg, n, resume=str(cut_folder), omit=list(omit), swap_rng=swap) for leg, _, omit, swap in DIST_CONTROLS],
+        "resume-and-controls": [run("resume", n, resume=str(cut_folder))]
+        + [
+            run(leg, n, resume=str(cut_folder), omit=list(omit), swap_rng=swap)
+            for leg, _, omit, swap in DIST_CONTROLS
+        ],
     }
     report: dict[str, Any] = {
-        "schema": REPORT_SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "completed": False, "device": str(resolve_device(config)),
-        "protocol": {"steps": n, "cut": k, "data": plan.data, "nproc_per_node": nproc,
-                     "parallel": config.training.parallel,
-                     "tolerance": {"atol": atol, "rtol": 0.0, "mode": "bitwise" if atol == 0 else "absolute"},
-                     "launches": {}},
+        "schema": REPORT_SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "completed": False,
+        "device": str(resolve_device(config)),
+        "protocol": {
+            "steps": n,
+            "cut": k,
+            "data": plan.data,
+            "nproc_per_node": nproc,
+            "parallel": config.training.parallel,
+            "tolerance": {"atol": atol, "rtol": 0.0, "mode": "bitwise" if atol == 0 else "absolute"},
+            "launches": {},
+        },
         "boundary": {**plan.to_dict(), "checkpoint": f"reference/{CHECKPOINTS_DIR}/{step_dir_name(k)}"},
     }
     results: dict[str, dict[str, Any]] = {}
@@ -114,17 +148,42 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
         for spec_run in runs:
             (output / spec_run["name"]).mkdir(exist_ok=True)
         write_json_atomic(folder / SPEC_FILE, {"runs": runs, "results": str(folder.resolve() / RESULTS_FILE)})
-        command = [sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", DIST_LEG_MODULE, str(folder.resolve() / SPEC_FILE)]
+        command = [
+            sys.executable,
+            "-B",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            DIST_LEG_MODULE,
+            str(folder.resolve() / SPEC_FILE),
+        ]
         echo(f"running {', '.join(r['name'] for r in runs)} ({nproc} processes) ...")
         with open(folder / LOG_FILE, "xb") as log:
-            code = subprocess.run(command, cwd=os.getcwd(), env=leg_env(), stdin=subprocess.DEVNULL, stdout=log,
-                                  stderr=subprocess.STDOUT).returncode
-        report["protocol"]["launches"][name] = {"command": command, "log": f"{name}/{LOG_FILE}", "exit_code": code}
+            code = subprocess.run(
+                command,
+                cwd=os.getcwd(),
+                env=leg_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ).returncode
+        report["protocol"]["launches"][name] = {
+            "command": command,
+            "log": f"{name}/{LOG_FILE}",
+            "exit_code": code,
+        }
         if code != 0:
-            _incomplete(output, report, f"launch {name} exited with code {code}: {last_line(folder / LOG_FILE)} "
-                                        f"(log: {folder / LOG_FILE})")
-        results.update({r["name"]: r for r in json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))})
+            _incomplete(
+                output,
+                report,
+                f"launch {name} exited with code {code}: {last_line(folder / LOG_FILE)} "
+                f"(log: {folder / LOG_FILE})",
+            )
+        results.update(
+            {r["name"]: r for r in json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))}
+        )
     try:
         report.update(_evaluate(output, n, k, atol, results))
     except (PipelineError, OSError, KeyError, ValueError) as exc:
@@ -135,8 +194,15 @@ def verify_resume_distributed(config: Config, *, output: Path, nproc: int, steps
 
 
 def _incomplete(output: Path, report: dict[str, Any], message: str) -> None:
-    report.update({"completed": False, "error": message, "all_checks_passed": False, "positive": False,
-                   "negative_divergence_detected": False})
+    report.update(
+        {
+            "completed": False,
+            "error": message,
+            "all_checks_passed": False,
+            "positive": False,
+            "negative_divergence_detected": False,
+        }
+    )
     write_json_atomic(output / REPORT_FILE, report, allow_nan=True)
     raise ProofIncomplete(f"the proof could not complete: {message}", report)
 
@@ -150,11 +216,17 @@ def dist_bundle(folder: Path) -> Bundle:
 
 def _steps(bundle: Bundle) -> dict[str, Any]:
     """The per-step records :func:`~.checks.first_divergent_step` reads, from the history."""
-    return {"steps": [{"step": int(step), "loss": float(loss)}
-                      for step, loss in zip(bundle.history("step").tolist(), bundle.history("loss").tolist())]}
+    return {
+        "steps": [
+            {"step": int(step), "loss": float(loss)}
+            for step, loss in zip(bundle.history("step").tolist(), bundle.history("loss").tolist())
+        ]
+    }
 
 
-def _evaluate(output: Path, n: int, k: int, atol: float, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _evaluate(
+    output: Path, n: int, k: int, atol: float, results: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     def final(name: str) -> Bundle:
         return dist_bundle(output / name / CHECKPOINTS_DIR / step_dir_name(n))
 
@@ -167,6 +239,11 @@ def _evaluate(output: Path, n: int, k: int, atol: float, results: dict[str, dict
         exercise = Check(**results[leg]["exercise"])
         first = first_divergent_step(_steps(reference), _steps(candidate), k, atol)
         controls[component] = {**control_verdict(component, exercise, outcome, first), "leg": leg}
-        control_checks[component] = {"exercise": exercise.to_dict(), "outcome": [c.to_dict() for c in outcome]}
-    return {**judge(positive, controls),
-            "checks": {"positive": [check.to_dict() for check in positive], "negative": control_checks}}
+        control_checks[component] = {
+            "exercise": exercise.to_dict(),
+            "outcome": [c.to_dict() for c in outcome],
+        }
+    return {
+        **judge(positive, controls),
+        "checks": {"positive": [check.to_dict() for check in positive], "negative": control_checks},
+    }

@@ -57,20 +57,25 @@ class LegRecorder:
     def on_start(self, run: TrainingRun) -> None:
         self.run = run
         self._watch_sampler(run)
-        self.start = {"step": run.step, "rng_next_draws": peek_next_draws(run.generator),
-                      "sampler": _position(run)}
+        self.start = {
+            "step": run.step,
+            "rng_next_draws": peek_next_draws(run.generator),
+            "sampler": _position(run),
+        }
         if self.snapshot:
             _write_snapshot(run, self.folder / SNAPSHOT_DIR)
 
     def on_step(self, run: TrainingRun) -> None:
-        self.steps.append({
-            "step": run.step,
-            "loss": run.history["loss"][-1],
-            "lr": run.history["lr"][-1],
-            "indices": self._indices if self._indices_recorded else None,
-            "sampler": _position(run),
-            "rng_next_draws": peek_next_draws(run.generator),
-        })
+        self.steps.append(
+            {
+                "step": run.step,
+                "loss": run.history["loss"][-1],
+                "lr": run.history["lr"][-1],
+                "indices": self._indices if self._indices_recorded else None,
+                "sampler": _position(run),
+                "rng_next_draws": peek_next_draws(run.generator),
+            }
+        )
 
     def _watch_sampler(self, run: TrainingRun) -> None:
         # Wrap the instance's next_indices to see each batch's rows; the rows returned
@@ -98,11 +103,15 @@ class LegRecorder:
         # Peek before evaluating: evaluation is the user's code and may draw.
         end_draws = peek_next_draws(run.generator)
         metric = {key: float(value) for key, value in run.data.evaluate(run.model, run.device).items()}
-        return {"step": step, "resumed_from": resumed_from, "device": str(run.device),
-                "checkpoint": str(checkpoint) if checkpoint is not None else None,
-                "start": self.start, "steps": self.steps,
-                "end": {"rng_next_draws": end_draws, "metric": metric,
-                        "sampler": _position(run)}}
+        return {
+            "step": step,
+            "resumed_from": resumed_from,
+            "device": str(run.device),
+            "checkpoint": str(checkpoint) if checkpoint is not None else None,
+            "start": self.start,
+            "steps": self.steps,
+            "end": {"rng_next_draws": end_draws, "metric": metric, "sampler": _position(run)},
+        }
 
 
 def _plain(value: Any) -> Any:
@@ -143,10 +152,15 @@ def run_leg(spec_path: Path) -> dict[str, Any]:
     folder = spec_path.parent
     config = config_from_dict(spec["config"], source=str(spec_path))
     recorder = LegRecorder(folder, snapshot=spec["snapshot"])
-    hooks = TrainingHooks(skip_restore=tuple(spec["omit"]), on_start=recorder.on_start, on_step=recorder.on_step)
+    hooks = TrainingHooks(
+        skip_restore=tuple(spec["omit"]), on_start=recorder.on_start, on_step=recorder.on_step
+    )
     result = train(config, resume=spec["resume"], stop_at=spec["stop_at"], progress=False, hooks=hooks)
-    summary = {"leg": spec["leg"], "omit": spec["omit"],
-               **recorder.finish(result.step, result.checkpoint, result.resumed_from)}
+    summary = {
+        "leg": spec["leg"],
+        "omit": spec["omit"],
+        **recorder.finish(result.step, result.checkpoint, result.resumed_from),
+    }
     write_json_atomic(folder / SUMMARY_FILE, summary, allow_nan=True)  # a diverged control may record NaN
     return summary
 
@@ -166,8 +180,11 @@ def _log_to(path: Path) -> None:
 def main() -> int:
     specs = [Path(arg) for arg in sys.argv[1:]]
     if not specs:
-        print("usage: python -m pipeline.proof.leg SPEC.json [SPEC.json ...] (internal to "
-              "scripts/03_verify_resume.py)", file=sys.stderr)
+        print(
+            "usage: python -m pipeline.proof.leg SPEC.json [SPEC.json ...] (internal to "
+            "scripts/03_verify_resume.py)",
+            file=sys.stderr,
+        )
         return 2
     for index, spec in enumerate(specs):
         if index:

@@ -17,8 +17,19 @@ from ..errors import ConfigError
 from ..provenance import PACKAGE_ROOT
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
-__all__ = ["DEFAULT_STEPS", "CONTROLS", "Plan", "Leg", "plan_cut", "make_legs", "phases", "pack", "leg_spec",
-           "process_command", "leg_env"]
+__all__ = [
+    "DEFAULT_STEPS",
+    "CONTROLS",
+    "Plan",
+    "Leg",
+    "plan_cut",
+    "make_legs",
+    "phases",
+    "pack",
+    "leg_spec",
+    "process_command",
+    "leg_env",
+]
 
 DEFAULT_STEPS = 10
 # The saved components a negative control leaves unrestored, in report order.
@@ -36,11 +47,17 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         first_new = None
         if self.epochs is not None:
-            first_new = next((s for s in range(self.cut + 1, self.steps + 1)
-                              if self.epochs[s] != self.epochs[self.cut]), None)
-        return {"steps": self.steps, "cut": self.cut, "reason": self.reason,
-                "epoch_at_cut": None if self.epochs is None else self.epochs[self.cut],
-                "first_step_of_a_new_epoch_after_cut": first_new}
+            first_new = next(
+                (s for s in range(self.cut + 1, self.steps + 1) if self.epochs[s] != self.epochs[self.cut]),
+                None,
+            )
+        return {
+            "steps": self.steps,
+            "cut": self.cut,
+            "reason": self.reason,
+            "epoch_at_cut": None if self.epochs is None else self.epochs[self.cut],
+            "first_step_of_a_new_epoch_after_cut": first_new,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +83,10 @@ def plan_cut(config: Config, steps: int | None, cut: int | None) -> Plan:
     if n < 2:
         raise ConfigError(f"--steps must be >= 2 so that there is a step to cut at (got {n})")
     if n > max_steps:
-        raise ConfigError(f"--steps {n} exceeds training.max_steps {max_steps}: the proof trains the configured "
-                          "run, so lower --steps or raise it with --set training.max_steps=...")
+        raise ConfigError(
+            f"--steps {n} exceeds training.max_steps {max_steps}: the proof trains the configured "
+            "run, so lower --steps or raise it with --set training.max_steps=..."
+        )
     data = load_task_data(config)
     inputs = describe_inputs(data, config)
     epochs = _sampler_epochs(data, config, n)
@@ -76,19 +95,33 @@ def plan_cut(config: Config, steps: int | None, cut: int | None) -> Plan:
             raise ConfigError(f"--cut must be between 1 and N-1 = {n - 1} (got {cut})")
         return Plan(n, cut, "given with --cut" + _where(epochs, cut, n), epochs, inputs)
     if epochs is None:
-        why = "a stream has no epochs" if inputs["mode"] == "stream" else "the sampler's state has no integer 'epoch'"
+        why = (
+            "a stream has no epochs"
+            if inputs["mode"] == "stream"
+            else "the sampler's state has no integer 'epoch'"
+        )
         return Plan(n, n // 2, f"{why}; cut at the middle", None, inputs)
     inside = [k for k in range(1, n) if epochs[k + 1] == epochs[k]]
     with_boundary = [k for k in inside if epochs[n] != epochs[k]]
     if with_boundary:
         k = max(with_boundary)
-        return Plan(n, k, "the last step inside an epoch with a new epoch still to come" + _where(epochs, k, n),
-                    epochs, inputs)
+        return Plan(
+            n,
+            k,
+            "the last step inside an epoch with a new epoch still to come" + _where(epochs, k, n),
+            epochs,
+            inputs,
+        )
     if inside:
         # No boundary reachable: cut near the middle, leaving steps on both sides.
         k = max((k for k in inside if k <= n // 2), default=min(inside))
-        return Plan(n, k, "a step inside an epoch near the middle (no new epoch starts by step N)"
-                    + _where(epochs, k, n), epochs, inputs)
+        return Plan(
+            n,
+            k,
+            "a step inside an epoch near the middle (no new epoch starts by step N)" + _where(epochs, k, n),
+            epochs,
+            inputs,
+        )
     return Plan(n, n // 2, "every step is a whole epoch; cut at the middle", epochs, inputs)
 
 
@@ -121,10 +154,12 @@ def _sampler_epochs(data: Any, config: Config, n: int) -> list[int] | None:
 def make_legs(plan: Plan, config: Config) -> list[Leg]:
     """continuous, cut, resume, then one resume per omitted component."""
     controls = CONTROLS + (("scaler",) if config.training.amp == "fp16" else ())
-    return [Leg("continuous", plan.steps, resume=False, snapshot=False),
-            Leg("cut", plan.cut, resume=False),
-            Leg("resume", plan.steps, resume=True),
-            *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls)]
+    return [
+        Leg("continuous", plan.steps, resume=False, snapshot=False),
+        Leg("cut", plan.cut, resume=False),
+        Leg("resume", plan.steps, resume=True),
+        *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls),
+    ]
 
 
 def phases(legs: list[Leg]) -> list[list[Leg]]:
@@ -150,11 +185,21 @@ def leg_spec(leg: Leg, plan: Plan, config: Config, output: Path) -> dict[str, An
     uninterrupted reference; these keys are resume-irrelevant, nothing computed changes.
     """
     raw = config.to_dict()
-    raw["checkpoint"] = {**raw["checkpoint"], "dir": str(leg.folder(output).resolve() / CHECKPOINTS_DIR),
-                         "every": plan.steps, "keep_last": 1}
+    raw["checkpoint"] = {
+        **raw["checkpoint"],
+        "dir": str(leg.folder(output).resolve() / CHECKPOINTS_DIR),
+        "every": plan.steps,
+        "keep_last": 1,
+    }
     cut_folder = output.resolve() / "cut" / CHECKPOINTS_DIR / step_dir_name(plan.cut)
-    return {"leg": leg.name, "config": raw, "resume": str(cut_folder) if leg.resume else None,
-            "stop_at": leg.stop_at, "omit": list(leg.omit), "snapshot": leg.snapshot}
+    return {
+        "leg": leg.name,
+        "config": raw,
+        "resume": str(cut_folder) if leg.resume else None,
+        "stop_at": leg.stop_at,
+        "omit": list(leg.omit),
+        "snapshot": leg.snapshot,
+    }
 
 
 def process_command(legs: list[Leg], output: Path) -> list[str]:

@@ -12,5 +12,13 @@ from .commit import COMMIT_ATTEMPTS, PublishResult, publish
 from .deadline import REQUEST_TIMEOUT_S, default_timeout
 from .plan import Publication, PublishPlan, format_plan
 
-__all__ = ["COMMIT_ATTEMPTS", "REQUEST_TIMEOUT_S", "Publication", "PublishPlan", "PublishResult", "default_timeout",
-           "format_plan", "publish"]
+__all__ = [
+    "COMMIT_ATTEMPTS",
+    "REQUEST_TIMEOUT_S",
+    "Publication",
+    "PublishPlan",
+    "PublishResult",
+    "default_timeout",
+    "format_plan",
+    "publish",
+]

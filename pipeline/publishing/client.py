@@ -23,7 +23,14 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from ..errors import PipelineError, PublishError, PublishTimedOut, StaleBranch, TokenRejected, UploadInterrupted
+from ..errors import (
+    PipelineError,
+    PublishError,
+    PublishTimedOut,
+    StaleBranch,
+    TokenRejected,
+    UploadInterrupted,
+)
 from .deadline import REQUEST_TIMEOUT_S, RETRYABLE, Deadline, DeadlinePassed, describe_request, retry_after_s
 
 # Attempts of an idempotent request (the first one included), each wait within the deadline.
@@ -81,6 +88,7 @@ def find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> Ba
 
 # -- error translation ----------------------------------------------------------------------
 
+
 def _scrub(target: Target, text: str) -> str:
     text = " ".join(str(text).split())
     return text.replace(target.token, "<token>") if target.token else text
@@ -89,15 +97,21 @@ def _scrub(target: Target, text: str) -> str:
 def http_error(target: Target, action: str, exc: HfHubHTTPError, consequence: str) -> PublishError:
     status = http_status(exc)
     if status in (401, 403):
-        return TokenRejected(f"token rejected or no write access to {target.repo_id} at {target.endpoint} "
-                             f"(HTTP {status} while {action}): check HF_TOKEN / `hf auth login` and that the token "
-                             f"may write to this namespace; {consequence}")
+        return TokenRejected(
+            f"token rejected or no write access to {target.repo_id} at {target.endpoint} "
+            f"(HTTP {status} while {action}): check HF_TOKEN / `hf auth login` and that the token "
+            f"may write to this namespace; {consequence}"
+        )
     if status == 412:
-        return StaleBranch(f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
-                           "was written; rerun to publish on top of the new head")
+        return StaleBranch(
+            f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
+            "was written; rerun to publish on top of the new head"
+        )
     detail = getattr(exc, "server_message", None) or (str(exc).strip().splitlines() or [""])[0]
-    return PublishError(f"the Hub answered HTTP {status} while {action} on {target.repo_id}: "
-                        f"{_scrub(target, detail)}; {consequence}")
+    return PublishError(
+        f"the Hub answered HTTP {status} while {action} on {target.repo_id}: "
+        f"{_scrub(target, detail)}; {consequence}"
+    )
 
 
 def network_words(target: Target, network: BaseException) -> str:
@@ -110,12 +124,16 @@ def network_words(target: Target, network: BaseException) -> str:
             what = "a request"
         bound = target.deadline.bounds.get(what, REQUEST_TIMEOUT_S)
         cut = ", all the --timeout had left" if bound < REQUEST_TIMEOUT_S else ""
-        return f"no answer from {target.endpoint} to {what} within {bound:.3g}s{cut} ({type(network).__name__})"
+        return (
+            f"no answer from {target.endpoint} to {what} within {bound:.3g}s{cut} ({type(network).__name__})"
+        )
     detail = _scrub(target, (str(network).splitlines() or [""])[0])[:300]
     url = re.search(r"https?://[^\s),]+", detail)
     if isinstance(network, ConnectionError) and url is not None:
-        return (f"the Xet client gave up on {describe_request('POST', url.group(0))} after its retries, capped by "
-                f"the {target.deadline.timeout:g}s --timeout ({type(network).__name__}: {detail})")
+        return (
+            f"the Xet client gave up on {describe_request('POST', url.group(0))} after its retries, capped by "
+            f"the {target.deadline.timeout:g}s --timeout ({type(network).__name__}: {detail})"
+        )
     return f"connection to {target.endpoint} lost ({type(network).__name__}{': ' + detail if detail else ''})"
 
 
@@ -128,8 +146,9 @@ def hub_errors(target: Target, action: str, consequence: str = NOTHING_COMMITTED
     except PipelineError:
         raise
     except HFValidationError as exc:
-        raise PublishError(f"the Hub client refused a value while {action}: {_scrub(target, str(exc))}; "
-                           f"{consequence}") from None
+        raise PublishError(
+            f"the Hub client refused a value while {action}: {_scrub(target, str(exc))}; {consequence}"
+        ) from None
     except Exception as exc:
         passed = find_cause(exc, (DeadlinePassed,))
         if passed is not None:
@@ -140,10 +159,13 @@ def hub_errors(target: Target, action: str, consequence: str = NOTHING_COMMITTED
         network = find_cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
-        raise UploadInterrupted(f"{network_words(target, network)} while {action}; {consequence}; {RERUN}") from None
+        raise UploadInterrupted(
+            f"{network_words(target, network)} while {action}; {consequence}; {RERUN}"
+        ) from None
 
 
 # -- idempotent requests, retried -------------------------------------------------------------
+
 
 def _retry_wait(target: Target, exc: Exception, attempt: int) -> float | None:
     """Seconds to wait before the next attempt, or None when ``exc`` is not worth retrying."""
@@ -176,47 +198,60 @@ def call(target: Target, action: str, request: Callable[[], T], consequence: str
                 wait = _retry_wait(target, exc, attempt)
                 if wait is None or attempt == READ_ATTEMPTS:
                     raise
-                target.say(f"{action}: {target.deadline.last_error or type(exc).__name__}; retrying in {wait:g}s")
+                target.say(
+                    f"{action}: {target.deadline.last_error or type(exc).__name__}; retrying in {wait:g}s"
+                )
                 target.deadline.wait(wait, action)
 
 
 def read_head(target: Target, revision: str) -> str | None:
     """Commit id at the head of ``revision``, or None when the repo or the branch is missing."""
+
     def head() -> str | None:
         try:
             return target.api.repo_info(target.repo_id, revision=revision).sha
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return None
+
     return call(target, f"reading branch {revision}", head)
 
 
 def pull_requests(target: Target) -> dict[str, str]:
     """``{"refs/pr/N": commit}`` of every pull request of the repo (empty while it does not exist)."""
+
     def refs() -> Any:
         try:
             return target.api.list_repo_refs(target.repo_id, include_pull_requests=True).pull_requests or ()
         except RepositoryNotFoundError:
             return ()
+
     return {ref.ref: ref.target_commit for ref in call(target, "listing the pull requests", refs)}
 
 
 def tags(target: Target) -> dict[str, str]:
     """``{tag: commit}`` of the repo (empty while it does not exist)."""
+
     def refs() -> Any:
         try:
             return target.api.list_repo_refs(target.repo_id).tags
         except RepositoryNotFoundError:
             return ()
-    return {ref.name: ref.target_commit for ref in call(target, f"reading the tags of {target.repo_id}", refs)}
+
+    return {
+        ref.name: ref.target_commit for ref in call(target, f"reading the tags of {target.repo_id}", refs)
+    }
 
 
 def remote_files(target: Target, commit: str, consequence: str = NOTHING_COMMITTED) -> dict[str, Any]:
     """``{path: RepoFile}`` under the target folder (the whole repo for the root) at ``commit``."""
+
     def listing() -> dict[str, Any]:
         try:
-            entries = target.api.list_repo_tree(target.repo_id, target.prefix.rstrip("/") or None,
-                                                recursive=True, revision=commit)
+            entries = target.api.list_repo_tree(
+                target.repo_id, target.prefix.rstrip("/") or None, recursive=True, revision=commit
+            )
             return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
         except RemoteEntryNotFoundError:
             return {}  # the folder does not exist yet
+
     return call(target, "listing the repo files", listing, consequence)

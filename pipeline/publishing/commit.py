@@ -144,6 +144,7 @@ def _quiet(line: str) -> None:
 
 # -- the entry point: the whole publish, step by step ------------------------------------------
 
+
 def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) -> PublishResult:
     """Publish ``publication.stage`` to ``publication.repo_id`` as one commit; see the module docstring.
 
@@ -168,9 +169,17 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
             check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
             signature = _signature(stage, wanted.signer, say)
             token = _token(wanted.dry_run)
-            target = Target(HfApi(endpoint=endpoint, token=token), endpoint, wanted.repo_id,
-                            wanted.revision or constants.DEFAULT_REVISION, prefix, token, deadline,
-                            wanted.create_pr, say)
+            target = Target(
+                HfApi(endpoint=endpoint, token=token),
+                endpoint,
+                wanted.repo_id,
+                wanted.revision or constants.DEFAULT_REVISION,
+                prefix,
+                token,
+                deadline,
+                wanted.create_pr,
+                say,
+            )
             # Read the branch head and compare the files under it with the audit (read requests only).
             plan = read_plan(target, stage, audited, wanted.message)
             _check_tag(target, wanted.tag, plan)
@@ -183,13 +192,19 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
                 plan = read_plan(target, stage, audited, wanted.message)
             run = _Publishing(target, stage, audited, snapshot, receipts, signature, plan, wanted.restage)
             if plan.up_to_date:
-                say(f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit")
+                say(
+                    f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit"
+                )
                 return _tagged(run, wanted.tag, _finish(run, plan.head, "already published"))  # type: ignore[arg-type]
             if plan.head is None:
-                raise PublishError(f"{wanted.repo_id}@{target.revision} is still missing after creating it; rerun")
+                raise PublishError(
+                    f"{wanted.repo_id}@{target.revision} is still missing after creating it; rerun"
+                )
             changed = sum(f.action != "unchanged" for f in plan.files)
-            say(f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
-                f"onto {plan.head[:12]} of {target.revision}")
+            say(
+                f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
+                f"onto {plan.head[:12]} of {target.revision}"
+            )
             commit, lost = _commit(run)
         # The client returns the old head when it found nothing to change (a race with an identical push).
         status = "already published" if commit == plan.head else "published"
@@ -197,6 +212,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
 
 
 # -- before any request -------------------------------------------------------------------------
+
 
 def _stage_bytes(stage: Path) -> int:
     """What the default deadline is derived from (0 for a missing stage: the audit refuses it)."""
@@ -208,13 +224,19 @@ def _stat_key(path: Path) -> StatKey:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
-def _audit(stage: Path, say: Callable[[str], None], *,
-           verify_later: bool) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
+def _audit(
+    stage: Path, say: Callable[[str], None], *, verify_later: bool
+) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
     """audit_stage with the leak scan and (for a Xet upload to verify later) the Xet hashes in
     the same read, with stat snapshots around it so later edits are noticed without reading again."""
-    before = ({p.relative_to(stage).as_posix(): _stat_key(p) for p in stage.rglob("*") if p.is_file()}
-              if stage.is_dir() else {})
-    xet = verify_later and not constants.HF_HUB_DISABLE_XET  # the client uploads over Xet when the Hub offers it
+    before = (
+        {p.relative_to(stage).as_posix(): _stat_key(p) for p in stage.rglob("*") if p.is_file()}
+        if stage.is_dir()
+        else {}
+    )
+    xet = (
+        verify_later and not constants.HF_HUB_DISABLE_XET
+    )  # the client uploads over Xet when the Hub offers it
     audited = audit_stage(stage, leaks=leak_rules(), xet_hashes=xet, consequence=NOTHING_SENT)
     snapshot = {name: _stat_key(stage / name) for name in audited}
     if any(before.get(name) != key for name, key in snapshot.items()):
@@ -226,19 +248,25 @@ def _audit(stage: Path, say: Callable[[str], None], *,
     return audited, snapshot
 
 
-def _signature(stage: Path, signer: ExpectedSigner | None, say: Callable[[str], None]) -> SignatureCheck | None:
+def _signature(
+    stage: Path, signer: ExpectedSigner | None, say: Callable[[str], None]
+) -> SignatureCheck | None:
     signature = verify_stage(stage, signer)
     if signature is not None:
-        say(f"signature {stage}/model.sig verified ({signature.kind}, {signature.fingerprint or 'Sigstore'}, "
-            f"expected key from {signature.key_source})")
+        say(
+            f"signature {stage}/model.sig verified ({signature.kind}, {signature.fingerprint or 'Sigstore'}, "
+            f"expected key from {signature.key_source})"
+        )
     return signature
 
 
 def _token(dry_run: bool) -> str | None:
     token = get_token()
     if token is None and not dry_run:
-        raise TokenRejected("no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token is never "
-                            "taken from the command line); nothing was published")
+        raise TokenRejected(
+            "no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token is never "
+            "taken from the command line); nothing was published"
+        )
     return token
 
 
@@ -246,23 +274,32 @@ def _check_tag(target: Target, tag: str | None, plan: PublishPlan) -> None:
     """Before any write: an existing tag may only already name the commit that holds this stage."""
     existing = tags(target).get(tag) if tag else None
     if existing is not None and not (plan.up_to_date and existing == plan.head):
-        raise PublishError(f"tag {tag} of {target.repo_id} already names commit {existing[:12]}, which does not "
-                           "hold this stage; tags are never moved: choose another --tag; nothing was sent")
+        raise PublishError(
+            f"tag {tag} of {target.repo_id} already names commit {existing[:12]}, which does not "
+            "hold this stage; tags are never moved: choose another --tag; nothing was sent"
+        )
 
 
 def _create_missing(target: Target, plan: PublishPlan, private: bool | None) -> None:
     """Create the repo and the branch when missing (both exist_ok, so a retry is harmless)."""
     if not plan.repo_exists:
         target.say(f"creating repo {target.repo_id} at {target.endpoint}")
-        call(target, "creating the repo", lambda: target.api.create_repo(target.repo_id, private=private,
-                                                                          exist_ok=True))
+        call(
+            target,
+            "creating the repo",
+            lambda: target.api.create_repo(target.repo_id, private=private, exist_ok=True),
+        )
     if target.revision != constants.DEFAULT_REVISION:
         target.say(f"creating branch {target.revision} from {constants.DEFAULT_REVISION}")
-        call(target, f"creating branch {target.revision}",
-             lambda: target.api.create_branch(target.repo_id, branch=target.revision, exist_ok=True))
+        call(
+            target,
+            f"creating branch {target.revision}",
+            lambda: target.api.create_branch(target.repo_id, branch=target.revision, exist_ok=True),
+        )
 
 
 # -- the commit ---------------------------------------------------------------------------------
+
 
 def _commit(run: _Publishing) -> tuple[str, bool]:
     """ONE create_commit naming ``plan.head`` as parent, retried on 429/5xx only, within the
@@ -281,8 +318,10 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
         status = http_status(answer)
         if attempt == COMMIT_ATTEMPTS or wait >= deadline.remaining():
             break
-        say(f"{answered(answer)} got HTTP {status}; retrying the commit in {wait:g}s (attempt {attempt + 1} of "
-            f"{COMMIT_ATTEMPTS})")
+        say(
+            f"{answered(answer)} got HTTP {status}; retrying the commit in {wait:g}s (attempt {attempt + 1} of "
+            f"{COMMIT_ATTEMPTS})"
+        )
         deadline.sleep(wait)
         # The answer can be lost after the commit landed: then there is nothing left to retry.
         landed = _landed(run)
@@ -295,10 +334,15 @@ def _commit(run: _Publishing) -> tuple[str, bool]:
     if landed is not None:
         say(f"the commit had landed despite the error answer: {landed}")
         return landed, True
-    reason = (f"{COMMIT_ATTEMPTS} times" if attempt == COMMIT_ATTEMPTS
-              else f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout")
-    raise HubUnavailable(f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "
-                         "nothing was committed; rerun later (uploaded blobs are kept)")
+    reason = (
+        f"{COMMIT_ATTEMPTS} times"
+        if attempt == COMMIT_ATTEMPTS
+        else f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout"
+    )
+    raise HubUnavailable(
+        f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "
+        "nothing was committed; rerun later (uploaded blobs are kept)"
+    )
 
 
 def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str) -> None:
@@ -306,8 +350,10 @@ def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str)
     for name, key in snapshot.items():
         path = stage / name
         if not path.is_file() or _stat_key(path) != key:
-            raise StageChanged(f"{path} changed on disk after it was audited; nothing was committed; rebuild "
-                               f"the stage with {restage}, then rerun")
+            raise StageChanged(
+                f"{path} changed on disk after it was audited; nothing was committed; rebuild "
+                f"the stage with {restage}, then rerun"
+            )
 
 
 def _operations(run: _Publishing) -> list[Any]:
@@ -315,10 +361,14 @@ def _operations(run: _Publishing) -> list[Any]:
     ops: list[Any] = []
     for planned in run.plan.files:
         entry = run.audited[planned.name]
-        op = CommitOperationAdd(path_in_repo=planned.path_in_repo, path_or_fileobj=str(run.stage / entry.name))
+        op = CommitOperationAdd(
+            path_in_repo=planned.path_in_repo, path_or_fileobj=str(run.stage / entry.name)
+        )
         if op.upload_info.size != entry.size:
-            raise StageChanged(f"{run.stage / entry.name} is {op.upload_info.size} bytes, not the {entry.size} it "
-                               "had when audited; nothing was committed; rerun")
+            raise StageChanged(
+                f"{run.stage / entry.name} is {op.upload_info.size} bytes, not the {entry.size} it "
+                "had when audited; nothing was committed; rerun"
+            )
         # The audit's SHA-256, so the client does not read and hash the file a second time.
         op.upload_info.sha256 = bytes.fromhex(entry.sha256)
         ops.append(op)
@@ -334,8 +384,14 @@ def _try_commit(run: _Publishing) -> str | HfHubHTTPError | BaseException:
         target.deadline.follow_session()
         try:
             info = target.api.create_commit(
-                target.repo_id, _operations(run), commit_message=plan.title, commit_description=plan.description,
-                revision=target.revision, parent_commit=plan.head, create_pr=target.create_pr)
+                target.repo_id,
+                _operations(run),
+                commit_message=plan.title,
+                commit_description=plan.description,
+                revision=target.revision,
+                parent_commit=plan.head,
+                create_pr=target.create_pr,
+            )
             return info.oid
         except HfHubHTTPError as exc:
             if http_status(exc) in RETRYABLE:
@@ -344,7 +400,9 @@ def _try_commit(run: _Publishing) -> str | HfHubHTTPError | BaseException:
             raise
         except Exception as exc:
             cut = find_cause(exc, (DeadlinePassed, httpx2.TransportError, ConnectionError))
-            if cut is None or (find_cause(exc, (HfHubHTTPError,)) is not None and not isinstance(cut, DeadlinePassed)):
+            if cut is None or (
+                find_cause(exc, (HfHubHTTPError,)) is not None and not isinstance(cut, DeadlinePassed)
+            ):
                 raise
             return cut
 
@@ -360,9 +418,11 @@ def _after_lost_answer(run: _Publishing, cut: BaseException) -> str:
     try:
         landed = _landed(run)
     except PublishError as exc:
-        raise UploadInterrupted(f"{what}, and the branch head could not be read afterwards ({exc}): the commit "
-                                "may or may not have landed; rerun: it finds a landed commit and never makes a "
-                                "second one") from None
+        raise UploadInterrupted(
+            f"{what}, and the branch head could not be read afterwards ({exc}): the commit "
+            "may or may not have landed; rerun: it finds a landed commit and never makes a "
+            "second one"
+        ) from None
     if landed is None:
         error = PublishTimedOut if timed_out else UploadInterrupted
         raise error(f"{what}, and the head of {target.revision} did not move: nothing was committed; {RERUN}")
@@ -381,9 +441,17 @@ def _landed(run: _Publishing) -> str | None:
     pull request opened since the plan was read holds exactly our stage."""
     target, plan = run.target, run.plan
     if target.create_pr:
-        opened = {ref: commit for ref, commit in pull_requests(target).items() if ref not in plan.pull_requests}
-        return next((commit for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
-                     if _holds_the_stage(run, commit)), None)
+        opened = {
+            ref: commit for ref, commit in pull_requests(target).items() if ref not in plan.pull_requests
+        }
+        return next(
+            (
+                commit
+                for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
+                if _holds_the_stage(run, commit)
+            ),
+            None,
+        )
     head = read_head(target, target.revision)
     if head is None or head == plan.head:
         return None
@@ -391,6 +459,7 @@ def _landed(run: _Publishing) -> str | None:
 
 
 # -- verification, receipt and tag ----------------------------------------------------------------
+
 
 def _finish(run: _Publishing, commit: str, status: str, *, answer_lost: bool = False) -> PublishResult:
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
@@ -404,40 +473,71 @@ def _finish(run: _Publishing, commit: str, status: str, *, answer_lost: bool = F
     try:
         with hub_errors(target, "verifying", consequence=consequence):
             remote = remote_files(target, commit, consequence)
-            files, problems = verify_commit(target.api, target.repo_id, commit, expected, remote,
-                                            KEPT_REMOTE_FILES if not target.prefix else frozenset(), run.stage)
+            files, problems = verify_commit(
+                target.api,
+                target.repo_id,
+                commit,
+                expected,
+                remote,
+                KEPT_REMOTE_FILES if not target.prefix else frozenset(),
+                run.stage,
+            )
     except PublishError as exc:
-        raise VerificationFailed(f"could not verify what landed: {exc}; rerun to verify (it makes no second "
-                                 "commit)") from None
+        raise VerificationFailed(
+            f"could not verify what landed: {exc}; rerun to verify (it makes no second commit)"
+        ) from None
     path = receipt_path(run.receipts, target.repo_id, commit)
     # A no-op rerun keeps the receipt of the publish itself, with its original time.
     keep = status == "already published" and path.exists() and not problems
     if not keep:
-        receipt = Receipt(endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
-                          path_in_repo=plan.path_in_repo, commit=commit, commit_url=url,
-                          parent=plan.head if status == "published" else None, status=status, step=plan.step,
-                          files=files, problems=problems,
-                          signature=None if run.signature is None else asdict(run.signature))
+        receipt = Receipt(
+            endpoint=target.endpoint,
+            repo_id=target.repo_id,
+            revision=target.revision,
+            path_in_repo=plan.path_in_repo,
+            commit=commit,
+            commit_url=url,
+            parent=plan.head if status == "published" else None,
+            status=status,
+            step=plan.step,
+            files=files,
+            problems=problems,
+            signature=None if run.signature is None else asdict(run.signature),
+        )
         try:
             write_receipt(run.receipts, receipt)
         except OSError as exc:
             verified = "and differs from the audit" if problems else "and was verified"
-            raise ReceiptNotWritten(f"commit {url} {landed} {verified}, but the receipt could not be written to "
-                                    f"{path} ({exc.strerror or exc}); rerun with a writable --receipt-dir to write "
-                                    "it (no second commit is made)") from None
+            raise ReceiptNotWritten(
+                f"commit {url} {landed} {verified}, but the receipt could not be written to "
+                f"{path} ({exc.strerror or exc}); rerun with a writable --receipt-dir to write "
+                "it (no second commit is made)"
+            ) from None
     if problems:
-        raise VerificationFailed(f"commit {url} landed but differs from the audited stage: {'; '.join(problems)}; "
-                                 f"receipt {path}")
-    return PublishResult(plan, status, commit, url, path, not keep, tuple(files), answer_lost, run.signature,
-                         tuple(run.audited.values()))
+        raise VerificationFailed(
+            f"commit {url} landed but differs from the audited stage: {'; '.join(problems)}; receipt {path}"
+        )
+    return PublishResult(
+        plan,
+        status,
+        commit,
+        url,
+        path,
+        not keep,
+        tuple(files),
+        answer_lost,
+        run.signature,
+        tuple(run.audited.values()),
+    )
 
 
 def _tagged(run: _Publishing, tag: str | None, result: PublishResult) -> PublishResult:
     """Tag the verified commit (kept as it is when the tag already names it)."""
     target = run.target
     if tag and tags(target).get(tag) is None:
-        with hub_errors(target, f"tagging {tag}", consequence=f"commit {result.commit_url} landed and was verified"):
+        with hub_errors(
+            target, f"tagging {tag}", consequence=f"commit {result.commit_url} landed and was verified"
+        ):
             target.api.create_tag(target.repo_id, tag=tag, revision=result.commit)
         target.say(f"tagged {result.commit[:12]} as {tag}")  # type: ignore[index]
     return result
-

@@ -31,7 +31,14 @@ from urllib.parse import urlsplit
 import httpx2
 from huggingface_hub import get_session
 
-__all__ = ["REQUEST_TIMEOUT_S", "SETTLE_S", "Deadline", "DeadlinePassed", "default_timeout", "describe_request"]
+__all__ = [
+    "REQUEST_TIMEOUT_S",
+    "SETTLE_S",
+    "Deadline",
+    "DeadlinePassed",
+    "default_timeout",
+    "describe_request",
+]
 
 # Longest wait for any one answer of the Hub (within the deadline).
 REQUEST_TIMEOUT_S = 60.0
@@ -70,13 +77,23 @@ class DeadlinePassed(Exception):
 def describe_request(method: str, url: str | httpx2.URL) -> str:
     """What a request does, in words: "the Xet shard upload", "reading the branch head"..."""
     path = urlsplit(str(url)).path
-    rules = (("/v1/shards", "the Xet shard upload"), ("/xorbs/", "the Xet xorb upload"),
-             ("/xorb-grants/", "the Xet xorb upload"), ("/reconstructions/", "a Xet download"),
-             ("/preupload/", "the preupload request"), ("/objects/batch", "the LFS batch request"),
-             ("/commit/", "the commit"), ("/xet-write-token/", "the Xet token request"),
-             ("/repos/create", "the repo creation"), ("/branch/", "the branch creation"), ("/tag/", "tagging"),
-             ("/tree/", "the file listing"), ("/paths-info/", "the file listing"), ("/refs", "reading the refs"),
-             ("/resolve/", "a download"))
+    rules = (
+        ("/v1/shards", "the Xet shard upload"),
+        ("/xorbs/", "the Xet xorb upload"),
+        ("/xorb-grants/", "the Xet xorb upload"),
+        ("/reconstructions/", "a Xet download"),
+        ("/preupload/", "the preupload request"),
+        ("/objects/batch", "the LFS batch request"),
+        ("/commit/", "the commit"),
+        ("/xet-write-token/", "the Xet token request"),
+        ("/repos/create", "the repo creation"),
+        ("/branch/", "the branch creation"),
+        ("/tag/", "tagging"),
+        ("/tree/", "the file listing"),
+        ("/paths-info/", "the file listing"),
+        ("/refs", "reading the refs"),
+        ("/resolve/", "a download"),
+    )
     found = next((words for part, words in rules if part in path), None)
     if found is not None:
         return found
@@ -110,7 +127,9 @@ class Deadline:
         # Settling never goes past this: the whole publish ends within timeout + min(timeout, SETTLE_S).
         self._last_end = self.end + min(timeout, SETTLE_S)
         self.sent: Counter[str] = Counter()  # requests by what they do
-        self.bounds: dict[str, float] = {}  # the longest wait for an answer, set on the last request of each kind
+        self.bounds: dict[
+            str, float
+        ] = {}  # the longest wait for an answer, set on the last request of each kind
         self.last_error: str | None = None
         self._unanswered: set[str] = set()
         self._sessions: list[tuple[httpx2.Client, dict]] = []
@@ -176,8 +195,11 @@ class Deadline:
             return
         hooks = session.event_hooks
         self._sessions.append((session, hooks))
-        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), self._before_request],
-                               "response": [*hooks.get("response", []), self._after_response]}
+        session.event_hooks = {
+            **hooks,
+            "request": [*hooks.get("request", []), self._before_request],
+            "response": [*hooks.get("response", []), self._after_response],
+        }
 
     def follow_session(self) -> None:
         """Install on the client's current session: it replaces its session after a connection error."""

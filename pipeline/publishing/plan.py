@@ -108,10 +108,13 @@ class PublishPlan:
     @property
     def up_to_date(self) -> bool:
         """The branch already holds exactly the stage: publishing makes no commit."""
-        return self.head is not None and not self.deletions and all(f.action == "unchanged" for f in self.files)
+        return (
+            self.head is not None and not self.deletions and all(f.action == "unchanged" for f in self.files)
+        )
 
 
 # -- the arguments, checked before anything is read ---------------------------------------
+
 
 def resolve_endpoint(endpoint: str | None = None) -> str:
     """``--endpoint``, else ``HF_ENDPOINT``, else the client's default (https://huggingface.co)."""
@@ -122,15 +125,19 @@ def clean_prefix(path_in_repo: str | None) -> str:
     """'' for the repo root, else ``folder/`` (no leading slash, no '.' or '..' parts)."""
     text = (path_in_repo or "").strip("/")
     if text and any(part in ("", ".", "..") for part in text.split("/")):
-        raise PublishError(f"--path-in-repo {path_in_repo!r} must be a plain folder path such as 'model' or 'v1/model'")
+        raise PublishError(
+            f"--path-in-repo {path_in_repo!r} must be a plain folder path such as 'model' or 'v1/model'"
+        )
     return text + "/" if text else ""
 
 
 def check_receipt_dir(receipt_dir: str | Path, stage: Path) -> Path:
     folder = Path(receipt_dir)
     if folder.resolve().is_relative_to(stage.resolve()):
-        raise PublishError(f"--receipt-dir {folder} is inside the stage {stage}/, which is uploaded as it is: "
-                           "write receipts elsewhere (default: hub_receipts/)")
+        raise PublishError(
+            f"--receipt-dir {folder} is inside the stage {stage}/, which is uploaded as it is: "
+            "write receipts elsewhere (default: hub_receipts/)"
+        )
     return folder
 
 
@@ -138,14 +145,17 @@ def check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise PublishError(f"--repo-id {repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' "
-                           "(letters, digits, '-', '_', '.'; no spaces, no '..'); nothing was published") from None
+        raise PublishError(
+            f"--repo-id {repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' "
+            "(letters, digits, '-', '_', '.'; no spaces, no '..'); nothing was published"
+        ) from None
 
 
 def check_timeout(timeout: float | None) -> float | None:
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise PublishError(f"--timeout {timeout!r} must be a positive number of seconds (the whole publish's "
-                           "deadline)")
+        raise PublishError(
+            f"--timeout {timeout!r} must be a positive number of seconds (the whole publish's deadline)"
+        )
     return None if timeout is None else float(timeout)
 
 
@@ -154,8 +164,9 @@ def prepare_receipt_dir(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise PublishError(f"--receipt-dir {folder} cannot be created ({exc.strerror}); "
-                           "nothing was published") from None
+        raise PublishError(
+            f"--receipt-dir {folder} cannot be created ({exc.strerror}); nothing was published"
+        ) from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PublishError(f"--receipt-dir {folder} is not writable; nothing was published")
 
@@ -165,11 +176,14 @@ def check_staged_repo_id(stage: Path, repo_id: str, force: bool, restage: str) -
     ship a card that downloads from another repo."""
     staged_for = json.loads((stage / META_FILE).read_bytes()).get("repo_id")
     if staged_for and staged_for != repo_id and not force:
-        raise PublishError(f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
-                           f"restage with {restage} --repo-id {repo_id}, or pass --force-repo-id")
+        raise PublishError(
+            f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
+            f"restage with {restage} --repo-id {repo_id}, or pass --force-repo-id"
+        )
 
 
 # -- comparing with the remote ---------------------------------------------------------------
+
 
 def git_blob_sha1_file(path: str | Path, size: int) -> str:
     """Git blob id of a file: what the Hub lists as ``oid`` for a file not stored in LFS."""
@@ -189,19 +203,27 @@ def _action(stage: Path, audited: AuditedFile, remote: Any | None) -> str:
     if remote.lfs is not None:
         return "unchanged" if remote.lfs.sha256 == audited.sha256 else "update"
     # A regular file is listed by its git blob id (SHA-1 of header + bytes): hash the small local file.
-    return "unchanged" if remote.blob_id == git_blob_sha1_file(stage / audited.name, audited.size) else "update"
+    return (
+        "unchanged" if remote.blob_id == git_blob_sha1_file(stage / audited.name, audited.size) else "update"
+    )
 
 
-def compare(stage: Path, audited: Mapping[str, AuditedFile], remote: Mapping[str, Any],
-            prefix: str) -> tuple[tuple[PlannedFile, ...], tuple[str, ...]]:
-    files = tuple(PlannedFile(name, prefix + name, entry.size, entry.sha256,
-                              _action(stage, entry, remote.get(prefix + name)))
-                  for name, entry in audited.items())
+def compare(
+    stage: Path, audited: Mapping[str, AuditedFile], remote: Mapping[str, Any], prefix: str
+) -> tuple[tuple[PlannedFile, ...], tuple[str, ...]]:
+    files = tuple(
+        PlannedFile(
+            name, prefix + name, entry.size, entry.sha256, _action(stage, entry, remote.get(prefix + name))
+        )
+        for name, entry in audited.items()
+    )
     staged = {f.path_in_repo for f in files}
     return files, tuple(sorted(p for p in remote if p not in staged and p not in KEPT_REMOTE_FILES))
 
 
-def _messages(stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> tuple[int, str, str, str]:
+def _messages(
+    stage: Path, audited: Mapping[str, AuditedFile], message: str | None
+) -> tuple[int, str, str, str]:
     """Step, weights SHA-256, commit title and description (meta.json was checked by the audit)."""
     step = int(json.loads((stage / META_FILE).read_bytes())["step"])
     # Sharded weights are named by their index, which lists every shard.
@@ -209,21 +231,42 @@ def _messages(stage: Path, audited: Mapping[str, AuditedFile], message: str | No
     sha = audited[weights].sha256
     title = message or f"Publish step {step}: {weights} sha256 {sha}"
     table = "\n".join(f"{e.sha256}  {e.size:>12}  {e.name}" for e in audited.values())
-    return step, sha, title, f"Step {step}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n"
+    return (
+        step,
+        sha,
+        title,
+        f"Step {step}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n",
+    )
 
 
-def read_plan(target: Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None) -> PublishPlan:
+def read_plan(
+    target: Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None
+) -> PublishPlan:
     """The plan from read requests only; a missing branch is compared with main, where it would start."""
     head = read_head(target, target.revision)
-    base = head or (read_head(target, constants.DEFAULT_REVISION) if target.revision != constants.DEFAULT_REVISION
-                    else None)
+    base = head or (
+        read_head(target, constants.DEFAULT_REVISION)
+        if target.revision != constants.DEFAULT_REVISION
+        else None
+    )
     files, deletions = compare(stage, audited, remote_files(target, base) if base else {}, target.prefix)
     step, sha, title, description = _messages(stage, audited, message)
     pulls = tuple(pull_requests(target)) if target.create_pr and base is not None else ()
-    return PublishPlan(endpoint=target.endpoint, repo_id=target.repo_id, revision=target.revision,
-                       path_in_repo=target.prefix.rstrip("/"), repo_exists=base is not None, head=head, step=step,
-                       model_sha256=sha, title=title, description=description, files=files, deletions=deletions,
-                       pull_requests=pulls)
+    return PublishPlan(
+        endpoint=target.endpoint,
+        repo_id=target.repo_id,
+        revision=target.revision,
+        path_in_repo=target.prefix.rstrip("/"),
+        repo_exists=base is not None,
+        head=head,
+        step=step,
+        model_sha256=sha,
+        title=title,
+        description=description,
+        files=files,
+        deletions=deletions,
+        pull_requests=pulls,
+    )
 
 
 def format_plan(plan: PublishPlan) -> str:
@@ -236,7 +279,9 @@ def format_plan(plan: PublishPlan) -> str:
         where = f"new repo, would be created; branch {plan.revision}"
     width = max(len(f.path_in_repo) for f in plan.files)
     lines = [f"target  {plan.repo_url} ({where})", f"commit  {plan.title}"]
-    lines += [f"  {f.action:<9}  {f.path_in_repo:<{width}}  {f.size:>10} B  sha256 {f.sha256}" for f in plan.files]
+    lines += [
+        f"  {f.action:<9}  {f.path_in_repo:<{width}}  {f.size:>10} B  sha256 {f.sha256}" for f in plan.files
+    ]
     lines += [f"  {'delete':<9}  {path}" for path in plan.deletions]
     if plan.up_to_date:
         lines.append(f"nothing to publish: {plan.repo_id}@{plan.revision} already holds exactly this stage")

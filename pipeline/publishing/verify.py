@@ -66,27 +66,53 @@ def _xet_hash_of(path: Path) -> str | None:
         return None
 
 
-def _check_xet(api: HfApi, repo_id: str, commit: str, expected: AuditedFile, path: str, remote: Any,
-               local: Path, cache_dir: Path) -> tuple[VerifiedFile, str | None]:
+def _check_xet(
+    api: HfApi,
+    repo_id: str,
+    commit: str,
+    expected: AuditedFile,
+    path: str,
+    remote: Any,
+    local: Path,
+    cache_dir: Path,
+) -> tuple[VerifiedFile, str | None]:
     ours = expected.xet_hash or _xet_hash_of(local)
     if ours is None:  # no hf_xet here: rebuild the file from the CAS and hash it
         downloaded = api.hf_hub_download(repo_id, path, revision=commit, cache_dir=cache_dir)
         found = sha256_file(downloaded)
-        return VerifiedFile(path, expected.size, expected.sha256, "xet", "downloaded bytes (Xet)", found,
-                            remote.xet_hash), None
+        return VerifiedFile(
+            path, expected.size, expected.sha256, "xet", "downloaded bytes (Xet)", found, remote.xet_hash
+        ), None
     same = remote.xet_hash == ours and remote.lfs.sha256 == expected.sha256 and remote.size == expected.size
-    checked = VerifiedFile(path, expected.size, expected.sha256, "xet", "Hub Xet hash", expected.sha256 if same
-                           else None, remote.xet_hash)
+    checked = VerifiedFile(
+        path,
+        expected.size,
+        expected.sha256,
+        "xet",
+        "Hub Xet hash",
+        expected.sha256 if same else None,
+        remote.xet_hash,
+    )
     if same:
         return checked, None
     if remote.xet_hash != ours:
         return checked, f"{path}: the Hub lists Xet hash {remote.xet_hash}, the audited bytes hash to {ours}"
-    return checked, (f"{path}: the Hub lists SHA-256 {remote.lfs.sha256} and {remote.size} bytes, the audit "
-                     f"{expected.sha256} and {expected.size}")
+    return checked, (
+        f"{path}: the Hub lists SHA-256 {remote.lfs.sha256} and {remote.size} bytes, the audit "
+        f"{expected.sha256} and {expected.size}"
+    )
 
 
-def _check_file(api: HfApi, repo_id: str, commit: str, expected: AuditedFile, path: str, remote: Any,
-                local: Path, cache_dir: Path) -> tuple[VerifiedFile, str | None]:
+def _check_file(
+    api: HfApi,
+    repo_id: str,
+    commit: str,
+    expected: AuditedFile,
+    path: str,
+    remote: Any,
+    local: Path,
+    cache_dir: Path,
+) -> tuple[VerifiedFile, str | None]:
     if remote.lfs is not None and remote.xet_hash:
         return _check_xet(api, repo_id, commit, expected, path, remote, local, cache_dir)
     if remote.lfs is not None:
@@ -95,27 +121,57 @@ def _check_file(api: HfApi, repo_id: str, commit: str, expected: AuditedFile, pa
         checked = VerifiedFile(path, expected.size, expected.sha256, "lfs", "Hub LFS SHA-256", found)
     else:
         downloaded = api.hf_hub_download(repo_id, path, revision=commit, cache_dir=cache_dir)
-        checked = VerifiedFile(path, expected.size, expected.sha256, "regular", "downloaded bytes",
-                               sha256_file(downloaded))
-    problem = None if checked.ok else (f"{path}: the Hub holds SHA-256 {checked.found} ({checked.checked_by}), "
-                                       f"the audit {expected.sha256}")
+        checked = VerifiedFile(
+            path, expected.size, expected.sha256, "regular", "downloaded bytes", sha256_file(downloaded)
+        )
+    problem = (
+        None
+        if checked.ok
+        else (
+            f"{path}: the Hub holds SHA-256 {checked.found} ({checked.checked_by}), "
+            f"the audit {expected.sha256}"
+        )
+    )
     return checked, problem
 
 
-def verify_commit(api: HfApi, repo_id: str, commit: str, expected: Mapping[str, AuditedFile],
-                  remote: Mapping[str, Any], kept: frozenset[str], stage: Path) -> tuple[list[VerifiedFile], list[str]]:
+def verify_commit(
+    api: HfApi,
+    repo_id: str,
+    commit: str,
+    expected: Mapping[str, AuditedFile],
+    remote: Mapping[str, Any],
+    kept: frozenset[str],
+    stage: Path,
+) -> tuple[list[VerifiedFile], list[str]]:
     """Check ``remote`` (``{path: RepoFile}`` listed at ``commit``) against ``expected``
     (``{path_in_repo: AuditedFile}`` of the files in ``stage``). Returns the checked files and a
     list of problems (empty when the commit holds exactly the stage; paths in ``kept`` may also be there)."""
-    problems = [f"{path} is in the commit but not in the stage"
-                for path in sorted(remote) if path not in expected and path not in kept]
+    problems = [
+        f"{path} is in the commit but not in the stage"
+        for path in sorted(remote)
+        if path not in expected and path not in kept
+    ]
     problems += [f"{path} is missing from the commit" for path in expected if path not in remote]
     present = [path for path in expected if path in remote]
     # A private cache: verification must download from the Hub, not reuse a cached copy. The small
     # files download side by side (each is a round trip or two, not a transfer).
     with tempfile.TemporaryDirectory(prefix="publish-verify-") as cache, ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda path: _check_file(api, repo_id, commit, expected[path], path, remote[path],
-                                                         stage / expected[path].name, Path(cache)), present))
+        results = list(
+            pool.map(
+                lambda path: _check_file(
+                    api,
+                    repo_id,
+                    commit,
+                    expected[path],
+                    path,
+                    remote[path],
+                    stage / expected[path].name,
+                    Path(cache),
+                ),
+                present,
+            )
+        )
     problems += [problem for _, problem in results if problem]
     return [checked for checked, _ in results], problems
 
@@ -158,22 +214,25 @@ def write_receipt(receipt_dir: Path, receipt: Receipt) -> Path:
     """Write ``receipt`` atomically into ``receipt_dir`` and return its path."""
     receipt_dir.mkdir(parents=True, exist_ok=True)
     path = receipt_path(receipt_dir, receipt.repo_id, receipt.commit)
-    write_json_atomic(path, {
-        "schema": RECEIPT_SCHEMA,
-        "status": receipt.status,
-        "repo_id": receipt.repo_id,
-        "repo_type": "model",
-        "endpoint": receipt.endpoint,
-        "revision": receipt.revision,
-        "path_in_repo": receipt.path_in_repo,
-        "commit": receipt.commit,
-        "commit_url": receipt.commit_url,
-        "parent_commit": receipt.parent,
-        "step": receipt.step,
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "verified": not receipt.problems,
-        "signature": None if receipt.signature is None else dict(receipt.signature),
-        "problems": receipt.problems,
-        "files": {f.path_in_repo: {**asdict(f), "ok": f.ok} for f in receipt.files},
-    })
+    write_json_atomic(
+        path,
+        {
+            "schema": RECEIPT_SCHEMA,
+            "status": receipt.status,
+            "repo_id": receipt.repo_id,
+            "repo_type": "model",
+            "endpoint": receipt.endpoint,
+            "revision": receipt.revision,
+            "path_in_repo": receipt.path_in_repo,
+            "commit": receipt.commit,
+            "commit_url": receipt.commit_url,
+            "parent_commit": receipt.parent,
+            "step": receipt.step,
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "verified": not receipt.problems,
+            "signature": None if receipt.signature is None else dict(receipt.signature),
+            "problems": receipt.problems,
+            "files": {f.path_in_repo: {**asdict(f), "ok": f.ok} for f in receipt.files},
+        },
+    )
     return path

@@ -16,7 +16,12 @@ from typing import Any
 
 # name -> the module that defines it. Lazy, so that training can read ``code_export`` (the
 # model's code closure, which its checkpoints fingerprint) without the stage's Hub-side imports.
-_NAMES = {"StageBuild": ".build", "StageResult": ".build", "build_stage": ".build", "find_nonfinite": ".weights"}
+_NAMES = {
+    "StageBuild": ".build",
+    "StageResult": ".build",
+    "build_stage": ".build",
+    "find_nonfinite": ".weights",
+}
 
 __all__ = list(_NAMES)
 

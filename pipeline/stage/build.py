@@ -68,7 +68,14 @@ from .code_export import shipped_sources
 from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
-from .weights import DEFAULT_MAX_SHARD_SIZE, HUB_MAX_FILE_SIZE, index_bytes, parse_size, plan_weights, write_weights
+from .weights import (
+    DEFAULT_MAX_SHARD_SIZE,
+    HUB_MAX_FILE_SIZE,
+    index_bytes,
+    parse_size,
+    plan_weights,
+    write_weights,
+)
 
 __all__ = ["StageBuild", "StageResult", "build_stage"]
 
@@ -147,6 +154,7 @@ class _Sources:
 
 # -- refusals -----------------------------------------------------------------------------
 
+
 def _why_not_replaceable(stage: Path) -> str | None:
     """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
     (:func:`~pipeline.audit.stage_marker_problem`), or an empty folder / the repository's
@@ -165,29 +173,42 @@ def _built_by_us(stage: Path) -> bool:
 def _check_replaceable(stage: Path) -> None:
     problem = _why_not_replaceable(stage) if os.path.lexists(stage) else None
     if problem is not None:
-        raise StageError(f"{stage} exists and was not built by scripts/05_stage.py ({problem}); refusing to "
-                         "replace it, nothing was touched: move it away or pass another --stage")
+        raise StageError(
+            f"{stage} exists and was not built by scripts/05_stage.py ({problem}); refusing to "
+            "replace it, nothing was touched: move it away or pass another --stage"
+        )
 
 
-def _matching_metrics(path: Path, folder: Path, meta: dict[str, Any], sha: str, config: Config) -> dict[str, Any]:
+def _matching_metrics(
+    path: Path, folder: Path, meta: dict[str, Any], sha: str, config: Config
+) -> dict[str, Any]:
     """metrics.json, if and only if it was computed from exactly these weights (``sha``: of the
     checkpoint's weights as one modelo.safetensors) and data."""
     # The command that writes the record this stage reads, for this config, as printed.
-    output = () if os.path.abspath(path) == os.path.abspath(config.outputs.metrics) else ("--output", str(path))
+    output = (
+        () if os.path.abspath(path) == os.path.abspath(config.outputs.metrics) else ("--output", str(path))
+    )
     evaluate = script_command(config, "04_evaluate.py", "--checkpoint", str(folder), *output)
     if not path.exists():
-        raise StageError(f"{path} not found: run {evaluate} first, or stage without metrics with --no-metrics")
+        raise StageError(
+            f"{path} not found: run {evaluate} first, or stage without metrics with --no-metrics"
+        )
     record = read_metrics(path, rerun=evaluate)
     if record["step"] != meta["step"] or record["modelo_sha256"] != sha:
-        raise StageError(f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
-                         f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun {evaluate}, or pass "
-                         "--no-metrics")
+        raise StageError(
+            f"{path} evaluates step {record['step']} ({MODEL_FILE} {record['modelo_sha256'][:12]}), "
+            f"not the checkpoint being staged, {folder.name} ({sha[:12]}): rerun {evaluate}, or pass "
+            "--no-metrics"
+        )
     if record["fingerprints"].get("data") != meta["fingerprints"].get("data"):
-        raise StageError(f"{path} was computed on other data than {folder.name} was trained on: rerun {evaluate}")
+        raise StageError(
+            f"{path} was computed on other data than {folder.name} was trained on: rerun {evaluate}"
+        )
     return record
 
 
 # -- building -----------------------------------------------------------------------------
+
 
 def _write_file(path: Path, data: bytes) -> dict[str, Any]:
     with HashingWriter(path) as out:
@@ -216,19 +237,29 @@ def _user_sections(config: Config) -> str | None:
     path = Path(config.card.sections)
     try:
         if path.stat().st_size > _MAX_SECTIONS:
-            raise StageError(f"card.sections: {path} is over {_MAX_SECTIONS // 1024} KiB; a card is read by people")
+            raise StageError(
+                f"card.sections: {path} is over {_MAX_SECTIONS // 1024} KiB; a card is read by people"
+            )
         return path.read_bytes().decode("utf-8")
     except FileNotFoundError:
-        raise StageError(f"card.sections: {path} not found (paths are relative to the folder the scripts run in); "
-                         "fix the path or set card.sections to \"\"") from None
+        raise StageError(
+            f"card.sections: {path} not found (paths are relative to the folder the scripts run in); "
+            'fix the path or set card.sections to ""'
+        ) from None
     except UnicodeDecodeError:
         raise StageError(f"card.sections: {path} is not UTF-8 text") from None
     except OSError as exc:
         raise StageError(f"card.sections: {path} cannot be read ({exc.strerror})") from None
 
 
-def _staged_meta(src: _Sources, history: dict[str, list], files: dict[str, Any], export: dict[str, Any],
-                 nonfinite: list[str], repo_id: str | None) -> dict[str, Any]:
+def _staged_meta(
+    src: _Sources,
+    history: dict[str, list],
+    files: dict[str, Any],
+    export: dict[str, Any],
+    nonfinite: list[str],
+    repo_id: str | None,
+) -> dict[str, Any]:
     """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
     meta, record = src.meta, src.metrics
     return {
@@ -247,16 +278,25 @@ def _staged_meta(src: _Sources, history: dict[str, list], files: dict[str, Any],
             # Each --extend-to of the run: max_steps before and after, and the step it happened at.
             "lineage": meta["lineage"],
         },
-        "metrics": None if record is None else {
+        "metrics": None
+        if record is None
+        else {
             "split": record["split"],
             "values": record["metrics"],
             "data_fingerprint": record["fingerprints"]["data"],
             "device": record["device"],
         },
-        "provenance": {"fingerprints": meta["fingerprints"], "versions": meta["versions"], "device": meta["device"]},
+        "provenance": {
+            "fingerprints": meta["fingerprints"],
+            "versions": meta["versions"],
+            "device": meta["device"],
+        },
         # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
-        "source_checkpoint": {"folder": src.folder.name, "schema": meta["schema"],
-                              "meta_file_sha256": src.meta_file_sha256},
+        "source_checkpoint": {
+            "folder": src.folder.name,
+            "schema": meta["schema"],
+            "meta_file_sha256": src.meta_file_sha256,
+        },
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,
     }
@@ -303,8 +343,10 @@ def _check_file_sizes(built: Path) -> None:
     """No staged file above the Hub's per-file maximum (the weights were planned below it)."""
     for path in sorted(built.rglob("*")):
         if path.is_file() and path.stat().st_size > HUB_MAX_FILE_SIZE:
-            raise StageError(f"{path.relative_to(built)} is {path.stat().st_size:,} bytes, above the Hub's per-file "
-                             f"maximum of {HUB_MAX_FILE_SIZE:,} bytes; nothing was staged")
+            raise StageError(
+                f"{path.relative_to(built)} is {path.stat().st_size:,} bytes, above the Hub's per-file "
+                f"maximum of {HUB_MAX_FILE_SIZE:,} bytes; nothing was staged"
+            )
 
 
 def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
@@ -314,16 +356,30 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
     files, nonfinite = write_weights(built, src.weights, plan)
     if nonfinite and not build.allow_nonfinite:
         more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
-        raise NonFiniteWeights(f"{src.folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
-                               "refusing to stage it (pass --allow-nonfinite to stage it anyway)")
+        raise NonFiniteWeights(
+            f"{src.folder / MODEL_FILE}: tensor {nonfinite[0]}{more} holds NaN or infinite values; "
+            "refusing to stage it (pass --allow-nonfinite to stage it anyway)"
+        )
     if not export.is_transformers:  # from_pretrained needs no code from the repository
         files.update(_write_code(built, src.model_config, src.meta))
     files[INDEX_FILE] = _write_file(built / INDEX_FILE, index_bytes(plan))
     files[CONFIG_FILE] = _write_file(built / CONFIG_FILE, export.config_json)
     if export.generation_config_json is not None:
-        files[GENERATION_CONFIG_FILE] = _write_file(built / GENERATION_CONFIG_FILE, export.generation_config_json)
-    reserved = {*files, *plan.files, CODE_DIR, INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CURVE_FILE,
-                META_FILE, README_FILE, MANIFEST_FILE}
+        files[GENERATION_CONFIG_FILE] = _write_file(
+            built / GENERATION_CONFIG_FILE, export.generation_config_json
+        )
+    reserved = {
+        *files,
+        *plan.files,
+        CODE_DIR,
+        INDEX_FILE,
+        CONFIG_FILE,
+        GENERATION_CONFIG_FILE,
+        CURVE_FILE,
+        META_FILE,
+        README_FILE,
+        MANIFEST_FILE,
+    }
     for name, data in hub_files(src.model_config, reserved).items():
         files[name] = _write_file(built / name, data)
     verdict = None
@@ -335,18 +391,28 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
     curve = render_curve(history)  # None without the optional matplotlib: the card says so
     if curve is not None:
         files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
-    described = {"transformers": export.is_transformers, "architecture": export.architecture,
-                 "weights": list(plan.files), "renamed": plan.renames, "total_size": plan.total_size}
+    described = {
+        "transformers": export.is_transformers,
+        "architecture": export.architecture,
+        "weights": list(plan.files),
+        "renamed": plan.renames,
+        "total_size": plan.total_size,
+    }
     staged = _staged_meta(src, history, dict(files), described, nonfinite, build.repo_id)
     staged["proof"] = verdict
     listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
     signer = build.signer
     if signer is not None and signer.public_pem is not None:
         listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
-    card = build_model_card(staged, listed, repo_id=build.repo_id,
-                            sample=src.metrics["sample"] if src.metrics else None,
-                            curve_file=CURVE_FILE if curve is not None else None,
-                            signature_section=card_section(signer, build.repo_id), user_sections=src.user_sections)
+    card = build_model_card(
+        staged,
+        listed,
+        repo_id=build.repo_id,
+        sample=src.metrics["sample"] if src.metrics else None,
+        curve_file=CURVE_FILE if curve is not None else None,
+        signature_section=card_section(signer, build.repo_id),
+        user_sections=src.user_sections,
+    )
     listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
     _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
     _check_file_sizes(built)
@@ -354,14 +420,22 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
     return nonfinite
 
 
-def _report(src: _Sources, audited: dict[str, AuditedFile]) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
+def _report(
+    src: _Sources, audited: dict[str, AuditedFile]
+) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
     folder, meta = src.folder, src.meta
     source = [
-        AuditedFile(f"{folder}/{META_FILE}", (folder / META_FILE).stat().st_size, src.meta_file_sha256,
-                    "schema, exact file list"),
-        *(AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
-          for name, entry in sorted(meta["files"].items())),
+        AuditedFile(
+            f"{folder}/{META_FILE}",
+            (folder / META_FILE).stat().st_size,
+            src.meta_file_sha256,
+            "schema, exact file list",
+        ),
+        *(
+            AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], "checkpoint meta.json")
+            for name, entry in sorted(meta["files"].items())
+        ),
     ]
     entry = src.weights.entry
     copied = entry is not None and MODEL_FILE in audited and audited[MODEL_FILE].sha256 == entry["sha256"]
@@ -374,8 +448,10 @@ def _report(src: _Sources, audited: dict[str, AuditedFile]) -> tuple[list[Audite
     }
     order = (MODEL_FILE, CURVE_FILE, META_FILE, README_FILE)  # the order they were written in
     names = sorted(audited, key=lambda name: (order.index(name) if name in order else len(order), name))
-    staged = {name: replace(audited[name], verified_against=notes.get(name, audited[name].verified_against))
-              for name in names}
+    staged = {
+        name: replace(audited[name], verified_against=notes.get(name, audited[name].verified_against))
+        for name in names
+    }
     return source + list(staged.values()), staged
 
 
@@ -400,14 +476,23 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         raise TypeError("build_stage takes a StageBuild or its fields as keywords, not both")
     build = build if build is not None else StageBuild(**options)
     stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
-    metrics = None if not build.with_metrics else Path(config.outputs.metrics if build.metrics is None else build.metrics)
+    metrics = (
+        None
+        if not build.with_metrics
+        else Path(config.outputs.metrics if build.metrics is None else build.metrics)
+    )
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
     parse_size(build.max_shard_size)  # a bad size or sections file is refused before any work
     user_sections = _user_sections(config)
     # Pinned until copied: a trainer running beside us cannot prune it away.
-    with pinned_checkpoint(build.checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True) as loaded, \
-            stage_lock(stage), contextlib.ExitStack() as scratch:
+    with (
+        pinned_checkpoint(
+            build.checkpoint, config.checkpoint.dir, mode=LoadMode.VERIFY, committed=True
+        ) as loaded,
+        stage_lock(stage),
+        contextlib.ExitStack() as scratch,
+    ):
         folder, meta = loaded.folder, loaded.meta
         # The stage ships the model's code: the code these weights were trained with (the rule
         # a resume applies), naming the file that changed.
@@ -430,9 +515,17 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         model = build_model(model_config, "meta")
         # The weights are published for this code: they must fit the model it builds.
         weights.check_fit(model)
-        src = _Sources(folder=folder, meta=meta, meta_file_sha256=meta_file_sha256, config=config,
-                       model_config=model_config, model=model, metrics=record, weights=weights,
-                       user_sections=user_sections)
+        src = _Sources(
+            folder=folder,
+            meta=meta,
+            meta_file_sha256=meta_file_sha256,
+            config=config,
+            model_config=model_config,
+            model=model,
+            metrics=record,
+            weights=weights,
+            user_sections=user_sections,
+        )
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, src, build)
             signer = build.signer
@@ -444,5 +537,12 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
         report, staged = _report(src, audited)
-    return StageResult(stage=Path(stage_dir), step=meta["step"], source=folder, files=staged, report=report,
-                       nonfinite=nonfinite, with_metrics=record is not None)
+    return StageResult(
+        stage=Path(stage_dir),
+        step=meta["step"],
+        source=folder,
+        files=staged,
+        report=report,
+        nonfinite=nonfinite,
+        with_metrics=record is not None,
+    )

@@ -108,9 +108,16 @@ def _card_data(meta: Mapping[str, Any]) -> ModelCardData:
     if metrics is not None:
         dataset_name, dataset_type = _eval_dataset(card, config["model"]["name"])
         eval_results = [
-            EvalResult(task_type=card["pipeline_tag"] or "other", task_name="held-out evaluation",
-                       dataset_type=dataset_type, dataset_name=dataset_name, dataset_split=metrics["split"],
-                       metric_type=name, metric_name=name, metric_value=value)
+            EvalResult(
+                task_type=card["pipeline_tag"] or "other",
+                task_name="held-out evaluation",
+                dataset_type=dataset_type,
+                dataset_name=dataset_name,
+                dataset_split=metrics["split"],
+                metric_type=name,
+                metric_name=name,
+                metric_value=value,
+            )
             for name, value in metrics["values"].items()
         ]
     default_library = TRANSFORMERS_LIBRARY if meta["export"]["transformers"] else LIBRARY_NAME
@@ -140,30 +147,41 @@ def _describe(meta: Mapping[str, Any]) -> str:
     if config["card"]["description"].strip():
         return config["card"]["description"].strip()
     kind = "transformers" if meta["export"]["transformers"] else "PyTorch"
-    return (f"`{config['model']['name']}` is a {kind} model with {meta['model']['num_parameters']:,} parameters "
-            f"built by `{config['model']['factory']}` and trained for {meta['step']} steps on data prepared by "
-            f"`{config['data']['prepare']}`. The weights are stored in {_weights_phrase(meta)} "
-            f"({config['training']['dtype']}); `meta.json` records the config, metrics and provenance.")
+    return (
+        f"`{config['model']['name']}` is a {kind} model with {meta['model']['num_parameters']:,} parameters "
+        f"built by `{config['model']['factory']}` and trained for {meta['step']} steps on data prepared by "
+        f"`{config['data']['prepare']}`. The weights are stored in {_weights_phrase(meta)} "
+        f"({config['training']['dtype']}); `meta.json` records the config, metrics and provenance."
+    )
 
 
 def _progress_line(meta: Mapping[str, Any]) -> str:
     """What the staged checkpoint is, from the record: never the configured run length alone."""
     step, planned = meta["step"], meta["config"]["training"]["max_steps"]
-    run = ("the last step of its run" if step >= planned
-           else f"an intermediate checkpoint of a run configured for {planned:,} steps")
-    extended = "".join(f" The run, planned for {entry['from_max_steps']:,} steps, was extended at step "
-                       f"{entry['at_step']:,} to {entry['to_max_steps']:,} (optimizer, data order and random "
-                       "states continued; the learning-rate schedule kept its first length)."
-                       for entry in meta["training"]["lineage"])
-    return (f"This is step **{step:,}**, {run}; {meta['model']['num_parameters']:,} parameters in "
-            f"{_weights_phrase(meta)}.{extended}")
+    run = (
+        "the last step of its run"
+        if step >= planned
+        else f"an intermediate checkpoint of a run configured for {planned:,} steps"
+    )
+    extended = "".join(
+        f" The run, planned for {entry['from_max_steps']:,} steps, was extended at step "
+        f"{entry['at_step']:,} to {entry['to_max_steps']:,} (optimizer, data order and random "
+        "states continued; the learning-rate schedule kept its first length)."
+        for entry in meta["training"]["lineage"]
+    )
+    return (
+        f"This is step **{step:,}**, {run}; {meta['model']['num_parameters']:,} parameters in "
+        f"{_weights_phrase(meta)}.{extended}"
+    )
 
 
 def _check_hashes_code(files: Mapping[str, Mapping[str, Any]]) -> str:
     expected = "\n".join(f'    "{name}": "{entry["sha256"]}",' for name, entry in sorted(files.items()))
-    return (f"expected = {{  # SHA-256 of every file, as listed on this card\n{expected}\n}}\n"
-            "for name, sha256 in expected.items():\n"
-            '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from the card"')
+    return (
+        f"expected = {{  # SHA-256 of every file, as listed on this card\n{expected}\n}}\n"
+        "for name, sha256 in expected.items():\n"
+        '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from the card"'
+    )
 
 
 # Where the snippets find the repository: downloaded by name, or (a stage built without
@@ -174,66 +192,98 @@ _LOCAL_FOLDER = "model"
 def _download_code(repo_id: str | None) -> tuple[list[str], str]:
     """(imports, lines that set ``folder``) of a snippet."""
     if repo_id is None:
-        return [], (f'folder = Path("{_LOCAL_FOLDER}")  # this repository, downloaded: '
-                    f"hf download <its id> --local-dir {_LOCAL_FOLDER}")
+        return [], (
+            f'folder = Path("{_LOCAL_FOLDER}")  # this repository, downloaded: '
+            f"hf download <its id> --local-dir {_LOCAL_FOLDER}"
+        )
     return ["from huggingface_hub import snapshot_download"], (
         f'repo_id = "{repo_id}"\n'
         'revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download\n'
-        "folder = Path(snapshot_download(repo_id, revision=revision))")
+        "folder = Path(snapshot_download(repo_id, revision=revision))"
+    )
 
 
-def _snippet(stdlib: list[str], imports: list[str], repo_id: str | None, files: Mapping[str, Mapping[str, Any]],
-             body: str) -> str:
+def _snippet(
+    stdlib: list[str],
+    imports: list[str],
+    repo_id: str | None,
+    files: Mapping[str, Mapping[str, Any]],
+    body: str,
+) -> str:
     downloads, folder = _download_code(repo_id)
     head = "\n".join(["import hashlib", *stdlib, "from pathlib import Path"])
-    return f"{head}\n\n" + "\n".join([*downloads, *imports]) + f"\n\n{folder}\n{_check_hashes_code(files)}\n\n{body}"
+    return (
+        f"{head}\n\n"
+        + "\n".join([*downloads, *imports])
+        + f"\n\n{folder}\n{_check_hashes_code(files)}\n\n{body}"
+    )
 
 
 def _is_causal_lm(meta: Mapping[str, Any]) -> bool:
     return meta["export"]["architecture"].endswith("ForCausalLM")
 
 
-def _transformers_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
-    strict = ("# Strict: every tensor of the model came from the files, and every file tensor was used.\n"
-              'assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info')
+def _transformers_load_code(
+    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
+) -> str:
+    strict = (
+        "# Strict: every tensor of the model came from the files, and every file tensor was used.\n"
+        'assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info'
+    )
     if _is_causal_lm(meta):
         tokenizer = any(name in files for name in ("tokenizer.json", "tokenizer_config.json"))
         names = "AutoModelForCausalLM, AutoTokenizer, pipeline" if tokenizer else "AutoModelForCausalLM"
-        body = f"model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n{strict}"
+        body = (
+            f"model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n{strict}"
+        )
         if tokenizer:
-            body = (f"tokenizer = AutoTokenizer.from_pretrained(folder)\n{body}\n"
-                    'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)\n'
-                    'print(generator("Hello", max_new_tokens=20)[0]["generated_text"])')
+            body = (
+                f"tokenizer = AutoTokenizer.from_pretrained(folder)\n{body}\n"
+                'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)\n'
+                'print(generator("Hello", max_new_tokens=20)[0]["generated_text"])'
+            )
         return _snippet([], [f"from transformers import {names}"], repo_id, files, body)
     architecture = meta["export"]["architecture"].rpartition(".")[2]
     body = f"model, info = {architecture}.from_pretrained(folder, output_loading_info=True)\n{strict}\nmodel.eval()"
     return _snippet([], [f"from transformers import {architecture}"], repo_id, files, body)
 
 
-def _code_load_code(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
-    body = (f"# This imports and runs the Python files under {CODE_DIR}/ of this repository: read them first.\n"
-            f'sys.path.insert(0, str(folder / "{CODE_DIR}"))\n'
-            f"from {LOADER_MODULE} import load_model  # {CODE_DIR}/{LOADER_MODULE}.py: factory, config, strict load\n"
-            "model = load_model(folder)")
+def _code_load_code(
+    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
+) -> str:
+    body = (
+        f"# This imports and runs the Python files under {CODE_DIR}/ of this repository: read them first.\n"
+        f'sys.path.insert(0, str(folder / "{CODE_DIR}"))\n'
+        f"from {LOADER_MODULE} import load_model  # {CODE_DIR}/{LOADER_MODULE}.py: factory, config, strict load\n"
+        "model = load_model(folder)"
+    )
     return _snippet(["import sys"], [], repo_id, files, body)
 
 
-def _load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None) -> str:
+def _load_section(
+    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
+) -> str:
     if meta["export"]["transformers"]:
         code = _transformers_load_code(meta, files, repo_id)
-        intro = ("A transformers model: `config.json` is the model's own config and "
-                 "`model.safetensors.index.json` maps every tensor to its file, so `from_pretrained` loads it "
-                 "with no code from this repository. The snippet first checks every file against this card.")
+        intro = (
+            "A transformers model: `config.json` is the model's own config and "
+            "`model.safetensors.index.json` maps every tensor to its file, so `from_pretrained` loads it "
+            "with no code from this repository. The snippet first checks every file against this card."
+        )
     else:
         code = _code_load_code(meta, files, repo_id)
-        intro = ("This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's "
-                 f"Python code**: the model's own modules are under `{CODE_DIR}/` (listed with their SHA-256 below) "
-                 f"with `{CODE_DIR}/{LOADER_MODULE}.py`, which rebuilds the model with the factory and config that "
-                 "`config.json` names and loads the weights strictly. The snippet checks every file against this "
-                 "card before importing anything.")
+        intro = (
+            "This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's "
+            f"Python code**: the model's own modules are under `{CODE_DIR}/` (listed with their SHA-256 below) "
+            f"with `{CODE_DIR}/{LOADER_MODULE}.py`, which rebuilds the model with the factory and config that "
+            "`config.json` names and loads the weights strictly. The snippet checks every file against this "
+            "card before importing anything."
+        )
     if repo_id is None:
-        intro += (f" Download this repository first (`hf download <its id> --local-dir {_LOCAL_FOLDER}`, its id "
-                  f"shown at the top of its page), then run this beside the `{_LOCAL_FOLDER}` folder.")
+        intro += (
+            f" Download this repository first (`hf download <its id> --local-dir {_LOCAL_FOLDER}`, its id "
+            f"shown at the top of its page), then run this beside the `{_LOCAL_FOLDER}` folder."
+        )
     else:
         intro += " Pin `revision=` to a commit id (or a tag) so that what you load cannot change under you."
     return f"## How to load it\n\n{intro}\n\n" + _fence(code, "python")
@@ -243,9 +293,15 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
     config, training = meta["config"], meta["training"]
     rows = [
         ("steps", str(meta["step"])),
-        ("final training loss", _number(training["final_loss"]) if training["final_loss"] is not None else "n/a"),
-        ("optimizer", f"`{config['optimizer']['factory']}`, lr {config['optimizer']['lr']}, "
-                      f"weight decay {config['optimizer']['weight_decay']}"),
+        (
+            "final training loss",
+            _number(training["final_loss"]) if training["final_loss"] is not None else "n/a",
+        ),
+        (
+            "optimizer",
+            f"`{config['optimizer']['factory']}`, lr {config['optimizer']['lr']}, "
+            f"weight decay {config['optimizer']['weight_decay']}",
+        ),
         ("schedule", f"`{config['scheduler']['factory']}` {_params(config['scheduler']['params'])}".rstrip()),
         ("batch size", str(config["data"]["batch_size"])),
         ("seed", str(config["training"]["seed"])),
@@ -254,69 +310,101 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         ("parameters", f"{meta['model']['num_parameters']:,}"),
     ]
     table = "| | |\n| --- | --- |\n" + "\n".join(f"| {key} | {value} |" for key, value in rows)
-    curve = (f"\n\n![Training loss and learning rate]({curve_file})" if curve_file else
-             "\n\nNo training curve: matplotlib was not installed where this model was staged.")
+    curve = (
+        f"\n\n![Training loss and learning rate]({curve_file})"
+        if curve_file
+        else "\n\nNo training curve: matplotlib was not installed where this model was staged."
+    )
     return f"## Training\n\n{table}{curve}"
 
 
 def _metrics_section(meta: Mapping[str, Any]) -> str:
     metrics = meta["metrics"]
     if metrics is None:
-        return ("## Metrics\n\nThis checkpoint was staged without an evaluation "
-                "(`scripts/05_stage.py --no-metrics`).")
+        return (
+            "## Metrics\n\nThis checkpoint was staged without an evaluation "
+            "(`scripts/05_stage.py --no-metrics`)."
+        )
     rows = "\n".join(f"| {name} | {_number(value)} |" for name, value in sorted(metrics["values"].items()))
-    return (f"## Metrics\n\nOn the held-out split (`{metrics['split']}`) of the prepared data "
-            f"(fingerprint `{metrics['data_fingerprint'][:12]}`), evaluated with exactly the weights below "
-            f"(step {meta['step']}):\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"
-            "Full-precision values are in `meta.json` under `metrics`.")
+    return (
+        f"## Metrics\n\nOn the held-out split (`{metrics['split']}`) of the prepared data "
+        f"(fingerprint `{metrics['data_fingerprint'][:12]}`), evaluated with exactly the weights below "
+        f"(step {meta['step']}):\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"
+        "Full-precision values are in `meta.json` under `metrics`."
+    )
 
 
 def _proof_section(meta: Mapping[str, Any]) -> str:
     proof = meta.get("proof")
     if proof is None:
-        return ("## Resume proof\n\nNo resume proof was staged with this checkpoint "
-                "(`scripts/05_stage.py --proof DIR` stages the report of `scripts/03_verify_resume.py`).")
+        return (
+            "## Resume proof\n\nNo resume proof was staged with this checkpoint "
+            "(`scripts/05_stage.py --proof DIR` stages the report of `scripts/03_verify_resume.py`)."
+        )
     verdict = "**proven**" if proof["all_checks_passed"] else "**not proven**"
     tolerance = proof["tolerance"]
-    exactness = "bitwise (tolerance 0)" if tolerance["atol"] == 0 else f"absolute tolerance {tolerance['atol']}"
+    exactness = (
+        "bitwise (tolerance 0)" if tolerance["atol"] == 0 else f"absolute tolerance {tolerance['atol']}"
+    )
     controls = ", ".join(f"{name}: {result}" for name, result in sorted(proof["controls"].items()))
-    return (f"## Resume proof\n\nResuming this training run is {verdict}: a run cut at step {proof['cut']} and "
-            f"resumed in a new process matched the uninterrupted run over {proof['steps']} steps in "
-            f"{proof['checks_passed']} of {proof['checks']} checks, {exactness}. Negative controls (resumes that "
-            f"leave one saved component out, which must diverge): {controls}. The proof was made with this "
-            f"checkpoint's config, code and data fingerprints; the full report is [`{proof['file']}`]({proof['file']}).")
+    return (
+        f"## Resume proof\n\nResuming this training run is {verdict}: a run cut at step {proof['cut']} and "
+        f"resumed in a new process matched the uninterrupted run over {proof['steps']} steps in "
+        f"{proof['checks_passed']} of {proof['checks']} checks, {exactness}. Negative controls (resumes that "
+        f"leave one saved component out, which must diverge): {controls}. The proof was made with this "
+        f"checkpoint's config, code and data fingerprints; the full report is [`{proof['file']}`]({proof['file']})."
+    )
 
 
 def _hash_section(files: Mapping[str, Mapping[str, Any]]) -> str:
-    rows = "\n".join(f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |" for name, entry in sorted(files.items()))
-    return ("## Files and SHA-256\n\n| file | bytes | SHA-256 |\n| --- | ---: | --- |\n" + rows + "\n\n"
-            "`MANIFEST.sha256` lists every file of this repository except itself (this card included).")
+    rows = "\n".join(
+        f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |" for name, entry in sorted(files.items())
+    )
+    return (
+        "## Files and SHA-256\n\n| file | bytes | SHA-256 |\n| --- | ---: | --- |\n" + rows + "\n\n"
+        "`MANIFEST.sha256` lists every file of this repository except itself (this card included)."
+    )
 
 
 def _verify_section() -> str:
-    return ("## Verify\n\n" + _fence("sha256sum -c MANIFEST.sha256", "sh") + "\n\n"
-            "A matching hash shows the files were not modified after staging. It does not show who published "
-            "them: compare the hashes with ones you obtained through a channel you trust, and pin a revision.")
+    return (
+        "## Verify\n\n" + _fence("sha256sum -c MANIFEST.sha256", "sh") + "\n\n"
+        "A matching hash shows the files were not modified after staging. It does not show who published "
+        "them: compare the hashes with ones you obtained through a channel you trust, and pin a revision."
+    )
 
 
 def _provenance_section(meta: Mapping[str, Any]) -> str:
     provenance, source = meta["provenance"], meta["source_checkpoint"]
-    versions = ", ".join(f"{name} {value}" for name, value in sorted(provenance["versions"].items())
-                         if value is not None)
+    versions = ", ".join(
+        f"{name} {value}" for name, value in sorted(provenance["versions"].items()) if value is not None
+    )
     rows = [
-        ("source checkpoint", f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_file_sha256']}`)"),
+        (
+            "source checkpoint",
+            f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_file_sha256']}`)",
+        ),
         ("checkpoint written", str(meta["training"]["created"])),
         ("code fingerprint", f"`{provenance['fingerprints']['code']}`"),
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),
         ("libraries", versions),
     ]
-    return ("## Provenance\n\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n\n"
-            "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files.")
+    return (
+        "## Provenance\n\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n\n"
+        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files."
+    )
 
 
-def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], *, repo_id: str | None = None,
-                     sample: str | None = None, curve_file: str | None = CURVE_FILE,
-                     signature_section: str | None = None, user_sections: str | None = None) -> ModelCard:
+def build_model_card(
+    meta: Mapping[str, Any],
+    files: Mapping[str, Mapping[str, Any]],
+    *,
+    repo_id: str | None = None,
+    sample: str | None = None,
+    curve_file: str | None = CURVE_FILE,
+    signature_section: str | None = None,
+    user_sections: str | None = None,
+) -> ModelCard:
     """The card for a staged record ``meta`` (the stage's ``meta.json``).
 
     ``files`` maps each file the card lists to ``{"sha256", "size"}``; ``repo_id`` fills
@@ -338,8 +426,10 @@ def build_model_card(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, A
         _metrics_section(meta),
     ]
     if sample:
-        sections.append("## Sample\n\nOutput of the task's `sample()` with these weights (control characters "
-                        "written as `\\xNN`):\n\n" + _fence(printable(sample), "text"))
+        sections.append(
+            "## Sample\n\nOutput of the task's `sample()` with these weights (control characters "
+            "written as `\\xNN`):\n\n" + _fence(printable(sample), "text")
+        )
     if meta["checks"]["nonfinite_tensors"]:
         listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")

@@ -61,7 +61,8 @@ def _location(top_level: str) -> Path | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _catches_import_error(node: ast.Try) -> bool:
@@ -102,7 +103,7 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
             parts = package.split(".") if package else []
             if node.level - 1 > len(parts):
                 continue
-            base = ".".join(parts[:len(parts) - (node.level - 1)])
+            base = ".".join(parts[: len(parts) - (node.level - 1)])
             target = f"{base}.{node.module}" if node.module and base else (node.module or base)
         else:
             target = node.module or ""
@@ -126,8 +127,14 @@ def _with_parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def model_sources(module: str, root: Path, *, project_root: Path, data_modules: frozenset[str] = frozenset(),
-                  strict: bool = True) -> dict[str, Path]:
+def model_sources(
+    module: str,
+    root: Path,
+    *,
+    project_root: Path,
+    data_modules: frozenset[str] = frozenset(),
+    strict: bool = True,
+) -> dict[str, Path]:
     """``{path relative to code/: file}`` for ``module`` (the one defining the model factory)
     and every module it needs, transitively, whose file lies under ``root`` (the run's
     folder) and not in an installed location, plus the :data:`SELF_CONTAINED` modules of
@@ -157,25 +164,31 @@ def model_sources(module: str, root: Path, *, project_root: Path, data_modules: 
         if ours and name.split(".")[0] == _PROJECT and name not in SELF_CONTAINED:
             if not strict:
                 continue
-            raise StageError(f"the model's code ({needed_by}) imports {name}, which is not published with it: the "
-                             "repository would not load without this project; import only pipeline.params "
-                             "(read_params, ConfigError) in model code, and type-only imports under "
-                             "`if TYPE_CHECKING:` (docs/custom-model.md)")
+            raise StageError(
+                f"the model's code ({needed_by}) imports {name}, which is not published with it: the "
+                "repository would not load without this project; import only pipeline.params "
+                "(read_params, ConfigError) in model code, and type-only imports under "
+                "`if TYPE_CHECKING:` (docs/custom-model.md)"
+            )
         if not ours and not _is_local(origin, root, installed):
             continue
         if name in data_modules:
             if not strict:
                 continue
-            raise StageError(f"the model's code ({needed_by}) imports {name}, the data factory's module, which would "
-                             "be published with it: move what the model needs (constants, helpers) into the model's "
-                             "own module (docs/custom-model.md)")
+            raise StageError(
+                f"the model's code ({needed_by}) imports {name}, the data factory's module, which would "
+                "be published with it: move what the model needs (constants, helpers) into the model's "
+                "own module (docs/custom-model.md)"
+            )
         is_package = origin.name == "__init__.py"
         relative = "/".join(name.split(".")) + ("/__init__.py" if is_package else ".py")
         found[relative] = origin
         try:
             tree = ast.parse(origin.read_bytes(), filename=str(origin))
         except (OSError, SyntaxError, ValueError) as exc:
-            raise ConfigError(f"model.factory: cannot read {origin} to ship it with the model ({exc})") from None
+            raise ConfigError(
+                f"model.factory: cannot read {origin} to ship it with the model ({exc})"
+            ) from None
         for imported in _imported_names(tree, name, is_package):
             pending.extend((parent, name) for parent in _with_parents(imported))
     return dict(sorted(found.items()))
@@ -189,6 +202,9 @@ def shipped_sources(config: Config, *, strict: bool = True) -> dict[str, Path]:
 
     with importable_working_folder():
         module = defining_module(config.model.factory, "model.factory")
-        data_modules = frozenset(spec.partition(":")[0] for spec in (config.data.factory, config.data.prepare))
-        return model_sources(module, Path.cwd(), project_root=PACKAGE_ROOT, data_modules=data_modules,
-                             strict=strict)
+        data_modules = frozenset(
+            spec.partition(":")[0] for spec in (config.data.factory, config.data.prepare)
+        )
+        return model_sources(
+            module, Path.cwd(), project_root=PACKAGE_ROOT, data_modules=data_modules, strict=strict
+        )

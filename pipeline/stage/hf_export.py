@@ -56,7 +56,11 @@ def _tied_renames(model: torch.nn.Module, kept: set[str]) -> dict[str, str]:
     _, tied = stored_layout(model)
     renames = {}
     for stored in set(tied.values()):
-        wanted = [name for name in (stored, *(alias for alias, name in tied.items() if name == stored)) if name in kept]
+        wanted = [
+            name
+            for name in (stored, *(alias for alias, name in tied.items() if name == stored))
+            if name in kept
+        ]
         if stored not in kept and len(wanted) == 1:
             renames[stored] = wanted[0]
     return renames
@@ -72,9 +76,13 @@ def _transformers_export(model: Any, architecture: str) -> ModelExport:
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         generation = model.generation_config.to_json_string(use_diff=True).encode("utf-8")
     kept = set(remove_tied_weights_from_state_dict(model.state_dict(), model))
-    return ModelExport(is_transformers=True, architecture=architecture,
-                       config_json=model.config.to_json_string(use_diff=True).encode("utf-8"),
-                       generation_config_json=generation, renames=_tied_renames(model, kept))
+    return ModelExport(
+        is_transformers=True,
+        architecture=architecture,
+        config_json=model.config.to_json_string(use_diff=True).encode("utf-8"),
+        generation_config_json=generation,
+        renames=_tied_renames(model, kept),
+    )
 
 
 def inspect_model(model: torch.nn.Module, config: Config, public_config: Mapping[str, Any]) -> ModelExport:
@@ -100,8 +108,13 @@ def inspect_model(model: torch.nn.Module, config: Config, public_config: Mapping
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "config": dict(public_config),
     }
-    return ModelExport(is_transformers=False, architecture=architecture, config_json=_json(payload),
-                       generation_config_json=None, renames={})
+    return ModelExport(
+        is_transformers=False,
+        architecture=architecture,
+        config_json=_json(payload),
+        generation_config_json=None,
+        renames={},
+    )
 
 
 def hub_files(config: Config, reserved: set[str]) -> dict[str, bytes]:
@@ -120,8 +133,10 @@ def hub_files(config: Config, reserved: set[str]) -> dict[str, bytes]:
         raise ConfigError(f"{where} must return a dict of file name to bytes, got {type(files).__name__}")
     for name, data in files.items():
         if not isinstance(name, str) or not _PLAIN_NAME.match(name) or name in reserved:
-            raise ConfigError(f"{where} returned the file name {name!r}: use a plain name that is not one of the "
-                              f"stage's own files ({', '.join(sorted(reserved))})")
+            raise ConfigError(
+                f"{where} returned the file name {name!r}: use a plain name that is not one of the "
+                f"stage's own files ({', '.join(sorted(reserved))})"
+            )
         if not isinstance(data, bytes):
             raise ConfigError(f"{where}: {name} must be bytes, got {type(data).__name__}")
     return dict(sorted(files.items()))

@@ -30,7 +30,9 @@ def load_model(folder: str | Path, device: str = "cpu") -> Any:
     if code not in sys.path:
         sys.path.insert(0, code)
     module, _, function = spec["factory"].partition(":")
-    config = SimpleNamespace(**{section: SimpleNamespace(**values) for section, values in spec["config"].items()})
+    config = SimpleNamespace(
+        **{section: SimpleNamespace(**values) for section, values in spec["config"].items()}
+    )
     model = getattr(importlib.import_module(module), function)(config).to(getattr(torch, spec["dtype"]))
     index = json.loads((folder / "model.safetensors.index.json").read_text(encoding="utf-8"))
     weights = {}

@@ -26,8 +26,11 @@ _MAX_BYTES = 64 * 1024 * 1024
 
 
 def _computed(flat: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in flat.items()
-            if key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS}
+    return {
+        key: value
+        for key, value in flat.items()
+        if key not in RESUME_IRRELEVANT_KEYS and key.split(".")[0] not in RESUME_IRRELEVANT_KEYS
+    }
 
 
 def _load(folder: Path) -> dict[str, Any]:
@@ -41,7 +44,9 @@ def _load(folder: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         raise ProofMismatch(f"{path} is not valid JSON") from None
     if not isinstance(report, dict) or report.get("schema") != _SCHEMA or not report.get("completed"):
-        raise ProofMismatch(f"{path} is not a completed {_SCHEMA} report (did scripts/03_verify_resume.py finish?)")
+        raise ProofMismatch(
+            f"{path} is not a completed {_SCHEMA} report (did scripts/03_verify_resume.py finish?)"
+        )
     return report
 
 
@@ -54,24 +59,35 @@ def read_proof(folder: str | Path, meta: dict[str, Any], root: str | Path) -> di
     try:
         sources = report["sources"]
         fingerprints = meta["fingerprints"]
-        proven = {"code": sources["package"]["fingerprint"], "data": sources["data"]["fingerprint"],
-                  "factories": sources_fingerprint(sources["factories"])}
+        proven = {
+            "code": sources["package"]["fingerprint"],
+            "data": sources["data"]["fingerprint"],
+            "factories": sources_fingerprint(sources["factories"]),
+        }
         proof_config = config_from_dict(sources["config"]["resolved"], source=str(where))
         saved_config = config_from_dict(meta["config"], source="the checkpoint's meta.json")
     except (KeyError, TypeError, AttributeError):
-        raise ProofMismatch(f"{where} lacks the sources a proof records (package, data, factories, config)") from None
+        raise ProofMismatch(
+            f"{where} lacks the sources a proof records (package, data, factories, config)"
+        ) from None
     except ConfigError as exc:
         raise ProofMismatch(f"{where}: its config is not valid for this version: {exc}") from None
     for kind in ("code", "factories", "data"):
         if proven[kind] != fingerprints.get(kind):
-            raise ProofMismatch(f"{where} proves other {kind} than step {meta['step']} was trained with "
-                                f"({kind} fingerprint {str(proven[kind])[:12]}, checkpoint "
-                                f"{str(fingerprints.get(kind))[:12]}); rerun scripts/03_verify_resume.py")
+            raise ProofMismatch(
+                f"{where} proves other {kind} than step {meta['step']} was trained with "
+                f"({kind} fingerprint {str(proven[kind])[:12]}, checkpoint "
+                f"{str(fingerprints.get(kind))[:12]}); rerun scripts/03_verify_resume.py"
+            )
     proof_flat, saved_flat = _computed(proof_config.flat()), _computed(saved_config.flat())
-    differing = sorted(k for k in proof_flat.keys() | saved_flat.keys() if proof_flat.get(k) != saved_flat.get(k))
+    differing = sorted(
+        k for k in proof_flat.keys() | saved_flat.keys() if proof_flat.get(k) != saved_flat.get(k)
+    )
     if differing:
         key = differing[0]
-        raise ProofMismatch(f"{where} proves another config than step {meta['step']} was trained with: {key} is "
-                            f"{proof_flat.get(key)!r} there, {saved_flat.get(key)!r} in the checkpoint; rerun "
-                            "scripts/03_verify_resume.py with the training config")
+        raise ProofMismatch(
+            f"{where} proves another config than step {meta['step']} was trained with: {key} is "
+            f"{proof_flat.get(key)!r} there, {saved_flat.get(key)!r} in the checkpoint; rerun "
+            "scripts/03_verify_resume.py with the training config"
+        )
     return public_paths(report, root)

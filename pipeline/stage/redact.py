@@ -34,7 +34,10 @@ def public_paths(tree: Any, root: str | Path, role: str = "") -> Any:
     ``root`` or, outside it, ``<role>`` (the dotted key path that held it)."""
     root = Path(os.path.abspath(root))
     if isinstance(tree, dict):
-        return {key: public_paths(value, root, f"{role}.{key}" if role else str(key)) for key, value in tree.items()}
+        return {
+            key: public_paths(value, root, f"{role}.{key}" if role else str(key))
+            for key, value in tree.items()
+        }
     if isinstance(tree, list):
         return [public_paths(value, root, f"{role}[{i}]") for i, value in enumerate(tree)]
     if isinstance(tree, str):

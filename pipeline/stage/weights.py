@@ -27,8 +27,17 @@ from ..errors import ConfigError, StageAuditError, StageError
 from ..hashing import sha256_file
 from ..layout import MODEL_FILE, shard_name
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HUB_MAX_FILE_SIZE", "WeightsPlan", "find_nonfinite", "large_blocks_to_the_os",
-           "parse_size", "plan_weights", "write_weights", "index_bytes"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "HUB_MAX_FILE_SIZE",
+    "WeightsPlan",
+    "find_nonfinite",
+    "large_blocks_to_the_os",
+    "parse_size",
+    "plan_weights",
+    "write_weights",
+    "index_bytes",
+]
 
 # save_pretrained's default, so a model too big for one file is split where transformers would split it.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -62,7 +71,9 @@ def parse_size(text: str | int) -> int:
     """``"5GB"``, ``"1MB"``, ``"500KiB"`` or a byte count, as ``save_pretrained`` reads sizes."""
     match = _SIZE.match(str(text))
     if match is None or int(match.group(1)) < 1:
-        raise ConfigError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 1048576")
+        raise ConfigError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 1048576"
+        )
     return int(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
 
 
@@ -71,6 +82,7 @@ def _nbytes(spec: torch.Tensor) -> int:
 
 
 # -- the published files ------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class WeightsPlan:
@@ -91,7 +103,9 @@ class WeightsPlan:
         return next((stored for stored, name in self.renames.items() if name == published), published)
 
 
-def plan_weights(specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], max_shard_size: int) -> WeightsPlan:
+def plan_weights(
+    specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], max_shard_size: int
+) -> WeightsPlan:
     """Split the tensors (``specs``: stored name -> ``meta`` tensor) into files of at most
     ``max_shard_size`` bytes (header included), in name order; a tensor larger than that
     gets a file of its own, as with ``save_pretrained``. No file may exceed the Hub's
@@ -101,9 +115,11 @@ def plan_weights(specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], 
     too_big = sorted((size, name) for name, size in sizes.items() if size + _HEADER_FIXED > HUB_MAX_FILE_SIZE)
     if too_big:
         size, name = too_big[-1]
-        raise StageError(f"tensor {name} is {size:,} bytes: a file holding it would exceed the Hub's per-file "
-                         f"maximum of {HUB_MAX_FILE_SIZE:,} bytes, and a tensor cannot be split across files; "
-                         "nothing was staged")
+        raise StageError(
+            f"tensor {name} is {size:,} bytes: a file holding it would exceed the Hub's per-file "
+            f"maximum of {HUB_MAX_FILE_SIZE:,} bytes, and a tensor cannot be split across files; "
+            "nothing was staged"
+        )
     shards: list[list[str]] = [[]]
     used = _HEADER_FIXED
     for name in sorted(sizes):
@@ -114,14 +130,20 @@ def plan_weights(specs: Mapping[str, torch.Tensor], renames: Mapping[str, str], 
         shards[-1].append(name)
         used += cost
         if used > HUB_MAX_FILE_SIZE:
-            raise StageError(f"--max-shard-size {max_shard_size:,} bytes puts {used:,} bytes in one file, above the "
-                             f"Hub's per-file maximum of {HUB_MAX_FILE_SIZE:,} bytes: pass --max-shard-size 50GB or "
-                             "less (20GB is the Hub's recommendation); nothing was staged")
+            raise StageError(
+                f"--max-shard-size {max_shard_size:,} bytes puts {used:,} bytes in one file, above the "
+                f"Hub's per-file maximum of {HUB_MAX_FILE_SIZE:,} bytes: pass --max-shard-size 50GB or "
+                "less (20GB is the Hub's recommendation); nothing was staged"
+            )
     count = len(shards)
     files = (MODEL_FILE,) if count == 1 else tuple(shard_name(i + 1, count) for i in range(count))
     weight_map = {name: files[i] for i, names in enumerate(shards) for name in names}
-    return WeightsPlan(weight_map=dict(sorted(weight_map.items())), files=files, total_size=sum(sizes.values()),
-                       renames=dict(renames))
+    return WeightsPlan(
+        weight_map=dict(sorted(weight_map.items())),
+        files=files,
+        total_size=sum(sizes.values()),
+        renames=dict(renames),
+    )
 
 
 def find_nonfinite(path: str | Path) -> list[str]:
@@ -141,7 +163,7 @@ def _nonfinite(tensor: torch.Tensor) -> bool:
         return False
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _SCAN_ELEMENTS):
-        piece = flat[start:start + _SCAN_ELEMENTS]
+        piece = flat[start : start + _SCAN_ELEMENTS]
         if piece.is_floating_point() and piece.element_size() == 1:
             piece = piece.float()  # float8 kernels lack isfinite
         if not bool(torch.isfinite(piece).all()):
@@ -149,8 +171,9 @@ def _nonfinite(tensor: torch.Tensor) -> bool:
     return False
 
 
-def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
-                  ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def write_weights(
+    built: Path, weights: CheckpointWeights, plan: WeightsPlan
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Write the planned files into ``built``, one tensor in memory at a time; returns
     ``{file: {"sha256", "size"}}`` and the (published) names of tensors holding NaN or ±inf.
 
@@ -168,7 +191,11 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
         return {MODEL_FILE: dict(weights.entry or {})}, nonfinite
     written: dict[str, dict[str, Any]] = {}
     for file in plan.files:
-        specs = {name: weights.specs[plan.stored(name)] for name, target in plan.weight_map.items() if target == file}
+        specs = {
+            name: weights.specs[plan.stored(name)]
+            for name, target in plan.weight_map.items()
+            if target == file
+        }
         produced: list[str] = []
 
         def produce(name: str) -> torch.Tensor:
@@ -185,8 +212,11 @@ def write_weights(built: Path, weights: CheckpointWeights, plan: WeightsPlan
             weights.release(plan.stored(produced[-1]))
         back = MappedTensors(built / file)
         if sha256_file(built / file) != sha256 or {n: (t.dtype, t.shape) for n, t in back.specs.items()} != {
-                n: (t.dtype, t.shape) for n, t in specs.items()}:
-            raise StageAuditError(f"{built / file} reads back with other bytes than were written: check the disk")
+            n: (t.dtype, t.shape) for n, t in specs.items()
+        }:
+            raise StageAuditError(
+                f"{built / file} reads back with other bytes than were written: check the disk"
+            )
         written[file] = {"sha256": sha256, "size": size}
     weights.close()
     return written, sorted(nonfinite)

@@ -57,8 +57,12 @@ def prepare_data(config: Config, out_dir: Path) -> None:
     x_t = torch.from_numpy(x).to(torch.float64)
     y_t = torch.from_numpy(y).to(torch.float64).unsqueeze(1)
     split = params["num_train"]
-    write_safetensors(out_dir / "train.safetensors", {"x": x_t[:split].contiguous(), "y": y_t[:split].contiguous()})
-    write_safetensors(out_dir / "heldout.safetensors", {"x": x_t[split:].contiguous(), "y": y_t[split:].contiguous()})
+    write_safetensors(
+        out_dir / "train.safetensors", {"x": x_t[:split].contiguous(), "y": y_t[:split].contiguous()}
+    )
+    write_safetensors(
+        out_dir / "heldout.safetensors", {"x": x_t[split:].contiguous(), "y": y_t[split:].contiguous()}
+    )
 
 
 class AugmentedRows(torch.utils.data.Dataset):
@@ -72,7 +76,11 @@ class AugmentedRows(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = [random.gauss(0.0, self.augment_std) for _ in range(self.x.shape[1])] if self.augment_std else None
+        noise = (
+            [random.gauss(0.0, self.augment_std) for _ in range(self.x.shape[1])]
+            if self.augment_std
+            else None
+        )
         x = self.x[index] + torch.tensor(noise, dtype=self.x.dtype) if noise else self.x[index].clone()
         return x, self.y[index].clone()
 
@@ -80,8 +88,13 @@ class AugmentedRows(torch.utils.data.Dataset):
 class RegressionData:
     """A map-style training set with per-sample input noise, and an untouched held-out split."""
 
-    def __init__(self, train: dict[str, torch.Tensor], heldout: dict[str, torch.Tensor], augment_std: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        train: dict[str, torch.Tensor],
+        heldout: dict[str, torch.Tensor],
+        augment_std: float,
+        dtype: torch.dtype,
+    ) -> None:
         self.train_x, self.train_y = train["x"].to(dtype), train["y"].to(dtype)
         self.heldout_x, self.heldout_y = heldout["x"].to(dtype), heldout["y"].to(dtype)
         self.train_dataset = AugmentedRows(self.train_x, self.train_y, augment_std)
@@ -105,5 +118,9 @@ class RegressionData:
 def build_data(config: Config, data_dir: Path) -> RegressionData:
     params = _data_params(config)
     dtype = getattr(torch, config.training.dtype)
-    return RegressionData(read_tensors(data_dir / "train.safetensors"), read_tensors(data_dir / "heldout.safetensors"),
-                          params["augment_std"], dtype)
+    return RegressionData(
+        read_tensors(data_dir / "train.safetensors"),
+        read_tensors(data_dir / "heldout.safetensors"),
+        params["augment_std"],
+        dtype,
+    )

@@ -44,13 +44,19 @@ def _plant_foreign(folder: Path) -> None:
 
 
 def _foreign_problems(folder: Path) -> list[str]:
-    return [f"foreign file {name} was deleted or changed" for name, data in FOREIGN.items()
-            if not (folder / name).is_file() or (folder / name).read_bytes() != data]
+    return [
+        f"foreign file {name} was deleted or changed"
+        for name, data in FOREIGN.items()
+        if not (folder / name).is_file() or (folder / name).read_bytes() != data
+    ]
 
 
 def _leftovers(folder: Path, *prefixes: str) -> list[str]:
-    return [f"{entry.name} left behind after the next start" for entry in sorted(folder.iterdir())
-            if entry.name.startswith(prefixes)]
+    return [
+        f"{entry.name} left behind after the next start"
+        for entry in sorted(folder.iterdir())
+        if entry.name.startswith(prefixes)
+    ]
 
 
 class Protocol:
@@ -71,9 +77,17 @@ class Protocol:
 
 # -- checkpoint save and prune ---------------------------------------------------------------
 
-META = {"created": "now", "config": {}, "fingerprints": {}, "versions": {}, "device": "cpu", "model": {}, "environment": {},
-        "lineage": [],
-        "training_state": {"best": 0.5}}
+META = {
+    "created": "now",
+    "config": {},
+    "fingerprints": {},
+    "versions": {},
+    "device": "cpu",
+    "model": {},
+    "environment": {},
+    "lineage": [],
+    "training_state": {"best": 0.5},
+}
 
 
 def _tensors(step: int) -> tuple[dict, dict]:
@@ -86,6 +100,7 @@ class CheckpointSave(Protocol):
 
     def _store(self, base: Path, keep_last: int | None = None):
         from pipeline.checkpoint import CheckpointStore
+
         return CheckpointStore(base / "estados_local", keep_last=keep_last or self.keep_last)
 
     def setup(self, base: Path) -> None:
@@ -104,6 +119,7 @@ class CheckpointSave(Protocol):
 
     def check(self, base: Path, recovered: bool) -> list[str]:
         from pipeline.checkpoint import LoadMode, load_checkpoint, read_tensors, step_dir_name
+
         root = base / "estados_local"
         problems = _foreign_problems(root)
         committed = self._store(base).committed_steps()
@@ -117,12 +133,16 @@ class CheckpointSave(Protocol):
                 problems.append(f"committed {folder.name} does not verify: {exc}")
         everything = self.before + [self.new]
         if self.new in committed:
-            needed = set(everything[-self.keep_last:])
+            needed = set(everything[-self.keep_last :])
             if not needed <= set(committed) or not set(committed) <= set(everything):
-                problems.append(f"after the commit of step {self.new} the folder holds {committed}, "
-                                f"expected at least {sorted(needed)}")
+                problems.append(
+                    f"after the commit of step {self.new} the folder holds {committed}, "
+                    f"expected at least {sorted(needed)}"
+                )
         elif committed != self.before:
-            problems.append(f"step {self.new} is absent but the previous checkpoints {self.before} became {committed}")
+            problems.append(
+                f"step {self.new} is absent but the previous checkpoints {self.before} became {committed}"
+            )
         if recovered:
             problems += _leftovers(root, ".tmp-", ".deleting-", ".old-")
         return problems
@@ -130,9 +150,11 @@ class CheckpointSave(Protocol):
 
 # -- data preparation ----------------------------------------------------------------------
 
+
 class DataPreparation(Protocol):
     def _config(self, base: Path):
         from pipeline.config import load_config
+
         return load_config(REPO / "config.yaml", {"data.dir": str(base / "data")})
 
     def setup(self, base: Path) -> None:
@@ -140,6 +162,7 @@ class DataPreparation(Protocol):
 
     def run(self, base: Path) -> None:
         from pipeline.data import prepare_data
+
         prepare_data(self._config(base))
 
     def recover(self, base: Path) -> None:
@@ -147,6 +170,7 @@ class DataPreparation(Protocol):
 
     def check(self, base: Path, recovered: bool) -> list[str]:
         from pipeline.data import load_manifest
+
         problems = _foreign_problems(base)
         if (base / "data").exists() or recovered:
             try:
@@ -160,6 +184,7 @@ class DataPreparation(Protocol):
 
 # -- stage swap ----------------------------------------------------------------------------
 
+
 class StageSwap(Protocol):
     """Replace an existing stage (built with metrics) by a new one (without)."""
 
@@ -169,8 +194,11 @@ class StageSwap(Protocol):
 
     def _config(self, base: Path):
         from pipeline.config import load_config
-        return load_config(REPO / "config.yaml", {"checkpoint.dir": str(base / "estados_local"),
-                                                   "data.dir": str(base / "data")})
+
+        return load_config(
+            REPO / "config.yaml",
+            {"checkpoint.dir": str(base / "estados_local"), "data.dir": str(base / "data")},
+        )
 
     def setup(self, base: Path) -> None:
         shutil.copytree(self.source / "estados_local", base / "estados_local")
@@ -180,6 +208,7 @@ class StageSwap(Protocol):
 
     def run(self, base: Path) -> None:
         from pipeline.stage import build_stage
+
         build_stage(self._config(base), stage_dir=base / "hub_stage", with_metrics=False)
 
     def learn(self, base: Path) -> None:
@@ -188,12 +217,14 @@ class StageSwap(Protocol):
     def recover(self, base: Path) -> None:
         from pipeline.audit import stage_lock
         from pipeline.durable import recover
+
         with stage_lock(base / "hub_stage"):
             recover(base / "hub_stage")
 
     def check(self, base: Path, recovered: bool) -> list[str]:
         from pipeline.audit import audit_stage
         from pipeline.checkpoint import LoadMode, load_checkpoint
+
         problems = _foreign_problems(base)
         stage = base / "hub_stage"
         moved_aside = [p for p in base.iterdir() if p.name.startswith(".old-hub_stage-")]
@@ -216,6 +247,7 @@ class StageSwap(Protocol):
 
 # -- receipts ------------------------------------------------------------------------------
 
+
 class ReceiptWrite(Protocol):
     """Overwrite a receipt (the same commit verified again) atomically."""
 
@@ -223,10 +255,23 @@ class ReceiptWrite(Protocol):
 
     def _write(self, base: Path, step: int) -> Path:
         from pipeline.publishing.verify import Receipt, write_receipt
-        return write_receipt(base / "hub_receipts", Receipt(
-            endpoint="http://127.0.0.1:1", repo_id="alice/model", revision="main", path_in_repo="",
-            commit=self.COMMIT, commit_url="http://x/commit", parent=None, status="published", step=step, files=[],
-            problems=[]))
+
+        return write_receipt(
+            base / "hub_receipts",
+            Receipt(
+                endpoint="http://127.0.0.1:1",
+                repo_id="alice/model",
+                revision="main",
+                path_in_repo="",
+                commit=self.COMMIT,
+                commit_url="http://x/commit",
+                parent=None,
+                status="published",
+                step=step,
+                files=[],
+                problems=[],
+            ),
+        )
 
     def setup(self, base: Path) -> None:
         self._write(base, 1)
@@ -255,6 +300,7 @@ class ReceiptWrite(Protocol):
 
 
 # -- the driver ----------------------------------------------------------------------------
+
 
 def _in_fork(body: Callable[[], int]) -> int:
     """Run ``body`` in a forked process; its return value is the exit status."""
@@ -290,11 +336,12 @@ def crash_points(ops: list) -> list[int]:
     calls that change what a reader can see (renames, removals, the lock, the parent's fsync)
     are all kept.
     """
+
     def temp_root(op) -> str | None:
         parts = Path(op.path).parts
         for depth, part in enumerate(parts):
             if part.startswith(".tmp-") and op.kind != "rename":
-                return str(Path(*parts[:depth + 1]))
+                return str(Path(*parts[: depth + 1]))
         return None
 
     kept: dict[tuple, list[int]] = {}
@@ -327,6 +374,7 @@ def explore(protocol: Protocol, work: Path) -> dict:
     if _in_fork(recorded_run) != 0:
         return {"ops": [], "problems": ["the protocol fails without any injected failure"]}
     from oprecorder import Op
+
     ops = [Op(**op) for op in json.loads(record.read_text())]
     problems += [f"order: {p}" for p in ordering_problems(ops)]
     protocol.learn(case)
@@ -356,14 +404,20 @@ def explore(protocol: Protocol, work: Path) -> dict:
                 problems.append(f"{where}: the next start failed: {exc}")
                 continue
             problems += [f"{where}, after the next start: {p}" for p in protocol.check(case, recovered=True)]
-    return {"ops": [str(op).replace(str(case), "") for op in ops], "crashed_at": crash_points(ops),
-            "problems": problems}
+    return {
+        "ops": [str(op).replace(str(case), "") for op in ops],
+        "crashed_at": crash_points(ops),
+        "problems": problems,
+    }
 
 
 def protocol_named(name: str, source: Path | None) -> Protocol:
     if name.startswith("checkpoint-keep"):
-        keep_last, before = {"checkpoint-keep1": (1, [1]), "checkpoint-keep2": (2, [1, 2]),
-                             "checkpoint-keep2-noprune": (2, [1])}[name]
+        keep_last, before = {
+            "checkpoint-keep1": (1, [1]),
+            "checkpoint-keep2": (2, [1, 2]),
+            "checkpoint-keep2-noprune": (2, [1]),
+        }[name]
         return CheckpointSave(keep_last, before)
     return {"data": DataPreparation, "receipt": ReceiptWrite}.get(name, lambda: StageSwap(source))()
 

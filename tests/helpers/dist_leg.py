@@ -78,30 +78,56 @@ def main(plan_path: str) -> None:
                 forge(run["forge"])
             world.barrier()
             done: dict[int, int] = {}  # op index -> completion time (a call that raised has none)
-            recorder = Recorder(config.checkpoint.dir, after=lambda op: done.setdefault(
-                len(recorder.ops) - 1, time.monotonic_ns())) if "record" in run else contextlib.nullcontext()
+            recorder = (
+                Recorder(
+                    config.checkpoint.dir,
+                    after=lambda op: done.setdefault(len(recorder.ops) - 1, time.monotonic_ns()),
+                )
+                if "record" in run
+                else contextlib.nullcontext()
+            )
             try:
                 with recorder:
-                    result = train_distributed(config, world=dataclasses.replace(world, mode=config.training.parallel),
-                                               resume=run.get("resume"), stop_at=run.get("stop_at"),
-                                               progress=run.get("progress", False),
-                                               reshard=run.get("reshard", False), extend_to=run.get("extend_to"),
-                                               init_from=run.get("init_from"))
-                outcome = {"step": result.step, "loss": result.history["loss"], "checkpoint": str(result.checkpoint)}
+                    result = train_distributed(
+                        config,
+                        world=dataclasses.replace(world, mode=config.training.parallel),
+                        resume=run.get("resume"),
+                        stop_at=run.get("stop_at"),
+                        progress=run.get("progress", False),
+                        reshard=run.get("reshard", False),
+                        extend_to=run.get("extend_to"),
+                        init_from=run.get("init_from"),
+                    )
+                outcome = {
+                    "step": result.step,
+                    "loss": result.history["loss"],
+                    "checkpoint": str(result.checkpoint),
+                }
             except (PipelineError, OSError) as exc:
                 # An OSError is exit 2 in a script (pipeline.cli.run_main).
-                outcome = {"error": type(exc).__name__, "message": str(exc), "exit_code": getattr(exc, "exit_code", 2)}
+                outcome = {
+                    "error": type(exc).__name__,
+                    "message": str(exc),
+                    "exit_code": getattr(exc, "exit_code", 2),
+                }
             # Every rank's exit code: a refusal must end every rank, with the same code.
             codes = [json.loads(text) for text in world.gather_text(json.dumps(outcome.get("exit_code", 0)))]
             results.append({**outcome, "exit_codes": codes})
             if "record" in run:
-                Path(f"{run['record']}-rank{world.rank}.json").write_text(json.dumps(
-                    {"ops": [op.to_dict() for op in recorder.ops], "done": [done.get(i) for i in range(len(recorder.ops))]}))
+                Path(f"{run['record']}-rank{world.rank}.json").write_text(
+                    json.dumps(
+                        {
+                            "ops": [op.to_dict() for op in recorder.ops],
+                            "done": [done.get(i) for i in range(len(recorder.ops))],
+                        }
+                    )
+                )
     finally:
         seen = gloo_threads(default_group)
         world.close()
     Path(f"{plan['results']}-threads-rank{world.rank}.json").write_text(
-        json.dumps({"before_close": seen, "after_close": gloo_threads(default_group)}))
+        json.dumps({"before_close": seen, "after_close": gloo_threads(default_group)})
+    )
     if world.rank == 0:
         Path(plan["results"]).write_text(json.dumps(results))
 

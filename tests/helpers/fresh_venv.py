@@ -28,12 +28,16 @@ def _closure(requirements: list[str]) -> list[metadata.Distribution]:
     while pending:
         requirement, extras = pending.pop()
         environment = [{"extra": extra} for extra in extras] or [{"extra": ""}]
-        if requirement.marker is not None and not any(requirement.marker.evaluate(env) for env in environment):
+        if requirement.marker is not None and not any(
+            requirement.marker.evaluate(env) for env in environment
+        ):
             continue
         name = canonicalize_name(requirement.name)
         dist = metadata.distribution(requirement.name)  # PackageNotFoundError: cannot be emulated here
         if dist.version not in requirement.specifier:
-            raise AssertionError(f"{requirement} asked, {dist.version} installed: cannot build this environment")
+            raise AssertionError(
+                f"{requirement} asked, {dist.version} installed: cannot build this environment"
+            )
         if name in found:
             continue
         found[name] = dist
@@ -45,8 +49,14 @@ def fresh_venv(folder: Path, requirements: list[str]) -> Path:
     """A new venv in ``folder`` with ``requirements`` and their dependencies; its ``bin/``."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     python = folder / "bin" / "python"
-    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                  check=True, capture_output=True, text=True).stdout.strip())
+    purelib = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     here = Path(sysconfig.get_path("purelib"))
     for dist in _closure(requirements):
         for file in dist.files or ():
@@ -60,7 +70,8 @@ def fresh_venv(folder: Path, requirements: list[str]) -> Path:
         for entry in dist.entry_points.select(group="console_scripts"):
             module, _, attr = entry.value.partition(":")
             script = folder / "bin" / entry.name
-            script.write_text(f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
-                              f"sys.exit({attr}())\n")
+            script.write_text(
+                f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\nsys.exit({attr}())\n"
+            )
             script.chmod(0o755)
     return folder / "bin"

@@ -28,7 +28,13 @@ import torch
 from pipeline.config import Config
 from pipeline.tasks.regression import RegressionData, build_data, prepare_data
 
-__all__ = ["build_noisy_rows", "prepare_stream", "build_stream", "build_buffered_stream", "build_mapped_stream"]
+__all__ = [
+    "build_noisy_rows",
+    "prepare_stream",
+    "build_stream",
+    "build_buffered_stream",
+    "build_mapped_stream",
+]
 
 
 class NoisyRows(torch.utils.data.Dataset):
@@ -51,11 +57,15 @@ class NoisyRows(torch.utils.data.Dataset):
             after = Path(os.environ.get("INPUTS_KILL_AFTER", "/"))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not any(
-                    step.name >= after.name for step in after.parent.glob("step-*")):
+                step.name >= after.name for step in after.parent.glob("step-*")
+            ):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        noise = (torch.randn(self.x.shape[1], dtype=self.x.dtype) * 0.01
-                 + torch.from_numpy(np.random.standard_normal(self.x.shape[1])) * 0.01 + random.gauss(0.0, 0.01))
+        noise = (
+            torch.randn(self.x.shape[1], dtype=self.x.dtype) * 0.01
+            + torch.from_numpy(np.random.standard_normal(self.x.shape[1])) * 0.01
+            + random.gauss(0.0, 0.01)
+        )
         return self.x[index % len(self.x)] + noise, self.y[index % len(self.x)].clone()
 
 
@@ -96,8 +106,10 @@ def _augment(example: dict[str, Any]) -> dict[str, Any]:
 
 
 def _collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([s["x"] for s in samples], dtype=torch.float64),
-            torch.tensor([s["y"] for s in samples], dtype=torch.float64))
+    return (
+        torch.tensor([s["x"] for s in samples], dtype=torch.float64),
+        torch.tensor([s["y"] for s in samples], dtype=torch.float64),
+    )
 
 
 class StreamTask(_Task):

@@ -61,8 +61,14 @@ class Recorder:
     each op once it has run (the page-cache model snapshots what an fsync made durable).
     """
 
-    def __init__(self, root: str | Path, *, fail_at: int | None = None, how: str = "exit",
-                 after: Callable[[Op], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        fail_at: int | None = None,
+        how: str = "exit",
+        after: Callable[[Op], None] | None = None,
+    ) -> None:
         assert how in ("exit", "raise"), how
         self.root = os.path.abspath(root)
         self.fail_at = fail_at
@@ -95,8 +101,10 @@ class Recorder:
 
     # -- wrappers ------------------------------------------------------------------------
     def _wrap(self) -> dict[tuple[Any, str], Any]:
-        real = {name: getattr(os, name) for name in ("mkdir", "open", "fsync", "rename", "replace", "unlink",
-                                                     "rmdir")}
+        real = {
+            name: getattr(os, name)
+            for name in ("mkdir", "open", "fsync", "rename", "replace", "unlink", "rmdir")
+        }
         real_open, real_rmtree = builtins.open, shutil.rmtree
 
         def mkdir(path, *args, **kwargs):
@@ -134,6 +142,7 @@ class Recorder:
                 if mine is None or theirs is None or kwargs:
                     return real[name](src, dst, *args, **kwargs)
                 return self._note(Op("rename", mine, theirs), lambda: real[name](src, dst, *args, **kwargs))
+
             return wrapper
 
         def unlink_like(name):
@@ -142,6 +151,7 @@ class Recorder:
                 if mine is None:
                     return real[name](path, *args, **kwargs)
                 return self._note(Op(name, mine), lambda: real[name](path, *args, **kwargs))
+
             return wrapper
 
         def rmtree(path, *args, **kwargs):
@@ -155,12 +165,21 @@ class Recorder:
                     return real_rmtree(path, *args, **kwargs)
                 finally:
                     self._inside_rmtree -= 1
+
             return self._note(Op("rmtree", mine, is_dir=True), run)
 
-        return {(os, "mkdir"): mkdir, (os, "open"): os_open, (os, "fsync"): fsync,
-                (os, "rename"): rename_like("rename"), (os, "replace"): rename_like("replace"),
-                (os, "unlink"): unlink_like("unlink"), (os, "rmdir"): unlink_like("rmdir"),
-                (builtins, "open"): py_open, (io, "open"): py_open, (shutil, "rmtree"): rmtree}
+        return {
+            (os, "mkdir"): mkdir,
+            (os, "open"): os_open,
+            (os, "fsync"): fsync,
+            (os, "rename"): rename_like("rename"),
+            (os, "replace"): rename_like("replace"),
+            (os, "unlink"): unlink_like("unlink"),
+            (os, "rmdir"): unlink_like("rmdir"),
+            (builtins, "open"): py_open,
+            (io, "open"): py_open,
+            (shutil, "rmtree"): rmtree,
+        }
 
     def __enter__(self) -> "Recorder":
         for (module, name), wrapper in self._wrap().items():
@@ -175,6 +194,7 @@ class Recorder:
 
 
 # -- ordering --------------------------------------------------------------------------------
+
 
 def _under(path: str, folder: str) -> bool:
     return path.startswith(folder + os.sep)
@@ -204,7 +224,7 @@ def ordering_problems(ops: list[Op]) -> list[str]:
             if op.path not in inside:
                 removals.append((index, op))
             for path in inside:
-                moved = op.target + path[len(op.path):]
+                moved = op.target + path[len(op.path) :]
                 live[moved] = live.pop(path)
                 ever_created.add(moved)
             if op.path in inside and not os.path.basename(op.target).startswith("."):
@@ -213,28 +233,44 @@ def ordering_problems(ops: list[Op]) -> list[str]:
             removals.append((index, op))
     for index, op, inside in publishing:
         for path, at in sorted(inside.items(), key=lambda item: item[1]):
-            if ops[at].kind == "create" and not any(o.kind == "fsync" and not o.is_dir and o.path == path
-                                                    for o in ops[at + 1:index]):
-                problems.append(f"{path} is published by rename #{index} without an fsync after it was written")
+            if ops[at].kind == "create" and not any(
+                o.kind == "fsync" and not o.is_dir and o.path == path for o in ops[at + 1 : index]
+            ):
+                problems.append(
+                    f"{path} is published by rename #{index} without an fsync after it was written"
+                )
         if ops[inside[op.path]].kind == "mkdir":
             last_create = max(inside.values())
-            if not any(o.kind == "fsync" and o.is_dir and o.path == op.path for o in ops[last_create + 1:index]):
-                problems.append(f"{op.path} is renamed into place (#{index}) before the folder itself was fsynced")
+            if not any(
+                o.kind == "fsync" and o.is_dir and o.path == op.path for o in ops[last_create + 1 : index]
+            ):
+                problems.append(
+                    f"{op.path} is renamed into place (#{index}) before the folder itself was fsynced"
+                )
         parent = os.path.dirname(op.target)
-        synced = next((i for i in range(index + 1, len(ops)) if ops[i].kind == "fsync" and ops[i].is_dir
-                       and ops[i].path == parent), None)
+        synced = next(
+            (
+                i
+                for i in range(index + 1, len(ops))
+                if ops[i].kind == "fsync" and ops[i].is_dir and ops[i].path == parent
+            ),
+            None,
+        )
         if synced is None:
             problems.append(f"{parent} is never fsynced after rename #{index} publishes {op.target}")
         for at, gone in removals:
             move_aside = gone.kind == "rename" and gone.path == op.target and at < index
             if at < (synced if synced is not None else len(ops)) and not move_aside:
-                problems.append(f"#{at} {gone} removes what existed before the commit of {op.target} was durable")
+                problems.append(
+                    f"#{at} {gone} removes what existed before the commit of {op.target} was durable"
+                )
     if not publishing:
         problems.append("the run published nothing (no rename to a visible name)")
     return problems
 
 
 # -- power loss ------------------------------------------------------------------------------
+
 
 class PageCache:
     """What survives a power cut, following a run's ops: a file's bytes only once the file

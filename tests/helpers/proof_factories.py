@@ -29,8 +29,13 @@ from pipeline.data import EpochSampler
 from pipeline.errors import DataError
 from pipeline.tasks.regression import AugmentedRows, RegressionData, build_data
 
-__all__ = ["build_quiet_data", "build_forgetful_data", "build_once_per_process_data", "ForgetfulSampler",
-           "settling_scheduler"]
+__all__ = [
+    "build_quiet_data",
+    "build_forgetful_data",
+    "build_once_per_process_data",
+    "ForgetfulSampler",
+    "settling_scheduler",
+]
 
 _BUILDS_IN_THIS_PROCESS = []
 
@@ -60,8 +65,13 @@ class ForgetfulSampler(EpochSampler):
 
 class ForgetfulData(_Wrapped):
     def make_sampler(self, generator: np.random.Generator, config: Config) -> ForgetfulSampler:
-        return ForgetfulSampler(len(self.train_dataset), config.data.batch_size, generator, shuffle=config.data.shuffle,
-                                drop_last=config.data.drop_last)
+        return ForgetfulSampler(
+            len(self.train_dataset),
+            config.data.batch_size,
+            generator,
+            shuffle=config.data.shuffle,
+            drop_last=config.data.drop_last,
+        )
 
 
 def build_quiet_data(config: Config, data_dir: Path) -> QuietData:

@@ -28,7 +28,11 @@ def use_tree_under_test() -> None:
         if entry in sys.path:
             sys.path.remove(entry)
         sys.path.insert(0, entry)
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HELPERS))]
+    inherited = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and p not in (str(REPO), str(HELPERS))
+    ]
     os.environ["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
 
 
@@ -51,7 +55,9 @@ def script_env(_base: Mapping[str, str] | None = None, **extra: str) -> dict[str
     first on ``PYTHONPATH``, plus ``extra``."""
     env = {k: v for k, v in (os.environ if _base is None else _base).items() if k not in _SCRUBBED_ENV}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HELPERS))]
+    inherited = [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(REPO), str(HELPERS))
+    ]
     env["PYTHONPATH"] = os.pathsep.join([TREE_PATH, *inherited])
     env.update(extra)
     return env
@@ -61,8 +67,23 @@ def script_env(_base: Mapping[str, str] | None = None, **extra: str) -> dict[str
 
 # Read when torch, NumPy or their OpenMP runtime load (or at interpreter start): a script forked
 # from the zygote would not see a change in them, so such a run is a real exec.
-_LOAD_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "LD_", "MALLOC",
-                  "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONDEVMODE")
+_LOAD_TIME_ENV = (
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "LD_",
+    "MALLOC",
+    "PYTHONHASHSEED",
+    "PYTHONMALLOC",
+    "PYTHONWARNINGS",
+    "PYTHONFAULTHANDLER",
+    "PYTHONDEVMODE",
+)
 
 
 class _Zygote:
@@ -77,8 +98,13 @@ class _Zygote:
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.socket = os.path.join(self.folder, "socket")
         self.env = script_env(_SESSION_ENV)
-        self.process = subprocess.Popen([PYTHON, "-B", str(HELPERS / "zygote.py"), self.socket], env=self.env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [PYTHON, "-B", str(HELPERS / "zygote.py"), self.socket],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         import json
 
         try:
@@ -99,8 +125,11 @@ class _Zygote:
 
     def serves(self, env: Mapping[str, str]) -> bool:
         keys = {k for k in (*env, *self.env) if k.startswith(_LOAD_TIME_ENV)}
-        return all(env.get(k) == self.env.get(k)
-                   or (k in self.set_by_imports and env.get(k) in (None, self.set_by_imports[k])) for k in keys)
+        return all(
+            env.get(k) == self.env.get(k)
+            or (k in self.set_by_imports and env.get(k) in (None, self.set_by_imports[k]))
+            for k in keys
+        )
 
     @classmethod
     def get(cls) -> "_Zygote":
@@ -108,7 +137,9 @@ class _Zygote:
             cls.started = cls()  # first use, or the server died: a new one, never a silent fallback
         return cls.started
 
-    def run(self, argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
         import io
         import json
         import selectors
@@ -165,22 +196,33 @@ class _Zygote:
         return subprocess.CompletedProcess([PYTHON, "-B", *argv], int(status), text(out_read), text(err_read))
 
 
-def run_python(argv: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float = 300
-               ) -> subprocess.CompletedProcess:
+def run_python(
+    argv: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python -B *argv`` (a script and its arguments) with stdout and stderr captured as text;
     never raises on a non-zero exit. Forked from the zygote unless ``env`` differs from it in
     what the preloaded modules read at load time; then a real exec."""
     zygote = _Zygote.get()
     if zygote.serves(env):
         return zygote.run([str(a) for a in argv], cwd, env, timeout)
-    return subprocess.run([PYTHON, "-B", *map(str, argv)], cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-B", *map(str, argv)],
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def run_script(name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
+def run_script(
+    name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run ``scripts/<name>`` with the test interpreter; never raises on a non-zero exit."""
-    return run_python([str(REPO / "scripts" / name), *args], cwd=cwd, env=env or script_env(), timeout=timeout)
+    return run_python(
+        [str(REPO / "scripts" / name), *args], cwd=cwd, env=env or script_env(), timeout=timeout
+    )
 
 
 def data_args(data_dir: Path) -> list[str]:
@@ -192,17 +234,27 @@ def prepare_data(data_dir: Path, *extra: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def train(data_dir: Path, checkpoint_dir: Path, *args: str, env: dict[str, str] | None = None
-          ) -> subprocess.CompletedProcess:
-    return run_script("02_train.py", *data_args(data_dir), "--checkpoint-dir", str(checkpoint_dir), "--quiet",
-                      *args, env=env)
+def train(
+    data_dir: Path, checkpoint_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return run_script(
+        "02_train.py",
+        *data_args(data_dir),
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+        "--quiet",
+        *args,
+        env=env,
+    )
 
 
 def assert_checkpoints_bitwise_equal(a: Path, b: Path) -> None:
     """Every tensor of both safetensors files equal in name, dtype, shape and bits."""
     for name in ("modelo.safetensors", "estado_treino.safetensors"):
         left, right = load_file(a / name), load_file(b / name)
-        assert left.keys() == right.keys(), f"{name}: tensor names differ: {sorted(left.keys() ^ right.keys())}"
+        assert left.keys() == right.keys(), (
+            f"{name}: tensor names differ: {sorted(left.keys() ^ right.keys())}"
+        )
         differing = [k for k in left if left[k].dtype != right[k].dtype or not torch.equal(left[k], right[k])]
         assert not differing, f"{name}: tensors differ: {differing[:5]}"
 
@@ -223,7 +275,9 @@ def train_until_killed(config_path: str, overrides: dict, started) -> None:
     from pipeline.train import train as train_in_process
 
     config = load_config(config_path, overrides)
-    train_in_process(config, resume="auto", progress=False, hooks=TrainingHooks(on_step=lambda run: started.set()))
+    train_in_process(
+        config, resume="auto", progress=False, hooks=TrainingHooks(on_step=lambda run: started.set())
+    )
 
 
 def verify_checkpoint(folder: Path) -> dict:
@@ -257,15 +311,38 @@ def run_as_hub_user(code: str, folder: Path, endpoint: str, token: str) -> subpr
     folder.mkdir(parents=True, exist_ok=True)
     assert not any(folder.iterdir()), "the folder must start empty"
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV and k != "PYTHONPATH"}
-    env.update({"HF_ENDPOINT": endpoint, "HF_TOKEN": token, "HF_HOME": str(folder.parent / f"{folder.name}-hf_home"),
-                "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"})
+    env.update(
+        {
+            "HF_ENDPOINT": endpoint,
+            "HF_TOKEN": token,
+            "HF_HOME": str(folder.parent / f"{folder.name}-hf_home"),
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     script = _WITHOUT_PROJECT.format(repo=str(REPO)) + code
-    return subprocess.run([PYTHON, "-I", "-c", script], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [PYTHON, "-I", "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
-def publish_stage(stage: Path, endpoint: str, repo_id: str, token: str, *args: str) -> subprocess.CompletedProcess:
+def publish_stage(
+    stage: Path, endpoint: str, repo_id: str, token: str, *args: str
+) -> subprocess.CompletedProcess:
     """scripts/06_publish.py on ``stage`` to the Hub at ``endpoint``; receipts beside the stage."""
     env = script_env(HF_TOKEN=token, HF_HOME=str(stage.parent / "hf_home_publish"))
-    return run_script("06_publish.py", "--repo-id", repo_id, "--endpoint", endpoint, "--stage", str(stage),
-                      "--receipt-dir", str(stage.parent / "receipts"), *args, cwd=stage.parent, env=env)
+    return run_script(
+        "06_publish.py",
+        "--repo-id",
+        repo_id,
+        "--endpoint",
+        endpoint,
+        "--stage",
+        str(stage),
+        "--receipt-dir",
+        str(stage.parent / "receipts"),
+        *args,
+        cwd=stage.parent,
+        env=env,
+    )

@@ -54,9 +54,15 @@ def _run_child(request: dict, fds: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
-                                      errors="backslashreplace")
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True
+        )
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False),
+            write_through=True,
+            line_buffering=True,
+            errors="backslashreplace",
+        )
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -30,13 +30,27 @@ from pathlib import Path
 try:
     import tomllib  # Python >= 3.11; `make mutate` is a developer tool, the package needs 3.10
 except ModuleNotFoundError:  # pragma: no cover
-    raise SystemExit("error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/mutations.toml") from None
+    raise SystemExit(
+        "error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/mutations.toml"
+    ) from None
 
 REPO = Path(__file__).resolve().parents[2]
 MUTATIONS = REPO / "tests" / "mutation" / "mutations.toml"
 # Not part of the tree under test: version control, environments, caches and run outputs.
-IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
-                                 "estados_local", "hub_stage", "hub_receipts", "runs", ".localhub", "metrics.json")
+IGNORED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+    "estados_local",
+    "hub_stage",
+    "hub_receipts",
+    "runs",
+    ".localhub",
+    "metrics.json",
+)
 TIMEOUT_S = 900
 
 
@@ -95,7 +109,9 @@ def check_applies(mutation: Mutation, root: Path = REPO) -> str | None:
 def apply(mutation: Mutation, root: Path) -> None:
     for edit in mutation.edits:
         path = root / edit.file
-        path.write_text(path.read_text(encoding="utf-8").replace(edit.search, edit.replace, 1), encoding="utf-8")
+        path.write_text(
+            path.read_text(encoding="utf-8").replace(edit.search, edit.replace, 1), encoding="utf-8"
+        )
 
 
 def _scratch_tree(scratch_parent: Path) -> Path:
@@ -105,10 +121,20 @@ def _scratch_tree(scratch_parent: Path) -> Path:
 
 
 def _pytest(tree: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests" / "helpers")]),
-           "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests" / "helpers")]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def baseline(mutations: list[Mutation], scratch_parent: Path, jobs: int) -> str | None:
@@ -158,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only mutations whose name contains this text")
     parser.add_argument("--jobs", type=int, default=2, help="mutations run at the same time (default 2)")
-    parser.add_argument("--list", action="store_true",
-                        help="check that every mutation applies and names tests that exist; run nothing")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="check that every mutation applies and names tests that exist; run nothing",
+    )
     args = parser.parse_args(argv)
     mutations = [m for m in load() if args.only is None or args.only in m.name]
     if not mutations:
@@ -168,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         errors = [(m, check_applies(m)) for m in mutations]
         for mutation, why in errors:
-            print(f"{'ok   ' if why is None else 'ERROR'}  [{mutation.area}] {mutation.name}" + (f": {why}" if why else ""))
+            print(
+                f"{'ok   ' if why is None else 'ERROR'}  [{mutation.area}] {mutation.name}"
+                + (f": {why}" if why else "")
+            )
         return 1 if any(why for _, why in errors) else 0
     print(f"{len(mutations)} mutations, {args.jobs} at a time, each in a scratch copy of {REPO}", flush=True)
     results: dict[str, tuple[str, str, float]] = {}
@@ -178,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"error: {why}; a kill would prove nothing: fix the tests first", file=sys.stderr)
             return 1
-    with tempfile.TemporaryDirectory(prefix="mutate-") as scratch, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="mutate-") as scratch,
+        ThreadPoolExecutor(max(1, args.jobs)) as pool,
+    ):
         futures = {m.name: pool.submit(run_one, m, Path(scratch)) for m in mutations}
         for mutation in mutations:
             status, detail, seconds = results[mutation.name] = futures[mutation.name].result()

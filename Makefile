@@ -27,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
-# Mutation score (not part of `make test`): plant each defect of tests/mutation/mutations.toml alone in a
+# Mutation score (not part of `make test`): plant each defect of tests/mutation/*.toml alone in a
 # scratch copy, run the tests named for it, report the kill rate and the survivors.
 mutate: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) tests/mutation/mutate.py

@@ -202,7 +202,7 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
     card's download step and verify command exit 0 as printed; the same command verifies the
     Hub-cache folder (symlinks) that the card's loading snippet downloads into. (Without
     pyopenssl, which model-signing 1.1.1 imports but does not declare, the verify command
-    fails in such an environment: tests/mutation/mutations.toml plants exactly that.)"""
+    fails in such an environment: tests/mutation/publish.toml plants exactly that.)"""
     from fresh_venv import fresh_venv
 
     run, _ = signed_run

@@ -1,4 +1,4 @@
-"""`make mutate`: plant each realistic defect of tests/mutation/mutations.toml alone and check a test fails.
+"""`make mutate`: plant each realistic defect of tests/mutation/*.toml alone and check a test fails.
 
 For every mutation: copy the tree (sources only: no .git, .venv or run outputs) into a scratch
 folder, apply its exact search/replace edits, and run the tests it names with this project's
@@ -31,11 +31,12 @@ try:
     import tomllib  # Python >= 3.11; `make mutate` is a developer tool, the package needs 3.10
 except ModuleNotFoundError:  # pragma: no cover
     raise SystemExit(
-        "error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/mutations.toml"
+        "error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/*.toml"
     ) from None
 
 REPO = Path(__file__).resolve().parents[2]
-MUTATIONS = REPO / "tests" / "mutation" / "mutations.toml"
+# Every *.toml beside this file, one per area of the code, read in name order.
+MUTATIONS = REPO / "tests" / "mutation"
 # Not part of the tree under test: version control, environments, caches and run outputs.
 IGNORED = shutil.ignore_patterns(
     ".git",
@@ -69,16 +70,17 @@ class Mutation:
     tests: tuple[str, ...]
 
 
-def load(path: Path = MUTATIONS) -> list[Mutation]:
-    raw = tomllib.loads(path.read_text(encoding="utf-8"))
+def load(folder: Path = MUTATIONS) -> list[Mutation]:
     mutations = []
-    for entry in raw["mutation"]:
-        edits = tuple(Edit(e["file"], e["search"], e["replace"]) for e in entry["edit"])
-        mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"])))
+    for path in sorted(folder.glob("*.toml")):
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        for entry in raw["mutation"]:
+            edits = tuple(Edit(e["file"], e["search"], e["replace"]) for e in entry["edit"])
+            mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"])))
     names = [m.name for m in mutations]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise SystemExit(f"error: {path.name} names a mutation twice: {', '.join(duplicates)}")
+        raise SystemExit(f"error: {folder} names a mutation twice: {', '.join(duplicates)}")
     return mutations
 
 

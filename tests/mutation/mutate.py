@@ -30,9 +30,7 @@ from pathlib import Path
 try:
     import tomllib  # Python >= 3.11; `make mutate` is a developer tool, the package needs 3.10
 except ModuleNotFoundError:  # pragma: no cover
-    raise SystemExit(
-        "error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/*.toml"
-    ) from None
+    raise SystemExit("error: make mutate needs Python >= 3.11 (tomllib) for tests/mutation/*.toml") from None
 
 REPO = Path(__file__).resolve().parents[2]
 # Every *.toml beside this file, one per area of the code, read in name order.

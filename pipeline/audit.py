@@ -286,7 +286,11 @@ def audit_stage(
         if name not in expected:
             raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
     names = sorted(expected)
-    scans = {name: FileScan(leaks) for name in names} if leaks is not None else {}
+    scans = (
+        {name: FileScan(leaks, size=(stage / name).stat().st_size) for name in names}
+        if leaks is not None
+        else {}
+    )
     signature = stage / SIGNATURE_FILE
     everything = names + [MANIFEST_FILE] + ([SIGNATURE_FILE] if signature.is_file() else [])
     # hashlib releases the GIL on large buffers, so threads hash several files on several cores;
@@ -322,7 +326,7 @@ def audit_stage(
         )
     if leaks is not None:
         for name, data in extra.items():
-            scans[name] = FileScan(leaks)
+            scans[name] = FileScan(leaks, size=len(data))
             scans[name].feed(data, len(data))
         allowed = refuse_findings(
             {name: scan.found for name, scan in scans.items() if scan.found},

@@ -4,12 +4,16 @@ in the config's card section, and statements that are true for the staged checkp
 from __future__ import annotations
 
 import json
+import os
 import socket
 import unicodedata
 
+import pytest
 from huggingface_hub import HfApi, ModelCard
 
 from localhub import LocalHub
+from pipeline.errors import StageError
+from pipeline.stage.card import MAX_SECTIONS, read_user_sections
 
 from support import publish_stage
 
@@ -145,3 +149,64 @@ def test_card_says_an_intermediate_checkpoint_is_one(trained_run, run_copy):
     card = (run.stage / "README.md").read_text(encoding="utf-8")
     assert "step **4**, an intermediate checkpoint of a run configured for 10 steps" in card
     assert "trained for 4 steps" in card and "trained for 10" not in card
+
+
+# -- card.sections: a file a config names, read and published -----------------------------------
+
+
+def refused_sections(name: str, root) -> str:
+    with pytest.raises(StageError) as caught:
+        read_user_sections(name, root)
+    message = str(caught.value)
+    assert message.startswith(f"card.sections: {name} ") and "\n" not in message
+    return message
+
+
+def test_card_sections_outside_the_run_folder_are_refused_before_anything_is_read(tmp_path):
+    run = tmp_path / "a" / "b" / "run"
+    (run / "docs").mkdir(parents=True)
+    (run / "docs" / "card.md").write_text("## Intended use\n\nTeaching.\n")
+    secret = tmp_path / "secret.md"
+    secret.write_text("## Shadow\n\nroot:$6$salt$hash:19000:0:99999:7:::\n")
+    assert read_user_sections("docs/card.md", run) == "## Intended use\n\nTeaching.\n"
+    assert read_user_sections(str(run / "docs" / "card.md"), run).startswith("## Intended use")
+    assert read_user_sections("docs/../docs/card.md", run).startswith("## Intended use")  # stays inside
+    assert read_user_sections("", run) is None
+    up = "../" * (len(run.parts) + 2) + str(secret).lstrip("/")
+    for name in ("../../../secret.md", up, str(secret), "/etc/passwd"):
+        assert "is outside the folder the scripts run in" in refused_sections(name, run)
+    (run / "linked.md").symlink_to(secret)
+    (run / "docs" / "up").symlink_to(tmp_path)
+    for name in ("linked.md", "docs/up/secret.md"):
+        assert "is a link to a file outside the folder the scripts run in" in refused_sections(name, run)
+    message = refused_sections("/dev/zero", run)
+    assert "is outside" in message and 'set card.sections to ""' in message
+
+
+def test_card_sections_must_be_a_regular_file_of_bounded_size(tmp_path):
+    os.mkfifo(tmp_path / "pipe.md")  # opening it to read would wait for a writer forever
+    (tmp_path / "folder.md").mkdir()
+    (tmp_path / "zero.md").symlink_to("/dev/zero")  # a link inside, to a device outside
+    for name in ("pipe.md", "folder.md"):
+        assert "is not a regular file (a folder, device or pipe)" in refused_sections(name, tmp_path)
+    assert "is a link to a file outside" in refused_sections("zero.md", tmp_path)
+    (tmp_path / "big.md").write_bytes(b"# x\n" * (MAX_SECTIONS // 4) + b"!")
+    assert f"is {MAX_SECTIONS + 1:,} bytes, over the 256 KiB" in refused_sections("big.md", tmp_path)
+    (tmp_path / "big.md").write_bytes(b"# x\n" * (MAX_SECTIONS // 4))  # exactly the limit
+    assert len(read_user_sections("big.md", tmp_path)) == MAX_SECTIONS
+    (tmp_path / "latin1.md").write_bytes("## Über\n".encode("latin-1"))
+    assert "is not UTF-8 text" in refused_sections("latin1.md", tmp_path)
+    assert "not found (paths are relative to the folder the scripts run in)" in refused_sections(
+        "missing.md", tmp_path
+    )
+
+
+def test_05_refuses_card_sections_outside_its_folder_in_one_line_and_keeps_the_stage(staged_run, run_copy):
+    run = run_copy(staged_run)
+    before = (run.stage / "README.md").read_bytes()
+    up = "../" * (len(run.root.parts) + 1) + "etc/passwd"
+    for name in (up, "/dev/zero"):
+        line = run.refused("05_stage.py", "--set", f"card.sections={name}", timeout=120)
+        assert line.startswith(f"error: card.sections: {name} is outside the folder the scripts run in"), line
+    assert (run.stage / "README.md").read_bytes() == before
+    assert "root:" not in before.decode()

@@ -191,6 +191,13 @@ def test_parse_header_returns_the_data_offset():
     assert tensors_from_map(Path("m"), raw) == {}
 
 
+def test_the_torch_free_parser_knows_every_dtype_the_writer_writes_at_its_size():
+    from pipeline.checkpoint.tensorfile import SAFETENSORS_DTYPES
+    from pipeline.safetensors_header import DTYPE_SIZES
+
+    assert {code: dtype.itemsize for dtype, code in SAFETENSORS_DTYPES.items()} == DTYPE_SIZES
+
+
 def test_mapped_tensors_are_private_copies_on_write(tmp_path):
     write_safetensors(tmp_path / "x.safetensors", {"a": torch.zeros(4)})
     before = sha256_file(tmp_path / "x.safetensors")

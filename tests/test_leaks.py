@@ -7,7 +7,10 @@ test_publish_safety.py and test_signing.py.
 
 from __future__ import annotations
 
+import base64
+import json
 import secrets
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -15,7 +18,9 @@ from huggingface_hub import constants
 
 from pipeline.errors import ConfigError, SecretInStage
 from pipeline.hashing import CHUNK
-from pipeline.leaks import leak_rules, scan_secrets
+from pipeline.leaks import KINDS, FileScan, leak_rules, refuse_findings, scan_secrets
+
+from support import REPO
 
 HF_SHAPED = "hf_" + "Ab3" * 12
 
@@ -71,7 +76,7 @@ def test_a_pem_private_key_is_refused(tmp_path):
 @pytest.mark.parametrize("kind", ["home", "working", "checkout", "host"])
 def test_this_machines_paths_and_host_name_are_refused_in_text(tmp_path, kind):
     machine = rules(home="/home/alice", cwd="/srv/projects/mine", hostname="builder-17.corp")
-    from pipeline.leaks import _PACKAGE_CHECKOUT
+    from pipeline.leaks.scan import _PACKAGE_CHECKOUT
 
     leaked, words = {
         "home": ("/home/alice/.cache/x", "the home folder's path"),
@@ -100,49 +105,31 @@ def test_short_token_values_are_not_matched_by_chance(tmp_path):
 
 
 # -- the credential formats ------------------------------------------------------------------
-# Each sample is built by concatenation, so this file never holds a credential-shaped string
-# (and secret scanners do not flag it). Values are invented.
-SAMPLES = {
-    "aws-key": ("an AWS access key", "aws_access_key_id = " + "AKIA" + "Q7RTX2MZP4LKWN3D"),
-    "aws-secret": (
-        "an AWS access key",
-        "AWS_SECRET_ACCESS_KEY=" + "wJalrXUtnFEMI/K7MDENG/" + "bPxRfiCYzq8Xv2Lm0T",
-    ),
-    "github-token": ("a GitHub token", "token: " + "gh" + "p_" + "a1B2c3D4e5F6g7H8i9J0" * 2),
-    "github-pat": ("a GitHub token", "GH=" + "github" + "_pat_" + "11ABCDEFG0" * 3 + "_" + "xYz" * 20),
-    "openai-key": (
-        "an OpenAI API key",
-        'openai.api_key = "' + "sk" + "-proj-" + "Ab3dEf6hIj9kLm2nOp5q" * 2 + '"',
-    ),
-    "openai-legacy": (
-        "an OpenAI API key",
-        "key " + "sk" + "-" + "Ab3dEf6hIj9kLm2nOp5q" + "T3Blbk" + "FJ" + "x" * 20,
-    ),
-    "slack-token": (
-        "a Slack token",
-        "SLACK=" + "xo" + "xb-" + "123456789012-1234567890123-" + "AbCdEfGh" * 3,
-    ),
-    "hf-org-token": ("an api_org_ token", "api" + "_org_" + "QwErTyUiOp" * 4),
-    "google-api-key": (
-        "a Google API key",
-        "maps key " + "AI" + "za" + "SyD3" + "x7Yk_9-Qp2Lm4Nw6Rt8Zv0Bc1De3Fg5",
-    ),
-    "wandb-key": ("a W&B API key", "wandb.login(key=" + '"' + "0123456789abcdef" * 2 + "01234567" + '")'),
-    "wandb-netrc": (
-        "a W&B API key",
-        "machine api.wandb" + ".ai\n  login user\n  password " + "fedcba9876543210" * 2 + "fedcba98\n",
-    ),
-    "jwt": (
-        "a JSON Web Token",
-        "Authorization: Bearer "
-        + "ey"
-        + "JhbGciOiJIUzI1NiJ9"
-        + "."
-        + "ey"
-        + "JzdWIiOiIxMjM0NTY3ODkwIn0"
-        + "."
-        + "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
-    ),
+# The rules' own table carries invented examples of every form each rule claims (built by
+# concatenation there, so no file of the tree holds a credential-shaped string).
+SAMPLES = {kind.id: (kind.what, kind.examples[0]) for kind in KINDS}
+# The providers whose keys the scan must know; a rule deleted with its examples fails here.
+PROVIDERS = {
+    "hf-token",
+    "hf-org-token",
+    "private-key",
+    "aws-key",
+    "github-token",
+    "openai-key",
+    "anthropic-key",
+    "slack-token",
+    "google-api-key",
+    "stripe-key",
+    "gitlab-token",
+    "npm-token",
+    "sendgrid-key",
+    "azure-key",
+    "gcp-service-account",
+    "database-url",
+    "telegram-bot-token",
+    "databricks-token",
+    "wandb-key",
+    "jwt",
 }
 # Look like the formats above but are not credentials: they must pass.
 HARMLESS = [
@@ -152,18 +139,159 @@ HARMLESS = [
     "x" + "AKIA" + "Q7RTX2MZP4LKWN3D" + "Q",  # inside a longer word
     "ey" + "JhbGciOiJub25lIn0" + "." + "ey" + "JzdWIiOiIxIn0" + ".",  # an unsigned token: no signature
     "task-" + "a" * 40,
+    "connect with postgresql" + "://trainer@db.example.com:5432/runs (the password comes from PGPASSFILE)",
+    "DATABASE_URL=postgres" + "://app:${DB_PASSWORD}@db/app",
+    "redis" + "://localhost:6379/0 and mysql" + "://admin:<password>@127.0.0.1/db",
+    "sk" + "_live_ keys start with that prefix; np" + "m_ tokens too",
+    "AccountKey=" + "<your key>",
+    "SG." + "intro paragraph",
+    "the dapi" + "ece of the model",  # "dapi" inside a word
+    "tensor model.layers.0.self_attn.q_proj.weight, shape [4096, 4096], sha256 " + "ab12" * 16,
 ]
 
 
-@pytest.mark.parametrize("sample", sorted(SAMPLES))
-def test_each_credential_format_in_a_text_file_is_refused_without_being_shown(tmp_path, sample):
-    what, text = SAMPLES[sample]
+@pytest.mark.parametrize("kind", [kind.id for kind in KINDS])
+def test_each_credential_format_in_a_text_file_is_refused_without_being_shown(tmp_path, kind):
+    rule = next(rule for rule in KINDS if rule.id == kind)
     (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "model.py").write_text(f"# setup\n{text}\n")
-    message = refused(tmp_path, rules())
-    assert message.startswith(f"code/model.py holds {what}; nothing was published"), message
-    secret = text.split("=")[-1].split()[-1].strip('"()')
-    assert secret[-12:] not in message
+    for example in rule.examples:
+        (tmp_path / "code" / "model.py").write_text(f"# setup\nKEY = {example}\n")
+        message = refused(tmp_path, rules())
+        assert message.startswith(f"code/model.py holds {rule.what}; nothing was published"), (
+            example,
+            message,
+        )
+        assert example[-12:] not in message
+
+
+def test_the_table_has_a_rule_for_each_provider_and_an_example_of_each_form():
+    assert PROVIDERS <= {kind.id for kind in KINDS}
+    assert all(kind.examples and kind.needles for kind in KINDS)
+    github = next(kind for kind in KINDS if kind.id == "github-token")
+    assert {example[:4] for example in github.examples} >= {"ghp_", "gho_", "ghu_", "ghs_", "ghr_", "gith"}
+    assert len({kind.id for kind in KINDS}) == len(KINDS)
+
+
+def test_every_rule_is_named_in_the_documented_table():
+    documented = (REPO / "docs" / "publishing.md").read_text()
+    assert [kind.id for kind in KINDS if f"(`{kind.id}`)" not in documented] == []
+
+
+# -- what a reader sees --------------------------------------------------------------------------
+# How a credential may be written, whatever the file: each turns back into it for a reader.
+ENCODINGS = {
+    "plain": lambda text: text,
+    "base64": lambda text: base64.b64encode(text.encode()).decode(),
+    "base64url": lambda text: base64.urlsafe_b64encode(text.encode()).decode().rstrip("="),
+    "glued base64": lambda text: "token_" + base64.b64encode(text.encode()).decode(),
+    "hex": lambda text: text.encode().hex(),
+    "URL-encoded": lambda text: text[:2] + urllib.parse.quote(text[2:], safe=""),
+    "every byte URL-encoded": lambda text: "".join(f"%{byte:02X}" for byte in text.encode()),
+    "zero-width space": lambda text: text[:3] + "\u200b" + text[3:],
+    "soft hyphens": lambda text: "\u00ad".join(text),
+}
+
+
+def json_string(text: str, escape_first: bool) -> str:
+    """``text`` inside a JSON string as a JSON writer puts it (``ensure_ascii``), the first
+    character written as a ``\\u`` escape if asked."""
+    if escape_first:
+        return f"\\u{ord(text[0]):04x}" + json.dumps(text[1:])[1:-1]
+    return json.dumps(text)[1:-1]
+
+
+def safetensors_bytes(header: str) -> bytes:
+    """A safetensors file with this JSON header (padded to 8 bytes) and 8 bytes of F32 data."""
+    raw = header.encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + b"\0" * 8
+
+
+TENSOR = '{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+
+
+def card(text: str, escape_first: bool) -> str:
+    return "# Model\n\nContact: " + (f"&#{ord(text[0])};" + text[1:] if escape_first else text) + "\n"
+
+
+def code(text: str, escape_first: bool) -> str:
+    return 'API_KEY = "' + ("\\x%02x" % ord(text[0]) + text[1:] if escape_first else text) + '"\n'
+
+
+def tokenizer(text: str, escape_first: bool) -> str:
+    return (
+        '{"version":"1.0","added_tokens":[{"id":0,"content":"' + json_string(text, escape_first) + '"}],'
+        '"model":{"type":"BPE","vocab":{"a":0}}}'
+    )
+
+
+def weights_metadata(text: str, escape_first: bool) -> bytes:
+    return safetensors_bytes(
+        '{"__metadata__":{"format":"pt","note":"' + json_string(text, escape_first) + '"},"w":' + TENSOR + "}"
+    )
+
+
+def weights_tensor_name(text: str, escape_first: bool) -> bytes:
+    return safetensors_bytes('{"' + json_string(text, escape_first) + '":' + TENSOR + "}")
+
+
+# Where a credential lands in a stage, each written as its own writer writes it; with
+# ``escape_first`` the first character is escaped in that format's own syntax.
+CARRIERS = {
+    "README.md": card,
+    "code/model.py": code,
+    "tokenizer.json": tokenizer,
+    "modelo.safetensors, __metadata__": weights_metadata,
+    "modelo.safetensors, tensor name": weights_tensor_name,
+}
+
+
+def scan_bytes(data: bytes | str, rule_set, chunk: int | None = None) -> dict[str, str]:
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    scan = FileScan(rule_set, size=len(data))
+    chunk = chunk or len(data)
+    for start in range(0, len(data), chunk):
+        piece = data[start : start + chunk]
+        scan.feed(piece, len(piece))
+    return scan.found
+
+
+@pytest.mark.parametrize("carrier", sorted(CARRIERS))
+def test_every_example_is_found_as_its_kind_however_it_is_written_wherever_it_lands(carrier):
+    """The planted-secret matrix: every form of every rule, each encoding, in each kind of file."""
+    write, rule_set, missed = CARRIERS[carrier], rules(hostname=""), []
+    for kind in KINDS:
+        for example in kind.examples:
+            written = {name: (encode(example), False) for name, encode in ENCODINGS.items()}
+            written["escaped"] = (example, True)
+            for how, (text, escape_first) in written.items():
+                found = scan_bytes(write(text, escape_first), rule_set)
+                if kind.id not in found:
+                    missed.append(f"{kind.id} {how}: {example[:16]}…")
+    assert missed == []
+
+
+def test_the_value_of_a_token_of_this_machine_is_found_encoded(tmp_path):
+    literal = f"plain-{secrets.token_hex(12)}"
+    rule_set = rules(environ={"HF_TOKEN": literal})
+    for how in ("base64", "hex", "every byte URL-encoded", "zero-width space"):
+        found = scan_bytes(f"# Card\n\n{ENCODINGS[how](literal)}\n", rule_set)
+        assert found.get("secret", "").startswith("the value of HF_TOKEN ("), (how, found)
+
+
+def test_how_a_finding_was_written_is_said():
+    hf = SAMPLES["hf-token"][1]
+    rule_set = rules()
+    assert scan_bytes(f"{hf}\n", rule_set) == {"hf-token": "an hf_ token"}
+    assert scan_bytes(base64.b64encode(hf.encode()), rule_set) == {
+        "hf-token": "an hf_ token (base64-encoded)"
+    }
+    assert scan_bytes(hf.encode().hex(), rule_set) == {"hf-token": "an hf_ token (hex-encoded)"}
+    assert scan_bytes("hf%5F" + hf[3:], rule_set) == {"hf-token": "an hf_ token (URL-encoded)"}
+    assert scan_bytes('"\\u0068' + hf[1:] + '"', rule_set) == {"hf-token": "an hf_ token (escaped)"}
+    assert scan_bytes("hf_\u200b" + hf[3:], rule_set) == {
+        "hf-token": "an hf_ token (split by invisible characters)"
+    }
 
 
 def test_strings_shaped_like_credentials_but_not_credentials_pass(tmp_path):
@@ -175,7 +303,7 @@ def test_a_credential_spanning_two_read_chunks_of_a_text_file_is_found(tmp_path)
     what, text = SAMPLES["aws-key"]
     secret = text.split()[-1]
     start = CHUNK - len(secret) // 2  # across the first chunk boundary
-    data = bytearray(b"a" * (CHUNK + 4096))
+    data = bytearray((b"To be, or not to be, that is the question. " * (CHUNK // 32))[: CHUNK + 4096])
     data[start - 1] = ord(" ")
     data[start : start + len(secret)] = secret.encode()
     data[start + len(secret)] = ord(" ")
@@ -187,7 +315,7 @@ def test_a_false_positive_is_published_only_where_the_config_allows_it_and_never
     what, text = SAMPLES["jwt"]
     (tmp_path / "README.md").write_text(f"Example header: {text}\n")
     (tmp_path / "other.md").write_text(f"{text}\n")
-    assert "README.md holds a JSON Web Token" in refused(tmp_path, rules())
+    assert "README.md and other.md hold a JSON Web Token;" in refused(tmp_path, rules())
     with pytest.raises(SecretInStage, match="other.md holds a JSON Web Token") as caught:
         scan_secrets(tmp_path, rules(), allow={"README.md": ["jwt"]})
     assert "card.allow_leaks: {other.md: [jwt]}" in str(caught.value)  # the fix names the entry
@@ -221,3 +349,85 @@ def test_weights_are_searched_for_this_machines_tokens_in_every_byte_and_for_tok
         metadata={"note": f"pushed with {HF_SHAPED}"},
     )
     assert refused(tmp_path, rules()).startswith("modelo.safetensors holds an hf_ token")
+
+
+def test_float_tensors_are_skipped_only_where_the_strict_parser_accepts_the_header():
+    """Token formats are not searched in the numbers of a valid file's float tensors; a
+    header the parser refuses marks no bytes as numbers, so its every byte is searched."""
+    hf = SAMPLES["hf-token"][1].encode()
+    payload = hf.ljust(48, b"x")  # 12 floats whose bytes spell an hf_ token
+    header = '{"w":{"dtype":"F32","shape":[12],"data_offsets":[0,48]}}'
+    raw = header.encode() + b" " * (-len(header) % 8)
+    valid = len(raw).to_bytes(8, "little") + raw + payload
+    assert scan_bytes(valid, rules()) == {}
+    assert scan_bytes(valid + b"\0" * 8, rules()) == {"hf-token": "an hf_ token"}  # trailing bytes: refused
+
+
+def test_a_safetensors_header_read_over_many_chunks_is_searched_whole_and_then_its_floats_skipped():
+    hf = SAMPLES["hf-token"][1]
+    stripe = SAMPLES["stripe-key"][1]
+    names = ",".join(
+        f'"layer.{i}.weight":{{"dtype":"F32","shape":[8],"data_offsets":[{32 * i},{32 * i + 32}]}}'
+        for i in range(400)
+    )
+    header = "{" + names + ',"__metadata__":{"format":"pt","z":"' + json_string(stripe, True) + '"}}'
+    raw = header.encode() + b" " * (-len(header) % 8)
+    numbers = (hf.encode() * 400)[: 32 * 400]  # floats whose bytes spell hf_ tokens, over 3 reads
+    data = len(raw).to_bytes(8, "little") + raw + numbers
+    assert len(raw) > 6 * 4096 and len(data) > len(raw) + 3 * 4096
+    assert scan_bytes(data, rules(), chunk=4096) == {"stripe-key": "a Stripe secret key (escaped)"}
+
+
+def test_files_holding_the_same_kinds_are_named_together_each_once():
+    card = {"stripe-key": "a Stripe secret key", "jwt": "a JSON Web Token"}
+    with pytest.raises(SecretInStage) as caught:
+        refuse_findings(
+            {
+                "config.json": dict(reversed(card.items())),  # found in another order: the same kinds
+                "README.md": card,
+                "meta.json": card,
+                "code/model.py": {"hf-token": "an hf_ token (base64-encoded)"},
+            },
+            consequence="nothing was staged",
+        )
+    message = str(caught.value)
+    assert message.startswith(
+        "README.md, config.json and meta.json hold a Stripe secret key and a JSON Web Token; "
+        "code/model.py holds an hf_ token (base64-encoded); nothing was staged. "
+    ), message
+    assert message.count("README.md") == 2  # once in the sentence, once in the allow_leaks entry
+
+
+def test_a_trained_tokenizer_vocabulary_and_the_examples_pass(tmp_path):
+    """No false positive on what a model repository normally holds."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from examples.hf_llama.tokenizer import build_tokenizer
+
+    text = (REPO / "examples" / "charlm" / "shakespeare.txt").read_text()
+    for name, model, trainer in (
+        ("bpe", tokenizers.models.BPE(unk_token="[UNK]"), tokenizers.trainers.BpeTrainer),
+        ("wordpiece", tokenizers.models.WordPiece(unk_token="[UNK]"), tokenizers.trainers.WordPieceTrainer),
+    ):
+        tokenizer = tokenizers.Tokenizer(model)
+        tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+        tokenizer.train_from_iterator(text.splitlines(), trainer(vocab_size=4000, special_tokens=["[UNK]"]))
+        (tmp_path / f"{name}-tokenizer.json").write_text(tokenizer.to_str())
+    (tmp_path / "byte-tokenizer.json").write_text(build_tokenizer().to_str())
+    machine = rules(home="/home/alice", cwd="/srv/runs/alice", hostname="builder-17")
+    assert scan_secrets(tmp_path, machine) == []
+    assert scan_secrets(REPO / "examples", machine) == []
+
+
+def test_a_stage_built_by_05_passes(staged_run):
+    assert scan_secrets(staged_run.stage, rules()) == []
+
+
+@pytest.mark.parametrize("how", ["base64", "every byte URL-encoded", "zero-width space"])
+def test_an_encoded_secret_across_two_reads_of_a_text_file_is_found(how):
+    encoded = ENCODINGS[how](SAMPLES["gitlab-token"][1]).encode()
+    boundary = 4096
+    for cut in (1, len(encoded) // 2, len(encoded) - 1):  # where the read boundary splits it
+        text = b"x " * ((boundary - cut) // 2) + b" " * ((boundary - cut) % 2) + encoded + b" tail\n"
+        assert text[boundary - cut : boundary - cut + len(encoded)] == encoded
+        found = scan_bytes(text, rules(), chunk=boundary)
+        assert "gitlab-token" in found, (how, cut, found)

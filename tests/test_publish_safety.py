@@ -7,6 +7,7 @@ against localhub over loopback.
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import hashlib
 import json
@@ -29,8 +30,9 @@ from test_publish import (
     write_requests,
 )
 
-from pipeline.audit import parse_manifest, stage_lock
-from pipeline.errors import PublishError, ReceiptNotWritten, StageError, VerificationFailed
+from pipeline.audit import audit_stage, parse_manifest, stage_lock
+from pipeline.errors import PublishError, ReceiptNotWritten, SecretInStage, StageError, VerificationFailed
+from pipeline.leaks import KINDS, leak_rules
 from pipeline.publishing.client import Target
 from pipeline.publishing.deadline import Deadline
 
@@ -114,7 +116,8 @@ def test_05_refuses_a_card_holding_cloud_keys_naming_each_and_keeps_the_stage(st
     result = run.script("05_stage.py", "--set", f"card.description=Pull with {' or '.join(keys)}.")
     line = one_error_line(result)
     assert line.startswith(
-        "error: README.md holds an AWS access key, a GitHub token and an OpenAI API key"
+        "error: README.md, config.json and meta.json hold an AWS access key, a GitHub token and an OpenAI "
+        "API key; nothing was staged."
     ), line
     assert "nothing was staged" in line and not any(
         key[-12:] in result.stdout + result.stderr for key in keys
@@ -130,7 +133,7 @@ def test_a_false_positive_allowed_by_the_config_is_staged_recorded_and_published
     example = text.split()[-1]
     describe = ["--set", f"card.description=A request carries {example} in its header."]
     refused = one_error_line(run.script("05_stage.py", *describe))
-    assert refused.startswith(f"error: README.md holds {what}"), refused
+    assert refused.startswith(f"error: README.md, config.json and meta.json hold {what};"), refused
     # The card's text is also in the staged config and meta.json: the fix names every file.
     entries = re.search(r"card\.allow_leaks: (\{.*\}) \(docs/publishing\.md\)", refused).group(1)
     assert "README.md: [jwt]" in entries
@@ -145,6 +148,122 @@ def test_a_false_positive_allowed_by_the_config_is_staged_recorded_and_published
     line = one_error_line(run_publish(run.stage, hub, "alice/example", tmp_path / "receipts", "--dry-run"))
     assert line.startswith(f"error: {code} holds {what}; nothing was published"), line
     assert hub.count() == 1  # the first dry run's read of the branch head, nothing since
+
+
+# -- secrets an adversary got published: each form, in each kind of staged file, edited in after 05 --
+
+
+def restage(stage: Path, name: str, data: bytes) -> None:
+    """Write a staged file (new or replaced) and record it in meta.json and the manifest, as
+    an edit that knows the stage's format would."""
+    (stage / name).write_bytes(data)
+    meta = json.loads((stage / "meta.json").read_text())
+    if name != "README.md":
+        meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (stage / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    names = sorted({*parse_manifest((stage / "MANIFEST.sha256").read_bytes()), name})
+    (stage / "MANIFEST.sha256").write_text(
+        "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    )
+
+
+HF = SAMPLES["hf-token"][1]
+# Written as found in the stage: encoded forms of an hf_ token, a PEM header split across lines,
+# and a key of each provider that once had no rule or was missed in a weights header.
+ADVERSARY = {
+    "hf_ token, base64": (base64.b64encode(HF.encode()).decode(), "hf-token"),
+    "hf_ token, hex": (HF.encode().hex(), "hf-token"),
+    "hf_ token, URL-encoded": ("hf%5F" + HF[3:], "hf-token"),
+    "hf_ token, zero-width space": ("hf_\u200b" + HF[3:], "hf-token"),
+    "hf_ token, JSON-escaped": ("\\u0068" + HF[1:], "hf-token"),
+    "PEM header across lines": ("-----BEGIN RSA PRIVATE\n" + "KEY-----", "private-key"),
+    **{
+        kind: (SAMPLES[kind][1], kind)
+        for kind in (
+            "anthropic-key",
+            "stripe-key",
+            "gitlab-token",
+            "npm-token",
+            "sendgrid-key",
+            "azure-key",
+            "gcp-service-account",
+            "database-url",
+            "telegram-bot-token",
+            "databricks-token",
+            "github-token",
+            "aws-key",
+            "openai-key",
+            "slack-token",
+            "jwt",
+        )
+    },
+}
+
+
+def in_json_string(text: str) -> str:
+    return text.replace('"', '\\"').replace("\n", "\\n")
+
+
+def weights_with_note(original: bytes, text: str) -> bytes:
+    """The staged weights with ``text`` in their header's ``__metadata__`` (tensors unchanged)."""
+    length = int.from_bytes(original[:8], "little")
+    tensors = json.loads(original[8 : 8 + length])
+    tensors.pop("__metadata__", None)
+    header = '{"__metadata__":{"format":"pt","note":"' + in_json_string(text) + '"},'
+    header = (header + json.dumps(tensors, separators=(",", ":"))[1:]).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + original[8 + length :]
+
+
+def test_06_audit_refuses_every_form_an_adversary_published_in_every_kind_of_staged_file(
+    staged_run, run_copy
+):
+    run = run_copy(staged_run)
+    stage = run.stage
+    code = sorted(p.relative_to(stage).as_posix() for p in (stage / "code").rglob("*.py"))[-1]
+    original = {p.relative_to(stage).as_posix(): p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    places = {
+        "README.md": lambda text: original["README.md"] + f"\n{text}\n".encode(),
+        code: lambda text: original[code] + f"\n# {text}\n".encode(),
+        "tokenizer.json": lambda text: (
+            '{"added_tokens":[{"content":"' + in_json_string(text) + '"}]}'
+        ).encode(),
+        "modelo.safetensors": lambda text: weights_with_note(original["modelo.safetensors"], text),
+    }
+    words = {kind.id: kind.what for kind in KINDS}
+    rules = leak_rules(environ={})
+    assert audit_stage(stage, leaks=rules)  # the stage as 05 built it passes
+    missed = []
+    for name, write in places.items():
+        for label, (text, kind) in ADVERSARY.items():
+            restage(stage, name, write(text))
+            try:
+                audit_stage(stage, leaks=rules, consequence="nothing was published")
+                missed.append(f"{label} in {name}: published")
+            except SecretInStage as refused:
+                if not str(refused).startswith(f"{name} holds {words[kind]}"):
+                    missed.append(f"{label} in {name}: {refused}")
+            for path in (name, "meta.json", "MANIFEST.sha256"):  # back to the stage 05 built
+                (stage / path).unlink()
+                if path in original:
+                    (stage / path).write_bytes(original[path])
+    assert missed == []
+
+
+def test_06_refuses_a_key_in_a_weights_header_and_an_escaped_token_in_a_hub_file_naming_both(
+    staged_run, run_copy, hub, tmp_path
+):
+    run = run_copy(staged_run)
+    weights = (run.stage / "modelo.safetensors").read_bytes()
+    restage(run.stage, "modelo.safetensors", weights_with_note(weights, SAMPLES["github-token"][1]))
+    restage(run.stage, "tokenizer.json", ('{"model":{"vocab":{"\\u0068' + HF[1:] + '":0}}}').encode())
+    result = run_publish(run.stage, hub, "alice/header", tmp_path / "receipts")
+    line = one_error_line(result)
+    assert line.startswith(
+        "error: modelo.safetensors holds a GitHub token; tokenizer.json holds an hf_ token (escaped); "
+        "nothing was published (no request was sent)"
+    ), line
+    assert HF[-12:] not in result.stdout + result.stderr and hub.count() == 0
 
 
 def test_a_commit_whose_answer_is_withheld_is_found_on_the_branch_and_a_rerun_adds_nothing(

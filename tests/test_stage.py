@@ -16,6 +16,7 @@ import torch
 from huggingface_hub import ModelCard
 from matplotlib.image import imread
 from safetensors.torch import load_file, save_file
+from test_leaks import SAMPLES
 
 from pipeline.audit import audit_stage
 from pipeline.checkpoint import load_model_weights
@@ -252,7 +253,11 @@ def flip_a_weight_byte(run):
 
 
 def token_in_the_card(run):
-    return ["--set", f"card.description=Ask {FAKE_TOKEN} for access"], "README.md holds an hf_ token"
+    # The description is repeated in three staged files: each is named once.
+    return (
+        ["--set", f"card.description=Ask {FAKE_TOKEN} for access"],
+        "error: README.md, config.json and meta.json hold an hf_ token; nothing was staged.",
+    )
 
 
 @pytest.mark.parametrize("damage", [flip_a_weight_byte, token_in_the_card])
@@ -297,6 +302,64 @@ def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, 
         )
     assert secret not in str(refused.value)
     assert snapshot(run.stage) == before
+
+
+# Secrets planted where 05 takes the stage's text from, each in a form the scan must see through
+# (the full matrix of kinds and encodings is in test_leaks.py; this is 05 itself).
+def stripe_in_the_description(run, monkeypatch):
+    return {"card.description": f"Billing: {SAMPLES['stripe-key'][1]}"}, (
+        "README.md, config.json and meta.json hold a Stripe secret key; nothing was staged."
+    )
+
+
+def url_encoded_token_in_the_card_sections(run, monkeypatch):
+    (run.root / "card.md").write_text(f"## Access\n\nhttps://example.com/?t=hf%5F{FAKE_TOKEN[3:]}\n")
+    monkeypatch.chdir(run.root)
+    return {"card.sections": "card.md"}, "README.md holds an hf_ token (URL-encoded); nothing was staged."
+
+
+def escaped_token_in_a_hub_files_tokenizer(run, monkeypatch):
+    import pipeline.tasks.regression as factory_module
+
+    escaped = "\\u0068" + FAKE_TOKEN[1:]
+    tokenizer = '{"added_tokens":[{"id":0,"content":"' + escaped + '"}],"model":{"vocab":{"a":0}}}'
+    monkeypatch.setattr(
+        factory_module, "hub_files", lambda config: {"tokenizer.json": tokenizer.encode()}, raising=False
+    )
+    return {}, "tokenizer.json holds an hf_ token (escaped); nothing was staged."
+
+
+def github_token_in_the_weights_header(run, monkeypatch):
+    path = run.checkpoint / "modelo.safetensors"
+    save_file(load_file(path), str(path), metadata={"format": "pt", "pushed_by": SAMPLES["github-token"][1]})
+    entry = {"sha256": sha256(path), "size": path.stat().st_size}
+    rewrite_meta(run.checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
+    return {}, "modelo.safetensors holds a GitHub token; nothing was staged."
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        stripe_in_the_description,
+        url_encoded_token_in_the_card_sections,
+        escaped_token_in_a_hub_files_tokenizer,
+        github_token_in_the_weights_header,
+    ],
+)
+def test_05_refuses_a_secret_in_the_card_its_sections_a_hub_file_or_a_weights_header(
+    staged_run, run_copy, monkeypatch, plant
+):
+    run = run_copy(staged_run)
+    before = snapshot(run.stage)
+    overrides, expected = plant(run, monkeypatch)
+    with pytest.raises(SecretInStage) as refused:
+        build_stage(
+            in_process_config(run, **overrides), stage_dir=run.stage, metrics=run.metrics, with_metrics=False
+        )
+    assert str(refused.value).startswith(expected), str(refused.value)
+    assert FAKE_TOKEN[3:] not in str(refused.value)
+    assert snapshot(run.stage) == before
+    assert leftovers(run) == []
 
 
 @pytest.mark.parametrize("other", [{"step": 5, "modelo_sha256": "0" * 64}, {"modelo_sha256": "0" * 64}])

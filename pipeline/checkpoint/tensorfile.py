@@ -10,14 +10,10 @@ Verified reading, where the hashed bytes are the used bytes, is
 :mod:`~pipeline.checkpoint.verified_read`'s (it parses with this module's parser).
 Unverified reading (:func:`read_tensors`) maps the file privately and returns views.
 
-**One strict parser.** :func:`parse_header` refuses what safetensors' own reader refuses
-(header over 100 MB or past the end, not starting with ``{``, not UTF-8 JSON, non-string
-``__metadata__`` values, unknown dtypes, sizes that overflow, offsets that disagree with
-dtype and shape, tensors that do not tile the data from byte 0 to the end) and also a
-key twice (after decoding escapes), a tensor named ``__metadata__``, a tensor name that is
-not printable ASCII (:func:`check_tensor_name`), booleans or floats as offsets or dims,
-extra fields, and nesting too deep. Every refusal is a
-:class:`~pipeline.errors.SchemaMismatch` naming the file and the rule.
+**One strict parser.** :func:`parse_header` (:mod:`pipeline.safetensors_header`, torch-free
+so the leak scan of the publish side uses it too) refuses what safetensors' own reader
+refuses and more; read here, every refusal is a :class:`~pipeline.errors.SchemaMismatch`
+naming the file and the rule.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import mmap
 import os
 import threading
@@ -34,8 +29,9 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
-from ..durable import json_loads_strict
 from ..errors import InternalError, SchemaMismatch
+from ..safetensors_header import MAX_HEADER as _MAX_HEADER
+from ..safetensors_header import check_tensor_name, parse_header
 
 __all__ = [
     "PUBLISHED_METADATA",
@@ -64,15 +60,10 @@ WRITE_CHUNK = 8 * 1024 * 1024
 WRITEBACK_WINDOW = 8 * 1024 * 1024
 _ADVISE = hasattr(os, "posix_fadvise")
 _HASH_CHUNK = 8 * 1024 * 1024
-# The reference implementation's bound: a larger header is not a safetensors file.
-_MAX_HEADER = 100 * 1024 * 1024
 # Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11 lacks the name): fault the
 # pages in as if written, which gives a private map its own copy of them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PAGE = mmap.PAGESIZE
-# A tensor's byte count must fit a signed 64-bit size (torch's and the reference's bound).
-_MAX_BYTES = 2**63 - 1
-_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -497,94 +488,6 @@ def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.T
     return {
         name: _tensor(buffer, data_start, entry) for name, entry in header.items() if name != "__metadata__"
     }
-
-
-def parse_header(buffer: mmap.mmap | bytes, *, size: int | None = None) -> tuple[dict[str, Any], int]:
-    """(header dict, offset of the first data byte), every rule of the module docstring
-    checked; ``ValueError`` naming the rule otherwise. ``header["__metadata__"]``, if present,
-    maps str to str; every other entry is a tensor that :func:`_tensor` can view.
-    ``buffer``: the file, or its first bytes (length and header) with ``size`` the file's."""
-    size = len(buffer) if size is None else size
-    if size < 8:
-        raise ValueError("shorter than the 8-byte header length")
-    length = int.from_bytes(buffer[:8], "little")
-    if length > _MAX_HEADER:
-        raise ValueError(f"header length {length} is over the {_MAX_HEADER}-byte limit")
-    if length > size - 8:
-        raise ValueError(f"header length {length} runs past the end of the file")
-    raw = bytes(buffer[8 : 8 + length])
-    if not raw.startswith(b"{"):
-        raise ValueError("the header does not start with '{'")
-    try:
-        header = json_loads_strict(raw)
-    except ValueError as exc:
-        raise ValueError(f"the header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    metadata = header.get("__metadata__")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())
-    ):
-        raise ValueError("__metadata__ must map strings to strings (no tensor may be named __metadata__)")
-    spans = []
-    for name, entry in header.items():
-        if name != "__metadata__":
-            check_tensor_name(name)
-            spans.append((*_check_entry(name, entry), name))
-    position, data_size = 0, size - 8 - length
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            what = (
-                "overlaps the tensor before it"
-                if begin < position
-                else ("leaves a hole before it" if position else "does not start the data at byte 0")
-            )
-            raise ValueError(f"tensor {name!r} at data bytes {begin}..{end} {what}")
-        position = end
-    if position != data_size:
-        what = "trailing bytes after the last tensor" if position < data_size else "tensors run past the end"
-        raise ValueError(f"{what} (tensors end at data byte {position}, the file holds {data_size})")
-    return header, 8 + length
-
-
-def check_tensor_name(name: str) -> None:
-    """A tensor name is non-empty printable ASCII (space to ``~``): no control, invisible or
-    bidirectional character can make a published name read as another. ``ValueError`` else."""
-    if not name or not all(" " <= char <= "~" for char in name):
-        raise ValueError(
-            f"tensor name {name!r} is not printable ASCII (letters, digits, punctuation, spaces)"
-        )
-
-
-def _check_entry(name: str, entry: Any) -> tuple[int, int]:
-    """A tensor entry's (begin, end) data offsets, once its dtype, shape and size agree."""
-    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
-        raise ValueError(f"tensor {name!r} must have exactly dtype, shape and data_offsets")
-    dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-    if dtype is None:
-        raise ValueError(f"tensor {name!r} has unknown dtype {entry['dtype']!r}")
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    # type() is int: JSON true/false decode to bools, which are ints to isinstance.
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"tensor {name!r}: shape must be a list of non-negative integers, not {shape!r}")
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
-    ):
-        raise ValueError(f"tensor {name!r}: data_offsets must be two non-negative integers, not {offsets!r}")
-    # Zero dims make the tensor empty, but the others must still fit: [0, 2**62, 4] is not a shape.
-    bound = dtype.itemsize
-    for dim in shape:
-        bound *= max(dim, 1)
-        if bound > _MAX_BYTES:
-            raise ValueError(f"tensor {name!r}: shape {shape} overflows a 64-bit size")
-    begin, end = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
-    if end < begin or end - begin != nbytes:
-        raise ValueError(
-            f"tensor {name!r}: data offsets {offsets} do not hold a {entry['dtype']} tensor of "
-            f"shape {shape} ({nbytes} bytes)"
-        )
-    return begin, end
 
 
 def _tensor(buffer: mmap.mmap | bytes, data_start: int, entry: dict[str, Any]) -> torch.Tensor:

@@ -63,7 +63,7 @@ from ..leaks import scan_secrets
 from ..provenance import check_code_unchanged
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
-from .card import LOADER_MODULE, build_model_card, render_curve
+from .card import LOADER_MODULE, build_model_card, read_user_sections, render_curve
 from .code_export import shipped_sources
 from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
@@ -83,8 +83,6 @@ __all__ = ["StageBuild", "StageResult", "build_stage"]
 
 
 _GITKEEP = ".gitkeep"
-# The largest card-sections file accepted: a card is read by people.
-_MAX_SECTIONS = 256 * 1024
 _HUB_LOADER = Path(__file__).with_name("hub_loader.py")
 
 
@@ -228,28 +226,6 @@ def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
     # The card section may be edited after training (it never changes what was computed).
     # Scripts run from the run's folder: paths inside it stay, relative; others become roles.
     return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
-
-
-def _user_sections(config: Config) -> str | None:
-    """The Markdown of ``card.sections`` (the user's own card sections), or None."""
-    if not config.card.sections:
-        return None
-    path = Path(config.card.sections)
-    try:
-        if path.stat().st_size > _MAX_SECTIONS:
-            raise StageError(
-                f"card.sections: {path} is over {_MAX_SECTIONS // 1024} KiB; a card is read by people"
-            )
-        return path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise StageError(
-            f"card.sections: {path} not found (paths are relative to the folder the scripts run in); "
-            'fix the path or set card.sections to ""'
-        ) from None
-    except UnicodeDecodeError:
-        raise StageError(f"card.sections: {path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise StageError(f"card.sections: {path} cannot be read ({exc.strerror})") from None
 
 
 def _staged_meta(
@@ -484,7 +460,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
     # Absolute and normalized, so "." or "x/.." cannot make the folder's own name empty.
     stage = Path(os.path.abspath(stage_dir))
     parse_size(build.max_shard_size)  # a bad size or sections file is refused before any work
-    user_sections = _user_sections(config)
+    user_sections = read_user_sections(config.card.sections, Path.cwd())
     # Pinned until copied: a trainer running beside us cannot prune it away.
     with (
         pinned_checkpoint(

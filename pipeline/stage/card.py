@@ -9,20 +9,83 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
+import stat
 import unicodedata
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..errors import StageError
 from ..layout import CODE_DIR, CURVE_FILE
 
-__all__ = ["LOADER_MODULE", "render_curve", "build_model_card", "printable"]
+__all__ = [
+    "LOADER_MODULE",
+    "MAX_SECTIONS",
+    "render_curve",
+    "build_model_card",
+    "printable",
+    "read_user_sections",
+]
 
 LIBRARY_NAME = "pytorch"
 TRANSFORMERS_LIBRARY = "transformers"
 # The module of code/ that loads a model that is not a transformers one (pipeline/stage/hub_loader.py).
 LOADER_MODULE = "hub_loader"
+# The largest card-sections file accepted: a card is read by people.
+MAX_SECTIONS = 256 * 1024
+
+
+def read_user_sections(name: str, root: str | Path) -> str | None:
+    """The Markdown of the ``card.sections`` file ``name``, or None when it is empty.
+
+    A config may come from anyone, and what this file holds is published: it must be a
+    regular file inside ``root`` (the folder the scripts run in), reached without leaving it
+    (no ``..`` out, no absolute path elsewhere, no link to a file outside), of at most
+    :data:`MAX_SECTIONS` bytes, UTF-8. A device, pipe or folder is refused before it is
+    opened, and no more than the limit is ever read. Refusals are one :class:`StageError`."""
+    if not name:
+        return None
+    fix = 'put your sections in a Markdown file inside it and name that file, or set card.sections to ""'
+    where = "the folder the scripts run in"
+    inside = Path(os.path.realpath(root))
+    path = Path(os.path.abspath(os.path.join(inside, name)))
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(inside):
+        linked = path.is_relative_to(inside)
+        how = "is a link to a file outside" if linked else "is outside"
+        raise StageError(f"card.sections: {name} {how} {where} ({inside}); {fix}")
+    try:
+        found = os.stat(real)
+        if not stat.S_ISREG(found.st_mode):
+            raise StageError(f"card.sections: {name} is not a regular file (a folder, device or pipe); {fix}")
+        # O_NOFOLLOW and O_NONBLOCK: a file swapped for a link or a pipe since is not followed or waited on.
+        handle = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(handle, "rb") as file:
+            opened = os.fstat(file.fileno())
+            if (opened.st_dev, opened.st_ino) != (found.st_dev, found.st_ino):
+                raise StageError(f"card.sections: {name} changed while it was read; run 05 again")
+            if opened.st_size > MAX_SECTIONS:
+                raise StageError(
+                    f"card.sections: {name} is {opened.st_size:,} bytes, over the {MAX_SECTIONS // 1024} KiB "
+                    "a card's own sections may have (a card is read by people): shorten it"
+                )
+            data = file.read(MAX_SECTIONS + 1)
+    except FileNotFoundError:
+        raise StageError(
+            f"card.sections: {name} not found (paths are relative to {where}); fix the path or set "
+            'card.sections to ""'
+        ) from None
+    except OSError as exc:
+        raise StageError(f"card.sections: {name} cannot be read ({exc.strerror or exc})") from None
+    if len(data) > MAX_SECTIONS:  # it grew after the size was checked
+        raise StageError(f"card.sections: {name} changed while it was read; run 05 again")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StageError(f"card.sections: {name} is not UTF-8 text") from None
 
 
 def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:

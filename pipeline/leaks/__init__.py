@@ -1,0 +1,58 @@
+"""The one scanner for what must never leave the machine, shared by 05 (stage) and 06 (publish).
+
+==========  ==================================================================
+``kinds``   THE table of credential formats (:data:`KINDS`), each with examples
+``views``   text as its reader sees it: escapes, URL-encoding, invisible
+            characters, base64 and hex runs decoded
+``scan``    this machine's rules, :class:`FileScan` (one file, streamed),
+            :func:`refuse_findings`, :func:`scan_secrets` (a folder)
+==========  ==================================================================
+
+A staged file is refused when it holds:
+
+- in every byte of every file, weights included: the value of a token this machine holds
+  (``HF_TOKEN`` and the other variables of ``SECRET_VARIABLES``, or a token saved by
+  ``hf auth login``);
+- in any file, but outside the floating-point tensors of a safetensors file (numbers, where a
+  format would match by chance and each format would cost a pass): an ``hf_…`` token and a PEM
+  private key;
+- in text, as written and as its reader sees it (escapes, URL-encoding and character
+  references decoded, invisible characters removed, long base64 and hex runs decoded): the
+  credential formats of :data:`KINDS`, this machine's values, its home folder, working
+  folder or checkout path, and its host name. Text is a text file (its first 8000 bytes
+  hold no NUL byte, git's rule) and the JSON header of a safetensors file (its
+  ``__metadata__`` and tensor names, which any reader prints).
+
+Paths and host names match only as whole words, so ``/root`` does not match ``/rootfs``.
+A file is streamed chunk by chunk (the audit feeds the scan the chunks it hashes); a secret
+that straddles two chunks is searched in the seam between them. The refusal names each file
+and the kinds it holds, never a value. A false positive of a *format* (a documented example
+key in a card, a test vector in code) can be allowed for one file by ``card.allow_leaks``
+(docs/publishing.md); a token this machine holds, a private key or a path never can.
+Torch-free. What the scan cannot see is listed in docs/publishing.md.
+"""
+
+from .kinds import ALLOWABLE, HOST_NAME, KINDS, LeakKind
+from .scan import (
+    SECRET_VARIABLES,
+    FileScan,
+    LeakRules,
+    allowance_problem,
+    leak_rules,
+    refuse_findings,
+    scan_secrets,
+)
+
+__all__ = [
+    "ALLOWABLE",
+    "HOST_NAME",
+    "KINDS",
+    "SECRET_VARIABLES",
+    "FileScan",
+    "LeakKind",
+    "LeakRules",
+    "allowance_problem",
+    "leak_rules",
+    "refuse_findings",
+    "scan_secrets",
+]

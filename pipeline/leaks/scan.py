@@ -1,0 +1,386 @@
+"""The scan itself: this machine's rules, one file streamed through them, the refusal.
+
+See the package docstring for what is refused where. Torch-free (the publish side runs it).
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..errors import ConfigError, SecretInStage
+from ..hashing import CHUNK
+from ..safetensors_header import DTYPE_SIZES, header_span, parse_header
+from .kinds import ALLOWABLE, BEFORE, HOST_NAME, KINDS, OVERLAP, near_needles
+from .views import encoded_runs, reader_view
+
+__all__ = [
+    "SECRET_VARIABLES",
+    "FileScan",
+    "LeakRules",
+    "allowance_problem",
+    "leak_rules",
+    "refuse_findings",
+    "scan_secrets",
+]
+
+# Environment variables whose values are secrets wherever they appear.
+SECRET_VARIABLES = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "GITHUB_TOKEN",
+    "GH_TOKEN",
+    "GITLAB_TOKEN",
+    "NPM_TOKEN",
+    "DATABRICKS_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "SLACK_BOT_TOKEN",
+)
+# Shorter values would match by chance inside binary weights.
+_MIN_LITERAL_SECRET = 8
+# git's rule: a NUL byte in the first 8000 bytes makes a file binary.
+_TEXT_PROBE = 8000
+_CONTEXT = 16  # bytes before the seam that look-behinds may read
+# Where a text file's text ends: nowhere.
+_ALL_OF_IT = 2**63
+# Host names that identify no machine.
+_ANONYMOUS_HOSTS = frozenset({"localhost", "localhost.localdomain"})
+_PACKAGE_CHECKOUT = Path(__file__).resolve().parents[2]
+# The order kinds are named in: this machine's values, the formats of the table, its paths and name.
+_ORDER = {"secret": 0, **{kind.id: n for n, kind in enumerate(KINDS, 1)}, "path": len(KINDS) + 1}
+
+Search = Callable[[Any, int, int], bool]
+"""``search(buffer, start, end)``: whether a rule matches in ``buffer[start:end]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeakRules:
+    """What this machine must not publish beyond :data:`KINDS`. Build it with :func:`leak_rules`."""
+
+    secrets: tuple[tuple[bytes, str], ...] = field(repr=False)
+    """Literal secret values with the words that name them (never the value)."""
+    machine: tuple[tuple[bytes, str], ...] = ()
+    """Absolute paths and the host name, each with its description; refused in text files."""
+
+
+def _saved_tokens() -> list[str]:
+    """The token `hf auth login` saved and every named one it stored, read from the files
+    the client documents (HF_TOKEN_PATH, HF_STORED_TOKENS_PATH). Read directly: the client's
+    get_token() may refresh an OAuth token over the network. Never raises."""
+    from huggingface_hub import constants
+
+    values: list[str] = []
+    try:
+        values.append(Path(constants.HF_TOKEN_PATH).read_text())
+    except (OSError, UnicodeDecodeError):
+        pass
+    stored = configparser.ConfigParser(interpolation=None)
+    try:
+        stored.read(constants.HF_STORED_TOKENS_PATH, encoding="utf-8")
+    except (configparser.Error, UnicodeDecodeError):
+        return values
+    values += [stored[name].get("hf_token", "") for name in stored.sections()]
+    return values
+
+
+def leak_rules(
+    environ: Mapping[str, str] | None = None,
+    *,
+    hostname: str | None = None,
+    home: str | None = None,
+    cwd: str | None = None,
+) -> LeakRules:
+    """The rules for this process: secrets from ``environ`` (default ``os.environ``) and the
+    saved login, this machine's home folder, working folder, checkout path and host name
+    (each argument overrides what is read from the system)."""
+    environ = os.environ if environ is None else environ
+    named = [(environ.get(name, ""), f"the value of {name}") for name in SECRET_VARIABLES]
+    named += [(value, "a token saved by `hf auth login`") for value in _saved_tokens()]
+    secrets: dict[bytes, str] = {}
+    for value, what in named:
+        value = (value or "").strip()
+        if len(value) >= _MIN_LITERAL_SECRET:
+            secrets.setdefault(value.encode(), what)
+    places = [
+        (home if home is not None else os.path.expanduser("~"), "the home folder's path"),
+        (cwd if cwd is not None else os.getcwd(), "the working folder's absolute path"),
+        (str(_PACKAGE_CHECKOUT), "this checkout's absolute path"),
+    ]
+    machine: dict[bytes, str] = {}
+    for path, what in places:
+        path = os.path.normpath(path) if path else ""
+        if path.startswith("/") and path != "/":
+            machine.setdefault(path.encode(), what)
+    host = (hostname if hostname is not None else socket.gethostname()).strip()
+    if host and host.lower() not in _ANONYMOUS_HOSTS:
+        machine.setdefault(host.encode(), "the host name")
+    return LeakRules(tuple(secrets.items()), tuple(machine.items()))
+
+
+def _whole_word(value: bytes, what: str) -> re.Pattern[bytes]:
+    # A path or name counts only where it is not part of a longer name; host names ignore case.
+    flags = re.IGNORECASE if what == "the host name" else 0
+    return re.compile(rb"(?<![A-Za-z0-9_.-])" + re.escape(value) + rb"(?![A-Za-z0-9_-])", flags)
+
+
+class FileScan:
+    """One file's bytes streamed through the rules, in the order they are read.
+
+    ``feed(buffer, n)`` searches ``buffer[:n]`` in place (bytes or bytearray: no copy) and the
+    seam it makes with the previous chunk. ``size`` is the file's size (a safetensors
+    header is checked against it). ``found`` maps each kind found to its words: a kind id of
+    :data:`KINDS`, ``host-name``, or ``secret``/``path`` for what no entry may allow.
+
+    The text of a file is searched for every rule, as written and as its reader sees it
+    (:mod:`.views`): the whole of a text file, and the JSON header of a file shaped like
+    safetensors (its ``__metadata__`` and tensor names). The rest of a binary file is
+    searched for this machine's values in every byte and for the ``anywhere`` kinds outside
+    the floating-point tensors the strict parser (:mod:`pipeline.safetensors_header`) finds
+    in that header; a header it refuses marks no byte as numbers.
+    """
+
+    def __init__(self, rules: LeakRules, *, size: int) -> None:
+        literals = [("secret", what, _literal(value)) for value, what in rules.secrets]
+        kinds = [(kind.id, kind.what, kind.search) for kind in KINDS]
+        machine = [
+            (HOST_NAME if what == "the host name" else "path", what, _machine_word(value, what))
+            for value, what in rules.machine
+        ]
+        self._text: list[tuple[str, str, Search]] = literals + kinds + machine
+        # Decoded runs are mostly random bytes, in which a short host name would turn up by chance.
+        self._decoded = literals + kinds
+        self._literals = literals
+        self._binary = [(kind.id, kind.what, kind.search) for kind in KINDS if kind.anywhere]
+        self._size = size
+        self._text_end: int | None = None  # file offset where the text ends (0: no text)
+        self._header: bytearray | None = None  # a safetensors header, while it is read
+        self._numbers: list[tuple[int, int]] = []  # floating-point tensors: this machine's values only
+        self._position = 0  # of the next chunk in the file
+        self._tail = b""
+        # A literal secret, even encoded (URL-encoding triples it), still fits in a seam.
+        self._overlap = max(
+            [OVERLAP] + [3 * len(value) + BEFORE for value, _ in rules.secrets + rules.machine]
+        )
+        self.found: dict[str, str] = {}
+
+    def feed(self, buffer: bytes | bytearray, n: int) -> None:
+        start = self._position
+        if self._text_end is None:
+            self._text_end = self._text_extent(buffer, n)
+        if self._header is not None:
+            self._read_header(buffer, n)
+        text = max(0, min(n, self._text_end - start))  # buffer[:text] is text
+        # The seam: the end of the previous chunk (with a few bytes of left context) and the start of
+        # this one, as far as the text goes when it is text.
+        context = max(0, len(self._tail) - self._overlap)
+        if self._tail and text:
+            seam = self._tail + bytes(buffer[: min(text, self._overlap)])
+            self._search_text(seam, context, len(seam))
+        elif self._tail:
+            seam = self._tail + bytes(buffer[: min(n, self._overlap)])
+            self._search(self._literals, seam, context, len(seam))
+            for a, b in self._outside_numbers(start - len(self._tail), context, len(seam)):
+                self._search(self._binary, seam, a, b)
+        if text:
+            self._search_text(buffer, 0, text)
+        if text < n:
+            self._search(self._literals, buffer, text, n)
+            for a, b in self._outside_numbers(start, text, n):
+                self._search(self._binary, buffer, a, b)
+        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT) : n])
+        self._position += n
+
+    def _text_extent(self, buffer: bytes | bytearray, n: int) -> int:
+        end = header_span(bytes(buffer[: min(n, 9)]), self._size)
+        if end is not None:  # shaped like safetensors: its header is text
+            self._header = bytearray()
+            return end
+        return _ALL_OF_IT if buffer.find(b"\0", 0, min(n, _TEXT_PROBE)) < 0 else 0
+
+    def _read_header(self, buffer: bytes | bytearray, n: int) -> None:
+        """Collect the safetensors header (it starts the file); once whole, learn where the
+        floating-point tensors lie from the strict parser (none if it refuses the file)."""
+        header = self._header
+        assert header is not None and self._text_end is not None
+        header += buffer[: min(n, self._text_end - len(header))]
+        if len(header) == self._text_end:
+            self._numbers = _float_tensors(bytes(header), self._size)
+            self._header = None
+
+    def _search(
+        self, checks: list[tuple[str, str, Search]], buffer: Any, start: int, end: int, how: str = ""
+    ) -> None:
+        for kind, what, search in checks:
+            if kind not in self.found and search(buffer, start, end):
+                self.found[kind] = f"{what} ({how})" if how else what
+
+    def _search_text(self, buffer: bytes | bytearray, start: int, end: int) -> None:
+        """Every rule, on the text ``buffer[start:end]`` as written and as a reader sees it."""
+        self._search(self._text, buffer, start, end)
+        view, changes = reader_view(bytes(buffer[start:end]))
+        if changes:
+            self._search(self._text, view, 0, len(view), ", ".join(changes))
+        for decoded, how in zip(encoded_runs(view), ("base64-encoded", "hex-encoded")):
+            if decoded:
+                self._search(self._decoded, decoded, 0, len(decoded), how)
+
+    def _outside_numbers(self, start: int, first: int, n: int) -> list[tuple[int, int]]:
+        """The parts of ``buffer[first:n]`` outside floating-point tensors, for a buffer that
+        holds the file from offset ``start``."""
+        parts, at = [], first
+        for begin, end in self._numbers:
+            if end <= start + at or begin >= start + n:
+                continue
+            if begin > start + at:
+                parts.append((at, begin - start))
+            at = max(at, min(n, end - start))
+        if at < n:
+            parts.append((at, n))
+        return parts
+
+
+# The payload of a floating-point tensor is numbers: a token format there would be chance, and
+# searching gigabytes for each format costs a pass per format. It is searched for this machine's
+# secret values (long literals, found at memory speed), like every byte.
+_FLOATS = frozenset(name for name in DTYPE_SIZES if name.startswith(("F", "BF")))
+
+
+def _float_tensors(header: bytes, size: int) -> list[tuple[int, int]]:
+    """File offsets of the floating-point tensors of a safetensors file whose length and
+    header are ``header``, merged; [] if the strict parser refuses it (every byte is searched)."""
+    try:
+        parsed, data_start = parse_header(header, size=size)
+    except ValueError:
+        return []
+    ranges = sorted(
+        (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
+        for name, entry in parsed.items()
+        if name != "__metadata__" and entry["dtype"] in _FLOATS
+    )
+    merged: list[tuple[int, int]] = []
+    for first, last in ranges:
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
+
+
+def _machine_word(value: bytes, what: str):
+    pattern, span = _whole_word(value, what), len(value) + _CONTEXT
+    if what != "the host name":
+        return lambda buffer, start, end: near_needles(pattern, (value,), buffer, start, end, span=span)
+
+    def search(
+        buffer: bytes | bytearray, start: int, end: int
+    ) -> bool:  # any case: find it in a lowercased copy
+        return near_needles(pattern, (value.lower(),), buffer, start, end, buffer[:end].lower(), span)
+
+    return search
+
+
+def _literal(value: bytes):
+    return lambda buffer, start, end: buffer.find(value, start, end) >= 0
+
+
+def allowance_problem(allow: Any) -> str | None:
+    """Why ``allow`` (the value of ``card.allow_leaks``) is malformed, or None: a mapping of a
+    staged file's relative path to a list of kind ids from :data:`ALLOWABLE`."""
+    if not isinstance(allow, Mapping):
+        return "must map a staged file to the kinds it may hold, e.g. {README.md: [jwt]}"
+    for name, kinds in allow.items():
+        if not isinstance(name, str) or not name or name.startswith("/") or ".." in name.split("/"):
+            return f"names {name!r}, which is not a relative path of a staged file such as 'README.md'"
+        if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
+            return f"gives {name} {kinds!r}, which is not a non-empty list of kinds"
+        for kind in kinds:
+            if kind not in ALLOWABLE:
+                return (
+                    f"allows {kind!r} in {name}, which is not a kind that may be allowed (one of "
+                    f"{', '.join(sorted(ALLOWABLE))}); tokens of this machine, private keys and paths never are"
+                )
+    return None
+
+
+def _words(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def refuse_findings(
+    found: Mapping[str, Mapping[str, str]],
+    allow: Mapping[str, Any] | None = None,
+    *,
+    consequence: str = "nothing was staged",
+) -> list[tuple[str, str]]:
+    """Raise :class:`SecretInStage` if any file holds something that ``allow``
+    (``card.allow_leaks``) does not allow, naming each such file once with every kind it
+    holds (files holding the same kinds together, as a card's text repeated in README.md,
+    config.json and meta.json); return the allowed findings as ``(file, words)``."""
+    allow = allow or {}
+    allowed: list[tuple[str, str]] = []
+    refused: dict[str, dict[str, str]] = {}
+    for name in sorted(found):
+        for kind, what in sorted(found[name].items(), key=lambda item: _ORDER.get(item[0], len(_ORDER))):
+            if kind in allow.get(name, ()) and kind in ALLOWABLE:
+                allowed.append((name, what))
+            else:
+                refused.setdefault(name, {})[kind] = what
+    if not refused:
+        return allowed
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, kinds in refused.items():
+        groups.setdefault(tuple(kinds), []).append(name)
+    said = "; ".join(
+        f"{_words(names)} {'holds' if len(names) == 1 else 'hold'} {_words(list(refused[names[0]].values()))}"
+        for names in groups.values()
+    )
+    message = (
+        f"{said}; {consequence}. Remove it from where it came from (config card section, data, task "
+        "sample, code, edits to the stage) and stage again"
+    )
+    if all(kind in ALLOWABLE for kinds in refused.values() for kind in kinds):
+        entries = ", ".join(f"{name}: [{', '.join(kinds)}]" for name, kinds in refused.items())
+        message += (
+            f"; if it is not a secret (a documented example), allow it per file in the config: "
+            f"card.allow_leaks: {{{entries}}} (docs/publishing.md)"
+        )
+    raise SecretInStage(message)
+
+
+def scan_secrets(
+    folder: str | Path,
+    rules: LeakRules | None = None,
+    *,
+    consequence: str = "nothing was staged",
+    allow: Mapping[str, Any] | None = None,
+) -> list[tuple[str, str]]:
+    """Refuse (:class:`SecretInStage`) if any plain file in ``folder`` (subfolders included)
+    leaks what :data:`KINDS` or ``rules`` (default :func:`leak_rules`) name, unless ``allow``
+    (``card.allow_leaks``) allows that kind in that file. The message names the file, the kind
+    of leak and ``consequence``; never a secret's value. Returns the allowed findings."""
+    problem = allowance_problem(allow or {})
+    if problem is not None:
+        raise ConfigError(f"card.allow_leaks {problem}")
+    rules = leak_rules() if rules is None else rules
+    folder = Path(folder)
+    found: dict[str, dict[str, str]] = {}
+    buffer = bytearray(CHUNK)
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        with open(path, "rb", buffering=0) as handle:
+            scan = FileScan(rules, size=os.fstat(handle.fileno()).st_size)
+            while n := handle.readinto(buffer):
+                scan.feed(buffer, n)
+        if scan.found:
+            found[path.relative_to(folder).as_posix()] = scan.found
+    return refuse_findings(found, allow, consequence=consequence)

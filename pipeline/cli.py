@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import re
 import shlex
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +26,7 @@ __all__ = [
     "resume_command",
     "script_command",
     "python_command",
+    "torchrun_launcher",
 ]
 
 DEBUG_FLAG = "--debug"
@@ -67,6 +70,17 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     return load_config(args.config, overrides)
 
 
+def torchrun_launcher(nproc_per_node: int | str, nodes: int = 1) -> list[str]:
+    """``python -m torch.distributed.run`` (torchrun) under this interpreter, the one the ranks
+    run (a bare ``torchrun`` may be another environment's), for one node or ``nodes``."""
+    where = (
+        ["--standalone"]
+        if nodes == 1
+        else [f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
+    )
+    return [python_command(), "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}"]
+
+
 def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
     """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
     built with ``allow_abbrev=False``, so every option is spelled out): this interpreter
@@ -105,7 +119,20 @@ def script_command(config: Config, script: str, *args: str, launcher: list[str] 
     ``scripts/<script>``."""
     invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
-    return shlex.join([*(launcher or [python_command()]), str(folder / script), *config.command_args, *args])
+    # A key that args sets replaces the config's own --set of it: one key, one value.
+    ours = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
+    given, kept = list(config.command_args), []
+    while given:
+        token = given.pop(0)
+        if token == "--set" and given and _set_key(given[0]) in ours:
+            given.pop(0)
+        else:
+            kept.append(token)
+    return shlex.join([*(launcher or [python_command()]), str(folder / script), *kept, *args])
+
+
+def _set_key(item: str) -> str:
+    return item.partition("=")[0].strip()
 
 
 def run_main(main: Callable[[], int | None]) -> None:
@@ -125,13 +152,18 @@ def run_main(main: Callable[[], int | None]) -> None:
         code = main()
     except Preempted as exc:
         # A requested stop that saved its checkpoint: reported as what it is, not as an error.
-        print(str(exc).replace("\n", " "), file=sys.stderr, flush=True)
+        line = str(exc).replace("\n", " ")
+        if not exc.quiet:
+            print(line, file=sys.stderr, flush=True)
+        _tell_launcher(line)
         sys.exit(exc.exit_code)
     except PipelineError as exc:
         if debug and exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         if not getattr(exc, "quiet", False):
             _error(str(exc))
+        else:  # another rank printed it; torchrun's report names it for this rank too
+            _tell_launcher(_ERROR + str(exc).replace("\n", " "))
         sys.exit(getattr(exc, "exit_code", 2))
     except OSError as exc:
         _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
@@ -148,6 +180,34 @@ def run_main(main: Callable[[], int | None]) -> None:
     sys.exit(code or 0)
 
 
+_ERROR = "error: "
+
+
 def _error(message: str) -> None:
     # One line, always: a message built from a path or an exception may hold a newline.
-    print("error: " + message.replace("\n", " "), file=sys.stderr, flush=True)
+    line = _ERROR + message.replace("\n", " ")
+    print(line, file=sys.stderr, flush=True)
+    _tell_launcher(line)
+
+
+def _tell_launcher(line: str) -> None:
+    """Under torchrun, the line this process ends with also goes to the error file its agent
+    reads (``TORCHELASTIC_ERROR_FILE``, JSON as torch.distributed.elastic's ``record`` writes
+    it), so the "Root Cause" of torchrun's failure report, the last thing it prints, names
+    the line instead of "To enable traceback see ...". Every rank that exits non-zero writes
+    the launch's one line (:meth:`pipeline.distributed.world.World.together`), so whichever
+    rank torchrun picks, the report names it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(record, out)
+    except OSError:
+        pass  # the report then says less; the line itself is printed

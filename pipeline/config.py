@@ -42,6 +42,7 @@ __all__ = [
     "config_from_dict",
     "parse_set_overrides",
     "derived_outputs",
+    "launch_mode",
     "RESUME_IRRELEVANT_KEYS",
 ]
 
@@ -190,7 +191,7 @@ class SchedulerConfig:
 Device = Literal["cpu", "cuda", "auto"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 Amp = Literal["none", "fp16", "bf16"]
-Parallel = Literal["none", "ddp", "fsdp2"]
+Parallel = Literal["auto", "none", "ddp", "fsdp2"]
 
 
 _CHOICES = {"device": Device, "dtype": DType, "amp": Amp, "parallel": Parallel}
@@ -221,9 +222,11 @@ class TrainingConfig:
     a resume restores the recorded count (the count changes how sums are split)."""
     log_every: int = 1
     """Steps between log lines when stdout is not a terminal."""
-    parallel: Parallel = "none"
-    """'none' (one process, ``python scripts/02_train.py``), or 'ddp' / 'fsdp2' under
-    ``torchrun --nproc-per-node N scripts/02_train.py`` (gloo on CPU, nccl on CUDA)."""
+    parallel: Parallel = "auto"
+    """'auto': 'ddp' under ``torchrun --nproc-per-node N scripts/02_train.py`` with N > 1, 'none'
+    (one process) otherwise. 'none', 'ddp' or 'fsdp2' explicitly: checked against the launch
+    ('ddp' in a plain process is refused). Checkpoints record the mode the run used, never
+    'auto' (gloo on CPU, nccl on CUDA)."""
     ddp_find_unused_parameters: bool = False
     """DDP only: true for a model whose forward leaves some parameters without a gradient
     (torch's ``find_unused_parameters``; it costs a walk of the graph every step). Resume
@@ -534,6 +537,17 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
                 raise ConfigError(f"cannot override {dotted}: {part!r} is not a mapping")
         target[parts[-1]] = value
     return merged
+
+
+def launch_mode(parallel: str, world_size: int | None) -> str:
+    """``training.parallel`` as a launch of ``world_size`` processes runs it (``None``: a plain
+    process, not torchrun's): ``auto`` is ``ddp`` under torchrun with more than one process,
+    ``none`` otherwise; an explicit value stays as given, checked against the launch where
+    the run starts (:class:`pipeline.start.Launch`,
+    :meth:`pipeline.distributed.world.World.start`)."""
+    if parallel != "auto":
+        return parallel
+    return "ddp" if world_size is not None and world_size > 1 else "none"
 
 
 def derived_outputs(path: str | Path | None) -> dict[str, str]:

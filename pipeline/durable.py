@@ -49,6 +49,7 @@ __all__ = [
     "json_bytes",
     "json_loads_strict",
     "write_json_atomic",
+    "write_atomic",
     "FolderLock",
 ]
 
@@ -273,10 +274,14 @@ def json_loads_strict(data: bytes) -> Any:
 
 
 def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False) -> None:
-    """Write JSON beside ``path``, fsync, rename over it, fsync the folder. Temporaries of
+    """Write JSON beside ``path``, fsync, rename over it, fsync the folder (:func:`write_atomic`)."""
+    write_atomic(path, json_bytes(payload, allow_nan=allow_nan))
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` beside ``path``, fsync, rename over it, fsync the folder. Temporaries of
     ``path`` left by a crash are removed first."""
     path = Path(path)
-    data = json_bytes(payload, allow_nan=allow_nan)
     # A crash before the rename leaves a hidden temporary of this very file: drop it now.
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         stale.unlink(missing_ok=True)

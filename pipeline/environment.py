@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .config import Config
-from .errors import EnvironmentMismatch
+from .errors import SEALED_BUT_UNFIT, EnvironmentMismatch
 
 __all__ = ["ENVIRONMENT_ITEMS", "pin_threads", "current_environment", "reproduce_environment"]
 
@@ -64,9 +64,7 @@ def reproduce_environment(
         or set(recorded) != {*ENVIRONMENT_ITEMS, "changes"}
         or not isinstance(recorded["changes"], list)
     ):
-        raise EnvironmentMismatch(
-            "the checkpoint's environment record is malformed: the checkpoint is damaged"
-        )
+        raise EnvironmentMismatch(f"the checkpoint's environment record is malformed: {SEALED_BUT_UNFIT}")
     for item, setter in (
         ("intra_op_threads", torch.set_num_threads),
         ("inter_op_threads", torch.set_num_interop_threads),

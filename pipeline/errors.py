@@ -51,7 +51,16 @@ __all__ = [
     "DemoFailed",
     "InternalError",
     "describe_os_error",
+    "SEALED_BUT_UNFIT",
 ]
+
+# How a refusal of a checkpoint's content ends once its seal (meta.json's meta_sha256) and
+# file hashes verified: the bytes are what a writer sealed, so they are not damaged; a
+# writer of another version, or someone who edited and resealed them, made them so.
+SEALED_BUT_UNFIT = (
+    "the checkpoint is sealed but does not fit this code (another version wrote it, or it was edited "
+    "and resealed)"
+)
 
 # The causes a user can act on, in words (strerror's wording varies by platform).
 _OS_CAUSES = {
@@ -162,11 +171,13 @@ class PeerFailed(PipelineError):
 
 class Preempted(PipelineError):
     """SIGTERM/SIGINT arrived; the current step finished and a checkpoint was written.
-    Exit code 128 + the signal number, as a shell reports a signal."""
+    Exit code 128 + the signal number, as a shell reports a signal. ``quiet``: another rank
+    of the launch prints the line."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, *, quiet: bool = False) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+        self.quiet = quiet
 
 
 class TrainingDiverged(PipelineError):

@@ -16,6 +16,7 @@ __all__ = [
     "METRICS_FILE",
     "DATA_MANIFEST_FILE",
     "LOCK_FILE",
+    "RESUME_FILE",
     "SIGNATURE_FILE",
     "PUBLIC_KEY_FILE",
     "CONFIG_FILE",
@@ -70,6 +71,8 @@ def rank_rng_file(rank: int) -> str:
 METRICS_FILE = "metrics.json"
 DATA_MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
+# In checkpoint.dir while a torchrun run is stopped: the command that continues it.
+RESUME_FILE = "RESUME"
 
 
 def shard_name(index: int, count: int) -> str:

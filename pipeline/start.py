@@ -13,6 +13,7 @@ before DDP or FSDP2 wraps it, :meth:`~StartingPoint.restore` the rest. The train
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -33,8 +34,8 @@ from .checkpoint import (
     restore_state,
     warm_start,
 )
-from .cli import script_command
-from .config import Config
+from .cli import script_command, torchrun_launcher
+from .config import Config, launch_mode
 from .distributed.world import World, derive_rank_rng
 from .environment import reproduce_environment
 from .errors import (
@@ -57,26 +58,41 @@ class Launch:
     """How a run's processes are laid out: what a resume must match, unless ``--reshard``."""
 
     parallel: str
-    """``training.parallel``: none, ddp or fsdp2."""
+    """``training.parallel`` as run: none, ddp or fsdp2 (never auto)."""
     world_size: int
     ddp_find_unused_parameters: bool | None = None
     """DDP only: the setting decides how gradients are bucketed, so the reduction order."""
+    declared: str = field(default="auto", compare=False, repr=False)
+    """``training.parallel`` as the config gave it (auto included): what a printed command
+    need not repeat."""
 
     @classmethod
     def of_run(cls, config: Config, world: World | None) -> "Launch":
-        parallel = config.training.parallel
+        """This run's launch, ``auto`` resolved (:func:`pipeline.distributed.world.launch_mode`);
+        an explicit ddp or fsdp2 without torchrun is refused."""
+        declared = config.training.parallel
+        if world is None:
+            parallel = launch_mode(declared, None)
+        else:
+            parallel = world.mode if declared == "auto" else declared
         if world is None and parallel != "none":
-            torchrun = script_command(
-                config, "02_train.py", launcher=["torchrun", "--standalone", "--nproc-per-node=N"]
-            )
+            torchrun = script_command(config, "02_train.py", launcher=torchrun_launcher("N"))
             raise ConfigError(
-                f"{config.source}: training.parallel is {parallel!r}: launch with {torchrun} "
+                f"{config.source}: training.parallel is {parallel!r}, which trains under torchrun: "
+                f"launch with {torchrun}, or set training.parallel to auto for one process "
                 "(docs/distributed.md)"
             )
         return cls(
             parallel,
             world.world_size if world is not None else 1,
             config.training.ddp_find_unused_parameters if parallel == "ddp" else None,
+            declared,
+        )
+
+    def configured(self, config: Config) -> Config:
+        """``config`` with the mode this launch runs, as its checkpoints record it."""
+        return dataclasses.replace(
+            config, training=dataclasses.replace(config.training, parallel=self.parallel)
         )
 
     @classmethod
@@ -99,12 +115,15 @@ class Launch:
         )
         return f"{processes} (training.parallel {self.parallel}{bucket})"
 
-    def command(self, config: Config) -> str:
-        """The command that resumes ``config``'s run in this launch (one node)."""
-        sets = ["--set", f"training.parallel={self.parallel}"]
-        if self.parallel == "none":
-            return script_command(config, "02_train.py", "--resume", "latest", *sets)
-        if self.ddp_find_unused_parameters is not None:
+    def command(self, config: Config, resume: str, declared: str) -> str:
+        """The command that resumes ``config``'s run from ``resume`` in this launch (one node),
+        given its ``training.parallel`` as ``declared``: a ``--set`` of the launch's keys only
+        where the config does not already choose this launch (each replaces the config's own)."""
+        torchrun = self.parallel != "none"
+        sets = []
+        if launch_mode(declared, self.world_size if torchrun else None) != self.parallel:
+            sets += ["--set", f"training.parallel={self.parallel}"]
+        if self.ddp_find_unused_parameters not in (None, config.training.ddp_find_unused_parameters):
             sets += [
                 "--set",
                 f"training.ddp_find_unused_parameters={str(self.ddp_find_unused_parameters).lower()}",
@@ -112,10 +131,10 @@ class Launch:
         return script_command(
             config,
             "02_train.py",
-            "--resume",
-            "latest",
             *sets,
-            launcher=["torchrun", "--standalone", f"--nproc-per-node={self.world_size}"],
+            "--resume",
+            resume,
+            launcher=torchrun_launcher(self.world_size) if torchrun else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,24 +359,28 @@ def plan_start(
     with start.damage_first(store.root):
         step = start.meta["step"]
         newer = [s for s in store.committed_steps() if s > step]
-        if newer and Path(start.folder).resolve().parent == store.root.resolve():
+        in_store = Path(start.folder).resolve().parent == store.root.resolve()
+        if newer and in_store:
             raise CheckpointError(
                 f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
                 "resume from latest, or use another --checkpoint-dir"
             )
-        _continue(start, data_fingerprint, request, launch)
+        _continue(start, data_fingerprint, request, launch, "latest" if in_store else str(start.folder))
         if request.stop_at is not None and request.stop_at <= step:
             raise PipelineError(f"--stop-at {request.stop_at} is not after the resume step {step}")
     return start
 
 
-def _continue(start: StartingPoint, data_fingerprint: str, request: StartRequest, launch: Launch) -> None:
-    """The launch and the config a resume continues with, or the refusal (every rank runs
-    this on the same sealed meta.json, so every rank decides alike)."""
+def _continue(
+    start: StartingPoint, data_fingerprint: str, request: StartRequest, launch: Launch, resume: str
+) -> None:
+    """The launch and the config a resume continues with, or the refusal naming the command
+    that resumes it from ``resume`` as it was launched (every rank runs this on the same
+    sealed meta.json, so every rank decides alike)."""
     recorded = Launch.of_checkpoint(start.meta)
     if recorded != launch:
         if not request.reshard:
-            raise _launch_mismatch(start.folder, recorded, launch, start.config)
+            raise _launch_mismatch(start.folder, recorded, launch, start.config, resume)
         start.launch_change = {"recorded": recorded.to_dict(), "now": launch.to_dict()}
     start.config, start.lineage = continued_config(
         start.meta, start.config, data_fingerprint, extend_to=request.extend_to
@@ -367,19 +390,22 @@ def _continue(start: StartingPoint, data_fingerprint: str, request: StartRequest
     start.extended = request.extend_to is not None
 
 
-def _launch_mismatch(folder: Path, recorded: Launch, now: Launch, config: Config) -> LaunchMismatch:
+def _launch_mismatch(
+    folder: Path, recorded: Launch, now: Launch, config: Config, resume: str
+) -> LaunchMismatch:
+    command = recorded.command(config, resume, now.declared)
     if (recorded.parallel, recorded.ddp_find_unused_parameters) == (
         now.parallel,
         now.ddp_find_unused_parameters,
     ):
         return WorldSizeMismatch(
             f"{folder} was written by {recorded.world_size} processes, this launch has "
-            f"{now.world_size}: relaunch with --nproc-per-node {recorded.world_size}, or pass "
-            "--reshard to redistribute it (RNG streams are then re-derived)"
+            f"{now.world_size}: relaunch as it was launched ({command}), or pass --reshard to "
+            "redistribute it (RNG streams are then re-derived)"
         )
     return LaunchMismatch(
         f"{folder} was written by {recorded.describe()}, this run is {now.describe()}: resume it "
-        f"as it was launched ({recorded.command(config)}), or pass --reshard to move the run to this "
+        f"as it was launched ({command}), or pass --reshard to move the run to this "
         "launch (recorded in meta.json; docs/distributed.md)"
     )
 
@@ -404,7 +430,7 @@ def share_start(
             config=config, init_from=None if request.init_from is None else Path(request.init_from)
         )
     shared = StartingPoint(config=config, folder=Path(folder), meta=read_meta(Path(folder)), verified=True)
-    _continue(shared, data_fingerprint, request, launch)
+    _continue(shared, data_fingerprint, request, launch, str(folder))
     return shared
 
 

@@ -30,7 +30,7 @@ from .config import Config
 from .data import load_manifest
 from .distributed.world import World
 from .environment import current_environment, pin_threads
-from .errors import PeerFailed, Preempted, TrainingDiverged
+from .errors import Preempted, TrainingDiverged
 from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers, resolve_device
@@ -220,6 +220,7 @@ def train(
     )
     request.check()
     launch = Launch.of_run(config, world)
+    config = launch.configured(config)  # training.parallel auto resolved, as checkpoints record it
     if world is not None:  # this run's copy: its DDP bucket setting, buckets not yet settled
         world = dataclasses.replace(
             world, find_unused_parameters=config.training.ddp_find_unused_parameters, buckets_settled=True
@@ -259,6 +260,8 @@ def train(
                 check_capturable(run)
             if hooks.on_start is not None:
                 hooks.on_start(run)
+            if first:  # the run continues: a stop's note would name a launch of the past
+                store.note_resume(None)
         report = Progress(
             total=config.training.max_steps,
             initial=start.step or 0,
@@ -365,12 +368,15 @@ def _loop(
         checkpointer.wait()
         if stop is not None:
             name = signal.Signals(stop).name
-            where = saved.path if saved is not None else checkpointer.store.path_for(run.step)
+            store = checkpointer.store
+            where = saved.path if saved is not None else store.path_for(run.step)
             message = (
                 f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                 f"Resume with: {resume_hint}"
             )
-            if world is not None and world.rank != 0:
-                raise PeerFailed(message, 128 + stop)  # rank 0 says it once
-            raise Preempted(message, stop)
+            if world is not None and world.rank == 0:
+                with contextlib.suppress(OSError):  # the line says it all the same
+                    message += f" (saved in {store.note_resume(resume_hint)})"
+            # Under torchrun rank 0 says it once; torchrun's own report follows it.
+            raise Preempted(message, stop, quiet=world is not None and world.rank != 0)
     return saved

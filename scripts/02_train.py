@@ -7,7 +7,7 @@
     python scripts/02_train.py --resume latest --extend-to 40   # train a finished run on to step 40
     python scripts/02_train.py --init-from estados_local/step-00000010 --checkpoint-dir runs/ft
     python scripts/02_train.py --config examples/charlm/config.yaml
-    torchrun --standalone --nproc-per-node 2 scripts/02_train.py --set training.parallel=ddp
+    torchrun --standalone --nproc-per-node 2 scripts/02_train.py   # DDP (training.parallel auto)
     torchrun --standalone --nproc-per-node 4 scripts/02_train.py --set training.parallel=fsdp2 --resume latest --reshard
     python scripts/02_train.py --resume latest --reshard  # a torchrun run continued in one process
 
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
-from pipeline.distributed.world import launched_by_torchrun
+from pipeline.distributed.world import joins_launch
 from pipeline.train import train
 
 
@@ -84,7 +84,7 @@ def main() -> int:
         progress=not args.quiet,
         allow_environment_change=args.allow_environment_change,
     )
-    if launched_by_torchrun():
+    if joins_launch(config):
         from pipeline.distributed.training import train_distributed
 
         result = train_distributed(config, **options)

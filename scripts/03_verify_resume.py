@@ -4,7 +4,7 @@
     python -B scripts/03_verify_resume.py --output runs/proof-20 --steps 20 --cut 7
     python -B scripts/03_verify_resume.py --output runs/proof-charlm --config examples/charlm/config.yaml
     python -B scripts/03_verify_resume.py --output runs/proof-gpu --set training.device=cuda --atol 1e-6
-    python -B scripts/03_verify_resume.py --output runs/proof-ddp --nproc-per-node 2 --set training.parallel=ddp
+    python -B scripts/03_verify_resume.py --output runs/proof-ddp --nproc-per-node 2
 
 Each in its own process, with this interpreter: N uninterrupted steps; the same run cut at
 step K with a checkpoint; a resume from it to N; and one resume per saved component (RNG,
@@ -12,7 +12,7 @@ optimizer, scheduler, data) that leaves it unrestored and must diverge. Everythi
 in the new --output folder (never in checkpoint.dir); OUTPUT/verification.json holds every
 check with its measured difference. The last stdout line is a one-line JSON summary.
 
-With --nproc-per-node N (training.parallel ddp or fsdp2) the proof runs at that world
+With --nproc-per-node N (training.parallel auto, ddp or fsdp2) the proof runs at that world
 size: two torchrun launches, the uninterrupted run (which also saves the cut checkpoint),
 then the resume and the controls, which add a swap of ranks 0 and 1's RNG streams; the
 final checkpoints are compared bit for bit (pipeline/proof/distributed.py).
@@ -71,7 +71,7 @@ def main() -> int:
         type=int,
         metavar="P",
         help="prove the resume of a torchrun run "
-        "with P processes (training.parallel ddp or fsdp2); each leg is a torchrun launch",
+        "with P processes (training.parallel auto, ddp or fsdp2); each leg is a torchrun launch",
     )
     args = parser.parse_args()
     if args.output.exists() or args.output.is_symlink():

@@ -5,9 +5,11 @@ signal and the kill use the real script. Moving a run between launches: test_lau
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from pipeline.checkpoint import LoadMode, load_checkpoint, load_model_weights, read_tensors
 from pipeline.checkpoint.store import meta_sha256
+from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
 from pipeline.distributed.world import World
@@ -70,15 +73,15 @@ def torchrun(nproc: int, *args: str, cwd: Path, timeout: float = 240, **popen) -
     )
 
 
-def train_args(data_dir: Path, checkpoint_dir: Path, *extra: str, parallel: str = "ddp") -> list[str]:
+def train_args(data_dir: Path, checkpoint_dir: Path, *extra: str, parallel: str | None = "ddp") -> list[str]:
+    """02's arguments; ``parallel`` None leaves training.parallel as config.yaml has it (auto)."""
     return [
         str(REPO / "scripts" / "02_train.py"),
         "--config",
         str(CONFIG),
         "--set",
         f"data.dir={data_dir}",
-        "--set",
-        f"training.parallel={parallel}",
+        *(["--set", f"training.parallel={parallel}"] if parallel is not None else []),
         "--checkpoint-dir",
         str(checkpoint_dir),
         *extra,
@@ -246,9 +249,10 @@ def test_a_failed_background_save_ends_every_rank_with_exit_2(legs):
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     failed = results[7]
     assert failed["error"] in ("OSError", "CheckpointError", "PeerFailed"), failed
-    assert "No space left on device" in failed["message"] or "failed on another rank" in failed["message"], (
-        failed
-    )
+    # The rank that failed says why; a peer that did not carries its line (for torchrun's report).
+    assert (
+        "No space left on device" in failed["message"] or "no space left on the device" in failed["message"]
+    ), failed
     assert "\n" not in failed["message"] and failed["exit_codes"] == [2, 2], failed
     assert not list((root / "full_disk").glob("step-*")), "a failed save left a step folder"
 
@@ -644,7 +648,7 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
 
 
 def _launch(
-    data_dir: Path, checkpoint_dir: Path, log: Path, *extra: str, parallel: str = "ddp"
+    data_dir: Path, checkpoint_dir: Path, log: Path, *extra: str, parallel: str | None = "ddp"
 ) -> subprocess.Popen:
     command = [
         sys.executable,
@@ -698,7 +702,22 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     assert len(lines) == 1 and not error_lines(text), text[-3000:]
     step = int(lines[0].split("after step ")[1].split(";")[0])
     assert "exitcode: 143" in text or "exitcode  : 143" in text, text[-3000:]
-    assert "torchrun --standalone --nproc-per-node=2" in lines[0] and "--resume latest" in lines[0]
+    # The command repeats the launch under the ranks' own interpreter; torchrun's report that
+    # follows names the stop as its root cause, and the command is kept in checkpoint.dir.
+    command = lines[0].split("Resume with: ")[1].removesuffix(f" (saved in {checkpoints / 'RESUME'})")
+    assert command != lines[0].split("Resume with: ")[1], lines[0]
+    interpreter, *launch = shlex.split(command)[:6]
+    assert (tmp_path / interpreter).resolve() == Path(sys.executable).resolve(), command
+    assert launch == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "scripts" / "02_train.py"),
+    ]
+    assert command.endswith(" --resume latest") and (checkpoints / "RESUME").read_text() == command + "\n"
+    root_cause = text.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {lines[0]}" in root_cause, root_cause
     committed = sorted(checkpoints.glob("step-*"))
     assert [p.name for p in committed] == [f"step-{step:08d}"]
     verify_distributed(committed[0])
@@ -706,9 +725,11 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
 
 @pytest.mark.heavy
 def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path):
+    """Also: config.yaml as it is under torchrun (training.parallel auto) trains DDP, and its
+    checkpoints record ddp, never auto."""
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
-    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet")
+    launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet", parallel=None)
     try:
         _wait_for(
             lambda: checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()),
@@ -728,7 +749,8 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
     committed = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-"))
     assert committed, "the previous checkpoint is gone"
     for folder in committed:  # every step folder is complete: none half-made
-        verify_distributed(folder)
+        meta = verify_distributed(folder)
+        assert meta["parallel"]["mode"] == "ddp" and meta["config"]["training"]["parallel"] == "ddp"
 
 
 def _world(rank: int, size: int) -> World:
@@ -759,7 +781,22 @@ def test_resume_command_repeats_the_launch_with_resume_latest():
     command = _world(0, 2).resume_command(
         ["scripts/02_train.py", "--set", "training.parallel=fsdp2", "--resume=auto", "--quiet"]
     )
-    assert command == (
-        "torchrun --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
+    assert command == shlex.join([python_command(), "-m", "torch.distributed.run"]) + (
+        " --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
         "--quiet --resume latest"
     )
+    two_nodes = dataclasses.replace(_world(0, 4), local_world_size=2).resume_command(["scripts/02_train.py"])
+    assert " -m torch.distributed.run --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT " in two_nodes
+
+
+def test_a_printed_command_sets_each_key_once_with_the_value_it_names(tmp_path):
+    """A hint's own --set of a key replaces the config's (the launch a refusal names), and
+    every other argument that selects the run stays."""
+    mine = Path(shutil.copy(CONFIG, tmp_path / "mine.yaml"))
+    config = load_config(
+        mine, {"training.parallel": "ddp", "checkpoint.dir": str(tmp_path / "ck"), "training.max_steps": 12}
+    )
+    command = shlex.split(script_command(config, "02_train.py", "--set", "training.parallel=none"))
+    assert command[command.index("--config") + 1] == str(mine)
+    sets = [command[i + 1] for i, token in enumerate(command) if token == "--set"]
+    assert sets == [f"checkpoint.dir={tmp_path / 'ck'}", "training.max_steps=12", "training.parallel=none"]

@@ -1,7 +1,8 @@
 """One run, any launch: a run moves between one process and torchrun with --reshard (both
-ways, and from DDP to FSDP2), is extended and warm-started under torchrun as in one
-process, trains across two torchrun agents (multi-node on loopback), and its ranks end
-when their agent dies.
+ways, and from DDP to FSDP2) and on through later resumes and moves, is extended and
+warm-started under torchrun as in one process, trains across two torchrun agents
+(multi-node on loopback), and its ranks end when their agent dies. A refusal under torchrun
+is one line, named by torchrun's own report; the commands it prints resume the run.
 
 The distributed trainings share one launch of two torchrun agents (``--nnodes 2``, c10d
 rendezvous on loopback, one process each: tests/helpers/dist_leg.py); the single-process
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -22,22 +24,28 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
 from pipeline.durable import json_bytes
-from pipeline.errors import LaunchMismatch, StateMismatch
+from pipeline.errors import LaunchMismatch, NoCheckpoint, StateMismatch
 from pipeline.stage import build_stage
 from pipeline.train import train
 
-from support import HELPERS, REPO, script_env
+from support import HELPERS, REPO, run_script, script_env
 
 CONFIG = REPO / "config.yaml"
 LAUNCHES = pytest.mark.xdist_group("two-agents")
 # Dropout draws from per-rank streams (re-derived by a move); the data order and the
 # augmentation noise (seeded per sample) are the same at any world size, so they stay on.
 QUIET = {"model.params.dropout": 0.0}
+
+
+def _runs_this_interpreter(command: str, cwd: Path) -> bool:
+    """``command`` starts with the interpreter the ranks ran (as printed in ``cwd``)."""
+    return (cwd / shlex.split(command)[0]).resolve() == Path(sys.executable).resolve()
 
 
 def two_agents(root: Path, runs: list[dict]) -> tuple[list[dict], str]:
@@ -93,6 +101,18 @@ def moves(data_dir, tmp_path_factory):
     train(load_config(CONFIG, {**quiet, "checkpoint.dir": str(root / "single_full")}), progress=False)
     single_cut = str(root / "single_cut" / "step-00000006")
     ddp = {"data.dir": str(data_dir), "training.parallel": "ddp"}
+    # A round trip through every kind of move and a resume of what each wrote: one process to
+    # step 2, then under torchrun DDP (training.parallel auto) to 4 and resumed to 6, FSDP2 to
+    # 8, and one process again to 10 (test_a_run_moved_again_and_again_...).
+    trip = {**quiet, "checkpoint.dir": str(root / "trip"), "checkpoint.keep_last": 10}
+    train(load_config(CONFIG, trip), stop_at=2, progress=False)
+    # A DDP checkpoint resumed with the other bucket setting: refused, then moved.
+    unused = {
+        **ddp,
+        **QUIET,
+        "checkpoint.dir": str(root / "unused"),
+        "training.ddp_find_unused_parameters": True,
+    }
     results, output = two_agents(
         root,
         [
@@ -126,6 +146,21 @@ def moves(data_dir, tmp_path_factory):
                 },
                 "resume": str(root / "quiet_cut" / "step-00000006"),
                 "reshard": True,
+            },
+            {"overrides": trip, "resume": "latest", "reshard": True, "stop_at": 4},
+            {"overrides": trip, "resume": "latest", "stop_at": 6},
+            {
+                "overrides": {**trip, "training.parallel": "fsdp2"},
+                "resume": "latest",
+                "reshard": True,
+                "stop_at": 8,
+            },
+            {"overrides": unused, "resume": str(root / "quiet_cut" / "step-00000006")},
+            {
+                "overrides": unused,
+                "resume": str(root / "quiet_cut" / "step-00000006"),
+                "reshard": True,
+                "stop_at": 7,
             },
         ],
     )
@@ -176,6 +211,16 @@ def test_a_single_process_run_continues_under_torchrun_only_with_reshard(moves):
         in refused["message"]
         and "pass --reshard" in refused["message"]
     ), refused
+    # The command it names resumes that checkpoint in one process: this interpreter, the config
+    # and checkpoint folder of the run, the launch's key once, with the value that launch needs.
+    hint = refused["message"].split("as it was launched (")[1].split("), or pass")[0]
+    assert _runs_this_interpreter(hint, root) and "torch.distributed.run" not in hint, hint
+    assert f"--config {CONFIG}" in hint and f"--set checkpoint.dir={root / 'up'}" in hint, hint
+    assert hint.count("training.parallel=") == 1 and "--set training.parallel=none" in hint, hint
+    assert hint.endswith(f"--resume {root / 'single_cut' / 'step-00000006'}"), hint
+    # training.parallel auto: a single-process checkpoint records the mode it ran, never auto.
+    single = load_checkpoint(root / "single_cut" / "step-00000006", mode=LoadMode.VERIFY).meta
+    assert single["config"]["training"]["parallel"] == "none"
     assert moved["step"] == 10, moved
     worst = worst_difference(root / "up" / "step-00000010", root / "single_full" / "step-00000010")
     assert worst <= 1e-9, worst
@@ -325,6 +370,9 @@ def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_d
     committed = sorted(checkpoints.glob("step-*"))
     assert len(committed) == 1 and committed[0].name in lines[0]
     load_checkpoint(committed[0], mode=LoadMode.VERIFY)
+    # No torchrun report follows an agent killed: the command is in the line and in RESUME.
+    command = (checkpoints / "RESUME").read_text().removesuffix("\n")
+    assert lines[0].endswith(f"Resume with: {command} (saved in {checkpoints / 'RESUME'})"), lines[0]
 
 
 @contextlib.contextmanager
@@ -506,3 +554,181 @@ def test_a_single_process_run_never_imports_the_distributed_checkpoint_stack(dat
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _state(folder: Path) -> tuple[dict, dict]:
+    """A single-process checkpoint's (model and state tensors, JSON training state)."""
+    loaded = load_checkpoint(folder, mode=LoadMode.FULL)
+    return {**loaded.model_tensors, **loaded.state_tensors}, loaded.meta["training_state"]
+
+
+@LAUNCHES
+def test_a_run_moved_again_and_again_resumes_after_every_move_and_ends_where_one_process_does(
+    moves, data_dir
+):
+    """1 process -> 2 DDP (--reshard) -> resumed -> FSDP2 (--reshard) -> 1 process (--reshard):
+    every leg resumes the checkpoint the previous one wrote after a move. Without per-rank
+    randomness (dropout 0; the augmentation noise is seeded per sample), the end equals the
+    uninterrupted single-process run within 1e-9: every weight, optimizer moment and history
+    value compared as float64, the data order and every JSON field (optimizer hyperparameters
+    with their tuples, scheduler, sampler, step) exactly; only the RNG streams, re-derived by
+    each move, differ."""
+    root, results, _ = moves
+    assert [r.get("step") for r in results[8:11]] == [4, 6, 8], results[8:11]
+    trip = {
+        "data.dir": str(data_dir),
+        **QUIET,
+        "checkpoint.dir": str(root / "trip"),
+        "checkpoint.keep_last": 10,
+    }
+    config = load_config(CONFIG, trip)
+    result = train(config, resume="latest", reshard=True, progress=False)
+    assert (result.resumed_from, result.step) == (8, 10)
+    end, end_state = _state(root / "trip" / "step-00000010")
+    full, full_state = _state(root / "single_full" / "step-00000010")
+    compared = [name for name in full if not name.startswith("rng/")]
+    assert sorted(compared) == sorted(name for name in end if not name.startswith("rng/"))
+    for name in compared:
+        if full[name].is_floating_point():
+            worst = (end[name].double() - full[name].double()).abs().max().item()
+            assert worst <= 1e-9, (name, worst)
+        else:
+            assert torch.equal(end[name], full[name]), name
+    assert {k: v for k, v in end_state.items() if k != "rng"} == {
+        k: v for k, v in full_state.items() if k != "rng"
+    }
+    meta = load_checkpoint(root / "trip" / "step-00000010", mode=LoadMode.VERIFY).meta
+    moves_made = [
+        (c["recorded"]["parallel"], c["now"]["parallel"], c["step"]) for c in meta["environment"]["changes"]
+    ]
+    assert moves_made == [("none", "ddp", 2), ("ddp", "fsdp2", 6), ("fsdp2", "none", 8)], moves_made
+    ddp_leg = load_checkpoint(root / "trip" / "step-00000006", mode=LoadMode.VERIFY).meta
+    assert ddp_leg["config"]["training"]["parallel"] == "ddp"  # auto, as the launch ran it
+
+
+@LAUNCHES
+def test_a_flipped_ddp_bucket_setting_is_refused_then_recorded_as_a_move(moves):
+    """ddp_find_unused_parameters changes DDP's reduction order: resuming a checkpoint with the
+    other setting is another launch, refused without --reshard (naming the command with the
+    recorded setting), recorded in meta.json with it."""
+    root, results, _ = moves
+    refused, moved = results[11:13]
+    assert refused["error"] == "LaunchMismatch" and refused["exit_codes"] == [2, 2], refused
+    assert (
+        "was written by 2 processes (training.parallel ddp, ddp_find_unused_parameters false), this run "
+        "is 2 processes (training.parallel ddp, ddp_find_unused_parameters true)" in refused["message"]
+    ), refused
+    hint = refused["message"].split("as it was launched (")[1].split("), or pass")[0]
+    assert _runs_this_interpreter(hint, root), hint
+    assert " -m torch.distributed.run --standalone --nproc-per-node=2 " in hint, hint
+    assert hint.count("ddp_find_unused_parameters") == 1, hint
+    assert "--set training.ddp_find_unused_parameters=false" in hint, hint
+    assert moved["step"] == 7, moved
+    meta = load_checkpoint(root / "unused" / "step-00000007", mode=LoadMode.VERIFY).meta
+    assert meta["parallel"]["ddp_find_unused_parameters"] is True
+    assert meta["environment"]["changes"] == [
+        {
+            "item": "launch",
+            "step": 6,
+            "recorded": {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": False},
+            "now": {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": True},
+        }
+    ]
+
+
+def _as_an_older_version_wrote_it(folder: Path) -> None:
+    """meta.json's AdamW betas as a list, resealed: what a checkpoint written after a move
+    held before torch's loaders' lists were given back their tuples."""
+    meta = json.loads((folder / "meta.json").read_text())
+    group = meta["training_state"]["optimizer"]["param_groups"][0]
+    group["betas"] = group["betas"]["__tuple__"]
+    meta["meta_sha256"] = meta_sha256(meta)
+    (folder / "meta.json").write_bytes(json_bytes(meta))
+
+
+@pytest.mark.heavy
+def test_a_refusal_under_torchrun_is_one_line_and_torchruns_report_names_it(data_dir, tmp_path):
+    """A sealed checkpoint this code cannot continue is refused as not fitting (never as
+    damaged: its seal and hashes verify), by every rank alike but printed once, and torchrun's
+    failure report, the last thing it prints, names that line as its root cause (the error
+    file of torchelastic) rather than "To enable traceback see ...". The default config
+    under torchrun with no --set is a DDP run (training.parallel auto)."""
+    checkpoints = tmp_path / "ck"
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints)})
+    train(config, stop_at=2, progress=False)
+    _as_an_older_version_wrote_it(checkpoints / "step-00000002")
+    with pytest.raises(StateMismatch) as refused:
+        train(config, resume="latest", progress=False)
+    assert "betas is not a tuple of 2 items" in str(refused.value), refused.value
+    assert "does not fit this code" in str(refused.value) and "damaged" not in str(refused.value)
+    launch = subprocess.run(
+        [
+            sys.executable,
+            "-B",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(REPO / "scripts" / "02_train.py"),
+            "--config",
+            str(CONFIG),
+            "--set",
+            f"data.dir={data_dir}",
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--resume",
+            "latest",
+            "--reshard",
+        ],
+        cwd=tmp_path,
+        env=script_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert launch.returncode == 1, launch.stderr[-3000:]
+    errors = [line for line in launch.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, launch.stderr[-3000:]
+    assert "betas is not a tuple of 2 items" in errors[0] and "does not fit this code" in errors[0], errors
+    assert "damaged" not in launch.stderr and "Traceback" not in errors[0]
+    root_cause = launch.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {errors[0]}" in root_cause, root_cause
+    assert "To enable traceback" not in launch.stderr, launch.stderr[-3000:]
+    assert "exitcode  : 2" in root_cause, root_cause
+
+
+def test_training_parallel_ddp_in_one_process_is_one_line_naming_the_launch(data_dir, tmp_path):
+    result = run_script(
+        "02_train.py",
+        "--config",
+        str(CONFIG),
+        "--set",
+        f"data.dir={data_dir}",
+        "--set",
+        "training.parallel=ddp",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {CONFIG} (with command-line"), result.stderr
+    assert "training.parallel is 'ddp', which trains under torchrun" in lines[0], lines
+    assert "-m torch.distributed.run --standalone --nproc-per-node=N" in lines[0], lines
+    assert lines[0].count("training.parallel=ddp") == 1 and "training.parallel to auto" in lines[0], lines
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_stopped_runs_resume_note_stays_until_the_run_continues(data_dir, tmp_path):
+    """``RESUME`` (written by rank 0 of a stopped torchrun launch) names a launch of the past
+    once the run trains again: a start that is refused keeps it, one that resumes removes it."""
+    checkpoints = tmp_path / "ck"
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints)})
+    train(config, stop_at=1, progress=False)
+    note = checkpoints / "RESUME"
+    note.write_text("python -m torch.distributed.run ... --resume latest\n")
+    with pytest.raises(NoCheckpoint):
+        train(config, resume=str(tmp_path / "nowhere"), progress=False)
+    assert note.is_file(), "a refused start removed the note of the stopped run"
+    train(config, resume="latest", stop_at=2, progress=False)
+    assert not note.exists(), "the note outlived the stop it was written for"

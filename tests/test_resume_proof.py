@@ -264,7 +264,10 @@ def test_cut_or_steps_outside_the_run_is_refused_before_the_output_exists(data_d
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--nproc-per-node", "2"], "needs training.parallel ddp or fsdp2"),
+        (
+            ["--nproc-per-node", "2", "--set", "training.parallel=none"],
+            "needs training.parallel auto, ddp or fsdp2",
+        ),
         (["--nproc-per-node", "1", "--set", "training.parallel=ddp"], "--nproc-per-node must be >= 2"),
         (
             ["--nproc-per-node", "2", "--set", "training.parallel=ddp", "--jobs", "2"],

@@ -57,7 +57,7 @@ from torch.futures import Future
 
 from ..distributed.world import World, derive_rank_rng
 from ..durable import atomic_folder, json_loads_strict
-from ..errors import CheckpointError, PipelineError, StateMismatch
+from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, StateMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
@@ -183,7 +183,7 @@ def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     try:
         return json_loads_strict(header["__metadata__"][_RNG_KEY].encode("utf-8")), tensors
     except (KeyError, TypeError, ValueError):
-        raise StateMismatch(f"{path} holds no readable RNG record: the checkpoint is damaged") from None
+        raise StateMismatch(f"{path} holds no readable RNG record: {SEALED_BUT_UNFIT}") from None
 
 
 def read_full_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
@@ -528,7 +528,7 @@ def restore_distributed(
     with _fits(folder):
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
         if "optimizer" not in omit:
-            set_optimizer_state_dict(run.model, run.optimizer, joined["optimizer"], options=_FLAT)
+            _set_optimizer(run, joined["optimizer"], _FLAT)
         _restore_rest(run, joined, omit, rank, resharded, history=shared)
 
 
@@ -560,10 +560,32 @@ def restore_from_single(
                     for group in saved["param_groups"]
                 ],
             }
-            set_optimizer_state_dict(
-                run.model, run.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
-            )
+            _set_optimizer(run, by_name, StateDictOptions(full_state_dict=True))
         _restore_rest(run, joined, omit, world.rank, True, history=tensors)
+
+
+def _set_optimizer(run: TrainingRun, state: dict[str, Any], options: StateDictOptions) -> None:
+    """Load a validated optimizer state through torch's loader, then give every group's
+    hyperparameters the types the freshly built optimizer has: torch's full-state path
+    flattens and rebuilds the state, handing back lists where the optimizer holds tuples
+    (AdamW's ``betas``). Left as lists, the next checkpoint would record lists, which no
+    resume of this code accepts (:mod:`~pipeline.checkpoint.validate`)."""
+    built = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in run.optimizer.param_groups
+    ]
+    set_optimizer_state_dict(run.model, run.optimizer, state, options=options)
+    for group, fresh in zip(run.optimizer.param_groups, built, strict=True):
+        for key, value in fresh.items():
+            if key in group:
+                group[key] = _typed_like(group[key], value)
+
+
+def _typed_like(loaded: Any, built: Any) -> Any:
+    """``loaded`` with the tuples of ``built`` (the same values, nested alike)."""
+    if isinstance(built, tuple) and isinstance(loaded, (list, tuple)) and len(loaded) == len(built):
+        return tuple(_typed_like(item, like) for item, like in zip(loaded, built))
+    return loaded
 
 
 def _restore_rest(

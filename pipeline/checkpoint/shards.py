@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..errors import ChecksumMismatch, SchemaMismatch
+from ..errors import SEALED_BUT_UNFIT, ChecksumMismatch, SchemaMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
 from .tensorfile import (
     SAFETENSORS_DTYPES,
@@ -78,9 +78,9 @@ def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
         and parallel["mode"] in PARALLEL_MODES
         and type(parallel["ddp_find_unused_parameters"]) is bool
     ):
-        raise SchemaMismatch(f"{path} has a malformed parallel record: the file is damaged")
+        raise SchemaMismatch(f"{path} has a malformed parallel record: {SEALED_BUT_UNFIT}")
     if not (resharded is None or (type(resharded) is int and resharded >= 1)):
-        raise SchemaMismatch(f"{path} has a malformed resharded_from: the file is damaged")
+        raise SchemaMismatch(f"{path} has a malformed resharded_from: {SEALED_BUT_UNFIT}")
     if not (
         isinstance(tensors, dict)
         and set(tensors) == set(SHARDED_PARTS)
@@ -89,7 +89,7 @@ def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
             for part in tensors.values()
         )
     ):
-        raise SchemaMismatch(f"{path} has a malformed tensors table: the file is damaged")
+        raise SchemaMismatch(f"{path} has a malformed tensors table: {SEALED_BUT_UNFIT}")
     ranks = {rank_rng_file(rank) for rank in range(parallel["world_size"])}
     for name in meta["files"]:
         top = name.split("/")[0]

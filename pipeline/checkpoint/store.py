@@ -38,8 +38,17 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict, lock_folder
+from ..durable import (
+    FolderLock,
+    atomic_folder,
+    fsync_dir,
+    json_bytes,
+    json_loads_strict,
+    lock_folder,
+    write_atomic,
+)
 from ..errors import (
+    SEALED_BUT_UNFIT,
     CheckpointError,
     CheckpointLocked,
     ChecksumMismatch,
@@ -49,7 +58,7 @@ from ..errors import (
     describe_os_error,
 )
 from ..hashing import HashingWriter
-from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, STATE_FILE
+from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE
 from .shards import check_launch_record
 from .tensorfile import write_safetensors_files
 
@@ -229,6 +238,20 @@ class CheckpointStore:
         if removed:
             fsync_dir(self.root)
         return removed
+
+    # -- the resume note -----------------------------------------------------------------
+    def note_resume(self, command: str | None) -> Path:
+        """Write ``command``, which continues the run stopped here, to ``RESUME`` (under
+        torchrun the stop's own line scrolls away under torchrun's report); ``None`` removes
+        it, once the run continues. Requires the lock."""
+        self._require_lock("note_resume")
+        path = self.root / RESUME_FILE
+        if command is not None:
+            write_atomic(path, (command + "\n").encode("utf-8"))
+        elif path.is_file() and not path.is_symlink():
+            path.unlink()
+            fsync_dir(self.root)
+        return path
 
     # -- saving --------------------------------------------------------------------------
     def save(
@@ -444,10 +467,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if set(meta) != keys:
         odd = sorted(set(meta) ^ keys)
         raise SchemaMismatch(
-            f"{path} has unexpected or missing fields ({', '.join(odd)}): the file is damaged"
+            f"{path} has unexpected or missing fields ({', '.join(odd)}): {SEALED_BUT_UNFIT}"
         )
     if not _files_ok(meta["files"], distributed):
-        raise SchemaMismatch(f"{path} has a malformed files table: the file is damaged")
+        raise SchemaMismatch(f"{path} has a malformed files table: {SEALED_BUT_UNFIT}")
     if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
         raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
     _check_lineage(path, meta["lineage"], meta["step"])
@@ -513,7 +536,7 @@ def _check_lineage(path: Path, lineage: Any, step: int) -> None:
             )
         ):
             raise SchemaMismatch(
-                f"{path} has a malformed lineage entry ({str(entry)[:120]}): the file is damaged"
+                f"{path} has a malformed lineage entry ({str(entry)[:120]}): {SEALED_BUT_UNFIT}"
             )
         previous = entry
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..data import make_sampler
-from ..errors import StateMismatch
+from ..errors import SEALED_BUT_UNFIT, StateMismatch
 from ..rng import RNG_FAMILIES
 from ..run import TrainingRun
 from .codec import join_state
@@ -32,7 +32,7 @@ _STATE_KEYS = {"optimizer", "scheduler", "data", "rng", "scaler", "progress"}
 
 
 def _fail(where: str, why: str) -> StateMismatch:
-    return StateMismatch(f"training_state.{where} {why}: the checkpoint is damaged or does not fit this code")
+    return StateMismatch(f"training_state.{where} {why}: {SEALED_BUT_UNFIT}")
 
 
 def _like(saved: Any, live: Any, where: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import StateMismatch
+from ..errors import SEALED_BUT_UNFIT, StateMismatch
 from ..layout import MODEL_FILE
 
 __all__ = [
@@ -109,7 +109,7 @@ def check_derived_buffers(
         isinstance(name, str) and name in tensors for name in derived
     ):
         raise StateMismatch(
-            f"{source}: the derived-buffer list in meta.json is malformed: the checkpoint is damaged"
+            f"{source}: the derived-buffer list in meta.json is malformed: {SEALED_BUT_UNFIT}"
         )
     for name in derived:
         built, saved = stored.get(name), tensors[name]
@@ -190,9 +190,7 @@ def check_weights_fit(
             and isinstance(record.get("tensors"), dict)
             and isinstance(record.get("tied"), list)
         ):
-            raise StateMismatch(
-                f"{source}: the model record in meta.json is malformed: the checkpoint is damaged"
-            )
+            raise StateMismatch(f"{source}: the model record in meta.json is malformed: {SEALED_BUT_UNFIT}")
         described = _described(tensors)
         if record["tensors"] != described:
             name = next(

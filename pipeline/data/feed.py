@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import DataError
+from ..errors import SEALED_BUT_UNFIT, DataError
 from .sampler import Sampler, batch_epoch, clone_sampler
 from .seeding import isolated_rng, seed_sample
 from .task import input_mode
@@ -137,8 +137,7 @@ class _SamplerFeed(Feed):
         _check_kind(saved, self.kind)
         if set(saved) != set(live):
             raise DataError(
-                f"training_state.data.source does not hold exactly {', '.join(live)}: the checkpoint "
-                "is damaged"
+                f"training_state.data.source does not hold exactly {', '.join(live)}: {SEALED_BUT_UNFIT}"
             )
         if type(saved["num_samples"]) is not int or saved["num_samples"] != self.num_samples:
             raise DataError(

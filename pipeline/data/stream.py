@@ -37,7 +37,7 @@ from torch.utils.data import default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import DataError
+from ..errors import SEALED_BUT_UNFIT, DataError
 from ..hashing import sha256_bytes
 from .feed import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
@@ -258,8 +258,7 @@ class StreamFeed(Feed):
             )
         if set(saved) != {"kind", "identity", "split", "world_size", "ranks"}:
             raise DataError(
-                f"{where} does not hold exactly kind, identity, split, world_size, ranks: the checkpoint "
-                "is damaged"
+                f"{where} does not hold exactly kind, identity, split, world_size, ranks: {SEALED_BUT_UNFIT}"
             )
         if saved["identity"] != self.identity:
             raise DataError(
@@ -279,17 +278,15 @@ class StreamFeed(Feed):
         ranks = saved["ranks"]
         count = self.world_size if self.sharded else 1
         if not isinstance(ranks, list) or len(ranks) != count:
-            raise DataError(f"{where}.ranks does not hold {count} position(s): the checkpoint is damaged")
+            raise DataError(f"{where}.ranks does not hold {count} position(s): {SEALED_BUT_UNFIT}")
         for rank, record in enumerate(ranks):
             at = f"{where}.ranks[{rank}]"
             if not isinstance(record, dict) or set(record) != {"pass", "consumed", "state"}:
-                raise DataError(
-                    f"{at} does not hold exactly pass, consumed, state: the checkpoint is damaged"
-                )
+                raise DataError(f"{at} does not hold exactly pass, consumed, state: {SEALED_BUT_UNFIT}")
             for key in ("pass", "consumed"):
                 if type(record[key]) is not int or record[key] < 0:
                     raise DataError(
-                        f"{at}.{key} is {record[key]!r}, expected an integer >= 0: the checkpoint is damaged"
+                        f"{at}.{key} is {record[key]!r}, expected an integer >= 0: {SEALED_BUT_UNFIT}"
                     )
             if record["state"] is not None:
                 _shaped_like(record["state"], self.initial, f"{at}.state")

@@ -5,10 +5,12 @@ launch around it."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 from ..checkpoint import DistributedCheckpointer  # noqa: F401  (see below)
-from ..config import Config
+from ..config import Config, launch_mode
 from ..errors import PipelineError
 from ..train import TrainResult, train
 from .world import World
@@ -23,7 +25,7 @@ __all__ = ["train_distributed"]
 
 
 def train_distributed(config: Config, *, world: World | None = None, **options: Any) -> TrainResult:
-    """Train as one rank of a torchrun launch (``training.parallel``: ddp | fsdp2).
+    """Train as one rank of a torchrun launch (``training.parallel``: auto, ddp or fsdp2).
 
     ``options``: as for :func:`pipeline.train.train` (``resume``, ``init_from``, ``extend_to``,
     ``reshard``, ``stop_at``, ``hooks``...). ``world``: a process group the caller started (and
@@ -31,7 +33,7 @@ def train_distributed(config: Config, *, world: World | None = None, **options: 
     here. Every rank returns the same result.
     """
     if world is not None:
-        if world.mode != config.training.parallel:
+        if world.mode != launch_mode(config.training.parallel, world.world_size):
             raise PipelineError(
                 f"the launch runs {world.mode}, the config asks for {config.training.parallel}"
             )
@@ -39,5 +41,18 @@ def train_distributed(config: Config, *, world: World | None = None, **options: 
     world = World.start(config)
     try:
         return train(config, world=world, **options)
+    except BaseException:
+        _outlast_the_agent()
+        raise
     finally:
         world.close()
+
+
+def _outlast_the_agent() -> None:
+    """This rank ends with an error or a stop its caller reports, as every rank of the launch
+    does (they agreed). torchrun SIGTERMs the ranks still running as soon as one exits: the
+    rank that prints the launch's one line (the others stay quiet) must not be ended before
+    it does, so SIGTERM is ignored from here on; exiting takes moments, and the agent sends
+    SIGKILL if it ever does not."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

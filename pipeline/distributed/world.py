@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from .. import PARENT_AT_START
-from ..cli import resume_command
-from ..config import Config
-from ..errors import ConfigError, DataError, PeerFailed, PipelineError
+from ..cli import resume_command, torchrun_launcher
+from ..config import Config, launch_mode
+from ..errors import ConfigError, DataError, PeerFailed, PipelineError, describe_os_error
 from ..rng import capture_rng, restore_rng
 
-__all__ = ["World", "launched_by_torchrun", "derive_rank_rng"]
+__all__ = ["World", "launched_by_torchrun", "joins_launch", "derive_rank_rng"]
 
 # What torchrun (and any launcher following its convention) sets for every worker.
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -48,6 +48,19 @@ _stop_agreed = threading.Event()
 
 def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in _LAUNCH_ENV)
+
+
+def _launch_size() -> int | None:
+    """The number of processes of the torchrun launch this process belongs to (else None)."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
+
+
+def joins_launch(config: Config) -> bool:
+    """Whether this process trains as one rank of a torchrun launch: it was launched by
+    torchrun, unless the launch is one process that runs ``training.parallel`` none (what
+    ``auto`` is there), which trains as a plain process."""
+    size = _launch_size()
+    return size is not None and (size > 1 or launch_mode(config.training.parallel, size) != "none")
 
 
 def derive_rank_rng(seed: int, step: int, rank: int) -> None:
@@ -115,6 +128,19 @@ def _peer_loss(
         raise PipelineError(f"{what} ({first[:200]}); {then}") from None
 
 
+def _one_line(error: BaseException | None) -> str:
+    """What a failed rank prints for ``error`` (nothing for none, or for a quiet one)."""
+    if error is None or getattr(error, "quiet", False):
+        return ""
+    if isinstance(error, OSError):
+        return describe_os_error(error)
+    return (
+        str(error).replace("\n", " ")
+        if isinstance(error, PipelineError)
+        else f"{type(error).__name__}: {error}"
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class World:
     """This process's place in the launch (``rank`` of ``world_size``)."""
@@ -141,11 +167,12 @@ class World:
     @classmethod
     def start(cls, config: Config) -> "World":
         """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
-        mode = config.training.parallel
+        mode = launch_mode(config.training.parallel, _launch_size())
         if mode == "none":
             raise ConfigError(
                 f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
-                "training.parallel is 'none': set it to 'ddp' or 'fsdp2' (--set training.parallel=ddp)"
+                "training.parallel is 'none': set it to 'auto', 'ddp' or 'fsdp2' "
+                "(--set training.parallel=auto)"
             )
         end_with_launcher()
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -248,8 +275,11 @@ class World:
 
     @contextlib.contextmanager
     def together(self, what: str) -> Iterator[None]:
-        """Run a block on every rank; if it fails on any, it fails on all. The failing rank
-        raises its own error; the others raise a quiet :class:`PeerFailed` with its exit code."""
+        """Run a block on every rank; if it fails on any, it fails on all, and its message is
+        printed once for the launch: the lowest rank that failed with it raises its own error,
+        every other rank a quiet :class:`PeerFailed` carrying that message (for torchrun's
+        report, :func:`pipeline.cli.run_main`) and its exit code. A refusal every rank
+        reaches alike (a checkpoint that does not fit) is one line, not one per rank."""
         error: BaseException | None = None
         try:
             yield
@@ -261,10 +291,22 @@ class World:
             else 0
         )
         (agreed,) = self._max([code])
-        if error is not None:
+        if not agreed:
+            return
+        said: list[str] = []
+        try:
+            said = self.gather_text(_one_line(error))
+        except PipelineError:  # a peer is gone: this rank says what it knows
+            if error is None:
+                raise
+        if not said:
             raise error
-        if agreed:
-            raise PeerFailed(f"{what} failed on another rank (its message is above)", agreed)
+        first = next((line for line in said if line), f"{what} failed on another rank (its message is above)")
+        if error is None:
+            raise PeerFailed(first, agreed)
+        if said[self.rank] and said[self.rank] in said[: self.rank]:
+            raise PeerFailed(said[self.rank], code) from None  # a lower rank says it
+        raise error
 
     def broadcast_text(self, text: str | None) -> str:
         """Rank 0's ``text``, on every rank."""
@@ -350,12 +392,7 @@ class World:
         """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind
         torchrun with this launch's shape)."""
         nodes = self.world_size // max(self.local_world_size, 1)
-        launch = (
-            ["torchrun", "--standalone"]
-            if nodes == 1
-            else ["torchrun", f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
-        )
         return resume_command(
             list(sys.argv if argv is None else argv),
-            launcher=[*launch, f"--nproc-per-node={self.local_world_size}"],
+            launcher=torchrun_launcher(self.local_world_size, nodes),
         )

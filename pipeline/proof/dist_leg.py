@@ -21,7 +21,7 @@ from typing import Any
 
 from ..checkpoint import live_components
 from ..cli import run_main
-from ..config import config_from_dict
+from ..config import config_from_dict, launch_mode
 from ..distributed.training import train_distributed
 from ..distributed.world import World
 from ..durable import write_json_atomic
@@ -47,7 +47,9 @@ def run_launch(spec_path: Path) -> None:
             )
             result = train_distributed(
                 config,
-                world=dataclasses.replace(world, mode=config.training.parallel),
+                world=dataclasses.replace(
+                    world, mode=launch_mode(config.training.parallel, world.world_size)
+                ),
                 resume=run["resume"],
                 stop_at=run["stop_at"],
                 progress=False,

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..checkpoint import step_dir_name
-from ..config import Config
+from ..config import Config, launch_mode
 from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
@@ -79,10 +79,11 @@ def verify_resume_distributed(
     return the report. Refusals and failures as :func:`pipeline.proof.verify_resume`."""
     output = Path(output)
     refuse_output(output, config)
-    if config.training.parallel == "none":
+    parallel = launch_mode(config.training.parallel, nproc)
+    if parallel == "none":
         raise ConfigError(
-            f"{config.source}: --nproc-per-node needs training.parallel ddp or fsdp2 "
-            "(--set training.parallel=ddp)"
+            f"{config.source}: --nproc-per-node needs training.parallel auto, ddp or fsdp2 "
+            "(--set training.parallel=auto)"
         )
     if nproc < 2:
         raise ConfigError(
@@ -135,7 +136,7 @@ def verify_resume_distributed(
             "cut": k,
             "data": plan.data,
             "nproc_per_node": nproc,
-            "parallel": config.training.parallel,
+            "parallel": parallel,
             "tolerance": {"atol": atol, "rtol": 0.0, "mode": "bitwise" if atol == 0 else "absolute"},
             "launches": {},
         },

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from oprecorder import Recorder
 
 from pipeline.checkpoint.store import meta_sha256
-from pipeline.config import load_config
+from pipeline.config import launch_mode, load_config
 from pipeline.distributed.training import train_distributed
 from pipeline.distributed.world import World
 from pipeline.durable import json_bytes
@@ -90,7 +90,9 @@ def main(plan_path: str) -> None:
                 with recorder:
                     result = train_distributed(
                         config,
-                        world=dataclasses.replace(world, mode=config.training.parallel),
+                        world=dataclasses.replace(
+                            world, mode=launch_mode(config.training.parallel, world.world_size)
+                        ),
                         resume=run.get("resume"),
                         stop_at=run.get("stop_at"),
                         progress=run.get("progress", False),

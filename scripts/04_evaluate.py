@@ -42,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     config = config_from_args(args)
     record = evaluate_checkpoint(config, args.checkpoint)
-    path = write_metrics(record, args.output or Path(config.outputs.metrics))
+    path = write_metrics(record, config, args.output)
     print(f"evaluated {record['checkpoint']} (step {record['step']}) on the {record['split']} split")
     print(f"  modelo.safetensors sha256 {record['modelo_sha256']}")
     for name, value in sorted(record["metrics"].items()):

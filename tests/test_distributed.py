@@ -392,7 +392,7 @@ def test_one_process_resumes_a_distributed_checkpoint_only_with_reshard_and_stag
             config,
             checkpoint=folder,
             stage_dir=tmp_path / "stage",
-            metrics=write_metrics(other, tmp_path / "metrics.json"),
+            metrics=write_metrics(other, config, tmp_path / "metrics.json"),
         )
 
 
@@ -524,7 +524,7 @@ def test_evaluate_reads_a_distributed_checkpoint_as_its_staged_weights(legs, mod
     folder = root / f"full_{mode}" / "step-00000010"
     config = load_config(CONFIG, {"data.dir": str(data_dir)})
     record = evaluate_checkpoint(config, folder)
-    metrics = write_metrics(record, tmp_path / "metrics.json")
+    metrics = write_metrics(record, config, tmp_path / "metrics.json")
     result = build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=metrics)
     staged = tmp_path / "stage" / "modelo.safetensors"
     assert result.with_metrics and record["modelo_sha256"] == sha256_file(staged)

@@ -1,0 +1,56 @@
+"""The front door as a new user walks through it: the README's Python blocks run as written
+in a fresh clone and publish, the scripts say in one line how to get the project's
+environment, and `make demo` leaves the README's commands free to run after it."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import pytest
+
+from localhub import LocalHub
+
+from support import REPO, run_python, script_env
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return PYTHON_BLOCK.findall(page.read_text(encoding="utf-8"))
+
+
+def fresh_clone(root: Path) -> Path:
+    """What a clone holds that the README's Python uses: config.yaml, and an empty estados_local/."""
+    clone = root / "clone"
+    (clone / "estados_local").mkdir(parents=True)
+    shutil.copy(REPO / "config.yaml", clone / "config.yaml")
+    return clone
+
+
+@pytest.mark.heavy
+def test_the_readme_python_blocks_run_as_one_script_and_publish_then_the_stage_doc_turns_metrics_off(
+    tmp_path,
+):
+    blocks = python_blocks(REPO / "README.md")
+    walk = "\n".join(blocks)
+    assert "evaluate_checkpoint" in walk and "publish(" in walk, "the walk-through covers 01 to 06"
+    clone, token = fresh_clone(tmp_path), f"walk-{secrets.token_hex(8)}"
+    (tmp_path / "readme.py").write_text(walk, encoding="utf-8")
+    with LocalHub(tmp_path / "hub", token=token) as hub:
+        env = script_env(HF_TOKEN=token, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"))
+        result = run_python([tmp_path / "readme.py"], cwd=clone, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        staged = json.loads((clone / "hub_stage" / "meta.json").read_text())
+        assert staged["metrics"] is not None and staged["step"] == 10
+        assert json.loads((clone / "metrics.json").read_text())["step"] == 10
+        receipts = list((clone / "hub_receipts").glob("you--model-*.json"))
+        assert len(receipts) == 1 and json.loads(receipts[0].read_text())["verified"] is True
+    # docs/stage.md's block, in the same folder: a stage without metrics.
+    (tmp_path / "stage_doc.py").write_text("\n".join(python_blocks(REPO / "docs" / "stage.md")))
+    result = run_python([tmp_path / "stage_doc.py"], cwd=clone, env=script_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((clone / "hub_stage" / "meta.json").read_text())["metrics"] is None

@@ -18,9 +18,12 @@ Exit codes: 0 done; 2 bad input or unusable checkpoint (nothing deleted);
 import argparse
 import sys
 
-from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
-from pipeline.distributed.world import launched_by_torchrun
-from pipeline.train import train
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
+    from pipeline.distributed.world import launched_by_torchrun
+    from pipeline.train import train
 
 
 def main() -> int:

@@ -18,8 +18,11 @@ Exit codes: 0 done; 2 no usable checkpoint or data (one line on stderr).
 import argparse
 from pathlib import Path
 
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.evaluate import evaluate_checkpoint, write_metrics
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import add_config_arguments, config_from_args, run_main
+    from pipeline.evaluate import evaluate_checkpoint, write_metrics
 
 
 def main() -> int:

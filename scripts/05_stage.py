@@ -29,11 +29,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.audit import format_audit_table
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.signing import key_signer, sigstore_signer
-from pipeline.stage import StageBuild, build_stage
-from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.audit import format_audit_table
+    from pipeline.cli import add_config_arguments, config_from_args, run_main
+    from pipeline.signing import key_signer, sigstore_signer
+    from pipeline.stage import StageBuild, build_stage
+    from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
 
 def main() -> int:

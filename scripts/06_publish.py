@@ -34,10 +34,13 @@ and what to do).
 import argparse
 from pathlib import Path
 
-from pipeline.cli import run_main, script_command
-from pipeline.config import DEFAULT_CONFIG_PATH, load_config
-from pipeline.errors import PipelineError
-from pipeline.layout import RECEIPT_DIR, STAGE_DIR
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import run_main, script_command
+    from pipeline.config import DEFAULT_CONFIG_PATH, load_config
+    from pipeline.errors import PipelineError
+    from pipeline.layout import RECEIPT_DIR, STAGE_DIR
 
 
 def _parse() -> argparse.Namespace:
@@ -154,9 +157,10 @@ def _parse() -> argparse.Namespace:
 def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
-    from pipeline.progress import quiet_hub_progress_unless_terminal
-    from pipeline.publishing import Publication, format_plan, publish
-    from pipeline.signing import ExpectedSigner
+    with project_imports():
+        from pipeline.progress import quiet_hub_progress_unless_terminal
+        from pipeline.publishing import Publication, format_plan, publish
+        from pipeline.signing import ExpectedSigner
 
     quiet_hub_progress_unless_terminal()
 

@@ -31,13 +31,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from localhub import LocalHubProcess
-from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.config import Config, load_config
-from pipeline.errors import DemoFailed, PipelineError
-from pipeline.evaluate import read_metrics
-from pipeline.layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
-from pipeline.provenance import code_fingerprint
+from _bootstrap import project_imports
+
+with project_imports():
+    from localhub import LocalHubProcess
+    from pipeline.checkpoint import LoadMode, load_checkpoint
+    from pipeline.config import Config, load_config
+    from pipeline.errors import DemoFailed, PipelineError
+    from pipeline.evaluate import read_metrics
+    from pipeline.layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
+    from pipeline.provenance import code_fingerprint
 
 __all__ = ["main"]
 

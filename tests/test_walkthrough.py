@@ -8,13 +8,15 @@ import json
 import re
 import secrets
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from localhub import LocalHub
 
-from support import REPO, run_python, script_env
+from support import REPO, one_line_error, run_python, script_env
 
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
@@ -54,3 +56,30 @@ def test_the_readme_python_blocks_run_as_one_script_and_publish_then_the_stage_d
     result = run_python([tmp_path / "stage_doc.py"], cwd=clone, env=script_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((clone / "hub_stage" / "meta.json").read_text())["metrics"] is None
+
+
+SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("[0-9][0-9]_*.py")) + ["demo.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_run_by_a_python_without_the_project_says_how_to_get_it_in_one_line(script, tmp_path):
+    """A Python without site-packages (-S) stands for the system's Python: it imports neither
+    the project nor its libraries. With the project on PYTHONPATH, a library is what is missing."""
+    bare = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+    for env, missing in (
+        (bare, "localhub" if script == "demo.py" else "pipeline"),
+        ({**bare, "PYTHONPATH": str(REPO)}, None),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-S", str(REPO / "scripts" / script), "--help"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        line = one_line_error(result)
+        assert result.returncode == 2 and result.stdout == ""
+        assert f"this Python ({sys.executable}) cannot import " in line
+        assert missing is None or f"cannot import {missing}," in line, line
+        assert "bin/activate" in line and f"bin/python {REPO / 'scripts' / script}" in line, line

@@ -4,13 +4,11 @@ that are one line naming the file or the key."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -381,23 +379,3 @@ def test_the_proof_report_counts_checks_and_says_when_the_loss_stayed_equal():
         and "diverged in 2 checks; the loss first differs at step 5" in text
         and "values not comparable" in text
     )
-
-
-def test_the_demo_checks_its_local_hub_first_and_names_why_it_cannot_start(tmp_path, monkeypatch, capsys):
-    from localhub import LocalHub
-
-    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "demo_script", demo)  # its dataclasses look their module up
-    spec.loader.exec_module(demo)
-    monkeypatch.setattr(demo, "HUB_ROOT", tmp_path / "hub")
-    with LocalHub(tmp_path / "hub", token="t"):  # another server holds that state folder
-        with pytest.raises(demo.DemoFailed):
-            demo._start_hub("secret")
-    said = capsys.readouterr().err
-    assert "demo: the local Hub did not start: " in said and "another localhub is already serving" in said
-    hub = demo._start_hub("secret")  # free again: it starts
-    try:
-        assert hub.url.startswith("http://127.0.0.1:")
-    finally:
-        hub.stop()

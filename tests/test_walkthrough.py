@@ -4,6 +4,7 @@ environment, and `make demo` leaves the README's commands free to run after it."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import secrets
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from localhub import LocalHub
+from pipeline.config import derived_outputs, load_config
 
 from support import REPO, one_line_error, run_python, script_env
 
@@ -83,3 +85,50 @@ def test_a_script_run_by_a_python_without_the_project_says_how_to_get_it_in_one_
         assert f"this Python ({sys.executable}) cannot import " in line
         assert missing is None or f"cannot import {missing}," in line, line
         assert "bin/activate" in line and f"bin/python {REPO / 'scripts' / script}" in line, line
+
+
+def _demo_module(monkeypatch):
+    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo_script", demo)  # its dataclasses look their module up
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # as running it does: its folder first on the path
+    spec.loader.exec_module(demo)
+    return demo
+
+
+def test_the_demo_writes_every_output_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """After make demo, the README's commands on config.yaml start afresh: none of the demo's
+    steps writes where config.yaml's run does (its data, checkpoints, metrics, stage,
+    proof or receipts)."""
+    demo = _demo_module(monkeypatch)
+    monkeypatch.chdir(REPO)
+    readme_run, config = load_config("config.yaml"), demo.demo_config()
+    keys = ["data.dir", *derived_outputs(None)]
+    for key in keys:
+        mine, theirs = config.flat()[key], readme_run.flat()[key]
+        assert Path(mine).is_relative_to(demo.OUTPUTS) and not Path(theirs).is_relative_to(demo.OUTPUTS), key
+    steps = [*demo._steps("demo/x"), demo._publish_step("demo/x", "http://127.0.0.1:9")]
+    for step in steps:
+        args = list(step.args)
+        sets = dict(args[i + 1].split("=", 1) for i, arg in enumerate(args) if arg == "--set")
+        if step.script != "06_publish.py":
+            assert load_config("config.yaml", sets).flat() == config.flat(), step.script
+        for flag in ("--output", "--stage", "--receipt-dir"):
+            if flag in args:
+                assert Path(args[args.index(flag) + 1]).is_relative_to(demo.OUTPUTS), (step.script, flag)
+    assert demo._publish_step("demo/x", "u").args[-3] == config.outputs.stage
+
+
+def test_the_demo_checks_its_local_hub_first_and_names_why_it_cannot_start(tmp_path, monkeypatch, capsys):
+    demo = _demo_module(monkeypatch)
+    monkeypatch.setattr(demo, "HUB_ROOT", tmp_path / "hub")
+    with LocalHub(tmp_path / "hub", token="t"):  # another server holds that state folder
+        with pytest.raises(demo.DemoFailed):
+            demo._start_hub("secret")
+    said = capsys.readouterr().err
+    assert "demo: the local Hub did not start: " in said and "another localhub is already serving" in said
+    hub = demo._start_hub("secret")  # free again: it starts
+    try:
+        assert hub.url.startswith("http://127.0.0.1:")
+    finally:
+        hub.stop()

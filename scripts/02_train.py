@@ -21,7 +21,13 @@ import sys
 from _bootstrap import project_imports
 
 with project_imports():
-    from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
+    from pipeline.cli import (
+        add_checkpoint_dir_argument,
+        add_config_arguments,
+        config_from_args,
+        resume_command,
+        run_main,
+    )
     from pipeline.distributed.world import launched_by_torchrun
     from pipeline.train import train
 
@@ -47,7 +53,7 @@ def main() -> int:
     parser.add_argument(
         "--init-from", metavar="PATH", help="warm-start weights only (shape-tolerant); a new run"
     )
-    parser.add_argument("--checkpoint-dir", help="checkpoint folder (checkpoint.dir)")
+    add_checkpoint_dir_argument(parser)
     parser.add_argument(
         "--checkpoint-every", type=int, metavar="K", help="save every K steps (checkpoint.every)"
     )

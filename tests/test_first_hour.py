@@ -379,3 +379,19 @@ def test_the_proof_report_counts_checks_and_says_when_the_loss_stayed_equal():
         and "diverged in 2 checks; the loss first differs at step 5" in text
         and "values not comparable" in text
     )
+
+
+def test_04_and_05_take_the_checkpoint_dir_02_was_given_and_their_hints_keep_it(trained_run, run_copy):
+    run = run_copy(trained_run)
+    (run.root / "elsewhere").mkdir()
+    run.checkpoint_dir.rename(run.root / "elsewhere" / "ck")
+    flag = ("--checkpoint-dir", "elsewhere/ck")
+    line = run.refused("05_stage.py", *flag)  # not evaluated yet: the hint runs 04 on that folder
+    printed = line.split("run ", 1)[1].split(" first,")[0]
+    assert "checkpoint.dir=elsewhere/ck" in printed, line
+    assert run_python(shlex.split(printed)[1:], cwd=run.root, env=script_env()).returncode == 0
+    assert json.loads(run.metrics.read_text())["checkpoint"] == "elsewhere/ck/step-00000010"
+    run.ok("04_evaluate.py", *flag)
+    run.ok("05_stage.py", *flag)
+    assert json.loads((run.stage / "meta.json").read_text())["metrics"]["values"]
+    assert "no committed checkpoint in estados_local/" in run.refused("04_evaluate.py")

@@ -61,6 +61,7 @@ from ..layout import (
 )
 from ..leaks import scan_secrets
 from ..provenance import check_code_unchanged
+from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from .card import LOADER_MODULE, build_model_card, render_curve
@@ -105,7 +106,8 @@ class StageBuild:
     allow_nonfinite: bool = False
     """Stage weights that hold NaN or ±inf (the card warns) instead of refusing them."""
     repo_id: str | None = None
-    """The repository the card's snippets download from; ``None``: the card names none."""
+    """The repository the card's snippets download from, ``namespace/name`` (or its page's
+    address, ``https://huggingface.co/namespace/name``); ``None``: the card names none."""
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     """Split the weights into files of at most this size (``"5GB"``, bytes); the Hub takes 50 GB at most."""
     proof: str | Path | None = None
@@ -475,6 +477,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
     if build is not None and options:
         raise TypeError("build_stage takes a StageBuild or its fields as keywords, not both")
     build = build if build is not None else StageBuild(**options)
+    if build.repo_id is not None:  # the card's snippets download from it: 06's rule, and a namespace
+        build = replace(build, repo_id=hub_repo_id(build.repo_id, namespace_required=True))
     stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
     metrics = (
         None

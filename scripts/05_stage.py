@@ -141,6 +141,12 @@ def main() -> int:
             signer=signer,
         ),
     )
+    for change in result.code_changes:
+        print(
+            f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights fit "
+            "the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
+            file=sys.stderr,
+        )
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

@@ -18,6 +18,7 @@ from pipeline.checkpoint import CheckpointStore, resolve
 from pipeline.config import config_from_dict, load_config, parse_set_overrides
 from pipeline.errors import CheckpointError, CodeChanged, ConfigError, FactoryFailed, OutOfMemory
 from pipeline.factories import resolve as resolve_factory
+from pipeline.hashing import sha256_file
 from pipeline.provenance import check_code_unchanged, counted_sources
 
 from support import REPO, one_line_error, run_python, run_script, script_env
@@ -257,14 +258,24 @@ def test_a_changed_data_module_is_named_alike_by_resume_and_stage(data_dir, tmp_
         return run_python([REPO / "scripts" / name, *args[:-1], *extra], cwd=tmp_path, env=script_env())
 
     assert script("02_train.py", "--quiet", "--stop-at", "2").returncode == 0
+    trained = sha256_file(tmp_path / "my_data.py")
     (tmp_path / "my_data.py").write_text((tmp_path / "my_data.py").read_text() + "# a comment\n")
+    now = sha256_file(tmp_path / "my_data.py")
     lines = [
         one_line_error(script("02_train.py", "--quiet", "--resume", "latest")),
         one_line_error(script("05_stage.py", "--no-metrics")),
     ]
     for line in lines:
-        assert "my_data.py (the data factory) changed since step 2 was trained" in line, line
-    assert "--allow-environment-change" in lines[0] and "restore it" in lines[1]
+        assert (
+            f"my_data.py (the data factory) changed since step 2 was trained (SHA-256 {trained} then, {now} now)"
+            in line
+        ), line
+        # Where the bytes it was trained with are found again.
+        assert "restore it (git log -p -- my_data.py shows its earlier versions)" in line, line
+    assert (
+        "--allow-environment-change" in lines[0] and "stage a checkpoint trained with this code" in lines[1]
+    )
+    assert not (tmp_path / "hub_stage").exists()  # a model that ships its code: refused, nothing staged
     resumed = script("02_train.py", "--quiet", "--resume", "latest", "--allow-environment-change")
     assert resumed.returncode == 0, resumed.stderr
     assert script("05_stage.py", "--no-metrics").returncode == 0  # step 4 was trained with this code

@@ -60,13 +60,13 @@ from ..layout import (
     STATE_FILE,
 )
 from ..leaks import scan_secrets
-from ..provenance import check_code_unchanged
+from ..provenance import CodeChange, code_changed_refusal, code_changes
 from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from .card import LOADER_MODULE, build_model_card, render_curve
 from .code_export import shipped_sources
-from .hf_export import hub_files, inspect_model
+from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
 from .weights import (
@@ -128,6 +128,9 @@ class StageResult:
     report: list[AuditedFile]
     nonfinite: list[str]
     with_metrics: bool
+    code_changes: list[CodeChange]
+    """Files of the model's code (or its factories) changed since training, staged anyway
+    because the stage ships no code (a transformers model); recorded in its meta.json."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,8 @@ class _Sources:
     """The verified weights, read one tensor at a time."""
     user_sections: str | None
     """The Markdown of the config's ``card.sections`` file, if any."""
+    code_changes: list[CodeChange]
+    """Counted files that changed since training (a stage that ships no code only)."""
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -292,6 +297,9 @@ def _staged_meta(
             "fingerprints": meta["fingerprints"],
             "versions": meta["versions"],
             "device": meta["device"],
+            # Files of the code that differ from those the weights were trained with (a model
+            # that ships no code is staged anyway; its weights still had to fit today's model).
+            "code_changes": [change.record() for change in src.code_changes],
         },
         # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
         "source_checkpoint": {
@@ -498,10 +506,14 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         contextlib.ExitStack() as scratch,
     ):
         folder, meta = loaded.folder, loaded.meta
-        # The stage ships the model's code: the code these weights were trained with (the rule
-        # a resume applies), naming the file that changed.
         model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
-        check_code_unchanged(meta, model_config, use="stage")
+        changes = code_changes(meta, model_config)
+        # Built without weights (parameters on meta: no memory, any size) by today's code.
+        model = build_model(model_config, "meta")
+        if changes and not is_transformers_model(model):
+            # This stage ships the model's code: the code these weights were trained with (the
+            # rule a resume applies). A transformers repo ships none: its change is recorded.
+            raise code_changed_refusal(changes[0], use="stage")
         # A stale record is refused before the weights are copied; a distributed checkpoint's
         # weights have a hash as one file only once they are read.
         single = not is_distributed(meta)
@@ -516,7 +528,6 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         scratch.callback(weights.close)
         if metrics is not None and not single:
             record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
-        model = build_model(model_config, "meta")
         # The weights are published for this code: they must fit the model it builds.
         weights.check_fit(model)
         src = _Sources(
@@ -529,6 +540,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             metrics=record,
             weights=weights,
             user_sections=user_sections,
+            code_changes=changes,
         )
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, src, build)
@@ -549,4 +561,5 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         report=report,
         nonfinite=nonfinite,
         with_metrics=record is not None,
+        code_changes=changes,
     )

@@ -389,10 +389,27 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),
         ("libraries", versions),
     ]
+    changed = provenance["code_changes"]
+    rows += [("code changed since training", _code_change(change)) for change in changed]
+    note = (
+        " The code that built the model changed after these weights were trained (the rows above): this "
+        "repository ships no code, and the weights were checked to fit the model the changed code builds."
+        if changed
+        else ""
+    )
     return (
         "## Provenance\n\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n\n"
-        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files."
+        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files." + note
     )
+
+
+def _code_change(change: Mapping[str, Any]) -> str:
+    if change["file"] is None:
+        return f"a file of {change['role']} (which one the checkpoint cannot tell)"
+    trained, current = (
+        f"`{digest}`" if digest else "none" for digest in (change["trained_sha256"], change["current_sha256"])
+    )
+    return f"`{change['file']}` ({change['role']}): SHA-256 {trained} when trained, {current} when staged"
 
 
 def build_model_card(

@@ -196,6 +196,8 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
     reference = stage(root / f"full_{mode}" / "step-00000010", tmp_path / "full")
     assert staged.read_bytes() == reference.read_bytes()
+    card = (tmp_path / "resumed" / "README.md").read_text()
+    assert f"| launch | 2 processes ({mode.upper()}) on cpu |" in card and "| history |" not in card
     # The consolidated file equals a full-state load of the shards by torch's own reader.
     weights = load_file(staged)
     gathered = {name: torch.zeros_like(tensor) for name, tensor in weights.items()}
@@ -487,6 +489,10 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1
     got = load_file(stage(root / "quiet_cut" / "step-00000010", tmp_path / "resharded"))
+    card = (tmp_path / "resharded" / "README.md").read_text()
+    # A torchrun launch of one process (training.parallel ddp), after two.
+    assert "| launch | one process (DDP) on cpu |" in card, card
+    assert "| history | trained in 2 processes (DDP); moved to one process (DDP) after step 6 |" in card, card
     want = load_file(stage(root / "quiet_full" / "step-00000010", tmp_path / "full"))
     worst = max((got[name] - want[name]).abs().max().item() for name in want)
     assert worst <= 1e-9, worst

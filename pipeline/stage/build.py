@@ -64,6 +64,7 @@ from ..provenance import CodeChange, code_changed_refusal, code_changes
 from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
+from ..start import Launch
 from .card import LOADER_MODULE, build_model_card, render_curve
 from .code_export import shipped_sources
 from .hf_export import hub_files, inspect_model, is_transformers_model
@@ -284,6 +285,10 @@ def _staged_meta(
             "history_points": len(history["step"]),
             # Each --extend-to of the run: max_steps before and after, and the step it happened at.
             "lineage": meta["lineage"],
+            # The launch that wrote this checkpoint, and every change accepted on the way: moves to
+            # another launch (--reshard) and environment changes (--allow-environment-change).
+            "launch": Launch.of_checkpoint(meta).to_dict(),
+            "changes": meta["environment"]["changes"],
         },
         "metrics": None
         if record is None

@@ -306,7 +306,8 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         ("batch size", str(config["data"]["batch_size"])),
         ("seed", str(config["training"]["seed"])),
         ("dtype / AMP", f"{config['training']['dtype']} / {config['training']['amp']}"),
-        ("device", str(meta["provenance"]["device"])),
+        ("launch", f"{_launch_phrase(training['launch'])} on {meta['provenance']['device']}"),
+        *([("history", history)] if (history := _history(training)) else []),
         ("parameters", f"{meta['model']['num_parameters']:,}"),
     ]
     table = "| | |\n| --- | --- |\n" + "\n".join(f"| {key} | {value} |" for key, value in rows)
@@ -316,6 +317,47 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         else "\n\nNo training curve: matplotlib was not installed where this model was staged."
     )
     return f"## Training\n\n{table}{curve}"
+
+
+def _launch_phrase(launch: Mapping[str, Any]) -> str:
+    """``one process``, ``2 processes (DDP)``: how a launch laid the run out."""
+    if launch["world_size"] == 1 and launch["parallel"] == "none":
+        return "one process"
+    processes = "one process" if launch["world_size"] == 1 else f"{launch['world_size']} processes"
+    unused = ", find_unused_parameters" if launch.get("ddp_find_unused_parameters") else ""
+    return f"{processes} ({launch['parallel'].upper()}{unused})"
+
+
+def _history(training: Mapping[str, Any]) -> str:
+    """The run's launches, extensions and accepted environment changes, in step order."""
+    events: list[tuple[int, str]] = []
+    moves = [change for change in training["changes"] if change["item"] == "launch"]
+    for change in training["changes"]:
+        if change["item"] == "launch":
+            events.append(
+                (change["step"], f"moved to {_launch_phrase(change['now'])} after step {change['step']:,}")
+            )
+        else:
+            events.append(
+                (
+                    change["step"],
+                    f"{change['item']} changed from {change['recorded']} to {change['now']} after step "
+                    f"{change['step']:,}",
+                )
+            )
+    for entry in training["lineage"]:
+        events.append(
+            (
+                entry["at_step"],
+                f"extended from {entry['from_max_steps']:,} to {entry['to_max_steps']:,} steps after step "
+                f"{entry['at_step']:,}",
+            )
+        )
+    if not events:
+        return ""
+    first = moves[0]["recorded"] if moves else training["launch"]
+    ordered = [text for _, text in sorted(events, key=lambda event: event[0])]
+    return "; ".join([f"trained in {_launch_phrase(first)}", *ordered])
 
 
 def _metrics_section(meta: Mapping[str, Any]) -> str:

@@ -186,6 +186,14 @@ def test_output_keys_are_derived_from_the_config_file(tmp_path, monkeypatch):
     )
     # Named in the file or by --set, they win; an old checkpoint's config (no outputs) keeps the defaults.
     assert load_config("mycnn/config.yaml", {"outputs.stage": "s"}).outputs.stage == "s"
+    base = CONFIG.read_text()
+    (tmp_path / "named.yaml").write_text(
+        base.replace("checkpoint:\n", "checkpoint:\n  dir: my/ck\n")
+        + "\noutputs:\n  metrics: my/m.json\n  stage: my/st\n"
+    )
+    assert outputs("named.yaml") == ("my/ck", "my/m.json", "my/st")
+    (tmp_path / "partly.yaml").write_text(base + "\noutputs:\n  stage: my/st\n")
+    assert outputs("partly.yaml") == ("runs/partly/estados_local", "runs/partly/metrics.json", "my/st")
     assert config_from_dict({}).outputs.metrics == "metrics.json"
 
 

@@ -473,8 +473,11 @@ def _report(
 def build_stage(config: Config, build: StageBuild | None = None, /, **options: Any) -> StageResult:
     """Build a stage as ``build`` says (a :class:`StageBuild`, or its fields as keywords).
 
-    Order: verify every checkpoint file against its meta.json; require the metrics file
-    to name this step and these weights; copy the weights into a scratch folder, hashing
+    Order: check ``build.repo_id`` (:func:`~pipeline.repo_ids.hub_repo_id`); verify every
+    checkpoint file against its meta.json; build the model without weights and refuse code
+    changed since training if the stage ships it (a transformers model's changes are
+    recorded); require the metrics file to name this step and these weights; copy the
+    weights into a scratch folder, hashing
     (:func:`.weights.open_weights`); check they fit the model the checkpoint's config
     builds; write them (NaN/inf refused unless ``allow_nonfinite``), code, curve,
     ``meta.json``, card and manifest into a hidden sibling folder; sign it with

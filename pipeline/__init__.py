@@ -2,13 +2,14 @@
 
 The public API, one name per step of the pipeline (the numbered scripts call these)::
 
-    from pipeline import load_config, prepare_data, train, verify_resume, evaluate_checkpoint
+    from pipeline import load_config, prepare_data, train, verify_resume, evaluate_checkpoint, write_metrics
     from pipeline import build_stage, publish, Publication, load_checkpoint, load_model_weights, build_model
 
     config = load_config("config.yaml")
     prepare_data(config)                                   # 01: data/ + manifest.json
     train(config, resume="auto")                           # 02: estados_local/step-…/
     loaded = load_checkpoint("latest", config.checkpoint.dir)   # verified, memory-mapped
+    write_metrics(evaluate_checkpoint(config), config)     # 04: metrics.json
     build_stage(config)                                    # 05: hub_stage/
     publish(Publication(repo_id="you/model"))              # 06: one commit
 
@@ -41,6 +42,7 @@ _API = {
     "TrainingHooks": "pipeline.train",
     "verify_resume": "pipeline.proof",
     "evaluate_checkpoint": "pipeline.evaluate",
+    "write_metrics": "pipeline.evaluate",
     "build_stage": "pipeline.stage",
     "audit_stage": "pipeline.audit",
     "publish": "pipeline.publishing",

@@ -21,6 +21,7 @@ from .errors import PipelineError, Preempted, describe_os_error
 
 __all__ = [
     "add_config_arguments",
+    "add_checkpoint_dir_argument",
     "config_from_args",
     "run_main",
     "resume_command",
@@ -61,6 +62,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a failure, print the traceback of the exception behind the one-line error",
     )
+
+
+def add_checkpoint_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """``--checkpoint-dir``: the run's checkpoint folder (``checkpoint.dir``), for the scripts
+    that write or read a run's checkpoints (02, 04, 05)."""
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint folder (checkpoint.dir)")
 
 
 def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | None = None) -> Config:

@@ -220,6 +220,10 @@ class ProofMismatch(StageError, ValueError):
     """A resume proof to stage is unreadable, incomplete, or proves another config, code or data."""
 
 
+class RepoIdError(PipelineError, ValueError):
+    """A --repo-id the Hub would refuse (05 and 06 apply one rule: pipeline.repo_ids)."""
+
+
 # -- publishing (pipeline.publishing) ----------------------------------------------------------
 
 

@@ -170,9 +170,11 @@ def _evaluate(
     }
 
 
-def write_metrics(record: dict[str, Any], path: str | Path = METRICS_FILE) -> Path:
-    """Write ``record`` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
+def write_metrics(record: dict[str, Any], config: Config, path: str | Path | None = None) -> Path:
+    """Write ``record`` atomically (temporary file, fsync, rename) to ``path``, by default
+    ``config``'s ``outputs.metrics``: where script 05 of that config reads it, so evaluating
+    one config never replaces another config's record."""
+    path = Path(config.outputs.metrics if path is None else path)
     if path.is_dir():
         raise MetricsError(f"--output {path} is a folder; give a file path such as {path / METRICS_FILE}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,9 +182,7 @@ def write_metrics(record: dict[str, Any], path: str | Path = METRICS_FILE) -> Pa
     return path
 
 
-def read_metrics(
-    path: str | Path = METRICS_FILE, *, rerun: str = "python scripts/04_evaluate.py"
-) -> dict[str, Any]:
+def read_metrics(path: str | Path, *, rerun: str = "python scripts/04_evaluate.py") -> dict[str, Any]:
     """Parse and check a ``metrics.json`` written by :func:`write_metrics`; a refusal tells to
     run ``rerun`` (the command that writes this record)."""
     path = Path(path)

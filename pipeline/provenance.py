@@ -2,9 +2,10 @@
 
 What a checkpoint was computed with, file by file (:func:`counted_sources`): the model's
 code closure (the files script 05 ships under ``code/``), and the files of ``data.factory``,
-``optimizer.factory`` and ``scheduler.factory``. A resume and a stage of that checkpoint
-apply one rule (:func:`check_code_unchanged`): every counted file is the one it was trained
-with, or the refusal names the first that is not and what to do.
+``optimizer.factory`` and ``scheduler.factory``. A resume, and the stage of a model that
+ships its code, apply one rule (:func:`check_code_unchanged`): every counted file is the one
+it was trained with, or the refusal names the first that is not and what to do. A stage that
+ships no code (a transformers model) records the changes instead (:func:`code_changes`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +31,9 @@ __all__ = [
     "sources_fingerprint",
     "library_versions",
     "counted_sources",
+    "CodeChange",
+    "code_changes",
+    "code_changed_refusal",
     "check_code_unchanged",
 ]
 
@@ -156,49 +161,97 @@ def counted_sources(config: Config) -> dict[str, str]:
     return {relative: sha256_file(origin) for relative, (_, origin) in sorted(_counted_files(config).items())}
 
 
-def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["resume", "stage"]) -> None:
-    """Refuse (:class:`CodeChanged`) when a file that counts for the checkpoint of ``meta``
-    differs from the one it was trained with, naming the first such file and what to do.
-    A checkpoint written before per-file fingerprints is held to its one hash over the
-    factory files (``fingerprints.factories``)."""
+@dataclass(frozen=True, slots=True)
+class CodeChange:
+    """A file that counts for a checkpoint and differs from the one it was trained with."""
+
+    file: str | None
+    """Under its import path (``examples/charlm/model.py``); None for a checkpoint that predates
+    per-file fingerprints, whose one hash cannot tell which file changed."""
+    role: str
+    """What the file is to the run: the model's code, the data factory, ..."""
+    trained: str | None
+    """Its SHA-256 when the checkpoint was trained (None: it is new to the run since)."""
+    current: str | None
+    """Its SHA-256 now (None: it no longer counts)."""
+    step: int
+
+    def describe(self) -> str:
+        """One phrase naming the file, its role and both full SHA-256s."""
+        if self.file is None:
+            return (
+                f"a factory file ({self.role}) changed since step {self.step} was trained (this checkpoint "
+                "predates per-file fingerprints, so which one cannot be told)"
+            )
+        if self.trained is None:
+            return f"{self.file} is new in {self.role} since step {self.step} was trained (SHA-256 {self.current})"
+        if self.current is None:
+            return (
+                f"{self.file} counted for step {self.step} ({self.role}) and is no longer part of it "
+                f"(SHA-256 {self.trained} then)"
+            )
+        return (
+            f"{self.file} ({self.role}) changed since step {self.step} was trained (SHA-256 {self.trained} "
+            f"then, {self.current} now)"
+        )
+
+    def record(self) -> dict[str, Any]:
+        """What a stage records of it (meta.json ``provenance.code_changes``)."""
+        return {
+            "file": self.file,
+            "role": self.role,
+            "trained_sha256": self.trained,
+            "current_sha256": self.current,
+        }
+
+
+def code_changes(meta: dict[str, Any], config: Config) -> list[CodeChange]:
+    """Every file that counts for the checkpoint of ``meta`` and differs from the one it was
+    trained with, the model's code first. A checkpoint written before per-file fingerprints
+    is held to its one hash over the factory files (``fingerprints.factories``)."""
     step = meta["step"]
-    if use == "resume":
-        fix = (
-            "restore it to resume exactly, or pass --allow-environment-change to continue the run with the new "
-            "code (its next checkpoints record it)"
-        )
-    else:
-        fix = (
-            "the stage would ship other code than the code that built these weights: restore it, or stage a "
-            "checkpoint trained with this code"
-        )
     fingerprints = meta["fingerprints"]
     recorded = fingerprints.get("sources") if isinstance(fingerprints, dict) else None
     if not isinstance(recorded, dict):
         if fingerprints.get("factories") not in (None, factories_fingerprint(config)):
-            raise CodeChanged(
-                f"a factory file ({', '.join(_ROLES)}) changed since step {step} was trained (this "
-                "checkpoint predates per-file fingerprints, so which one cannot be told): " + fix
-            )
-        return
+            return [CodeChange(file=None, role=", ".join(_ROLES), trained=None, current=None, step=step)]
+        return []
     current = _counted_files(config)
     roles = list(_ROLES)
 
     def rank(relative: str) -> tuple[int, str]:
         return (roles.index(current[relative][0]) if relative in current else len(roles), relative)
 
+    changes = []
     for relative in sorted(set(recorded) | set(current), key=rank):
         before = recorded.get(relative)
         now = sha256_file(current[relative][1]) if relative in current else None
-        if before == now:
-            continue
-        if before is None:
-            change = f"is new in {_ROLES[current[relative][0]]} since step {step} was trained"
-        elif now is None:
-            change = f"counted for step {step} (its model or factory code) and is no longer part of it"
-        else:
-            change = (
-                f"({_ROLES[current[relative][0]]}) changed since step {step} was trained "
-                f"(SHA-256 {before[:12]} then, {now[:12]} now)"
-            )
-        raise CodeChanged(f"{relative} {change}: {fix}")
+        if before != now:
+            role = _ROLES[current[relative][0]] if relative in current else "its model or factory code"
+            changes.append(CodeChange(file=relative, role=role, trained=before, current=now, step=step))
+    return changes
+
+
+def code_changed_refusal(change: CodeChange, *, use: Literal["resume", "stage"]) -> CodeChanged:
+    """The refusal of a resume or a stage over ``change``, with what to do."""
+    # git keeps the bytes the checkpoint was trained with: this shows them, commit by commit.
+    history = f" (git log -p -- {change.file} shows its earlier versions)" if change.file else ""
+    if use == "resume":
+        fix = (
+            f"restore it{history} to resume exactly, or pass --allow-environment-change to continue the run "
+            "with the new code (its next checkpoints record it)"
+        )
+    else:
+        fix = (
+            "the stage would ship other code than the code that built these weights: restore it"
+            f"{history}, or stage a checkpoint trained with this code"
+        )
+    return CodeChanged(f"{change.describe()}: {fix}")
+
+
+def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["resume", "stage"]) -> None:
+    """Refuse (:class:`CodeChanged`) when a file that counts for the checkpoint of ``meta``
+    differs from the one it was trained with (:func:`code_changes`), naming the first."""
+    changes = code_changes(meta, config)
+    if changes:
+        raise code_changed_refusal(changes[0], use=use)

@@ -10,8 +10,11 @@ never overwritten.
 
 import argparse
 
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.data import prepare_data
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import add_config_arguments, config_from_args, run_main
+    from pipeline.data import prepare_data
 
 
 def main() -> int:

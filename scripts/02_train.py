@@ -18,9 +18,18 @@ Exit codes: 0 done; 2 bad input or unusable checkpoint (nothing deleted);
 import argparse
 import sys
 
-from pipeline.cli import add_config_arguments, config_from_args, resume_command, run_main
-from pipeline.distributed.world import joins_launch
-from pipeline.train import train
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import (
+        add_checkpoint_dir_argument,
+        add_config_arguments,
+        config_from_args,
+        resume_command,
+        run_main,
+    )
+    from pipeline.distributed.world import joins_launch
+    from pipeline.train import train
 
 
 def main() -> int:
@@ -44,7 +53,7 @@ def main() -> int:
     parser.add_argument(
         "--init-from", metavar="PATH", help="warm-start weights only (shape-tolerant); a new run"
     )
-    parser.add_argument("--checkpoint-dir", help="checkpoint folder (checkpoint.dir)")
+    add_checkpoint_dir_argument(parser)
     parser.add_argument(
         "--checkpoint-every", type=int, metavar="K", help="save every K steps (checkpoint.every)"
     )

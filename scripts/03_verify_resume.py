@@ -25,9 +25,12 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.errors import PipelineError, ProofIncomplete
-from pipeline.proof import describe, summary_line, verify_resume, verify_resume_distributed
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import add_config_arguments, config_from_args, run_main
+    from pipeline.errors import PipelineError, ProofIncomplete
+    from pipeline.proof import describe, summary_line, verify_resume, verify_resume_distributed
 
 
 def main() -> int:

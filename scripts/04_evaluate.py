@@ -2,6 +2,7 @@
 
     python scripts/04_evaluate.py                                   # latest in checkpoint.dir
     python scripts/04_evaluate.py --checkpoint estados_local/step-00000010
+    python scripts/04_evaluate.py --checkpoint-dir runs/ft             # latest in 02's --checkpoint-dir
     python scripts/04_evaluate.py --output runs/metrics.json
     python scripts/04_evaluate.py --config examples/charlm/config.yaml   # -> runs/charlm/metrics.json
 
@@ -18,8 +19,11 @@ Exit codes: 0 done; 2 no usable checkpoint or data (one line on stderr).
 import argparse
 from pathlib import Path
 
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.evaluate import evaluate_checkpoint, write_metrics
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import add_checkpoint_dir_argument, add_config_arguments, config_from_args, run_main
+    from pipeline.evaluate import evaluate_checkpoint, write_metrics
 
 
 def main() -> int:
@@ -27,6 +31,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser)
+    add_checkpoint_dir_argument(parser)
     parser.add_argument(
         "--checkpoint",
         default="latest",
@@ -40,9 +45,9 @@ def main() -> int:
         "config.yaml)",
     )
     args = parser.parse_args()
-    config = config_from_args(args)
+    config = config_from_args(args, {"checkpoint.dir": args.checkpoint_dir})
     record = evaluate_checkpoint(config, args.checkpoint)
-    path = write_metrics(record, args.output or Path(config.outputs.metrics))
+    path = write_metrics(record, config, args.output)
     print(f"evaluated {record['checkpoint']} (step {record['step']}) on the {record['split']} split")
     print(f"  modelo.safetensors sha256 {record['modelo_sha256']}")
     for name, value in sorted(record["metrics"].items()):

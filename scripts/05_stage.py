@@ -3,6 +3,7 @@
     python scripts/05_stage.py                          # newest committed checkpoint -> hub_stage/
     python scripts/05_stage.py --config examples/charlm/config.yaml   # -> runs/charlm/hub_stage/
     python scripts/05_stage.py --checkpoint estados_local/step-00000010 --stage hub_stage
+    python scripts/05_stage.py --checkpoint-dir runs/ft     # latest in 02's --checkpoint-dir
     python scripts/05_stage.py --no-metrics             # stage without running 04 first
     python scripts/05_stage.py --repo-id you/regression-mlp   # name the repo in the card's snippet
     python scripts/05_stage.py --max-shard-size 2GB     # modelo-0000i-of-0000N.safetensors + index
@@ -29,11 +30,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.audit import format_audit_table
-from pipeline.cli import add_config_arguments, config_from_args, run_main
-from pipeline.signing import key_signer, sigstore_signer
-from pipeline.stage import StageBuild, build_stage
-from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.audit import format_audit_table
+    from pipeline.cli import add_checkpoint_dir_argument, add_config_arguments, config_from_args, run_main
+    from pipeline.signing import key_signer, sigstore_signer
+    from pipeline.stage import StageBuild, build_stage
+    from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
 
 def main() -> int:
@@ -41,6 +45,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser)
+    add_checkpoint_dir_argument(parser)
     parser.add_argument(
         "--checkpoint",
         default="latest",
@@ -113,7 +118,7 @@ def main() -> int:
         # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
         parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
     large_blocks_to_the_os()  # staging holds about one tensor; freed buffers must leave too
-    config = config_from_args(args)
+    config = config_from_args(args, {"checkpoint.dir": args.checkpoint_dir})
     stage = args.stage or Path(config.outputs.stage)
     signer = None
     if args.sign_key is not None:
@@ -136,6 +141,12 @@ def main() -> int:
             signer=signer,
         ),
     )
+    for change in result.code_changes:
+        print(
+            f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights fit "
+            "the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
+            file=sys.stderr,
+        )
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

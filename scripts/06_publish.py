@@ -34,10 +34,13 @@ and what to do).
 import argparse
 from pathlib import Path
 
-from pipeline.cli import run_main, script_command
-from pipeline.config import DEFAULT_CONFIG_PATH, load_config
-from pipeline.errors import PipelineError
-from pipeline.layout import RECEIPT_DIR, STAGE_DIR
+from _bootstrap import project_imports
+
+with project_imports():
+    from pipeline.cli import run_main, script_command
+    from pipeline.config import DEFAULT_CONFIG_PATH, Config, load_config
+    from pipeline.errors import PipelineError
+    from pipeline.layout import RECEIPT_DIR, STAGE_DIR
 
 
 def _parse() -> argparse.Namespace:
@@ -136,27 +139,28 @@ def _parse() -> argparse.Namespace:
             f"{reason}: the token is read from HF_TOKEN or `hf auth login`, never from the command "
             "line; see --help"
         )
-    # The stage of the config 05 ran with; without config.yaml here, the default name.
-    args.restage = "python scripts/05_stage.py"
+    # The stage of the config 05 ran with (config.yaml's by default; without it, the default name).
+    # A refusal's fix rebuilds this stage: the command repeats --config and --stage.
     if args.config is not None:
         config = load_config(args.config)
-        args.restage = script_command(config, "05_stage.py")
-        args.stage = args.stage or Path(config.outputs.stage)
-    elif args.stage is None:
-        args.stage = (
-            Path(load_config(DEFAULT_CONFIG_PATH).outputs.stage)
-            if DEFAULT_CONFIG_PATH.is_file()
-            else Path(STAGE_DIR)
-        )
+    elif args.stage is None and DEFAULT_CONFIG_PATH.is_file():
+        config = load_config(DEFAULT_CONFIG_PATH)
+    else:
+        config = Config()  # its outputs.stage is the default name, and it adds no --config
+    args.restage = script_command(
+        config, "05_stage.py", *(["--stage", str(args.stage)] if args.stage else [])
+    )
+    args.stage = args.stage or Path(config.outputs.stage)
     return args
 
 
 def main() -> int:
     args = _parse()
     # Imported after parsing, so --help and a bad command line answer without loading torch.
-    from pipeline.progress import quiet_hub_progress_unless_terminal
-    from pipeline.publishing import Publication, format_plan, publish
-    from pipeline.signing import ExpectedSigner
+    with project_imports():
+        from pipeline.progress import quiet_hub_progress_unless_terminal
+        from pipeline.publishing import Publication, format_plan, publish
+        from pipeline.signing import ExpectedSigner
 
     quiet_hub_progress_unless_terminal()
 

@@ -7,13 +7,15 @@ First a local Hub (``localhub``) starts on a free loopback port, with its own st
 folder (``.localhub-demo/``, so a rehearsal Hub serving ``.localhub/`` may run beside it) and
 a random token that exists only in this process and in the environment of the publish
 step; if it cannot start, the demo stops before the long steps and says why. Then each
-numbered script runs as its own process with this interpreter, in order: prepare the data,
-train (``--resume auto``: a rerun finishes at once), prove that resume is exact into a new
-``runs/proof-<time>/``, evaluate (kept when ``metrics.json`` already evaluates the newest
-checkpoint with this data and code), stage, and ``scripts/06_publish.py`` publishes to the
-local Hub, verifies, and writes a receipt; the server is stopped whatever happens. The demo
-ends with a short summary (commit URL, files and sizes, where the receipt is). A rerun finds
-the stage already published and makes no commit. The exit code is the first failing step's.
+numbered script runs as its own process with this interpreter on ``config.yaml``, in order:
+prepare the data, train (``--resume auto``: a rerun finishes at once), prove that resume is
+exact into a new ``proof-<time>/``, evaluate (kept when the metrics already evaluate the
+newest checkpoint with this data and code), stage, and ``scripts/06_publish.py`` publishes to
+the local Hub, verifies, and writes a receipt; the server is stopped whatever happens. Every
+file the steps write goes under ``.demo/`` (data, checkpoints, proof, metrics, stage,
+receipts), so the README's commands on ``config.yaml`` start afresh after it. The demo ends
+with a short summary (commit URL, files and sizes, where the receipt is). A rerun finds the
+stage already published and makes no commit. The exit code is the first failing step's.
 
 The real Hub path is the same script without ``--endpoint``:
 ``HF_TOKEN=hf_... python scripts/06_publish.py --repo-id you/regression-mlp``.
@@ -31,13 +33,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from localhub import LocalHubProcess
-from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.config import Config, load_config
-from pipeline.errors import DemoFailed, PipelineError
-from pipeline.evaluate import read_metrics
-from pipeline.layout import METRICS_FILE, MODEL_FILE, RECEIPT_DIR
-from pipeline.provenance import code_fingerprint
+from _bootstrap import project_imports
+
+with project_imports():
+    from localhub import LocalHubProcess
+    from pipeline.checkpoint import LoadMode, load_checkpoint
+    from pipeline.config import Config, load_config
+    from pipeline.errors import DemoFailed, PipelineError
+    from pipeline.evaluate import read_metrics
+    from pipeline.layout import CHECKPOINT_DIR, METRICS_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
+    from pipeline.provenance import code_fingerprint
 
 __all__ = ["main"]
 
@@ -45,6 +50,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 # Not .localhub/, the README's rehearsal Hub: a Hub state folder serves one server at a time.
 HUB_ROOT = ROOT / ".localhub-demo"
+# Everything the steps write, apart from the README's own run of config.yaml: a finished demo
+# run in estados_local/ would refuse the README's first training ("checkpoints exist").
+OUTPUTS = Path(".demo")
+OVERRIDES = {
+    "data.dir": str(OUTPUTS / "data" / "regression"),
+    "checkpoint.dir": str(OUTPUTS / CHECKPOINT_DIR),
+    "outputs.metrics": str(OUTPUTS / METRICS_FILE),
+    "outputs.stage": str(OUTPUTS / STAGE_DIR),
+}
+RECEIPTS = OUTPUTS / RECEIPT_DIR
 # Variables that would point a step at a real account or a real Hub.
 _SCRUBBED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "LOCALHUB_TOKEN")
 
@@ -79,16 +94,28 @@ def _run(step: Step, *, env: dict[str, str] | None = None) -> None:
         raise DemoFailed(step.script, code)
 
 
+def demo_config() -> Config:
+    """config.yaml with every output under the demo's own folder."""
+    return load_config(ROOT / "config.yaml", OVERRIDES)
+
+
 def _steps(repo_id: str) -> list[Step]:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    sets = tuple(arg for key, value in OVERRIDES.items() for arg in ("--set", f"{key}={value}"))
     steps = [
-        Step("01_prepare_data.py", (), "prepare the data"),
+        Step("01_prepare_data.py", sets, "prepare the data"),
         Step(
-            "02_train.py", ("--resume", "auto"), "train (resumes, or finishes at once, if checkpoints exist)"
+            "02_train.py",
+            (*sets, "--resume", "auto"),
+            "train (resumes, or finishes at once, if checkpoints exist)",
         ),
-        Step("03_verify_resume.py", ("--output", f"runs/proof-{stamp}"), "prove that resume is exact"),
-        Step("04_evaluate.py", (), "evaluate the last checkpoint"),
-        Step("05_stage.py", ("--repo-id", repo_id), "stage it for the Hub"),
+        Step(
+            "03_verify_resume.py",
+            (*sets, "--output", str(OUTPUTS / f"proof-{stamp}")),
+            "prove that resume is exact",
+        ),
+        Step("04_evaluate.py", sets, "evaluate the last checkpoint"),
+        Step("05_stage.py", (*sets, "--repo-id", repo_id), "stage it for the Hub"),
     ]
     # The proof script may be missing from a partial checkout; the rest still demonstrates the flow.
     available = []
@@ -120,7 +147,7 @@ def _metrics_current(config: Config) -> bool:
     )
     if same:
         print(
-            f"{METRICS_FILE} already evaluates {folder} with this data and code; keeping it "
+            f"{config.outputs.metrics} already evaluates {folder} with this data and code; keeping it "
             f"(delete it to evaluate again)",
             flush=True,
         )
@@ -192,23 +219,24 @@ def _summary(receipt: Path | None) -> list[str]:
     return lines
 
 
+def _publish_step(repo_id: str, endpoint: str) -> Step:
+    args = ("--stage", OVERRIDES["outputs.stage"], "--receipt-dir", str(RECEIPTS))
+    return Step("06_publish.py", ("--repo-id", repo_id, "--endpoint", endpoint, *args), "publish")
+
+
 def _publish(repo_id: str, hub: LocalHubProcess, number: int, total: int) -> Path | None:
     """Publish the stage to the running local Hub; the receipt 06 wrote."""
     _header(number, total, f"06_publish.py: publish to a local Hub as {repo_id}")
     print(f"local Hub listening on {hub.url} (state in {HUB_ROOT.name}/)", flush=True)
-    receipts = ROOT / RECEIPT_DIR
-    step = Step(
-        "06_publish.py",
-        ("--repo-id", repo_id, "--endpoint", hub.url, "--receipt-dir", str(receipts)),
-        "publish",
-    )
+    receipts = ROOT / RECEIPTS
+    step = _publish_step(repo_id, hub.url)
     _run(step, env=_env(HF_TOKEN=hub.token))
     return _newest_receipt(receipts, repo_id)
 
 
 def main() -> int:
     os.chdir(ROOT)
-    config = load_config(ROOT / "config.yaml", {})
+    config = demo_config()
     repo_id = f"demo/{config.model.name}"
     steps = _steps(repo_id)
     total = len(steps) + 1

@@ -13,7 +13,7 @@ from huggingface_hub import HfApi, ModelCard
 
 from localhub import LocalHub
 from pipeline.errors import StageError
-from pipeline.stage.card import MAX_SECTIONS, read_user_sections
+from pipeline.stage.card import MAX_SECTIONS, build_model_card, read_user_sections
 
 from support import publish_stage
 
@@ -210,3 +210,34 @@ def test_05_refuses_card_sections_outside_its_folder_in_one_line_and_keeps_the_s
         assert line.startswith(f"error: card.sections: {name} is outside the folder the scripts run in"), line
     assert (run.stage / "README.md").read_bytes() == before
     assert "root:" not in before.decode()
+def test_the_card_names_the_launch_and_the_runs_moves_extensions_and_changes_in_step_order(staged_run):
+    """From the staged record: the launch that wrote the weights, and (when there is one) the
+    history: the first launch, each move, each --extend-to, each accepted environment change."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    files = meta["files"]
+    assert meta["training"]["launch"] == {
+        "parallel": "none",
+        "world_size": 1,
+        "ddp_find_unused_parameters": None,
+    }
+    plain = str(build_model_card(meta, files))
+    assert "| launch | one process on cpu |" in plain and "| history |" not in plain
+    one = {"parallel": "none", "world_size": 1, "ddp_find_unused_parameters": None}
+    ddp = {"parallel": "ddp", "world_size": 2, "ddp_find_unused_parameters": False}
+    fsdp = {"parallel": "fsdp2", "world_size": 4, "ddp_find_unused_parameters": None}
+    meta["training"].update(
+        launch=fsdp,
+        changes=[
+            {"item": "launch", "recorded": one, "now": ddp, "step": 4},
+            {"item": "intra_op_threads", "recorded": 1, "now": 2, "step": 4},
+            {"item": "launch", "recorded": ddp, "now": fsdp, "step": 12},
+        ],
+        lineage=[{"from_max_steps": 10, "at_step": 10, "to_max_steps": 20}],
+    )
+    card = str(build_model_card(meta, files))
+    assert "| launch | 4 processes (FSDP2) on cpu |" in card
+    assert (
+        "| history | trained in one process; moved to 2 processes (DDP) after step 4; intra_op_threads changed "
+        "from 1 to 2 after step 4; extended from 10 to 20 steps after step 10; moved to 4 processes (FSDP2) "
+        "after step 12 |"
+    ) in card

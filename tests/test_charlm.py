@@ -273,8 +273,8 @@ def test_publishing_to_another_repo_than_the_card_names_is_refused_unless_forced
         refused = publish_stage(stage, hub.url, "someone/else", token, "--config", str(CONFIG))
         assert refused.returncode == 2
         assert (
-            f"scripts/05_stage.py --config {CONFIG} --repo-id someone/else, or pass --force-repo-id"
-            in one_line_error(refused)
+            f"scripts/05_stage.py --config {CONFIG} --stage {stage} --repo-id someone/else, or pass "
+            "--force-repo-id" in one_line_error(refused)
         )
         assert hub.count("POST") == 0, "nothing was sent"
         forced = publish_stage(stage, hub.url, "someone/else", token, "--force-repo-id")

@@ -199,6 +199,8 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
     reference = stage(root / f"full_{mode}" / "step-00000010", tmp_path / "full")
     assert staged.read_bytes() == reference.read_bytes()
+    card = (tmp_path / "resumed" / "README.md").read_text()
+    assert f"| launch | 2 processes ({mode.upper()}) on cpu |" in card and "| history |" not in card
     # The consolidated file equals a full-state load of the shards by torch's own reader.
     weights = load_file(staged)
     gathered = {name: torch.zeros_like(tensor) for name, tensor in weights.items()}
@@ -396,7 +398,7 @@ def test_one_process_resumes_a_distributed_checkpoint_only_with_reshard_and_stag
             config,
             checkpoint=folder,
             stage_dir=tmp_path / "stage",
-            metrics=write_metrics(other, tmp_path / "metrics.json"),
+            metrics=write_metrics(other, config, tmp_path / "metrics.json"),
         )
 
 
@@ -491,6 +493,10 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1
     got = load_file(stage(root / "quiet_cut" / "step-00000010", tmp_path / "resharded"))
+    card = (tmp_path / "resharded" / "README.md").read_text()
+    # A torchrun launch of one process (training.parallel ddp), after two.
+    assert "| launch | one process (DDP) on cpu |" in card, card
+    assert "| history | trained in 2 processes (DDP); moved to one process (DDP) after step 6 |" in card, card
     want = load_file(stage(root / "quiet_full" / "step-00000010", tmp_path / "full"))
     worst = max((got[name] - want[name]).abs().max().item() for name in want)
     assert worst <= 1e-9, worst
@@ -528,7 +534,7 @@ def test_evaluate_reads_a_distributed_checkpoint_as_its_staged_weights(legs, mod
     folder = root / f"full_{mode}" / "step-00000010"
     config = load_config(CONFIG, {"data.dir": str(data_dir)})
     record = evaluate_checkpoint(config, folder)
-    metrics = write_metrics(record, tmp_path / "metrics.json")
+    metrics = write_metrics(record, config, tmp_path / "metrics.json")
     result = build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage", metrics=metrics)
     staged = tmp_path / "stage" / "modelo.safetensors"
     assert result.with_metrics and record["modelo_sha256"] == sha256_file(staged)

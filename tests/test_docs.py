@@ -126,3 +126,58 @@ def test_the_architecture_map_names_every_module():
         if not (path.name == "__init__.py" and not path.read_text(encoding="utf-8").strip())
     }
     assert sorted(modules - mapped) == []
+
+
+CONFIG_PAGE = REPO / "docs" / "configuration.md"
+SECTION_HEADING = re.compile(r"^### `(\w+)`$")
+TABLE_ROW = re.compile(r"^\| ([^|]+) \|")
+
+
+def documented_keys(text: str) -> set[str]:
+    """``section.key`` for every key named in the first column of the tables under a
+    ``### `section``` heading (until the next heading)."""
+    keys, section = set(), None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            match = SECTION_HEADING.match(line)
+            section = match.group(1) if match else None
+        elif section is not None and (row := TABLE_ROW.match(line)):
+            keys.update(f"{section}.{name}" for name in re.findall(r"`(\w+)`", row.group(1)))
+    return keys
+
+
+def config_keys() -> set[str]:
+    """Every key of the typed config, from its dataclasses (the YAML names, e.g. ``checkpoint.async``)."""
+    import dataclasses
+    import typing
+
+    from pipeline.config import Config
+
+    keys = set()
+    for name, section in typing.get_type_hints(Config).items():
+        if dataclasses.is_dataclass(section):
+            keys.update(
+                f"{name}.{field.metadata.get('key', field.name)}" for field in dataclasses.fields(section)
+            )
+    return keys
+
+
+def test_the_configuration_page_names_every_key_of_the_typed_config_and_no_other():
+    documented = documented_keys(CONFIG_PAGE.read_text(encoding="utf-8"))
+    assert sorted(config_keys() - documented) == [], "keys missing from docs/configuration.md"
+    assert sorted(documented - config_keys()) == [], "docs/configuration.md names keys the config lacks"
+    assert {"checkpoint.async", "data.stream_split", "card.allow_leaks", "outputs.stage"} <= documented
+
+
+def test_config_yaml_points_only_at_pages_and_headings_that_exist():
+    """Its comments send the reader to pages by path (and heading anchor), which can be
+    checked, never to a section named in prose ('README "Distributed"'), which cannot."""
+    text = (REPO / "config.yaml").read_text(encoding="utf-8")
+    cited = re.findall(r"(?<![\w/])((?:README|docs/[\w-]+)\.md)(#[\w-]+)?", text)
+    assert cited, "config.yaml cites the docs"
+    missing = [
+        path + anchor
+        for path, anchor in cited
+        if not (REPO / path).is_file() or (anchor and anchor[1:] not in anchors(REPO / path))
+    ]
+    assert missing == [] and re.findall(r"README \"", text) == []

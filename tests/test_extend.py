@@ -69,6 +69,10 @@ def test_extending_a_finished_run_continues_it_exactly(data_dir, tmp_path):
     card = (stage / "README.md").read_text()
     assert "planned for 6 steps, was extended at step 6 to 10" in card
     assert "planned for 10 steps, was extended at step 10 to 12" in card
+    assert (
+        "| history | trained in one process; extended from 6 to 10 steps after step 6; extended from 10 to 12 "
+        "steps after step 10 |"
+    ) in card
 
     # Refusals: not past the step or max_steps, another length without --extend-to.
     for target in (12, 11):

@@ -4,13 +4,11 @@ that are one line naming the file or the key."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from pipeline.checkpoint import CheckpointStore, resolve
 from pipeline.config import config_from_dict, load_config, parse_set_overrides
 from pipeline.errors import CheckpointError, CodeChanged, ConfigError, FactoryFailed, OutOfMemory
 from pipeline.factories import resolve as resolve_factory
+from pipeline.hashing import sha256_file
 from pipeline.provenance import check_code_unchanged, counted_sources
 
 from support import REPO, one_line_error, run_python, run_script, script_env
@@ -187,6 +186,14 @@ def test_output_keys_are_derived_from_the_config_file(tmp_path, monkeypatch):
     )
     # Named in the file or by --set, they win; an old checkpoint's config (no outputs) keeps the defaults.
     assert load_config("mycnn/config.yaml", {"outputs.stage": "s"}).outputs.stage == "s"
+    base = CONFIG.read_text()
+    (tmp_path / "named.yaml").write_text(
+        base.replace("checkpoint:\n", "checkpoint:\n  dir: my/ck\n")
+        + "\noutputs:\n  metrics: my/m.json\n  stage: my/st\n"
+    )
+    assert outputs("named.yaml") == ("my/ck", "my/m.json", "my/st")
+    (tmp_path / "partly.yaml").write_text(base + "\noutputs:\n  stage: my/st\n")
+    assert outputs("partly.yaml") == ("runs/partly/estados_local", "runs/partly/metrics.json", "my/st")
     assert config_from_dict({}).outputs.metrics == "metrics.json"
 
 
@@ -259,14 +266,24 @@ def test_a_changed_data_module_is_named_alike_by_resume_and_stage(data_dir, tmp_
         return run_python([REPO / "scripts" / name, *args[:-1], *extra], cwd=tmp_path, env=script_env())
 
     assert script("02_train.py", "--quiet", "--stop-at", "2").returncode == 0
+    trained = sha256_file(tmp_path / "my_data.py")
     (tmp_path / "my_data.py").write_text((tmp_path / "my_data.py").read_text() + "# a comment\n")
+    now = sha256_file(tmp_path / "my_data.py")
     lines = [
         one_line_error(script("02_train.py", "--quiet", "--resume", "latest")),
         one_line_error(script("05_stage.py", "--no-metrics")),
     ]
     for line in lines:
-        assert "my_data.py (the data factory) changed since step 2 was trained" in line, line
-    assert "--allow-environment-change" in lines[0] and "restore it" in lines[1]
+        assert (
+            f"my_data.py (the data factory) changed since step 2 was trained (SHA-256 {trained} then, {now} now)"
+            in line
+        ), line
+        # Where the bytes it was trained with are found again.
+        assert "restore it (git log -p -- my_data.py shows its earlier versions)" in line, line
+    assert (
+        "--allow-environment-change" in lines[0] and "stage a checkpoint trained with this code" in lines[1]
+    )
+    assert not (tmp_path / "hub_stage").exists()  # a model that ships its code: refused, nothing staged
     resumed = script("02_train.py", "--quiet", "--resume", "latest", "--allow-environment-change")
     assert resumed.returncode == 0, resumed.stderr
     assert script("05_stage.py", "--no-metrics").returncode == 0  # step 4 was trained with this code
@@ -383,21 +400,17 @@ def test_the_proof_report_counts_checks_and_says_when_the_loss_stayed_equal():
     )
 
 
-def test_the_demo_checks_its_local_hub_first_and_names_why_it_cannot_start(tmp_path, monkeypatch, capsys):
-    from localhub import LocalHub
-
-    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "demo_script", demo)  # its dataclasses look their module up
-    spec.loader.exec_module(demo)
-    monkeypatch.setattr(demo, "HUB_ROOT", tmp_path / "hub")
-    with LocalHub(tmp_path / "hub", token="t"):  # another server holds that state folder
-        with pytest.raises(demo.DemoFailed):
-            demo._start_hub("secret")
-    said = capsys.readouterr().err
-    assert "demo: the local Hub did not start: " in said and "another localhub is already serving" in said
-    hub = demo._start_hub("secret")  # free again: it starts
-    try:
-        assert hub.url.startswith("http://127.0.0.1:")
-    finally:
-        hub.stop()
+def test_04_and_05_take_the_checkpoint_dir_02_was_given_and_their_hints_keep_it(trained_run, run_copy):
+    run = run_copy(trained_run)
+    (run.root / "elsewhere").mkdir()
+    run.checkpoint_dir.rename(run.root / "elsewhere" / "ck")
+    flag = ("--checkpoint-dir", "elsewhere/ck")
+    line = run.refused("05_stage.py", *flag)  # not evaluated yet: the hint runs 04 on that folder
+    printed = line.split("run ", 1)[1].split(" first,")[0]
+    assert "checkpoint.dir=elsewhere/ck" in printed, line
+    assert run_python(shlex.split(printed)[1:], cwd=run.root, env=script_env()).returncode == 0
+    assert json.loads(run.metrics.read_text())["checkpoint"] == "elsewhere/ck/step-00000010"
+    run.ok("04_evaluate.py", *flag)
+    run.ok("05_stage.py", *flag)
+    assert json.loads((run.stage / "meta.json").read_text())["metrics"]["values"]
+    assert "no committed checkpoint in estados_local/" in run.refused("04_evaluate.py")

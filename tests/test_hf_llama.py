@@ -13,8 +13,18 @@ from huggingface_hub import ModelCard
 from safetensors import safe_open
 
 from localhub import LocalHub
+from pipeline.hashing import sha256_file
 
-from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
+from support import (
+    REPO,
+    first_python_block,
+    one_line_error,
+    publish_stage,
+    run_as_hub_user,
+    run_python,
+    run_script,
+    script_env,
+)
 
 transformers = pytest.importorskip("transformers")
 # Every test reads the one published repo: they go to one xdist worker, so it is built once.
@@ -146,3 +156,58 @@ def test_no_staged_file_carries_a_machine_path_user_or_host_name(published):
             )
     config = json.loads((stage / "meta.json").read_text())["config"]
     assert (config["data"]["dir"], config["checkpoint"]["dir"]) == ("<data.dir>", "<checkpoint.dir>")
+
+
+def test_a_changed_model_module_does_not_block_a_transformers_stage_but_weights_that_no_longer_fit_do(
+    published, tmp_path
+):
+    """A transformers repo ships no code: a model module edited after training (a comment)
+    is staged with one warning naming it and both SHA-256s, recorded in meta.json and on the
+    card; an edit that changes the model is still refused by the weights-fit check."""
+    module = tmp_path / "tiny_llama.py"
+    module.write_text(
+        "from examples.hf_llama.model import build_model as built, hub_files  # noqa: F401\n"
+        "def build_model(config):\n"
+        "    return built(config)\n"
+    )
+    overrides = {**TINY, "data.dir": str(published["root"] / "data"), "training.max_steps": "2"}
+    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    args += ["--config", str(CONFIG), "--set", "model.factory=tiny_llama:build_model"]
+
+    def script(name: str, *extra: str):
+        return run_python([REPO / "scripts" / name, *args, *extra], cwd=tmp_path, env=script_env())
+
+    assert script("02_train.py", "--quiet").returncode == 0
+    trained = sha256_file(module)
+    module.write_text(module.read_text() + "# a comment\n")
+    now = sha256_file(module)
+    staged = script("05_stage.py", "--no-metrics")
+    assert staged.returncode == 0, staged.stderr
+    warnings = [line for line in staged.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        f"warning: tiny_llama.py (the model's code) changed since step 2 was trained (SHA-256 {trained} then, "
+        f"{now} now); staged anyway, since this stage ships no code and the weights fit the model the code "
+        "builds now (recorded in meta.json provenance.code_changes and on the card)"
+    ], staged.stderr
+    meta = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
+    assert meta["provenance"]["code_changes"] == [
+        {
+            "file": "tiny_llama.py",
+            "role": "the model's code",
+            "trained_sha256": trained,
+            "current_sha256": now,
+        }
+    ]
+    card = (tmp_path / "hub_stage" / "README.md").read_text()
+    assert f"| code changed since training | `tiny_llama.py` (the model's code): SHA-256 `{trained}`" in card
+    module.write_text(
+        "import dataclasses\n"
+        "from examples.hf_llama.model import build_model as built, hub_files  # noqa: F401\n"
+        "def build_model(config):\n"
+        "    params = {**config.model.params, 'intermediate_size': 16}\n"
+        "    return built(dataclasses.replace(config, model=dataclasses.replace(config.model, params=params)))\n"
+    )
+    line = one_line_error(script("05_stage.py", "--no-metrics"))
+    assert "gate_proj.weight is torch.float32 (64, 32), the model expects torch.float32 (16, 32)" in line, (
+        line
+    )

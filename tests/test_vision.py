@@ -52,7 +52,7 @@ def test_the_vision_example_goes_from_its_images_to_a_published_repo_that_the_ca
     assert result.step == 6 and result.history["loss"][-1] < result.history["loss"][0]
     record = evaluate_checkpoint(config)
     assert set(record["metrics"]) == {"accuracy", "loss", "perplexity"}
-    metrics = write_metrics(record, tmp_path / "metrics.json")
+    metrics = write_metrics(record, config, tmp_path / "metrics.json")
     stage = tmp_path / "stage"
     build_stage(config, stage_dir=stage, metrics=metrics, repo_id=REPO_ID)
     card = (stage / "README.md").read_text(encoding="utf-8")

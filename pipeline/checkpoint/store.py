@@ -593,7 +593,9 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     steps = store.committed_steps()
     if not steps:
         where = (
-            "pass --checkpoint PATH" if committed else "point --checkpoint-dir at the folder that holds them"
+            "pass --checkpoint PATH, or --checkpoint-dir DIR for the folder that holds them"
+            if committed
+            else "point --checkpoint-dir at the folder that holds them"
         )
         raise NoCheckpoint(
             f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, or {where}"

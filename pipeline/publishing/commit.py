@@ -41,7 +41,7 @@ and succeeds, saying so; if not, nothing was committed (exit 2). A rerun never m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -61,6 +61,7 @@ from ..errors import (
     VerificationFailed,
 )
 from ..leaks import leak_rules
+from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from .client import (
     RERUN,
@@ -83,7 +84,6 @@ from .plan import (
     Publication,
     PublishPlan,
     check_receipt_dir,
-    check_repo_id,
     check_staged_repo_id,
     check_timeout,
     clean_prefix,
@@ -153,9 +153,8 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
     but does not match the audit) or :class:`~pipeline.errors.ReceiptNotWritten` (exit 1, landed
     and verified, no receipt). The token comes from :func:`huggingface_hub.get_token` only.
     """
-    wanted = publication
+    wanted = replace(publication, repo_id=hub_repo_id(publication.repo_id))
     stage = Path(wanted.stage)
-    check_repo_id(wanted.repo_id)
     receipts = check_receipt_dir(wanted.receipt_dir, stage)
     endpoint, prefix = resolve_endpoint(wanted.endpoint), clean_prefix(wanted.path_in_repo)
     timeout = check_timeout(wanted.timeout_s)

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from huggingface_hub import constants
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 from ..audit import AuditedFile
 from ..errors import PublishError
@@ -36,7 +34,7 @@ class Publication:
     """One publish: which stage goes where, and how (the flags of scripts/06_publish.py)."""
 
     repo_id: str
-    """The model repo, ``namespace/name``."""
+    """The model repo, ``namespace/name`` (or its page's address, ``https://huggingface.co/namespace/name``)."""
     stage: str | Path = STAGE_DIR
     """The stage folder scripts/05_stage.py built."""
     endpoint: str | None = None
@@ -139,16 +137,6 @@ def check_receipt_dir(receipt_dir: str | Path, stage: Path) -> Path:
             "write receipts elsewhere (default: hub_receipts/)"
         )
     return folder
-
-
-def check_repo_id(repo_id: str) -> None:
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise PublishError(
-            f"--repo-id {repo_id!r} is not a valid Hub repo id: use 'name' or 'namespace/name' "
-            "(letters, digits, '-', '_', '.'; no spaces, no '..'); nothing was published"
-        ) from None
 
 
 def check_timeout(timeout: float | None) -> float | None:

@@ -60,12 +60,14 @@ from ..layout import (
     STATE_FILE,
 )
 from ..leaks import scan_secrets
-from ..provenance import check_code_unchanged
+from ..provenance import CodeChange, code_changed_refusal, code_changes
+from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
+from ..start import Launch
 from .card import LOADER_MODULE, build_model_card, read_user_sections, render_curve
 from .code_export import shipped_sources
-from .hf_export import hub_files, inspect_model
+from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
 from .weights import (
@@ -103,7 +105,8 @@ class StageBuild:
     allow_nonfinite: bool = False
     """Stage weights that hold NaN or ±inf (the card warns) instead of refusing them."""
     repo_id: str | None = None
-    """The repository the card's snippets download from; ``None``: the card names none."""
+    """The repository the card's snippets download from, ``namespace/name`` (or its page's
+    address, ``https://huggingface.co/namespace/name``); ``None``: the card names none."""
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     """Split the weights into files of at most this size (``"5GB"``, bytes); the Hub takes 50 GB at most."""
     proof: str | Path | None = None
@@ -124,6 +127,9 @@ class StageResult:
     report: list[AuditedFile]
     nonfinite: list[str]
     with_metrics: bool
+    code_changes: list[CodeChange]
+    """Files of the model's code (or its factories) changed since training, staged anyway
+    because the stage ships no code (a transformers model); recorded in its meta.json."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,8 @@ class _Sources:
     """The verified weights, read one tensor at a time."""
     user_sections: str | None
     """The Markdown of the config's ``card.sections`` file, if any."""
+    code_changes: list[CodeChange]
+    """Counted files that changed since training (a stage that ships no code only)."""
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -253,6 +261,10 @@ def _staged_meta(
             "history_points": len(history["step"]),
             # Each --extend-to of the run: max_steps before and after, and the step it happened at.
             "lineage": meta["lineage"],
+            # The launch that wrote this checkpoint, and every change accepted on the way: moves to
+            # another launch (--reshard) and environment changes (--allow-environment-change).
+            "launch": Launch.of_checkpoint(meta).to_dict(),
+            "changes": meta["environment"]["changes"],
         },
         "metrics": None
         if record is None
@@ -266,6 +278,9 @@ def _staged_meta(
             "fingerprints": meta["fingerprints"],
             "versions": meta["versions"],
             "device": meta["device"],
+            # Files of the code that differ from those the weights were trained with (a model
+            # that ships no code is staged anyway; its weights still had to fit today's model).
+            "code_changes": [change.record() for change in src.code_changes],
         },
         # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
         "source_checkpoint": {
@@ -434,8 +449,11 @@ def _report(
 def build_stage(config: Config, build: StageBuild | None = None, /, **options: Any) -> StageResult:
     """Build a stage as ``build`` says (a :class:`StageBuild`, or its fields as keywords).
 
-    Order: verify every checkpoint file against its meta.json; require the metrics file
-    to name this step and these weights; copy the weights into a scratch folder, hashing
+    Order: check ``build.repo_id`` (:func:`~pipeline.repo_ids.hub_repo_id`); verify every
+    checkpoint file against its meta.json; build the model without weights and refuse code
+    changed since training if the stage ships it (a transformers model's changes are
+    recorded); require the metrics file to name this step and these weights; copy the
+    weights into a scratch folder, hashing
     (:func:`.weights.open_weights`); check they fit the model the checkpoint's config
     builds; write them (NaN/inf refused unless ``allow_nonfinite``), code, curve,
     ``meta.json``, card and manifest into a hidden sibling folder; sign it with
@@ -451,6 +469,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
     if build is not None and options:
         raise TypeError("build_stage takes a StageBuild or its fields as keywords, not both")
     build = build if build is not None else StageBuild(**options)
+    if build.repo_id is not None:  # the card's snippets download from it: 06's rule, and a namespace
+        build = replace(build, repo_id=hub_repo_id(build.repo_id, namespace_required=True))
     stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
     metrics = (
         None
@@ -470,10 +490,14 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         contextlib.ExitStack() as scratch,
     ):
         folder, meta = loaded.folder, loaded.meta
-        # The stage ships the model's code: the code these weights were trained with (the rule
-        # a resume applies), naming the file that changed.
         model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
-        check_code_unchanged(meta, model_config, use="stage")
+        changes = code_changes(meta, model_config)
+        # Built without weights (parameters on meta: no memory, any size) by today's code.
+        model = build_model(model_config, "meta")
+        if changes and not is_transformers_model(model):
+            # This stage ships the model's code: the code these weights were trained with (the
+            # rule a resume applies). A transformers repo ships none: its change is recorded.
+            raise code_changed_refusal(changes[0], use="stage")
         # A stale record is refused before the weights are copied; a distributed checkpoint's
         # weights have a hash as one file only once they are read.
         single = not is_distributed(meta)
@@ -488,7 +512,6 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         scratch.callback(weights.close)
         if metrics is not None and not single:
             record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
-        model = build_model(model_config, "meta")
         # The weights are published for this code: they must fit the model it builds.
         weights.check_fit(model)
         src = _Sources(
@@ -501,6 +524,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             metrics=record,
             weights=weights,
             user_sections=user_sections,
+            code_changes=changes,
         )
         with atomic_folder(stage, owned=_built_by_us) as built:
             nonfinite = _build_into(built, src, build)
@@ -521,4 +545,5 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         report=report,
         nonfinite=nonfinite,
         with_metrics=record is not None,
+        code_changes=changes,
     )

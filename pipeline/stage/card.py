@@ -369,7 +369,8 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         ("batch size", str(config["data"]["batch_size"])),
         ("seed", str(config["training"]["seed"])),
         ("dtype / AMP", f"{config['training']['dtype']} / {config['training']['amp']}"),
-        ("device", str(meta["provenance"]["device"])),
+        ("launch", f"{_launch_phrase(training['launch'])} on {meta['provenance']['device']}"),
+        *([("history", history)] if (history := _history(training)) else []),
         ("parameters", f"{meta['model']['num_parameters']:,}"),
     ]
     table = "| | |\n| --- | --- |\n" + "\n".join(f"| {key} | {value} |" for key, value in rows)
@@ -379,6 +380,47 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         else "\n\nNo training curve: matplotlib was not installed where this model was staged."
     )
     return f"## Training\n\n{table}{curve}"
+
+
+def _launch_phrase(launch: Mapping[str, Any]) -> str:
+    """``one process``, ``2 processes (DDP)``: how a launch laid the run out."""
+    if launch["world_size"] == 1 and launch["parallel"] == "none":
+        return "one process"
+    processes = "one process" if launch["world_size"] == 1 else f"{launch['world_size']} processes"
+    unused = ", find_unused_parameters" if launch.get("ddp_find_unused_parameters") else ""
+    return f"{processes} ({launch['parallel'].upper()}{unused})"
+
+
+def _history(training: Mapping[str, Any]) -> str:
+    """The run's launches, extensions and accepted environment changes, in step order."""
+    events: list[tuple[int, str]] = []
+    moves = [change for change in training["changes"] if change["item"] == "launch"]
+    for change in training["changes"]:
+        if change["item"] == "launch":
+            events.append(
+                (change["step"], f"moved to {_launch_phrase(change['now'])} after step {change['step']:,}")
+            )
+        else:
+            events.append(
+                (
+                    change["step"],
+                    f"{change['item']} changed from {change['recorded']} to {change['now']} after step "
+                    f"{change['step']:,}",
+                )
+            )
+    for entry in training["lineage"]:
+        events.append(
+            (
+                entry["at_step"],
+                f"extended from {entry['from_max_steps']:,} to {entry['to_max_steps']:,} steps after step "
+                f"{entry['at_step']:,}",
+            )
+        )
+    if not events:
+        return ""
+    first = moves[0]["recorded"] if moves else training["launch"]
+    ordered = [text for _, text in sorted(events, key=lambda event: event[0])]
+    return "; ".join([f"trained in {_launch_phrase(first)}", *ordered])
 
 
 def _metrics_section(meta: Mapping[str, Any]) -> str:
@@ -452,10 +494,27 @@ def _provenance_section(meta: Mapping[str, Any]) -> str:
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),
         ("libraries", versions),
     ]
+    changed = provenance["code_changes"]
+    rows += [("code changed since training", _code_change(change)) for change in changed]
+    note = (
+        " The code that built the model changed after these weights were trained (the rows above): this "
+        "repository ships no code, and the weights were checked to fit the model the changed code builds."
+        if changed
+        else ""
+    )
     return (
         "## Provenance\n\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n\n"
-        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files."
+        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files." + note
     )
+
+
+def _code_change(change: Mapping[str, Any]) -> str:
+    if change["file"] is None:
+        return f"a file of {change['role']} (which one the checkpoint cannot tell)"
+    trained, current = (
+        f"`{digest}`" if digest else "none" for digest in (change["trained_sha256"], change["current_sha256"])
+    )
+    return f"`{change['file']}` ({change['role']}): SHA-256 {trained} when trained, {current} when staged"
 
 
 def build_model_card(

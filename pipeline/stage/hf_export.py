@@ -23,7 +23,7 @@ from ..checkpoint import stored_layout
 from ..config import Config
 from ..errors import ConfigError
 
-__all__ = ["HUB_FILES_HOOK", "ModelExport", "hub_files", "inspect_model"]
+__all__ = ["HUB_FILES_HOOK", "ModelExport", "hub_files", "inspect_model", "is_transformers_model"]
 
 # A function the model factory's module may define: ``hub_files(config) -> {file name: bytes}``.
 HUB_FILES_HOOK = "hub_files"
@@ -46,7 +46,8 @@ def _json(payload: Any) -> bytes:
     return (json.dumps(payload, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
 
 
-def _is_transformers_model(model: torch.nn.Module) -> bool:
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel``: its repo loads with ``from_pretrained`` and ships no code."""
     module = sys.modules.get("transformers")
     return module is not None and isinstance(model, module.PreTrainedModel)
 
@@ -93,7 +94,7 @@ def inspect_model(model: torch.nn.Module, config: Config, public_config: Mapping
     rebuild the model from that file alone.
     """
     architecture = f"{type(model).__module__}.{type(model).__qualname__}"
-    if _is_transformers_model(model):
+    if is_transformers_model(model):
         return _transformers_export(model, architecture)
     from ..factories import resolve
 

@@ -48,6 +48,8 @@ IGNORED = shutil.ignore_patterns(
     "hub_receipts",
     "runs",
     ".localhub",
+    ".localhub-demo",
+    ".demo",
     "metrics.json",
 )
 TIMEOUT_S = 900

@@ -210,6 +210,8 @@ def test_05_refuses_card_sections_outside_its_folder_in_one_line_and_keeps_the_s
         assert line.startswith(f"error: card.sections: {name} is outside the folder the scripts run in"), line
     assert (run.stage / "README.md").read_bytes() == before
     assert "root:" not in before.decode()
+
+
 def test_the_card_names_the_launch_and_the_runs_moves_extensions_and_changes_in_step_order(staged_run):
     """From the staged record: the launch that wrote the weights, and (when there is one) the
     history: the first launch, each move, each --extend-to, each accepted environment change."""

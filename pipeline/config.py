@@ -550,6 +550,13 @@ def launch_mode(parallel: str, world_size: int | None) -> str:
     return "ddp" if world_size is not None and world_size > 1 else "none"
 
 
+def launched_as(config: "Config", world_size: int | None) -> "Config":
+    """``config`` with ``training.parallel`` as a launch of ``world_size`` runs it
+    (:func:`launch_mode`): what the run's checkpoints record."""
+    parallel = launch_mode(config.training.parallel, world_size)
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, parallel=parallel))
+
+
 def derived_outputs(path: str | Path | None) -> dict[str, str]:
     """The outputs of a config file that does not name them, relative to the working folder
     (the run's folder, where every relative path of a config points):

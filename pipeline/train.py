@@ -374,9 +374,14 @@ def _loop(
                 f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                 f"Resume with: {resume_hint}"
             )
-            if world is not None and world.rank == 0:
-                with contextlib.suppress(OSError):  # the line says it all the same
-                    message += f" (saved in {store.note_resume(resume_hint)})"
+            if world is not None:
+                # Rank 0 writes the note; every rank's line names it, since torchrun's report
+                # quotes whichever rank ended first.
+                try:
+                    note = store.note_resume(resume_hint) if world.rank == 0 else store.resume_note_path
+                    message += f" (saved in {note})"
+                except OSError:
+                    pass  # the line says it all the same
             # Under torchrun rank 0 says it once; torchrun's own report follows it.
             raise Preempted(message, stop, quiet=world is not None and world.rank != 0)
     return saved

@@ -240,12 +240,16 @@ class CheckpointStore:
         return removed
 
     # -- the resume note -----------------------------------------------------------------
+    @property
+    def resume_note_path(self) -> Path:
+        return self.root / RESUME_FILE
+
     def note_resume(self, command: str | None) -> Path:
         """Write ``command``, which continues the run stopped here, to ``RESUME`` (under
         torchrun the stop's own line scrolls away under torchrun's report); ``None`` removes
         it, once the run continues. Requires the lock."""
         self._require_lock("note_resume")
-        path = self.root / RESUME_FILE
+        path = self.resume_note_path
         if command is not None:
             write_atomic(path, (command + "\n").encode("utf-8"))
         elif path.is_file() and not path.is_symlink():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..errors import ConfigError, SecretInStage
+from ..errors import ConfigError, InternalError, SecretInStage
 from ..hashing import CHUNK
 from ..safetensors_header import DTYPE_SIZES, header_span, parse_header
 from .kinds import ALLOWABLE, BEFORE, HOST_NAME, KINDS, OVERLAP, near_needles
@@ -210,7 +210,8 @@ class FileScan:
         """Collect the safetensors header (it starts the file); once whole, learn where the
         floating-point tensors lie from the strict parser (none if it refuses the file)."""
         header = self._header
-        assert header is not None and self._text_end is not None
+        if header is None or self._text_end is None:
+            raise InternalError("a safetensors header is read only once its extent is known")
         header += buffer[: min(n, self._text_end - len(header))]
         if len(header) == self._text_end:
             self._numbers = _float_tensors(bytes(header), self._size)

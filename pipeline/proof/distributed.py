@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..checkpoint import step_dir_name
-from ..config import Config, launch_mode
+from ..config import Config, launch_mode, launched_as
 from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
@@ -90,6 +90,7 @@ def verify_resume_distributed(
             f"--nproc-per-node must be >= 2 to prove a distributed resume (got {nproc}); "
             "one process is the plain proof (leave --nproc-per-node out)"
         )
+    config = launched_as(config, nproc)  # what the legs' checkpoints record, and so what the report proves
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
     if config.training.amp == "fp16":

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoint import step_dir_name
-from ..config import Config
+from ..config import Config, launched_as
 from ..data import load_manifest
 from ..durable import write_json_atomic
 from ..environment import current_environment
@@ -66,6 +66,7 @@ def verify_resume(
     """
     output = Path(output)
     refuse_output(output, config)
+    config = launched_as(config, None)  # what the legs' checkpoints record, and so what the report proves
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
     manifest = load_manifest(config)  # unprepared or altered data stops here, before any folder exists

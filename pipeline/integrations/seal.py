@@ -102,7 +102,7 @@ def _parse_seal(path: Path) -> dict[str, Any]:
     schema = record.get("schema") if isinstance(record, dict) else None
     if schema != SEAL_SCHEMA:
         what = (
-            "a checkpoint of this pipeline, not a folder sealed by seal_checkpoint"
+            "a checkpoint of this pipeline (the scripts read it with --checkpoint), not a sealed folder"
             if isinstance(schema, str) and schema.startswith("pipeline.checkpoint")
             else f"not a {SEAL_SCHEMA} seal"
         )

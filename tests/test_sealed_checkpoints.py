@@ -17,7 +17,13 @@ from typing import Callable
 import pytest
 
 from pipeline.errors import UnsealedCheckpoint
-from pipeline.integrations.seal import SEAL_SCHEMA, check_seal, seal_checkpoint, verified_checkpoint
+from pipeline.integrations.seal import (
+    SEAL_SCHEMA,
+    check_seal,
+    prune_checkpoints,
+    seal_checkpoint,
+    verified_checkpoint,
+)
 
 from support import HELPERS, run_python, run_script, script_env
 
@@ -62,6 +68,8 @@ def test_sigkill_at_random_instants_of_saves_never_leaves_a_verified_checkpoint_
     assert len(kills) == KILLS
     problems = [(number, kill) for number, kill in enumerate(kills) if kill["problems"]]
     assert not problems, f"seed {seed}: {problems}"
+    # With SealedCheckpoints(keep_last=2) a sealed checkpoint always remains (the Trainer's own
+    # save_total_limit, deleting before the seal, can leave none: docs/other-trainers.md).
     assert all(kill["returned"] is not None for kill in kills), f"seed {seed}"
     # The kills landed inside saves: most left a newer folder that was skipped, named on stderr.
     cut_short = sum(bool(kill["skipped"]) for kill in kills)
@@ -294,37 +302,70 @@ def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed
     assert json.loads((sealed / "meta.json").read_text()) == ours
 
 
-def test_the_callback_names_a_checkpoint_it_could_not_seal_and_training_goes_on(sealed, capsys):
+def test_the_callback_names_a_checkpoint_it_could_not_seal_prunes_nothing_and_training_goes_on(
+    sealed, capsys
+):
     from pipeline.integrations.transformers import SealedCheckpoints
 
     link_inside(sealed)
-    args = SimpleNamespace(output_dir=str(sealed.parent), should_save=True)
+    args = SimpleNamespace(output_dir=str(sealed.parent), should_save=True, save_total_limit=None)
+    state = SimpleNamespace(global_step=3, best_model_checkpoint=None)
     control = object()
-    assert SealedCheckpoints().on_save(args, SimpleNamespace(global_step=3), control) is control
+    assert SealedCheckpoints(keep_last=1).on_save(args, state, control) is control
     assert "checkpoint-3 was not sealed" in capsys.readouterr().err
     assert verified_checkpoint(sealed.parent) == sealed.parent / "checkpoint-2"
 
 
-def test_accelerate_save_state_folders_are_sealed_and_verified_the_same_way(tmp_path):
+def test_the_callback_warns_that_save_total_limit_deletes_before_the_seal(capsys):
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    args = SimpleNamespace(should_save=True, save_total_limit=2)
+    SealedCheckpoints().on_train_begin(args, SimpleNamespace(), object())
+    assert "prefer save_total_limit=None and SealedCheckpoints(keep_last=2)" in capsys.readouterr().err
+    SealedCheckpoints().on_train_begin(SimpleNamespace(should_save=True, save_total_limit=None), None, None)
+    assert capsys.readouterr().err == ""
+
+
+def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_protected_folders(tmp_path):
+    output = tmp_path / "output"
+    for step in range(8):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+        if step not in (0, 6):  # 0: from a run without the callback; 6: a save cut short
+            seal_checkpoint(folder, step=step)
+    leftover = output / ".pruned-checkpoint-9-0123abcd"  # what a prune killed midway leaves
+    leftover.mkdir()
+    removed = prune_checkpoints(output / "checkpoint-5", 2, protect=output / "checkpoint-2")
+    assert removed == ["checkpoint-3", "checkpoint-1"]
+    left = sorted(p.name for p in output.iterdir())
+    assert left == [f"checkpoint-{n}" for n in (0, 2, 4, 5, 6, 7)]
+    with pytest.raises(ValueError):
+        prune_checkpoints(output / "checkpoint-5", 0)
+
+
+def test_accelerate_save_state_folders_are_sealed_pruned_and_verified_the_same_way(tmp_path):
     accelerate = pytest.importorskip("accelerate")
     import torch
     from accelerate.utils import ProjectConfiguration
 
-    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3)
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     accelerator = accelerate.Accelerator(cpu=True, project_config=project)
     net = torch.nn.Linear(4, 4)
     model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters()))
     saved, weights = [], []
-    for _ in range(2):
+    for _ in range(3):
         with torch.no_grad():
             model.weight.add_(1.0)
         weights.append(model.weight.detach().clone())
         saved.append(Path(accelerator.save_state()))
         seal_checkpoint(saved[-1])
+        prune_checkpoints(saved[-1], keep_last=2)
     checkpoints = tmp_path / "checkpoints"
-    assert saved == [checkpoints / "checkpoint_0", checkpoints / "checkpoint_1"]
+    assert saved == [checkpoints / f"checkpoint_{n}" for n in range(3)]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert verified_checkpoint(checkpoints) == saved[2]
+    _flip_middle_byte(saved[2] / "model.safetensors")
     assert verified_checkpoint(checkpoints) == saved[1]
-    _flip_middle_byte(saved[1] / "model.safetensors")
-    assert verified_checkpoint(checkpoints) == saved[0]
-    accelerator.load_state(str(saved[0]))  # accelerate reads its own files; the seal is not one of them
-    assert torch.equal(model.weight, weights[0]) and not torch.equal(model.weight, weights[1])
+    accelerator.load_state(str(saved[1]))  # accelerate reads its own files; the seal is not one of them
+    assert torch.equal(model.weight, weights[1]) and not torch.equal(model.weight, weights[2])

@@ -15,25 +15,29 @@ a ``meta.json`` of its own, which is not a seal), names confined to the folder, 
 present listed and every listed file present, no link, then every byte hashed.
 :func:`verified_checkpoint` returns the newest ``checkpoint-N`` (Trainer) or
 ``checkpoint_N`` (accelerate) folder whose seal verifies, naming on stderr each newer one it
-skipped and why. A seal detects an incomplete or changed folder; it does not say who wrote
-it (docs/other-trainers.md). Torch-free.
+skipped and why. :func:`prune_checkpoints` deletes old sealed folders once a new one is
+sealed, never before (a tool's own retention may delete before its new save is complete).
+A seal detects an incomplete or changed folder; it does not say who wrote it
+(docs/other-trainers.md). Torch-free.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..durable import json_loads_strict, write_json_atomic
+from ..durable import fsync_dir, json_loads_strict, write_json_atomic
 from ..errors import UnsealedCheckpoint
 from ..hashing import sha256_file
 from ..layout import META_FILE
 
-__all__ = ["SEAL_SCHEMA", "check_seal", "seal_checkpoint", "verified_checkpoint"]
+__all__ = ["SEAL_SCHEMA", "check_seal", "prune_checkpoints", "seal_checkpoint", "verified_checkpoint"]
 
 SEAL_SCHEMA = "pipeline.folder-seal/1"
 _SEAL_KEYS = frozenset({"schema", "step", "files"})
@@ -43,6 +47,8 @@ _MAX_SEAL = 16 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Trainer's checkpoint-N and accelerate's checkpoint_N (automatic_checkpoint_naming).
 _CHECKPOINT = re.compile(r"checkpoint[-_]([0-9]{1,18})")
+# A checkpoint folder being pruned (renamed, then removed): a crash may leave one behind.
+_PRUNED = re.compile(r"\.pruned-checkpoint[-_][0-9]{1,18}-[0-9a-f]{8}")
 # The temporaries write_json_atomic leaves when killed before its rename; it removes them
 # when it next writes the seal, so sealing must not list them.
 _SEAL_TEMPORARY = re.compile(re.escape(f".{META_FILE}.") + r"[0-9a-f]+\.tmp")
@@ -200,6 +206,53 @@ def seal_checkpoint(folder: str | Path, *, step: int | None = None) -> dict[str,
     return record
 
 
+def _newest_first(parent: Path) -> list[tuple[int, str]]:
+    """(number, name) of the checkpoint folders of ``parent``, highest number first."""
+    numbered = [
+        (int(m.group(1)), entry.name)
+        for entry in parent.iterdir()
+        if (m := _CHECKPOINT.fullmatch(entry.name))
+    ]
+    return sorted(numbered, reverse=True)
+
+
+def prune_checkpoints(newest: str | Path, keep_last: int, *, protect: str | Path | None = None) -> list[str]:
+    """Once ``newest`` (a ``checkpoint-N`` folder) is sealed, delete the sealed checkpoint
+    folders beside it beyond the ``keep_last`` newest sealed ones up to ``newest`` (folders
+    numbered above it, left by a run that was rolled back, are not counted nor touched; nor is
+    ``protect``, e.g. the Trainer's best model). So an old checkpoint goes only after a new one
+    is complete. Each is renamed to a hidden name (the rename made durable), then removed: a
+    crash midway never leaves a half-deleted ``checkpoint-N``, and what a crash left hidden is
+    removed first. A folder without a seal (not sealed here) is never touched. Returns the
+    names removed."""
+    newest = Path(os.path.abspath(newest))
+    match = _CHECKPOINT.fullmatch(newest.name)
+    if match is None or type(keep_last) is not int or keep_last < 1:
+        raise ValueError(
+            f"prune_checkpoints needs a checkpoint folder and keep_last >= 1, got {newest}, {keep_last!r}"
+        )
+    parent = newest.parent
+    for entry in sorted(parent.iterdir()):
+        if _PRUNED.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+    kept = {Path(os.path.abspath(protect)).name} if protect is not None else set()
+    sealed = [
+        name
+        for number, name in _newest_first(parent)
+        if number <= int(match.group(1)) and _is_seal(parent / name / META_FILE)
+    ]
+    removed = []
+    for name in sealed[keep_last:]:
+        if name in kept:
+            continue
+        hidden = parent / f".pruned-{name}-{secrets.token_hex(4)}"
+        os.rename(parent / name, hidden)
+        fsync_dir(parent)
+        shutil.rmtree(hidden)
+        removed.append(name)
+    return removed
+
+
 def verified_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest ``checkpoint-N`` / ``checkpoint_N`` folder of ``output_dir`` whose seal
     verifies (every file hashed), to pass as ``trainer.train(resume_from_checkpoint=...)``.
@@ -211,16 +264,8 @@ def verified_checkpoint(output_dir: str | Path) -> Path | None:
     parent = Path(output_dir)
     if not parent.is_dir():
         return None
-    numbered = sorted(
-        (
-            (int(match.group(1)), entry.name)
-            for entry in parent.iterdir()
-            if (match := _CHECKPOINT.fullmatch(entry.name))
-        ),
-        reverse=True,
-    )
     skipped = []
-    for _, name in numbered:
+    for _, name in _newest_first(parent):
         try:
             check_seal(parent / name)
         except UnsealedCheckpoint as exc:

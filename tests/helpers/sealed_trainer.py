@@ -3,16 +3,18 @@
     python -B tests/helpers/sealed_trainer.py REPORT.json --reference DIR
     python -B tests/helpers/sealed_trainer.py REPORT.json --kills N --seed S --kill-dir DIR
 
-``--reference``: one uninterrupted run (6 steps, save_steps 2, save_total_limit 2) that also
-times its saves. ``--kills``: training in DIR with a save at every step and save_total_limit 2,
-resumed each time from ``verified_checkpoint(DIR)`` and killed by SIGKILL at a random instant
-of its first or second save (a delay drawn over the save's measured length, seal included),
-N times. After each kill this process checks, independently of the seal, that the folder
-``verified_checkpoint`` returns is complete: exactly the files a Trainer save writes, the
-safetensors readable tensor by tensor, every torch.save archive's CRCs intact (read as zip
-archives, never unpickled), ``trainer_state.json`` at the folder's step; and that the next
-run resumed right after it. transformers is imported once here; every run is a forked child.
-The report (JSON) lists every kill; the test asserts on it.
+``--reference``: one uninterrupted run (6 steps, save_steps 2, ``SealedCheckpoints(keep_last=2)``)
+that also times its saves. ``--kills``: training in DIR with a save at every step and
+``SealedCheckpoints(keep_last=2)`` (or, with ``--trainer-limit N``, the Trainer's own
+``save_total_limit=N`` instead), resumed each time from ``verified_checkpoint(DIR)`` and
+killed by SIGKILL at a random instant of its first or second save (a delay drawn over the save's measured length,
+seal included), N times. After each kill this process judges every checkpoint folder
+independently of the seal: complete when it holds every file a Trainer save writes and a
+seal, the safetensors readable tensor by tensor, every torch.save archive's CRCs intact (read
+as zip archives, never unpickled), ``trainer_state.json`` at the folder's step. What
+``verified_checkpoint`` returns must be the newest complete folder (it raises only when there
+is none), and the next run must resume right after it. transformers is imported once here;
+every run is a forked child. The report (JSON) lists every kill; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class _Notify(TrainerCallback):
         return control
 
 
-def _trainer(output: Path, *, max_steps: int, save_steps: int, callbacks: list) -> Trainer:
+def _trainer(output: Path, *, max_steps: int, save_steps: int, limit: int | None, callbacks: list) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
@@ -92,7 +94,7 @@ def _trainer(output: Path, *, max_steps: int, save_steps: int, callbacks: list) 
         output_dir=str(output),
         max_steps=max_steps,
         save_steps=save_steps,
-        save_total_limit=2,
+        save_total_limit=limit,
         per_device_train_batch_size=2,
         report_to=[],
         use_cpu=True,
@@ -103,15 +105,19 @@ def _trainer(output: Path, *, max_steps: int, save_steps: int, callbacks: list) 
     return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_Data(), callbacks=callbacks)
 
 
-def _train_in_child(output: Path, max_steps: int, save_steps: int, fd: int | None) -> int:
-    """Fork a child that trains (resuming from the verified checkpoint); its pid."""
+def _train_in_child(output: Path, max_steps: int, save_steps: int, limit: int | None, fd: int | None) -> int:
+    """Fork a child that trains (resuming from the verified checkpoint); its pid. ``limit``:
+    the Trainer's save_total_limit, else SealedCheckpoints(keep_last=2) prunes."""
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        callbacks = [SealedCheckpoints()] + ([_Notify(fd)] if fd is not None else [])
-        trainer = _trainer(output, max_steps=max_steps, save_steps=save_steps, callbacks=callbacks)
+        sealed = SealedCheckpoints() if limit else SealedCheckpoints(keep_last=2)
+        callbacks = [sealed] + ([_Notify(fd)] if fd is not None else [])
+        trainer = _trainer(
+            output, max_steps=max_steps, save_steps=save_steps, limit=limit, callbacks=callbacks
+        )
         trainer.train(resume_from_checkpoint=verified_checkpoint(output))
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported by the exit status, the parent says what
@@ -137,7 +143,7 @@ def _lines(fd: int, buffer: bytearray, deadline: float):
 
 
 def _complete(folder: Path) -> list[str]:
-    """What makes ``folder`` not a complete Trainer save, judged without its seal."""
+    """What makes ``folder`` not a complete, sealed Trainer save, judged without reading the seal."""
     problems = []
     # A stale temporary of an earlier, killed save of the same step may stay beside them
     # (safetensors writes .tmpXXXXXX, then renames): sealed as found, and harmless.
@@ -169,7 +175,7 @@ def _complete(folder: Path) -> list[str]:
 
 def reference(output: Path) -> dict:
     read, write = os.pipe()
-    pid = _train_in_child(output, 6, 2, write)
+    pid = _train_in_child(output, 6, 2, None, write)
     os.close(write)
     times, started = [], None
     for line in _lines(read, bytearray(), time.monotonic() + _WAIT):
@@ -182,13 +188,13 @@ def reference(output: Path) -> dict:
     return {"exit": os.waitstatus_to_exitcode(status), "save_seconds": times}
 
 
-def kills(output: Path, count: int, seed: int, window: float) -> list[dict]:
+def kills(output: Path, count: int, seed: int, window: float, limit: int | None) -> list[dict]:
     rng = random.Random(seed)
     report = []
     expected_start = 1  # the step of the first save of the next run
     for number in range(count):
         read, write = os.pipe()
-        pid = _train_in_child(output, 10**6, 1, write)
+        pid = _train_in_child(output, 10**6, 1, limit, write)
         os.close(write)
         # The first run is killed in its second save or later, so one sealed checkpoint exists.
         wanted = rng.randint(2, 3) if number == 0 else rng.randint(1, 2)
@@ -220,10 +226,19 @@ def kills(output: Path, count: int, seed: int, window: float) -> list[dict]:
                 entry["problems"].append(f"verified_checkpoint raised: {exc}")
         entry["skipped"] = [line for line in messages.getvalue().splitlines() if "skipping" in line]
         entry["returned"] = found.name if found is not None else None
+        judged = {p.name: _complete(p) for p in output.iterdir() if p.name.startswith("checkpoint-")}
+        entry["pruning_left"] = sorted(p.name for p in output.iterdir() if p.name.startswith(".pruned-"))
+        complete = sorted(
+            (name for name, why in judged.items() if not why), key=lambda n: int(n.split("-")[1])
+        )
+        newest = complete[-1] if complete else None
+        if entry["returned"] != newest:
+            entry["problems"].append(
+                f"verified_checkpoint gave {entry['returned']}, the newest complete save is {newest}: {judged}"
+            )
         if found is not None:
-            entry["problems"] += [f"{found.name}: {problem}" for problem in _complete(found)]
             expected_start = int(found.name.rpartition("-")[2]) + 1
-        entry["folders"] = sorted(p.name for p in output.iterdir())
+        entry["folders"] = sorted(judged)
         report.append(entry)
     return report
 
@@ -233,7 +248,7 @@ def _warm_up() -> None:
     weight-conversion tables save_pretrained compiles (about 0.5 s); and the garbage collector
     told to leave these objects alone (Trainer runs gc.collect at start)."""
     with tempfile.TemporaryDirectory() as folder:
-        _trainer(Path(folder), max_steps=1, save_steps=1, callbacks=[]).save_model(folder)
+        _trainer(Path(folder), max_steps=1, save_steps=1, limit=None, callbacks=[]).save_model(folder)
     gc.freeze()
 
 
@@ -244,6 +259,9 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-dir", type=Path)
+    parser.add_argument(
+        "--trainer-limit", type=int, help="the Trainer's save_total_limit instead of keep_last=2"
+    )
     args = parser.parse_args()
     result: dict = {"seed": args.seed}
     _warm_up()
@@ -254,7 +272,7 @@ def main() -> None:
         # Over the whole save: the Trainer's files, the rotation, the hashing, the seal.
         result["window"] = 1.3 * statistics.median(seconds)
         start = time.monotonic()
-        result["kills"] = kills(args.kill_dir, args.kills, args.seed, result["window"])
+        result["kills"] = kills(args.kill_dir, args.kills, args.seed, result["window"], args.trainer_limit)
         result["kill_seconds"] = time.monotonic() - start
     args.report.write_text(json.dumps(result, indent=1))
 

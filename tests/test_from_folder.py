@@ -312,6 +312,25 @@ def test_a_sealed_trainer_checkpoint_stages_its_weights_and_never_opens_its_trai
     assert "It holds training step 7. Its seal" in card and "`optimizer.pt`" in card
 
 
+def test_a_file_changed_after_its_seal_was_checked_is_refused(folder, tmp_path, monkeypatch):
+    """Every byte staged is compared with the seal as it is read, not only when the seal is checked."""
+    import pipeline.stage.folder_source as source
+
+    seal_checkpoint(folder, step=3)
+    real = source.check_seal
+
+    def check_then_change(checked: Path) -> dict:
+        seal = real(checked)
+        tokenizer = checked / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))
+        return seal
+
+    monkeypatch.setattr(source, "check_seal", check_then_change)
+    with pytest.raises(StageError, match=r"tokenizer\.json changed after it was sealed"):
+        stage(folder, tmp_path / "stage")
+    assert not (tmp_path / "stage").exists()
+
+
 def test_sharded_weights_are_read_through_their_index_and_resharded_as_asked(folder, tmp_path):
     shards = resave_sharded(folder)
     source = {name: tensor for shard in shards for name, tensor in load_file(folder / shard).items()}

@@ -103,6 +103,9 @@ def _flip_middle_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+# heavy as the other users of trainer_runs: conftest runs heavy tests first, and a module fixture
+# shared across that split would be built twice.
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name",
     [

@@ -26,6 +26,7 @@ __all__ = [
     "EnvironmentMismatch",
     "CheckpointLocked",
     "NoCheckpoint",
+    "UnsealedCheckpoint",
     "LaunchMismatch",
     "WorldSizeMismatch",
     "PeerFailed",
@@ -144,6 +145,11 @@ class CheckpointLocked(CheckpointError):
 
 class NoCheckpoint(CheckpointError, FileNotFoundError):
     """No committed checkpoint exists where one was asked for."""
+
+
+class UnsealedCheckpoint(CheckpointError, ValueError):
+    """A folder another tool wrote has no seal, or its seal (``pipeline.integrations.seal``)
+    is malformed or does not match the files: the folder is incomplete or damaged."""
 
 
 # -- training (pipeline.train, pipeline.proof) ---------------------------------------------

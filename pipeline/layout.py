@@ -23,7 +23,9 @@ __all__ = [
     "GENERATION_CONFIG_FILE",
     "INDEX_FILE",
     "CODE_DIR",
+    "HUB_MODEL_FILE",
     "shard_name",
+    "hub_shard_name",
     "DIST_MODEL_DIR",
     "DIST_OPTIM_DIR",
     "DIST_RNG_DIR",
@@ -52,6 +54,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 # The model's source files, kept under their import paths so the card's snippet can import them.
 CODE_DIR = "code"
+# The weights of a folder another tool wrote (05 --from-folder) keep the names save_pretrained and
+# PyTorchModelHubMixin give them: the mixin's from_pretrained looks for this name only.
+HUB_MODEL_FILE = "model.safetensors"
 
 # A distributed checkpoint (torchrun): model and optimizer shards as written by
 # torch.distributed.checkpoint's HuggingFaceStorageWriter (plain safetensors, one file per
@@ -78,3 +83,8 @@ RESUME_FILE = "RESUME"
 def shard_name(index: int, count: int) -> str:
     """``modelo-00001-of-00003.safetensors``: the weights file name, split as save_pretrained splits."""
     return f"{MODEL_FILE.removesuffix('.safetensors')}-{index:05d}-of-{count:05d}.safetensors"
+
+
+def hub_shard_name(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors``: a shard as save_pretrained names it."""
+    return f"{HUB_MODEL_FILE.removesuffix('.safetensors')}-{index:05d}-of-{count:05d}.safetensors"

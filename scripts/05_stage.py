@@ -10,6 +10,7 @@
     python scripts/05_stage.py --proof runs/proof       # ship the resume proof; the card states its verdict
     cd hub_stage && sha256sum -c MANIFEST.sha256        # check the stage with standard tools
     python scripts/05_stage.py --sign-key ~/keys/release.pem  # sign it (pip install -e '.[sign]')
+    python scripts/05_stage.py --from-folder out/checkpoint-500 --repo-id you/model  # what another tool wrote
 
 Every checkpoint file is verified against its meta.json, the weights must fit the model
 the checkpoint's config builds, the stage is built in a hidden sibling folder (the weights
@@ -24,6 +25,11 @@ in PEM, kept outside the stage; it is read, never copied): model.sig and signing
 join the stage and the card says how to verify; --sign-certificate (with --sign-chain, the
 issuing CA certificates up to the root) puts the key's certificate chain in the signature.
 --sign-sigstore signs keylessly through Sigstore instead (online only).
+
+--from-folder DIR stages a folder another tool wrote instead of a checkpoint: a save_pretrained
+folder, a Trainer checkpoint-N, or safetensors weights beside a config.json (pickled weights
+are refused). Only the config's card section and stage folder apply, and without --config none
+is read; --metrics then names a JSON object of metrics to show as supplied (docs/other-trainers.md).
 """
 
 import argparse
@@ -35,8 +41,10 @@ from _bootstrap import project_imports
 with project_imports():
     from pipeline.audit import format_audit_table
     from pipeline.cli import add_checkpoint_dir_argument, add_config_arguments, config_from_args, run_main
+    from pipeline.config import parse_set_overrides
     from pipeline.signing import key_signer, sigstore_signer
     from pipeline.stage import StageBuild, build_stage
+    from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
     from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
 
@@ -45,6 +53,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser)
+    parser.set_defaults(config=None)  # config.yaml, unless --from-folder (no config of ours needed)
     add_checkpoint_dir_argument(parser)
     parser.add_argument(
         "--checkpoint",
@@ -111,14 +120,32 @@ def main() -> int:
         f"(e.g. 5GB, 500MB; default {DEFAULT_MAX_SHARD_SIZE}, as save_pretrained; the Hub "
         "refuses files above 50GB)",
     )
+    parser.add_argument(
+        "--from-folder",
+        type=Path,
+        metavar="DIR",
+        help="stage a model folder another tool wrote (save_pretrained, a Trainer checkpoint-N, "
+        "safetensors weights + config.json) instead of a checkpoint",
+    )
     args = parser.parse_args()
+    if args.from_folder is not None and (
+        args.checkpoint != "latest" or args.checkpoint_dir or args.proof or args.no_metrics
+    ):
+        parser.error(
+            "--from-folder stages a folder, not a checkpoint: drop --checkpoint, --checkpoint-dir, --proof, "
+            "--no-metrics"
+        )
     if (args.sign_certificate or args.sign_chain) and args.sign_key is None:
         parser.error("--sign-certificate and --sign-chain need --sign-key (the certificate's private key)")
     if bool(args.sign_certificate) != bool(args.sign_chain):
         # model-signing 1.1.1 cannot sign with a certificate and an empty chain.
         parser.error("--sign-certificate needs --sign-chain (the issuing CA certificates, up to the root)")
     large_blocks_to_the_os()  # staging holds about one tensor; freed buffers must leave too
-    config = config_from_args(args, {"checkpoint.dir": args.checkpoint_dir})
+    from_folder = args.from_folder is not None and args.config is None
+    if from_folder:
+        config = folder_config(parse_set_overrides(args.set))
+    else:
+        config = config_from_args(args, {"checkpoint.dir": args.checkpoint_dir})
     stage = args.stage or Path(config.outputs.stage)
     signer = None
     if args.sign_key is not None:
@@ -127,32 +154,47 @@ def main() -> int:
         )
     elif args.sign_sigstore:
         signer = sigstore_signer()
-    result = build_stage(
-        config,
-        StageBuild(
-            checkpoint=args.checkpoint,
-            stage_dir=stage,
-            with_metrics=not args.no_metrics,
-            metrics=args.metrics,
-            allow_nonfinite=args.allow_nonfinite,
-            repo_id=args.repo_id,
-            max_shard_size=args.max_shard_size,
-            proof=args.proof,
-            signer=signer,
-        ),
-    )
-    for change in result.code_changes:
-        print(
-            f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights fit "
-            "the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
-            file=sys.stderr,
+    if args.from_folder is not None:
+        result = stage_folder(
+            config,
+            FolderStage(
+                folder=args.from_folder,
+                stage_dir=stage,
+                metrics=args.metrics,
+                allow_nonfinite=args.allow_nonfinite,
+                repo_id=args.repo_id,
+                max_shard_size=args.max_shard_size,
+                signer=signer,
+            ),
         )
+    else:
+        result = build_stage(
+            config,
+            StageBuild(
+                checkpoint=args.checkpoint,
+                stage_dir=stage,
+                with_metrics=not args.no_metrics,
+                metrics=args.metrics,
+                allow_nonfinite=args.allow_nonfinite,
+                repo_id=args.repo_id,
+                max_shard_size=args.max_shard_size,
+                proof=args.proof,
+                signer=signer,
+            ),
+        )
+        for change in result.code_changes:
+            print(
+                f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights "
+                "fit the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
+                file=sys.stderr,
+            )
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))
     metrics = "with metrics" if result.with_metrics else "without metrics"
+    what = "the model" if result.step is None else f"step {result.step}"
     print(
-        f"staged step {result.step} from {result.source} into {result.stage}/ ({metrics}); "
+        f"staged {what} from {result.source} into {result.stage}/ ({metrics}); "
         f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256"
     )
     if signer is not None:

@@ -193,19 +193,17 @@ def main() -> int:
         print(format_plan(result.plan))
         print("dry run: no write request was sent")
         return 0
+    what = "the model" if result.plan.step is None else f"step {result.plan.step}"
     if result.status == "already published":
         print(f"nothing to publish: {args.repo_id} already holds this stage at {result.commit}")
     elif args.create_pr:
         print(
-            f"published step {result.plan.step} to {result.plan.repo_url} in one commit, as a pull request "
+            f"published {what} to {result.plan.repo_url} in one commit, as a pull request "
             f"against {args.revision}"
         )
     else:
         lost = " (the Hub's answer to the commit was lost; the commit was found on the branch)"
-        print(
-            f"published step {result.plan.step} to {result.plan.repo_url} in one commit"
-            f"{lost if result.answer_lost else ''}"
-        )
+        print(f"published {what} to {result.plan.repo_url} in one commit{lost if result.answer_lost else ''}")
     if result.signature is not None:
         print(
             f"signed: model.sig verified, key fingerprint {result.signature.fingerprint or 'Sigstore identity'}"

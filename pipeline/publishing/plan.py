@@ -19,7 +19,7 @@ from huggingface_hub import constants
 
 from ..audit import AuditedFile
 from ..errors import PublishError
-from ..layout import INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
+from ..layout import HUB_MODEL_FILE, INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
 from ..signing import ExpectedSigner
 from .client import Target, pull_requests, read_head, remote_files
 
@@ -89,7 +89,8 @@ class PublishPlan:
     path_in_repo: str
     repo_exists: bool
     head: str | None
-    step: int
+    step: int | None
+    """The training step of the staged weights (None: a folder staged without one, 05 --from-folder)."""
     model_sha256: str
     title: str
     description: str
@@ -211,19 +212,21 @@ def compare(
 
 def _messages(
     stage: Path, audited: Mapping[str, AuditedFile], message: str | None
-) -> tuple[int, str, str, str]:
+) -> tuple[int | None, str, str, str]:
     """Step, weights SHA-256, commit title and description (meta.json was checked by the audit)."""
-    step = int(json.loads((stage / META_FILE).read_bytes())["step"])
+    recorded = json.loads((stage / META_FILE).read_bytes())["step"]
+    step = None if recorded is None else int(recorded)
     # Sharded weights are named by their index, which lists every shard.
-    weights = MODEL_FILE if MODEL_FILE in audited else INDEX_FILE
+    weights = next((name for name in (MODEL_FILE, HUB_MODEL_FILE) if name in audited), INDEX_FILE)
     sha = audited[weights].sha256
-    title = message or f"Publish step {step}: {weights} sha256 {sha}"
+    what = "the model" if step is None else f"step {step}"
+    title = message or f"Publish {what}: {weights} sha256 {sha}"
     table = "\n".join(f"{e.sha256}  {e.size:>12}  {e.name}" for e in audited.values())
     return (
         step,
         sha,
         title,
-        f"Step {step}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n",
+        f"{what.capitalize()}. {weights} SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n{table}\n",
     )
 
 

@@ -196,8 +196,8 @@ class Receipt:
     """The branch head it was made on top of; None when it was published before."""
     status: str
     """``published`` or ``already published``."""
-    step: int
-    """The training step of the published weights."""
+    step: int | None
+    """The training step of the published weights (None: unknown, a folder staged by 05 --from-folder)."""
     files: list[VerifiedFile]
     """Every staged file as the check after landing found it."""
     problems: list[str]

@@ -182,13 +182,13 @@ def write_weights(
     ``weights`` is closed after (its maps and buffer let go)."""
     nonfinite = []
     if plan.copies_source and weights.copy is not None:
-        os.replace(weights.copy, built / MODEL_FILE)
+        os.replace(weights.copy, built / plan.files[0])
         for name in sorted(weights.specs):
             if _nonfinite(weights.tensor(name)):
                 nonfinite.append(name)
             weights.release(name)
         weights.close()
-        return {MODEL_FILE: dict(weights.entry or {})}, nonfinite
+        return {plan.files[0]: dict(weights.entry or {})}, nonfinite
     written: dict[str, dict[str, Any]] = {}
     for file in plan.files:
         specs = {

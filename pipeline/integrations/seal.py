@@ -1,0 +1,281 @@
+"""A seal for a checkpoint folder another tool wrote: ``meta.json`` listing every file's SHA-256.
+
+transformers' Trainer and accelerate's ``save_state`` write a checkpoint straight into its
+final folder, file after file, and mark nothing when they are done: a folder cut short by a
+crash looks like a complete one, and ``resume_from_checkpoint=True`` picks the highest
+number whatever it holds. :func:`seal_checkpoint` runs once the tool is done: it hashes every
+file of the folder and writes the list as the folder's ``meta.json``, last and atomically
+(:func:`~pipeline.durable.write_json_atomic`: temporary file, fsync, rename, folder fsync).
+So a folder without a seal is incomplete, a folder whose seal does not verify was changed or
+damaged, and one whose seal verifies holds exactly the bytes the tool wrote.
+
+:func:`check_seal` treats the seal as hostile input: a size limit, strict JSON (no key twice,
+so no file listed twice), exact fields, the schema named (a checkpoint of this pipeline has
+a ``meta.json`` of its own, which is not a seal), names confined to the folder, every file
+present listed and every listed file present, no link, then every byte hashed.
+:func:`verified_checkpoint` returns the newest ``checkpoint-N`` (Trainer) or
+``checkpoint_N`` (accelerate) folder whose seal verifies, naming on stderr each newer one it
+skipped and why. :func:`prune_checkpoints` deletes old sealed folders once a new one is
+sealed, never before (a tool's own retention may delete before its new save is complete).
+A seal detects an incomplete or changed folder; it does not say who wrote it
+(docs/other-trainers.md). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..durable import fsync_dir, json_loads_strict, write_json_atomic
+from ..errors import UnsealedCheckpoint
+from ..hashing import sha256_file
+from ..layout import META_FILE
+
+__all__ = ["SEAL_SCHEMA", "check_seal", "prune_checkpoints", "seal_checkpoint", "verified_checkpoint"]
+
+SEAL_SCHEMA = "pipeline.folder-seal/1"
+_SEAL_KEYS = frozenset({"schema", "step", "files"})
+_ENTRY_KEYS = frozenset({"sha256", "size"})
+# A seal lists names and hashes: 16 MiB is hundreds of thousands of files.
+_MAX_SEAL = 16 * 1024 * 1024
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# Trainer's checkpoint-N and accelerate's checkpoint_N (automatic_checkpoint_naming).
+_CHECKPOINT = re.compile(r"checkpoint[-_]([0-9]{1,18})")
+# A checkpoint folder being pruned (renamed, then removed): a crash may leave one behind.
+_PRUNED = re.compile(r"\.pruned-checkpoint[-_][0-9]{1,18}-[0-9a-f]{8}")
+# The temporaries write_json_atomic leaves when killed before its rename; it removes them
+# when it next writes the seal, so sealing must not list them.
+_SEAL_TEMPORARY = re.compile(re.escape(f".{META_FILE}.") + r"[0-9a-f]+\.tmp")
+
+
+def _plain_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` but its top-level meta.json, as sorted relative POSIX
+    paths; a link or special file anywhere is refused (it could point outside the folder)."""
+    names = []
+    for parent, dirs, files in os.walk(folder):
+        for entry in sorted(dirs + files):
+            path = Path(parent) / entry
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise UnsealedCheckpoint(
+                    f"{path} is a link or special file: a sealed folder holds plain files and folders only"
+                )
+        names += [(Path(parent) / name).relative_to(folder).as_posix() for name in files]
+    return sorted(name for name in names if name != META_FILE)
+
+
+def _hash_files(folder: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of each file, several at a time (hashlib releases the GIL on large reads)."""
+    workers = max(1, min(len(names), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(names, pool.map(lambda name: sha256_file(folder / name), names)))
+
+
+def _read_record(path: Path) -> Any:
+    """meta.json as strict JSON, within the size limit; UnsealedCheckpoint saying why not."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):
+        raise UnsealedCheckpoint(f"{path} is a link or special file, not a seal")
+    if not path.is_file():
+        raise UnsealedCheckpoint(f"{path.parent} has no {META_FILE}: an unsealed folder (a save cut short?)")
+    size = path.stat().st_size
+    if size > _MAX_SEAL:
+        raise UnsealedCheckpoint(f"{path} is {size:,} bytes, over the {_MAX_SEAL:,}-byte limit of a seal")
+    try:
+        return json_loads_strict(path.read_bytes())
+    except ValueError as exc:
+        raise UnsealedCheckpoint(f"{path} is not a valid seal: {exc}") from None
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a file of the folder (a relative path confined to it), or None."""
+    parts = name.split("/")
+    if not name or not name.isprintable() or "\\" in name:
+        return "is not a printable relative path"
+    if any(part in ("", ".", "..") for part in parts):
+        return "is not a plain relative path inside the folder (empty, '.' or '..' part)"
+    if name == META_FILE:
+        return "is the seal itself"
+    return None
+
+
+def _parse_seal(path: Path) -> dict[str, Any]:
+    record = _read_record(path)
+    schema = record.get("schema") if isinstance(record, dict) else None
+    if schema != SEAL_SCHEMA:
+        what = (
+            "a checkpoint of this pipeline (the scripts read it with --checkpoint), not a sealed folder"
+            if isinstance(schema, str) and schema.startswith("pipeline.checkpoint")
+            else f"not a {SEAL_SCHEMA} seal"
+        )
+        raise UnsealedCheckpoint(f"{path}: {what}")
+    if set(record) != _SEAL_KEYS:
+        raise UnsealedCheckpoint(f"{path} must hold exactly {', '.join(sorted(_SEAL_KEYS))}")
+    step = record["step"]
+    if step is not None and not (type(step) is int and step >= 0):
+        raise UnsealedCheckpoint(f"{path}: step must be a non-negative integer or null")
+    files = record["files"]
+    if not isinstance(files, dict):
+        raise UnsealedCheckpoint(f"{path}: files must map each file to its sha256 and size")
+    for name, entry in files.items():
+        problem = _name_problem(name)
+        if problem is not None:
+            raise UnsealedCheckpoint(f"{path} lists {name!r}, which {problem}")
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == _ENTRY_KEYS
+            and isinstance(entry["sha256"], str)
+            and _SHA256.fullmatch(entry["sha256"])
+            and type(entry["size"]) is int
+            and entry["size"] >= 0
+        ):
+            raise UnsealedCheckpoint(
+                f"{path}: the entry of {name} must be exactly a lowercase hex sha256 and a size in bytes"
+            )
+    return record
+
+
+def check_seal(folder: str | Path) -> dict[str, Any]:
+    """Verify ``folder`` against its seal and return the seal, or raise
+    :class:`~pipeline.errors.UnsealedCheckpoint` naming the first problem: no seal, a
+    malformed one, a file missing, one not listed, a link, a size or SHA-256 that differs.
+    Every file is hashed; nothing is written."""
+    folder = Path(folder)
+    if folder.is_symlink() or not folder.is_dir():
+        raise UnsealedCheckpoint(f"{folder} is not a folder")
+    seal = _parse_seal(folder / META_FILE)
+    present = _plain_files(folder)
+    listed = seal["files"]
+    missing = sorted(set(listed) - set(present))
+    if missing:
+        raise UnsealedCheckpoint(f"{folder / missing[0]} is listed in its seal but missing")
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        raise UnsealedCheckpoint(
+            f"{folder / extra[0]} is not listed in its seal: written after the seal, or left by an earlier save"
+        )
+    for name in present:
+        size = (folder / name).stat().st_size
+        if size != listed[name]["size"]:
+            raise UnsealedCheckpoint(
+                f"{folder / name} is {size:,} bytes, its seal records {listed[name]['size']:,}: "
+                "truncated or changed"
+            )
+    hashes = _hash_files(folder, present)
+    for name in present:
+        if hashes[name] != listed[name]["sha256"]:
+            raise UnsealedCheckpoint(f"{folder / name}: SHA-256 differs from its seal: the file changed")
+    return seal
+
+
+def _is_seal(path: Path) -> bool:
+    try:
+        record = _read_record(path)
+    except UnsealedCheckpoint:
+        return False
+    return isinstance(record, dict) and record.get("schema") == SEAL_SCHEMA
+
+
+def seal_checkpoint(folder: str | Path, *, step: int | None = None) -> dict[str, Any]:
+    """Seal ``folder`` once the tool that wrote it is done: hash every file, then write
+    ``meta.json`` listing each one's SHA-256 and size (and ``step``, the training step it
+    holds, if known) atomically, last. A previous seal is replaced; any other ``meta.json``
+    is refused, never replaced. Returns the seal. The files themselves are not fsynced: a
+    seal that a power cut outlives its files simply no longer verifies."""
+    folder = Path(folder)
+    if folder.is_symlink() or not folder.is_dir():
+        raise UnsealedCheckpoint(f"{folder} is not a folder: nothing to seal")
+    if step is not None and not (type(step) is int and step >= 0):
+        raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
+    path = folder / META_FILE
+    if os.path.lexists(path) and not _is_seal(path):
+        raise UnsealedCheckpoint(f"{path} exists and is not a {SEAL_SCHEMA} seal: refusing to replace it")
+    names = [name for name in _plain_files(folder) if not _SEAL_TEMPORARY.fullmatch(name)]
+    sizes = {name: (folder / name).stat().st_size for name in names}
+    hashes = _hash_files(folder, names)
+    record = {
+        "schema": SEAL_SCHEMA,
+        "step": step,
+        "files": {name: {"sha256": hashes[name], "size": sizes[name]} for name in names},
+    }
+    write_json_atomic(path, record)
+    return record
+
+
+def _newest_first(parent: Path) -> list[tuple[int, str]]:
+    """(number, name) of the checkpoint folders of ``parent``, highest number first."""
+    numbered = [
+        (int(m.group(1)), entry.name)
+        for entry in parent.iterdir()
+        if (m := _CHECKPOINT.fullmatch(entry.name))
+    ]
+    return sorted(numbered, reverse=True)
+
+
+def prune_checkpoints(newest: str | Path, keep_last: int, *, protect: str | Path | None = None) -> list[str]:
+    """Once ``newest`` (a ``checkpoint-N`` folder) is sealed, delete the sealed checkpoint
+    folders beside it beyond the ``keep_last`` newest sealed ones up to ``newest`` (folders
+    numbered above it, left by a run that was rolled back, are not counted nor touched; nor is
+    ``protect``, e.g. the Trainer's best model). So an old checkpoint goes only after a new one
+    is complete. Each is renamed to a hidden name (the rename made durable), then removed: a
+    crash midway never leaves a half-deleted ``checkpoint-N``, and what a crash left hidden is
+    removed first. A folder without a seal (not sealed here) is never touched. Returns the
+    names removed."""
+    newest = Path(os.path.abspath(newest))
+    match = _CHECKPOINT.fullmatch(newest.name)
+    if match is None or type(keep_last) is not int or keep_last < 1:
+        raise ValueError(
+            f"prune_checkpoints needs a checkpoint folder and keep_last >= 1, got {newest}, {keep_last!r}"
+        )
+    parent = newest.parent
+    for entry in sorted(parent.iterdir()):
+        if _PRUNED.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+    kept = {Path(os.path.abspath(protect)).name} if protect is not None else set()
+    sealed = [
+        name
+        for number, name in _newest_first(parent)
+        if number <= int(match.group(1)) and _is_seal(parent / name / META_FILE)
+    ]
+    removed = []
+    for name in sealed[keep_last:]:
+        if name in kept:
+            continue
+        hidden = parent / f".pruned-{name}-{secrets.token_hex(4)}"
+        os.rename(parent / name, hidden)
+        fsync_dir(parent)
+        shutil.rmtree(hidden)
+        removed.append(name)
+    return removed
+
+
+def verified_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoint-N`` / ``checkpoint_N`` folder of ``output_dir`` whose seal
+    verifies (every file hashed), to pass as ``trainer.train(resume_from_checkpoint=...)``.
+
+    Each newer folder that does not verify is named on stderr with the reason, and skipped.
+    ``None`` when ``output_dir`` holds no checkpoint folder at all (a first run). When there
+    are some but none verifies, :class:`~pipeline.errors.UnsealedCheckpoint` is raised rather
+    than starting over silently: move them away to start from scratch."""
+    parent = Path(output_dir)
+    if not parent.is_dir():
+        return None
+    skipped = []
+    for _, name in _newest_first(parent):
+        try:
+            check_seal(parent / name)
+        except UnsealedCheckpoint as exc:
+            print(f"verified_checkpoint: skipping {name}: {exc}", file=sys.stderr, flush=True)
+            skipped.append(f"{name}: {exc}")
+            continue
+        return parent / name
+    if not skipped:
+        return None
+    raise UnsealedCheckpoint(
+        f"no checkpoint in {parent} has a seal that verifies (newest {skipped[0]}); nothing was resumed: "
+        "move those folders away to start from scratch"
+    )

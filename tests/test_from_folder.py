@@ -1,0 +1,416 @@
+"""05 --from-folder: a model folder another tool wrote, staged strictly and published by 06 unchanged.
+
+A tiny GPT-2 and its tokenizer written by transformers' save_pretrained go through the real
+scripts 05 and 06 to the loopback Hub and load with AutoModelForCausalLM in a process that
+cannot import this project; every way the issue names of a bad folder is refused in one
+line, with nothing staged and the previous stage untouched; pickles are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, PyTorchModelHubMixin
+from safetensors.torch import load_file, save_file
+
+from localhub import LocalHub
+from pipeline.audit import audit_stage
+from pipeline.errors import NonFiniteWeights, PipelineError, SecretInStage, StageError
+from pipeline.integrations.seal import seal_checkpoint
+from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
+
+from support import first_python_block, one_line_error, publish_stage, run_as_hub_user, run_script, script_env
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("from-folder")
+
+REPO_ID = "test/tiny-gpt2"
+TOKEN = f"gpt2-{secrets.token_hex(8)}"
+WORDS = ["[UNK]", "hello", "world", "to", "be", "or", "not"]
+# Built by concatenation so this file itself never holds a token-shaped string.
+FAKE_TOKEN = "hf_" + "Zq7" * 12
+
+
+def save_gpt2(folder: Path, **save: object) -> None:
+    """A tiny GPT-2 (tied embedding) and a word-level tokenizer, as save_pretrained writes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=len(WORDS), n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder, **save)
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("saved") / "tiny-gpt2"
+    save_gpt2(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(gpt2, tmp_path) -> Path:
+    """A copy of the saved folder, to damage."""
+    return Path(shutil.copytree(gpt2, tmp_path / "tiny-gpt2"))
+
+
+def stage(folder: Path, target: Path, **options) -> None:
+    stage_folder(folder_config({}), FolderStage(folder=folder, stage_dir=target, **options))
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- the acceptance path: save_pretrained -> 05 -> 06 -> from_pretrained ------------------------
+
+
+def test_a_save_pretrained_folder_goes_05_06_in_one_commit_and_loads_with_every_tensor_equal(gpt2, tmp_path):
+    target = tmp_path / "stage"
+    result = run_script(
+        "05_stage.py",
+        "--from-folder",
+        str(gpt2),
+        "--stage",
+        str(target),
+        "--repo-id",
+        REPO_ID,
+        cwd=tmp_path,
+        env=script_env(OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"staged the model from {gpt2} into" in result.stdout
+    carried = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert set(snapshot(target)) == {
+        *carried,
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "meta.json",
+        "README.md",
+        "MANIFEST.sha256",
+    }
+    for name in {*carried, "model.safetensors"}:  # byte for byte
+        assert (target / name).read_bytes() == (gpt2 / name).read_bytes(), name
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["step"] is None and meta["metrics"] is None
+    assert meta["export"]["architecture"] == "GPT2LMHeadModel" and meta["export"]["transformers"]
+    assert (
+        meta["source_checkpoint"]["files"]["model.safetensors"]["size"]
+        == (gpt2 / "model.safetensors").stat().st_size
+    )
+    card = ModelCard.load(target / "README.md")
+    assert card.data.library_name == "transformers" and "model-index" not in card.content
+    assert "None were supplied" in card.text and "No resume proof" in card.text
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub:
+        published = publish_stage(target, hub.url, REPO_ID, TOKEN)
+        assert published.returncode == 0, published.stdout + published.stderr
+        assert "published the model to" in published.stdout
+        commits = HfApi(endpoint=hub.url, token=TOKEN).list_repo_commits(REPO_ID)
+        assert len(commits) == 2 and commits[0].title.startswith(
+            "Publish the model: model.safetensors sha256 "
+        )
+        use = f"""
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+source = load_file({str(gpt2 / "model.safetensors")!r})
+assert type(model).__name__ == "GPT2LMHeadModel"
+state = AutoModelForCausalLM.from_pretrained("{REPO_ID}").state_dict()
+for name, tensor in source.items():
+    assert torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
+    assert torch.equal(tensor.view(torch.uint8), model.state_dict()[name].view(torch.uint8)), name
+assert set(state) - set(source) == {{"lm_head.weight"}}
+assert torch.equal(state["lm_head.weight"], source["transformer.wte.weight"]), "tied"
+assert AutoTokenizer.from_pretrained("{REPO_ID}")("hello world").input_ids == [1, 2]
+print("EQUAL", len(source))
+"""
+        card_code = first_python_block((target / "README.md").read_text(encoding="utf-8"))
+        loaded = run_as_hub_user(card_code + "\n" + use, tmp_path / "user", hub.url, TOKEN)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+    assert "EQUAL" in loaded.stdout
+
+
+def test_the_same_folder_with_only_a_pickled_pytorch_model_bin_is_refused_with_how_to_convert(
+    folder, tmp_path
+):
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    result = run_script(
+        "05_stage.py", "--from-folder", str(folder), "--stage", str(tmp_path / "stage"), cwd=tmp_path
+    )
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert f"{folder / 'pytorch_model.bin'} is a pickle" in line and "save_pretrained" in line
+    assert not (tmp_path / "stage").exists()
+
+
+# -- bad folders: one line, exit 2, nothing staged ------------------------------------------------
+
+
+def empty(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.mkdir()
+
+
+def pickle_named_safetensors(folder: Path) -> None:
+    torch.save(load_file(folder / "model.safetensors"), folder / "model.safetensors")
+
+
+def config_not_json(folder: Path) -> None:
+    (folder / "config.json").write_text("{'n_layer': 1}")
+
+
+def resave_sharded(folder: Path) -> list[str]:
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder, max_shard_size="2KB")
+    shards = sorted(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(set(shards)) > 1
+    return sorted(set(shards))
+
+
+def index_names_a_missing_shard(folder: Path) -> None:
+    (folder / resave_sharded(folder)[-1]).unlink()
+
+
+def link_out_of_the_folder(folder: Path) -> None:
+    outside = folder.parent / "elsewhere.json"
+    outside.write_text("{}")
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").symlink_to(outside)
+
+
+def tensor_in_two_shards(folder: Path) -> None:
+    first, second = resave_sharded(folder)[:2]
+    one, two = load_file(folder / first), load_file(folder / second)
+    name = sorted(one)[0]
+    save_file({**two, name: one[name]}, folder / second, metadata={"format": "pt"})
+
+
+def index_lists_a_tensor_twice(folder: Path) -> None:
+    resave_sharded(folder)
+    path = folder / "model.safetensors.index.json"
+    text = path.read_text()
+    start = text.index('"transformer.wte.weight"')
+    line = text[start : text.index("\n", start)].rstrip(",")
+    path.write_text(text.replace(line, f"{line},\n    {line}", 1))
+
+
+def seal_that_does_not_match(folder: Path) -> None:
+    seal_checkpoint(folder, step=7)
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (folder / "model.safetensors").write_bytes(bytes(data))
+
+
+def checkpoint_of_this_pipeline(folder: Path) -> None:
+    (folder / "meta.json").write_text(json.dumps({"schema": "pipeline.checkpoint/2", "step": 3}))
+
+
+def code_as_architecture(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel\nimport os; os.system('id')"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+BAD = {
+    empty: "is empty",
+    pickle_named_safetensors: "model.safetensors is not a valid safetensors file",
+    config_not_json: "config.json is not valid JSON",
+    index_names_a_missing_shard: "which is missing from",
+    link_out_of_the_folder: "tokenizer_config.json is a link to",
+    tensor_in_two_shards: "is listed twice",
+    index_lists_a_tensor_twice: "appears twice",
+    seal_that_does_not_match: "model.safetensors: SHA-256 differs from its seal",
+    checkpoint_of_this_pipeline: "a checkpoint of this pipeline (the scripts read it with --checkpoint)",
+    code_as_architecture: "architectures must be a list of Python class names",
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD), ids=lambda f: f.__name__)
+def test_a_bad_folder_is_refused_in_one_line_and_the_previous_stage_stays(
+    gpt2, folder, tmp_path, damage: Callable
+):
+    """In process (the script's run_main prints a PipelineError as its one line, exit 2: the
+    next test runs the script)."""
+    target = tmp_path / "stage"
+    stage(gpt2, target)
+    before = snapshot(target)
+    damage(folder)
+    with pytest.raises(PipelineError) as refused:
+        stage(folder, target)
+    assert BAD[damage] in str(refused.value)
+    assert "\n" not in str(refused.value) and refused.value.exit_code == 2
+    assert snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".stage.lock"]
+
+
+@pytest.mark.parametrize("damage", [empty, link_out_of_the_folder], ids=lambda f: f.__name__)
+def test_05_prints_one_error_line_and_exits_2_on_a_bad_folder(folder, tmp_path, damage: Callable):
+    damage(folder)
+    result = run_script(
+        "05_stage.py", "--from-folder", str(folder), "--stage", str(tmp_path / "stage"), cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert BAD[damage] in one_line_error(result)
+    assert not (tmp_path / "stage").exists()
+
+
+def test_a_stage_inside_the_folder_it_stages_is_refused(folder):
+    with pytest.raises(StageError, match="overlap"):
+        stage(folder, folder / "stage")
+    assert not (folder / "stage").exists()
+
+
+# -- what is staged ---------------------------------------------------------------------------------
+
+
+def _evil_pickle(marker: Path) -> bytes:
+    """A pickle that creates ``marker`` when loaded."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    return pickle.dumps(Evil())
+
+
+def test_a_sealed_trainer_checkpoint_stages_its_weights_and_never_opens_its_training_state(folder, tmp_path):
+    marker = tmp_path / "unpickled"
+    state = {
+        name: _evil_pickle(marker)
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "scaler.pt")
+    }
+    for name, data in state.items():
+        (folder / name).write_bytes(data)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    (folder / "global_step7").mkdir()  # DeepSpeed's shards live in a folder like this
+    (folder / "global_step7" / "zero.pt").write_bytes(_evil_pickle(marker))
+    seal_checkpoint(folder, step=7)
+    target = tmp_path / "stage"
+    stage(folder, target)
+    assert not marker.exists()
+    staged = set(snapshot(target))
+    assert not staged & {*state, "trainer_state.json", "global_step7/zero.pt"}
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["step"] == 7 and meta["source_checkpoint"]["sealed"]
+    assert set(meta["source_checkpoint"]["left_out"]) == {*state, "trainer_state.json", "global_step7/"}
+    card = (target / "README.md").read_text()
+    assert "It holds training step 7. Its seal" in card and "`optimizer.pt`" in card
+
+
+def test_a_file_changed_after_its_seal_was_checked_is_refused(folder, tmp_path, monkeypatch):
+    """Every byte staged is compared with the seal as it is read, not only when the seal is checked."""
+    import pipeline.stage.folder_source as source
+
+    seal_checkpoint(folder, step=3)
+    real = source.check_seal
+
+    def check_then_change(checked: Path) -> dict:
+        seal = real(checked)
+        tokenizer = checked / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))
+        return seal
+
+    monkeypatch.setattr(source, "check_seal", check_then_change)
+    with pytest.raises(StageError, match=r"tokenizer\.json changed after it was sealed"):
+        stage(folder, tmp_path / "stage")
+    assert not (tmp_path / "stage").exists()
+
+
+def test_sharded_weights_are_read_through_their_index_and_resharded_as_asked(folder, tmp_path):
+    shards = resave_sharded(folder)
+    source = {name: tensor for shard in shards for name, tensor in load_file(folder / shard).items()}
+    whole = tmp_path / "whole"
+    stage(folder, whole)
+    assert json.loads((whole / "meta.json").read_text())["export"]["weights"] == ["model.safetensors"]
+    staged = load_file(whole / "model.safetensors")
+    assert staged.keys() == source.keys() and all(torch.equal(staged[k], source[k]) for k in source)
+    split = tmp_path / "split"
+    stage(folder, split, max_shard_size="3KB")
+    weight_map = json.loads((split / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    model = transformers.GPT2LMHeadModel.from_pretrained(split)
+    assert all(torch.equal(model.state_dict()[k], source[k]) for k in source)
+
+
+class TinyNet(torch.nn.Module, PyTorchModelHubMixin):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(width, width)
+
+
+def test_a_pytorch_model_hub_mixin_folder_keeps_the_name_its_from_pretrained_loads(tmp_path):
+    torch.manual_seed(1)
+    net = TinyNet(width=3)
+    net.save_pretrained(tmp_path / "net")
+    target = tmp_path / "stage"
+    stage(tmp_path / "net", target, repo_id="you/tiny-net")
+    meta = json.loads((target / "meta.json").read_text())
+    assert not meta["export"]["transformers"] and meta["source_checkpoint"]["left_out"] == ["README.md"]
+    loaded = TinyNet.from_pretrained(target)
+    assert loaded.layer.weight.shape == (3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), net.state_dict().values()))
+    card = ModelCard.load(target / "README.md")
+    assert card.data.library_name == "pytorch" and "from safetensors.torch import load_file" in card.text
+
+
+def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_path):
+    metrics = tmp_path / "eval.json"
+    metrics.write_text(json.dumps({"eval_loss": 2.5, "epoch": 1}))
+    target = tmp_path / "stage"
+    stage(gpt2, target, metrics=metrics)
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["metrics"]["values"] == {"epoch": 1, "eval_loss": 2.5}
+    card = ModelCard.load(target / "README.md")
+    assert "As supplied by the publisher in `eval.json`" in card.text and "| eval_loss | 2.5 |" in card.text
+    assert card.data.eval_results[0].metric_value in (1, 2.5)
+    metrics.write_text(json.dumps({"eval_loss": "low"}))
+    with pytest.raises(StageError, match="eval_loss"):
+        stage(gpt2, tmp_path / "other", metrics=metrics)
+
+
+def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(folder, tmp_path):
+    tensors = load_file(folder / "model.safetensors")
+    tensors["transformer.ln_f.bias"][0] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        NonFiniteWeights, match=r"model\.safetensors: tensor transformer\.ln_f\.bias holds NaN"
+    ):
+        stage(folder, tmp_path / "stage")
+    assert not (tmp_path / "stage").exists()
+    stage(folder, tmp_path / "stage", allow_nonfinite=True)
+    assert "`transformer.ln_f.bias`" in (tmp_path / "stage" / "README.md").read_text()
+
+
+def test_a_token_in_a_carried_tokenizer_file_is_refused(folder, tmp_path):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["note"] = FAKE_TOKEN
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(SecretInStage, match="tokenizer_config.json"):
+        stage(folder, tmp_path / "stage")
+    assert not (tmp_path / "stage").exists()
+
+
+def test_the_stage_passes_the_publish_side_audit_and_every_refusal_is_one_line(gpt2, tmp_path):
+    target = tmp_path / "stage"
+    stage(gpt2, target)
+    assert "model.safetensors" in audit_stage(target)
+    with pytest.raises(PipelineError) as refused:
+        stage(tmp_path / "missing", target)
+    assert "\n" not in str(refused.value) and refused.value.exit_code == 2
+    assert os.path.isdir(target)

@@ -1,0 +1,374 @@
+"""Sealed checkpoints of other trainers: transformers' Trainer with SealedCheckpoints (a real run,
+then SIGKILLs at random instants of its saves), a hostile seal, accelerate's save_state folders.
+
+The Trainer runs are one helper process (tests/helpers/sealed_trainer.py: transformers imported
+once, every run a forked child); the seal's own checks run in this process, on small folders.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import pytest
+
+from pipeline.errors import UnsealedCheckpoint
+from pipeline.integrations.seal import (
+    SEAL_SCHEMA,
+    check_seal,
+    prune_checkpoints,
+    seal_checkpoint,
+    verified_checkpoint,
+)
+
+from support import HELPERS, run_python, run_script, script_env
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("sealed-trainer")
+
+# SIGKILLs in the suite: about 0.2 s each on the 2-core machine. A soak runs more (docs/testing.md).
+KILLS = 20
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sealed_trainer")
+    seed = secrets.randbelow(2**31)
+    report = root / "report.json"
+    argv = [HELPERS / "sealed_trainer.py", report, "--reference", root / "reference"]
+    argv += ["--kills", KILLS, "--seed", seed, "--kill-dir", root / "killed"]
+    result = run_python(argv, cwd=root, env=script_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {"root": root, **json.loads(report.read_text())}
+
+
+@pytest.mark.heavy
+def test_every_checkpoint_a_trainer_run_keeps_is_sealed_and_lists_exactly_its_files(trainer_runs):
+    reference = trainer_runs["root"] / "reference"
+    assert trainer_runs["reference"]["exit"] == 0
+    kept = sorted(p.name for p in reference.iterdir())
+    assert kept == ["checkpoint-4", "checkpoint-6"]  # save_steps 2, save_total_limit 2, 6 steps
+    for name in kept:
+        seal = check_seal(reference / name)
+        assert seal["schema"] == SEAL_SCHEMA and seal["step"] == int(name.split("-")[1])
+        present = {p.name for p in (reference / name).iterdir()} - {"meta.json"}
+        assert set(seal["files"]) == present and "optimizer.pt" in present
+    assert verified_checkpoint(reference) == reference / "checkpoint-6"
+
+
+@pytest.mark.heavy
+def test_sigkill_at_random_instants_of_saves_never_leaves_a_verified_checkpoint_that_is_incomplete(
+    trainer_runs,
+):
+    kills, seed = trainer_runs["kills"], trainer_runs["seed"]
+    assert len(kills) == KILLS
+    problems = [(number, kill) for number, kill in enumerate(kills) if kill["problems"]]
+    assert not problems, f"seed {seed}: {problems}"
+    # With SealedCheckpoints(keep_last=2) a sealed checkpoint always remains (the Trainer's own
+    # save_total_limit, deleting before the seal, can leave none: docs/other-trainers.md).
+    assert all(kill["returned"] is not None for kill in kills), f"seed {seed}"
+    # The kills landed inside saves: most left a newer folder that was skipped, named on stderr.
+    cut_short = sum(bool(kill["skipped"]) for kill in kills)
+    assert cut_short >= KILLS // 4, f"seed {seed}: only {cut_short} kills left an unsealed checkpoint"
+
+
+@pytest.mark.heavy
+def test_05_stages_a_sealed_trainer_checkpoint_without_its_training_state(trainer_runs, tmp_path):
+    checkpoint = trainer_runs["root"] / "reference" / "checkpoint-6"
+    target = tmp_path / "stage"
+    result = run_script("05_stage.py", "--from-folder", str(checkpoint), "--stage", str(target), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"staged step 6 from {checkpoint}" in result.stdout
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["source_checkpoint"]["sealed"] and meta["step"] == 6
+    training_state = {
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "training_args.bin",
+        "trainer_state.json",
+    }
+    assert set(meta["source_checkpoint"]["left_out"]) == training_state
+    assert not training_state & {p.name for p in target.iterdir()}
+    assert (target / "model.safetensors").read_bytes() == (checkpoint / "model.safetensors").read_bytes()
+
+
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# heavy as the other users of trainer_runs: conftest runs heavy tests first, and a module fixture
+# shared across that split would be built twice.
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+        "training_args.bin",
+        "config.json",
+        "meta.json",
+    ],
+)
+def test_one_flipped_byte_in_the_newest_makes_verified_checkpoint_return_the_previous(
+    trainer_runs, tmp_path, capfd, name
+):
+    output = Path(shutil.copytree(trainer_runs["root"] / "reference", tmp_path / "output"))
+    _flip_middle_byte(output / "checkpoint-6" / name)
+    assert verified_checkpoint(output) == output / "checkpoint-4"
+    assert "skipping checkpoint-6" in capfd.readouterr().err
+
+
+# -- the seal itself: hostile seals are refused, never trusted ---------------------------------------
+
+
+@pytest.fixture
+def sealed(tmp_path) -> Path:
+    """``output/checkpoint-2`` and ``output/checkpoint-3``, both sealed; returns checkpoint-3."""
+    for step in (2, 3):
+        folder = tmp_path / "output" / f"checkpoint-{step}"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(secrets.token_bytes(4096))
+        (folder / "sub" / "state.json").write_text(json.dumps({"step": step}))
+        seal_checkpoint(folder, step=step)
+    return tmp_path / "output" / "checkpoint-3"
+
+
+def rewrite_seal(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def tamper(folder: Path) -> None:
+        seal = json.loads((folder / "meta.json").read_text())
+        change(seal)
+        (folder / "meta.json").write_text(json.dumps(seal))
+
+    return tamper
+
+
+def added_file(folder):
+    (folder / "extra.bin").write_bytes(b"x")
+
+
+def removed_file(folder):
+    (folder / "sub" / "state.json").unlink()
+
+
+def truncated(folder):
+    path = folder / "weights.bin"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def same_size_edit(folder):
+    _flip_middle_byte(folder / "weights.bin")
+
+
+def link_inside(folder):
+    (folder / "sub" / "state.json").unlink()
+    (folder / "sub" / "state.json").symlink_to("/etc/hostname")
+
+
+def no_seal(folder):
+    (folder / "meta.json").unlink()
+
+
+def not_json(folder):
+    (folder / "meta.json").write_text("{'schema': 1}")
+
+
+def listed_twice(folder):
+    text = (folder / "meta.json").read_text()
+    start = text.index('"weights.bin"')
+    end = text.index("}", start) + 1
+    (folder / "meta.json").write_text(text[:end] + ", " + text[start:end] + text[end:])
+
+
+def oversize(folder):
+    (folder / "meta.json").write_bytes(b" " * (16 * 1024 * 1024 + 1))
+
+
+def seal_as_link(folder):
+    (folder / "meta.json").rename(folder.parent / "seal.json")
+    (folder / "meta.json").symlink_to(folder.parent / "seal.json")
+
+
+def outside_name(target: str) -> Callable[[dict], None]:
+    def change(seal: dict) -> None:
+        seal["files"][target] = seal["files"].pop("weights.bin")
+
+    return change
+
+
+HOSTILE = [
+    pytest.param(added_file, "extra.bin is not listed in its seal", id="added_file"),
+    pytest.param(removed_file, "state.json is listed in its seal but missing", id="removed_file"),
+    pytest.param(truncated, "its seal records 4,096", id="truncated"),
+    pytest.param(same_size_edit, "weights.bin: SHA-256 differs from its seal", id="same_size_edit"),
+    pytest.param(link_inside, "is a link or special file", id="link_inside"),
+    pytest.param(no_seal, "has no meta.json", id="no_seal"),
+    pytest.param(not_json, "is not a valid seal", id="not_json"),
+    pytest.param(listed_twice, "appears twice", id="listed_twice"),
+    pytest.param(oversize, "over the 16,777,216-byte limit", id="oversize"),
+    pytest.param(seal_as_link, "meta.json is a link or special file, not a seal", id="seal_as_link"),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(schema="pipeline.checkpoint/2")),
+        "a checkpoint of this pipeline",
+        id="our_checkpoint_schema",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(schema="pipeline.folder-seal/2")),
+        "not a pipeline.folder-seal/1 seal",
+        id="unknown_schema",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(step=True)), "step must be a non-negative integer", id="step_a_bool"
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(note="x")), "must hold exactly files, schema, step", id="extra_key"
+    ),
+    pytest.param(
+        rewrite_seal(outside_name("../checkpoint-2/weights.bin")),
+        "not a plain relative path inside the folder",
+        id="name_out_of_the_folder",
+    ),
+    pytest.param(
+        rewrite_seal(outside_name("/etc/hostname")),
+        "not a plain relative path inside the folder",
+        id="absolute",
+    ),
+    pytest.param(
+        rewrite_seal(outside_name("sub/../weights.bin")),
+        "not a plain relative path inside the folder",
+        id="dotdot_inside",
+    ),
+    pytest.param(
+        rewrite_seal(outside_name("weights.bin\n")),
+        "is not a printable relative path",
+        id="control_character",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"]["weights.bin"].update(sha256="A" * 64)),
+        "lowercase hex sha256",
+        id="uppercase_sha256",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"]["weights.bin"].update(size=-1)),
+        "lowercase hex sha256 and a size",
+        id="negative_size",
+    ),
+]
+
+
+@pytest.mark.parametrize(("tamper", "reason"), HOSTILE)
+def test_a_hostile_or_damaged_seal_is_refused_and_the_previous_checkpoint_returned(
+    sealed, capsys, tamper, reason
+):
+    tamper(sealed)
+    with pytest.raises(UnsealedCheckpoint) as refused:
+        check_seal(sealed)
+    assert reason in str(refused.value)
+    assert verified_checkpoint(sealed.parent) == sealed.parent / "checkpoint-2"
+    err = capsys.readouterr().err
+    assert err.count("skipping") == 1 and "skipping checkpoint-3" in err and reason in err
+
+
+def test_when_no_checkpoint_verifies_verified_checkpoint_raises_instead_of_starting_over(sealed, tmp_path):
+    assert verified_checkpoint(tmp_path / "nothing-yet") is None
+    (tmp_path / "fresh").mkdir()
+    assert verified_checkpoint(tmp_path / "fresh") is None
+    for folder in sealed.parent.iterdir():
+        same_size_edit(folder)
+    with pytest.raises(
+        UnsealedCheckpoint, match="no checkpoint in .* has a seal that verifies .*checkpoint-3"
+    ):
+        verified_checkpoint(sealed.parent)
+
+
+def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed):
+    stale = sealed / ".meta.json.0123abcd.tmp"  # what write_json_atomic leaves if killed
+    stale.write_text("{")
+    (sealed / "weights.bin").write_bytes(b"new")
+    seal_checkpoint(sealed, step=4)
+    assert check_seal(sealed)["step"] == 4 and not stale.exists()
+    ours = {"schema": "pipeline.checkpoint/2", "step": 3}
+    (sealed / "meta.json").write_text(json.dumps(ours))
+    with pytest.raises(
+        UnsealedCheckpoint, match="is not a pipeline.folder-seal/1 seal: refusing to replace it"
+    ):
+        seal_checkpoint(sealed)
+    assert json.loads((sealed / "meta.json").read_text()) == ours
+
+
+def test_the_callback_names_a_checkpoint_it_could_not_seal_prunes_nothing_and_training_goes_on(
+    sealed, capsys
+):
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    link_inside(sealed)
+    args = SimpleNamespace(output_dir=str(sealed.parent), should_save=True, save_total_limit=None)
+    state = SimpleNamespace(global_step=3, best_model_checkpoint=None)
+    control = object()
+    assert SealedCheckpoints(keep_last=1).on_save(args, state, control) is control
+    assert "checkpoint-3 was not sealed" in capsys.readouterr().err
+    assert verified_checkpoint(sealed.parent) == sealed.parent / "checkpoint-2"
+
+
+def test_the_callback_warns_that_save_total_limit_deletes_before_the_seal(capsys):
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    args = SimpleNamespace(should_save=True, save_total_limit=2)
+    SealedCheckpoints().on_train_begin(args, SimpleNamespace(), object())
+    assert "prefer save_total_limit=None and SealedCheckpoints(keep_last=2)" in capsys.readouterr().err
+    SealedCheckpoints().on_train_begin(SimpleNamespace(should_save=True, save_total_limit=None), None, None)
+    assert capsys.readouterr().err == ""
+
+
+def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_protected_folders(tmp_path):
+    output = tmp_path / "output"
+    for step in range(8):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+        if step not in (0, 6):  # 0: from a run without the callback; 6: a save cut short
+            seal_checkpoint(folder, step=step)
+    leftover = output / ".pruned-checkpoint-9-0123abcd"  # what a prune killed midway leaves
+    leftover.mkdir()
+    removed = prune_checkpoints(output / "checkpoint-5", 2, protect=output / "checkpoint-2")
+    assert removed == ["checkpoint-3", "checkpoint-1"]
+    left = sorted(p.name for p in output.iterdir())
+    assert left == [f"checkpoint-{n}" for n in (0, 2, 4, 5, 6, 7)]
+    with pytest.raises(ValueError):
+        prune_checkpoints(output / "checkpoint-5", 0)
+
+
+def test_accelerate_save_state_folders_are_sealed_pruned_and_verified_the_same_way(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    import torch
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=project)
+    net = torch.nn.Linear(4, 4)
+    model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters()))
+    saved, weights = [], []
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights.append(model.weight.detach().clone())
+        saved.append(Path(accelerator.save_state()))
+        seal_checkpoint(saved[-1])
+        prune_checkpoints(saved[-1], keep_last=2)
+    checkpoints = tmp_path / "checkpoints"
+    assert saved == [checkpoints / f"checkpoint_{n}" for n in range(3)]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert verified_checkpoint(checkpoints) == saved[2]
+    _flip_middle_byte(saved[2] / "model.safetensors")
+    assert verified_checkpoint(checkpoints) == saved[1]
+    accelerator.load_state(str(saved[1]))  # accelerate reads its own files; the seal is not one of them
+    assert torch.equal(model.weight, weights[1]) and not torch.equal(model.weight, weights[2])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -121,13 +121,14 @@ class StageResult:
     stage; ``report`` adds the source checkpoint's files, in table order."""
 
     stage: Path
-    step: int
+    step: int | None
+    """The checkpoint's step; a folder another tool wrote (``--from-folder``): its seal's, or None."""
     source: Path
     files: dict[str, AuditedFile]
     report: list[AuditedFile]
     nonfinite: list[str]
     with_metrics: bool
-    code_changes: list[CodeChange]
+    code_changes: list[CodeChange] = field(default_factory=list)
     """Files of the model's code (or its factories) changed since training, staged anyway
     because the stage ships no code (a transformers model); recorded in its meta.json."""
 

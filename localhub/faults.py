@@ -31,6 +31,8 @@ class Faults:
         self._token_expiry: list[int] = []  # CAS requests still served before every Xet token expires
         self._other_bytes = 0  # commits whose first LFS file is stored with other bytes
         self._other_xet_hash = 0  # commits whose first Xet-stored file is listed with another Xet hash
+        self._other_xet_file = 0  # commits whose first Xet-stored file is mixed up with their second
+        self._trickles: list[dict[str, Any]] = []  # answers sent one byte at a time
         self._counts: Counter[str] = Counter()
         self._sent: Counter[str] = Counter()  # response bytes (headers and body) per "METHOD /path"
 
@@ -105,8 +107,32 @@ class Faults:
         with self._lock:
             self._other_xet_hash += int(times)
 
+    def store_other_xet_file(self, times: int = 1) -> None:
+        """The next `times` commits holding two Xet-stored files name, for the first, the second's
+        Xet file (in the listing and in the CAS's SHA-256 index): the Hub serves other bytes for it."""
+        with self._lock:
+            self._other_xet_file += int(times)
+
+    def trickle(
+        self, times: int = 1, method: str | None = None, path: str | None = None, interval: float = 1.0
+    ) -> None:
+        """The next `times` requests matching `method` and regex `path` are answered one byte every
+        `interval` seconds (status line, headers, body): a server that never stops sending, so a
+        timeout on each socket read never trips. Ends when the client hangs up or faults are cleared."""
+        rule = {
+            "remaining": int(times),
+            "method": method.upper() if method else None,
+            "path": path,
+            "interval": float(interval),
+        }
+        re.compile(path or "")
+        with self._lock:
+            self._trickles.append(rule)
+            self._released.clear()
+
     def clear(self) -> None:
         with self._lock:
+            self._trickles.clear()
             self._commit_failures.clear()
             self._rate_limits.clear()
             self._drops.clear()
@@ -117,6 +143,7 @@ class Faults:
             self._token_expiry.clear()
             self._other_bytes = 0
             self._other_xet_hash = 0
+            self._other_xet_file = 0
         self._released.set()
 
     def configure(self, spec: dict) -> None:
@@ -143,6 +170,10 @@ class Faults:
             self.store_other_lfs_bytes(**spec["other_lfs_bytes"])
         if "other_xet_hash" in spec:
             self.list_other_xet_hash(**spec["other_xet_hash"])
+        if "other_xet_file" in spec:
+            self.store_other_xet_file(**spec["other_xet_file"])
+        if "trickle" in spec:
+            self.trickle(**spec["trickle"])
 
     def pending(self) -> dict:
         with self._lock:
@@ -157,6 +188,8 @@ class Faults:
                 "expire_xet_tokens": list(self._token_expiry),
                 "other_lfs_bytes": self._other_bytes,
                 "other_xet_hash": self._other_xet_hash,
+                "other_xet_file": self._other_xet_file,
+                "trickle": [dict(r) for r in self._trickles],
             }
 
     # ------------------------------------------------------------------ consuming (server side)
@@ -185,6 +218,22 @@ class Faults:
                 return rule["status"], rule["retry_after"]
         return None
 
+    def take_trickle(self, method: str, path: str) -> float | None:
+        """Seconds between two bytes of this request's answer, or None to answer it normally."""
+        with self._lock:
+            for rule in self._trickles:
+                if rule["method"] not in (None, method) or not re.search(rule["path"] or "", path):
+                    continue
+                rule["remaining"] -= 1
+                if rule["remaining"] <= 0:
+                    self._trickles.remove(rule)
+                return rule["interval"]
+        return None
+
+    def trickling(self, seconds: float) -> bool:
+        """Wait `seconds` before the next byte of a trickled answer; False once the faults are cleared."""
+        return not self._released.wait(seconds)
+
     def take_other_lfs_bytes(self) -> bool:
         with self._lock:
             if not self._other_bytes:
@@ -197,6 +246,13 @@ class Faults:
             if not self._other_xet_hash:
                 return False
             self._other_xet_hash -= 1
+            return True
+
+    def take_other_xet_file(self) -> bool:
+        with self._lock:
+            if not self._other_xet_file:
+                return False
+            self._other_xet_file -= 1
             return True
 
     def take_drop(self) -> tuple[bool, int | None]:

@@ -51,11 +51,32 @@ class _CountingWriter:
         self._inner, self._handler = inner, handler
 
     def write(self, data: bytes) -> int:
+        interval = getattr(self._handler, "_trickle", None)
+        if interval is not None:
+            return self._trickle(data, interval)
         written = self._inner.write(data)
+        self._count(len(data))
+        return written
+
+    def _count(self, n: int) -> None:
         key = getattr(self._handler, "_key", None)
         if key is not None:
-            self._handler.hub.faults.record_sent(key, len(data))
-        return written
+            self._handler.hub.faults.record_sent(key, n)
+
+    def _trickle(self, data: bytes, interval: float) -> int:
+        """Fault: one byte, then a wait, until the answer is sent or the faults are cleared."""
+        faults = self._handler.hub.faults
+        try:
+            for at in range(len(data)):
+                self._inner.write(data[at : at + 1])
+                self._count(1)
+                if not faults.trickling(interval):
+                    self._inner.write(data[at + 1 :])
+                    self._count(len(data) - at - 1)
+                    break
+        except OSError:  # the client hung up
+            raise _ClientGone() from None
+        return len(data)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -120,9 +141,11 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
         segs = [unquote(s) for s in url.path.split("/")[1:]]
         is_admin = segs[:1] == ["_localhub"] and segs[1:2] not in (["lfs"], ["lfs-verify"])
         self._key = None if is_admin else f"{method} {url.path}"
+        self._trickle = None
         try:
             if not is_admin:  # admin calls are neither counted nor rate limited: tests must reach them
                 self.hub.faults.record(method, url.path)
+                self._trickle = self.hub.faults.take_trickle(method, url.path)
                 limited = self.hub.faults.take_rate_limit(method, url.path)
                 if limited is not None:
                     status, retry_after = limited
@@ -214,7 +237,7 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
             headers["X-Error-Code"] = err.code
         try:
             self._send_json({"error": err.message, **err.extra}, err.status, headers)
-        except OSError:
+        except (OSError, _ClientGone):
             self.close_connection = True
 
     # ------------------------------------------------------------------ auth
@@ -608,6 +631,8 @@ class Handler(LfsRoutes, BaseHTTPRequestHandler):
             self.hub.store.store_other_bytes(repo_type, repo_id, commit_id, lfs_paths[0])
         if lfs_paths and self.hub.faults.take_other_xet_hash():
             self.hub.store.list_other_xet_hash(repo_type, repo_id, commit_id, lfs_paths)
+        if lfs_paths and self.hub.faults.take_other_xet_file():
+            self.hub.store.store_other_xet_file(repo_type, repo_id, commit_id, lfs_paths)
         if withheld:
             self._withhold_answer()
         pr_url = None if number is None else f"{self._repo_url(repo_type, repo_id)}/discussions/{number}"

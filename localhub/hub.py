@@ -63,7 +63,7 @@ class LocalHub:
 
     Faults (`fail_next_commit`, `rate_limit_next`, `drop_next_upload`, `withhold_next_commit_answer`,
     `store_other_lfs_bytes`; for Xet `drop_next_xorb`, `corrupt_next_xorb`, `fail_next_shard`,
-    `expire_xet_tokens`, `list_other_xet_hash`) and request
+    `expire_xet_tokens`, `list_other_xet_hash`, `store_other_xet_file`; `trickle_next` for any request) and request
     counts (`request_counts`, `count`) are exposed here and through the admin endpoints. Xet CAS tokens
     live `xet_token_ttl` s.
     """
@@ -169,6 +169,14 @@ class LocalHub:
 
     def list_other_xet_hash(self, times: int = 1) -> None:
         self.faults.list_other_xet_hash(times)
+
+    def store_other_xet_file(self, times: int = 1) -> None:
+        self.faults.store_other_xet_file(times)
+
+    def trickle_next(
+        self, times: int = 1, method: str | None = None, path: str | None = None, interval: float = 1.0
+    ) -> None:
+        self.faults.trickle(times, method, path, interval)
 
     def clear_faults(self) -> None:
         self.faults.clear()

@@ -461,6 +461,22 @@ class Store:
             commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
             self._save({**repo, "commits": commits})
 
+    def store_other_xet_file(self, repo_type: str, repo_id: str, commit_id: str, paths: list[str]) -> None:
+        """Injected fault: the first Xet-stored file among `paths` of `commit_id` now names the Xet
+        file of the second (other bytes the CAS really holds), in the commit and in the CAS's index
+        of declared SHA-256s: a Hub that mixed two files up, serving the other's bytes for it."""
+        with self.lock:
+            repo = self.get_repo(repo_type, repo_id)
+            files = dict(repo["commits"][commit_id]["files"])
+            stored = [p for p in paths if files.get(p, {}).get("xetHash")]
+            if len(stored) < 2:
+                return
+            first, other = files[stored[0]], files[stored[1]]
+            files[stored[0]] = {**first, "xetHash": other["xetHash"]}
+            self.xet.index_sha256(first["sha256"], other["xetHash"])
+            commits = {**repo["commits"], commit_id: {**repo["commits"][commit_id], "files": files}}
+            self._save({**repo, "commits": commits})
+
     def _apply(self, repo: dict, files: dict, pending: dict, op: dict) -> None:
         key, value = op.get("key"), op.get("value") or {}
         raw_path = value.get("path")

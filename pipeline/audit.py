@@ -3,16 +3,15 @@
 Script 05 audits the stage it just built; the publish step audits it again right before
 uploading and hands the hashes it returns to the upload, so no file is hashed twice. The
 publish step's audit reads each byte once: the same chunks are hashed and scanned for leaks
-(:mod:`pipeline.leaks`), and ``hf_xet`` computes the Xet hashes of the same files meanwhile
-(the pages come from disk once), which is how a Xet upload is verified without downloading it.
-Only hashing and JSON here: importing this module does not import torch or matplotlib.
+(:mod:`pipeline.leaks`), and fed to any other digest the caller needs (the Xet hash, through
+``pipeline.publishing.xet.XetDigest``), which is how a Xet upload is verified without
+downloading it. Only hashing and JSON here: importing this module does not import torch or matplotlib.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -20,7 +19,7 @@ import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from .durable import FolderLock
 from .errors import StageAuditError, StageError
@@ -183,17 +182,37 @@ def _check_staged_meta(stage: Path, audited: Mapping[str, AuditedFile]) -> None:
             )
 
 
-def _read_once(path: Path, scan: FileScan | None) -> str:
-    """SHA-256 of ``path``, each chunk also fed to ``scan``: hashlib releases the GIL, so a
-    helper thread hashes one chunk while this one scans it and reads the next."""
-    if scan is None:
+class SideDigest(Protocol):
+    """Another digest of the audited bytes, fed the same chunks as the SHA-256."""
+
+    def update(self, data: bytes | memoryview) -> None: ...
+
+    def hexdigest(self) -> str | None: ...
+
+
+def _read_once(path: Path, scan: FileScan | None, side: SideDigest | None) -> tuple[str, str | None]:
+    """SHA-256 of ``path`` and the ``side`` digest of the same bytes (ended even on a failure)."""
+    try:
+        digest = _read_and_feed(path, scan, side)
+    finally:
+        other = side.hexdigest() if side is not None else None
+    return digest, other
+
+
+def _read_and_feed(path: Path, scan: FileScan | None, side: SideDigest | None) -> str:
+    """SHA-256 of ``path``, each chunk also fed to ``scan`` and ``side``: hashlib releases the
+    GIL, so a helper thread hashes one chunk while this one scans it and reads the next."""
+    if scan is None and side is None:
         return sha256_file(path)
     digest = hashlib.sha256()
     size = path.stat().st_size
     if size < CHUNK:  # one read: nothing to overlap
         data = path.read_bytes()
         digest.update(data)
-        scan.feed(data, len(data))
+        if scan is not None:
+            scan.feed(data, len(data))
+        if side is not None:
+            side.update(data)
         return digest.hexdigest()
     buffers = (bytearray(min(CHUNK, size + 1)), bytearray(min(CHUNK, size + 1)))
     with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(1) as hasher:
@@ -206,22 +225,18 @@ def _read_once(path: Path, scan: FileScan | None) -> str:
             if not n:
                 break
             hashing = hasher.submit(digest.update, memoryview(buffer)[:n])
-            scan.feed(buffer, n)
+            if scan is not None:
+                scan.feed(buffer, n)
+            if side is not None:
+                side.update(memoryview(buffer)[:n])
     return digest.hexdigest()
 
 
-def _xet_hashes(stage: Path, names: list[str]) -> dict[str, str]:
-    """Each file's Xet hash, computed locally by hf_xet (public ``hash_files``, which releases
-    the GIL); {} when hf_xet is missing or fails: the check after landing then computes them."""
-    if importlib.util.find_spec("hf_xet") is None:
-        return {}
-    import hf_xet
-
-    try:
-        infos = hf_xet.hash_files([str(stage / name) for name in names])
-    except Exception:  # hf_xet reports its own failures as plain exceptions; the check redoes it
-        return {}
-    return {name: info.hash for name, info in zip(names, infos)}
+def _side_digest(side: SideDigest | None, data: bytes) -> str | None:
+    if side is None:
+        return None
+    side.update(data)
+    return side.hexdigest()
 
 
 def _allowance(stage: Path) -> Mapping[str, Any]:
@@ -240,7 +255,7 @@ def audit_stage(
     stage_dir: str | Path,
     *,
     leaks: LeakRules | None = None,
-    xet_hashes: bool = False,
+    xet_digest: Callable[[], SideDigest | None] | None = None,
     consequence: str = "nothing was staged",
 ) -> dict[str, AuditedFile]:
     """Verify a stage against its ``MANIFEST.sha256`` and return every file to upload.
@@ -254,8 +269,8 @@ def audit_stage(
 
     With ``leaks``, every file is also scanned (:mod:`pipeline.leaks`) in the same read, and
     a leak that the staged ``card.allow_leaks`` does not allow raises
-    :class:`~pipeline.errors.SecretInStage` ending with ``consequence``. With ``xet_hashes``,
-    each file's Xet hash is computed meanwhile (``AuditedFile.xet_hash``).
+    :class:`~pipeline.errors.SecretInStage` ending with ``consequence``. ``xet_digest`` makes a
+    digest per file (or None) that the same read feeds: ``AuditedFile.xet_hash``, None where unknown.
 
     Returns ``{name: AuditedFile}`` sorted by name, *including* ``MANIFEST.sha256`` (hashed
     from the bytes the audit parsed). The keys are exactly the files to upload, and each
@@ -292,13 +307,17 @@ def audit_stage(
         else {}
     )
     signature = stage / SIGNATURE_FILE
-    everything = names + [MANIFEST_FILE] + ([SIGNATURE_FILE] if signature.is_file() else [])
-    # hashlib releases the GIL on large buffers, so threads hash several files on several cores;
-    # hf_xet's hashing runs beside them on the same files.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)) + 1) as pool:
-        xet = pool.submit(_xet_hashes, stage, everything) if xet_hashes else None
-        hashes = dict(zip(names, pool.map(lambda name: _read_once(stage / name, scans.get(name)), names)))
-        xet_hash = xet.result() if xet is not None else {}
+
+    def side() -> SideDigest | None:
+        return xet_digest() if xet_digest is not None else None
+
+    # hashlib releases the GIL on large buffers, so threads hash several files on several cores.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        read = dict(
+            zip(names, pool.map(lambda name: _read_once(stage / name, scans.get(name), side()), names))
+        )
+    hashes = {name: sha for name, (sha, _) in read.items()}
+    xet_hash = {name: other for name, (_, other) in read.items()}
     audited: dict[str, AuditedFile] = {}
     for name in names:
         digest, path = expected[name], stage / name
@@ -311,7 +330,7 @@ def audit_stage(
         audited[name] = AuditedFile(name, size, actual, MANIFEST_FILE, xet_hash.get(name))
     _check_staged_meta(stage, audited)
     audited[MANIFEST_FILE] = AuditedFile(
-        MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit", xet_hash.get(MANIFEST_FILE)
+        MANIFEST_FILE, len(raw), sha256_bytes(raw), "parsed by the audit", _side_digest(side(), raw)
     )
     extra = {MANIFEST_FILE: raw}
     if signature.is_file():
@@ -322,7 +341,7 @@ def audit_stage(
             len(data),
             sha256_bytes(data),
             "model-signing (checked by 06)",
-            xet_hash.get(SIGNATURE_FILE),
+            _side_digest(side(), data),
         )
     if leaks is not None:
         for name, data in extra.items():

@@ -45,6 +45,7 @@ __all__ = [
     "HubUnavailable",
     "UploadInterrupted",
     "PublishTimedOut",
+    "DeadlinePassed",
     "StageChanged",
     "VerificationFailed",
     "ReceiptNotWritten",
@@ -255,6 +256,17 @@ class UploadInterrupted(PublishError):
 
 class PublishTimedOut(PublishError):
     """The publish ran out of its ``--timeout`` before the commit landed; nothing was committed."""
+
+
+class DeadlinePassed(Exception):
+    """Raised inside a Hub client call when a request would start past the publish's deadline,
+    the Hub asks to wait past it (``asked``: the wait), or the deadline cut a connection. Not a
+    :class:`PipelineError` on purpose: it travels through the client's own code and comes out
+    wrapped, and ``pipeline.publishing.client.hub_errors`` turns it into a :class:`PublishTimedOut`."""
+
+    def __init__(self, message: str, asked: float | None = None) -> None:
+        super().__init__(message)
+        self.asked = asked
 
 
 class StageChanged(PublishError):

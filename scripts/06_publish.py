@@ -20,9 +20,10 @@ makes no commit. After landing, the Hub's LFS SHA-256s and Xet hashes are checke
 audit (the weights are not downloaded again), the small files downloaded and hashed, and a
 receipt (with the signing key's fingerprint) is written to hub_receipts/.
 
---timeout bounds the whole publish (default: 5 minutes plus 1 s per MB staged): no request
-or retry starts after it, and the Xet client's retries are capped by it; if the commit was
-sent, finding out whether it landed and verifying it get min(--timeout, 30 s) more. A commit
+--timeout bounds the whole publish (default: the default publish timeout, docs/publishing.md):
+no request or retry starts after it, the Xet client's retries are capped by it, and when it
+passes whatever still runs is cut, however slowly a server answers; if the commit was sent,
+finding out whether it landed and verifying it get min(--timeout, 30 s) more. A commit
 whose answer was lost is looked up on the branch: a landed commit is verified and reported
 (exit 0); otherwise nothing was committed (exit 2). A rerun never makes a second commit.
 
@@ -103,7 +104,8 @@ def _parse() -> argparse.Namespace:
         type=float,
         default=None,
         metavar="S",
-        help="deadline of the whole publish in seconds (default: 300 + 1 per MB staged)",
+        help="deadline of the whole publish in seconds (default: the default publish timeout, "
+        "pipeline.publishing.default_timeout)",
     )
     signer = parser.add_argument_group("signature (stages signed by 05 --sign-key / --sign-sigstore)")
     keys = signer.add_mutually_exclusive_group()

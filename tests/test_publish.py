@@ -29,7 +29,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, hf_raise_for_status
 
-from localhub import LocalHub
+from localhub import LocalHub, LocalHubProcess
 from pipeline.audit import parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
@@ -647,6 +647,120 @@ def test_upload_reuses_the_audit_sha256_instead_of_hashing_again(
     assert_holds_exactly_the_stage(hub, "alice/hashed-once", staged_run.stage)
 
 
+def bytes_read() -> int:
+    """Bytes this process has read with read(2) and its kin, from files, pipes and sockets, by
+    Python and native code alike (Linux's per-process I/O accounting)."""
+    counters = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(counters["rchar"])
+
+
+@pytest.mark.parametrize("protocol", ["lfs", "xet"])
+def test_each_staged_byte_is_read_once_to_hash_it_and_once_to_send_it(
+    staged_run, run_copy, tmp_path, token_env, monkeypatch, protocol
+):
+    use_protocol(monkeypatch, protocol)
+    stage = run_copy(staged_run).stage
+    big = stage / "weights_extra.bin"
+    big.write_bytes(os.urandom(24 << 20))
+    with open(stage / "MANIFEST.sha256", "a") as manifest:
+        manifest.write(f"{hashlib.sha256(big.read_bytes()).hexdigest()}  {big.name}\n")
+    rest = sum(f.stat().st_size for f in stage.rglob("*") if f.is_file()) - big.stat().st_size
+    import hf_xet
+
+    hashed_paths: list[str] = []
+    real_hash_files = hf_xet.hash_files
+
+    def hash_files(paths):
+        hashed_paths.extend(paths)
+        return real_hash_files(paths)
+
+    monkeypatch.setattr(hf_xet, "hash_files", hash_files)
+    with LocalHubProcess(tmp_path / "hub", token=TOKEN) as hub:  # its own reads are not this process's
+        publish_here(staged_run.stage, hub, "alice/warm-up", tmp_path)  # modules imported, connections open
+        before = bytes_read()
+        result = publish_here(stage, hub, "alice/read-once", tmp_path, force_repo_id=True)
+        read = bytes_read() - before
+    assert result.status == "published" and all(f.ok for f in result.files)
+    # The audit's read (SHA-256, leak scan and, over Xet, the Xet hash) and the upload's; over Xet,
+    # hf_xet also reads the audited bytes once from the pipe the audit writes them into. Besides:
+    # the small files a few times, and a new Xet session reads the system's CA certificates (MBs).
+    passes = 2 if protocol == "lfs" else 3
+    assert passes * big.stat().st_size <= read <= passes * big.stat().st_size + 4 * rest + (4 << 20), read
+    staged = {str(path) for path in stage.rglob("*")}
+    assert not staged & set(map(str, hashed_paths)), "hf_xet read a staged file itself to hash it"
+    if protocol == "xet":
+        audited = {entry.name: entry for entry in result.audited}
+        assert audited[big.name].xet_hash == real_hash_files([str(big)])[0].hash
+
+
+def requests_by_kind(hub: LocalHub) -> dict[str, int]:
+    """The Hub's request counts by what they do (a download counts once per file)."""
+    kinds = {
+        "head": r"^GET /api/models/[^/]+/[^/]+/revision/",
+        "listing": r"^GET /api/models/[^/]+/[^/]+/tree/",
+        "download": r"^GET /[^_][^/]*/[^/]+/resolve/",
+        "probe": r"^HEAD ",
+        "LFS batch": r"^POST .*/objects/batch$",
+        "LFS upload": r"^PUT /_localhub/lfs/",
+        "commit": r"^POST /api/models/.*/commit/",
+    }
+    counts = dict.fromkeys(kinds, 0)
+    for key, n in hub.request_counts().items():
+        for kind, pattern in kinds.items():
+            if re.search(pattern, key):
+                counts[kind] += n
+    return counts
+
+
+def test_the_plan_and_the_check_after_landing_send_only_the_requests_they_need(
+    staged_run, run_copy, hub, tmp_path, token_env
+):
+    stage = run_copy(staged_run).stage
+    manifest = parse_manifest((stage / "MANIFEST.sha256").read_bytes())
+    published = publish_here(stage, hub, "alice/counted", tmp_path)
+    regular = sum(f.storage.value == "regular" for f in published.files)
+    lfs = sum(f.storage.value == "lfs" for f in published.files)
+    assert regular + lfs == len(manifest) + 1 and lfs >= 1  # the manifest itself is published too
+    # The head before and after creating the repo; the repo info lists its files (only
+    # .gitattributes), so no file listing before the commit; one to verify it; each small file
+    # downloaded once (no HEAD request first).
+    assert requests_by_kind(hub) == {
+        "head": 2,
+        "listing": 1,
+        "download": regular,
+        "probe": 0,
+        "LFS batch": 1,
+        "LFS upload": lfs,
+        "commit": 1,
+    }
+
+    hub.reset_request_counts()
+    again = publish_here(stage, hub, "alice/counted", tmp_path)
+    assert again.status == "already published"
+    # The listing the plan read (for the Xet hashes) is the one the check after landing uses.
+    assert requests_by_kind(hub) == {
+        **dict.fromkeys(requests_by_kind(hub), 0),
+        "head": 1,
+        "listing": 1,
+        "download": regular,
+    }
+
+    hub.reset_request_counts()
+    card = stage / "README.md"
+    card.write_text(card.read_text() + "\nA note.\n")
+    with open(stage / "MANIFEST.sha256", "w") as out:
+        out.writelines(
+            f"{hashlib.sha256((stage / name).read_bytes()).hexdigest()}  {name}\n"
+            for name in sorted(manifest)
+        )
+    changed = publish_here(stage, hub, "alice/counted", tmp_path)
+    assert changed.status == "published"
+    assert [f.name for f in changed.plan.files if f.action != "unchanged"] == ["MANIFEST.sha256", "README.md"]
+    # Unchanged LFS files are not handed to the client: no LFS batch request, nothing uploaded.
+    counted = requests_by_kind(hub)
+    assert counted["LFS batch"] == 0 and counted["LFS upload"] == 0 and counted["commit"] == 1, counted
+
+
 def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(
     staged_run, hub, tmp_path, token_env
 ):
@@ -740,6 +854,50 @@ def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_w
     )
     assert [name for name, entry in record["files"].items() if not entry["ok"]] == ["modelo.safetensors"]
     assert hub.count("GET", r"/reconstructions/|/_xet/data/") == 0
+
+
+def test_a_xet_file_the_hub_holds_other_bytes_for_is_repaired_by_a_rerun_in_one_commit(
+    staged_run, hub, tmp_path, token_env, xet
+):
+    hub.store_other_xet_file()  # the weights' SHA-256 now names another file's Xet file (other bytes)
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/repaired", tmp_path)
+    assert "modelo.safetensors: the Hub lists Xet hash" in str(failed.value), failed.value
+
+    # The branch holds the weights' SHA-256, but not their Xet hash: the rerun uploads and commits them again.
+    result = publish_here(staged_run.stage, hub, "alice/repaired", tmp_path)
+    actions = {f.name: f.action for f in result.plan.files}
+    assert actions.pop("modelo.safetensors") == "repair" and set(actions.values()) == {"unchanged"}, actions
+    assert result.status == "published" and all(f.ok for f in result.files)
+    assert len(commit_titles(hub, "alice/repaired")) == 3
+    listed = {f.path: f for f in api_for(hub).list_repo_tree("alice/repaired") if hasattr(f, "blob_id")}
+    audited = {entry.name: entry for entry in result.audited}
+    assert listed["modelo.safetensors"].xet_hash == audited["modelo.safetensors"].xet_hash
+    served = api_for(hub).hf_hub_download(
+        "alice/repaired", "modelo.safetensors", cache_dir=tmp_path / "cache"
+    )
+    assert Path(served).read_bytes() == (staged_run.stage / "modelo.safetensors").read_bytes()
+
+    again = publish_here(staged_run.stage, hub, "alice/repaired", tmp_path)
+    assert again.status == "already published" and len(commit_titles(hub, "alice/repaired")) == 3
+
+
+def test_a_xet_file_is_verified_by_its_own_bytes_when_the_audit_has_no_xet_hash(
+    staged_run, hub, tmp_path, token_env, xet, monkeypatch
+):
+    import hf_xet
+
+    def unavailable(paths):
+        raise RuntimeError("hf_xet cannot hash here")
+
+    monkeypatch.setattr(hf_xet, "hash_files", unavailable)  # the audit and the check get no Xet hash
+    hub.list_other_xet_hash()  # the weights are listed with other chunks than the ones uploaded
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/no-xet-hash", tmp_path)
+    assert failed.value.exit_code == 1 and "modelo.safetensors" in str(failed.value), failed.value
+    [receipt] = list((tmp_path / "receipts").glob("*.json"))
+    weights = json.loads(receipt.read_text())["files"]["modelo.safetensors"]
+    assert weights["storage"] == "xet" and not weights["ok"]
 
 
 def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(

@@ -1,5 +1,6 @@
 """06 within its --timeout: one deadline over the whole publish, the Xet and LFS clients'
-retries capped by it, and the idempotent requests (reads, repo creation) retried inside it.
+retries capped by it, a server that trickles its answers cut off by it, and the idempotent
+requests (reads, repo creation) retried inside it.
 
 The real scripts as subprocesses where the wall time and the one error line matter (with
 the Xet client's own retry settings, not the suite's fast ones: 06's cap must bound them);
@@ -8,22 +9,27 @@ publish() in this process where only our own retry waits are at stake (recorded,
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import test_publish
-from test_publish import commit_titles, publish_here, run_publish, stored
+from huggingface_hub import get_session
+from test_publish import assert_holds_exactly_the_stage, commit_titles, publish_here, run_publish, stored
 from test_publish_safety import error_line_after_uploads
 
-from pipeline.errors import PublishError
+from pipeline.errors import PublishError, PublishTimedOut, UploadInterrupted
+from pipeline.publishing import deadline
 
 from support import XET_FAST_RETRIES
 
-hf_env, hub, token_env, waits = (
+hf_env, hub, token_env, waits, xet = (
     test_publish.hf_env,
     test_publish.hub,
     test_publish.token_env,
     test_publish.waits,
+    test_publish.xet,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -122,3 +128,143 @@ def test_a_503_on_the_first_read_and_a_429_on_repo_creation_are_retried_and_a_re
     assert "the Hub answered HTTP 502 while reading branch main on alice/down" in message, message
     assert "nothing was committed" in message and waits == [1.0, 2.0, 4.0, 8.0]
     assert hub.count("POST") == 0
+
+
+# -- a Hub that answers one byte per second (in process: the threads and the client's hooks are ours) --
+
+
+def client_threads() -> set[threading.Thread]:
+    """This process's threads, but the loopback Hub's own (its server and one per connection) and
+    tqdm's monitor (one per process, started by the first progress bar that lasts)."""
+    others = ("localhub", "tqdm_monitor")
+    return {t for t in threading.enumerate() if t.name not in others and "process_request" not in t.name}
+
+
+def trickled_publish(stage, hub, repo_id, tmp_path, timeout_s, **fields):
+    """publish() with ``timeout_s``; returns (the result or the PublishError, seconds, said lines),
+    after checking that the publish left no thread and no hook of its deadline behind."""
+    threads, hooks = client_threads(), dict(get_session().event_hooks)
+    said: list[str] = []
+    # Should the deadline not hold, the Hub sends the rest at once after a while: a failure, not a hang.
+    release = threading.Timer(2 * timeout_s + 5, hub.clear_faults)
+    release.start()
+    started = time.monotonic()
+    try:
+        outcome = publish_here(stage, hub, repo_id, tmp_path, timeout_s=timeout_s, say=said.append, **fields)
+    except PublishError as exc:
+        outcome = exc
+    finally:
+        release.cancel()
+        release.join()
+    elapsed = time.monotonic() - started
+    assert client_threads() == threads, "the publish left a thread behind"
+    assert dict(get_session().event_hooks) == hooks, "the publish left its deadline's hooks installed"
+    return outcome, elapsed, said
+
+
+def until_over(started: float, timeout_s: float) -> None:
+    """Wait until a publish started at ``started`` is past its deadline and its settling time,
+    so that anything of it still installed would refuse the next request."""
+    time.sleep(max(0.0, started + 2 * timeout_s + 0.2 - time.monotonic()))
+
+
+def test_a_trickled_lfs_answer_is_cut_at_the_deadline_with_nothing_committed_and_the_next_publish_works(
+    staged_run, hub, tmp_path, token_env
+):
+    hub.trickle_next(method="POST", path=r"/objects/batch$")  # the LFS batch answer, one byte per second
+    started = time.monotonic()
+    refused, elapsed, _ = trickled_publish(staged_run.stage, hub, "alice/trickle-lfs", tmp_path, 2)
+    assert isinstance(refused, PublishTimedOut), refused
+    message = str(refused)
+    assert "ran out of its 2s --timeout while uploading and committing" in message, message
+    assert f"no answer from {hub.url} to the LFS batch request" in message, message
+    assert "nothing was committed" in message, message
+    # The deadline, then at most the time to read the branch head: no byte-per-second server stretches it.
+    assert elapsed < 2 + 2 + 1, elapsed
+    assert hub.count("POST", r"/objects/batch$") == 1 and hub.count("POST", r"/commit/") == 0
+    assert commit_titles(hub, "alice/trickle-lfs") == ["initial commit"]
+
+    hub.clear_faults()
+    until_over(started, 2)
+    result = publish_here(staged_run.stage, hub, "alice/trickle-lfs", tmp_path, timeout_s=60)
+    assert result.status == "published" and len(commit_titles(hub, "alice/trickle-lfs")) == 2
+    assert_holds_exactly_the_stage(hub, "alice/trickle-lfs", staged_run.stage)
+
+
+def test_a_trickled_answer_to_a_commit_that_landed_is_cut_and_the_commit_found_and_verified(
+    staged_run, hub, tmp_path, token_env
+):
+    hub.trickle_next(method="POST", path=r"/commit/main$")  # the commit lands; its answer trickles
+    result, elapsed, said = trickled_publish(staged_run.stage, hub, "alice/trickle-commit", tmp_path, 3)
+    assert not isinstance(result, Exception), result
+    assert result.status == "published" and result.answer_lost and all(f.ok for f in result.files)
+    assert elapsed < 3 + 3 + 1, elapsed
+    assert any(
+        "ran out of its 3s --timeout while uploading and committing" in line
+        and f"no answer from {hub.url} to the commit" in line
+        for line in said
+    ), said
+    assert any("the answer to the commit was lost, but the commit landed" in line for line in said), said
+    assert len(commit_titles(hub, "alice/trickle-commit")) == 2 and hub.count("POST", r"/commit/") == 1
+
+
+def test_a_trickled_xet_shard_answer_is_cut_at_the_deadline_with_nothing_committed_and_the_next_publish_works(
+    staged_run, hub, tmp_path, token_env, xet
+):
+    hub.trickle_next(method="POST", path=r"/shards$")  # the Xet client's shard upload, answered byte by byte
+    started = time.monotonic()
+    refused, elapsed, _ = trickled_publish(staged_run.stage, hub, "alice/trickle-xet", tmp_path, 4)
+    assert isinstance(refused, PublishTimedOut), refused
+    message = str(refused)
+    assert "ran out of its 4s --timeout while uploading and committing" in message, message
+    assert "the Xet upload was still running when the time was up: stopped" in message, message
+    assert "nothing was committed" in message, message
+    assert elapsed < 4 + 4 + 1, elapsed
+    assert hub.count("POST", r"/shards$") == 1 and hub.count("POST", r"/commit/") == 0
+    assert stored(hub, "shards") == [] and commit_titles(hub, "alice/trickle-xet") == ["initial commit"]
+
+    hub.clear_faults()
+    until_over(started, 4)
+    result = publish_here(staged_run.stage, hub, "alice/trickle-xet", tmp_path, timeout_s=60)
+    assert result.status == "published" and len(commit_titles(hub, "alice/trickle-xet")) == 2
+    assert {f.storage.value for f in result.files} >= {"xet", "regular"}
+
+
+def test_a_host_that_does_not_resolve_is_one_line_at_once_without_retries(
+    staged_run, tmp_path, token_env, waits
+):
+    started = time.monotonic()
+    with pytest.raises(PublishError) as refused:
+        publish_here(
+            staged_run.stage, SimpleNamespace(url="http://no-such-host.invalid"), "alice/x", tmp_path
+        )
+    message = str(refused.value)
+    assert (
+        "the host no-such-host.invalid of the endpoint http://no-such-host.invalid cannot be resolved"
+        in message
+    )
+    assert "check --endpoint / HF_ENDPOINT" in message and "nothing was committed" in message, message
+    assert waits == [] and time.monotonic() - started < 10
+
+
+def test_a_silent_server_is_given_up_on_after_the_longest_wait_for_one_answer_and_retried_within_the_deadline(
+    staged_run, tmp_path, token_env, waits, monkeypatch
+):
+    """Well before the deadline, a request that gets no answer within REQUEST_TIMEOUT_S (60 s,
+    shortened here) is abandoned and, being a read, retried: the deadline alone would wait."""
+    import socket
+
+    monkeypatch.setattr(deadline, "REQUEST_TIMEOUT_S", 0.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes the handshakes; nobody ever reads or replies
+    silent = SimpleNamespace(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        with pytest.raises(UploadInterrupted) as refused:
+            publish_here(staged_run.stage, silent, "alice/silent", tmp_path, timeout_s=30)
+    finally:
+        listener.close()
+    # Five tries of 0.5 s each, the waits between them recorded, not slept: far from the deadline.
+    message = str(refused.value)
+    assert f"no answer from {silent.url} to reading the branch head within 0.5s" in message, message
+    assert "nothing was committed" in message and waits == [1.0, 2.0, 4.0, 8.0], (waits, message)

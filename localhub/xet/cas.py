@@ -197,8 +197,7 @@ class Cas:
                 _atomic_write(path, json.dumps(record).encode(), self.tmp)
                 new = 1
             if record["sha256"]:
-                index = self.root / "sha256" / f"{record['sha256']}.json"
-                _atomic_write(index, json.dumps({"xetHash": name, "size": record["size"]}).encode(), self.tmp)
+                self.index_sha256(record["sha256"], name)
         # A dedup answer lists the xorbs uploaded together, as the real CAS answers with the shard that
         # registered a chunk: one query then covers a whole file, not only the xorb of the chunk asked.
         related = list(
@@ -243,6 +242,13 @@ class Cas:
             hash_hex(entry.sha256) if entry.sha256 is not None else None
         )  # stored as a hash: same word order
         return name, {"size": sum(s[3] for s in segments), "sha256": sha256, "segments": segments}
+
+    def index_sha256(self, sha256: str, name: str) -> None:
+        """Record that the file declared with this SHA-256 is the stored file ``name`` (the last shard wins)."""
+        record = self.file(name)
+        size = record["size"] if record is not None else None
+        index = self.root / "sha256" / f"{sha256}.json"
+        _atomic_write(index, json.dumps({"xetHash": name, "size": size}).encode(), self.tmp)
 
     def file(self, name: str) -> dict | None:
         try:

@@ -3,9 +3,9 @@
 ``commit`` narrates the publish step by step (audit, scan, plan, the one ``create_commit``,
 verification, receipt); ``plan`` holds what a publish is asked to do (:class:`Publication`)
 and what it would do; ``deadline`` bounds the whole publish by ``--timeout``; ``client``
-translates the Hub's answers and retries the idempotent requests; ``verify`` checks the
-landed commit against the audit and writes the receipt. Nothing here imports torch:
-publishing runs on a machine that never trained.
+translates the Hub's answers and retries the idempotent requests; ``xet`` holds everything
+about the Xet protocol; ``verify`` checks the landed commit against the audit and writes the
+receipt. Nothing here imports torch: publishing runs on a machine that never trained.
 """
 
 from .commit import COMMIT_ATTEMPTS, PublishResult, publish

@@ -1,6 +1,7 @@
 """Talking to the Hub for :mod:`pipeline.publishing`: where we publish, what the client's
 exceptions mean in one line, and the idempotent requests (reads, creating the repo or the
-branch), retried on 429/5xx and lost connections within the deadline.
+branch), retried on 429/5xx and lost connections within the deadline (never on a host name that
+does not resolve: that is a wrong endpoint, not a passing failure).
 
 Every error leaving this module is a :class:`~pipeline.errors.PublishError` whose message names
 the action, the repo and what it means for the repo ("nothing was committed"), never the token.
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
+from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import HfApi
@@ -24,6 +27,7 @@ from huggingface_hub.errors import (
 )
 
 from ..errors import (
+    DeadlinePassed,
     PipelineError,
     PublishError,
     PublishTimedOut,
@@ -31,7 +35,7 @@ from ..errors import (
     TokenRejected,
     UploadInterrupted,
 )
-from .deadline import REQUEST_TIMEOUT_S, RETRYABLE, Deadline, DeadlinePassed, describe_request, retry_after_s
+from .deadline import REQUEST_TIMEOUT_S, RETRYABLE, Deadline, describe_request, retry_after_s
 
 # Attempts of an idempotent request (the first one included), each wait within the deadline.
 READ_ATTEMPTS = 5
@@ -57,6 +61,19 @@ class Target:
     deadline: Deadline = field(repr=False)
     create_pr: bool = False  # open a pull request against `revision` instead of pushing to it
     say: Callable[[str], None] = field(repr=False, default=_quiet)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFile:
+    """A file as the Hub lists it. ``sha256``: the LFS pointer's (None for a regular file);
+    ``xet_hash``: for a Xet-stored file, when the listing gives it (the file listing does, the
+    repo info does not)."""
+
+    path: str
+    size: int
+    blob_id: str
+    sha256: str | None = None
+    xet_hash: str | None = None
 
 
 def http_status(exc: HfHubHTTPError) -> int | None:
@@ -114,9 +131,21 @@ def http_error(target: Target, action: str, exc: HfHubHTTPError, consequence: st
     )
 
 
+def unresolved(exc: BaseException) -> socket.gaierror | None:
+    """The name lookup failure behind ``exc``: the resolver has already retried, so we do not."""
+    return find_cause(exc, (socket.gaierror,))  # type: ignore[return-value]
+
+
 def network_words(target: Target, network: BaseException) -> str:
     """What a lost request means, in words. The Xet client reports every CAS failure (a refused
     xorb, a shard answered 503) as ConnectionError once its own retries are spent: say which."""
+    lookup = unresolved(network)
+    if lookup is not None:
+        host = urlsplit(target.endpoint).hostname
+        return (
+            f"the host {host} of the endpoint {target.endpoint} cannot be resolved ({lookup.strerror}): "
+            "check --endpoint / HF_ENDPOINT and the network"
+        )
     if isinstance(network, httpx2.TimeoutException):
         try:
             what = describe_request(network.request.method, network.request.url)
@@ -151,6 +180,9 @@ def hub_errors(target: Target, action: str, consequence: str = NOTHING_COMMITTED
         ) from None
     except Exception as exc:
         passed = find_cause(exc, (DeadlinePassed,))
+        if passed is None and target.deadline.expired():
+            # The watchdog cut this request (the Xet client reports that as a cancelled task).
+            passed = DeadlinePassed(f"cut at the deadline ({type(exc).__name__})")
         if passed is not None:
             raise PublishTimedOut(f"{target.deadline.why(action, passed)}; {consequence}; {RERUN}") from None  # type: ignore[arg-type]
         http = find_cause(exc, (HfHubHTTPError,))
@@ -159,6 +191,8 @@ def hub_errors(target: Target, action: str, consequence: str = NOTHING_COMMITTED
         network = find_cause(exc, (httpx2.TransportError, ConnectionError))
         if network is None:
             raise
+        if unresolved(network) is not None:
+            raise PublishError(f"{network_words(target, network)} while {action}; {consequence}") from None
         raise UploadInterrupted(
             f"{network_words(target, network)} while {action}; {consequence}; {RERUN}"
         ) from None
@@ -178,7 +212,7 @@ def _retry_wait(target: Target, exc: Exception, attempt: int) -> float | None:
     if find_cause(exc, (DeadlinePassed,)) is not None:
         return None
     network = find_cause(exc, (httpx2.TransportError,))
-    if network is None:
+    if network is None or unresolved(network) is not None:
         return None
     target.deadline.note(network_words(target, network))
     return float(2 ** (attempt - 1))
@@ -206,12 +240,29 @@ def call(target: Target, action: str, request: Callable[[], T], consequence: str
 
 def read_head(target: Target, revision: str) -> str | None:
     """Commit id at the head of ``revision``, or None when the repo or the branch is missing."""
+    return read_branch(target, revision, files=False)[0]
 
-    def head() -> str | None:
+
+def read_branch(
+    target: Target, revision: str, *, files: bool = True
+) -> tuple[str | None, dict[str, RemoteFile]]:
+    """The head of ``revision`` and, with ``files``, the files under the target folder there,
+    in one request (the repo info with its files' metadata, which lists no Xet hash): (None, {})
+    when the repo or the branch is missing."""
+
+    def head() -> tuple[str | None, dict[str, RemoteFile]]:
         try:
-            return target.api.repo_info(target.repo_id, revision=revision).sha
+            info = target.api.repo_info(target.repo_id, revision=revision, files_metadata=files)
         except (RepositoryNotFoundError, RevisionNotFoundError):
-            return None
+            return None, {}
+        listed = {
+            entry.rfilename: RemoteFile(
+                entry.rfilename, entry.size, entry.blob_id, entry.lfs.sha256 if entry.lfs else None
+            )
+            for entry in (info.siblings or ())
+            if files and entry.rfilename.startswith(target.prefix)
+        }
+        return info.sha, listed
 
     return call(target, f"reading branch {revision}", head)
 
@@ -242,15 +293,26 @@ def tags(target: Target) -> dict[str, str]:
     }
 
 
-def remote_files(target: Target, commit: str, consequence: str = NOTHING_COMMITTED) -> dict[str, Any]:
-    """``{path: RepoFile}`` under the target folder (the whole repo for the root) at ``commit``."""
+def remote_files(target: Target, commit: str, consequence: str = NOTHING_COMMITTED) -> dict[str, RemoteFile]:
+    """Every file under the target folder (the whole repo for the root) at ``commit``, with
+    their Xet hashes."""
 
-    def listing() -> dict[str, Any]:
+    def listing() -> dict[str, RemoteFile]:
         try:
             entries = target.api.list_repo_tree(
                 target.repo_id, target.prefix.rstrip("/") or None, recursive=True, revision=commit
             )
-            return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
+            return {
+                entry.path: RemoteFile(
+                    entry.path,
+                    entry.size,
+                    entry.blob_id,
+                    entry.lfs.sha256 if entry.lfs else None,
+                    entry.xet_hash,
+                )
+                for entry in entries
+                if hasattr(entry, "blob_id")
+            }
         except RemoteEntryNotFoundError:
             return {}  # the folder does not exist yet
 

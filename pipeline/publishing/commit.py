@@ -10,11 +10,13 @@
              over Xet, Xet-hashed for the check after landing; a leak refuses before any request
     sign     a signed stage's model.sig verified with the expected key (pipeline.signing)
     token    huggingface_hub.get_token() (HF_TOKEN or `hf auth login`); never printed or stored
-    read     repo_info -> the branch head; list_repo_tree at that head (GET requests, retried)
-    compare  remote LFS SHA-256 / git blob ids against the audit: equal -> nothing to commit
+    read     repo_info -> the branch head and its files; list_repo_tree at that head when a file
+             may be unchanged, for its Xet hash (GET requests, retried)
+    compare  remote LFS SHA-256s, Xet hashes, git blob ids against the audit: equal -> no commit
     commit   create_repo / create_branch if missing (retried: both exist_ok), then ONE
-             create_commit(parent_commit=head) holding every staged file, plus deletions of files
-             under the target folder that the stage no longer has (``.gitattributes`` stays)
+             create_commit(parent_commit=head) holding every new or changed staged file, plus
+             deletions of files under the target folder that the stage no longer has
+             (``.gitattributes`` stays)
     verify   LFS SHA-256s and Xet hashes the Hub lists, downloaded small files, against the audit
     receipt  hub_receipts/<namespace>--<name>-<commit12>.json, outside the stage
     tag      the verified commit, with --tag
@@ -24,11 +26,12 @@ the Hub's commit rate limit (HTTP 429) and can leave a half-pushed repo behind.
 ``parent_commit`` makes the commit fail with 412 rather than land on top of someone else's
 push that we never looked at.
 
-No file is read twice: the audit's SHA-256 is handed to each ``CommitOperationAdd`` through
+No file is hashed twice: the audit's SHA-256 is handed to each ``CommitOperationAdd`` through
 the public ``UploadInfo.sha256`` setter, and the client skips its own hashing (LFS and Xet
-paths alike) for operations whose hash is set. The upload still reads the bytes, of course; a
-size/mtime/inode check before each commit attempt, and the check after landing, catch a file
-edited between the audit and the upload.
+paths alike) for operations whose hash is set (the Xet hash: see :mod:`.xet`). The upload still
+reads the bytes, of course; a size/mtime/inode check before each commit attempt, and the check
+after landing, catch a file edited between the audit and the upload. Only new and changed files
+are handed to the client, so an unchanged file is not read again.
 
 Retries, all within the deadline: the client retries preupload, LFS batch, PUT and verify
 requests on 429/5xx and network errors by itself, and hf_xet its CAS requests (budget capped
@@ -51,6 +54,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from ..audit import AuditedFile, audit_stage, stage_lock
 from ..errors import (
+    DeadlinePassed,
     HubUnavailable,
     PublishError,
     PublishTimedOut,
@@ -63,6 +67,7 @@ from ..errors import (
 from ..leaks import leak_rules
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
+from . import xet
 from .client import (
     RERUN,
     Target,
@@ -78,7 +83,7 @@ from .client import (
     retry_after,
     tags,
 )
-from .deadline import RETRYABLE, Deadline, DeadlinePassed, default_timeout
+from .deadline import RETRYABLE, Deadline, default_timeout
 from .plan import (
     KEPT_REMOTE_FILES,
     Publication,
@@ -136,6 +141,8 @@ class _Publishing:
     plan: PublishPlan
     restage: str
     """The command that rebuilds the stage (:attr:`Publication.restage`)."""
+    xet_hashes: xet.StagedXetHashes
+    """The Xet hash of each staged file (the audit's, or computed when first needed)."""
 
 
 def _quiet(line: str) -> None:
@@ -180,7 +187,8 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
                 say,
             )
             # Read the branch head and compare the files under it with the audit (read requests only).
-            plan = read_plan(target, stage, audited, wanted.message)
+            xet_hashes = xet.StagedXetHashes(stage, audited)
+            plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
             _check_tag(target, wanted.tag, plan)
             if wanted.dry_run:
                 return PublishResult(plan, "dry run", signature=signature, audited=tuple(audited.values()))
@@ -188,8 +196,10 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
             if not plan.up_to_date and plan.head is None:
                 # Create what is missing (the only writes before the commit), then plan again against the new head.
                 _create_missing(target, plan, wanted.private)
-                plan = read_plan(target, stage, audited, wanted.message)
-            run = _Publishing(target, stage, audited, snapshot, receipts, signature, plan, wanted.restage)
+                plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
+            run = _Publishing(
+                target, stage, audited, snapshot, receipts, signature, plan, wanted.restage, xet_hashes
+            )
             if plan.up_to_date:
                 say(
                     f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit"
@@ -233,10 +243,9 @@ def _audit(
         if stage.is_dir()
         else {}
     )
-    xet = (
-        verify_later and not constants.HF_HUB_DISABLE_XET
-    )  # the client uploads over Xet when the Hub offers it
-    audited = audit_stage(stage, leaks=leak_rules(), xet_hashes=xet, consequence=NOTHING_SENT)
+    # Uploaded over Xet, the files are verified by their Xet hash: computed from the audit's read.
+    xet_digest = xet.new_digest if verify_later and xet.client_uploads_over_xet() else None
+    audited = audit_stage(stage, leaks=leak_rules(), xet_digest=xet_digest, consequence=NOTHING_SENT)
     snapshot = {name: _stat_key(stage / name) for name in audited}
     if any(before.get(name) != key for name, key in snapshot.items()):
         raise StageChanged(f"{stage}/ changed while it was being audited; nothing was sent; rerun")
@@ -356,9 +365,12 @@ def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str)
 
 
 def _operations(run: _Publishing) -> list[Any]:
-    """Fresh operations for one attempt (the client refuses to reuse committed ones)."""
+    """Fresh operations for one attempt (the client refuses to reuse committed ones): the new and
+    changed files, a file to repair deleted first, then the deletions of files no longer staged."""
     ops: list[Any] = []
     for planned in run.plan.files:
+        if planned.action == "unchanged":
+            continue
         entry = run.audited[planned.name]
         op = CommitOperationAdd(
             path_in_repo=planned.path_in_repo, path_or_fileobj=str(run.stage / entry.name)
@@ -370,6 +382,8 @@ def _operations(run: _Publishing) -> list[Any]:
             )
         # The audit's SHA-256, so the client does not read and hash the file a second time.
         op.upload_info.sha256 = bytes.fromhex(entry.sha256)
+        if planned.action == "repair":
+            ops.append(CommitOperationDelete(path_in_repo=planned.path_in_repo))
         ops.append(op)
     return ops + [CommitOperationDelete(path_in_repo=path) for path in run.plan.deletions]
 
@@ -398,6 +412,9 @@ def _try_commit(run: _Publishing) -> str | HfHubHTTPError | BaseException:
                 return exc
             raise
         except Exception as exc:
+            if target.deadline.expired() and find_cause(exc, (DeadlinePassed,)) is None:
+                # The watchdog cut the upload (the Xet client reports a cancelled task).
+                return DeadlinePassed(f"the upload was cut at the deadline ({type(exc).__name__})")
             cut = find_cause(exc, (DeadlinePassed, httpx2.TransportError, ConnectionError))
             if cut is None or (
                 find_cause(exc, (HfHubHTTPError,)) is not None and not isinstance(cut, DeadlinePassed)
@@ -430,7 +447,8 @@ def _after_lost_answer(run: _Publishing, cut: BaseException) -> str:
 
 
 def _holds_the_stage(run: _Publishing, commit: str) -> bool:
-    files, deletions = compare(run.stage, run.audited, remote_files(run.target, commit), run.target.prefix)
+    remote = remote_files(run.target, commit)
+    files, deletions = compare(run.stage, run.audited, remote, run.target.prefix, run.xet_hashes)
     return not deletions and all(f.action == "unchanged" for f in files)
 
 
@@ -471,15 +489,16 @@ def _finish(run: _Publishing, commit: str, status: str, *, answer_lost: bool = F
     target.deadline.settle()
     try:
         with hub_errors(target, "verifying", consequence=consequence):
-            remote = remote_files(target, commit, consequence)
+            # A commit the plan already listed (nothing was committed) is not listed again.
+            listed = plan.listing if commit == plan.head else None
+            remote = listed if listed is not None else remote_files(target, commit, consequence)
             files, problems = verify_commit(
-                target.api,
-                target.repo_id,
+                target,
                 commit,
                 expected,
                 remote,
                 KEPT_REMOTE_FILES if not target.prefix else frozenset(),
-                run.stage,
+                run.xet_hashes,
             )
     except PublishError as exc:
         raise VerificationFailed(

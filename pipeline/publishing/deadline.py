@@ -1,41 +1,47 @@
 """The publish's deadline: ``--timeout`` bounds the whole publish, not each request.
 
 A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` starts (default
-:func:`default_timeout`: 5 minutes plus 1 second per MB staged). While it is installed:
+:func:`default_timeout`). While it is installed (:meth:`Deadline.installed`):
 
 - every request of the client's shared HTTP session waits at most ``min(REQUEST_TIMEOUT_S,
-  time left)`` for the Hub (a request hook sets the bound on the request itself, also on those
-  the client sends with its own ``timeout=``), and no request starts once the time is up;
+  time left)`` for each read or write (a request hook sets the bound on the request itself, also on
+  those the client sends with its own ``timeout=``), and no request starts once the time is up;
+- a watchdog thread ends whatever is still running when the time is up: it shuts down every
+  connection the publish opened and stops the Xet client's upload (:func:`.xet.stop`). httpx's
+  timeouts bound each socket operation, so a server that sends one byte per second never trips
+  them: only this wall-clock cut bounds such a server. A request cut this way fails with
+  :class:`~pipeline.errors.DeadlinePassed`, which the client does not retry;
 - an answer asking to wait (``Retry-After``) past the deadline ends the publish at once;
 - our own retries (reads, repo creation, the commit) wait only within it;
-- the Xet client's retry budget and timeouts are capped by the time left: hf_xet reads them
-  from its documented environment variables (``HF_XET_CLIENT_RETRY_*``, ``HF_XET_CLIENT_*_TIMEOUT``)
-  when a process first uploads through Xet, so the cap holds for a process's first publish
-  (scripts/06 is one; a later one in the same process keeps the first one's values).
+- the Xet client's retry budget and timeouts are capped by the time left (:func:`.xet.capped`).
 
 Once the commit was sent, finding out whether it landed, verifying it and writing the receipt
 get ``min(timeout, SETTLE_S)`` more seconds (:meth:`Deadline.settle`). The deadline counts what
-was retried and the last error, for the one line that says why the publish stopped.
+was retried and the last error, for the one line that says why the publish stopped. Leaving
+:meth:`Deadline.installed` stops the watchdog, removes the hooks and closes the connections,
+so nothing of one publish outlives it (a second publish in the same process starts clean).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import re
+import socket
+import threading
 import time
 from collections import Counter
-from typing import Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import get_session
 
+from ..errors import DeadlinePassed
+from . import xet
+
 __all__ = [
     "REQUEST_TIMEOUT_S",
     "SETTLE_S",
     "Deadline",
-    "DeadlinePassed",
     "default_timeout",
     "describe_request",
 ]
@@ -48,30 +54,13 @@ SETTLE_S = 30.0
 BASE_TIMEOUT_S = 300.0
 SECONDS_PER_MB = 1.0
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
-# The Xet client's settings (hf_xet's defaults when unset) and how much of the time left they may take.
-_XET_SETTINGS = {
-    "HF_XET_CLIENT_RETRY_MAX_DURATION": (360.0, 1 / 3),
-    "HF_XET_CLIENT_RETRY_BASE_DELAY": (3.0, 1 / 30),
-    "HF_XET_CLIENT_READ_TIMEOUT": (300.0, 1.0),
-    "HF_XET_CLIENT_CONNECT_TIMEOUT": (60.0, 1.0),
-}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "h": 3600.0}
 
 
 def default_timeout(stage_bytes: int) -> float:
-    """The deadline when ``--timeout`` is not given: 5 minutes plus 1 s per MB staged."""
+    """The default publish timeout, when ``--timeout`` is not given: ``BASE_TIMEOUT_S`` (5
+    minutes) plus ``SECONDS_PER_MB`` (1 s) per MB staged. The one definition: docs/publishing.md
+    states it for users, every other text cites it by this name."""
     return BASE_TIMEOUT_S + SECONDS_PER_MB * stage_bytes / 1e6
-
-
-class DeadlinePassed(Exception):
-    """Raised inside a client call when a request would start past the deadline, or the Hub asks
-    to wait past it (``asked``: the wait); :func:`~pipeline.publishing.client.hub_errors` turns
-    it into one line."""
-
-    def __init__(self, message: str, asked: float | None = None) -> None:
-        super().__init__(message)
-        self.asked = asked
 
 
 def describe_request(method: str, url: str | httpx2.URL) -> str:
@@ -110,11 +99,6 @@ def retry_after_s(headers: httpx2.Headers) -> float | None:
         return None  # an HTTP date: use our own backoff
 
 
-def _seconds(text: str | None, default: float) -> float:
-    match = _DURATION.match(text or "")
-    return float(match.group(1)) * _UNITS[match.group(2)] if match else default
-
-
 class Deadline:
     """The publish's time budget, and what was retried within it (see the module docstring)."""
 
@@ -127,20 +111,31 @@ class Deadline:
         # Settling never goes past this: the whole publish ends within timeout + min(timeout, SETTLE_S).
         self._last_end = self.end + min(timeout, SETTLE_S)
         self.sent: Counter[str] = Counter()  # requests by what they do
-        self.bounds: dict[
-            str, float
-        ] = {}  # the longest wait for an answer, set on the last request of each kind
+        # The longest wait for an answer, set on the last request of each kind.
+        self.bounds: dict[str, float] = {}
         self.last_error: str | None = None
         self._unanswered: set[str] = set()
         self._sessions: list[tuple[httpx2.Client, dict]] = []
+        # The watchdog's state, under one lock: the connections opened, the Xet uploads running.
+        self._changed = threading.Condition()
+        self._streams: list[Any] = []
+        self._xet_uploads = 0
+        self._xet_used = False
+        self._stopped = False
 
     def remaining(self) -> float:
         return self.end - time.monotonic()
 
+    def expired(self) -> bool:
+        """The time is up (and not extended by :meth:`settle` since)."""
+        return self.remaining() <= 0
+
     def settle(self) -> None:
         """Before finding out whether a commit landed, or verifying one that did: at least
         ``min(timeout, SETTLE_S)`` seconds from now, never past ``timeout + min(timeout, SETTLE_S)``."""
-        self.end = min(self._last_end, max(self.end, time.monotonic() + min(self.timeout, SETTLE_S)))
+        with self._changed:
+            self.end = min(self._last_end, max(self.end, time.monotonic() + min(self.timeout, SETTLE_S)))
+            self._changed.notify_all()
 
     def note(self, error: str) -> None:
         self.last_error = " ".join(error.split())[:300]
@@ -178,6 +173,12 @@ class Deadline:
         self._unanswered.add(what)
         self.bounds[what] = min(REQUEST_TIMEOUT_S, left)
         request.extensions["timeout"] = httpx2.Timeout(self.bounds[what]).as_dict()
+        parts = urlsplit(str(request.url))
+        unanswered = (
+            f"no answer from {parts.scheme}://{parts.netloc} to {what} within {self.bounds[what]:.3g}s, "
+            "all the --timeout had left"
+        )
+        request.extensions["trace"] = self._tracer(request.extensions.get("trace"), unanswered)
 
     def _after_response(self, response: httpx2.Response) -> None:
         what = describe_request(response.request.method, response.request.url)
@@ -189,6 +190,28 @@ class Deadline:
         if wait is not None and wait >= self.remaining():
             response.close()
             raise DeadlinePassed(f"the Hub asks to wait {wait:g}s before retrying {what}", wait)
+
+    def _tracer(
+        self, inner: Callable[[str, dict], Any] | None, unanswered: str
+    ) -> Callable[[str, dict], None]:
+        """httpcore's ``trace`` extension (public): it names each connection opened, so the
+        watchdog can cut it, and turns a failure after the deadline into DeadlinePassed, which
+        the client does not retry (it retries a plain read error after a pause); ``unanswered``
+        says which request it was."""
+
+        def trace(event: str, info: dict) -> None:
+            if inner is not None:
+                inner(event, info)
+            if event.endswith((".connect_tcp.complete", ".start_tls.complete")):
+                with self._changed:
+                    self._streams.append(info["return_value"])
+                    if self._stopped or self.expired():
+                        _shut(info["return_value"])
+            elif event.endswith(".failed") and self.expired():
+                self.note(unanswered)
+                raise DeadlinePassed(unanswered)
+
+        return trace
 
     def _install_on(self, session: httpx2.Client) -> None:
         if any(session is installed for installed, _ in self._sessions):
@@ -205,31 +228,75 @@ class Deadline:
         """Install on the client's current session: it replaces its session after a connection error."""
         self._install_on(get_session())
 
+    # -- the watchdog -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Cut everything still running each time the deadline passes (settle may move it later)."""
+        cut_for: float | None = None
+        while True:
+            with self._changed:
+                left = self.remaining()
+                if self._stopped:
+                    return
+                if left > 0 or cut_for == self.end:
+                    self._changed.wait(left if left > 0 else None)
+                    continue
+                cut_for = self.end
+                streams, uploading = list(self._streams), self._xet_uploads > 0
+            for stream in streams:
+                _shut(stream)
+            if uploading:
+                self.note("the Xet upload was still running when the time was up: stopped")
+                xet.stop()
+
     @contextlib.contextmanager
     def installed(self) -> Iterator["Deadline"]:
-        """Bound the client's requests by this deadline for the block; restore its hooks afterwards."""
+        """Bound the client's requests by this deadline for the block, with the watchdog running;
+        afterwards: the watchdog stopped, the hooks removed, this publish's connections closed."""
         self.follow_session()
+        watchdog = threading.Thread(target=self._watch, name="publish-deadline", daemon=True)
+        watchdog.start()
         try:
             yield self
         finally:
+            with self._changed:
+                self._stopped = True
+                self._changed.notify_all()
+            watchdog.join()
             for session, hooks in self._sessions:
                 session.event_hooks = hooks
             self._sessions.clear()
+            for stream in self._streams:
+                _shut(stream)
+            self._streams.clear()
+            if self._xet_used:
+                xet.stop()  # its runtime's threads end with it; the next upload starts a session anew
 
     @contextlib.contextmanager
     def xet_capped(self) -> Iterator[None]:
-        """The Xet client's retry budget and timeouts, capped by the time left, for a Xet session
-        created in this block (a user's smaller values are kept)."""
-        left = max(self.remaining(), 1.0)
-        saved = {name: os.environ.get(name) for name in _XET_SETTINGS}
-        for name, (default, share) in _XET_SETTINGS.items():
-            limit = left * share if "TIMEOUT" not in name else min(left, REQUEST_TIMEOUT_S)
-            os.environ[name] = f"{int(1000 * min(_seconds(saved[name], default), limit))}ms"
-        try:
+        """The block may upload through Xet: its settings capped by the time left, and the
+        watchdog stops it when the time is up."""
+        if not xet.client_uploads_over_xet():
             yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            return
+        with xet.capped(self.remaining()):
+            with self._changed:
+                self._xet_uploads += 1
+                self._xet_used = True
+            try:
+                yield
+            finally:
+                with self._changed:
+                    self._xet_uploads -= 1
+
+
+def _shut(stream: Any) -> None:
+    """End a connection now, whichever thread waits on it: ``shutdown`` wakes a blocked read at
+    once (closing the descriptor would not); the client then closes it as a broken connection."""
+    sock = stream.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed

@@ -2,8 +2,10 @@
 
 The plan is computed from the audit and read requests only: the branch head the commit will
 name as its parent, and each staged file compared with the file at the same path under it
-(LFS files by their SHA-256, regular files by their git blob id), plus the files under the
-target folder that the stage no longer has.
+(LFS files by their SHA-256, Xet-stored files also by their Xet hash, regular files by their git
+blob id), plus the files under the target folder that the stage no longer has. One request reads
+the head and its files; the file listing, which alone gives Xet hashes, is read too when a file
+may be unchanged (its SHA-256 is the audit's), and the check after landing reuses it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Literal, Mapping
 
 from huggingface_hub import constants
 
@@ -21,12 +23,25 @@ from ..audit import AuditedFile
 from ..errors import PublishError
 from ..layout import HUB_MODEL_FILE, INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
 from ..signing import ExpectedSigner
-from .client import Target, pull_requests, read_head, remote_files
+from .client import RemoteFile, Target, pull_requests, read_branch, remote_files
+from .xet import StagedXetHashes
 
-__all__ = ["KEPT_REMOTE_FILES", "PlannedFile", "Publication", "PublishPlan", "format_plan", "read_plan"]
+__all__ = [
+    "KEPT_REMOTE_FILES",
+    "Action",
+    "PlannedFile",
+    "Publication",
+    "PublishPlan",
+    "format_plan",
+    "read_plan",
+]
 
 # Kept in the repo although not staged: the Hub writes it, and it routes files to LFS.
 KEPT_REMOTE_FILES = frozenset({".gitattributes"})
+# What the commit does with a staged file. "repair": the branch has the file's SHA-256 but another
+# Xet hash (the Hub holds other bytes): the file is deleted and added again in the same commit,
+# since the client drops an addition whose SHA-256 the branch already holds.
+Action = Literal["add", "update", "repair", "unchanged"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +67,8 @@ class Publication:
     receipt_dir: str | Path = RECEIPT_DIR
     """Where the receipt is written; never inside the stage."""
     timeout_s: float | None = None
-    """Deadline of the whole publish, in seconds; None: 5 minutes plus 1 s per MB staged."""
+    """Deadline of the whole publish, in seconds; None: the default publish timeout
+    (:func:`~pipeline.publishing.default_timeout`)."""
     signer: ExpectedSigner | None = None
     """Who must have signed a signed stage (:mod:`pipeline.signing`); None: the stage's own key."""
     force_repo_id: bool = False
@@ -67,13 +83,13 @@ class Publication:
 
 @dataclass(frozen=True, slots=True)
 class PlannedFile:
-    """One staged file of the commit; ``action`` is ``add``, ``update`` or ``unchanged``."""
+    """One staged file of the commit, and what the commit does with it."""
 
     name: str
     path_in_repo: str
     size: int
     sha256: str
-    action: str
+    action: Action
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +115,9 @@ class PublishPlan:
     # With create_pr: the pull requests (refs/pr/N) open before the commit, so that after a
     # lost answer a new one holding the stage is known to be ours.
     pull_requests: tuple[str, ...] = ()
+    # The file listing of ``head`` with Xet hashes, when the plan read it (the check after landing
+    # reuses it when nothing was committed).
+    listing: Mapping[str, RemoteFile] | None = None
 
     @property
     def repo_url(self) -> str:
@@ -183,14 +202,23 @@ def git_blob_sha1_file(path: str | Path, size: int) -> str:
     return digest.hexdigest()
 
 
-def _action(stage: Path, audited: AuditedFile, remote: Any | None) -> str:
+def _action(
+    stage: Path, audited: AuditedFile, remote: RemoteFile | None, xet_hashes: StagedXetHashes
+) -> Action:
     """Compare one staged file with the remote entry at the same path."""
     if remote is None:
         return "add"
     if remote.size != audited.size:
         return "update"
-    if remote.lfs is not None:
-        return "unchanged" if remote.lfs.sha256 == audited.sha256 else "update"
+    if remote.sha256 is not None:
+        if remote.sha256 != audited.sha256:
+            return "update"
+        if remote.xet_hash is None:
+            return "unchanged"
+        # Stored over Xet: the SHA-256 is only what a client declared; the Xet hash speaks for the
+        # bytes. Unknown here (no hf_xet): the check after landing downloads the file instead.
+        ours = xet_hashes.of(audited.name)
+        return "unchanged" if ours is None or ours == remote.xet_hash else "repair"
     # A regular file is listed by its git blob id (SHA-1 of header + bytes): hash the small local file.
     return (
         "unchanged" if remote.blob_id == git_blob_sha1_file(stage / audited.name, audited.size) else "update"
@@ -198,11 +226,19 @@ def _action(stage: Path, audited: AuditedFile, remote: Any | None) -> str:
 
 
 def compare(
-    stage: Path, audited: Mapping[str, AuditedFile], remote: Mapping[str, Any], prefix: str
+    stage: Path,
+    audited: Mapping[str, AuditedFile],
+    remote: Mapping[str, RemoteFile],
+    prefix: str,
+    xet_hashes: StagedXetHashes,
 ) -> tuple[tuple[PlannedFile, ...], tuple[str, ...]]:
     files = tuple(
         PlannedFile(
-            name, prefix + name, entry.size, entry.sha256, _action(stage, entry, remote.get(prefix + name))
+            name,
+            prefix + name,
+            entry.size,
+            entry.sha256,
+            _action(stage, entry, remote.get(prefix + name), xet_hashes),
         )
         for name, entry in audited.items()
     )
@@ -230,17 +266,33 @@ def _messages(
     )
 
 
+def _may_be_unchanged(
+    audited: Mapping[str, AuditedFile], remote: Mapping[str, RemoteFile], prefix: str
+) -> bool:
+    """Does the branch hold a staged file's SHA-256 at its path? Only the file listing can
+    then tell whether the Hub stores it over Xet, and with which Xet hash."""
+    return any(
+        (found := remote.get(prefix + name)) is not None and found.sha256 == entry.sha256
+        for name, entry in audited.items()
+    )
+
+
 def read_plan(
-    target: Target, stage: Path, audited: Mapping[str, AuditedFile], message: str | None
+    target: Target,
+    stage: Path,
+    audited: Mapping[str, AuditedFile],
+    message: str | None,
+    xet_hashes: StagedXetHashes,
 ) -> PublishPlan:
     """The plan from read requests only; a missing branch is compared with main, where it would start."""
-    head = read_head(target, target.revision)
-    base = head or (
-        read_head(target, constants.DEFAULT_REVISION)
-        if target.revision != constants.DEFAULT_REVISION
-        else None
-    )
-    files, deletions = compare(stage, audited, remote_files(target, base) if base else {}, target.prefix)
+    head, remote = read_branch(target, target.revision)
+    base = head
+    if head is None and target.revision != constants.DEFAULT_REVISION:
+        base, remote = read_branch(target, constants.DEFAULT_REVISION)
+    listing = None
+    if base is not None and _may_be_unchanged(audited, remote, target.prefix):
+        listing = remote = remote_files(target, base)
+    files, deletions = compare(stage, audited, remote, target.prefix, xet_hashes)
     step, sha, title, description = _messages(stage, audited, message)
     pulls = tuple(pull_requests(target)) if target.create_pr and base is not None else ()
     return PublishPlan(
@@ -257,6 +309,7 @@ def read_plan(
         files=files,
         deletions=deletions,
         pull_requests=pulls,
+        listing=listing if base == head else None,
     )
 
 

@@ -1,15 +1,14 @@
 """After a publish lands: check what the Hub holds against the audit, and write the receipt.
 
-How each file is checked depends on how the Hub stores it, and never downloads the weights:
+How each file is checked depends on how the Hub stores it (:class:`~.xet.Storage`), and never
+downloads the weights:
 
 - **LFS**: the Hub hashed the bytes it received (the upload is refused otherwise), so the
   SHA-256 it lists is its own: compared with the audit's.
-- **Xet** (a file listed with a ``xetHash``): the SHA-256 the Hub lists is only what the client
-  declared in its shard, but the Xet hash is derived from chunks the CAS verified. The audit
-  computed the Xet hash of the audited bytes (``hf_xet.hash_files``); the two must be equal,
-  and the declared SHA-256 must be the audit's.
+- **Xet** (a file listed with a ``xetHash``): the Xet hash of the audited bytes against the one
+  the Hub lists, and the declared SHA-256 and size against the audit's (:func:`.xet.check_landed`).
 - **regular** (small files): the Hub lists only a git blob id, so they are downloaded from the
-  commit into a private cache and hashed.
+  commit (one GET each, side by side) and hashed.
 
 "Verified" means the same under each: the audit's SHA-256 matches bytes the server holds. The
 receipt (``hub_receipts/<namespace>--<name>-<commit12>.json``) records the repo, the commit and
@@ -21,21 +20,27 @@ stage, and never holds the token.
 from __future__ import annotations
 
 import datetime as _dt
-import tempfile
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from huggingface_hub import HfApi
+from huggingface_hub import get_session, hf_hub_url
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
 from ..audit import AuditedFile
 from ..durable import write_json_atomic
-from ..hashing import sha256_file
+from ..hashing import CHUNK
+from .client import RemoteFile, Target
+from .xet import StagedXetHashes, Storage, check_landed, storage_of
 
 __all__ = ["RECEIPT_SCHEMA", "Receipt", "VerifiedFile", "verify_commit", "receipt_path", "write_receipt"]
 
 RECEIPT_SCHEMA = "pipeline.publish-receipt/1"
+# Small files are downloaded side by side: each is a round trip or two, not a transfer.
+_DOWNLOADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +51,7 @@ class VerifiedFile:
     path_in_repo: str
     size: int
     sha256: str
-    storage: str  # "lfs", "xet" or "regular"
+    storage: Storage
     checked_by: str
     found: str | None
     xet_hash: str | None = None
@@ -56,97 +61,93 @@ class VerifiedFile:
         return self.found == self.sha256
 
 
-def _xet_hash_of(path: Path) -> str | None:
-    """The Xet hash of a local file (hf_xet's public ``hash_files``), None without hf_xet."""
-    try:
-        import hf_xet
-
-        return hf_xet.hash_files([str(path)])[0].hash
-    except Exception:  # not installed, or it failed: the file is downloaded and hashed instead
-        return None
-
-
-def _check_xet(
-    api: HfApi,
-    repo_id: str,
-    commit: str,
-    expected: AuditedFile,
-    path: str,
-    remote: Any,
-    local: Path,
-    cache_dir: Path,
-) -> tuple[VerifiedFile, str | None]:
-    ours = expected.xet_hash or _xet_hash_of(local)
-    if ours is None:  # no hf_xet here: rebuild the file from the CAS and hash it
-        downloaded = api.hf_hub_download(repo_id, path, revision=commit, cache_dir=cache_dir)
-        found = sha256_file(downloaded)
-        return VerifiedFile(
-            path, expected.size, expected.sha256, "xet", "downloaded bytes (Xet)", found, remote.xet_hash
-        ), None
-    same = remote.xet_hash == ours and remote.lfs.sha256 == expected.sha256 and remote.size == expected.size
-    checked = VerifiedFile(
-        path,
-        expected.size,
-        expected.sha256,
-        "xet",
-        "Hub Xet hash",
-        expected.sha256 if same else None,
-        remote.xet_hash,
-    )
-    if same:
-        return checked, None
-    if remote.xet_hash != ours:
-        return checked, f"{path}: the Hub lists Xet hash {remote.xet_hash}, the audited bytes hash to {ours}"
-    return checked, (
-        f"{path}: the Hub lists SHA-256 {remote.lfs.sha256} and {remote.size} bytes, the audit "
-        f"{expected.sha256} and {expected.size}"
-    )
+def _download_sha256(target: Target, commit: str, path: str, size: int) -> str | None:
+    """SHA-256 of the file as the Hub serves it from ``commit`` (in memory, never cached on disk,
+    never more than ``size`` + 1 bytes); None when the Hub sends more than ``size`` bytes."""
+    url = hf_hub_url(target.repo_id, path, revision=commit, endpoint=target.endpoint)
+    digest, received = hashlib.sha256(), 0
+    with get_session().stream("GET", url, headers=build_hf_headers(token=target.token)) as response:
+        hf_raise_for_status(response)
+        for chunk in response.iter_bytes(CHUNK):
+            received += len(chunk)
+            if received > size:
+                return None
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _check_file(
-    api: HfApi,
-    repo_id: str,
+    target: Target,
     commit: str,
     expected: AuditedFile,
     path: str,
-    remote: Any,
-    local: Path,
-    cache_dir: Path,
+    remote: RemoteFile,
+    xet_hashes: StagedXetHashes,
 ) -> tuple[VerifiedFile, str | None]:
-    if remote.lfs is not None and remote.xet_hash:
-        return _check_xet(api, repo_id, commit, expected, path, remote, local, cache_dir)
-    if remote.lfs is not None:
-        # The Hub's own record of the LFS object: no need to download the weights again.
-        found = remote.lfs.sha256 if remote.lfs.size == expected.size else None
-        checked = VerifiedFile(path, expected.size, expected.sha256, "lfs", "Hub LFS SHA-256", found)
-    else:
-        downloaded = api.hf_hub_download(repo_id, path, revision=commit, cache_dir=cache_dir)
-        checked = VerifiedFile(
-            path, expected.size, expected.sha256, "regular", "downloaded bytes", sha256_file(downloaded)
+    try:
+        return _check(target, commit, expected, path, remote, xet_hashes)
+    except HfHubHTTPError as exc:  # its download answered with an error: this file cannot be checked
+        status = getattr(exc.response, "status_code", None)
+        refused = VerifiedFile(
+            path,
+            expected.size,
+            expected.sha256,
+            storage_of(remote),
+            "download refused",
+            None,
+            remote.xet_hash,
         )
+        return refused, f"{path}: the Hub answers HTTP {status} to its download, so it cannot be checked"
+
+
+def _check(
+    target: Target,
+    commit: str,
+    expected: AuditedFile,
+    path: str,
+    remote: RemoteFile,
+    xet_hashes: StagedXetHashes,
+) -> tuple[VerifiedFile, str | None]:
+    storage = storage_of(remote)
+    checked: VerifiedFile
+    if storage is Storage.XET:
+        xet = check_landed(
+            path,
+            expected,
+            remote,
+            xet_hashes.of(expected.name),
+            lambda: _download_sha256(target, commit, path, expected.size),
+        )
+        checked = VerifiedFile(
+            path, expected.size, expected.sha256, storage, xet.checked_by, xet.found, remote.xet_hash
+        )
+        return checked, xet.problem
+    if storage is Storage.LFS:
+        # The Hub's own record of the LFS object: no need to download the weights again.
+        found = remote.sha256 if remote.size == expected.size else None
+        checked = VerifiedFile(path, expected.size, expected.sha256, storage, "Hub LFS SHA-256", found)
+    else:
+        found = _download_sha256(target, commit, path, expected.size)
+        checked = VerifiedFile(path, expected.size, expected.sha256, storage, "downloaded bytes", found)
     problem = (
         None
         if checked.ok
-        else (
-            f"{path}: the Hub holds SHA-256 {checked.found} ({checked.checked_by}), "
-            f"the audit {expected.sha256}"
-        )
+        else f"{path}: the Hub holds SHA-256 {checked.found} ({checked.checked_by}), the audit {expected.sha256}"
     )
     return checked, problem
 
 
 def verify_commit(
-    api: HfApi,
-    repo_id: str,
+    target: Target,
     commit: str,
     expected: Mapping[str, AuditedFile],
-    remote: Mapping[str, Any],
+    remote: Mapping[str, RemoteFile],
     kept: frozenset[str],
-    stage: Path,
+    xet_hashes: StagedXetHashes,
 ) -> tuple[list[VerifiedFile], list[str]]:
-    """Check ``remote`` (``{path: RepoFile}`` listed at ``commit``) against ``expected``
-    (``{path_in_repo: AuditedFile}`` of the files in ``stage``). Returns the checked files and a
-    list of problems (empty when the commit holds exactly the stage; paths in ``kept`` may also be there)."""
+    """Check ``remote`` (the files listed at ``commit``) against ``expected`` (``{path_in_repo:
+    AuditedFile}`` of the staged files). Returns the checked files and a list of problems (empty
+    when the commit holds exactly the stage; paths in ``kept`` may also be there)."""
     problems = [
         f"{path} is in the commit but not in the stage"
         for path in sorted(remote)
@@ -154,21 +155,11 @@ def verify_commit(
     ]
     problems += [f"{path} is missing from the commit" for path in expected if path not in remote]
     present = [path for path in expected if path in remote]
-    # A private cache: verification must download from the Hub, not reuse a cached copy. The small
-    # files download side by side (each is a round trip or two, not a transfer).
-    with tempfile.TemporaryDirectory(prefix="publish-verify-") as cache, ThreadPoolExecutor(8) as pool:
+    target.deadline.follow_session()
+    with ThreadPoolExecutor(_DOWNLOADS) as pool:
         results = list(
             pool.map(
-                lambda path: _check_file(
-                    api,
-                    repo_id,
-                    commit,
-                    expected[path],
-                    path,
-                    remote[path],
-                    stage / expected[path].name,
-                    Path(cache),
-                ),
+                lambda path: _check_file(target, commit, expected[path], path, remote[path], xet_hashes),
                 present,
             )
         )
@@ -232,7 +223,9 @@ def write_receipt(receipt_dir: Path, receipt: Receipt) -> Path:
             "verified": not receipt.problems,
             "signature": None if receipt.signature is None else dict(receipt.signature),
             "problems": receipt.problems,
-            "files": {f.path_in_repo: {**asdict(f), "ok": f.ok} for f in receipt.files},
+            "files": {
+                f.path_in_repo: {**asdict(f), "storage": f.storage.value, "ok": f.ok} for f in receipt.files
+            },
         },
     )
     return path

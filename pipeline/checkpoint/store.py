@@ -38,7 +38,16 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..durable import FolderLock, atomic_folder, fsync_dir, json_bytes, json_loads_strict, lock_folder
+from ..durable import (
+    FolderLock,
+    atomic_folder,
+    close_lock_fd,
+    fsync_dir,
+    json_bytes,
+    json_loads_strict,
+    lock_folder,
+    open_lock_fd,
+)
 from ..errors import (
     CheckpointError,
     CheckpointLocked,
@@ -335,7 +344,7 @@ class CheckpointStore:
             try:
                 os.rename(folder, doomed)
             finally:
-                os.close(fd)
+                close_lock_fd(fd)
             fsync_dir(self.root)
             shutil.rmtree(doomed)
             pruned.append(step)
@@ -349,7 +358,7 @@ def pin(folder: str | Path) -> Iterator[Path]:
     is gone (pruned before it could be pinned)."""
     folder = Path(folder)
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = open_lock_fd(folder, os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
         raise NoCheckpoint(
             f"{folder} is not a checkpoint folder (or was just pruned by a running trainer)"
@@ -365,7 +374,7 @@ def pin(folder: str | Path) -> Iterator[Path]:
             raise NoCheckpoint(f"{folder} was pruned by a running trainer before it could be read")
         yield folder
     finally:
-        os.close(fd)
+        close_lock_fd(fd)
 
 
 def write_meta(temporary: Path, record: Mapping[str, Any]) -> None:

@@ -18,7 +18,6 @@ rank's stream position. Three feeds, one per form of :class:`~pipeline.data.task
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import multiprocessing
 import os
@@ -29,7 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,25 +37,13 @@ from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import CapturedTraceback, DataError, DeadlinePassed, InputFailed, PipelineError, WorkerExited
+from ..errors import DataError, InputFailed, WorkerExited
+from .failures import catchable, collate_failure, first_line, sample_deadline, user_error
 from .sampler import Sampler, batch_epoch, clone_sampler, dataset_length
 from .seeding import isolated_rng, seed_sample
 from .task import input_mode
 
-__all__ = [
-    "Feed",
-    "BatchFeed",
-    "LoaderFeed",
-    "make_feed",
-    "launch_world",
-    "to_device",
-    "dataset_fingerprint",
-    "sample_deadline",
-    "user_error",
-    "collate_failure",
-    "catchable",
-    "first_line",
-]
+__all__ = ["Feed", "BatchFeed", "LoaderFeed", "make_feed", "launch_world", "to_device", "dataset_fingerprint"]
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
@@ -101,94 +88,6 @@ def dataset_fingerprint(data: Any, dataset: Any) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
-
-
-def first_line(exc: BaseException) -> str:
-    """``"ValueError: row 21 is corrupt"``: the type and the first line of the message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
-
-
-def user_error(message: str, trace: str) -> InputFailed:
-    """:class:`InputFailed` with ``message``, the traceback ``trace`` (text, possibly from a
-    worker process) as its cause for ``--debug``."""
-    error = InputFailed(message)
-    error.__cause__ = CapturedTraceback(trace)
-    return error
-
-
-@contextlib.contextmanager
-def sample_deadline(seconds: float, what: str) -> Iterator[None]:
-    """``data.sample_timeout`` for a batch read in this process (no workers, a stream, a
-    ``get_batch``): past ``seconds``, :class:`InputFailed` naming ``what``. A timer signal
-    interrupts the task's code wherever it waits (``DeadlinePassed`` is no ``Exception``, so a
-    broad ``except`` in that code does not swallow it); only the main thread can take signals,
-    so elsewhere, or with 0, there is no deadline."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    armed = [True]
-
-    def expire(signum: int, frame: Any) -> None:
-        if armed[0]:
-            raise DeadlinePassed()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-        armed[0] = False  # inside the try: an expiry right here is still caught below
-    except DeadlinePassed:
-        raise InputFailed(
-            f"{what} took more than data.sample_timeout={seconds:g} s (a sample stuck reading, or waiting "
-            "for something that never comes); raise data.sample_timeout if it is only slow"
-        ) from None
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _shape_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """``(path, shape)`` of every tensor or array in a sample, and ``(path, ("len", n))`` of
-    every list or tuple (default_collate zips them), in order."""
-    if isinstance(obj, torch.Tensor) or (isinstance(obj, np.ndarray) and obj.dtype != object):
-        yield path, list(obj.shape)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _shape_leaves(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        yield path, ("len", len(obj))
-        for index, value in enumerate(obj):
-            yield from _shape_leaves(value, f"{path}[{index}]")
-
-
-def collate_failure(names: list[str], samples: list[Any], exc: BaseException, default: bool) -> str:
-    """What a failed collate says: where the samples differ in shape (``names[i]`` names
-    ``samples[i]``), which default_collate cannot stack, with the fix (a padding collate);
-    else the exception's first line. Found from the samples themselves, so the message is
-    the same in a DataLoader worker (where torch's own says "Trying to resize storage that is
-    not resizable") and in the training process ("stack expects each tensor to be equal size")."""
-    try:
-        first = dict(_shape_leaves(samples[0]))
-        for name, sample in zip(names[1:], samples[1:]):
-            for path, shape in _shape_leaves(sample):
-                if path in first and first[path] != shape:
-                    if isinstance(shape, tuple):  # lists or tuples of other lengths
-                        what = "length"
-                        found = f"{names[0]}{path} has {first[path][1]} items, {name}{path} {shape[1]}"
-                    else:
-                        what = "shape"
-                        found = f"{names[0]}{path} is {first[path]}, {name}{path} {shape}"
-                    if not default:
-                        return f"raised {first_line(exc)} (the samples differ in {what}: {found})"
-                    return (
-                        f"failed: the samples differ in {what} ({found}), and default_collate stacks samples "
-                        f"of one {what} only: give data.factory a collate(samples) that pads them (docs/data.md)"
-                    )
-    except Exception:  # noqa: BLE001 - a sample we cannot walk: the exception says what it can
-        pass
-    return f"raised {first_line(exc)}"
 
 
 # How long a failed handover waits for the kernel to report the worker's end.
@@ -538,19 +437,6 @@ class _Failure:
     def __init__(self, where: str, exc: BaseException, what: str | None = None) -> None:
         self.message = f"{where} {what or 'raised ' + first_line(exc)}"
         self.trace = "".join(traceback.format_exception(exc))
-
-
-def _in_worker() -> bool:
-    return torch.utils.data.get_worker_info() is not None
-
-
-def catchable(exc: BaseException) -> bool:
-    """Whether the task's code raising ``exc`` is reported as its failure: anything, even
-    ``SystemExit``, except the sample deadline, the pipeline's own errors (already one line)
-    and, in the training process, a Ctrl-C."""
-    return not isinstance(exc, (PipelineError, DeadlinePassed)) and (
-        _in_worker() or not isinstance(exc, KeyboardInterrupt)
-    )
 
 
 class _SeededSamples(torch.utils.data.Dataset):

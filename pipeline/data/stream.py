@@ -39,15 +39,8 @@ from ..config import Config
 from ..distributed.world import World
 from ..errors import DataError, InputFailed
 from ..hashing import sha256_bytes
-from .feed import (
-    Feed,
-    catchable,
-    collate_failure,
-    dataset_fingerprint,
-    first_line,
-    sample_deadline,
-    to_device,
-)
+from .failures import catchable, collate_failure, first_line, sample_deadline
+from .feed import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
 
 __all__ = ["StreamFeed"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config, load_config, parse_set_overrides
-from .errors import PipelineError, Preempted, describe_os_error
+from .errors import CapturedTraceback, PipelineError, Preempted, describe_os_error
 
 __all__ = [
     "add_config_arguments",
@@ -152,7 +152,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     system, permissions; also from the background checkpoint writer, re-raised in the
     training thread) names the path and the cause, exit 2; ``MemoryError`` (a task's params
     asking for more memory than there is) says so, exit 2. Whatever was being written is
-    removed by the atomic writers before the error gets here.
+    removed by the atomic writers before the error gets here. A traceback captured in another
+    process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
     """
     debug = DEBUG_FLAG in sys.argv[1:]
     try:
@@ -165,7 +166,9 @@ def run_main(main: Callable[[], int | None]) -> None:
         _tell_launcher(line)
         sys.exit(exc.exit_code)
     except PipelineError as exc:
-        if debug and exc.__cause__ is not None:
+        if debug and isinstance(exc.__cause__, CapturedTraceback):
+            print(exc.__cause__.text.rstrip("\n"), file=sys.stderr)
+        elif debug and exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         if not getattr(exc, "quiet", False):
             _error(str(exc))

@@ -56,6 +56,7 @@ RESUME_IRRELEVANT_KEYS = frozenset(
         "data.dir",
         # Every sample is seeded by (seed, epoch, index) whichever process fetches it.
         "data.num_workers",
+        "data.sample_timeout",
         "checkpoint.dir",
         "checkpoint.every",
         "checkpoint.keep_last",
@@ -112,6 +113,10 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes reading a map-style ``train_dataset`` (0: in the training
     process). Results do not depend on it: each sample is seeded by (seed, epoch, index)."""
+    sample_timeout: float = 0.0
+    """Seconds one step's batch may take to arrive (its samples read, transformed and
+    collated, in DataLoader workers or in the training process; a stream's records too);
+    past it the run ends in one line, its last checkpoint intact. 0: wait for ever."""
     stream_split: StreamSplit = "examples"
     """How a stream is split over torchrun ranks: 'examples' (rank r keeps every W-th record:
     the same global batches at any world size) or 'shards' (each rank reads only its files)."""
@@ -120,6 +125,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "data.num_workers", f"must be >= 0 (got {self.num_workers})")
+        _require(
+            0 <= self.sample_timeout < math.inf,
+            "data.sample_timeout",
+            f"must be a number of seconds >= 0, 0 for no limit (got {self.sample_timeout})",
+        )
         _require_choice(self.stream_split, StreamSplit, "data.stream_split")
         _require(":" in self.prepare, "data.prepare", "must look like 'package.module:function'")
         _require(":" in self.factory, "data.factory", "must look like 'package.module:function'")

@@ -16,7 +16,12 @@ Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the
 
 Each OS call goes through :func:`step` under one of the names in :data:`STEPS`, so a
 crash-point test can fail the protocol at each named step. :func:`recover` undoes what a
-crash between steps left behind. Torch-free.
+crash between steps left behind.
+
+Every ``flock`` of the pipeline is taken on a descriptor opened by :func:`open_lock_fd` and
+closed by :func:`close_lock_fd`: a child forked while it is open (a DataLoader worker)
+closes its copy at once, so the lock stays with the process that took it and dies with it.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -46,6 +52,8 @@ __all__ = [
     "recover",
     "scratch_folder",
     "lock_folder",
+    "open_lock_fd",
+    "close_lock_fd",
     "json_bytes",
     "json_loads_strict",
     "write_json_atomic",
@@ -185,7 +193,7 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
                 except FileNotFoundError:
                     pass  # removed meanwhile by another sweeper
                 finally:
-                    os.close(fd)
+                    close_lock_fd(fd)
     # Between our mkdir and our flock another process's sweep may take the new folder for a
     # dead one and remove it: keep a folder only if it is still there, locked by us.
     for _ in range(_SCRATCH_ATTEMPTS):
@@ -200,14 +208,59 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        close_lock_fd(fd)
+
+
+# Descriptors that hold (or are about to take) a flock in this process. A forked child shares
+# the parent's open file descriptions, and a flock belongs to the description, not the process:
+# DataLoader workers forked by a trainer would keep its checkpoint folder locked after a
+# SIGKILL until they exit (seconds, or never for a worker stuck in a sample), and the resume
+# that follows would be refused. Each child closes its copies as it starts; the guard keeps a
+# fork from landing between an open and its registration.
+_LOCK_FDS: set[int] = set()
+_LOCK_FDS_GUARD = threading.Lock()
+
+
+def _close_lock_fds_in_child() -> None:
+    global _LOCK_FDS_GUARD
+    for fd in _LOCK_FDS:
+        try:
+            os.close(fd)  # the parent's lock stays: its own descriptor still refers to it
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD = threading.Lock()  # held by the forking thread, which the child does not have
+
+
+os.register_at_fork(
+    before=lambda: _LOCK_FDS_GUARD.acquire(),
+    after_in_parent=lambda: _LOCK_FDS_GUARD.release(),
+    after_in_child=_close_lock_fds_in_child,
+)
+
+
+def open_lock_fd(path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file or folder whose descriptor will hold a ``flock``; close it with
+    :func:`close_lock_fd`. Children forked while it is open do not keep it."""
+    with _LOCK_FDS_GUARD:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+        _LOCK_FDS.add(fd)
+    return fd
+
+
+def close_lock_fd(fd: int) -> None:
+    """Close a descriptor from :func:`open_lock_fd`, releasing its lock."""
+    with _LOCK_FDS_GUARD:
+        _LOCK_FDS.discard(fd)
         os.close(fd)
 
 
 def lock_folder(folder: Path) -> int | None:
-    """An open descriptor of ``folder`` holding its exclusive ``flock``, or ``None`` when someone
-    else holds it, or the folder is gone or is not the one at that path any more."""
+    """An open descriptor of ``folder`` holding its exclusive ``flock`` (release it with
+    :func:`close_lock_fd`), or ``None`` when someone else holds it, or the folder is gone or
+    is not the one at that path any more."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = open_lock_fd(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # gone, or replaced by a file or a link
             return None
@@ -218,7 +271,7 @@ def lock_folder(folder: Path) -> int | None:
             return fd
     except (BlockingIOError, FileNotFoundError):
         pass
-    os.close(fd)
+    close_lock_fd(fd)
     return None
 
 
@@ -309,19 +362,20 @@ class FolderLock:
         self.path = Path(path)
         self.busy = busy
         self._fd: int | None = None
+        self._pid = 0
 
     def acquire(self) -> None:
         is_dir = self.path.is_dir()
         fd = (
-            os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            open_lock_fd(self.path, os.O_RDONLY | os.O_DIRECTORY)
             if is_dir
-            else os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            else open_lock_fd(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = "unknown" if is_dir else (os.read(fd, 64).decode(errors="replace").strip() or "unknown")
-            os.close(fd)
+            close_lock_fd(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES):
                 raise self.busy(holder) from None
             raise
@@ -331,18 +385,19 @@ class FolderLock:
                     os.ftruncate(fd, 0)
                     os.write(fd, str(os.getpid()).encode())
             except OSError:
-                os.close(fd)
+                close_lock_fd(fd)
                 raise
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        # A forked child's copy of this object holds nothing: its descriptor was closed at the fork.
+        return self._fd is not None and self._pid == os.getpid()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self.held:
+            close_lock_fd(self._fd)
+        self._fd = None
 
     def __enter__(self) -> "FolderLock":
         self.acquire()

@@ -18,6 +18,11 @@ __all__ = [
     "OutOfMemory",
     "CodeChanged",
     "DataError",
+    "InputFailed",
+    "UserCodeExited",
+    "CapturedTraceback",
+    "DeadlinePassed",
+    "WorkerExited",
     "CheckpointError",
     "ChecksumMismatch",
     "SchemaMismatch",
@@ -105,6 +110,41 @@ class OutOfMemory(PipelineError):
 
 class DataError(PipelineError, ValueError):
     """Prepared data is missing or does not match its recorded fingerprint."""
+
+
+class InputFailed(DataError):
+    """Reading a batch failed mid-run: a sample, a collate or a stream raised, a DataLoader
+    worker died, or ``data.sample_timeout`` passed. The training loop adds where the run
+    can go on from (the last committed checkpoint, or none yet)."""
+
+
+class UserCodeExited(PipelineError):
+    """The task's code raised ``SystemExit`` (or another ``BaseException`` that is not an
+    error class) in the middle of a run: the run did not finish, so it must not exit 0."""
+
+
+class CapturedTraceback(Exception):
+    """The traceback of an exception raised where the exception itself could not be kept (a
+    DataLoader worker process), as text: the ``__cause__`` of the one-line error it led to,
+    printed as it is by ``--debug``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class WorkerExited(BaseException):
+    """Raised by the training process's SIGCHLD handler into a wait for a batch when a
+    DataLoader worker ends; turned into :class:`InputFailed` naming how it ended."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+class SampleDeadlinePassed(BaseException):
+    """Raised by the ``data.sample_timeout`` timer inside the task's code, which may catch
+    ``Exception`` broadly; turned into :class:`InputFailed` where the timer was set."""
 
 
 # -- checkpoints (pipeline.checkpoint) ------------------------------------------------------

@@ -20,16 +20,18 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointWeights, LoadMode, open_weights, pinned_checkpoint
-from .config import Config, config_from_dict
+from .config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import scratch_folder, write_json_atomic
 from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
+from .factories import factory_errors
 from .hashing import sha256_file
 from .layout import META_FILE, METRICS_FILE
 from .provenance import code_fingerprint
@@ -37,6 +39,8 @@ from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
 
 __all__ = ["evaluation_config", "evaluate_checkpoint", "write_metrics", "read_metrics"]
+
+_log = logging.getLogger(__name__)
 
 METRICS_SCHEMA = "pipeline.metrics/1"
 HELDOUT_SPLIT = "heldout"
@@ -75,6 +79,7 @@ def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> C
         or not isinstance(raw.get("training"), dict)
     ):
         raise ConfigMismatch(f"{source} has no usable config section")
+    _note_unused_overrides(raw, config, source)
     raw = {
         **raw,
         "data": {**raw["data"], "dir": config.data.dir},
@@ -84,6 +89,37 @@ def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> C
         return config_from_dict(raw, source=source)
     except ConfigError as exc:
         raise ConfigMismatch(f"the checkpoint's config is not valid for this version: {exc}") from None
+
+
+# What 04 and 05 take from the command line rather than from the checkpoint: where things are,
+# the device, and the keys that never change what a checkpoint computes.
+_FROM_COMMAND_LINE = RESUME_IRRELEVANT_KEYS | {"training.device"}
+
+
+def _note_unused_overrides(saved: dict[str, Any], config: Config, source: str) -> None:
+    """Say, in one warning line, which ``--set`` values this checkpoint's own config overrules:
+    the keys it decides, given another value than its own (an extended run's first
+    ``training.max_steps``, a model size that belongs to another run)."""
+    args = list(config.command_args)
+    keys = [args[i + 1].partition("=")[0] for i, arg in enumerate(args[:-1]) if arg == "--set"]
+    current = config.to_dict()
+    unused = []
+    for key in keys:
+        if key in _FROM_COMMAND_LINE or key.partition(".")[0] in _FROM_COMMAND_LINE:
+            continue
+        mine, theirs = current, saved
+        for part in key.split("."):
+            mine = mine.get(part) if isinstance(mine, dict) else None
+            theirs = theirs.get(part) if isinstance(theirs, dict) else None
+        if mine != theirs:
+            unused.append(f"--set {key}={json.dumps(mine)} (it has {json.dumps(theirs)})")
+    if unused:
+        _log.warning(
+            "warning: not used: %s: a checkpoint is evaluated and staged with the config it was trained with "
+            "(%s)",
+            ", ".join(unused),
+            source,
+        )
 
 
 def _check_metrics(metrics: Any, where: str) -> dict[str, float]:
@@ -128,7 +164,7 @@ def _evaluate(
     config: Config, folder: Path, meta: dict[str, Any], meta_file_sha256: str, weights: CheckpointWeights
 ) -> dict[str, Any]:
     eval_config = evaluation_config(meta, config, source=f"{folder / META_FILE}")
-    manifest = load_manifest(eval_config)
+    manifest = load_manifest(eval_config, trained=folder.name)
     trained_on = meta["fingerprints"].get("data")
     if manifest["fingerprint"] != trained_on:
         raise DataError(
@@ -147,9 +183,12 @@ def _evaluate(
     weights_sha256 = weights.sha256()
     model.eval()
     data = load_task_data(eval_config)
-    metrics = _check_metrics(data.evaluate(model, device), f"{eval_config.data.factory} evaluate()")
+    with factory_errors("data.factory", f"{eval_config.data.factory} evaluate()"):
+        evaluated = data.evaluate(model, device)
+    metrics = _check_metrics(evaluated, f"{eval_config.data.factory} evaluate()")
     sample = getattr(data, "sample", None)
-    text = sample(model, device) if sample is not None else None
+    with factory_errors("data.factory", f"{eval_config.data.factory} sample()"):
+        text = sample(model, device) if sample is not None else None
     if text is not None and not isinstance(text, str):
         raise MetricsError(
             f"{eval_config.data.factory}: sample() must return a str, got {type(text).__name__}"

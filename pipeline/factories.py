@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -57,6 +58,9 @@ def importable_working_folder() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
+# A module and attribute path as Python spells them (what import_module and getattr take).
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
 # What torch's allocators say when they refuse (CPU: "can't allocate memory", CUDA: "out of memory").
 _ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
 _ALLOCATION_SIZE = re.compile(r"allocate (\d+) bytes")
@@ -77,13 +81,14 @@ def _size(text: str) -> str:
 def factory_errors(key: str, path: str) -> Iterator[None]:
     """What the block raises becomes one line naming the config ``key`` and the factory
     ``path``: a failed allocation :class:`OutOfMemory`, anything else :class:`FactoryFailed`
-    (the original exception as its ``__cause__``). The pipeline's own errors and OS errors
-    (which name their path) pass through."""
+    (the original exception as its ``__cause__``), and so does a ``SystemExit`` or another
+    ``BaseException`` (never a Ctrl-C). The pipeline's own errors and OS errors (which name
+    their path) pass through."""
     try:
         yield
-    except (PipelineError, OSError):
+    except (PipelineError, OSError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # a SystemExit too: a factory that exits ends nothing well
         text = str(exc).strip()
         params = key.partition(".")[0] + ".params"
         if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
@@ -157,13 +162,34 @@ def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[...
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
+    if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attr) or module_name.endswith(".py"):
+        stem = Path(module_name).name.removesuffix(".py")
+        stem = stem if stem.isidentifier() else "module"
+        raise ConfigError(
+            f"{key}: {path!r} is not an import path: write 'package.module:function' with dotted names "
+            f"(no file path, no '..', no '.py'), e.g. '{stem}:function' for {stem}.py in the folder the "
+            "scripts run in or on PYTHONPATH"
+        )
     try:
         with importable_working_folder():
             module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            raise ConfigError(
+                f"{key}: module {module_name!r} imports {missing!r}, which is not installed here ({exc})"
+            ) from exc
         raise ConfigError(
             f"{key}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?"
         ) from None
+    except (KeyboardInterrupt, PipelineError):
+        raise
+    except BaseException as exc:  # the module's own code failed as it was imported (any error, or an exit)
+        text = str(exc).strip()
+        raise ConfigError(
+            f"{key}: importing module {module_name!r} raised {type(exc).__name__}"
+            f"{': ' + text.splitlines()[0][:300] if text else ''} (--debug prints the traceback)"
+        ) from exc
     target = module
     for part in attr.split("."):
         target = getattr(target, part, None)

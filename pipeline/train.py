@@ -10,6 +10,7 @@ import dataclasses
 import math
 import signal
 import threading
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from .config import Config
 from .data import load_manifest
 from .distributed.world import World
 from .environment import current_environment, pin_threads
-from .errors import Preempted, TrainingDiverged
+from .errors import InputFailed, Preempted, TrainingDiverged, UserCodeExited
 from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers, resolve_device
@@ -231,6 +232,7 @@ def train(
     configure_determinism(config)
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     start: StartingPoint | None = None
+    hint = resume_hint
     try:
         with together("starting"):
             manifest = load_manifest(config)
@@ -311,8 +313,32 @@ def train(
             resumed_from=start.step,
             rank=world.rank if world is not None else 0,
         )
+    except (InputFailed, TrainingDiverged) as exc:
+        # Said here, after the checkpointer closed: a save that was in flight is committed now.
+        raise type(exc)(f"{exc}; {_where_to_go_on(store, hint)}") from exc.__cause__
+    except BaseException as exc:
+        if isinstance(exc, (Exception, KeyboardInterrupt)):
+            raise
+        # SystemExit(0) from a dataset, a loss, a factory: the run did not finish, so never exit 0.
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+        raise UserCodeExited(
+            f"the task's code raised {exc!r}"
+            f"{f' at {where.filename}:{where.lineno} ({where.name})' if where is not None else ''} before the "
+            f"run reached its last step; {_where_to_go_on(store, hint)}"
+        ) from exc
     finally:
         store.release()
+
+
+def _where_to_go_on(store: CheckpointStore, resume_hint: str | None) -> str:
+    """What a failed run can go on from: its last committed checkpoint, or a new start."""
+    steps = store.committed_steps()
+    if not steps:
+        return "no checkpoint was committed yet: fix it and run the same command again"
+    return (
+        f"the last committed checkpoint (step {steps[-1]}) is intact: fix it and resume with "
+        f"{resume_hint or '--resume latest'}"
+    )
 
 
 def _loop(
@@ -350,9 +376,8 @@ def _loop(
             # non-finite loss is a diverged model, not an overflow to wait out.
             if not math.isfinite(loss):
                 raise TrainingDiverged(
-                    f"loss is {loss} at step {run.step}; nothing was saved for this step and "
-                    f"the last checkpoint ({last_saved}) is kept: lower optimizer.lr or check "
-                    "the data"
+                    f"loss is {loss} at step {run.step}, nothing was saved for it: lower optimizer.lr or "
+                    "check the data"
                 )
             report.update(run.step, loss, lr)
             if on_step is not None:

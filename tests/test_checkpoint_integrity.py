@@ -154,9 +154,12 @@ def test_checkpoint_settings_may_change_on_resume(data_dir, checkpoints):
 
 
 def test_changed_data_is_refused_even_when_the_config_matches(data_dir, checkpoints, tmp_path):
-    """Data re-prepared differently (say, by a changed prepare function) under the same config."""
+    """Data re-prepared differently (say, by a changed prepare function) under the same config:
+    other data, whose manifest records this config's recipe."""
     other = tmp_path / "other-data"
     prepare_data(other, "--set", "data.seed=99")
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "seed": 1234}))
     refusal(other, checkpoints, snapshot(checkpoints), "prepared data differs")
 
 

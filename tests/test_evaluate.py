@@ -65,7 +65,7 @@ def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_
     prepare_data(load_config(CONFIG, {"data.dir": str(other), "data.seed": 99}))
     config = load_config(CONFIG, {**run.overrides, "data.dir": str(other)})
     assert (
-        load_manifest(config)["fingerprint"]
+        load_manifest(load_config(CONFIG, {"data.dir": str(other), "data.seed": 99}))["fingerprint"]
         != load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
     )
     with pytest.raises(DataError, match="step-00000010 was trained on"):

@@ -64,11 +64,12 @@ def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop
         (
             "INPUTS_FAIL_AT",
             r"train_dataset\[21\] \(epoch 0\) raised ValueError: row 21 is corrupt; the last committed "
-            r"checkpoint is intact",
+            r"checkpoint \(step 4\) is intact: fix it and resume with ",
         ),
         (
             "INPUTS_KILL_AT",
-            r"a DataLoader worker died: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly",
+            r"a DataLoader worker \(pid \d+\) was killed by SIGKILL \(the out-of-memory killer sends it[^;]*; "
+            r"the last committed checkpoint \(step [24]\) is intact",
         ),
     ],
     ids=["raises", "killed"],

@@ -41,10 +41,12 @@ import torch
 from ..durable import (
     FolderLock,
     atomic_folder,
+    close_lock_fd,
     fsync_dir,
     json_bytes,
     json_loads_strict,
     lock_folder,
+    open_lock_fd,
     write_atomic,
 )
 from ..errors import (
@@ -362,7 +364,7 @@ class CheckpointStore:
             try:
                 os.rename(folder, doomed)
             finally:
-                os.close(fd)
+                close_lock_fd(fd)
             fsync_dir(self.root)
             shutil.rmtree(doomed)
             pruned.append(step)
@@ -376,7 +378,7 @@ def pin(folder: str | Path) -> Iterator[Path]:
     is gone (pruned before it could be pinned)."""
     folder = Path(folder)
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = open_lock_fd(folder, os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
         raise NoCheckpoint(
             f"{folder} is not a checkpoint folder (or was just pruned by a running trainer)"
@@ -392,7 +394,7 @@ def pin(folder: str | Path) -> Iterator[Path]:
             raise NoCheckpoint(f"{folder} was pruned by a running trainer before it could be read")
         yield folder
     finally:
-        os.close(fd)
+        close_lock_fd(fd)
 
 
 def write_meta(temporary: Path, record: Mapping[str, Any]) -> None:

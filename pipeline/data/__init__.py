@@ -7,6 +7,7 @@
 ``seeding``     per-sample randomness from (seed, epoch, index)
 ``feed``        one batch per step: ``get_batch``, or a ``DataLoader`` with workers
 ``stream``      a ``train_iterable`` batched, split per rank, its position saved as JSON
+``failures``    the task's code failing or hanging while a batch is read, in one line
 ==============  ===================================================================
 
 The user's guide is docs/data.md.

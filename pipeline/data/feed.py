@@ -18,9 +18,15 @@ rank's stream position. Three feeds, one per form of :class:`~pipeline.data.task
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
+import re
 import signal
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -31,8 +37,9 @@ from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import SEALED_BUT_UNFIT, DataError
-from .sampler import Sampler, batch_epoch, clone_sampler
+from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, WorkerExited
+from .failures import catchable, collate_failure, first_line, sample_deadline, user_error
+from .sampler import Sampler, batch_epoch, clone_sampler, dataset_length
 from .seeding import isolated_rng, seed_sample
 from .task import input_mode
 
@@ -81,6 +88,10 @@ def dataset_fingerprint(data: Any, dataset: Any) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+# How long a failed handover waits for the kernel to report the worker's end.
+_EXIT_NOTICE_SECONDS = 1.0
 
 
 class Feed:
@@ -168,8 +179,15 @@ class BatchFeed(_SamplerFeed):
     kind = "batches"
 
     def next_batch(self) -> tuple[Any, float]:
-        _, indices, scale = self._next_indices()
-        return self.data.get_batch(indices, self.device), scale
+        epoch, indices, scale = self._next_indices()
+        where = f"get_batch of rows {indices[:4]}{' ...' if len(indices) > 4 else ''} (epoch {epoch})"
+        try:
+            with sample_deadline(self.config.data.sample_timeout, where):
+                return self.data.get_batch(indices, self.device), scale
+        except BaseException as exc:
+            if not catchable(exc):
+                raise
+            raise InputFailed(f"{where} raised {first_line(exc)}") from exc
 
 
 class LoaderFeed(_SamplerFeed):
@@ -193,11 +211,22 @@ class LoaderFeed(_SamplerFeed):
                 "give a map-style dataset, or a stream as train_iterable"
             )
         super().__init__(
-            data, sampler, config, device, world, len(dataset), dataset_fingerprint(data, dataset)
+            data,
+            sampler,
+            config,
+            device,
+            world,
+            dataset_length(dataset, "train_dataset"),
+            dataset_fingerprint(data, dataset),
         )
         self.generator = generator
         self.collate = getattr(data, "collate", None) or default_collate
         self._iterator: Any = None
+        self._processes: set[Any] = set()  # the loader's worker processes (multiprocessing.Process)
+        self._workers: set[int] = set()  # and their pids
+        self._exits: dict[int, tuple[int, int]] = {}  # worker pid -> (si_code, si_status) at its exit
+        self._sigchld: Any = None  # the SIGCHLD handler before ours, while ours is installed
+        self._fetching = False  # waiting for a batch: a worker's end interrupts the wait
 
     def _start(self) -> None:
         # Started at the first batch, after any restore: the copy starts at the live position.
@@ -207,48 +236,146 @@ class LoaderFeed(_SamplerFeed):
             _SeededSamples(self.data.train_dataset, self.config.training.seed),
             batch_sampler=order,
             num_workers=workers,
-            collate_fn=_Collate(self.collate),
+            collate_fn=_Collate(self.collate, default=self.collate is default_collate),
             pin_memory=self.device.type == "cuda",
-            worker_init_fn=_worker_init if workers else None,
+            timeout=self.config.data.sample_timeout if workers else 0,
+            worker_init_fn=functools.partial(_worker_init, os.getpid()) if workers else None,
             # torch draws each iterator's worker base seed from this generator; by
             # default it would draw from the training process's torch stream.
             generator=torch.Generator().manual_seed(self.config.training.seed),
         )
         main = threading.current_thread() is threading.main_thread()
         before = signal.getsignal(signal.SIGCHLD) if main else None
-        self._iterator = iter(loader)
-        if main and before is not None and signal.getsignal(signal.SIGCHLD) is not before:
-            # torch's SIGCHLD handler raises wherever the main thread is when a worker dies
-            # (mid-step, mid-save: a traceback). Without it the loader notices a dead worker at
-            # its next status check, inside next() below, where it becomes one line.
-            signal.signal(signal.SIGCHLD, before)
+        running = set(multiprocessing.active_children())
+        failure = None
+        try:
+            self._iterator = iter(loader)
+            self._processes = set(multiprocessing.active_children()) - running
+            self._workers = {process.pid for process in self._processes}
+            if main and before is not None and workers:
+                # torch's SIGCHLD handler raises wherever the main thread is when a worker dies
+                # (mid-step, mid-save: a traceback). Ours notes how a worker ended, without
+                # reaping it, and interrupts only a wait for a batch (:meth:`next_batch`).
+                self._sigchld = before
+                signal.signal(signal.SIGCHLD, self._note_exit)
+        except Exception as exc:  # a worker that died while the iterator started its workers
+            failure = self._loader_failure(exc)
+            if failure is None:
+                raise
+        if failure is not None:
+            self._abandon()
+            raise InputFailed(failure)
+
+    def _note_exit(self, signum: int, frame: Any) -> None:
+        ended = None
+        for pid in self._workers - set(self._exits):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue  # reaped already (by the loader, which then reports it)
+            if info is not None:
+                self._exits[pid] = (info.si_code, info.si_status)
+                ended = pid
+        if callable(self._sigchld):
+            self._sigchld(signum, frame)
+        if ended is not None and self._fetching:
+            raise WorkerExited(ended)  # else the loader would notice only at its next status check, 5 s on
+
+    def _loader_failure(self, exc: BaseException) -> str | None:
+        """What the DataLoader's own error means, in one line; ``None`` for an error that is
+        neither a worker's end nor the sample deadline (a bug: its traceback is wanted)."""
+        text = str(exc).strip()
+        if isinstance(exc, RuntimeError) and text.startswith("DataLoader timed out after"):
+            return (
+                f"no batch came from the DataLoader workers in data.sample_timeout="
+                f"{self.config.data.sample_timeout:g} s (a sample stuck reading, or waiting for something "
+                "that never comes); raise data.sample_timeout if it is only slow"
+            )
+        died = re.search(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly", text)
+        if died is not None:
+            pids = [int(pid) for pid in died.group(1).split(",")]
+            return "; ".join(self._worker_end(pid) for pid in pids)
+        # torch's own SIGCHLD handler, set during the first iterator's start only.
+        died = re.search(
+            r"DataLoader worker \(pid (\d+)\) (is killed by signal: (\w+)|exited unexpectedly with exit code (\d+))",
+            text,
+        )
+        if died is not None:
+            pid = int(died.group(1))
+            if pid not in self._exits:
+                killed = died.group(3)
+                self._exits[pid] = (
+                    (os.CLD_KILLED, signal.SIGKILL if killed == "Killed" else 0)
+                    if killed
+                    else (os.CLD_EXITED, int(died.group(4)))
+                )
+            return self._worker_end(pid)
+        if isinstance(exc, (EOFError, ConnectionError)):
+            # A worker ended while it handed a batch's shared memory over (its socket closed
+            # before the kernel reported its end: give our SIGCHLD handler a moment to note it).
+            deadline = time.monotonic() + _EXIT_NOTICE_SECONDS
+            while not self._exits and self._sigchld is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._exits:
+                return "; ".join(self._worker_end(pid) for pid in self._exits) + " while handing over a batch"
+            return (
+                f"a DataLoader worker ended while handing over a batch ({first_line(exc)}): killed (the "
+                "out-of-memory killer?) or ended by the dataset's code"
+            )
+        return None
+
+    def _worker_end(self, pid: int) -> str:
+        code, status = self._exits.get(pid, (None, None))
+        if code in (os.CLD_KILLED, os.CLD_DUMPED):
+            name = signal.Signals(status).name if status in signal.Signals._value2member_map_ else status
+            cause = (
+                " (the out-of-memory killer sends it: lower data.num_workers or the memory a sample takes)"
+                if status == signal.SIGKILL
+                else ""
+            )
+            return f"a DataLoader worker (pid {pid}) was killed by {name}{cause}"
+        if code == os.CLD_EXITED:
+            return (
+                f"a DataLoader worker (pid {pid}) exited with code {status} before handing over its batch "
+                "(the dataset's code ended the process: os._exit?)"
+            )
+        return (
+            f"a DataLoader worker (pid {pid}) ended unexpectedly (killed, or the dataset's code ended "
+            "the process)"
+        )
 
     def next_batch(self) -> tuple[Any, float]:
         if self._iterator is None:
             self._start()
         epoch, indices, scale = self._next_indices()
-        died = None
+        failure = None
         try:
-            fetched = next(self._iterator)
-        except RuntimeError as exc:
-            if "DataLoader worker" not in str(exc):
+            with sample_deadline(
+                0 if self.config.data.num_workers else self.config.data.sample_timeout,
+                f"the batch of train_dataset[{indices[0] if indices else '?'}] (epoch {epoch})",
+            ):
+                self._fetching = True
+                try:
+                    for pid in self._exits:  # ended while the step trained: its batches never come
+                        raise WorkerExited(pid)
+                    fetched = next(self._iterator)
+                finally:
+                    self._fetching = False
+        except WorkerExited as exc:
+            self._fetching = False
+            failure = self._worker_end(exc.pid)
+        except Exception as exc:
+            failure = self._loader_failure(exc)
+            if failure is None:
                 raise
-            died = str(exc).strip().splitlines()[0]
-        if died is not None:
+        if failure is not None:
             # Raised here, outside the except block: the loader's error (whose traceback holds
             # the iterator) is gone, so closing frees the iterator and shuts its workers down.
-            self.close()
-            raise DataError(
-                f"a DataLoader worker died: {died} (killed by the OS? running out of memory is the usual "
-                "cause: lower data.num_workers or the memory a sample takes); the last committed checkpoint "
-                "is intact: resume with --resume latest"
-            )
+            self._abandon()
+            raise InputFailed(failure)
         if isinstance(fetched, _Failure):
             self.close()
-            raise DataError(
-                fetched.message() + "; the last committed checkpoint is intact: fix it and resume with "
-                "--resume latest"
-            )
+            raise user_error(fetched.message, fetched.trace)
         expected = [(epoch, i) for i in indices]
         if fetched.keys != expected:
             self.close()
@@ -259,9 +386,22 @@ class LoaderFeed(_SamplerFeed):
             )
         return to_device(fetched.batch, self.device, non_blocking=self.device.type == "cuda"), scale
 
+    def _abandon(self) -> None:
+        """Close after a worker ended or the deadline passed: the workers left may be stuck in a
+        sample, which torch would wait for 5 s before ending them. Killed through their process
+        objects, which signal only a process not yet reaped (never a reused pid)."""
+        for process in self._processes:
+            process.kill()
+        self.close()
+
     def close(self) -> None:
-        # Dropping the iterator shuts its workers down (torch's iterator does it on deletion).
+        # Dropping the iterator shuts its workers down (torch's iterator does it on deletion);
+        # our SIGCHLD handler goes once they have been joined.
         self._iterator = None
+        self._processes = set()
+        if self._sigchld is not None:
+            signal.signal(signal.SIGCHLD, self._sigchld)
+            self._sigchld = None
 
 
 class _Order:
@@ -290,16 +430,12 @@ class _Fetched:
 
 
 class _Failure:
-    """A sample or collate error, carried back as plain text: a worker's exception object may
-    not survive the trip, and its traceback is not the user's message."""
+    """A sample or collate error, carried back as text: a worker's exception object may not
+    survive the trip (nor its traceback, which ``--debug`` prints)."""
 
-    def __init__(self, where: str, exc: BaseException) -> None:
-        self.where = where
-        text = str(exc).strip()
-        self.what = f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
-
-    def message(self) -> str:
-        return f"{self.where} raised {self.what}"
+    def __init__(self, where: str, exc: BaseException, what: str | None = None) -> None:
+        self.message = f"{where} {what or 'raised ' + first_line(exc)}"
+        self.trace = "".join(traceback.format_exception(exc))
 
 
 class _SeededSamples(torch.utils.data.Dataset):
@@ -310,7 +446,7 @@ class _SeededSamples(torch.utils.data.Dataset):
         self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return dataset_length(self.dataset, "train_dataset")
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])
@@ -322,32 +458,63 @@ class _SeededSamples(torch.utils.data.Dataset):
                 seed_sample(self.seed, epoch, index)
                 try:
                     samples.append(self.dataset[index])
-                except Exception as exc:  # any user error: reported with the sample it came from
+                except BaseException as exc:  # any user error: reported with the sample it came from
+                    if not catchable(exc):
+                        raise
                     return _Failure(f"train_dataset[{index}] (epoch {epoch})", exc)
         return _Fetched(list(keys), samples)
 
 
 class _Collate:
-    def __init__(self, collate: Callable[[list], Any]) -> None:
-        self.collate = collate
+    def __init__(self, collate: Callable[[list], Any], *, default: bool) -> None:
+        self.collate, self.default = collate, default
 
     def __call__(self, fetched: Any) -> Any:
         if isinstance(fetched, _Failure):
             return fetched
         try:
             return _Fetched(fetched.keys, self.collate(fetched.batch))
-        except Exception as exc:
-            first = fetched.keys[0][1] if fetched.keys else "?"
-            return _Failure(f"collate of the batch starting at sample {first}", exc)
+        except BaseException as exc:
+            if not catchable(exc):
+                raise
+            names = [f"train_dataset[{index}]" for _, index in fetched.keys]
+            epoch = fetched.keys[0][0] if fetched.keys else 0
+            what = collate_failure(names, fetched.batch, exc, self.default)
+            return _Failure(
+                f"collate of the batch of {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} "
+                f"(epoch {epoch})",
+                exc,
+                what,
+            )
 
 
-def _worker_init(worker_id: int) -> None:
+def _worker_init(trainer: int, worker_id: int) -> None:
     # Out of the launching process group: a terminal's Ctrl-C (or a SIGTERM sent to the
     # group) reaches the training process, which stops gracefully, saves, and then shuts its
-    # workers down; a worker killed first would end the run with an error instead. A worker
-    # whose training process died exits by itself (torch's watchdog).
+    # workers down; a worker killed first would end the run with an error instead.
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ended with the training process, even in the middle of a sample (torch's watchdog looks
+    # only between samples: a worker stuck in one would outlive a SIGKILLed trainer for good).
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != trainer:  # it died before the line above
+        os._exit(0)
+
+    # multiprocessing's resource sharer, the worker's thread that hands a batch's shared memory
+    # over, prints the traceback of a connection the training process dropped (it died, or shut
+    # the loader down mid-transfer) into the user's terminal: the training process reports its
+    # own side in one line, so the worker says nothing of it.
+    def quiet_when_the_trainer_hung_up(kind: type, value: BaseException, trace: Any) -> None:
+        if not isinstance(value, (ConnectionError, EOFError)):
+            sys.__excepthook__(kind, value, trace)
+
+    sys.excepthook = quiet_when_the_trainer_hung_up
 
 
 def make_feed(
@@ -370,6 +537,12 @@ def make_feed(
         raise DataError("data.factory's make_sampler returned None")
     if mode == "batches":
         return BatchFeed(
-            data, sampler, config, device, world, data.num_train, getattr(data, "fingerprint", None)
+            data,
+            sampler,
+            config,
+            device,
+            world,
+            dataset_length(data, "num_train"),
+            getattr(data, "fingerprint", None),
         )
     return LoaderFeed(data, sampler, generator, config, device, world)

@@ -3,7 +3,9 @@ and evaluation read them only after checking every file against it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import shlex
 from pathlib import Path
@@ -13,8 +15,10 @@ from ..config import Config
 from ..durable import atomic_folder, json_bytes, recover
 from ..errors import DataError
 from ..factories import resolve
-from ..hashing import fingerprint_table, sha256_file
+from ..hashing import fingerprint_table, sha256_bytes, sha256_file
 from ..layout import DATA_MANIFEST_FILE
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["prepare_data", "load_manifest", "load_task_data"]
 
@@ -54,19 +58,77 @@ def _check_target(target: Path) -> None:
         )
 
 
+def _recipe(config: Config) -> dict[str, Any]:
+    """What decides the data's content, as the manifest records it (plain JSON values)."""
+    return json.loads(
+        json.dumps({"prepare": config.data.prepare, "seed": config.data.seed, "params": config.data.params})
+    )
+
+
+def _recipe_difference(manifest: dict[str, Any], config: Config) -> tuple[str, Any, Any] | None:
+    """The first key of ``data`` whose value the prepared data was made with differs from the
+    config's: ``(key, there, here)``, a params entry named by its own key; else ``None``."""
+    missing = "(not recorded)"
+    for key, here in _recipe(config).items():
+        there = manifest.get(key, missing)
+        if there == here:
+            continue
+        if key == "params" and isinstance(there, dict):
+            for name in sorted(set(there) | set(here), key=str):
+                if there.get(name, missing) != here.get(name, missing):
+                    return f"data.params.{name}", there.get(name, missing), here.get(name, "(not set)")
+        return f"data.{key}", there, here
+    return None
+
+
+def _own_folder_command(config: Config) -> tuple[str, str]:
+    """Script 01 on this config into a folder of its own beside ``data.dir`` (named by the
+    recipe, so each recipe gets one), and the ``--set`` that points the other scripts at it."""
+    folder = f"{str(config.data.dir).rstrip('/')}-{sha256_bytes(json.dumps(_recipe(config), sort_keys=True).encode())[:8]}"
+    args, kept = list(config.command_args), []
+    while args:
+        token = args.pop(0)
+        if token == "--set" and args and args[0].partition("=")[0].strip() == "data.dir":
+            args.pop(0)
+        else:
+            kept.append(token)
+    point = f"--set data.dir={folder}"
+    from ..cli import script_command  # the scripts' plumbing, needed only for this message
+
+    moved = dataclasses.replace(config, command_args=(*kept, "--set", f"data.dir={folder}"))
+    return script_command(moved, "01_prepare_data.py"), point
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) and value.startswith("(not ") else json.dumps(value)
+
+
 def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     """Run ``data.prepare`` into a temporary folder, fingerprint it, and move it into place.
 
-    Returns ``(folder, manifest, changed)``. Existing data with the same fingerprint is kept
-    as is; different existing data is never overwritten (checkpoints depend on it); a folder
+    Returns ``(folder, manifest, changed)``. Existing data prepared with the same recipe
+    (``data.prepare``, ``data.seed``, ``data.params``) is kept as is, even when a
+    non-deterministic ``data.prepare`` now writes other bytes (a warning says so: checkpoints
+    depend on the data in place); data prepared with another recipe is never touched, and
+    the refusal gives the command that prepares this one into a folder of its own; a folder
     that is neither empty nor prepared data is refused, naming what it holds.
     """
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
     _check_target(target)
+    existing = _read_manifest(target) if (target / DATA_MANIFEST_FILE).is_file() else None
+    if existing is not None:
+        difference = _recipe_difference(existing, config)
+        if difference is not None:
+            key, there, here = difference
+            command, point = _own_folder_command(config)
+            raise DataError(
+                f"{target}/ holds data prepared with {key} {_show(there)}, this config has {_show(here)}; "
+                f"nothing was touched (checkpoints may be trained on it): prepare this config's data into a "
+                f"folder of its own with {command}, and give {point} to the other scripts too"
+            )
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target)  # what a crashed earlier run left beside data.dir (only our .tmp-/.old- names)
-    existing = None
     try:
         with atomic_folder(target, owned=_is_empty_folder) as staging:
             prepare(config, staging)
@@ -75,19 +137,22 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
                 raise DataError(f"{config.data.prepare} wrote no files")
             manifest = {
                 "schema": "pipeline.data/1",
-                "prepare": config.data.prepare,
-                "seed": config.data.seed,
-                "params": config.data.params,
+                **_recipe(config),
                 "files": files,
                 "fingerprint": fingerprint_table(files),
             }
-            if target.exists() and not _is_empty_folder(target):
-                existing = load_manifest(config)
+            if existing is not None:
+                _verify_files(target, existing)
                 if existing["fingerprint"] != manifest["fingerprint"]:
-                    raise DataError(
-                        f"{target}/ already holds different data (fingerprint "
-                        f"{existing['fingerprint'][:12]}, new {manifest['fingerprint'][:12]}); "
-                        "move it away or set data.dir to prepare the new data"
+                    _log.warning(
+                        "warning: %s wrote other bytes than the data already in %s/ for this same config "
+                        "(fingerprint %s, in place %s): it is not deterministic (a tokenizer trained on "
+                        "several threads? an unseeded draw?). The data in place is kept and verifies: "
+                        "checkpoints are trained on it",
+                        config.data.prepare,
+                        target,
+                        manifest["fingerprint"][:12],
+                        existing["fingerprint"][:12],
                     )
             else:
                 # The manifest marks a folder this pipeline built (atomic_folder fsyncs it).
@@ -95,39 +160,69 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     except FileExistsError:
         if existing is None:
             raise
-        # Same data already in place: atomic_folder refused to replace it, as it should.
+        # Data of this recipe already in place: atomic_folder refused to replace it, as it should.
         return target, existing, False
     return target, manifest, True
 
 
-def load_manifest(config: Config, *, verify: bool = True) -> dict[str, Any]:
-    """Read ``data/manifest.json`` and (by default) check every file against it."""
-    folder = Path(config.data.dir)
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    """``folder/manifest.json``, parsed, with the fields every check uses."""
     path = folder / DATA_MANIFEST_FILE
-    if not path.is_file():
-        prepare = shlex.join(["scripts/01_prepare_data.py", *config.command_args])  # this config, as given
-        raise DataError(f"no prepared data in {folder}/: run {prepare} first")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        fingerprint = manifest["fingerprint"]
+        if not isinstance(manifest, dict) or not isinstance(manifest["files"], dict):
+            raise TypeError
+        manifest["fingerprint"]
     except (ValueError, KeyError, TypeError):
         raise DataError(
             f"{path} is damaged: rerun scripts/01_prepare_data.py into an empty data.dir"
         ) from None
+    return manifest
+
+
+def _verify_files(folder: Path, manifest: dict[str, Any]) -> None:
+    files = manifest["files"]
+    actual = _files_table(folder)
+    if set(actual) != set(files):
+        extra = sorted(set(actual) ^ set(files))
+        raise DataError(f"{folder}/ does not match its manifest (file {extra[0]} added or missing)")
+    for name, entry in files.items():
+        if actual[name] != entry:
+            raise DataError(
+                f"{folder}/{name} changed since it was prepared (SHA-256 differs): "
+                "restore it or prepare the data again into an empty data.dir"
+            )
+    if fingerprint_table(files) != manifest["fingerprint"]:
+        raise DataError(f"{folder / DATA_MANIFEST_FILE} fingerprint does not match its file table")
+
+
+def load_manifest(config: Config, *, verify: bool = True, trained: str | None = None) -> dict[str, Any]:
+    """Read ``data/manifest.json``, refuse data prepared with another recipe than the config's
+    (``data.prepare``, ``data.seed``, ``data.params``), and (by default) check every file
+    against the manifest. ``trained``: the checkpoint whose own config ``config`` is (04, 05),
+    named by the refusal."""
+    folder = Path(config.data.dir)
+    if not (folder / DATA_MANIFEST_FILE).is_file():
+        prepare = shlex.join(["scripts/01_prepare_data.py", *config.command_args])  # this config, as given
+        raise DataError(f"no prepared data in {folder}/: run {prepare} first")
+    manifest = _read_manifest(folder)
+    difference = _recipe_difference(manifest, config)
+    if difference is not None and trained is not None:
+        key, there, here = difference
+        raise DataError(
+            f"{folder}/ holds data prepared with {key} {_show(there)}, but {trained} was trained on data "
+            f"prepared with {_show(here)}: point data.dir at the data it was trained on"
+        )
+    if difference is not None:
+        key, there, here = difference
+        command, point = _own_folder_command(config)
+        raise DataError(
+            f"{folder}/ holds data prepared with {key} {_show(there)}, but this config has {_show(here)}: "
+            f"prepare this config's data into a folder of its own with {command}, then add {point} here "
+            "(the data in place stays: checkpoints may be trained on it)"
+        )
     if verify:
-        actual = _files_table(folder)
-        if set(actual) != set(files):
-            extra = sorted(set(actual) ^ set(files))
-            raise DataError(f"{folder}/ does not match its manifest (file {extra[0]} added or missing)")
-        for name, entry in files.items():
-            if actual[name] != entry:
-                raise DataError(
-                    f"{folder}/{name} changed since it was prepared (SHA-256 differs): "
-                    "restore it or prepare the data again into an empty data.dir"
-                )
-        if fingerprint_table(files) != fingerprint:
-            raise DataError(f"{path} fingerprint does not match its file table")
+        _verify_files(folder, manifest)
     return manifest
 
 

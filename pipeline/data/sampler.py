@@ -5,6 +5,7 @@ replaying batches. Loaders that run ahead (DataLoader workers) read a copy of it
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -12,7 +13,41 @@ import numpy as np
 from ..config import Config
 from ..errors import DataError
 
-__all__ = ["Sampler", "EpochSampler", "make_sampler", "clone_sampler", "batch_epoch"]
+__all__ = ["Sampler", "EpochSampler", "make_sampler", "clone_sampler", "batch_epoch", "dataset_length"]
+
+
+def dataset_length(source: Any, what: str) -> int:
+    """The number of training rows the task gives: ``train_dataset.__len__()``, or its
+    ``num_train`` (``what`` names which). Anything but an integer >= 0 (a float, a negative
+    count, an error in ``__len__``) is refused in one line naming it."""
+    if what == "num_train":
+        rows, shown = getattr(source, "num_train", None), "num_train"
+    else:
+        shown = f"{what}.__len__()"
+        try:
+            rows = source.__len__()
+        except Exception as exc:
+            text = str(exc).strip()
+            raise DataError(
+                f"{shown} raised {type(exc).__name__}{': ' + text.splitlines()[0][:300] if text else ''}"
+            ) from exc
+    if type(rows) is not int or rows < 0:
+        raise DataError(f"{shown} is {rows!r}: the number of training rows must be an integer >= 0")
+    return rows
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(count: float) -> str:
+    for unit, scale in (("EB", 1e18), ("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} bytes"
 
 
 @runtime_checkable
@@ -40,6 +75,13 @@ class EpochSampler:
     ) -> None:
         if num_rows < 1:
             raise DataError("the training set is empty")
+        memory = _memory_bytes()
+        if memory is not None and num_rows * 8 > memory:
+            raise DataError(
+                f"the training set has {num_rows} rows: a permutation of them (8 bytes a row, "
+                f"{_size(num_rows * 8)}) does not fit in this machine's {_size(memory)} of memory; is the "
+                "task's length right? (a set that large needs a make_sampler of its own: docs/data.md)"
+            )
         if drop_last and batch_size > num_rows:
             raise DataError(f"batch size {batch_size} exceeds the {num_rows} training rows with drop_last")
         self.num_rows = num_rows
@@ -127,7 +169,9 @@ def make_sampler(data: Any, generator: np.random.Generator, config: Config) -> S
     if getattr(data, "train_iterable", None) is not None:
         return None
     dataset = getattr(data, "train_dataset", None)
-    rows = len(dataset) if dataset is not None else data.num_train
+    rows = (
+        dataset_length(dataset, "train_dataset") if dataset is not None else dataset_length(data, "num_train")
+    )
     return EpochSampler(
         rows, config.data.batch_size, generator, shuffle=config.data.shuffle, drop_last=config.data.drop_last
     )

@@ -37,8 +37,9 @@ from torch.utils.data import default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import SEALED_BUT_UNFIT, DataError
+from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed
 from ..hashing import sha256_bytes
+from .failures import catchable, collate_failure, first_line, sample_deadline
 from .feed import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
 
@@ -167,27 +168,36 @@ class StreamFeed(Feed):
                     ) from None
                 self.pass_, self.consumed, self._iterator = self.pass_ + 1, 0, None
                 continue
-            except Exception as exc:
-                text = str(exc).strip()
-                raise DataError(
-                    f"train_iterable raised {type(exc).__name__} reading sample {self.consumed} of pass "
-                    f"{self.pass_}{f': {text.splitlines()[0][:300]}' if text else ''}; the last committed "
-                    "checkpoint is intact"
-                ) from None
+            except BaseException as exc:  # the stream's own code, even a SystemExit
+                if not catchable(exc):
+                    raise
+                raise InputFailed(f"{self._name(self.consumed)} raised {first_line(exc)}") from exc
             self.consumed += 1
             return sample
 
+    def _name(self, position: int) -> str:
+        """How a message names the stream's record ``position`` of the current pass."""
+        rank = f" on rank {self.rank}" if self.sharded else ""
+        return f"train_iterable's record {position} of pass {self.pass_}{rank}"
+
     def next_batch(self) -> tuple[Any, float]:
-        if not self._probed:
-            self._probe()
-        with isolated_rng():
-            samples = [self._next_sample() for _ in range(self.reads)]
-        try:
-            batch = self.collate([samples[i] for i in self.keep])
-        except Exception as exc:
-            raise DataError(
-                f"collate of a stream batch raised {type(exc).__name__}: {str(exc).strip()[:300]}"
-            ) from None
+        where = f"the stream's batch from record {self.consumed} of pass {self.pass_}"
+        with sample_deadline(self.config.data.sample_timeout, where):
+            if not self._probed:
+                self._probe()
+            first = self.consumed
+            with isolated_rng():
+                samples = [self._next_sample() for _ in range(self.reads)]
+            kept = [samples[i] for i in self.keep]
+            try:
+                batch = self.collate(kept)
+            except BaseException as exc:
+                if not catchable(exc):
+                    raise
+                names = [f"record {first + i}" for i in self.keep]
+                what = collate_failure(names, kept, exc, self.collate is default_collate)
+                where = f"collate of the stream's {names[0]} to {names[-1]} of pass {self.pass_}"
+                raise InputFailed(f"{where} {what}") from exc
         return to_device(batch, self.device), self.scale
 
     def _probe(self) -> None:
@@ -198,18 +208,32 @@ class StreamFeed(Feed):
         self._probed = True
         with isolated_rng():
             try:
-                first = copy.deepcopy(self.source)
+                first, second = copy.deepcopy(self.source), copy.deepcopy(self.source)
+            except Exception as exc:
+                raise DataError(
+                    f"train_iterable cannot be copied ({first_line(exc)}): the pipeline reads a copy to check, "
+                    "before the first step, that the stream resumes exactly from its state_dict(); keep "
+                    "what cannot be copied (open files, locks, generators) out of the object, or open it in "
+                    "__iter__ (a datasets.IterableDataset can be copied)"
+                ) from exc
+            try:
                 reader = iter(first)
                 for position in range(_PROBE):
                     self._read_seeded(reader, position)
                 state = _json_copy(first.state_dict(), "train_iterable.state_dict()")
                 expected = [self._read_seeded(reader, position) for position in range(_PROBE, 2 * _PROBE)]
-                second = copy.deepcopy(self.source)
                 second.load_state_dict(state)
                 reader = iter(second)
                 got = [self._read_seeded(reader, position) for position in range(_PROBE, 2 * _PROBE)]
             except StopIteration:
                 return  # too short to tell; a stream that short resumes by re-reading anyway
+            except BaseException as exc:  # the stream's own code, read here first
+                if not catchable(exc):
+                    raise
+                raise InputFailed(
+                    f"train_iterable, read from a copy before the first step (to check that it resumes "
+                    f"exactly), raised {first_line(exc)}"
+                ) from exc
         if not _same(expected, got):
             raise DataError(
                 "train_iterable does not resume exactly from its own state_dict(): after a save and load it "

@@ -140,12 +140,11 @@ class _Zygote:
     def run(
         self, argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float
     ) -> subprocess.CompletedProcess:
-        import io
+        return self.start(argv, cwd, env).wait(timeout)
+
+    def start(self, argv: list[str], cwd: Path, env: Mapping[str, str]) -> "ScriptRun":
         import json
-        import selectors
-        import signal
         import socket
-        import time
 
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
@@ -158,7 +157,38 @@ class _Zygote:
         finally:
             for fd in (stdin, out_write, err_write):
                 os.close(fd)
-        chunks: dict[object, list[bytes]] = {out_read: [], err_read: [], connection: []}
+        return ScriptRun(argv, connection, out_read, err_read)
+
+
+class ScriptRun:
+    """A script forked from the zygote and still running: its ``pid`` (to signal it, or find its
+    children), and :meth:`wait` for its exit status and output. The output pipes close when the
+    script and every process that inherited them (DataLoader workers) have ended."""
+
+    def __init__(self, argv: list[str], connection, out_read: int, err_read: int) -> None:
+        self.argv, self.connection, self.out_read, self.err_read = argv, connection, out_read, err_read
+        self.status = b""
+        while b"\n" not in self.status:  # the server answers the child's pid at once
+            data = connection.recv(64)
+            if not data:
+                raise RuntimeError("the zygote closed the connection before starting the script")
+            self.status += data
+        self.pid = int(self.status.split()[0])
+        self.result: subprocess.CompletedProcess | None = None
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit status and output, once it and whatever holds its output pipes have ended
+        (SIGKILLed past ``timeout``: ``TimeoutExpired``); the same result on a later call."""
+        import io
+        import selectors
+        import signal
+        import time
+
+        if self.result is not None:
+            return self.result
+
+        connection, out_read, err_read = self.connection, self.out_read, self.err_read
+        chunks: dict[object, list[bytes]] = {out_read: [], err_read: [], connection: [self.status]}
         selector = selectors.DefaultSelector()
         for fd in (out_read, err_read):
             selector.register(fd, selectors.EVENT_READ)
@@ -169,13 +199,11 @@ class _Zygote:
                 remaining = deadline - time.monotonic()
                 events = selector.select(timeout=max(remaining, 0))
                 if not events and remaining <= 0:
-                    status = b"".join(chunks[connection]).split()
-                    if status:
-                        try:
-                            os.kill(int(status[0]), signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    raise subprocess.TimeoutExpired([PYTHON, "-B", *argv], timeout)
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    raise subprocess.TimeoutExpired([PYTHON, "-B", *self.argv], timeout)
                 for key, _ in events:
                     source = key.fileobj
                     data = source.recv(65536) if source is connection else os.read(source, 65536)
@@ -193,7 +221,10 @@ class _Zygote:
         def text(fd: int) -> str:  # as subprocess.run(text=True): locale encoding, universal newlines
             return io.TextIOWrapper(io.BytesIO(b"".join(chunks[fd]))).read()
 
-        return subprocess.CompletedProcess([PYTHON, "-B", *argv], int(status), text(out_read), text(err_read))
+        self.result = subprocess.CompletedProcess(
+            [PYTHON, "-B", *self.argv], int(status), text(out_read), text(err_read)
+        )
+        return self.result
 
 
 def run_python(
@@ -223,6 +254,29 @@ def run_script(
     return run_python(
         [str(REPO / "scripts" / name), *args], cwd=cwd, env=env or script_env(), timeout=timeout
     )
+
+
+def start_script(name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> ScriptRun:
+    """Start ``scripts/<name>`` forked from the zygote and return at once (see :class:`ScriptRun`);
+    ``env`` must be one the zygote serves (no load-time variables of its own)."""
+    env = env or script_env()
+    zygote = _Zygote.get()
+    assert zygote.serves(env), "start_script needs an environment the zygote serves"
+    return zygote.start([str(REPO / "scripts" / name), *map(str, args)], cwd, env)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the processes whose parent is ``pid`` (Linux /proc), e.g. a trainer's workers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue  # ended meanwhile
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def data_args(data_dir: Path) -> list[str]:

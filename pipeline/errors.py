@@ -79,6 +79,16 @@ _OS_CAUSES = {
 }
 
 
+def first_line(exc: BaseException, *, named: bool = False, limit: int = 300) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters, for a one-line error
+    (``named``: ``"ValueError: row 21 is corrupt"``); the type's name when the message is empty."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0][:limit]
+    return f"{type(exc).__name__}: {line}" if named else line
+
+
 def describe_os_error(exc: OSError) -> str:
     """``"<path>: <cause>"`` for an operating-system error (the cause alone when the call
     named no path), e.g. ``"estados_local/.tmp-step-…: no space left on the device"``."""

@@ -15,15 +15,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..errors import CapturedTraceback, InputFailed, PipelineError, SampleDeadlinePassed
+from ..errors import CapturedTraceback, InputFailed, PipelineError, SampleDeadlinePassed, first_line
 
-__all__ = ["first_line", "user_error", "sample_deadline", "collate_failure", "catchable"]
-
-
-def first_line(exc: BaseException) -> str:
-    """``"ValueError: row 21 is corrupt"``: the type and the first line of the message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+__all__ = ["user_error", "sample_deadline", "collate_failure", "catchable"]
 
 
 def user_error(message: str, trace: str) -> InputFailed:
@@ -98,14 +92,14 @@ def collate_failure(names: list[str], samples: list[Any], exc: BaseException, de
                         what = "shape"
                         found = f"{names[0]}{path} is {first[path]}, {name}{path} {shape}"
                     if not default:
-                        return f"raised {first_line(exc)} (the samples differ in {what}: {found})"
+                        return f"raised {first_line(exc, named=True)} (the samples differ in {what}: {found})"
                     return (
                         f"failed: the samples differ in {what} ({found}), and default_collate stacks samples "
                         f"of one {what} only: give data.factory a collate(samples) that pads them (docs/data.md)"
                     )
     except Exception:  # noqa: BLE001 - a sample we cannot walk: the exception says what it can
         pass
-    return f"raised {first_line(exc)}"
+    return f"raised {first_line(exc, named=True)}"
 
 
 def _in_worker() -> bool:

@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, WorkerExited
-from .failures import catchable, collate_failure, first_line, sample_deadline, user_error
+from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, WorkerExited, first_line
+from .failures import catchable, collate_failure, sample_deadline, user_error
 from .sampler import Sampler, batch_epoch, clone_sampler, dataset_length
 from .seeding import isolated_rng, seed_sample
 from .task import input_mode
@@ -187,7 +187,7 @@ class BatchFeed(_SamplerFeed):
         except BaseException as exc:
             if not catchable(exc):
                 raise
-            raise InputFailed(f"{where} raised {first_line(exc)}") from exc
+            raise InputFailed(f"{where} raised {first_line(exc, named=True)}") from exc
 
 
 class LoaderFeed(_SamplerFeed):
@@ -319,7 +319,7 @@ class LoaderFeed(_SamplerFeed):
             if self._exits:
                 return "; ".join(self._worker_end(pid) for pid in self._exits) + " while handing over a batch"
             return (
-                f"a DataLoader worker ended while handing over a batch ({first_line(exc)}): killed (the "
+                f"a DataLoader worker ended while handing over a batch ({first_line(exc, named=True)}): killed (the "
                 "out-of-memory killer?) or ended by the dataset's code"
             )
         return None
@@ -434,7 +434,7 @@ class _Failure:
     survive the trip (nor its traceback, which ``--debug`` prints)."""
 
     def __init__(self, where: str, exc: BaseException, what: str | None = None) -> None:
-        self.message = f"{where} {what or 'raised ' + first_line(exc)}"
+        self.message = f"{where} {what or 'raised ' + first_line(exc, named=True)}"
         self.trace = "".join(traceback.format_exception(exc))
 
 

@@ -37,9 +37,9 @@ from torch.utils.data import default_collate
 
 from ..config import Config
 from ..distributed.world import World
-from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed
+from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, first_line
 from ..hashing import sha256_bytes
-from .failures import catchable, collate_failure, first_line, sample_deadline
+from .failures import catchable, collate_failure, sample_deadline
 from .feed import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
 
@@ -171,7 +171,9 @@ class StreamFeed(Feed):
             except BaseException as exc:  # the stream's own code, even a SystemExit
                 if not catchable(exc):
                     raise
-                raise InputFailed(f"{self._name(self.consumed)} raised {first_line(exc)}") from exc
+                raise InputFailed(
+                    f"{self._name(self.consumed)} raised {first_line(exc, named=True)}"
+                ) from exc
             self.consumed += 1
             return sample
 
@@ -211,7 +213,7 @@ class StreamFeed(Feed):
                 first, second = copy.deepcopy(self.source), copy.deepcopy(self.source)
             except Exception as exc:
                 raise DataError(
-                    f"train_iterable cannot be copied ({first_line(exc)}): the pipeline reads a copy to check, "
+                    f"train_iterable cannot be copied ({first_line(exc, named=True)}): the pipeline reads a copy to check, "
                     "before the first step, that the stream resumes exactly from its state_dict(); keep "
                     "what cannot be copied (open files, locks, generators) out of the object, or open it in "
                     "__iter__ (a datasets.IterableDataset can be copied)"
@@ -232,7 +234,7 @@ class StreamFeed(Feed):
                     raise
                 raise InputFailed(
                     f"train_iterable, read from a copy before the first step (to check that it resumes "
-                    f"exactly), raised {first_line(exc)}"
+                    f"exactly), raised {first_line(exc, named=True)}"
                 ) from exc
         if not _same(expected, got):
             raise DataError(

@@ -64,9 +64,9 @@ from ..provenance import CodeChange, code_changed_refusal, code_changes
 from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
+from ..sources import shipped_sources
 from ..start import Launch
 from .card import LOADER_MODULE, build_model_card, read_user_sections, render_curve
-from .code_export import shipped_sources
 from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof
 from .redact import public_paths
@@ -300,7 +300,7 @@ def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
 
 def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
     """What rebuilds a model that is not a transformers one: the module defining its factory
-    and the modules it needs (:func:`.code_export.shipped_sources`; :func:`build_stage` checked
+    and the modules it needs (:func:`pipeline.sources.shipped_sources`; :func:`build_stage` checked
     they are the files the checkpoint fingerprinted), and the loader the card's snippet calls."""
     sources = shipped_sources(config)
     sources[f"{LOADER_MODULE}.py"] = _HUB_LOADER

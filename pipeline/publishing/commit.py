@@ -393,7 +393,7 @@ def _try_commit(run: _Publishing) -> str | HfHubHTTPError | BaseException:
     (a timeout, a cut connection, the Xet client giving up, the deadline), after which only
     the branch head can tell whether the commit landed."""
     target, plan = run.target, run.plan
-    with hub_errors(target, "uploading and committing"), target.deadline.xet_capped():
+    with hub_errors(target, "uploading and committing"), xet.upload_within(target.deadline):
         target.deadline.follow_session()
         try:
             info = target.api.create_commit(

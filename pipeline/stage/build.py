@@ -61,7 +61,8 @@ from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from ..sources import shipped_sources
-from .card import LOADER_MODULE, build_model_card, read_user_sections, render_curve
+from .card import build_model_card, read_user_sections, render_curve
+from .card_parts import LOADER_MODULE
 from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
 from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof

@@ -26,12 +26,9 @@ the Hub's commit rate limit (HTTP 429) and can leave a half-pushed repo behind.
 ``parent_commit`` makes the commit fail with 412 rather than land on top of someone else's
 push that we never looked at.
 
-No file is hashed twice: the audit's SHA-256 is handed to each ``CommitOperationAdd`` through
-the public ``UploadInfo.sha256`` setter, and the client skips its own hashing (LFS and Xet
-paths alike) for operations whose hash is set (the Xet hash: see :mod:`.xet`). The upload still
-reads the bytes, of course; a size/mtime/inode check before each commit attempt, and the check
-after landing, catch a file edited between the audit and the upload. Only new and changed files
-are handed to the client, so an unchanged file is not read again.
+No file is hashed twice, and an unchanged one is not read again: the upload takes the audit's
+SHA-256 (:mod:`.landing`; the Xet hash: :mod:`.xet`). A check of every staged file before each
+commit attempt, and the check after landing, catch a file edited between the audit and the upload.
 
 Retries, all within the deadline: reads and repo creation are retried by :mod:`.client`; the
 commit's attempts, and how a commit whose answer was lost is found on the branch (publishing

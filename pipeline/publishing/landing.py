@@ -4,7 +4,8 @@
 a push in between fails with 412 instead of being overwritten. Before each attempt, a size,
 mtime, ctime and inode check of every staged file (:func:`stat_key`) catches an edit since the
 audit. Only new and changed files are handed to the client, each with the audit's SHA-256
-(the public ``UploadInfo.sha256`` setter), so the client does not read and hash it again.
+(the public ``UploadInfo.sha256`` setter): the client skips its own hashing (LFS and Xet paths
+alike) for an operation whose hash is set, and reads the bytes only to send them.
 
 Retries, all within the deadline: the client retries preupload, LFS batch, PUT and verify
 requests on 429/5xx and network errors by itself, and hf_xet its CAS requests (budget capped

@@ -1,4 +1,5 @@
-"""Durable writes, in one place: atomic folders, the JSON writer, and the folder lock.
+"""Durable writes, in one place: atomic folders, the JSON writer (and the time its records
+state, :func:`utc_now`), and the folder lock.
 
 Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the prepared
 ``data/``, the ``hub_stage/``) is built by :func:`atomic_folder`, modelled on Orbax's
@@ -27,6 +28,7 @@ Torch-free.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import errno
 import fcntl
 import glob
@@ -56,6 +58,7 @@ __all__ = [
     "close_lock_fd",
     "json_bytes",
     "json_loads_strict",
+    "utc_now",
     "write_json_atomic",
     "write_atomic",
     "FolderLock",
@@ -324,6 +327,12 @@ def json_loads_strict(data: bytes) -> Any:
         raise ValueError("nested too deeply") from None
     except UnicodeDecodeError:
         raise ValueError("not UTF-8") from None
+
+
+def utc_now() -> str:
+    """The time a record is written, as every record states it: ISO 8601 in UTC, to the second
+    (``2026-01-31T12:00:00+00:00``)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def write_json_atomic(path: str | Path, payload: Any, *, allow_nan: bool = False) -> None:

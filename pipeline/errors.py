@@ -79,9 +79,10 @@ _OS_CAUSES = {
 }
 
 
-def first_line(exc: BaseException, *, named: bool = False, limit: int = 300) -> str:
-    """The first line of ``exc``'s message, at most ``limit`` characters, for a one-line error
-    (``named``: ``"ValueError: row 21 is corrupt"``); the type's name when the message is empty."""
+def first_line(exc: BaseException, *, named: bool = False, limit: int | None = 300) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters (None: all of it), for a
+    one-line error (``named``: ``"ValueError: row 21 is corrupt"``); the type's name when the
+    message is empty."""
     text = str(exc).strip()
     if not text:
         return type(exc).__name__

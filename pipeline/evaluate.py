@@ -18,7 +18,6 @@ immutable and verified against an exact file list.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ from typing import Any
 from .checkpoint import CheckpointWeights, LoadMode, open_weights, pinned_checkpoint
 from .config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from .data import load_manifest, load_task_data
-from .durable import scratch_folder, write_json_atomic
+from .durable import scratch_folder, utc_now, write_json_atomic
 from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
 from .factories import factory_errors
 from .hashing import sha256_file
@@ -205,7 +204,7 @@ def _evaluate(
         "sample": text,
         "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint()},
         "device": str(device),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_now(),
     }
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .config import Config
-from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError
+from .errors import ConfigError, FactoryFailed, OutOfMemory, PipelineError, first_line
 from .params import read_params  # published model code imports it from pipeline.params
 
 __all__ = [
@@ -98,10 +98,8 @@ def factory_errors(key: str, path: str) -> Iterator[None]:
                 f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
                 "(and data.batch_size)"
             ) from exc
-        first = text.splitlines()[0][:300] if text else ""
         raise FactoryFailed(
-            f"{key} {path} failed: {type(exc).__name__}{': ' + first if first else ''} "
-            f"(check {params}; --debug prints the traceback)"
+            f"{key} {path} failed: {first_line(exc, named=True)} (check {params}; --debug prints the traceback)"
         ) from exc
 
 
@@ -185,10 +183,9 @@ def resolve(path: str, key: str, *, returns: type | None = None) -> Callable[...
     except (KeyboardInterrupt, PipelineError):
         raise
     except BaseException as exc:  # the module's own code failed as it was imported (any error, or an exit)
-        text = str(exc).strip()
         raise ConfigError(
-            f"{key}: importing module {module_name!r} raised {type(exc).__name__}"
-            f"{': ' + text.splitlines()[0][:300] if text else ''} (--debug prints the traceback)"
+            f"{key}: importing module {module_name!r} raised {first_line(exc, named=True)} "
+            "(--debug prints the traceback)"
         ) from exc
     target = module
     for part in attr.split("."):

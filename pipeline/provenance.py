@@ -11,7 +11,6 @@ ships no code (a transformers model) records the changes instead (:func:`code_ch
 from __future__ import annotations
 
 import importlib.util
-import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any, Literal
 from .config import Config
 from .errors import CodeChanged
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
+from .sources import PACKAGE_ROOT, module_file, shipped_sources
 
 __all__ = [
     "PACKAGE_ROOT",
@@ -38,8 +38,6 @@ __all__ = [
 ]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
-
-PACKAGE_ROOT = Path(__file__).resolve().parent
 
 
 def code_fingerprint(extra_roots: tuple[Path, ...] = ()) -> str:
@@ -122,26 +120,10 @@ _ROLES = {
 }
 
 
-def _module_file(module: str) -> tuple[str, Path] | None:
-    """``("examples/charlm/data.py", file)``: a module's file under its import path."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError, AttributeError):
-        return None
-    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
-        return None
-    origin = Path(os.path.abspath(spec.origin))
-    relative = "/".join(module.split(".")) + (
-        "/__init__.py" if origin.name == "__init__.py" else origin.suffix
-    )
-    return relative, origin
-
-
 def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
     """``{name under its import path: (role, file)}``, the model's closure first."""
-    # Imported here: both need torch's side of the package (a run or a stage is being built).
+    # Imported here: it needs torch's side of the package (a run or a stage is being built).
     from .factories import importable_working_folder
-    from .stage.code_export import shipped_sources  # the closure script 05 ships
 
     files = {
         relative: ("model", origin) for relative, origin in shipped_sources(config, strict=False).items()
@@ -149,7 +131,7 @@ def _counted_files(config: Config) -> dict[str, tuple[str, Path]]:
     with importable_working_folder():
         for key in ("data.factory", "optimizer.factory", "scheduler.factory"):
             section, _, field = key.partition(".")
-            found = _module_file(getattr(getattr(config, section), field).partition(":")[0])
+            found = module_file(getattr(getattr(config, section), field).partition(":")[0])
             if found is not None:
                 files.setdefault(found[0], (key, found[1]))
     return files

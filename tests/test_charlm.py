@@ -26,7 +26,7 @@ from localhub import LocalHub
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config, parse_set_overrides
 from pipeline.errors import ConfigError
-from pipeline.stage.card import printable
+from pipeline.stage.card_parts import printable
 
 from support import REPO, first_python_block, publish_stage, run_as_hub_user, run_script, script_env
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 from pathlib import Path
@@ -36,6 +37,10 @@ def test_metrics_json_names_the_step_and_sha256_of_the_evaluated_weights(evaluat
     # The hash of the meta.json file, named apart from meta.json's own seal (meta_sha256).
     assert record["meta_file_sha256"] == hashlib.sha256((checkpoint / "meta.json").read_bytes()).hexdigest()
     assert "meta_sha256" not in record
+    # When, as every record states it: UTC, to the second.
+    created = datetime.datetime.fromisoformat(record["created"])
+    assert created.utcoffset() == datetime.timedelta(0), record["created"]
+    assert record["created"] == created.isoformat(timespec="seconds"), record["created"]
 
 
 def test_a_metrics_record_written_before_the_rename_is_still_read(evaluated_run, tmp_path):

@@ -4,6 +4,8 @@
 - ``localhub`` (the loopback Hub) imports nothing of ``pipeline``.
 - The publish side (``pipeline.publishing`` and what it imports) never imports torch: statically,
   over every import statement of its closure, and for real, 06 --dry-run with torch impossible.
+
+And the map the packages draw of themselves: each one's ``__init__`` names every module in it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from localhub import LocalHub
 
@@ -138,3 +142,14 @@ def test_publish_dry_run_works_where_torch_cannot_be_imported(staged_run, tmp_pa
     # The blocker works: the same interpreter and path cannot import torch.
     probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
     assert "torch is blocked in this test" in probe.stderr
+
+
+@pytest.mark.parametrize(
+    "package", ["config", "data", "distributed", "integrations", "leaks", "publishing", "stage"]
+)
+def test_a_packages_docstring_names_every_module_in_it(package):
+    """A module its package's map leaves out is one a maintainer does not find from there."""
+    folder = REPO / "pipeline" / package
+    text = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+    modules = sorted(path.stem for path in folder.glob("*.py") if path.stem != "__init__")
+    assert modules and [name for name in modules if f"``{name}``" not in text] == [], text

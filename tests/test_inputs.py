@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 from safetensors.torch import load_file
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
-from pipeline.data import prepare_data
+from pipeline.data import InputForm, input_mode, prepare_data
 from pipeline.durable import json_bytes
 from pipeline.errors import DataError
 from pipeline.train import train
@@ -34,6 +36,22 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
     message = str(exc.value)
     assert "\n" not in message and exc.value.exit_code == 2, message
     return message
+
+
+def test_the_task_data_takes_exactly_one_of_the_three_input_forms_and_anything_else_is_one_line():
+    forms = {
+        "batches": SimpleNamespace(get_batch=lambda indices, device: None, num_train=4),
+        "dataset": SimpleNamespace(train_dataset=[1, 2]),
+        "stream": SimpleNamespace(train_iterable=iter(())),
+    }
+    assert set(forms) == set(get_args(InputForm))
+    assert {form: input_mode(data) for form, data in forms.items()} == {form: form for form in forms}
+    with pytest.raises(DataError) as none:
+        input_mode(SimpleNamespace(get_batch=4, train_dataset=None, num_train=4))
+    assert "a SimpleNamespace with none of them: give exactly one of get_batch" in _one_line(none)
+    with pytest.raises(DataError) as two:
+        input_mode(SimpleNamespace(train_dataset=[1], train_iterable=iter(())))
+    assert "with dataset and stream: give exactly one of" in _one_line(two)
 
 
 def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop_mid_epoch(

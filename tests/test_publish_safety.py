@@ -33,7 +33,7 @@ from test_publish import (
 from pipeline.audit import audit_stage, parse_manifest, stage_lock
 from pipeline.errors import PublishError, ReceiptNotWritten, SecretInStage, StageError, VerificationFailed
 from pipeline.leaks import KINDS, leak_rules
-from pipeline.publishing.client import Target
+from pipeline.publishing.client import Target, network_words
 from pipeline.publishing.deadline import Deadline
 
 # The loopback Hub fixtures of test_publish.py (hf_env and waits are autouse there, and so here).
@@ -360,6 +360,25 @@ def test_the_token_is_not_in_the_repr_of_the_publish_target():
         Deadline(60),
     )
     assert TOKEN not in repr(target) and "alice/x" in repr(target)
+
+
+@pytest.mark.parametrize("at", [0, 270, 280, 290])
+def test_a_lost_connection_is_told_in_one_line_without_the_token_wherever_the_line_is_cut(at):
+    """A client error may quote the request with its token, and the line is cut at 300
+    characters: the token is scrubbed before the cut, so no piece of it survives."""
+    target = Target(
+        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
+        "http://127.0.0.1:1",
+        "alice/x",
+        "main",
+        "",
+        TOKEN,
+        Deadline(60),
+    )
+    said = network_words(target, OSError(f"{'x' * at}Bearer {TOKEN} refused\nthe rest of the story"))
+    assert said.startswith("connection to http://127.0.0.1:1 lost (OSError: xxx" if at else "connection to")
+    assert TOKEN[:6] not in said and "\n" not in said and "the rest" not in said, said
+    assert ("<token>" in said) == (len(f"OSError: {'x' * at}Bearer <token>") <= 300), said
 
 
 def test_the_stage_lock_is_beside_the_stage_not_on_its_parent(staged_run, tmp_path):

@@ -505,3 +505,24 @@ def test_audit_refuses_a_same_size_edit_of_each_staged_file(staged_run, tmp_path
     assert (stage / name).stat().st_size == (staged_run.stage / name).stat().st_size
     with pytest.raises(StageAuditError, match=named):
         audit_stage(stage)
+
+
+def test_a_proof_report_of_another_schema_or_unfinished_is_refused_in_one_line(tmp_path):
+    from pipeline.errors import ProofMismatch
+    from pipeline.proof import REPORT_SCHEMA
+    from pipeline.stage.proof_report import read_proof
+
+    report = tmp_path / "verification.json"
+    for written in (
+        {"schema": "pipeline.resume-proof/0", "completed": True},
+        {"schema": REPORT_SCHEMA, "completed": False},
+        [REPORT_SCHEMA],
+    ):
+        report.write_text(json.dumps(written))
+        with pytest.raises(ProofMismatch) as refused:
+            read_proof(tmp_path, {}, tmp_path)
+        assert f"{report} is not a completed pipeline.resume-proof/1 report" in str(refused.value)
+    # What 03 writes passes this check and is held to the next one: the sources it proves.
+    report.write_text(json.dumps({"schema": REPORT_SCHEMA, "completed": True}))
+    with pytest.raises(ProofMismatch, match="lacks the sources a proof records"):
+        read_proof(tmp_path, {}, tmp_path)

@@ -23,8 +23,8 @@ from pipeline.checkpoint import (
 from pipeline.config import load_config
 from pipeline.errors import InternalError, PipelineError, SchemaMismatch, StageError, StateMismatch
 from pipeline.evaluate import evaluate_checkpoint
+from pipeline.sources import model_sources
 from pipeline.stage import StageBuild, build_stage
-from pipeline.stage.code_export import model_sources
 from pipeline.stage.weights import HUB_MAX_FILE_SIZE, parse_size, plan_weights
 
 from support import REPO

@@ -17,9 +17,10 @@ from .feed import Feed, make_feed, to_device
 from .prepared import load_manifest, load_task_data, prepare_data
 from .sampler import EpochSampler, Sampler, clone_sampler, make_sampler
 from .seeding import isolated_rng, seed_sample
-from .task import TaskData, describe_inputs, input_mode
+from .task import InputForm, TaskData, describe_inputs, input_mode
 
 __all__ = [
+    "InputForm",
     "TaskData",
     "Sampler",
     "EpochSampler",

@@ -20,7 +20,9 @@ from ..layout import DATA_MANIFEST_FILE
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["prepare_data", "load_manifest", "load_task_data"]
+__all__ = ["MANIFEST_SCHEMA", "prepare_data", "load_manifest", "load_task_data"]
+
+MANIFEST_SCHEMA = "pipeline.data/1"
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -136,7 +138,7 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
             if not files:
                 raise DataError(f"{config.data.prepare} wrote no files")
             manifest = {
-                "schema": "pipeline.data/1",
+                "schema": MANIFEST_SCHEMA,
                 **_recipe(config),
                 "files": files,
                 "fingerprint": fingerprint_table(files),

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..config import Config
-from ..errors import DataError
+from ..errors import DataError, first_line
 
 __all__ = ["Sampler", "EpochSampler", "make_sampler", "clone_sampler", "batch_epoch", "dataset_length"]
 
@@ -27,10 +27,7 @@ def dataset_length(source: Any, what: str) -> int:
         try:
             rows = source.__len__()
         except Exception as exc:
-            text = str(exc).strip()
-            raise DataError(
-                f"{shown} raised {type(exc).__name__}{': ' + text.splitlines()[0][:300] if text else ''}"
-            ) from exc
+            raise DataError(f"{shown} raised {first_line(exc, named=True)}") from exc
     if type(rows) is not int or rows < 0:
         raise DataError(f"{shown} is {rows!r}: the number of training rows must be an integer >= 0")
     return rows

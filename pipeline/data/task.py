@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from ..errors import DataError
 
-__all__ = ["TaskData", "input_mode", "describe_inputs"]
+__all__ = ["InputForm", "TaskData", "input_mode", "describe_inputs"]
+
+InputForm = Literal["batches", "dataset", "stream"]
+"""The three forms of a task's training inputs (:class:`TaskData`): ``get_batch``, a map-style
+``train_dataset``, or a ``train_iterable``. A feed's saved state names it (its ``kind``), and
+the resume proof's report (``data.mode``)."""
 
 
 class TaskData(Protocol):
@@ -38,10 +43,10 @@ class TaskData(Protocol):
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]: ...
 
 
-def input_mode(data: Any) -> str:
-    """Which of the three forms ``data`` takes: ``"batches"``, ``"dataset"`` or ``"stream"``
-    (refused in one line when it is none, or more than one)."""
-    forms = [
+def input_mode(data: Any) -> InputForm:
+    """Which of the three forms (:data:`InputForm`) ``data`` takes, refused in one line when it
+    is none, or more than one."""
+    forms: list[InputForm] = [
         name
         for name, present in (
             ("batches", callable(getattr(data, "get_batch", None))),

@@ -34,6 +34,7 @@ from ..errors import (
     StaleBranch,
     TokenRejected,
     UploadInterrupted,
+    first_line,
 )
 from .deadline import REQUEST_TIMEOUT_S, RETRYABLE, Deadline, describe_request, retry_after_s
 
@@ -124,7 +125,7 @@ def http_error(target: Target, action: str, exc: HfHubHTTPError, consequence: st
             f"someone pushed to {target.revision} of {target.repo_id} since it was read; nothing "
             "was written; rerun to publish on top of the new head"
         )
-    detail = getattr(exc, "server_message", None) or (str(exc).strip().splitlines() or [""])[0]
+    detail = getattr(exc, "server_message", None) or first_line(exc, limit=None)
     return PublishError(
         f"the Hub answered HTTP {status} while {action} on {target.repo_id}: "
         f"{_scrub(target, detail)}; {consequence}"
@@ -156,14 +157,15 @@ def network_words(target: Target, network: BaseException) -> str:
         return (
             f"no answer from {target.endpoint} to {what} within {bound:.3g}s{cut} ({type(network).__name__})"
         )
-    detail = _scrub(target, (str(network).splitlines() or [""])[0])[:300]
-    url = re.search(r"https?://[^\s),]+", detail)
+    # Scrubbed whole, then cut: a token cut in two would pass the scrub.
+    said = _scrub(target, first_line(network, named=True, limit=None))[:300]
+    url = re.search(r"https?://[^\s),]+", said)
     if isinstance(network, ConnectionError) and url is not None:
         return (
             f"the Xet client gave up on {describe_request('POST', url.group(0))} after its retries, capped by "
-            f"the {target.deadline.timeout:g}s --timeout ({type(network).__name__}: {detail})"
+            f"the {target.deadline.timeout:g}s --timeout ({said})"
         )
-    return f"connection to {target.endpoint} lost ({type(network).__name__}{': ' + detail if detail else ''})"
+    return f"connection to {target.endpoint} lost ({said})"
 
 
 @contextlib.contextmanager

@@ -26,64 +26,33 @@ the Hub's commit rate limit (HTTP 429) and can leave a half-pushed repo behind.
 ``parent_commit`` makes the commit fail with 412 rather than land on top of someone else's
 push that we never looked at.
 
-No file is hashed twice: the audit's SHA-256 is handed to each ``CommitOperationAdd`` through
-the public ``UploadInfo.sha256`` setter, and the client skips its own hashing (LFS and Xet
-paths alike) for operations whose hash is set (the Xet hash: see :mod:`.xet`). The upload still
-reads the bytes, of course; a size/mtime/inode check before each commit attempt, and the check
-after landing, catch a file edited between the audit and the upload. Only new and changed files
-are handed to the client, so an unchanged file is not read again.
+No file is hashed twice, and an unchanged one is not read again: the upload takes the audit's
+SHA-256 (:mod:`.landing`; the Xet hash: :mod:`.xet`). A check of every staged file before each
+commit attempt, and the check after landing, catch a file edited between the audit and the upload.
 
-Retries, all within the deadline: the client retries preupload, LFS batch, PUT and verify
-requests on 429/5xx and network errors by itself, and hf_xet its CAS requests (budget capped
-by the deadline); reads and repo creation are retried here; the commit is retried on 429 and
-5xx only, at most ``COMMIT_ATTEMPTS`` times, waiting ``Retry-After`` when given (else 1, 2, 4 s).
-412 is never retried. When the commit's answer is lost or an error answer may hide a landed
-commit, the branch head is read again: if it holds our commit, publishing goes on to verification
-and succeeds, saying so; if not, nothing was committed (exit 2). A rerun never makes a second commit.
+Retries, all within the deadline: reads and repo creation are retried by :mod:`.client`; the
+commit's attempts, and how a commit whose answer was lost is found on the branch (publishing
+then goes on to verification and succeeds, saying so), are :mod:`.landing`'s. A rerun never
+makes a second commit.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable
 
-import httpx2
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub import HfApi, constants, get_token
 
 from ..audit import AuditedFile, audit_stage, stage_lock
-from ..errors import (
-    DeadlinePassed,
-    HubUnavailable,
-    PublishError,
-    PublishTimedOut,
-    ReceiptNotWritten,
-    StageChanged,
-    TokenRejected,
-    UploadInterrupted,
-    VerificationFailed,
-)
+from ..errors import PublishError, ReceiptNotWritten, StageChanged, TokenRejected, VerificationFailed
 from ..leaks import leak_rules
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from . import xet
-from .client import (
-    RERUN,
-    Target,
-    answered,
-    call,
-    find_cause,
-    http_status,
-    hub_errors,
-    network_words,
-    pull_requests,
-    read_head,
-    remote_files,
-    retry_after,
-    tags,
-)
-from .deadline import RETRYABLE, Deadline, default_timeout
+from .client import Target, call, hub_errors, remote_files, tags
+from .deadline import Deadline, default_timeout
+from .landing import Publishing, StatKey, land, stat_key
 from .plan import (
     KEPT_REMOTE_FILES,
     Publication,
@@ -92,20 +61,15 @@ from .plan import (
     check_staged_repo_id,
     check_timeout,
     clean_prefix,
-    compare,
     prepare_receipt_dir,
     read_plan,
     resolve_endpoint,
 )
 from .verify import Receipt, VerifiedFile, receipt_path, verify_commit, write_receipt
 
-__all__ = ["COMMIT_ATTEMPTS", "PublishResult", "publish"]
+__all__ = ["PublishResult", "publish"]
 
-# Commit attempts on 429/5xx answers, the first one included.
-COMMIT_ATTEMPTS = 4
 NOTHING_SENT = "nothing was published (no request was sent)"
-# Size, mtime, ctime and inode: a process can set a file's mtime back after writing it, never its ctime.
-StatKey = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,24 +89,6 @@ class PublishResult:
     signature: SignatureCheck | None = None
     audited: tuple[AuditedFile, ...] = ()
     """Every staged file as the audit found it (its hashes, and the leaks ``card.allow_leaks`` allowed)."""
-
-
-@dataclass(slots=True)
-class _Publishing:
-    """One publish in progress: what every step after the plan needs."""
-
-    target: Target
-    stage: Path
-    audited: dict[str, AuditedFile]
-    snapshot: dict[str, StatKey]
-    """Size, mtime and inode of every staged file when audited."""
-    receipts: Path
-    signature: SignatureCheck | None
-    plan: PublishPlan
-    restage: str
-    """The command that rebuilds the stage (:attr:`Publication.restage`)."""
-    xet_hashes: xet.StagedXetHashes
-    """The Xet hash of each staged file (the audit's, or computed when first needed)."""
 
 
 def _quiet(line: str) -> None:
@@ -197,7 +143,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
                 # Create what is missing (the only writes before the commit), then plan again against the new head.
                 _create_missing(target, plan, wanted.private)
                 plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
-            run = _Publishing(
+            run = Publishing(
                 target, stage, audited, snapshot, receipts, signature, plan, wanted.restage, xet_hashes
             )
             if plan.up_to_date:
@@ -214,7 +160,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
                 f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
                 f"onto {plan.head[:12]} of {target.revision}"
             )
-            commit, lost = _commit(run)
+            commit, lost = land(run)
         # The client returns the old head when it found nothing to change (a race with an identical push).
         status = "already published" if commit == plan.head else "published"
         return _tagged(run, wanted.tag, _finish(run, commit, status, answer_lost=lost))
@@ -228,25 +174,20 @@ def _stage_bytes(stage: Path) -> int:
     return sum(entry.stat().st_size for entry in stage.rglob("*") if entry.is_file()) if stage.is_dir() else 0
 
 
-def _stat_key(path: Path) -> StatKey:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
 def _audit(
     stage: Path, say: Callable[[str], None], *, verify_later: bool
 ) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
     """audit_stage with the leak scan and (for a Xet upload to verify later) the Xet hashes in
     the same read, with stat snapshots around it so later edits are noticed without reading again."""
     before = (
-        {p.relative_to(stage).as_posix(): _stat_key(p) for p in stage.rglob("*") if p.is_file()}
+        {p.relative_to(stage).as_posix(): stat_key(p) for p in stage.rglob("*") if p.is_file()}
         if stage.is_dir()
         else {}
     )
     # Uploaded over Xet, the files are verified by their Xet hash: computed from the audit's read.
     xet_digest = xet.new_digest if verify_later and xet.client_uploads_over_xet() else None
     audited = audit_stage(stage, leaks=leak_rules(), xet_digest=xet_digest, consequence=NOTHING_SENT)
-    snapshot = {name: _stat_key(stage / name) for name in audited}
+    snapshot = {name: stat_key(stage / name) for name in audited}
     if any(before.get(name) != key for name, key in snapshot.items()):
         raise StageChanged(f"{stage}/ changed while it was being audited; nothing was sent; rerun")
     say(f"audited {len(audited)} files in {stage}/ against its MANIFEST.sha256 and scanned them for leaks")
@@ -306,179 +247,10 @@ def _create_missing(target: Target, plan: PublishPlan, private: bool | None) -> 
         )
 
 
-# -- the commit ---------------------------------------------------------------------------------
-
-
-def _commit(run: _Publishing) -> tuple[str, bool]:
-    """ONE create_commit naming ``plan.head`` as parent, retried on 429/5xx only, within the
-    deadline. Returns the commit id and whether it was found on the branch after an error
-    answer or none (its answer was lost)."""
-    deadline, say = run.target.deadline, run.target.say
-    for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        _check_unchanged(run.stage, run.snapshot, run.restage)
-        answer = _try_commit(run)
-        if isinstance(answer, str):
-            return answer, False
-        if not isinstance(answer, HfHubHTTPError):
-            return _after_lost_answer(run, answer), True
-        wait = retry_after(answer)
-        wait = float(2 ** (attempt - 1)) if wait is None else wait
-        status = http_status(answer)
-        if attempt == COMMIT_ATTEMPTS or wait >= deadline.remaining():
-            break
-        say(
-            f"{answered(answer)} got HTTP {status}; retrying the commit in {wait:g}s (attempt {attempt + 1} of "
-            f"{COMMIT_ATTEMPTS})"
-        )
-        deadline.sleep(wait)
-        # The answer can be lost after the commit landed: then there is nothing left to retry.
-        landed = _landed(run)
-        if landed is not None:
-            say(f"the commit had landed despite the error answer: {landed}")
-            return landed, True
-    # Giving up: an error answer may still hide a commit that landed.
-    deadline.settle()
-    landed = _landed(run)
-    if landed is not None:
-        say(f"the commit had landed despite the error answer: {landed}")
-        return landed, True
-    reason = (
-        f"{COMMIT_ATTEMPTS} times"
-        if attempt == COMMIT_ATTEMPTS
-        else f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout"
-    )
-    raise HubUnavailable(
-        f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "
-        "nothing was committed; rerun later (uploaded blobs are kept)"
-    )
-
-
-def _check_unchanged(stage: Path, snapshot: Mapping[str, StatKey], restage: str) -> None:
-    """Cheap guard between audit and upload: size, mtime, ctime and inode of every staged file."""
-    for name, key in snapshot.items():
-        path = stage / name
-        if not path.is_file() or _stat_key(path) != key:
-            raise StageChanged(
-                f"{path} changed on disk after it was audited; nothing was committed; rebuild "
-                f"the stage with {restage}, then rerun"
-            )
-
-
-def _operations(run: _Publishing) -> list[Any]:
-    """Fresh operations for one attempt (the client refuses to reuse committed ones): the new and
-    changed files, a file to repair deleted first, then the deletions of files no longer staged."""
-    ops: list[Any] = []
-    for planned in run.plan.files:
-        if planned.action == "unchanged":
-            continue
-        entry = run.audited[planned.name]
-        op = CommitOperationAdd(
-            path_in_repo=planned.path_in_repo, path_or_fileobj=str(run.stage / entry.name)
-        )
-        if op.upload_info.size != entry.size:
-            raise StageChanged(
-                f"{run.stage / entry.name} is {op.upload_info.size} bytes, not the {entry.size} it "
-                "had when audited; nothing was committed; rerun"
-            )
-        # The audit's SHA-256, so the client does not read and hash the file a second time.
-        op.upload_info.sha256 = bytes.fromhex(entry.sha256)
-        if planned.action == "repair":
-            ops.append(CommitOperationDelete(path_in_repo=planned.path_in_repo))
-        ops.append(op)
-    return ops + [CommitOperationDelete(path_in_repo=path) for path in run.plan.deletions]
-
-
-def _try_commit(run: _Publishing) -> str | HfHubHTTPError | BaseException:
-    """One attempt: the new commit id, the 429/5xx answer to retry on, or what cut it short
-    (a timeout, a cut connection, the Xet client giving up, the deadline), after which only
-    the branch head can tell whether the commit landed."""
-    target, plan = run.target, run.plan
-    with hub_errors(target, "uploading and committing"), target.deadline.xet_capped():
-        target.deadline.follow_session()
-        try:
-            info = target.api.create_commit(
-                target.repo_id,
-                _operations(run),
-                commit_message=plan.title,
-                commit_description=plan.description,
-                revision=target.revision,
-                parent_commit=plan.head,
-                create_pr=target.create_pr,
-            )
-            return info.oid
-        except HfHubHTTPError as exc:
-            if http_status(exc) in RETRYABLE:
-                target.deadline.note(f"HTTP {http_status(exc)} to the commit")
-                return exc
-            raise
-        except Exception as exc:
-            if target.deadline.expired() and find_cause(exc, (DeadlinePassed,)) is None:
-                # The watchdog cut the upload (the Xet client reports a cancelled task).
-                return DeadlinePassed(f"the upload was cut at the deadline ({type(exc).__name__})")
-            cut = find_cause(exc, (DeadlinePassed, httpx2.TransportError, ConnectionError))
-            if cut is None or (
-                find_cause(exc, (HfHubHTTPError,)) is not None and not isinstance(cut, DeadlinePassed)
-            ):
-                raise
-            return cut
-
-
-def _after_lost_answer(run: _Publishing, cut: BaseException) -> str:
-    """The commit (or an upload before it) got no answer: the branch head says whether it landed."""
-    target = run.target
-    action = "uploading and committing"
-    timed_out = isinstance(cut, DeadlinePassed)
-    what = target.deadline.why(action, cut) if timed_out else f"{network_words(target, cut)} while {action}"  # type: ignore[arg-type]
-    target.say(f"{what}; reading the branch head to see whether the commit landed")
-    target.deadline.settle()
-    try:
-        landed = _landed(run)
-    except PublishError as exc:
-        raise UploadInterrupted(
-            f"{what}, and the branch head could not be read afterwards ({exc}): the commit "
-            "may or may not have landed; rerun: it finds a landed commit and never makes a "
-            "second one"
-        ) from None
-    if landed is None:
-        error = PublishTimedOut if timed_out else UploadInterrupted
-        raise error(f"{what}, and the head of {target.revision} did not move: nothing was committed; {RERUN}")
-    target.say(f"the answer to the commit was lost, but the commit landed: {landed}")
-    return landed
-
-
-def _holds_the_stage(run: _Publishing, commit: str) -> bool:
-    remote = remote_files(run.target, commit)
-    files, deletions = compare(run.stage, run.audited, remote, run.target.prefix, run.xet_hashes)
-    return not deletions and all(f.action == "unchanged" for f in files)
-
-
-def _landed(run: _Publishing) -> str | None:
-    """After an error answer: the commit, if it landed. Pushed to a branch, the branch moved
-    and holds exactly our stage; as a pull request (which leaves the branch where it was), a
-    pull request opened since the plan was read holds exactly our stage."""
-    target, plan = run.target, run.plan
-    if target.create_pr:
-        opened = {
-            ref: commit for ref, commit in pull_requests(target).items() if ref not in plan.pull_requests
-        }
-        return next(
-            (
-                commit
-                for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
-                if _holds_the_stage(run, commit)
-            ),
-            None,
-        )
-    head = read_head(target, target.revision)
-    if head is None or head == plan.head:
-        return None
-    return head if _holds_the_stage(run, head) else None
-
-
 # -- verification, receipt and tag ----------------------------------------------------------------
 
 
-def _finish(run: _Publishing, commit: str, status: str, *, answer_lost: bool = False) -> PublishResult:
+def _finish(run: Publishing, commit: str, status: str, *, answer_lost: bool = False) -> PublishResult:
     """Verify ``commit`` against the audit, write the receipt, raise VerificationFailed on a difference."""
     target, plan = run.target, run.plan
     url = f"{target.endpoint}/{target.repo_id}/commit/{commit}"
@@ -549,7 +321,7 @@ def _finish(run: _Publishing, commit: str, status: str, *, answer_lost: bool = F
     )
 
 
-def _tagged(run: _Publishing, tag: str | None, result: PublishResult) -> PublishResult:
+def _tagged(run: Publishing, tag: str | None, result: PublishResult) -> PublishResult:
     """Tag the verified commit (kept as it is when the tag already names it)."""
     target = run.target
     if tag and tags(target).get(tag) is None:

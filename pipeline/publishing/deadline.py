@@ -7,7 +7,8 @@ A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` starts (def
   time left)`` for each read or write (a request hook sets the bound on the request itself, also on
   those the client sends with its own ``timeout=``), and no request starts once the time is up;
 - a watchdog thread ends whatever is still running when the time is up: it shuts down every
-  connection the publish opened and stops the Xet client's upload (:func:`.xet.stop`). httpx's
+  connection the publish opened and stops what runs outside those connections' reach (the
+  Xet client's upload: :meth:`Deadline.stopping`, used by :func:`.xet.upload_within`). httpx's
   timeouts bound each socket operation, so a server that sends one byte per second never trips
   them: only this wall-clock cut bounds such a server. A request cut this way fails with
   :class:`~pipeline.errors.DeadlinePassed`, which the client does not retry;
@@ -36,7 +37,6 @@ import httpx2
 from huggingface_hub import get_session
 
 from ..errors import DeadlinePassed
-from . import xet
 
 __all__ = [
     "REQUEST_TIMEOUT_S",
@@ -116,11 +116,12 @@ class Deadline:
         self.last_error: str | None = None
         self._unanswered: set[str] = set()
         self._sessions: list[tuple[httpx2.Client, dict]] = []
-        # The watchdog's state, under one lock: the connections opened, the Xet uploads running.
+        # The watchdog's state, under one lock: the connections opened, what it must stop while
+        # it runs (what it is, how to stop it), and every such stop used (called again at the end).
         self._changed = threading.Condition()
         self._streams: list[Any] = []
-        self._xet_uploads = 0
-        self._xet_used = False
+        self._running: list[tuple[str, Callable[[], None]]] = []
+        self._stops_used: dict[Callable[[], None], None] = {}
         self._stopped = False
 
     def remaining(self) -> float:
@@ -242,12 +243,12 @@ class Deadline:
                     self._changed.wait(left if left > 0 else None)
                     continue
                 cut_for = self.end
-                streams, uploading = list(self._streams), self._xet_uploads > 0
+                streams, running = list(self._streams), dict(self._running)
             for stream in streams:
                 _shut(stream)
-            if uploading:
-                self.note("the Xet upload was still running when the time was up: stopped")
-                xet.stop()
+            for what, stop in running.items():
+                self.note(f"{what} was still running when the time was up: stopped")
+                stop()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["Deadline"]:
@@ -269,25 +270,24 @@ class Deadline:
             for stream in self._streams:
                 _shut(stream)
             self._streams.clear()
-            if self._xet_used:
-                xet.stop()  # its runtime's threads end with it; the next upload starts a session anew
+            for stop in self._stops_used:
+                stop()  # the Xet runtime's threads end with the publish; a next upload starts anew
+            self._stops_used.clear()
 
     @contextlib.contextmanager
-    def xet_capped(self) -> Iterator[None]:
-        """The block may upload through Xet: its settings capped by the time left, and the
-        watchdog stops it when the time is up."""
-        if not xet.client_uploads_over_xet():
+    def stopping(self, what: str, stop: Callable[[], None]) -> Iterator[None]:
+        """The block runs ``what`` (the Xet upload), which no request hook reaches: when the time
+        is up while it runs, the watchdog notes it and calls ``stop``; leaving :meth:`installed`
+        calls ``stop`` once more."""
+        entry = (what, stop)
+        with self._changed:
+            self._running.append(entry)
+            self._stops_used[stop] = None
+        try:
             yield
-            return
-        with xet.capped(self.remaining()):
+        finally:
             with self._changed:
-                self._xet_uploads += 1
-                self._xet_used = True
-            try:
-                yield
-            finally:
-                with self._changed:
-                    self._xet_uploads -= 1
+                self._running.remove(entry)
 
 
 def _shut(stream: Any) -> None:

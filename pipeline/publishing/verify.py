@@ -19,7 +19,6 @@ stage, and never holds the token.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
 from ..audit import AuditedFile
-from ..durable import write_json_atomic
+from ..durable import utc_now, write_json_atomic
 from ..hashing import CHUNK
 from .client import RemoteFile, Target
 from .xet import StagedXetHashes, Storage, check_landed, storage_of
@@ -219,7 +218,7 @@ def write_receipt(receipt_dir: Path, receipt: Receipt) -> Path:
             "commit_url": receipt.commit_url,
             "parent_commit": receipt.parent,
             "step": receipt.step,
-            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "time": utc_now(),
             "verified": not receipt.problems,
             "signature": None if receipt.signature is None else dict(receipt.signature),
             "problems": receipt.problems,

@@ -15,11 +15,11 @@ once more to send it: the SHA-256 goes with it (``UploadInfo.sha256``), so hf_xe
 compute it again, but its chunk hashes it computes while it sends (huggingface_hub offers no
 way to hand over the ones known, nor to get back the Xet hash its upload computed).
 
-**The upload within the deadline.** hf_xet reads its settings from its documented environment
-variables when a Xet session starts; :func:`capped` sets them from the time left and starts a new
-session for the upload. :func:`stop` ends the session, cancelling what it is doing: the deadline's
-watchdog calls it when the time is up, as a server that answers one byte per second trips none of
-hf_xet's timeouts. huggingface_hub keeps the session it uploads through to itself; the one way to
+**The upload within the deadline** (:func:`upload_within`). hf_xet reads its settings from its
+documented environment variables when a Xet session starts; :func:`capped` sets them from the time
+left and starts a new session for the upload. :func:`stop` ends the session, cancelling what it is
+doing: the deadline's watchdog calls it when the time is up, as a server that answers one byte per
+second trips none of hf_xet's timeouts. huggingface_hub keeps the session it uploads through to itself; the one way to
 end it is ``huggingface_hub.utils._xet.abort_xet_session``, the function the client itself calls
 on Ctrl-C (a private module: where a release removes it, the deadline still caps hf_xet's retries
 and timeouts, but no longer cuts a trickling upload).
@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 from huggingface_hub import constants
 
+from .deadline import REQUEST_TIMEOUT_S, Deadline
+
 if TYPE_CHECKING:
     from ..audit import AuditedFile
     from .client import RemoteFile
@@ -59,6 +61,7 @@ __all__ = [
     "new_digest",
     "stop",
     "storage_of",
+    "upload_within",
 ]
 
 
@@ -186,8 +189,6 @@ _SETTINGS = {
 }
 # The pipe's buffer: large enough that hf_xet rarely waits for the audit, or the audit for it.
 _PIPE_BYTES = 1 << 20
-# No Xet request waits longer than this for an answer (the deadline's REQUEST_TIMEOUT_S).
-_LONGEST_WAIT_S = 60.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "h": 3600.0}
 
@@ -204,7 +205,7 @@ def capped(remaining: float) -> Iterator[None]:
     left = max(remaining, 1.0)
     saved = {name: os.environ.get(name) for name in _SETTINGS}
     for name, (default, share) in _SETTINGS.items():
-        limit = left * share if "TIMEOUT" not in name else min(left, _LONGEST_WAIT_S)
+        limit = left * share if "TIMEOUT" not in name else min(left, REQUEST_TIMEOUT_S)
         os.environ[name] = f"{int(1000 * min(_seconds(saved[name], default), limit))}ms"
     stop()  # the next session reads the settings above
     try:
@@ -215,6 +216,17 @@ def capped(remaining: float) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def upload_within(deadline: Deadline) -> Iterator[None]:
+    """The block may upload through Xet: hf_xet's settings capped by the time ``deadline`` has
+    left, and the upload stopped by its watchdog when the time is up."""
+    if not client_uploads_over_xet():
+        yield
+        return
+    with capped(deadline.remaining()), deadline.stopping("the Xet upload", stop):
+        yield
 
 
 def stop() -> None:

@@ -1,11 +1,15 @@
 """Script 05: build the Hub stage from the last verified checkpoint, then audit it.
 
-``build`` assembles and swaps the stage into place (one :class:`StageBuild` per build);
-``weights`` brings the checkpoint's weights in, one tensor in memory at a time;
-``hf_export`` writes the files the Hub's tools need; ``code_export`` collects the model's
-code and ``hub_loader`` is the loader shipped with it; ``card`` writes the model card;
-``redact`` and ``proof_report`` keep machine paths and foreign proofs out. The stage's
-manifest and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and signing
+``build`` assembles and swaps the stage into place (one :class:`StageBuild` per build),
+writing the publishable record (``record``) and every file (``files``: hashed as written,
+the manifest, the folder replaced only if 05 built it); ``weights`` brings the checkpoint's
+weights in, one tensor in memory at a time; ``hf_export`` writes the files the Hub's tools
+need; ``hub_loader`` is the loader shipped with the model's code (collected by
+``pipeline.sources``, which training fingerprints too); ``card`` writes the model card,
+of parts a folder's card shares (``card_parts``);
+``redact`` and ``proof_report`` keep machine paths and foreign proofs out; ``from_folder``,
+``folder_source`` and ``folder_card`` stage a folder another tool wrote. The stage's manifest
+and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and signing
 (``pipeline.signing``) are shared with the publish side, which imports no torch.
 """
 
@@ -14,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# name -> the module that defines it. Lazy, so that training can read ``code_export`` (the
-# model's code closure, which its checkpoints fingerprint) without the stage's Hub-side imports.
+# name -> the module that defines it. Lazy, so that importing a submodule does not import
+# the whole stage.
 _NAMES = {
     "StageBuild": ".build",
     "StageResult": ".build",

@@ -27,25 +27,21 @@ import contextlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-import torch
-
-from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock, stage_marker_problem
+from ..audit import AuditedFile, audit_stage, stage_lock
 from ..checkpoint import (
-    CheckpointWeights,
     LoadMode,
     is_distributed,
     open_weights,
     pinned_checkpoint,
-    read_tensors,
 )
 from ..cli import script_command
 from ..config import Config
 from ..durable import atomic_folder, fsync_dir, json_bytes, recover, scratch_folder
 from ..errors import NonFiniteWeights, StageError
 from ..evaluate import evaluation_config, read_metrics
-from ..hashing import HashingWriter, sha256_file
+from ..hashing import sha256_file
 from ..layout import (
     CODE_DIR,
     CONFIG_FILE,
@@ -64,15 +60,15 @@ from ..provenance import CodeChange, code_changed_refusal, code_changes
 from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
-from ..start import Launch
-from .card import LOADER_MODULE, build_model_card, read_user_sections, render_curve
-from .code_export import shipped_sources
+from ..sources import shipped_sources
+from .card import build_model_card, read_user_sections, render_curve
+from .card_parts import LOADER_MODULE
+from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
 from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof
-from .redact import public_paths
+from .record import Sources, proof_verdict, public_config, read_history, staged_meta
 from .weights import (
     DEFAULT_MAX_SHARD_SIZE,
-    HUB_MAX_FILE_SIZE,
     index_bytes,
     parse_size,
     plan_weights,
@@ -81,10 +77,6 @@ from .weights import (
 
 __all__ = ["StageBuild", "StageResult", "build_stage"]
 
-# The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
-
-
-_GITKEEP = ".gitkeep"
 _HUB_LOADER = Path(__file__).with_name("hub_loader.py")
 
 
@@ -133,57 +125,7 @@ class StageResult:
     because the stage ships no code (a transformers model); recorded in its meta.json."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Sources:
-    """What a stage is built from, each piece verified by :func:`build_stage`."""
-
-    folder: Path
-    """The checkpoint folder."""
-    meta: dict[str, Any]
-    """Its sealed meta.json."""
-    meta_file_sha256: str
-    """SHA-256 of the meta.json file."""
-    config: Config
-    """The user's config (its card section may change after training)."""
-    model_config: Config
-    """The checkpoint's own config (what built the weights)."""
-    model: torch.nn.Module
-    """The model it builds, without weights."""
-    metrics: dict[str, Any] | None
-    """The matching metrics.json record, if staged with metrics."""
-    weights: CheckpointWeights
-    """The verified weights, read one tensor at a time."""
-    user_sections: str | None
-    """The Markdown of the config's ``card.sections`` file, if any."""
-    code_changes: list[CodeChange]
-    """Counted files that changed since training (a stage that ships no code only)."""
-
-
 # -- refusals -----------------------------------------------------------------------------
-
-
-def _why_not_replaceable(stage: Path) -> str | None:
-    """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
-    (:func:`~pipeline.audit.stage_marker_problem`), or an empty folder / the repository's
-    placeholder. A mistyped --stage must never delete someone's folder."""
-    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
-        return "it is not a folder"
-    if not stage.is_dir() or not {entry.name for entry in stage.iterdir()} - {_GITKEEP}:
-        return None
-    return stage_marker_problem(stage)
-
-
-def _built_by_us(stage: Path) -> bool:
-    return _why_not_replaceable(stage) is None
-
-
-def _check_replaceable(stage: Path) -> None:
-    problem = _why_not_replaceable(stage) if os.path.lexists(stage) else None
-    if problem is not None:
-        raise StageError(
-            f"{stage} exists and was not built by scripts/05_stage.py ({problem}); refusing to "
-            "replace it, nothing was touched: move it away or pass another --stage"
-        )
 
 
 def _matching_metrics(
@@ -217,90 +159,9 @@ def _matching_metrics(
 # -- building -----------------------------------------------------------------------------
 
 
-def _write_file(path: Path, data: bytes) -> dict[str, Any]:
-    with HashingWriter(path) as out:
-        out.write(data)
-    return {"sha256": out.sha256, "size": out.size}
-
-
-def _read_history(path: Path) -> dict[str, list]:
-    try:
-        tensors = read_tensors(path)
-        return {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
-    except (KeyError, ValueError) as exc:  # SchemaMismatch is a ValueError
-        raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
-
-
-def _public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
-    # The card section may be edited after training (it never changes what was computed).
-    # Scripts run from the run's folder: paths inside it stay, relative; others become roles.
-    return public_paths({**meta["config"], "card": config.to_dict()["card"]}, Path.cwd())
-
-
-def _staged_meta(
-    src: _Sources,
-    history: dict[str, list],
-    files: dict[str, Any],
-    export: dict[str, Any],
-    nonfinite: list[str],
-    repo_id: str | None,
-) -> dict[str, Any]:
-    """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
-    meta, record = src.meta, src.metrics
-    return {
-        "schema": STAGE_SCHEMA,
-        "step": meta["step"],
-        "config": _public_config(meta, src.config),
-        "model": meta["model"],
-        "export": export,
-        # The repo the card's snippet names; publishing elsewhere is refused unless forced.
-        "repo_id": repo_id,
-        "training": {
-            "created": meta["created"],
-            "final_loss": history["loss"][-1] if history["loss"] else None,
-            "final_lr": history["lr"][-1] if history["lr"] else None,
-            "history_points": len(history["step"]),
-            # Each --extend-to of the run: max_steps before and after, and the step it happened at.
-            "lineage": meta["lineage"],
-            # The launch that wrote this checkpoint, and every change accepted on the way: moves to
-            # another launch (--reshard) and environment changes (--allow-environment-change).
-            "launch": Launch.of_checkpoint(meta).to_dict(),
-            "changes": meta["environment"]["changes"],
-        },
-        "metrics": None
-        if record is None
-        else {
-            "split": record["split"],
-            "values": record["metrics"],
-            "data_fingerprint": record["fingerprints"]["data"],
-            "device": record["device"],
-        },
-        "provenance": {
-            "fingerprints": meta["fingerprints"],
-            "versions": meta["versions"],
-            "device": meta["device"],
-            # Files of the code that differ from those the weights were trained with (a model
-            # that ships no code is staged anyway; its weights still had to fit today's model).
-            "code_changes": [change.record() for change in src.code_changes],
-        },
-        # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
-        "source_checkpoint": {
-            "folder": src.folder.name,
-            "schema": meta["schema"],
-            "meta_file_sha256": src.meta_file_sha256,
-        },
-        "checks": {"nonfinite_tensors": nonfinite},
-        "files": files,
-    }
-
-
-def _manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
-    return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
-
-
 def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, Any]:
     """What rebuilds a model that is not a transformers one: the module defining its factory
-    and the modules it needs (:func:`.code_export.shipped_sources`; :func:`build_stage` checked
+    and the modules it needs (:func:`pipeline.sources.shipped_sources`; :func:`build_stage` checked
     they are the files the checkpoint fingerprinted), and the loader the card's snippet calls."""
     sources = shipped_sources(config)
     sources[f"{LOADER_MODULE}.py"] = _HUB_LOADER
@@ -308,42 +169,15 @@ def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, 
     for relative, source in sources.items():
         target = built / CODE_DIR / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        files[f"{CODE_DIR}/{relative}"] = _write_file(target, source.read_bytes())
+        files[f"{CODE_DIR}/{relative}"] = write_file(target, source.read_bytes())
     for folder in sorted({p.parent for p in (built / CODE_DIR).rglob("*.py")}, reverse=True):
         fsync_dir(folder)
     return files
 
 
-def _proof_verdict(report: dict[str, Any]) -> dict[str, Any]:
-    """What the card says about a staged proof."""
-    positive = report["checks"]["positive"]
-    return {
-        "file": PROOF_FILE,
-        "all_checks_passed": report["all_checks_passed"],
-        "positive": report["positive"],
-        "negative_divergence_detected": report["negative_divergence_detected"],
-        "checks": len(positive),
-        "checks_passed": sum(bool(check.get("passed")) for check in positive),
-        "tolerance": report["protocol"]["tolerance"],
-        "steps": report["boundary"]["steps"],
-        "cut": report["boundary"]["cut"],
-        "controls": {name: control["result"] for name, control in report["components"]["negative"].items()},
-    }
-
-
-def _check_file_sizes(built: Path) -> None:
-    """No staged file above the Hub's per-file maximum (the weights were planned below it)."""
-    for path in sorted(built.rglob("*")):
-        if path.is_file() and path.stat().st_size > HUB_MAX_FILE_SIZE:
-            raise StageError(
-                f"{path.relative_to(built)} is {path.stat().st_size:,} bytes, above the Hub's per-file "
-                f"maximum of {HUB_MAX_FILE_SIZE:,} bytes; nothing was staged"
-            )
-
-
-def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
+def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
-    export = inspect_model(src.model, src.model_config, _public_config(src.meta, src.config))
+    export = inspect_model(src.model, src.model_config, public_config(src.meta, src.config))
     plan = plan_weights(src.weights.specs, export.renames, parse_size(build.max_shard_size))
     files, nonfinite = write_weights(built, src.weights, plan)
     if nonfinite and not build.allow_nonfinite:
@@ -354,10 +188,10 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
         )
     if not export.is_transformers:  # from_pretrained needs no code from the repository
         files.update(_write_code(built, src.model_config, src.meta))
-    files[INDEX_FILE] = _write_file(built / INDEX_FILE, index_bytes(plan))
-    files[CONFIG_FILE] = _write_file(built / CONFIG_FILE, export.config_json)
+    files[INDEX_FILE] = write_file(built / INDEX_FILE, index_bytes(plan))
+    files[CONFIG_FILE] = write_file(built / CONFIG_FILE, export.config_json)
     if export.generation_config_json is not None:
-        files[GENERATION_CONFIG_FILE] = _write_file(
+        files[GENERATION_CONFIG_FILE] = write_file(
             built / GENERATION_CONFIG_FILE, export.generation_config_json
         )
     reserved = {
@@ -373,16 +207,16 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
         MANIFEST_FILE,
     }
     for name, data in hub_files(src.model_config, reserved).items():
-        files[name] = _write_file(built / name, data)
+        files[name] = write_file(built / name, data)
     verdict = None
     if build.proof is not None:
         report = read_proof(Path(build.proof), src.meta, Path.cwd())
-        files[PROOF_FILE] = _write_file(built / PROOF_FILE, json_bytes(report))
-        verdict = _proof_verdict(report)
-    history = _read_history(src.folder / STATE_FILE)
+        files[PROOF_FILE] = write_file(built / PROOF_FILE, json_bytes(report))
+        verdict = proof_verdict(report)
+    history = read_history(src.folder / STATE_FILE)
     curve = render_curve(history)  # None without the optional matplotlib: the card says so
     if curve is not None:
-        files[CURVE_FILE] = _write_file(built / CURVE_FILE, curve)
+        files[CURVE_FILE] = write_file(built / CURVE_FILE, curve)
     described = {
         "transformers": export.is_transformers,
         "architecture": export.architecture,
@@ -390,12 +224,12 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
         "renamed": plan.renames,
         "total_size": plan.total_size,
     }
-    staged = _staged_meta(src, history, dict(files), described, nonfinite, build.repo_id)
+    staged = staged_meta(src, history, dict(files), described, nonfinite, build.repo_id)
     staged["proof"] = verdict
-    listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
+    listed = {**files, META_FILE: write_file(built / META_FILE, json_bytes(staged))}
     signer = build.signer
     if signer is not None and signer.public_pem is not None:
-        listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
+        listed[PUBLIC_KEY_FILE] = write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
     card = build_model_card(
         staged,
         listed,
@@ -405,15 +239,15 @@ def _build_into(built: Path, src: _Sources, build: StageBuild) -> list[str]:
         signature_section=card_section(signer, build.repo_id),
         user_sections=src.user_sections,
     )
-    listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
-    _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
-    _check_file_sizes(built)
+    listed[README_FILE] = write_file(built / README_FILE, str(card).encode("utf-8"))
+    write_file(built / MANIFEST_FILE, manifest_bytes(listed))
+    check_file_sizes(built)
     fsync_dir(built)
     return nonfinite
 
 
 def _report(
-    src: _Sources, audited: dict[str, AuditedFile]
+    src: Sources, audited: dict[str, AuditedFile]
 ) -> tuple[list[AuditedFile], dict[str, AuditedFile]]:
     """Table rows (source files, then staged ones) and the staged files with their notes."""
     folder, meta = src.folder, src.meta
@@ -507,7 +341,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             record = _matching_metrics(metrics, folder, meta, meta["files"][MODEL_FILE]["sha256"], config)
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
-        _check_replaceable(stage)
+        check_replaceable(stage)
         work = scratch.enter_context(scratch_folder(stage.parent, "stage-weights"))
         weights = open_weights(folder, meta, work)
         scratch.callback(weights.close)
@@ -515,7 +349,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
         # The weights are published for this code: they must fit the model it builds.
         weights.check_fit(model)
-        src = _Sources(
+        src = Sources(
             folder=folder,
             meta=meta,
             meta_file_sha256=meta_file_sha256,
@@ -527,7 +361,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             user_sections=user_sections,
             code_changes=changes,
         )
-        with atomic_folder(stage, owned=_built_by_us) as built:
+        with atomic_folder(stage, owned=built_by_us) as built:
             nonfinite = _build_into(built, src, build)
             signer = build.signer
             if signer is not None:

@@ -10,30 +10,23 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 import stat
-import unicodedata
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import ModelCard
 
 from ..errors import StageError
-from ..layout import CODE_DIR, CURVE_FILE
+from ..layout import CURVE_FILE
+from .card_parts import card_data, fence, hash_section, load_section, number, printable, verify_section
 
 __all__ = [
-    "LOADER_MODULE",
     "MAX_SECTIONS",
     "render_curve",
     "build_model_card",
-    "printable",
     "read_user_sections",
 ]
 
-LIBRARY_NAME = "pytorch"
-TRANSFORMERS_LIBRARY = "transformers"
-# The module of code/ that loads a model that is not a transformers one (pipeline/stage/hub_loader.py).
-LOADER_MODULE = "hub_loader"
 # The largest card-sections file accepted: a card is read by people.
 MAX_SECTIONS = 256 * 1024
 
@@ -126,76 +119,8 @@ def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:
     return buffer.getvalue()
 
 
-def _fence(text: str, language: str = "") -> str:
-    """A code block that ``text`` cannot close early, however many backticks it holds."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    ticks = "`" * max(3, longest + 1)
-    return f"{ticks}{language}\n{text.rstrip()}\n{ticks}"
-
-
 def _params(params: Mapping[str, Any]) -> str:
     return ", ".join(f"{key} {value}" for key, value in sorted(params.items()))
-
-
-def _number(value: float) -> str:
-    return f"{value:.6g}"
-
-
-def printable(text: str) -> str:
-    """``text`` with every control character but newline and tab written as ``\\xNN`` (or
-    ``\\uNNNN``), and lone surrogates as ``\\uNNNN``: the Hub refuses a README holding NUL
-    bytes, and other controls garble it. Printable text is returned unchanged."""
-    out = []
-    for char in text:
-        code = ord(char)
-        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cs"):
-            out.append(char)
-        else:
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
-    return "".join(out)
-
-
-def _eval_dataset(card: Mapping[str, Any], model_name: str) -> tuple[str, str]:
-    """(name, type) of the evaluation table's dataset: set in the card section, else the
-    first training dataset, else a name saying what it is (a type that links nowhere)."""
-    first = card["datasets"][0] if card["datasets"] else ""
-    name = card["eval_dataset_name"] or first or f"{model_name} held-out data"
-    return name, card["eval_dataset_type"] or first or "custom"
-
-
-def _card_data(meta: Mapping[str, Any]) -> ModelCardData:
-    config = meta["config"]
-    card = config["card"]
-    metrics = meta["metrics"]
-    eval_results = None
-    if metrics is not None:
-        dataset_name, dataset_type = _eval_dataset(card, config["model"]["name"])
-        eval_results = [
-            EvalResult(
-                task_type=card["pipeline_tag"] or "other",
-                task_name="held-out evaluation",
-                dataset_type=dataset_type,
-                dataset_name=dataset_name,
-                dataset_split=metrics["split"],
-                metric_type=name,
-                metric_name=name,
-                metric_value=value,
-            )
-            for name, value in metrics["values"].items()
-        ]
-    default_library = TRANSFORMERS_LIBRARY if meta["export"]["transformers"] else LIBRARY_NAME
-    return ModelCardData(
-        library_name=card["library_name"] or default_library,
-        pipeline_tag=card["pipeline_tag"] or None,
-        language=list(card["language"]) or None,
-        datasets=list(card["datasets"]) or None,
-        base_model=card["base_model"] or None,
-        license=card["license"],
-        tags=list(card["tags"]),
-        model_name=config["model"]["name"],
-        metrics=sorted(metrics["values"]) if metrics is not None else None,
-        eval_results=eval_results,
-    )
 
 
 def _weights_phrase(meta: Mapping[str, Any]) -> str:
@@ -238,127 +163,13 @@ def _progress_line(meta: Mapping[str, Any]) -> str:
     )
 
 
-def _check_hashes_code(files: Mapping[str, Mapping[str, Any]]) -> str:
-    expected = "\n".join(f'    "{name}": "{entry["sha256"]}",' for name, entry in sorted(files.items()))
-    return (
-        f"expected = {{  # SHA-256 of every file, as listed on this card\n{expected}\n}}\n"
-        "for name, sha256 in expected.items():\n"
-        '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from the card"'
-    )
-
-
-# Where the snippets find the repository: downloaded by name, or (a stage built without
-# --repo-id, whose card names no repository) a folder the reader downloaded first.
-_LOCAL_FOLDER = "model"
-
-
-def _download_code(repo_id: str | None) -> tuple[list[str], str]:
-    """(imports, lines that set ``folder``) of a snippet."""
-    if repo_id is None:
-        return [], (
-            f'folder = Path("{_LOCAL_FOLDER}")  # this repository, downloaded: '
-            f"hf download <its id> --local-dir {_LOCAL_FOLDER}"
-        )
-    return ["from huggingface_hub import snapshot_download"], (
-        f'repo_id = "{repo_id}"\n'
-        'revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible download\n'
-        "folder = Path(snapshot_download(repo_id, revision=revision))"
-    )
-
-
-def _snippet(
-    stdlib: list[str],
-    imports: list[str],
-    repo_id: str | None,
-    files: Mapping[str, Mapping[str, Any]],
-    body: str,
-) -> str:
-    downloads, folder = _download_code(repo_id)
-    head = "\n".join(["import hashlib", *stdlib, "from pathlib import Path"])
-    return (
-        f"{head}\n\n"
-        + "\n".join([*downloads, *imports])
-        + f"\n\n{folder}\n{_check_hashes_code(files)}\n\n{body}"
-    )
-
-
-def _is_causal_lm(meta: Mapping[str, Any]) -> bool:
-    return meta["export"]["architecture"].endswith("ForCausalLM")
-
-
-def _transformers_load_code(
-    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
-) -> str:
-    strict = (
-        "# Strict: every tensor of the model came from the files, and every file tensor was used.\n"
-        'assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info'
-    )
-    if _is_causal_lm(meta):
-        tokenizer = any(name in files for name in ("tokenizer.json", "tokenizer_config.json"))
-        names = "AutoModelForCausalLM, AutoTokenizer, pipeline" if tokenizer else "AutoModelForCausalLM"
-        body = (
-            f"model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n{strict}"
-        )
-        if tokenizer:
-            body = (
-                f"tokenizer = AutoTokenizer.from_pretrained(folder)\n{body}\n"
-                'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)\n'
-                'print(generator("Hello", max_new_tokens=20)[0]["generated_text"])'
-            )
-        return _snippet([], [f"from transformers import {names}"], repo_id, files, body)
-    architecture = meta["export"]["architecture"].rpartition(".")[2]
-    body = f"model, info = {architecture}.from_pretrained(folder, output_loading_info=True)\n{strict}\nmodel.eval()"
-    return _snippet([], [f"from transformers import {architecture}"], repo_id, files, body)
-
-
-def _code_load_code(
-    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
-) -> str:
-    body = (
-        f"# This imports and runs the Python files under {CODE_DIR}/ of this repository: read them first.\n"
-        f'sys.path.insert(0, str(folder / "{CODE_DIR}"))\n'
-        f"from {LOADER_MODULE} import load_model  # {CODE_DIR}/{LOADER_MODULE}.py: factory, config, strict load\n"
-        "model = load_model(folder)"
-    )
-    return _snippet(["import sys"], [], repo_id, files, body)
-
-
-def _load_section(
-    meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]], repo_id: str | None
-) -> str:
-    if meta["export"]["transformers"]:
-        code = _transformers_load_code(meta, files, repo_id)
-        intro = (
-            "A transformers model: `config.json` is the model's own config and "
-            "`model.safetensors.index.json` maps every tensor to its file, so `from_pretrained` loads it "
-            "with no code from this repository. The snippet first checks every file against this card."
-        )
-    else:
-        code = _code_load_code(meta, files, repo_id)
-        intro = (
-            "This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's "
-            f"Python code**: the model's own modules are under `{CODE_DIR}/` (listed with their SHA-256 below) "
-            f"with `{CODE_DIR}/{LOADER_MODULE}.py`, which rebuilds the model with the factory and config that "
-            "`config.json` names and loads the weights strictly. The snippet checks every file against this "
-            "card before importing anything."
-        )
-    if repo_id is None:
-        intro += (
-            f" Download this repository first (`hf download <its id> --local-dir {_LOCAL_FOLDER}`, its id "
-            f"shown at the top of its page), then run this beside the `{_LOCAL_FOLDER}` folder."
-        )
-    else:
-        intro += " Pin `revision=` to a commit id (or a tag) so that what you load cannot change under you."
-    return f"## How to load it\n\n{intro}\n\n" + _fence(code, "python")
-
-
 def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
     config, training = meta["config"], meta["training"]
     rows = [
         ("steps", str(meta["step"])),
         (
             "final training loss",
-            _number(training["final_loss"]) if training["final_loss"] is not None else "n/a",
+            number(training["final_loss"]) if training["final_loss"] is not None else "n/a",
         ),
         (
             "optimizer",
@@ -430,7 +241,7 @@ def _metrics_section(meta: Mapping[str, Any]) -> str:
             "## Metrics\n\nThis checkpoint was staged without an evaluation "
             "(`scripts/05_stage.py --no-metrics`)."
         )
-    rows = "\n".join(f"| {name} | {_number(value)} |" for name, value in sorted(metrics["values"].items()))
+    rows = "\n".join(f"| {name} | {number(value)} |" for name, value in sorted(metrics["values"].items()))
     return (
         f"## Metrics\n\nOn the held-out split (`{metrics['split']}`) of the prepared data "
         f"(fingerprint `{metrics['data_fingerprint'][:12]}`), evaluated with exactly the weights below "
@@ -458,24 +269,6 @@ def _proof_section(meta: Mapping[str, Any]) -> str:
         f"{proof['checks_passed']} of {proof['checks']} checks, {exactness}. Negative controls (resumes that "
         f"leave one saved component out, which must diverge): {controls}. The proof was made with this "
         f"checkpoint's config, code and data fingerprints; the full report is [`{proof['file']}`]({proof['file']})."
-    )
-
-
-def _hash_section(files: Mapping[str, Mapping[str, Any]]) -> str:
-    rows = "\n".join(
-        f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |" for name, entry in sorted(files.items())
-    )
-    return (
-        "## Files and SHA-256\n\n| file | bytes | SHA-256 |\n| --- | ---: | --- |\n" + rows + "\n\n"
-        "`MANIFEST.sha256` lists every file of this repository except itself (this card included)."
-    )
-
-
-def _verify_section() -> str:
-    return (
-        "## Verify\n\n" + _fence("sha256sum -c MANIFEST.sha256", "sh") + "\n\n"
-        "A matching hash shows the files were not modified after staging. It does not show who published "
-        "them: compare the hashes with ones you obtained through a channel you trust, and pin a revision."
     )
 
 
@@ -535,7 +328,7 @@ def build_model_card(
     image (``None`` for none); ``signature_section`` is
     :func:`pipeline.signing.card_section`'s text; ``user_sections`` the Markdown of the
     config's ``card.sections`` file. The card is always UTF-8 text without control
-    characters (see :func:`printable`).
+    characters (see :func:`.card_parts.printable`).
     """
     name = meta["config"]["model"]["name"]
     sections = [
@@ -543,22 +336,22 @@ def build_model_card(
         _describe(meta),
         _progress_line(meta),
         *([user_sections.strip()] if user_sections and user_sections.strip() else []),
-        _load_section(meta, files, repo_id),
+        load_section(meta, files, repo_id),
         _training_section(meta, curve_file),
         _metrics_section(meta),
     ]
     if sample:
         sections.append(
             "## Sample\n\nOutput of the task's `sample()` with these weights (control characters "
-            "written as `\\xNN`):\n\n" + _fence(printable(sample), "text")
+            "written as `\\xNN`):\n\n" + fence(printable(sample), "text")
         )
     if meta["checks"]["nonfinite_tensors"]:
         listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)
-    sections += [_proof_section(meta), _hash_section(files), _verify_section(), _provenance_section(meta)]
+    sections += [_proof_section(meta), hash_section(files), verify_section(), _provenance_section(meta)]
     body = printable("\n\n".join(sections) + "\n")
-    content = f"---\n{_card_data(meta).to_yaml()}\n---\n\n" + body
+    content = f"---\n{card_data(meta).to_yaml()}\n---\n\n" + body
     # Parsing it back checks the front matter is valid YAML that the Hub client accepts.
     return ModelCard(content)

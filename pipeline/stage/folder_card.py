@@ -15,15 +15,15 @@ from typing import Any, Mapping
 from huggingface_hub import ModelCard
 
 from ..layout import CONFIG_FILE, INDEX_FILE
-from .card import (
-    _card_data,
-    _fence,
-    _hash_section,
-    _load_section,
-    _number,
-    _snippet,
-    _verify_section,
+from .card_parts import (
+    card_data,
+    fence,
+    hash_section,
+    load_section,
+    number,
     printable,
+    snippet,
+    verify_section,
 )
 
 __all__ = ["build_folder_card"]
@@ -54,7 +54,7 @@ def _describe(meta: Mapping[str, Any]) -> str:
     )
 
 
-def _plain_load_section(files: Mapping[str, Any], repo_id: str | None) -> str:
+def _plainload_section(files: Mapping[str, Any], repo_id: str | None) -> str:
     body = (
         f'config = json.loads((folder / "{CONFIG_FILE}").read_text())\n'
         "state_dict = {}\n"
@@ -63,11 +63,11 @@ def _plain_load_section(files: Mapping[str, Any], repo_id: str | None) -> str:
         "# With your model's class: a PyTorchModelHubMixin one loads with YourModel.from_pretrained(repo_id);\n"
         "# otherwise model = YourModel(**config); model.load_state_dict(state_dict)"
     )
-    code = _snippet(["import json"], ["from safetensors.torch import load_file"], repo_id, files, body)
+    code = snippet(["import json"], ["from safetensors.torch import load_file"], repo_id, files, body)
     return (
         "## How to load it\n\nThe weights and `config.json` of a PyTorch model; this repository holds no code, "
         "so the model is built with its own class. The snippet first checks every file against this card.\n\n"
-        + _fence(code, "python")
+        + fence(code, "python")
     )
 
 
@@ -75,7 +75,7 @@ def _metrics_section(meta: Mapping[str, Any]) -> str:
     metrics = meta["metrics"]
     if metrics is None:
         return "## Metrics\n\nNone were supplied with these weights, and none were computed when they were staged."
-    rows = "\n".join(f"| {name} | {_number(value)} |" for name, value in metrics["values"].items())
+    rows = "\n".join(f"| {name} | {number(value)} |" for name, value in metrics["values"].items())
     return (
         f"## Metrics\n\nAs supplied by the publisher in {_inline(metrics['supplied'])}, for these weights; "
         f"this pipeline did not compute them.\n\n| metric | value |\n| --- | --- |\n{rows}"
@@ -116,9 +116,9 @@ def build_folder_card(
     """The card for the staged record ``meta`` of a folder (see :func:`.card.build_model_card`
     for ``files``, ``repo_id``, ``signature_section`` and ``user_sections``)."""
     load = (
-        _load_section(meta, files, repo_id)
+        load_section(meta, files, repo_id)
         if meta["export"]["transformers"]
-        else _plain_load_section(files, repo_id)
+        else _plainload_section(files, repo_id)
     )
     sections = [
         f"# {meta['config']['model']['name']}",
@@ -132,7 +132,7 @@ def build_folder_card(
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)
-    sections += [_source_section(meta), _hash_section(files), _verify_section()]
+    sections += [_source_section(meta), hash_section(files), verify_section()]
     body = printable("\n\n".join(sections) + "\n")
-    content = f"---\n{_card_data(meta).to_yaml()}\n---\n\n" + body
+    content = f"---\n{card_data(meta).to_yaml()}\n---\n\n" + body
     return ModelCard(content)

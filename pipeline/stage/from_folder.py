@@ -37,15 +37,9 @@ from ..layout import (
 from ..leaks import scan_secrets
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
-from .build import (
-    StageResult,
-    _built_by_us,
-    _check_file_sizes,
-    _check_replaceable,
-    _manifest_bytes,
-    _write_file,
-)
+from .build import StageResult
 from .card import read_user_sections
+from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
 from .folder_card import build_folder_card
 from .folder_source import FolderSource, json_object, read_folder, survey_folder
 from .redact import public_paths
@@ -169,14 +163,14 @@ def _build_into(
             f"{read.weights.origin}: tensor {nonfinite[0]}{more} holds NaN or infinite values; refusing to "
             "stage it (pass --allow-nonfinite to stage it anyway)"
         )
-    files[INDEX_FILE] = _write_file(built / INDEX_FILE, index_bytes(plan))
+    files[INDEX_FILE] = write_file(built / INDEX_FILE, index_bytes(plan))
     for name, data in read.small.items():
-        files[name] = _write_file(built / name, data)
+        files[name] = write_file(built / name, data)
     staged = _staged_meta(read, config, build, plan, dict(files), nonfinite)
-    listed = {**files, META_FILE: _write_file(built / META_FILE, json_bytes(staged))}
+    listed = {**files, META_FILE: write_file(built / META_FILE, json_bytes(staged))}
     signer = build.signer
     if signer is not None and signer.public_pem is not None:
-        listed[PUBLIC_KEY_FILE] = _write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
+        listed[PUBLIC_KEY_FILE] = write_file(built / PUBLIC_KEY_FILE, signer.public_pem)
     card = build_folder_card(
         staged,
         listed,
@@ -184,9 +178,9 @@ def _build_into(
         signature_section=card_section(signer, build.repo_id),
         user_sections=user_sections,
     )
-    listed[README_FILE] = _write_file(built / README_FILE, str(card).encode("utf-8"))
-    _write_file(built / MANIFEST_FILE, _manifest_bytes(listed))
-    _check_file_sizes(built)
+    listed[README_FILE] = write_file(built / README_FILE, str(card).encode("utf-8"))
+    write_file(built / MANIFEST_FILE, manifest_bytes(listed))
+    check_file_sizes(built)
     fsync_dir(built)
     return nonfinite
 
@@ -241,10 +235,10 @@ def stage_folder(config: Config, build: FolderStage) -> StageResult:
     _check_apart(folder, stage)
     with stage_lock(stage), contextlib.ExitStack() as scratch:
         recover(stage)
-        _check_replaceable(stage)
+        check_replaceable(stage)
         read = read_folder(inventory, scratch.enter_context(scratch_folder(stage.parent, "stage-weights")))
         scratch.callback(read.weights.close)
-        with atomic_folder(stage, owned=_built_by_us) as built:
+        with atomic_folder(stage, owned=built_by_us) as built:
             nonfinite = _build_into(built, read, config, build, user_sections)
             signer = build.signer
             if signer is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import RESUME_IRRELEVANT_KEYS, config_from_dict
 from ..errors import ConfigError, ProofMismatch
+from ..proof import REPORT_SCHEMA
 from ..proof.layout import REPORT_FILE
 from ..provenance import sources_fingerprint
 from .redact import public_paths
@@ -21,7 +22,6 @@ from .redact import public_paths
 __all__ = ["PROOF_FILE", "read_proof"]
 
 PROOF_FILE = REPORT_FILE  # staged under the same name: verification.json
-_SCHEMA = "pipeline.resume-proof/1"
 _MAX_BYTES = 64 * 1024 * 1024
 
 
@@ -43,9 +43,9 @@ def _load(folder: Path) -> dict[str, Any]:
         raise ProofMismatch(f"cannot read the proof {path}: {exc.strerror or exc}") from None
     except (ValueError, UnicodeDecodeError):
         raise ProofMismatch(f"{path} is not valid JSON") from None
-    if not isinstance(report, dict) or report.get("schema") != _SCHEMA or not report.get("completed"):
+    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA or not report.get("completed"):
         raise ProofMismatch(
-            f"{path} is not a completed {_SCHEMA} report (did scripts/03_verify_resume.py finish?)"
+            f"{path} is not a completed {REPORT_SCHEMA} report (did scripts/03_verify_resume.py finish?)"
         )
     return report
 

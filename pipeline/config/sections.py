@@ -1,32 +1,22 @@
-"""Typed configuration, loaded from YAML with a strict ``yaml.SafeLoader``.
-
-Every knob lives in one file (``config.yaml`` by default). Unknown keys, duplicate keys,
-empty values, wrong types and out-of-range values are rejected with one message that names
-the key and the file, before anything runs; free-form ``params`` hold only JSON values
-(finite numbers, 64-bit integers, bounded nesting), since every checkpoint records them as
-JSON. Command-line flags override the file through :func:`load_config`'s ``overrides``.
-Each config owns its outputs (``checkpoint.dir``, ``outputs.metrics``, ``outputs.stage``):
-see :func:`derived_outputs` and docs/configuration.md.
+"""What a configuration is: its typed sections and :class:`Config`, every value validated, and
+the dict form a checkpoint records (:meth:`Config.to_dict`; :func:`config_from_dict` reads it
+back, and every config file through it). Unknown keys, wrong types and out-of-range values
+are refused with one message naming the key; the file's name is added by the caller.
 """
 
 import dataclasses
 import math
-import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from .config_values import INT64 as _INT64
-from .config_values import check_params as _check_params
-from .config_values import load_yaml as _load_yaml
-from .errors import ConfigError
-from .layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR
-from .params import is_yaml11_float
+from ..errors import ConfigError
+from ..layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR
+from ..params import is_yaml11_float
+from .values import INT64 as _INT64
+from .values import check_params as _check_params
 
 __all__ = [
     "DataConfig",
@@ -38,15 +28,11 @@ __all__ = [
     "CardConfig",
     "OutputsConfig",
     "Config",
-    "load_config",
     "config_from_dict",
-    "parse_set_overrides",
-    "derived_outputs",
     "launch_mode",
+    "launched_as",
     "RESUME_IRRELEVANT_KEYS",
 ]
-
-DEFAULT_CONFIG_PATH = Path("config.yaml")
 
 # Keys that may differ between a checkpoint and the run resuming it: they change where
 # things live, how often state is written or how progress is shown, never what is
@@ -501,54 +487,6 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> Config:
     return Config(**sections, source=source)
 
 
-def parse_set_overrides(items: list[str] | None) -> dict[str, Any]:
-    """Turn ``["training.max_steps=20", ...]`` into ``{"training.max_steps": 20}``.
-
-    Values are parsed as YAML, so ``20`` is an int, ``1e-3`` a float and ``true`` a bool; an
-    empty value (``training.max_steps=``) or ``null`` is refused rather than ignored.
-    """
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, text = item.partition("=")
-        shown = item if len(item) <= 80 else item[:77] + "..."
-        if not sep or "." not in key:
-            raise ConfigError(
-                f"--set {shown!r}: expected SECTION.KEY=VALUE, e.g. --set training.max_steps=20"
-            )
-        try:
-            value = _load_yaml(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                f"--set {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc})"
-            ) from None
-        if value is None:
-            raise ConfigError(
-                f"--set {shown!r}: no value given: write one after '=' (an empty string is "
-                f"--set '{key.strip()}=\"\"')"
-            )
-        out[key.strip()] = value
-    return out
-
-
-def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Return a copy of ``raw`` with dotted-key overrides applied (``None`` values are skipped)."""
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        section, _, key = dotted.partition(".")
-        target = merged.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"cannot override {dotted}: section {section!r} is not a mapping")
-        parts = key.split(".")
-        for part in parts[:-1]:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"cannot override {dotted}: {part!r} is not a mapping")
-        target[parts[-1]] = value
-    return merged
-
-
 def launch_mode(parallel: str, world_size: int | None) -> str:
     """``training.parallel`` as a launch of ``world_size`` processes runs it (``None``: a plain
     process, not torchrun's): ``auto`` is ``ddp`` under torchrun with more than one process,
@@ -565,82 +503,3 @@ def launched_as(config: "Config", world_size: int | None) -> "Config":
     (:func:`launch_mode`): what the run's checkpoints record."""
     parallel = launch_mode(config.training.parallel, world_size)
     return dataclasses.replace(config, training=dataclasses.replace(config.training, parallel=parallel))
-
-
-def derived_outputs(path: str | Path | None) -> dict[str, str]:
-    """The outputs of a config file that does not name them, relative to the working folder
-    (the run's folder, where every relative path of a config points):
-
-    - ``config.yaml`` at its top (the default config), or a config file outside it (shared by
-      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json`` and
-      ``hub_stage/``;
-    - any other config file inside it writes under ``runs/<name>/``, where name is the file's
-      stem, or its folder's name for a file called ``config.yaml``
-      (``examples/charlm/config.yaml`` -> ``runs/charlm/estados_local/``,
-      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``),
-
-    so several configs in one clone never share their checkpoints, metrics or stage."""
-    base = None
-    if path is not None:
-        absolute, cwd = Path(os.path.abspath(path)), Path(os.path.abspath(os.curdir))
-        if absolute.is_relative_to(cwd) and absolute != cwd / DEFAULT_CONFIG_PATH:
-            name = absolute.stem if absolute.stem != DEFAULT_CONFIG_PATH.stem else absolute.parent.name
-            base = Path("runs") / name
-    if base is None:
-        return {"checkpoint.dir": CHECKPOINT_DIR, "outputs.metrics": METRICS_FILE, "outputs.stage": STAGE_DIR}
-    return {
-        "checkpoint.dir": str(base / CHECKPOINT_DIR),
-        "outputs.metrics": str(base / METRICS_FILE),
-        "outputs.stage": str(base / STAGE_DIR),
-    }
-
-
-def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``raw`` with each output key it leaves out set to :func:`derived_outputs`'s value."""
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for dotted, value in derived_outputs(path).items():
-        section, _, key = dotted.partition(".")
-        target = merged.get(section)
-        if target is None:
-            target = merged[section] = {}
-        if isinstance(target, dict) and key not in target:
-            target[key] = value
-    return merged
-
-
-def _flow(value: Any) -> str:
-    """A ``--set`` value that parses back to ``value``."""
-    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip().removesuffix("...").strip()
-
-
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read ``path`` (default ``config.yaml``) with a strict ``yaml.SafeLoader``, fill in the
-    outputs it leaves out (:func:`derived_outputs`), and apply ``overrides``.
-
-    Errors name the file and the key: ``config.yaml: training.max_steps must be >= 1 (got 0)``.
-    """
-    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    if not path.is_file():
-        raise ConfigError(f"config file {path} not found: pass --config PATH or run from the repository root")
-    try:
-        raw = _load_yaml(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    if raw is not None and not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    raw = _with_derived_outputs(raw or {}, path)
-    source = str(path)
-    default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
-    args: list[str] = [] if default else ["--config", str(path)]
-    if overrides:
-        raw = apply_overrides(raw, overrides)
-        source = f"{path} (with command-line overrides)"
-        for key, value in overrides.items():
-            if value is not None:
-                args += ["--set", f"{key}={_flow(value)}"]
-    config = config_from_dict(raw, source=source)
-    return dataclasses.replace(config, command_args=tuple(args))

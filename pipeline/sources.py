@@ -1,7 +1,9 @@
-"""The model's own source files, shipped in the stage so anyone can rebuild the model.
+"""The source files a run is computed with: the model's code closure, and a module's file.
 
-:func:`model_sources` starts at the module that defines the model factory and follows its
-imports (read with :mod:`ast`, never executed beyond what building the model already
+The closure is what script 05 ships under ``code/`` so anyone can rebuild the model, and what
+each checkpoint fingerprints as the model's code (:mod:`pipeline.provenance`): it lives below
+both. :func:`model_sources` starts at the module that defines the model factory and follows
+its imports (read with :mod:`ast`, never executed beyond what building the model already
 imported), keeping every module whose file lies in the run's folder: the code a Hub user
 cannot ``pip install``. Imports under ``if TYPE_CHECKING:`` and optional ones (in a ``try``
 that catches ``ImportError``) are not needed to load the model and are not followed. Of
@@ -10,7 +12,8 @@ the default task's model) ship; model code that needs more of it, or that import
 factory's module, is refused, since the published repository would not load without this
 project or would carry the data pipeline. Each file is kept under its import path
 (``examples/charlm/model.py``, with the ``__init__.py`` of every package on the way), so
-putting the stage's ``code/`` folder first on ``sys.path`` imports exactly these files.
+putting the stage's ``code/`` folder first on ``sys.path`` imports exactly these files;
+:func:`module_file` names any one module's file the same way (a factory's).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from ..errors import ConfigError, StageError
+from .errors import ConfigError, StageError
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from .config import Config
 
-__all__ = ["SELF_CONTAINED", "model_sources", "shipped_sources"]
+__all__ = ["PACKAGE_ROOT", "SELF_CONTAINED", "model_sources", "module_file", "shipped_sources"]
+
+# This project's own sources.
+PACKAGE_ROOT = Path(__file__).resolve().parent
 
 # Modules of this project written to import nothing else of it: the only ones that ship.
 SELF_CONTAINED = frozenset({"pipeline", "pipeline.params", "pipeline.tasks", "pipeline.tasks.mlp"})
@@ -42,6 +48,23 @@ def _origin(module: str) -> Path | None:
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return None
     return Path(os.path.abspath(spec.origin))
+
+
+def _import_path(module: str, origin: Path) -> str:
+    """``examples/charlm/model.py``: where ``module``'s file ``origin`` lies under its import path."""
+    return "/".join(module.split(".")) + ("/__init__.py" if origin.name == "__init__.py" else origin.suffix)
+
+
+def module_file(module: str) -> tuple[str, Path] | None:
+    """``("examples/charlm/data.py", file)``: a module's file (any kind) under its import path."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+        return None
+    origin = Path(os.path.abspath(spec.origin))
+    return _import_path(module, origin), origin
 
 
 def _location(top_level: str) -> Path | None:
@@ -181,8 +204,7 @@ def model_sources(
                 "own module (docs/custom-model.md)"
             )
         is_package = origin.name == "__init__.py"
-        relative = "/".join(name.split(".")) + ("/__init__.py" if is_package else ".py")
-        found[relative] = origin
+        found[_import_path(name, origin)] = origin
         try:
             tree = ast.parse(origin.read_bytes(), filename=str(origin))
         except (OSError, SyntaxError, ValueError) as exc:
@@ -197,8 +219,8 @@ def model_sources(
 def shipped_sources(config: Config, *, strict: bool = True) -> dict[str, Path]:
     """:func:`model_sources` of the config's model factory, run from the working folder: what
     script 05 ships under ``code/`` and what each checkpoint fingerprints as the model's code."""
-    from ..factories import defining_module, importable_working_folder
-    from ..provenance import PACKAGE_ROOT
+    # Imported here: it needs torch's side of the package (a run or a stage is being built).
+    from .factories import defining_module, importable_working_folder
 
     with importable_working_folder():
         module = defining_module(config.model.factory, "model.factory")

@@ -1,6 +1,6 @@
 """What a config file may hold: the strict YAML reader and the check of free-form ``params``.
 
-Torch-free, used by :mod:`pipeline.config`. A free-form ``params`` value nests at most
+Torch-free, used by the rest of :mod:`pipeline.config`. A free-form ``params`` value nests at most
 ``MAX_PARAMS_DEPTH`` levels and holds at most ``MAX_PARAMS_VALUES`` values (YAML aliases can
 make a small file expand to an exponential tree); integers fit in 64 bits, as numpy and torch
 need them to; the YAML reader itself stops at ``MAX_YAML_DEPTH`` (its composer recurses).

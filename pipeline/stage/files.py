@@ -1,0 +1,62 @@
+"""The stage folder, for 05 and 05 --from-folder alike: whether an existing one may be
+replaced, each file written and hashed as it goes, the manifest, and the Hub's per-file size."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..audit import stage_marker_problem
+from ..errors import StageError
+from ..hashing import HashingWriter
+from .weights import HUB_MAX_FILE_SIZE
+
+__all__ = ["built_by_us", "check_file_sizes", "check_replaceable", "manifest_bytes", "write_file"]
+
+# The repository keeps an empty hub_stage/ in git through this file; it is not stage content.
+_GITKEEP = ".gitkeep"
+
+
+def _why_not_replaceable(stage: Path) -> str | None:
+    """``None`` if ``stage`` may be replaced: an earlier stage carrying a valid marker
+    (:func:`~pipeline.audit.stage_marker_problem`), or an empty folder / the repository's
+    placeholder. A mistyped --stage must never delete someone's folder."""
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        return "it is not a folder"
+    if not stage.is_dir() or not {entry.name for entry in stage.iterdir()} - {_GITKEEP}:
+        return None
+    return stage_marker_problem(stage)
+
+
+def built_by_us(stage: Path) -> bool:
+    return _why_not_replaceable(stage) is None
+
+
+def check_replaceable(stage: Path) -> None:
+    problem = _why_not_replaceable(stage) if os.path.lexists(stage) else None
+    if problem is not None:
+        raise StageError(
+            f"{stage} exists and was not built by scripts/05_stage.py ({problem}); refusing to "
+            "replace it, nothing was touched: move it away or pass another --stage"
+        )
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    with HashingWriter(path) as out:
+        out.write(data)
+    return {"sha256": out.sha256, "size": out.size}
+
+
+def manifest_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
+    return "".join(f"{files[name]['sha256']}  {name}\n" for name in sorted(files)).encode("utf-8")
+
+
+def check_file_sizes(built: Path) -> None:
+    """No staged file above the Hub's per-file maximum (the weights were planned below it)."""
+    for path in sorted(built.rglob("*")):
+        if path.is_file() and path.stat().st_size > HUB_MAX_FILE_SIZE:
+            raise StageError(
+                f"{path.relative_to(built)} is {path.stat().st_size:,} bytes, above the Hub's per-file "
+                f"maximum of {HUB_MAX_FILE_SIZE:,} bytes; nothing was staged"
+            )

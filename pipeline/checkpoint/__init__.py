@@ -26,7 +26,7 @@ Other packages import from here, not from the submodules (a test checks it). The
 import importlib
 from typing import Any
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, open_checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
@@ -93,6 +93,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "model_summary",
+    "open_checkpointer",
     "open_weights",
     "parse_step_dir",
     "pinned_checkpoint",

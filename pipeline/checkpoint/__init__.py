@@ -9,6 +9,8 @@
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
 ``shards``                a distributed checkpoint's launch record, shard coverage, and
                           its full tensors one at a time (``ConsolidatedTensors``)
+``components``            THE table of the training state's components (rng, optimizer,
+                          scheduler, data, scaler, any registered one)
 ``state``                 capture / restore a training run's full state
 ``weights``               tied-weight dedupe, THE fit check (``check_weights_fit``),
                           strict load, warm start, model summary
@@ -29,10 +31,11 @@ from typing import Any
 from .checkpointer import Checkpointer, open_checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
+from .components import Component, component_names, components, register_component, unregister_component
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
-from .state import OMITTABLE, capture_state, check_capturable, restore_state
+from .state import capture_state, check_capturable, restore_state
 from .store import (
     CheckpointStore,
     SavedCheckpoint,
@@ -77,9 +80,11 @@ __all__ = [
     "ConsolidatedTensors",
     "MappedTensors",
     "LoadedCheckpoint",
-    "OMITTABLE",
+    "Component",
     "SavedCheckpoint",
     "capture_state",
+    "component_names",
+    "components",
     "check_capturable",
     "check_derived_buffers",
     "check_tensor_name",
@@ -99,6 +104,8 @@ __all__ = [
     "pinned_checkpoint",
     "read_meta",
     "read_tensors",
+    "register_component",
+    "unregister_component",
     "resolve",
     "restore_state",
     "split_state",

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node N tests/helpers/dist_leg.py PLAN.json
 
-PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": ...,
+PLAN: {"config": path, "results": path, "register": "module:function" (optional: called
+on every rank first, to register a training-state component), "runs": [{"overrides": {...}, "resume": ...,
 "stop_at": ..., "reshard": ..., "extend_to": ..., "init_from": ..., "progress": ..., "forge": {...}},
 ...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
@@ -19,6 +20,7 @@ Each rank writes ``<results>-threads-rank<R>.json``: the default process group's
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -66,6 +68,9 @@ def gloo_threads(among: set[int]) -> list[str]:
 
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
+    if "register" in plan:  # "module:function" that registers a training-state component
+        module, function = plan["register"].split(":")
+        getattr(importlib.import_module(module), function)()
     # The default group alone first (World.start joins it), so its threads are known.
     dist.init_process_group("gloo")
     default_group = {int(tid) for tid in os.listdir("/proc/self/task")} - {threading.get_native_id()}

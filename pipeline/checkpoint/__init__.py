@@ -28,7 +28,8 @@ Other packages import from here, not from the submodules (a test checks it). The
 import importlib
 from typing import Any
 
-from .checkpointer import Checkpointer, open_checkpointer
+from ..world import World
+from .checkpointer import Checkpointer, OneSaveInFlight
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .components import Component, component_names, components, register_component, unregister_component
@@ -125,3 +126,24 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(".distributed", __name__), name)
     globals()[name] = value
     return value
+
+
+def open_checkpointer(
+    store: CheckpointStore,
+    world: World,
+    provenance: dict[str, Any],
+    model_summary: dict,
+    *,
+    resharded_from: int | None = None,
+    background: bool = False,
+) -> "Checkpointer | OneSaveInFlight":
+    """The checkpointer of a run in ``world``: a :class:`Checkpointer` in one process, a
+    :class:`~pipeline.checkpoint.distributed.DistributedCheckpointer` on each rank of a
+    launch (``model_summary``: the plain model's, taken before it was wrapped;
+    ``resharded_from``: the world size the run last came from). Both ``save``, ``wait`` and
+    ``close`` alike."""
+    if not world.launched:
+        return Checkpointer(store, provenance, background=background)
+    return __getattr__("DistributedCheckpointer")(  # torch.distributed.checkpoint: only for a launch
+        store, world, provenance, model_summary, resharded_from=resharded_from, background=background
+    )

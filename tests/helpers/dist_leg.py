@@ -15,7 +15,7 @@ Rank 0 writes one result per run (step, losses,
 checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
 Each rank writes ``<results>-threads-rank<R>.json``: the default process group's gloo threads
 (those started by ``init_process_group``, which this harness calls first) as seen before
-``World.close`` and as left after it.
+``LaunchWorld.close`` and as left after it.
 """
 
 import contextlib
@@ -71,7 +71,7 @@ def main(plan_path: str) -> None:
     if "register" in plan:  # "module:function" that registers a training-state component
         module, function = plan["register"].split(":")
         getattr(importlib.import_module(module), function)()
-    # The default group alone first (World.start joins it), so its threads are known.
+    # The default group alone first (LaunchWorld.start joins it), so its threads are known.
     dist.init_process_group("gloo")
     default_group = {int(tid) for tid in os.listdir("/proc/self/task")} - {threading.get_native_id()}
     world = LaunchWorld.start(load_config(plan["config"], plan["runs"][0]["overrides"]))

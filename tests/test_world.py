@@ -4,6 +4,8 @@ joined must run the mode its config asks for."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from pipeline.config import load_config
 from pipeline.distributed.launch import joined
 from pipeline.distributed.world import LaunchWorld
 from pipeline.errors import PipelineError
+from pipeline.run import build_run
 from pipeline.world import World
 
 from support import REPO
@@ -44,3 +47,23 @@ def test_a_launch_given_to_train_must_run_the_mode_its_config_asks_for():
             pass
     with joined(load_config(CONFIG, {"training.parallel": "fsdp2"}), launch) as world:
         assert world is launch
+
+
+def test_a_run_built_for_a_rank_of_a_launch_reads_that_ranks_part_of_each_batch(data_dir):
+    """The feed reads for the run's world (no process group needed to slice a batch): rank R
+    of two gets its contiguous half of the global batch one process trains on."""
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "data.num_workers": 0, "training.device": "cpu"})
+    cpu = torch.device("cpu")
+    alone = build_run(config, cpu)
+    with contextlib.closing(alone.feed):
+        (whole, _), scale = alone.feed.next_batch()
+    assert scale == 1.0
+    total = len(whole)
+    for rank in range(2):
+        launch = LaunchWorld(
+            rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=cpu, mode="ddp"
+        )
+        run = build_run(config, cpu, world=launch)
+        with contextlib.closing(run.feed):
+            (part, _), _ = run.feed.next_batch()
+        assert torch.equal(part, whole[(total * rank) // 2 : (total * (rank + 1)) // 2]), rank

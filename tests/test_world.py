@@ -1,0 +1,69 @@
+"""One World for every run: a process alone is rank 0 of 1 whose agreements are its own
+answers, so the trainer, the start and the checkpointers take one path; a launch the caller
+joined must run the mode its config asks for."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.distributed.launch import joined
+from pipeline.distributed.world import LaunchWorld
+from pipeline.errors import PipelineError
+from pipeline.run import build_run
+from pipeline.world import World
+
+from support import REPO
+
+CONFIG = REPO / "config.yaml"
+
+
+def test_a_process_alone_is_rank_0_of_1_and_agrees_with_itself(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with joined(load_config(CONFIG, {"training.device": "cpu"})) as world:
+        assert type(world) is World and not world.launched
+        assert (world.rank, world.world_size, world.mode, world.device) == (0, 1, "none", torch.device("cpu"))
+        assert world.slice([3, 1, 2]) == ([3, 1, 2], 1.0)
+        loss = torch.tensor(0.25, dtype=torch.float64)
+        assert world.scaled_loss(loss, 1.0) is loss and world.global_loss(loss) == 0.25
+        assert world.agree_signal(15) == 15 and world.agree_signal(None) is None
+        assert world.broadcast_text("x") == "x" and world.gather_text("y") == ["y"]
+        assert world.own_group() is world
+        with pytest.raises(KeyError):
+            with world.together("a step"):
+                raise KeyError("as raised")
+
+
+def test_a_launch_given_to_train_must_run_the_mode_its_config_asks_for():
+    launch = LaunchWorld(
+        rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), mode="fsdp2"
+    )
+    with pytest.raises(PipelineError, match="the launch runs fsdp2, the config asks for ddp"):
+        with joined(load_config(CONFIG, {"training.parallel": "ddp"}), launch):
+            pass
+    with joined(load_config(CONFIG, {"training.parallel": "fsdp2"}), launch) as world:
+        assert world is launch
+
+
+def test_a_run_built_for_a_rank_of_a_launch_reads_that_ranks_part_of_each_batch(data_dir):
+    """The feed reads for the run's world (no process group needed to slice a batch): rank R
+    of two gets its contiguous half of the global batch one process trains on."""
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "data.num_workers": 0, "training.device": "cpu"})
+    cpu = torch.device("cpu")
+    alone = build_run(config, cpu)
+    with contextlib.closing(alone.feed):
+        (whole, _), scale = alone.feed.next_batch()
+    assert scale == 1.0
+    total = len(whole)
+    for rank in range(2):
+        launch = LaunchWorld(
+            rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=cpu, mode="ddp"
+        )
+        run = build_run(config, cpu, world=launch)
+        with contextlib.closing(run.feed):
+            (part, _), _ = run.feed.next_batch()
+        assert torch.equal(part, whole[(total * rank) // 2 : (total * (rank + 1)) // 2]), rank

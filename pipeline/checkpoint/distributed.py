@@ -61,8 +61,10 @@ from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, StateMism
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
+from .best import best_record
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
+from .evaluations import evaluation_tensors
 from .load import LoadedCheckpoint, load_checkpoint
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
@@ -251,6 +253,8 @@ class DistributedCheckpointer(OneSaveInFlight):
 
     def save(self, run: TrainingRun) -> SavedCheckpoint | PendingSave:
         self.wait()  # the buffers are reused, and a failed save must stop training now
+        checkpoint = run.config.checkpoint
+        self.store.best = best_record(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
         step = run.step
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)
@@ -271,6 +275,7 @@ class DistributedCheckpointer(OneSaveInFlight):
             shared[f"history/{key}"] = torch.tensor(
                 run.history[key], dtype=torch.int64 if key == "step" else torch.float64
             )
+        shared.update(evaluation_tensors(run.evaluations))
         rng: dict[str, torch.Tensor] = {}
         rng_tree = split_state(capture_rng(run.generator), _RNG_KEY, rng)
         record = {
@@ -603,6 +608,7 @@ def _restore_rest(
         run.scaler.load_state_dict(joined["scaler"])
     run.step = joined["step"]
     run.history = {key: history[f"history/{key}"].tolist() for key in HISTORY}
+    run.evaluations = joined["evaluations"]
     if "rng" in omit:
         derive_rank_rng(run.config.training.seed, 0, rank)
     elif not resharded:

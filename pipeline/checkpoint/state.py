@@ -18,6 +18,7 @@ from ..errors import CheckpointError, InternalError, StateMismatch
 from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
 from .codec import split_state
+from .evaluations import evaluation_tensors
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
@@ -51,6 +52,7 @@ def capture_state(
     for key in HISTORY:
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
+    tensors.update(evaluation_tensors(run.evaluations))
     return model_tensors, state, tensors
 
 
@@ -111,6 +113,7 @@ def restore_state(
             run.scaler.load_state_dict(joined["scaler"])
         run.step = joined["step"]
         run.history = {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
+        run.evaluations = joined["evaluations"]
         if "rng" not in omit:
             restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:

@@ -24,6 +24,7 @@ from ..errors import SEALED_BUT_UNFIT, StateMismatch
 from ..rng import RNG_FAMILIES
 from ..run import TrainingRun
 from .codec import join_state
+from .evaluations import PREFIX, evaluations_from
 
 __all__ = ["HISTORY", "validated_state"]
 
@@ -184,11 +185,17 @@ def validated_state(
         raise _fail("", f"is malformed: {exc}") from None
     except RecursionError:
         raise _fail("", "is nested too deeply") from None
-    unused = sorted(set(tensors) - used - {f"history/{key}" for key in HISTORY})
+    unused = sorted(
+        set(tensors)
+        - used
+        - {f"history/{key}" for key in HISTORY}
+        - {k for k in tensors if k.startswith(PREFIX)}
+    )
     if unused:
         raise _fail("", f"does not reference tensor {unused[0]!r} of the state file")
     joined["source"] = data["source"]  # plain JSON, checked by the feed below
     joined["step"] = _progress(state, tensors, run, step)
+    joined["evaluations"] = evaluations_from(tensors, joined["step"])
     if optimizer is None:
         _optimizer(joined["optimizer"], run.optimizer)
     else:

@@ -34,7 +34,7 @@ _MAX_BYTES = 4096
 def best_record(evaluations: Mapping[str, list], metric: str, mode: str) -> dict[str, Any] | None:
     """The best evaluated step of ``metric`` (``mode`` 'min' or 'max'), as the mark records it;
     ``None`` when nothing was evaluated yet or no metric is chosen."""
-    if not metric or not evaluations.get("step"):
+    if not metric or not evaluations.get("step") or metric not in evaluations:
         return None
     values = evaluations[metric]
     pick = min if mode == "min" else max

@@ -8,18 +8,16 @@ that evaluated nothing stores none of them, so its checkpoints are as before.
 from __future__ import annotations
 
 import math
-import re
 from typing import Mapping
 
 import torch
 
+from ..config import METRIC_NAME
 from ..errors import SEALED_BUT_UNFIT, StateMismatch
 
 __all__ = ["PREFIX", "evaluation_tensors", "evaluations_from"]
 
 PREFIX = "evaluation/"
-# The names checkpoint.best_metric accepts (pipeline.config): a safetensors key's last part.
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 
 
 def evaluation_tensors(evaluations: Mapping[str, list]) -> dict[str, torch.Tensor]:
@@ -55,7 +53,7 @@ def evaluations_from(tensors: Mapping[str, torch.Tensor], step: int) -> dict[str
     for name in metrics:
         values = tensors[f"{PREFIX}{name}"]
         where = f"{PREFIX}{name}"
-        if not _NAME.match(name):
+        if not METRIC_NAME.match(name):
             raise _fail(where, "is not a metric name")
         if values.dtype != torch.float64 or values.shape != steps.shape:
             raise _fail(where, f"is not {len(listed)} float64 values")

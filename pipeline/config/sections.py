@@ -32,6 +32,7 @@ __all__ = [
     "launch_mode",
     "launched_as",
     "RESUME_IRRELEVANT_KEYS",
+    "METRIC_NAME",
 ]
 
 # Keys that may differ between a checkpoint and the run resuming it: they change where
@@ -260,8 +261,9 @@ class TrainingConfig:
 
 
 BestMode = Literal["min", "max"]
-# What evaluate() may name a metric: it becomes a tensor name in the training state.
-_METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+# What evaluate() may name a metric kept in a run's history: it becomes a tensor name in the
+# training state (pipeline.checkpoint.evaluations).
+METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -289,7 +291,7 @@ class CheckpointConfig:
         _require_int(self.keep_last, "checkpoint.keep_last", 1)
         _require_choice(self.best_mode, BestMode, "checkpoint.best_mode")
         _require(
-            not self.best_metric or bool(_METRIC_NAME.match(self.best_metric)),
+            not self.best_metric or bool(METRIC_NAME.match(self.best_metric)),
             "checkpoint.best_metric",
             f"must be a metric name such as 'mse' (got {self.best_metric!r})",
         )

@@ -98,6 +98,9 @@ class Feed:
     """The interface the loop and the checkpoint use (see the module docstring)."""
 
     kind = ""
+    rows = 0
+    """Rows of the global batch :meth:`next_batch` handed out last (what gradient accumulation
+    weighs it by; a short last batch of an epoch has fewer)."""
 
     def next_batch(self) -> tuple[Any, float]:
         raise NotImplementedError
@@ -136,6 +139,7 @@ class _SamplerFeed(Feed):
     def _next_indices(self) -> tuple[int, list[int], float]:
         """Advance the live sampler by one global batch: (epoch, this rank's indices, scale)."""
         indices, scale = [int(i) for i in self.sampler.next_indices()], 1.0
+        self.rows = len(indices)
         if self.world is not None:
             indices, scale = self.world.slice(indices)
         return batch_epoch(self.sampler), indices, scale

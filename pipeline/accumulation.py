@@ -15,48 +15,46 @@ from typing import Any, Iterator
 
 import torch
 
-from .distributed.world import World
 from .run import TrainingRun
+from .world import World
 
 __all__ = ["accumulate_gradients", "effective_batch"]
 
 
-def effective_batch(run: TrainingRun, world: World | None) -> str:
+def effective_batch(run: TrainingRun, world: World) -> str:
     """The line a run prints at its start: rows per optimizer step, and how they are made."""
     rows, steps = run.config.data.batch_size, run.config.training.grad_accum_steps
     line = f"effective batch: {rows * steps} rows per optimizer step ({steps} micro-batch"
     line += f"{'es' if steps > 1 else ''} of {rows}"
-    if world is not None and world.world_size > 1:
+    if world.world_size > 1:
         line += f", each split over {world.world_size} processes"
     return line + ")"
 
 
-def accumulate_gradients(run: TrainingRun, world: World | None) -> torch.Tensor:
+def accumulate_gradients(run: TrainingRun, world: World) -> torch.Tensor:
     """Zero the gradients, then forward and backward every micro-batch of the next step (through
     the GradScaler, if any); return the step's loss as this rank's detached weighted sum (one
-    process: the step's mean loss; under torchrun :meth:`World.global_loss` of it is)."""
+    process: the step's mean loss; :meth:`World.global_loss` of it is, under torchrun too)."""
     steps = run.config.training.grad_accum_steps
     # Every batch of the step before any backward: their rows weigh them (module docstring).
     fetched = [(*run.feed.next_batch(), run.feed.rows) for _ in range(steps)]
     total = sum(rows for _, _, rows in fetched)
 
-    def forward(batch: Any, factor: float) -> torch.Tensor:
+    def forward(batch: Any, scale: float, rows: int) -> torch.Tensor:
         with torch.autocast(
             run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None
         ):
-            loss = run.data.loss(run.model, batch)
-        # One micro-batch in one process: the loss as it is (factor 1.0, the same bits anyway).
-        return loss if factor == 1.0 and world is None else loss * factor
+            loss = world.scaled_loss(run.data.loss(run.model, batch), scale)
+        return loss if steps == 1 else loss * (rows / total)
 
-    factors = [scale * rows / total if steps > 1 else scale for _, scale, rows in fetched]
-    if world is not None and not world.buckets_settled:
-        first = fetched[0][0]
-        world.settle_buckets(run, lambda: forward(first, factors[0]))
+    if not world.buckets_settled:
+        first = fetched[0]
+        world.settle_buckets(run, lambda: forward(*first))
     run.optimizer.zero_grad(set_to_none=True)
     losses = []
-    for index, ((batch, _, _), factor) in enumerate(zip(fetched, factors)):
+    for index, (batch, scale, rows) in enumerate(fetched):
         with _gradient_sync(run.model, world, index == steps - 1):
-            loss = forward(batch, factor)
+            loss = forward(batch, scale, rows)
             (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
         losses.append(loss.detach())
     summed = losses[0]
@@ -66,13 +64,12 @@ def accumulate_gradients(run: TrainingRun, world: World | None) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _gradient_sync(model: torch.nn.Module, world: World | None, sync: bool) -> Iterator[None]:
+def _gradient_sync(model: torch.nn.Module, world: World, sync: bool) -> Iterator[None]:
     """The gradient reduce of DDP and FSDP2 on (``sync``: the step's last micro-batch) or
     off: gradients then add up locally, reduced once with the last one's."""
-    mode = world.mode if world is not None else "none"
-    if sync or mode not in ("ddp", "fsdp2"):
+    if sync or world.mode not in ("ddp", "fsdp2"):
         yield
-    elif mode == "ddp":
+    elif world.mode == "ddp":
         with model.no_sync():
             yield
     else:

@@ -1,5 +1,6 @@
-"""Shared command-line plumbing for the numbered scripts: config flags, the commands the
-pipeline prints (each repeats the config it was given), and error handling."""
+"""Shared command-line plumbing for the numbered scripts: config flags and error handling.
+The commands the pipeline prints (each repeats the config it was given) are
+:mod:`pipeline.commands`'s, named here too for the scripts."""
 
 from __future__ import annotations
 
@@ -7,15 +8,13 @@ import argparse
 import errno
 import json
 import os
-import re
-import shlex
-import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
 from .errors import CapturedTraceback, PipelineError, Preempted, describe_os_error
 
@@ -31,12 +30,6 @@ __all__ = [
 ]
 
 DEBUG_FLAG = "--debug"
-_NUMBERED = re.compile(r"^0\d_\w+\.py$")
-
-# Options that choose where a run starts, or extend it (the checkpoint then records the new
-# length); a resume replaces them with --resume latest.
-_START_OPTIONS = ("--resume", "--init-from", "--extend-to")
-
 _OS_HINTS = {
     errno.ENOSPC: "; nothing half-written was kept: free some space and run the command again",
     errno.EDQUOT: "; nothing half-written was kept: free some space and run the command again",
@@ -75,71 +68,6 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     overrides = parse_set_overrides(args.set)
     overrides.update({k: v for k, v in (flag_overrides or {}).items() if v is not None})
     return load_config(args.config, overrides)
-
-
-def torchrun_launcher(nproc_per_node: int | str, nodes: int = 1) -> list[str]:
-    """``python -m torch.distributed.run`` (torchrun) under this interpreter, the one the ranks
-    run (a bare ``torchrun`` may be another environment's), for one node or ``nodes``."""
-    where = (
-        ["--standalone"]
-        if nodes == 1
-        else [f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
-    )
-    return [python_command(), "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}"]
-
-
-def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
-    """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
-    built with ``allow_abbrev=False``, so every option is spelled out): this interpreter
-    (or ``launcher``: a torchrun launch), the script path as invoked, every option as given
-    (config, checkpoint folder, each ``--set``) except where the run started from and
-    ``--extend-to``, then ``--resume latest``; shell-quoted."""
-    kept, rest = [], iter(argv[1:])
-    for token in rest:
-        if token in _START_OPTIONS:
-            next(rest, None)
-        elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
-            kept.append(token)
-    return shlex.join([*(launcher or [python_command()]), argv[0], *kept, "--resume", "latest"])
-
-
-def python_command() -> str:
-    """How to name this interpreter in a printed command: ``python`` when that is what the
-    shell finds first, else its path (relative when under the working folder)."""
-    if shutil.which("python") == sys.executable:
-        return "python"
-    try:
-        return (
-            os.path.relpath(sys.executable)
-            if Path(sys.executable).is_relative_to(Path.cwd())
-            else sys.executable
-        )
-    except (OSError, ValueError):
-        return sys.executable
-
-
-def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
-    """The command that runs the numbered ``script`` on ``config`` as it was given (its
-    ``--config`` and ``--set`` arguments), with ``args``, under this interpreter or
-    ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
-    in. The script's path is spelled as this one was invoked (from a numbered script), else
-    ``scripts/<script>``."""
-    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
-    # A key that args sets replaces the config's own --set of it: one key, one value.
-    ours = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
-    given, kept = list(config.command_args), []
-    while given:
-        token = given.pop(0)
-        if token == "--set" and given and _set_key(given[0]) in ours:
-            given.pop(0)
-        else:
-            kept.append(token)
-    return shlex.join([*(launcher or [python_command()]), str(folder / script), *kept, *args])
-
-
-def _set_key(item: str) -> str:
-    return item.partition("=")[0].strip()
 
 
 def run_main(main: Callable[[], int | None]) -> None:
@@ -205,7 +133,7 @@ def _tell_launcher(line: str) -> None:
     reads (``TORCHELASTIC_ERROR_FILE``, JSON as torch.distributed.elastic's ``record`` writes
     it), so the "Root Cause" of torchrun's failure report, the last thing it prints, names
     the line instead of "To enable traceback see ...". Every rank that exits non-zero writes
-    the launch's one line (:meth:`pipeline.distributed.world.World.together`), so whichever
+    the launch's one line (:meth:`pipeline.distributed.world.LaunchWorld.together`), so whichever
     rank torchrun picks, the report names it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:

@@ -19,12 +19,12 @@ import torch
 
 from .checkpoint import best_record
 from .config import METRIC_NAME
-from .distributed.world import World
 from .errors import ConfigError, MetricsError
 from .evaluate import check_metrics
 from .factories import factory_errors
 from .rng import capture_rng, restore_rng
 from .run import TrainingRun
+from .world import World
 
 __all__ = ["check_evaluable", "evaluate_if_due", "Evaluated"]
 
@@ -50,7 +50,7 @@ class Evaluated:
     """``checkpoint.best_metric`` is not among the values: save this step, then stop with this."""
 
 
-def evaluate_if_due(run: TrainingRun, world: World | None, say: Callable[[str], None]) -> Evaluated:
+def evaluate_if_due(run: TrainingRun, world: World, say: Callable[[str], None]) -> Evaluated:
     """After an optimizer step: evaluate when ``run.step`` is a multiple of ``training.eval_every``
     or ``training.max_steps``, record the values, and say them (``say``: the first rank's
     report)."""
@@ -71,8 +71,8 @@ def evaluate_if_due(run: TrainingRun, world: World | None, say: Callable[[str], 
     return Evaluated(save=best is not None and best["step"] == step)
 
 
-def _evaluate(run: TrainingRun, world: World | None) -> dict[str, float]:
-    model = run.model.module if world is not None and world.mode == "ddp" else run.model
+def _evaluate(run: TrainingRun, world: World) -> dict[str, float]:
+    model = run.model.module if world.mode == "ddp" else run.model
     rng = capture_rng(run.generator)
     was_training = model.training
     model.eval()

@@ -11,7 +11,14 @@ import torch
 
 from .errors import StateMismatch
 
-__all__ = ["seed_everything", "capture_rng", "restore_rng", "peek_next_draws", "RNG_FAMILIES"]
+__all__ = [
+    "seed_everything",
+    "derive_rank_rng",
+    "capture_rng",
+    "restore_rng",
+    "peek_next_draws",
+    "RNG_FAMILIES",
+]
 
 RNG_FAMILIES = ("python", "numpy_generator", "numpy_legacy", "torch_cpu", "torch_cuda")
 
@@ -23,6 +30,17 @@ def seed_everything(seed: int) -> np.random.Generator:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     return np.random.Generator(np.random.PCG64(seed))
+
+
+def derive_rank_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this rank's own RNG families (Python, NumPy's legacy state, torch CPU and CUDA)
+    from ``SeedSequence([seed, step, rank])``: at the start of a run (step 0) and when a
+    resume changes the world size. The run's NumPy ``Generator`` orders the data and is the
+    same on every rank, so it is not touched here."""
+    words = np.random.SeedSequence([seed, step, rank]).generate_state(4, dtype=np.uint64)
+    random.seed(int(words[0]))
+    np.random.seed(int(words[1]) % 2**32)
+    torch.manual_seed(int(words[2]))  # also seeds every CUDA device
 
 
 def _cuda_present() -> bool:

@@ -14,9 +14,9 @@ import torch
 
 from .config import Config
 from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
-from .errors import ConfigError
 from .factories import factory_errors, resolve
 from .rng import seed_everything
+from .world import World, resolve_device
 
 __all__ = [
     "TrainingRun",
@@ -54,18 +54,6 @@ class TrainingRun:
     evaluations: dict[str, list] = field(default_factory=lambda: {"step": []})
     """``training.eval_every``'s results: the evaluated steps, and one list per metric the task's
     ``evaluate`` returns, in step order (:mod:`pipeline.evaluating`)."""
-
-
-def resolve_device(config: Config) -> torch.device:
-    wanted = config.training.device
-    if wanted == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
-            "set it to 'cpu' or 'auto'"
-        )
-    return torch.device(wanted)
 
 
 def configure_determinism(config: Config) -> None:
@@ -136,6 +124,7 @@ def build_run(
     *,
     schedule_steps: int | None = None,
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    world: World | None = None,
 ) -> TrainingRun:
     """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
 
@@ -144,6 +133,8 @@ def build_run(
     ``schedule_steps``: the ``training.max_steps`` the scheduler factory sees, when it is not
     the run's (an extended run keeps the schedule of its first length; see ``train``).
     ``wrap`` (DDP, FSDP2) is applied to the model before the optimizer takes its parameters.
+    ``world``: the processes the run trains in, whose rank the data feed reads for (by
+    default, this process alone).
     """
     generator = seed_everything(config.training.seed)
     model = build_model(config, device)
@@ -165,7 +156,7 @@ def build_run(
     )(optimizer, schedule_config)
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
-    feed = make_feed(data, sampler, generator, config, device)
+    feed = make_feed(data, sampler, generator, config, device, world)
     configure_determinism(config)
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None

@@ -34,9 +34,8 @@ from .checkpoint import (
     restore_state,
     warm_start,
 )
-from .cli import script_command, torchrun_launcher
+from .commands import script_command, torchrun_launcher
 from .config import Config, launch_mode
-from .distributed.world import World, derive_rank_rng
 from .environment import reproduce_environment
 from .errors import (
     CheckpointError,
@@ -49,6 +48,7 @@ from .errors import (
 from .layout import MODEL_FILE
 from .provenance import check_code_unchanged
 from .run import TrainingRun
+from .world import World
 
 __all__ = ["Launch", "StartRequest", "StartingPoint", "plan_start", "share_start"]
 
@@ -67,15 +67,15 @@ class Launch:
     need not repeat."""
 
     @classmethod
-    def of_run(cls, config: Config, world: World | None) -> "Launch":
-        """This run's launch, ``auto`` resolved (:func:`pipeline.distributed.world.launch_mode`);
-        an explicit ddp or fsdp2 without torchrun is refused."""
+    def of_run(cls, config: Config, world: World) -> "Launch":
+        """This run's launch, ``auto`` resolved (:func:`pipeline.config.launch_mode`); an
+        explicit ddp or fsdp2 without torchrun is refused."""
         declared = config.training.parallel
-        if world is None:
+        if not world.launched:
             parallel = launch_mode(declared, None)
         else:
             parallel = world.mode if declared == "auto" else declared
-        if world is None and parallel != "none":
+        if not world.launched and parallel != "none":
             torchrun = script_command(config, "02_train.py", launcher=torchrun_launcher("N"))
             raise ConfigError(
                 f"{config.source}: training.parallel is {parallel!r}, which trains under torchrun: "
@@ -84,7 +84,7 @@ class Launch:
             )
         return cls(
             parallel,
-            world.world_size if world is not None else 1,
+            world.world_size,
             config.training.ddp_find_unused_parameters if parallel == "ddp" else None,
             declared,
         )
@@ -243,14 +243,14 @@ class StartingPoint:
             new.append({"item": "launch", **self.launch_change, "step": self.step})
         return recorded["changes"] + new, new
 
-    def prepare(self, model: torch.nn.Module, world: World | None) -> torch.nn.Module:
+    def prepare(self, model: torch.nn.Module, world: World) -> torch.nn.Module:
         """The freshly built model, before DDP or FSDP2 wraps it (and before the optimizer
         takes its parameters): warm-started (``--init-from``), or, for a single-process
         checkpoint continued under torchrun, loaded with its weights (each rank reads and
         verifies it whole; FSDP2 then keeps each rank's shard)."""
         if self.init_from is not None:
             self.warm_report = _warm_start(model, self.init_from)
-        elif self.meta is not None and world is not None and not is_distributed(self.meta):
+        elif self.meta is not None and world.launched and not is_distributed(self.meta):
             self.loaded = load_checkpoint(self.folder)
             load_model_weights(
                 model,
@@ -263,7 +263,7 @@ class StartingPoint:
     def restore(
         self,
         run: TrainingRun,
-        world: World | None,
+        world: World,
         root: Path,
         *,
         omit: Iterable[str] = (),
@@ -272,15 +272,14 @@ class StartingPoint:
         """Load the checkpoint into the built run: weights (unless :meth:`prepare` did),
         optimizer, scheduler, data position, scaler, step and history, RNG states last."""
         if self.meta is None:
-            if world is not None:
-                derive_rank_rng(run.config.training.seed, 0, world.rank)
+            world.seed_rank(run.config.training.seed, 0)
             return
         # torch.distributed.checkpoint is imported only where a launch or a checkpoint needs it.
         if is_distributed(self.meta):
             from .checkpoint import restore_distributed
 
             restore_distributed(run, world, self.folder, self.meta, omit=omit, swap_rng=swap_rng)
-        elif world is not None:
+        elif world.launched:
             from .checkpoint import restore_from_single
 
             restore_from_single(run, world, self.loaded, omit=omit)
@@ -304,11 +303,11 @@ class StartingPoint:
             )
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
 
-    def messages(self, new_changes: list[dict[str, Any]], world: World | None) -> list[str]:
+    def messages(self, new_changes: list[dict[str, Any]], world: World) -> list[str]:
         """What the run says about its start (rank 0 prints them)."""
         lines = []
         if self.meta is not None:
-            where = f" ({world.world_size} processes, {world.mode})" if world is not None else ""
+            where = f" ({world.world_size} processes, {world.mode})" if world.launched else ""
             lines.append(f"resumed from {self.folder} at step {self.step}{where}")
             if self.extended:
                 lines.append(

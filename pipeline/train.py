@@ -26,18 +26,19 @@ from .checkpoint import (
     SavedCheckpoint,
     check_capturable,
     model_summary,
+    open_checkpointer,
 )
-from .cli import script_command
 from .config import Config
 from .data import load_manifest
-from .distributed.world import World
+from .distributed.launch import joined
 from .environment import current_environment, pin_threads
 from .errors import ConfigError, InputFailed, Preempted, TrainingDiverged, UserCodeExited
 from .evaluating import check_evaluable, evaluate_if_due
 from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
-from .run import TrainingRun, build_run, configure_determinism, fresh_buffers, resolve_device
+from .run import TrainingRun, build_run, configure_determinism, fresh_buffers
 from .start import Launch, StartingPoint, StartRequest, plan_start, share_start
+from .world import World
 
 __all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
 
@@ -104,8 +105,9 @@ class _StopSignals:
 def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, float]:
     """One optimizer step of ``training.grad_accum_steps`` micro-batches
     (:mod:`pipeline.accumulation`); returns (loss, learning rate used). Under torchrun
-    (``world``) every rank draws the same global batches and trains on its slice of each;
-    the loss returned is the step's global mean."""
+    (``world``, by default this process alone) every rank draws the same global batches and
+    trains on its slice of each; the loss returned is the step's global mean."""
+    world = world or World(device=run.device)
     run.model.train()
     loss = accumulate_gradients(run, world)
     clip = run.config.training.grad_clip
@@ -126,7 +128,7 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         run.scheduler.step()
     run.step += 1
-    value = float(loss) if world is None else world.global_loss(loss)
+    value = world.global_loss(loss)
     run.history["step"].append(run.step)
     run.history["loss"].append(value)
     run.history["lr"].append(lr)
@@ -181,8 +183,9 @@ def train(
     world: World | None = None,
 ) -> TrainResult:
     """Train ``config`` to ``training.max_steps`` (or ``stop_at``), checkpointing locally: in
-    this process, or as one rank of a torchrun launch (``world``; see
-    :func:`pipeline.distributed.training.train_distributed`, which joins the launch).
+    this process, or as one rank of a torchrun launch, joined here when torchrun started this
+    process (:func:`pipeline.distributed.launch.joined`; ``world``: a launch the caller joined
+    and will leave, to run several trainings in it). Every rank returns the same result.
 
     ``resume``: ``None`` (fresh run), ``"latest"``, ``"auto"`` (latest if any, else fresh)
     or a checkpoint folder. ``init_from``: a checkpoint folder or safetensors file whose
@@ -198,7 +201,8 @@ def train(
     also accepts changed code in a file that counts (:mod:`pipeline.provenance`), which
     the next checkpoints' fingerprints record.
     ``resume_hint``: the command a SIGTERM/SIGINT message tells the user to run
-    (:func:`pipeline.cli.resume_command` of the actual invocation, in script 02).
+    (:func:`pipeline.commands.resume_command` of the actual invocation, in script 02; by
+    default the world's :meth:`~pipeline.world.World.resume_command`).
     Where the run starts, and every refusal of it, is :mod:`pipeline.start`'s.
     """
     hooks = hooks or TrainingHooks()
@@ -211,45 +215,56 @@ def train(
         allow_environment_change=allow_environment_change,
     )
     request.check()
+    with joined(config, world) as world:
+        return _train(config, world, request, hooks, progress, allow_environment_change, resume_hint)
+
+
+def _train(
+    config: Config,
+    world: World,
+    request: StartRequest,
+    hooks: TrainingHooks,
+    progress: bool,
+    allow_environment_change: bool,
+    resume_hint: str | None,
+) -> TrainResult:
+    """:func:`train` in the world it trains in."""
     launch = Launch.of_run(config, world)
     config = launch.configured(config)  # training.parallel auto resolved, as checkpoints record it
-    if world is not None:  # this run's copy: its DDP bucket setting, buckets not yet settled
-        world = dataclasses.replace(
-            world, find_unused_parameters=config.training.ddp_find_unused_parameters, buckets_settled=True
-        )
-    together = world.together if world is not None else (lambda what: contextlib.nullcontext())
-    first = world is None or world.rank == 0
-    device = world.device if world is not None else resolve_device(config)
+    # This run's copy: its DDP bucket setting, buckets not yet settled.
+    world = dataclasses.replace(
+        world, find_unused_parameters=config.training.ddp_find_unused_parameters, buckets_settled=True
+    )
+    first = world.rank == 0
+    device = world.device
     configure_determinism(config)
     store = CheckpointStore(config.checkpoint.dir, keep_last=config.checkpoint.keep_last)
     start: StartingPoint | None = None
     hint = resume_hint
     try:
-        with together("starting"):
+        with world.together("starting"):
             manifest = load_manifest(config)
             if first:  # one lock for the launch, held by rank 0
                 store.acquire()
                 store.clean_stale()
                 start = plan_start(store, config, manifest["fingerprint"], request, launch)
-        if world is not None:
-            start = share_start(world, start, config, manifest["fingerprint"], request, launch)
+        start = share_start(world, start, config, manifest["fingerprint"], request, launch)
         config = start.config
         summary: dict[str, Any] = {}
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            if world is None:
-                return start.prepare(model, world)
-            summary.update(model_summary(model, fresh_buffers(model)))  # names as one process stores them
+            if world.launched:  # names as one process stores them, before a wrapper prefixes them
+                summary.update(model_summary(model, fresh_buffers(model)))
             return world.wrap(start.prepare(model, world), config)
 
-        with together("resuming"), start.damage_first(store.root):
+        with world.together("resuming"), start.damage_first(store.root):
             pin_threads(config)
             changes, new = start.environment(device, allow_change=allow_environment_change)
             # Build everything first, then load saved state into it (RNG states last).
             # An extended run keeps the schedule it was started with (see the docstring).
-            run = build_run(config, device, schedule_steps=start.schedule_steps, wrap=prepare)
+            run = build_run(config, device, schedule_steps=start.schedule_steps, wrap=prepare, world=world)
             start.restore(run, world, store.root, omit=hooks.skip_restore, swap_rng=hooks.swap_rng)
-            if world is None:
+            if not world.launched:  # a launch's state is captured together (a stream's positions)
                 check_capturable(run)
             check_evaluable(run)
             if hooks.on_start is not None:
@@ -266,30 +281,21 @@ def train(
             report.message(line)
         report.message(effective_batch(run, world))
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
-        if world is None:
-            checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
-        else:
-            from .checkpoint import DistributedCheckpointer  # torch.distributed.checkpoint: lazily
-
-            checkpointer = DistributedCheckpointer(
-                store,
-                world,
-                provenance,
-                summary,
-                resharded_from=start.resharded_from(world.world_size),
-                background=config.checkpoint.async_,
-            )
-        hint = resume_hint or (
-            world.resume_command()
-            if world is not None
-            else script_command(config, "02_train.py", "--resume", "latest")
+        checkpointer = open_checkpointer(
+            store,
+            world,
+            provenance,
+            summary,
+            resharded_from=start.resharded_from(world.world_size),
+            background=config.checkpoint.async_,
         )
+        hint = resume_hint or world.resume_command(config)
         try:
             saved = _loop(
                 run,
                 checkpointer,
                 report,
-                stop_at=stop_at,
+                stop_at=request.stop_at,
                 resumed=start.step is not None,
                 on_step=hooks.on_step,
                 resume_hint=hint,
@@ -304,7 +310,7 @@ def train(
             checkpoint=final_checkpoint(saved, store, run.step),
             history=run.history,
             resumed_from=start.step,
-            rank=world.rank if world is not None else 0,
+            rank=world.rank,
             evaluations=run.evaluations,
         )
     except (InputFailed, TrainingDiverged) as exc:
@@ -344,7 +350,7 @@ def _loop(
     resumed: bool,
     on_step: Callable[[TrainingRun], None] | None,
     resume_hint: str,
-    world: World | None = None,
+    world: World,
 ):
     """Step to the end (or a stop signal), saving on the configured steps and the last one.
 
@@ -361,7 +367,7 @@ def _loop(
     with _StopSignals() as signals, contextlib.closing(run.feed):
 
         def stop_requested() -> int | None:
-            return signals.signum if world is None else world.agree_signal(signals.signum)
+            return world.agree_signal(signals.signum)
 
         stop = None
         while run.step < end and (stop := stop_requested()) is None:
@@ -399,7 +405,7 @@ def _loop(
                 f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                 f"Resume with: {resume_hint}"
             )
-            if world is not None:
+            if world.launched:
                 # Rank 0 writes the note; every rank's line names it, since torchrun's report
                 # quotes whichever rank ended first.
                 try:
@@ -408,5 +414,5 @@ def _loop(
                 except OSError:
                     pass  # the line says it all the same
             # Under torchrun rank 0 says it once; torchrun's own report follows it.
-            raise Preempted(message, stop, quiet=world is not None and world.rank != 0)
+            raise Preempted(message, stop, quiet=world.rank != 0)
     return saved

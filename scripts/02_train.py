@@ -28,8 +28,8 @@ with project_imports():
         resume_command,
         run_main,
     )
-    from pipeline.distributed.world import joins_launch
     from pipeline.train import train
+    from pipeline.world import joins_launch
 
 
 def main() -> int:
@@ -93,12 +93,9 @@ def main() -> int:
         progress=not args.quiet,
         allow_environment_change=args.allow_environment_change,
     )
-    if joins_launch(config):
-        from pipeline.distributed.training import train_distributed
-
-        result = train_distributed(config, **options)
-    else:
-        result = train(config, resume_hint=resume_command(sys.argv), **options)
+    # One process names this command to resume; a launch's rank names the torchrun launch.
+    hint = None if joins_launch(config) else resume_command(sys.argv)
+    result = train(config, resume_hint=hint, **options)
     if result.rank != 0:
         return 0
     final_loss = result.history["loss"][-1] if result.history["loss"] else float("nan")

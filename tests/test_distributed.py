@@ -29,7 +29,7 @@ from pipeline.checkpoint.store import meta_sha256
 from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
-from pipeline.distributed.world import World
+from pipeline.distributed.world import LaunchWorld as World
 from pipeline.durable import json_bytes
 from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
@@ -785,13 +785,15 @@ def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
 
 def test_resume_command_repeats_the_launch_with_resume_latest():
     command = _world(0, 2).resume_command(
-        ["scripts/02_train.py", "--set", "training.parallel=fsdp2", "--resume=auto", "--quiet"]
+        argv=["scripts/02_train.py", "--set", "training.parallel=fsdp2", "--resume=auto", "--quiet"]
     )
     assert command == shlex.join([python_command(), "-m", "torch.distributed.run"]) + (
         " --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=fsdp2 "
         "--quiet --resume latest"
     )
-    two_nodes = dataclasses.replace(_world(0, 4), local_world_size=2).resume_command(["scripts/02_train.py"])
+    two_nodes = dataclasses.replace(_world(0, 4), local_world_size=2).resume_command(
+        argv=["scripts/02_train.py"]
+    )
     assert " -m torch.distributed.run --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT " in two_nodes
 
 

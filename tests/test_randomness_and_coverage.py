@@ -25,7 +25,7 @@ from pipeline.checkpoint.shards import consolidate, shard_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data, make_feed, make_sampler, prepare_data
 from pipeline.data.stream import StreamFeed
-from pipeline.distributed.world import World
+from pipeline.distributed.world import LaunchWorld as World
 from pipeline.errors import ChecksumMismatch, DataError, SchemaMismatch
 from pipeline.train import train
 
@@ -416,7 +416,7 @@ def test_a_rank_that_agreed_to_stop_and_then_hangs_is_ended_after_its_agent_dies
     rank.write_text(
         "import time\n"
         "import torch, torch.distributed as dist\n"
-        "from pipeline.distributed.world import World, end_with_launcher\n"
+        "from pipeline.distributed.world import LaunchWorld as World, end_with_launcher\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
         "              mode='ddp')\n"

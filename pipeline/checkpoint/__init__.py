@@ -29,7 +29,7 @@ import importlib
 from typing import Any
 
 from .best import best_record, read_best
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, open_checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
@@ -98,6 +98,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "model_summary",
+    "open_checkpointer",
     "open_weights",
     "parse_step_dir",
     "pinned_checkpoint",

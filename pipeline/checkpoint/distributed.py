@@ -55,12 +55,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..distributed.world import World, derive_rank_rng
 from ..durable import atomic_folder, json_loads_strict
 from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, StateMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
-from ..rng import capture_rng, restore_rng
+from ..rng import capture_rng, derive_rank_rng, restore_rng
 from ..run import TrainingRun
+from ..world import World
 from .best import best_record
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
@@ -463,7 +463,7 @@ def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _dcp_load(
-    template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str, world: World | None
+    template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str, world: World
 ) -> None:
     if tensor_specs(template) != expected:
         odd = sorted(set(template) ^ set(expected)) or sorted(
@@ -476,12 +476,12 @@ def _dcp_load(
     with warnings.catch_warnings():
         # One process reading every shard (a run moved to one process) is what no_dist means.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=world is None)
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not world.launched)
 
 
 def restore_distributed(
     run: TrainingRun,
-    world: World | None,
+    world: World,
     folder: Path,
     meta: dict[str, Any],
     *,
@@ -491,8 +491,8 @@ def restore_distributed(
     """Load a verified distributed checkpoint (rank 0 ran
     :func:`pipeline.checkpoint.load_checkpoint` on it: hashes, strict headers, shard
     coverage; every rank read its sealed meta.json) into a built run: wrapped, one rank of a
-    launch (``world``), or a plain one process (``world`` ``None``: a run moved to one
-    process with ``--reshard``). Model and optimizer come through DCP, which redistributes
+    launch (``world``), or a plain one process (a run moved to one process with
+    ``--reshard``). Model and optimizer come through DCP, which redistributes
     them for another world size or ``training.parallel`` (DCP loads into the run's own
     tensors, so a refusal after it ends the run, and nothing on disk changes); then the
     JSON state, validated with the single-process rules
@@ -505,7 +505,7 @@ def restore_distributed(
     (:class:`pipeline.train.TrainingHooks`). An omitted component keeps what the fresh
     build gave it (the RNGs: the streams a fresh run derives at step 0)."""
     omit = frozenset(omit)
-    rank, world_size = (world.rank, world.world_size) if world is not None else (0, 1)
+    rank, world_size = world.rank, world.world_size
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
     _, optimizer, _ = _optimizer_state(run)

@@ -531,7 +531,7 @@ def launch_mode(parallel: str, world_size: int | None) -> str:
     process, not torchrun's): ``auto`` is ``ddp`` under torchrun with more than one process,
     ``none`` otherwise; an explicit value stays as given, checked against the launch where
     the run starts (:class:`pipeline.start.Launch`,
-    :meth:`pipeline.distributed.world.World.start`)."""
+    :meth:`pipeline.distributed.world.LaunchWorld.start`)."""
     if parallel != "auto":
         return parallel
     return "ddp" if world_size is not None and world_size > 1 else "none"

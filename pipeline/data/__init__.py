@@ -5,6 +5,7 @@
 ``task``        :class:`TaskData`: ``get_batch``, a map-style ``train_dataset``, or a stream
 ``sampler``     :class:`EpochSampler`: each global batch's indices, saved and resumed
 ``seeding``     per-sample randomness from (seed, epoch, index)
+``feed_base``   :class:`Feed`, what every feed is to the loop and the checkpoint
 ``feed``        one batch per step: ``get_batch``, or a ``DataLoader`` with workers
 ``stream``      a ``train_iterable`` batched, split per rank, its position saved as JSON
 ``failures``    the task's code failing or hanging while a batch is read, in one line
@@ -13,7 +14,8 @@
 The user's guide is docs/data.md.
 """
 
-from .feed import Feed, make_feed, to_device
+from .feed import make_feed
+from .feed_base import Feed, to_device
 from .prepared import load_manifest, load_task_data, prepare_data
 from .sampler import EpochSampler, Sampler, clone_sampler, make_sampler
 from .seeding import isolated_rng, seed_sample

@@ -27,97 +27,26 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
-from ..distributed.world import World
 from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, WorkerExited, first_line
+from ..world import World
 from .failures import catchable, collate_failure, sample_deadline, user_error
+from .feed_base import Feed, dataset_fingerprint, map_tensors, to_device
 from .sampler import Sampler, batch_epoch, clone_sampler, dataset_length
 from .seeding import isolated_rng, seed_sample
 from .task import input_mode
 
-__all__ = ["Feed", "BatchFeed", "LoaderFeed", "make_feed", "launch_world", "to_device", "dataset_fingerprint"]
-
-
-def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """``batch`` with every tensor in it (nested in dicts, lists, tuples) on ``device``."""
-    return _map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def launch_world(config: Config, device: torch.device) -> World | None:
-    """This process's place in a torchrun launch (the default process group), or ``None``."""
-    if config.training.parallel == "none" or not (dist.is_available() and dist.is_initialized()):
-        return None
-    size = dist.get_world_size()
-    return World(
-        rank=dist.get_rank(),
-        world_size=size,
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-        device=device,
-        mode=config.training.parallel,
-    )
-
-
-def dataset_fingerprint(data: Any, dataset: Any) -> str | None:
-    """The training set's content fingerprint, as the task (or its dataset) names it in a
-    ``fingerprint`` string; else none. Files in ``data.dir`` are covered by the manifest's
-    SHA-256 anyway; ``datasets``' own cache fingerprint is not used: it changes when the same
-    files move or are touched, which would refuse a good resume."""
-    for owner in (data, dataset):
-        value = getattr(owner, "fingerprint", None)
-        if isinstance(value, str) and value:
-            return value
-    return None
+__all__ = ["BatchFeed", "LoaderFeed", "make_feed"]
 
 
 # How long a failed handover waits for the kernel to report the worker's end.
 _EXIT_NOTICE_SECONDS = 1.0
-
-
-class Feed:
-    """The interface the loop and the checkpoint use (see the module docstring)."""
-
-    kind = ""
-    rows = 0
-    """Rows of the global batch :meth:`next_batch` handed out last (what gradient accumulation
-    weighs it by; a short last batch of an epoch has fewer)."""
-
-    def next_batch(self) -> tuple[Any, float]:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def check_state(self, saved: Any) -> None:
-        """Refuse (:class:`DataError`, one line naming the field) a saved ``source`` record
-        that does not belong to this source; nothing is changed."""
-        raise NotImplementedError
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Take a checked record's position (the sampler's is restored with the sampler)."""
-
-    def close(self) -> None:
-        """Stop what reads ahead (DataLoader workers)."""
 
 
 class _SamplerFeed(Feed):
@@ -129,7 +58,7 @@ class _SamplerFeed(Feed):
         sampler: Sampler,
         config: Config,
         device: torch.device,
-        world: World | None,
+        world: World,
         num_samples: int,
         fingerprint: str | None,
     ) -> None:
@@ -138,10 +67,9 @@ class _SamplerFeed(Feed):
 
     def _next_indices(self) -> tuple[int, list[int], float]:
         """Advance the live sampler by one global batch: (epoch, this rank's indices, scale)."""
-        indices, scale = [int(i) for i in self.sampler.next_indices()], 1.0
+        indices = [int(i) for i in self.sampler.next_indices()]
         self.rows = len(indices)
-        if self.world is not None:
-            indices, scale = self.world.slice(indices)
+        indices, scale = self.world.slice(indices)
         return batch_epoch(self.sampler), indices, scale
 
     def state_dict(self) -> dict[str, Any]:
@@ -206,7 +134,7 @@ class LoaderFeed(_SamplerFeed):
         generator: np.random.Generator,
         config: Config,
         device: torch.device,
-        world: World | None,
+        world: World,
     ) -> None:
         dataset = data.train_dataset
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -411,14 +339,13 @@ class LoaderFeed(_SamplerFeed):
 class _Order:
     """The DataLoader's batch sampler: (epoch, index) keys of this rank's slice of each batch."""
 
-    def __init__(self, sampler: Sampler, world: World | None) -> None:
+    def __init__(self, sampler: Sampler, world: World) -> None:
         self.sampler, self.world = sampler, world
 
     def __iter__(self):
         while True:
             indices = [int(i) for i in self.sampler.next_indices()]
-            if self.world is not None:
-                indices, _ = self.world.slice(indices)
+            indices, _ = self.world.slice(indices)
             epoch = batch_epoch(self.sampler)
             yield [(epoch, i) for i in indices]
 
@@ -430,7 +357,7 @@ class _Fetched:
         self.keys, self.batch = keys, batch
 
     def pin_memory(self) -> "_Fetched":  # called by the DataLoader's pinning thread
-        return _Fetched(self.keys, _map_tensors(self.batch, lambda t: t.pin_memory()))
+        return _Fetched(self.keys, map_tensors(self.batch, lambda t: t.pin_memory()))
 
 
 class _Failure:
@@ -522,11 +449,17 @@ def _worker_init(trainer: int, worker_id: int) -> None:
 
 
 def make_feed(
-    data: Any, sampler: Sampler | None, generator: np.random.Generator, config: Config, device: torch.device
+    data: Any,
+    sampler: Sampler | None,
+    generator: np.random.Generator,
+    config: Config,
+    device: torch.device,
+    world: World | None = None,
 ) -> Feed:
-    """The feed for ``data``'s form (:func:`~pipeline.data.task.input_mode`)."""
+    """The feed for ``data``'s form (:func:`~pipeline.data.task.input_mode`), for this rank of
+    ``world`` (by default, this process alone)."""
     mode = input_mode(data)
-    world = launch_world(config, device)
+    world = world or World(device=device)
     if mode == "stream":
         from .stream import StreamFeed
 

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from ..commands import script_command
 from ..config import Config
 from ..durable import atomic_folder, json_bytes, recover
 from ..errors import DataError
@@ -95,8 +96,6 @@ def _own_folder_command(config: Config) -> tuple[str, str]:
         else:
             kept.append(token)
     point = f"--set data.dir={folder}"
-    from ..cli import script_command  # the scripts' plumbing, needed only for this message
-
     moved = dataclasses.replace(config, command_args=(*kept, "--set", f"data.dir={folder}"))
     return script_command(moved, "01_prepare_data.py"), point
 

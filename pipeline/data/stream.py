@@ -36,11 +36,11 @@ import torch
 from torch.utils.data import default_collate
 
 from ..config import Config
-from ..distributed.world import World
 from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, first_line
 from ..hashing import sha256_bytes
+from ..world import World
 from .failures import catchable, collate_failure, sample_deadline
-from .feed import Feed, dataset_fingerprint, to_device
+from .feed_base import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
 
 __all__ = ["StreamFeed"]
@@ -62,7 +62,7 @@ class StreamFeed(Feed):
 
     kind = "stream"
 
-    def __init__(self, data: Any, config: Config, device: torch.device, world: World | None) -> None:
+    def __init__(self, data: Any, config: Config, device: torch.device, world: World) -> None:
         source = data.train_iterable
         if not (
             callable(getattr(source, "state_dict", None))
@@ -80,7 +80,7 @@ class StreamFeed(Feed):
             )
         self.config, self.device, self.world = config, device, world
         self.seed = config.training.seed
-        self.rank, self.world_size = (world.rank, world.world_size) if world is not None else (0, 1)
+        self.rank, self.world_size = world.rank, world.world_size
         self.split = config.data.stream_split
         self.sharded = self.split == "shards" and self.world_size > 1
         batch = config.data.batch_size
@@ -99,9 +99,7 @@ class StreamFeed(Feed):
             self.stride, self.offset = self.world_size, self.rank  # rank r's k-th sample is position kW + r
         else:
             self.reads, self.stride, self.offset = batch, 1, 0
-            self.keep, self.scale = (
-                world.slice(list(range(batch))) if world is not None else (list(range(batch)), 1.0)
-            )
+            self.keep, self.scale = world.slice(list(range(batch)))
         self.collate = getattr(data, "collate", None) or default_collate
         self.identity = self._identity(data, source)
         self.source = self._split(source)

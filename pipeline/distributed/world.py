@@ -1,5 +1,6 @@
 """One process of a ``torchrun`` launch: its rank, the process group, and the handful of
-collectives the training loop and the checkpoint protocol agree through.
+collectives the training loop and the checkpoint protocol agree through
+(:class:`LaunchWorld`, the launch's side of :class:`pipeline.world.World`).
 
 Every collective here is small (a few integers or one float per step). Errors are agreed
 on too (:meth:`World.together`): a rank that fails tells the others, so no rank is left
@@ -12,29 +13,33 @@ import contextlib
 import dataclasses
 import gc
 import os
-import random
 import signal
 import sys
 import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+# The distributed checkpoint stack (torch.distributed.checkpoint, which imports FSDP) is
+# imported with this module, before the launch's process group is joined: measured with
+# torch 2.13, a rank that has not imported torch.distributed.fsdp by then keeps the default
+# group, gloo worker threads and all, past LaunchWorld.close
+# (tests/test_distributed.py::test_close_ends_the_default_groups_gloo_threads).
+import torch.distributed.checkpoint  # noqa: F401
+
 from .. import PARENT_AT_START
-from ..cli import resume_command, torchrun_launcher
+from ..commands import resume_command, torchrun_launcher
 from ..config import Config, launch_mode
 from ..errors import ConfigError, DataError, PeerFailed, PipelineError, describe_os_error
-from ..rng import capture_rng, restore_rng
+from ..rng import capture_rng, derive_rank_rng, restore_rng
+from ..world import World, launch_size
 
-__all__ = ["World", "launched_by_torchrun", "joins_launch", "derive_rank_rng"]
+__all__ = ["LaunchWorld"]
 
-# What torchrun (and any launcher following its convention) sets for every worker.
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # How long a rank whose launcher died may take to stop on its own (finish the step, save)
 # before it is ended: a rank waiting in a collective for a peer that is gone never would.
 ORPHAN_GRACE_S = 15.0
@@ -44,34 +49,6 @@ _watching = False
 # and a SIGTERM from the watchdog after the loop restored the default handler would kill it
 # before it reports the stop.
 _stop_agreed = threading.Event()
-
-
-def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in _LAUNCH_ENV)
-
-
-def _launch_size() -> int | None:
-    """The number of processes of the torchrun launch this process belongs to (else None)."""
-    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
-
-
-def joins_launch(config: Config) -> bool:
-    """Whether this process trains as one rank of a torchrun launch: it was launched by
-    torchrun, unless the launch is one process that runs ``training.parallel`` none (what
-    ``auto`` is there), which trains as a plain process."""
-    size = _launch_size()
-    return size is not None and (size > 1 or launch_mode(config.training.parallel, size) != "none")
-
-
-def derive_rank_rng(seed: int, step: int, rank: int) -> None:
-    """Seed this rank's own RNG families (Python, NumPy's legacy state, torch CPU and CUDA)
-    from ``SeedSequence([seed, step, rank])``: at the start of a run (step 0) and when a
-    resume changes the world size. The run's NumPy ``Generator`` orders the data and is the
-    same on every rank, so it is not touched here."""
-    words = np.random.SeedSequence([seed, step, rank]).generate_state(4, dtype=np.uint64)
-    random.seed(int(words[0]))
-    np.random.seed(int(words[1]) % 2**32)
-    torch.manual_seed(int(words[2]))  # also seeds every CUDA device
 
 
 def end_with_launcher(grace: float = ORPHAN_GRACE_S) -> None:
@@ -142,20 +119,10 @@ def _one_line(error: BaseException | None) -> str:
 
 
 @dataclass(kw_only=True, slots=True)
-class World:
+class LaunchWorld(World):
     """This process's place in the launch (``rank`` of ``world_size``)."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    mode: str
-    find_unused_parameters: bool = False
-    """DDP's ``find_unused_parameters`` (``training.ddp_find_unused_parameters``)."""
-    buckets_settled: bool = True
-    """False from :meth:`wrap` of a DDP model that will rebuild its gradient buckets until
-    :meth:`settle_buckets` made it do so."""
+    launched: ClassVar[bool] = True
     group: Any = None
     """The process group of this object's collectives: ``None``, the launch's default one;
     a background save's own gloo group (:meth:`own_group`), so its agreements never
@@ -165,9 +132,9 @@ class World:
     :meth:`start`, never the default one (see :meth:`close` for why)."""
 
     @classmethod
-    def start(cls, config: Config) -> "World":
+    def start(cls, config: Config) -> "LaunchWorld":
         """Join the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
-        mode = launch_mode(config.training.parallel, _launch_size())
+        mode = launch_mode(config.training.parallel, launch_size())
         if mode == "none":
             raise ConfigError(
                 f"{config.source}: launched by torchrun with {os.environ['WORLD_SIZE']} processes but "
@@ -204,7 +171,7 @@ class World:
             mesh_group=mesh_group,
         )
 
-    def own_group(self) -> "World":
+    def own_group(self) -> "LaunchWorld":
         """This rank on a new gloo process group of every rank (CPU collectives, whatever
         the training backend). Every rank must call it at the same point, in the same order."""
         return dataclasses.replace(self, group=dist.new_group(backend="gloo"))
@@ -214,14 +181,10 @@ class World:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
 
-    def describe(self) -> dict[str, Any]:
-        """What meta.json records about the launch that wrote a checkpoint: the DDP bucket
-        setting too, as it changes the reduction order and so the numbers."""
-        return {
-            "mode": self.mode,
-            "world_size": self.world_size,
-            "ddp_find_unused_parameters": self.find_unused_parameters,
-        }
+    def seed_rank(self, seed: int, step: int) -> None:
+        """This rank's own RNG streams from ``(seed, step, rank)``
+        (:func:`pipeline.rng.derive_rank_rng`)."""
+        derive_rank_rng(seed, step, self.rank)
 
     def close(self) -> None:
         """Leave every process group and end their gloo worker threads while Python still
@@ -247,6 +210,10 @@ class World:
             )
         start, stop = (total * self.rank) // self.world_size, (total * (self.rank + 1)) // self.world_size
         return list(indices[start:stop]), (stop - start) * self.world_size / total
+
+    def scaled_loss(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        """This rank's loss times :meth:`slice`'s factor: DDP and FSDP2 average the ranks'."""
+        return loss * scale
 
     def global_loss(self, scaled_loss: torch.Tensor) -> float:
         """The global batch's loss, the same float on every rank."""
@@ -388,9 +355,9 @@ class World:
         restore_rng(rng, run.generator, need_cuda=self.device.type == "cuda")
         self.buckets_settled = True
 
-    def resume_command(self, argv: Sequence[str] | None = None) -> str:
-        """The launch to repeat to continue (:func:`pipeline.cli.resume_command` behind
-        torchrun with this launch's shape)."""
+    def resume_command(self, config: Config | None = None, *, argv: Sequence[str] | None = None) -> str:
+        """The launch to repeat to continue (:func:`pipeline.commands.resume_command` of
+        ``argv``, by default this process's, behind torchrun with this launch's shape)."""
         nodes = self.world_size // max(self.local_world_size, 1)
         return resume_command(
             list(sys.argv if argv is None else argv),

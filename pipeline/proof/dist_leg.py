@@ -22,10 +22,9 @@ from typing import Any
 from ..checkpoint import live_components
 from ..cli import run_main
 from ..config import config_from_dict, launch_mode
-from ..distributed.training import train_distributed
-from ..distributed.world import World
+from ..distributed.world import LaunchWorld
 from ..durable import write_json_atomic
-from ..train import TrainingHooks
+from ..train import TrainingHooks, train
 from .compare import compare
 
 
@@ -33,7 +32,7 @@ def run_launch(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
     runs = spec["runs"]
     first = config_from_dict(runs[0]["config"], source=str(spec_path))
-    world = World.start(first)
+    world = LaunchWorld.start(first)
     results: list[dict[str, Any]] = []
     baseline: dict[str, Any] | None = None
     try:
@@ -45,7 +44,7 @@ def run_launch(spec_path: Path) -> None:
                 swap_rng=run["swap_rng"],
                 on_start=lambda live: seen.update(live_components(live)),
             )
-            result = train_distributed(
+            result = train(
                 config,
                 world=dataclasses.replace(
                     world, mode=launch_mode(config.training.parallel, world.world_size)

@@ -36,7 +36,7 @@ from ..checkpoint import (
     open_weights,
     pinned_checkpoint,
 )
-from ..cli import script_command
+from ..commands import script_command
 from ..config import Config
 from ..durable import atomic_folder, fsync_dir, json_bytes, recover, scratch_folder
 from ..errors import NonFiniteWeights, StageError

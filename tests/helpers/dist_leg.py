@@ -32,10 +32,10 @@ from oprecorder import Recorder
 
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import launch_mode, load_config
-from pipeline.distributed.training import train_distributed
-from pipeline.distributed.world import World
+from pipeline.distributed.world import LaunchWorld
 from pipeline.durable import json_bytes
 from pipeline.errors import PipelineError
+from pipeline.train import train
 
 
 def forge(spec: dict) -> None:
@@ -69,7 +69,7 @@ def main(plan_path: str) -> None:
     # The default group alone first (World.start joins it), so its threads are known.
     dist.init_process_group("gloo")
     default_group = {int(tid) for tid in os.listdir("/proc/self/task")} - {threading.get_native_id()}
-    world = World.start(load_config(plan["config"], plan["runs"][0]["overrides"]))
+    world = LaunchWorld.start(load_config(plan["config"], plan["runs"][0]["overrides"]))
     results = []
     try:
         for run in plan["runs"]:
@@ -88,7 +88,7 @@ def main(plan_path: str) -> None:
             )
             try:
                 with recorder:
-                    result = train_distributed(
+                    result = train(
                         config,
                         world=dataclasses.replace(
                             world, mode=launch_mode(config.training.parallel, world.world_size)

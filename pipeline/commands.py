@@ -1,0 +1,90 @@
+"""The command lines the pipeline prints in its hints and refusals: a script run again on the
+config it was given, a run resumed as it was launched, a torchrun launch under this
+interpreter. Torch-free and import-light, so any module can name a command without the
+scripts' plumbing (:mod:`pipeline.cli`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["python_command", "resume_command", "script_command", "torchrun_launcher"]
+
+_NUMBERED = re.compile(r"^0\d_\w+\.py$")
+
+# Options that choose where a run starts, or extend it (the checkpoint then records the new
+# length); a resume replaces them with --resume latest.
+_START_OPTIONS = ("--resume", "--init-from", "--extend-to")
+
+
+def torchrun_launcher(nproc_per_node: int | str, nodes: int = 1) -> list[str]:
+    """``python -m torch.distributed.run`` (torchrun) under this interpreter, the one the ranks
+    run (a bare ``torchrun`` may be another environment's), for one node or ``nodes``."""
+    where = (
+        ["--standalone"]
+        if nodes == 1
+        else [f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
+    )
+    return [python_command(), "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}"]
+
+
+def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
+    """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
+    built with ``allow_abbrev=False``, so every option is spelled out): this interpreter
+    (or ``launcher``: a torchrun launch), the script path as invoked, every option as given
+    (config, checkpoint folder, each ``--set``) except where the run started from and
+    ``--extend-to``, then ``--resume latest``; shell-quoted."""
+    kept, rest = [], iter(argv[1:])
+    for token in rest:
+        if token in _START_OPTIONS:
+            next(rest, None)
+        elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
+            kept.append(token)
+    return shlex.join([*(launcher or [python_command()]), argv[0], *kept, "--resume", "latest"])
+
+
+def python_command() -> str:
+    """How to name this interpreter in a printed command: ``python`` when that is what the
+    shell finds first, else its path (relative when under the working folder)."""
+    if shutil.which("python") == sys.executable:
+        return "python"
+    try:
+        return (
+            os.path.relpath(sys.executable)
+            if Path(sys.executable).is_relative_to(Path.cwd())
+            else sys.executable
+        )
+    except (OSError, ValueError):
+        return sys.executable
+
+
+def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
+    """The command that runs the numbered ``script`` on ``config`` as it was given (its
+    ``--config`` and ``--set`` arguments), with ``args``, under this interpreter or
+    ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
+    in. The script's path is spelled as this one was invoked (from a numbered script), else
+    ``scripts/<script>``."""
+    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
+    # A key that args sets replaces the config's own --set of it: one key, one value.
+    ours = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
+    given, kept = list(config.command_args), []
+    while given:
+        token = given.pop(0)
+        if token == "--set" and given and _set_key(given[0]) in ours:
+            given.pop(0)
+        else:
+            kept.append(token)
+    return shlex.join([*(launcher or [python_command()]), str(folder / script), *kept, *args])
+
+
+def _set_key(item: str) -> str:
+    return item.partition("=")[0].strip()

@@ -288,3 +288,30 @@ def test_checkpoint_best_stages_the_best(data_dir, tmp_path):
     staged = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
     assert staged["step"] == read_best(tmp_path / "estados_local")["step"] == 3
     assert os.path.isdir(tmp_path / "estados_local" / "step-00000010")
+
+
+def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_controls_diverge(
+    data_dir, tmp_path
+):
+    args = [
+        "--set",
+        "training.grad_accum_steps=2",
+        *EVAL,
+        "--set",
+        "training.deterministic=false",
+        "--jobs",
+        "1",
+    ]
+    ran = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "03_verify_resume.py"), "--config", str(REPO / "config.yaml"),
+         *data_args(data_dir), "--output",
+         str(tmp_path / "proof"), *args],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    report = json.loads((tmp_path / "proof" / "verification.json").read_text())
+    assert report["all_checks_passed"] and report["positive"] and report["negative_divergence_detected"]
+    for name in ("rng", "optimizer", "scheduler", "data"):
+        assert report["components"]["negative"][name]["result"] == "detected", name
+    evaluations = [c for c in report["checks"]["positive"] if c["name"] == "final.evaluations"]
+    assert evaluations and evaluations[0]["passed"] and evaluations[0]["max_abs_diff"] == 0.0

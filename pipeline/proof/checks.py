@@ -32,7 +32,7 @@ _HISTORY = (("loss", "losses"), ("lr", "learning_rates"), ("step", "history_step
 
 
 def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float) -> list[Check]:
-    """Weights, every state part, and the loss / learning-rate / step history."""
+    """Weights, every state part, the loss / learning-rate / step history, and the evaluations."""
     checks = [compare(f"{prefix}.model", "model", reference.model, candidate.model, atol)]
     checks += [
         compare(f"{prefix}.{part}", part, reference.component(part), candidate.component(part), atol)
@@ -42,6 +42,9 @@ def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float)
         compare(f"{prefix}.{label}", "history", reference.history(key), candidate.history(key), atol)
         for key, label in _HISTORY
     ]
+    checks.append(
+        compare(f"{prefix}.evaluations", "history", reference.evaluations(), candidate.evaluations(), atol)
+    )
     return checks
 
 

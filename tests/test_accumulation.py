@@ -315,3 +315,53 @@ def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_contro
         assert report["components"]["negative"][name]["result"] == "detected", name
     evaluations = [c for c in report["checks"]["positive"] if c["name"] == "final.evaluations"]
     assert evaluations and evaluations[0]["passed"] and evaluations[0]["max_abs_diff"] == 0.0
+
+
+def test_an_evaluate_that_draws_from_every_rng_changes_nothing_the_training_computes(data_dir, tmp_path):
+    drawing = ["--set", "data.factory=trainer_factories:build_data_drawing_evaluate"]
+    plain = train(data_dir, tmp_path / "plain", "--max-steps", "6", *drawing)
+    evaluated = train(
+        data_dir, tmp_path / "evaluated", "--max-steps", "6", *drawing, "--set", "training.eval_every=1"
+    )
+    assert plain.returncode == 0 and evaluated.returncode == 0, plain.stderr + evaluated.stderr
+    assert _state(tmp_path / "evaluated" / "step-00000006")["evaluation/step"].tolist() == [1, 2, 3, 4, 5, 6]
+    for name, tensor in _weights(tmp_path / "plain" / "step-00000006").items():
+        assert torch.equal(tensor, _weights(tmp_path / "evaluated" / "step-00000006")[name]), name
+
+
+def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tmp_path):
+    ran = train(data_dir, tmp_path, "--max-steps", "5", "--set", "training.eval_every=5")
+    assert ran.returncode == 0, ran.stderr
+    from pipeline.config import load_config
+    from pipeline.evaluate import evaluate_checkpoint
+
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path),
+                                                 "outputs.metrics": str(tmp_path / "metrics.json")})  # fmt: skip
+    record = evaluate_checkpoint(config, "latest")
+    state = _state(tmp_path / "step-00000005")
+    assert state["evaluation/mse"].tolist() == [record["metrics"]["mse"]]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "says"),
+    [
+        ({"evaluation/step": torch.tensor([2, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/step does not count up"),
+        ({"evaluation/step": torch.tensor([2, 9]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/step does not count up"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/mse is not 1 float64 values"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([float("nan")], dtype=torch.float64)},
+         "evaluation/mse holds a value that is not finite"),
+        ({"evaluation/mse": torch.tensor([1.0], dtype=torch.float64)}, "evaluation/step is not a list"),
+        ({"evaluation/step": torch.tensor([2])}, "has no metric beside it"),
+    ],
+    ids=["repeated-step", "past-the-run", "short", "nan", "no-steps", "no-metric"],
+)  # fmt: skip
+def test_saved_evaluations_are_checked_before_use(tensors, says):
+    from pipeline.checkpoint.evaluations import evaluations_from
+    from pipeline.errors import StateMismatch
+
+    with pytest.raises(StateMismatch, match=says):
+        evaluations_from(tensors, step=5)
+    assert evaluations_from({}, step=5) == {"step": []}

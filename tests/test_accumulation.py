@@ -365,3 +365,30 @@ def test_saved_evaluations_are_checked_before_use(tensors, says):
     with pytest.raises(StateMismatch, match=says):
         evaluations_from(tensors, step=5)
     assert evaluations_from({}, step=5) == {"step": []}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_accumulated_and_evaluated_under_torchrun_as_in_one_process(data_dir, tmp_path, mode):
+    args = [*data_args(data_dir), "--max-steps", "4", "--quiet", *NO_DROPOUT, "--set", "training.grad_accum_steps=2",
+            "--set", "training.eval_every=2"]  # fmt: skip
+    one = train(data_dir, tmp_path / "one", *args[2:])
+    assert one.returncode == 0, one.stderr
+    ran = subprocess.run(
+        [PYTHON, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "scripts" / "02_train.py"), "--config", str(REPO / "config.yaml"), *args,
+         "--set", f"training.parallel={mode}", "--checkpoint-dir", str(tmp_path / "two")],
+        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    from pipeline.checkpoint import load_checkpoint
+
+    single, launched = (
+        load_checkpoint(tmp_path / "one" / "step-00000004"),
+        load_checkpoint(tmp_path / "two" / "step-00000004"),
+    )
+    for name, tensor in single.model_tensors.items():
+        assert torch.allclose(tensor, launched.model_tensors[name], rtol=0, atol=1e-12), name
+    for key in ("evaluation/step", "evaluation/mse", "history/loss"):
+        assert torch.allclose(
+            single.state_tensors[key].double(), launched.state_tensors[key].double(), rtol=0, atol=1e-12
+        ), key

@@ -172,6 +172,15 @@ def test_an_unknown_best_metric_stops_at_the_first_evaluation_with_its_checkpoin
     assert again.returncode == 0, again.stderr
 
 
+def test_a_config_built_in_code_is_checked_like_a_file():
+    from pipeline.config import CheckpointConfig, TrainingConfig
+
+    with pytest.raises(ValueError, match="checkpoint.best_mode must be one of"):
+        CheckpointConfig(best_mode="median")
+    with pytest.raises(ValueError, match="training.grad_accum_steps must be >= 1"):
+        TrainingConfig(grad_accum_steps=0)
+
+
 def _best_steps(folder: Path, mode: str) -> int:
     evaluations = {
         key.removeprefix("evaluation/"): t.tolist()
@@ -324,7 +333,9 @@ def test_an_evaluate_that_draws_from_every_rng_changes_nothing_the_training_comp
         data_dir, tmp_path / "evaluated", "--max-steps", "6", *drawing, "--set", "training.eval_every=1"
     )
     assert plain.returncode == 0 and evaluated.returncode == 0, plain.stderr + evaluated.stderr
-    assert _state(tmp_path / "evaluated" / "step-00000006")["evaluation/step"].tolist() == [1, 2, 3, 4, 5, 6]
+    state = _state(tmp_path / "evaluated" / "step-00000006")
+    assert state["evaluation/step"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert state["evaluation/train_mode"].tolist() == state["evaluation/grad_mode"].tolist() == [0.0] * 6
     for name, tensor in _weights(tmp_path / "plain" / "step-00000006").items():
         assert torch.equal(tensor, _weights(tmp_path / "evaluated" / "step-00000006")[name]), name
 

@@ -30,7 +30,9 @@ def build_data_without_evaluate(config: Config, data_dir: Path) -> _WithoutEvalu
 
 
 class _DrawingEvaluate:
-    """The regression task's data, whose evaluate draws from every RNG the training uses."""
+    """The regression task's data, whose evaluate draws from every RNG the training uses and
+    reports the mode and grad mode it was called in (the regression's own evaluate sets eval
+    mode itself)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -40,7 +42,8 @@ class _DrawingEvaluate:
 
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
         noise = random.random() + float(np.random.rand()) + float(torch.rand(1))
-        return {**self._inner.evaluate(model, device), "noise": noise}
+        called_in = {"train_mode": float(model.training), "grad_mode": float(torch.is_grad_enabled())}
+        return {**self._inner.evaluate(model, device), "noise": noise, **called_in}
 
 
 def build_data_drawing_evaluate(config: Config, data_dir: Path) -> _DrawingEvaluate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -403,3 +404,36 @@ def test_accumulated_and_evaluated_under_torchrun_as_in_one_process(data_dir, tm
         assert torch.allclose(
             single.state_tensors[key].double(), launched.state_tensors[key].double(), rtol=0, atol=1e-12
         ), key
+
+
+class _SyncRecorder(torch.nn.Module):
+    """Records what DDP's and FSDP2's gradient-sync switches are asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def set_requires_gradient_sync(self, on: bool) -> None:
+        self.calls.append(on)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.calls.append("no_sync")
+        yield
+        self.calls.append("synced again")
+
+
+@pytest.mark.parametrize(
+    ("mode", "before_last", "last"),
+    [("ddp", ["no_sync", "synced again"], []), ("fsdp2", [False, True], []), ("none", [], [])],
+)
+def test_micro_batches_before_the_last_skip_the_gradient_reduce(mode, before_last, last):
+    from pipeline.accumulation import _gradient_sync
+    from pipeline.world import World
+
+    world = World(device=torch.device("cpu"), mode=mode)
+    for sync, expected in ((False, before_last), (True, last)):
+        model = _SyncRecorder()
+        with _gradient_sync(model, world, sync):
+            pass
+        assert model.calls == expected, (mode, sync)

@@ -426,6 +426,7 @@ class _SyncRecorder(torch.nn.Module):
 @pytest.mark.parametrize(
     ("mode", "before_last", "last"),
     [("ddp", ["no_sync", "synced again"], []), ("fsdp2", [False, True], []), ("none", [], [])],
+    ids=["ddp", "fsdp2", "none"],
 )
 def test_micro_batches_before_the_last_skip_the_gradient_reduce(mode, before_last, last):
     from pipeline.accumulation import _gradient_sync

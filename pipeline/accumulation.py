@@ -47,9 +47,7 @@ def accumulate_gradients(run: TrainingRun, world: World) -> torch.Tensor:
             loss = world.scaled_loss(run.data.loss(run.model, batch), scale)
         return loss if steps == 1 else loss * (rows / total)
 
-    if not world.buckets_settled:
-        first = fetched[0]
-        world.settle_buckets(run, lambda: forward(*first))
+    world.settle_buckets(run, lambda: forward(*fetched[0]))  # DDP's, before a process's first step
     run.optimizer.zero_grad(set_to_none=True)
     losses = []
     for index, (batch, scale, rows) in enumerate(fetched):

@@ -68,14 +68,12 @@ class Launch:
 
     @classmethod
     def of_run(cls, config: Config, world: World) -> "Launch":
-        """This run's launch, ``auto`` resolved (:func:`pipeline.config.launch_mode`); an
-        explicit ddp or fsdp2 without torchrun is refused."""
+        """This run's launch, ``auto`` resolved to the mode ``world`` runs (a launch joined
+        runs the config's: :func:`pipeline.config.launch_mode`); an explicit ddp or fsdp2 in
+        one process, not torchrun's, is refused."""
         declared = config.training.parallel
-        if not world.launched:
-            parallel = launch_mode(declared, None)
-        else:
-            parallel = world.mode if declared == "auto" else declared
-        if not world.launched and parallel != "none":
+        parallel = world.mode if declared == "auto" else declared
+        if parallel != world.mode:
             torchrun = script_command(config, "02_train.py", launcher=torchrun_launcher("N"))
             raise ConfigError(
                 f"{config.source}: training.parallel is {parallel!r}, which trains under torchrun: "
@@ -279,7 +277,7 @@ class StartingPoint:
             from .checkpoint import restore_distributed
 
             restore_distributed(run, world, self.folder, self.meta, omit=omit, swap_rng=swap_rng)
-        elif world.launched:
+        elif self.loaded is not None:  # a launch's rank read it whole in prepare
             from .checkpoint import restore_from_single
 
             restore_from_single(run, world, self.loaded, omit=omit)
@@ -303,11 +301,13 @@ class StartingPoint:
             )
             del loaded  # unmaps what restore copied; the optimizer keeps its mapped state
 
-    def messages(self, new_changes: list[dict[str, Any]], world: World) -> list[str]:
-        """What the run says about its start (rank 0 prints them)."""
+    def messages(self, new_changes: list[dict[str, Any]], launch: Launch) -> list[str]:
+        """What the run says about its start in ``launch`` (rank 0 prints them)."""
         lines = []
         if self.meta is not None:
-            where = f" ({world.world_size} processes, {world.mode})" if world.launched else ""
+            where = (
+                f" ({launch.world_size} processes, {launch.parallel})" if launch.parallel != "none" else ""
+            )
             lines.append(f"resumed from {self.folder} at step {self.step}{where}")
             if self.extended:
                 lines.append(
@@ -422,7 +422,8 @@ def share_start(
     folder = world.broadcast_text(
         str(start.folder) if start is not None and start.folder is not None else None
     )
-    if world.rank == 0:
+    first = world.rank == 0
+    if first:
         return start
     if not folder:
         return StartingPoint(

@@ -20,11 +20,11 @@ import torch
 
 from .accumulation import accumulate_gradients, effective_batch
 from .checkpoint import (
-    OMITTABLE,
     Checkpointer,
     CheckpointStore,
     SavedCheckpoint,
     check_capturable,
+    component_names,
     model_summary,
     open_checkpointer,
 )
@@ -49,8 +49,8 @@ class TrainingHooks:
     proof, ``pipeline.proof.leg``, is the one user). Plain training passes none."""
 
     skip_restore: tuple[str, ...] = ()
-    """Components of the checkpoint left unrestored on resume (a subset of
-    ``pipeline.checkpoint.OMITTABLE``): the proof's negative controls."""
+    """Components of the checkpoint left unrestored on resume (names of
+    :func:`pipeline.checkpoint.component_names`): the proof's negative controls."""
     on_start: Callable[[TrainingRun], None] | None = None
     """Called once the run is built and restored, before the first step."""
     on_step: Callable[[TrainingRun], None] | None = None
@@ -60,10 +60,10 @@ class TrainingHooks:
     for per-rank RNG state)."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.skip_restore) - set(OMITTABLE)
+        unknown = set(self.skip_restore) - set(component_names())
         if unknown:
             raise ValueError(
-                f"skip_restore names unknown components {sorted(unknown)}; choose from {OMITTABLE}"
+                f"skip_restore names unknown components {sorted(unknown)}; choose from {component_names()}"
             )
 
 
@@ -253,8 +253,9 @@ def _train(
         summary: dict[str, Any] = {}
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            if world.launched:  # names as one process stores them, before a wrapper prefixes them
-                summary.update(model_summary(model, fresh_buffers(model)))
+            # The model as one process stores it, before a wrapper prefixes its names (a launch's
+            # checkpointer records it).
+            summary.update(model_summary(model, fresh_buffers(model)))
             return world.wrap(start.prepare(model, world), config)
 
         with world.together("resuming"), start.damage_first(store.root):
@@ -264,7 +265,7 @@ def _train(
             # An extended run keeps the schedule it was started with (see the docstring).
             run = build_run(config, device, schedule_steps=start.schedule_steps, wrap=prepare, world=world)
             start.restore(run, world, store.root, omit=hooks.skip_restore, swap_rng=hooks.swap_rng)
-            if not world.launched:  # a launch's state is captured together (a stream's positions)
+            if launch.parallel == "none":  # a launch's state is captured together (a stream's positions)
                 check_capturable(run)
             check_evaluable(run)
             if hooks.on_start is not None:
@@ -277,7 +278,7 @@ def _train(
             log_every=config.training.log_every,
             enabled=progress and first,
         )
-        for line in start.messages(new, world):
+        for line in start.messages(new, launch):
             report.message(line)
         report.message(effective_batch(run, world))
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
@@ -300,6 +301,7 @@ def _train(
                 on_step=hooks.on_step,
                 resume_hint=hint,
                 world=world,
+                note_stops=launch.parallel != "none",
             )
         finally:
             report.close()
@@ -351,11 +353,14 @@ def _loop(
     on_step: Callable[[TrainingRun], None] | None,
     resume_hint: str,
     world: World,
+    note_stops: bool,
 ):
     """Step to the end (or a stop signal), saving on the configured steps and the last one.
 
     Under torchrun a signal seen by any rank is agreed on at the top of each step (one
     small all-reduce), so every rank stops after the same step and saves it together.
+    ``note_stops``: a stop's resume command is also written to the store's note (under
+    torchrun the stop's own line scrolls away under torchrun's report).
     """
     every = run.config.checkpoint.every
     end = (
@@ -405,11 +410,12 @@ def _loop(
                 f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                 f"Resume with: {resume_hint}"
             )
-            if world.launched:
+            if note_stops:
                 # Rank 0 writes the note; every rank's line names it, since torchrun's report
                 # quotes whichever rank ended first.
                 try:
-                    note = store.note_resume(resume_hint) if world.rank == 0 else store.resume_note_path
+                    first = world.rank == 0
+                    note = store.note_resume(resume_hint) if first else store.resume_note_path
                     message += f" (saved in {note})"
                 except OSError:
                     pass  # the line says it all the same

@@ -145,8 +145,7 @@ class World:
         return model
 
     def settle_buckets(self, run: Any, loss: Callable[[], torch.Tensor]) -> None:
-        """Make DDP rebuild its gradient buckets before the first step (one process has none)."""
-        self.buckets_settled = True
+        """Make DDP rebuild its gradient buckets before the first step, once (one process has none)."""
 
     def resume_command(self, config: Config) -> str:
         """The command that continues ``config``'s run: script 02 with ``--resume latest``."""

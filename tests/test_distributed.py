@@ -29,7 +29,7 @@ from pipeline.checkpoint.store import meta_sha256
 from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
-from pipeline.distributed.world import LaunchWorld as World
+from pipeline.distributed.world import LaunchWorld
 from pipeline.durable import json_bytes
 from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
@@ -219,7 +219,7 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
 def test_close_ends_the_default_groups_gloo_threads(legs):
     """A gloo worker still releasing its last collective's tensors when the interpreter
     finalizes aborts its rank (SIGABRT, "terminate called without an active exception";
-    see World.close): by the time World.close returns, the default group's worker threads
+    see LaunchWorld.close): by the time LaunchWorld.close returns, the default group's worker threads
     are gone, on every rank, although DDP reducers left in reference cycles, failed saves'
     tracebacks and FSDP2's device mesh (kept by torch's DTensor caches) referred to groups."""
     root, _, _ = legs
@@ -759,8 +759,8 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
         assert meta["parallel"]["mode"] == "ddp" and meta["config"]["training"]["parallel"] == "ddp"
 
 
-def _world(rank: int, size: int) -> World:
-    return World(
+def _world(rank: int, size: int) -> LaunchWorld:
+    return LaunchWorld(
         rank=rank,
         world_size=size,
         local_rank=rank,

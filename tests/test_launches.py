@@ -458,9 +458,9 @@ def test_a_rank_whose_stop_is_already_agreed_is_not_signalled_when_its_agent_die
     rank = (
         "import time\n"
         "import torch, torch.distributed as dist\n"
-        "from pipeline.distributed.world import LaunchWorld as World, end_with_launcher\n"
+        "from pipeline.distributed.world import LaunchWorld, end_with_launcher\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-        "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
+        "world = LaunchWorld(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
         "              mode='ddp')\n"
         "assert world.agree_signal(15) == 15\n"
         "end_with_launcher(grace=30)\n"

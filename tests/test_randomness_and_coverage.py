@@ -25,9 +25,10 @@ from pipeline.checkpoint.shards import consolidate, shard_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data, make_feed, make_sampler, prepare_data
 from pipeline.data.stream import StreamFeed
-from pipeline.distributed.world import LaunchWorld as World
+from pipeline.distributed.world import LaunchWorld
 from pipeline.errors import ChecksumMismatch, DataError, SchemaMismatch
 from pipeline.train import train
+from pipeline.world import World
 
 from support import HELPERS, REPO, run_python, script_env
 
@@ -100,8 +101,8 @@ def stream_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def _world(rank: int, world_size: int) -> World:
-    return World(
+def _world(rank: int, world_size: int) -> LaunchWorld:
+    return LaunchWorld(
         rank=rank,
         world_size=world_size,
         local_rank=rank,
@@ -147,7 +148,7 @@ def test_each_rank_reads_its_own_records_seeded_by_their_global_position(
     for rank in range(world_size):
         log = tmp_path / f"rank{rank}.jsonl"
         monkeypatch.setenv("RANDOMNESS_LOG", str(log))
-        world = _world(rank, world_size) if world_size > 1 else None
+        world = _world(rank, world_size) if world_size > 1 else World(device=torch.device("cpu"))
         feed = StreamFeed(load_task_data(config), config, torch.device("cpu"), world)
         for _ in range(8):
             feed.next_batch()
@@ -416,9 +417,9 @@ def test_a_rank_that_agreed_to_stop_and_then_hangs_is_ended_after_its_agent_dies
     rank.write_text(
         "import time\n"
         "import torch, torch.distributed as dist\n"
-        "from pipeline.distributed.world import LaunchWorld as World, end_with_launcher\n"
+        "from pipeline.distributed.world import LaunchWorld, end_with_launcher\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-        "world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
+        "world = LaunchWorld(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device('cpu'),\n"
         "              mode='ddp')\n"
         "end_with_launcher(grace=1)\n"
         "assert world.agree_signal(15) == 15\n"

@@ -11,6 +11,8 @@
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
 ``shards``                a distributed checkpoint's launch record, shard coverage, and
                           its full tensors one at a time (``ConsolidatedTensors``)
+``components``            THE table of the training state's components (rng, optimizer,
+                          scheduler, data, scaler, any registered one)
 ``state``                 capture / restore a training run's full state
 ``weights``               tied-weight dedupe, THE fit check (``check_weights_fit``),
                           strict load, warm start, model summary
@@ -28,14 +30,16 @@ Other packages import from here, not from the submodules (a test checks it). The
 import importlib
 from typing import Any
 
+from ..world import World
 from .best import best_record, read_best
-from .checkpointer import Checkpointer, open_checkpointer
+from .checkpointer import Checkpointer, OneSaveInFlight
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
+from .components import Component, component_names, components, register_component, unregister_component
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
-from .state import OMITTABLE, capture_state, check_capturable, restore_state
+from .state import capture_state, check_capturable, restore_state
 from .store import (
     CheckpointStore,
     SavedCheckpoint,
@@ -82,9 +86,11 @@ __all__ = [
     "ConsolidatedTensors",
     "MappedTensors",
     "LoadedCheckpoint",
-    "OMITTABLE",
+    "Component",
     "SavedCheckpoint",
     "capture_state",
+    "component_names",
+    "components",
     "check_capturable",
     "check_derived_buffers",
     "check_tensor_name",
@@ -104,6 +110,8 @@ __all__ = [
     "pinned_checkpoint",
     "read_meta",
     "read_tensors",
+    "register_component",
+    "unregister_component",
     "resolve",
     "restore_state",
     "split_state",
@@ -123,3 +131,24 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(".distributed", __name__), name)
     globals()[name] = value
     return value
+
+
+def open_checkpointer(
+    store: CheckpointStore,
+    world: World,
+    provenance: dict[str, Any],
+    model_summary: dict,
+    *,
+    resharded_from: int | None = None,
+    background: bool = False,
+) -> "Checkpointer | OneSaveInFlight":
+    """The checkpointer of a run in ``world``: a :class:`Checkpointer` in one process, a
+    :class:`~pipeline.checkpoint.distributed.DistributedCheckpointer` on each rank of a
+    launch (``model_summary``: the plain model's, taken before it was wrapped;
+    ``resharded_from``: the world size the run last came from). Both ``save``, ``wait`` and
+    ``close`` alike."""
+    if not world.launched:
+        return Checkpointer(store, provenance, background=background)
+    return __getattr__("DistributedCheckpointer")(  # torch.distributed.checkpoint: only for a launch
+        store, world, provenance, model_summary, resharded_from=resharded_from, background=background
+    )

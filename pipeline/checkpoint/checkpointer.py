@@ -19,14 +19,13 @@ from typing import Any, Mapping
 import torch
 
 from ..run import TrainingRun
-from ..world import World
 from .best import best_record
 from .snapshot import SnapshotBuffers
 from .state import capture_state
 from .store import CheckpointStore, SavedCheckpoint
 from .weights import model_summary
 
-__all__ = ["Checkpointer", "PendingSave", "open_checkpointer"]
+__all__ = ["Checkpointer", "PendingSave"]
 
 
 class PendingSave:
@@ -156,26 +155,3 @@ class Checkpointer(OneSaveInFlight):
             return
         self.last_saved_step = saved.step
         pending._future.set_result(saved)
-
-
-def open_checkpointer(
-    store: CheckpointStore,
-    world: World,
-    provenance: dict[str, Any],
-    model_summary: dict,
-    *,
-    resharded_from: int | None = None,
-    background: bool = False,
-) -> "Checkpointer | OneSaveInFlight":
-    """The checkpointer of a run in ``world``: a :class:`Checkpointer` in one process, a
-    :class:`~pipeline.checkpoint.distributed.DistributedCheckpointer` on each rank of a
-    launch (``model_summary``: the plain model's, taken before it was wrapped;
-    ``resharded_from``: the world size the run last came from). Both ``save``, ``wait`` and
-    ``close`` alike."""
-    if not world.launched:
-        return Checkpointer(store, provenance, background=background)
-    from .distributed import DistributedCheckpointer  # torch.distributed.checkpoint: only for a launch
-
-    return DistributedCheckpointer(
-        store, world, provenance, model_summary, resharded_from=resharded_from, background=background
-    )

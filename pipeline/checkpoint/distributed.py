@@ -64,11 +64,11 @@ from ..world import World
 from .best import best_record
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
-from .evaluations import evaluation_tensors
+from .components import components
 from .load import LoadedCheckpoint, load_checkpoint
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
-from .state import capture_data, restore_positions
+from .state import capture_history, checked_omit, restore_components
 from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
 from .tensorfile import map_file, parse_header, read_tensors, write_safetensors
 from .validate import HISTORY, validated_state
@@ -165,17 +165,15 @@ def _dcp_save(
 
 def live_components(run: TrainingRun) -> dict[str, Any]:
     """This rank's live state of each saved component besides the model (copies): what
-    the resume proof compares to see whether a control changed what was restored."""
+    the resume proof compares to see whether a control changed what was restored. The
+    optimizer's as this rank holds it (its shard, flattened as DCP saves it)."""
     _, optimizer, _ = _optimizer_state(run)
-    return {
-        "optimizer": {
-            name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
-            for name, t in optimizer.items()
-        },
-        "scheduler": copy.deepcopy(run.scheduler.state_dict()),
-        "data": capture_data(run, None),
-        "rng": capture_rng(run.generator),
+    live = {c.name: copy.deepcopy(c.live(run)) for c in components() if c.name != "optimizer"}
+    live["optimizer"] = {
+        name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+        for name, t in optimizer.items()
     }
+    return live
 
 
 def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -259,23 +257,14 @@ class DistributedCheckpointer(OneSaveInFlight):
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)
         shared: dict[str, torch.Tensor] = {}
-        training_state = {
-            "optimizer": optimizer_tree,
-            "scheduler": split_state(run.scheduler.state_dict(), "scheduler", shared),
-            "data": capture_data(run, shared),  # gathers a stream's per-rank positions
-            "rng": None,  # per rank, in rng/rank-NNNNN.safetensors
-            # The same on every rank: DDP's gradients are all-reduced and FSDP2's found-inf flag
-            # is too, so every rank skips the same steps.
-            "scaler": split_state(run.scaler.state_dict(), "scaler", shared)
-            if run.scaler is not None
-            else None,
-            "progress": {"step": step},
-        }
-        for key in HISTORY:
-            shared[f"history/{key}"] = torch.tensor(
-                run.history[key], dtype=torch.int64 if key == "step" else torch.float64
-            )
-        shared.update(evaluation_tensors(run.evaluations))
+        # Once for every rank, by rank 0: each component the ranks share (the scaler too: DDP's
+        # gradients are all-reduced and FSDP2's found-inf flag is too, so every rank skips the
+        # same steps; the data's gathers a stream's per-rank positions, every rank together).
+        training_state = {c.name: c.captured(run, shared) for c in components() if not c.per_rank}
+        training_state["optimizer"] = optimizer_tree  # its tensors: each rank's shard, through DCP
+        training_state["rng"] = None  # per rank, in rng/rank-NNNNN.safetensors
+        training_state["progress"] = {"step": step}
+        capture_history(run, shared)
         rng: dict[str, torch.Tensor] = {}
         rng_tree = split_state(capture_rng(run.generator), _RNG_KEY, rng)
         record = {
@@ -375,10 +364,11 @@ class DistributedCheckpointer(OneSaveInFlight):
         """The commit protocol (module docstring) on ``world``'s process group."""
         step = record["step"]
         final = self.store.path_for(step)
+        lead = world.rank == 0  # rank 0 holds the folder, seals and prunes
         with contextlib.ExitStack() as commit:
             temporary = None
             with world.together(f"saving step {step}"):
-                if world.rank == 0:
+                if lead:
                     if final.exists():
                         raise CheckpointError(
                             f"{final} already exists; refusing to overwrite a committed checkpoint"
@@ -397,18 +387,18 @@ class DistributedCheckpointer(OneSaveInFlight):
                     rng,
                     metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)},
                 )
-                if world.rank == 0:
+                if lead:
                     hashed[STATE_FILE] = write_safetensors(
                         temporary / STATE_FILE, shared, metadata={"format": "pt", "step": str(step)}
                     )
             records = world.gather_text(json.dumps(hashed))
             files: dict[str, dict[str, Any]] = {}
             with world.together(f"committing step {step}"):
-                if world.rank == 0:
+                if lead:
                     files = self._seal(temporary, record, _listed(temporary, records))
                     commit.close()  # atomic_folder: fsync the folders, rename into place, fsync the parent
         with world.together(f"pruning after step {step}"):
-            if world.rank == 0:
+            if lead:
                 self.store.prune_after_commit(step)
         return SavedCheckpoint(step=step, path=final, files=files)
 
@@ -504,7 +494,7 @@ def restore_distributed(
     ``omit`` and ``swap_rng``: the resume proof's negative controls
     (:class:`pipeline.train.TrainingHooks`). An omitted component keeps what the fresh
     build gave it (the RNGs: the streams a fresh run derives at step 0)."""
-    omit = frozenset(omit)
+    omit = checked_omit(omit)
     rank, world_size = world.rank, world.world_size
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
@@ -549,7 +539,7 @@ def restore_from_single(
     (which shards it for FSDP2); sampler, scheduler, scaler, step and history carry over;
     each rank's RNG streams are derived from ``(seed, step, rank)``, the data order's
     Generator continues."""
-    omit = frozenset(omit)
+    omit = checked_omit(omit)
     tensors = loaded.state_tensors
     joined = validated_state(run, loaded.meta["training_state"], tensors, step=loaded.meta["step"])
     with _fits(loaded.folder):
@@ -602,10 +592,9 @@ def _restore_rest(
     *,
     history: dict[str, torch.Tensor],
 ) -> None:
-    """Positions, scaler, step, history, and the RNGs last (see :func:`restore_distributed`)."""
-    restore_positions(run, joined, omit)
-    if "scaler" not in omit and run.scaler is not None:
-        run.scaler.load_state_dict(joined["scaler"])
+    """The components the ranks share, step, history, and this rank's RNGs last (see
+    :func:`restore_distributed`)."""
+    restore_components(run, joined, omit, shared_only=True)
     run.step = joined["step"]
     run.history = {key: history[f"history/{key}"].tolist() for key in HISTORY}
     run.evaluations = joined["evaluations"]

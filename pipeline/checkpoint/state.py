@@ -1,37 +1,32 @@
 """Capture and restore the complete training state of a run.
 
-Components (each can be left out on restore, which is how the resume proof shows every
-one of them matters): ``optimizer``, ``scheduler``, ``data`` (sampler position, the task
-data's own state, and the ``source``: its size and fingerprint, or a stream's positions),
-``rng`` (Python, NumPy Generator and legacy, torch CPU and CUDA),
-``scaler`` (AMP). Model weights and progress (step, history) are always restored.
+Its components (:mod:`~pipeline.checkpoint.components`: ``rng``, ``optimizer``,
+``scheduler``, ``data``, ``scaler``, and any registered one) can each be left out on
+restore, which is how the resume proof shows every one of them matters. Model weights and
+progress (step, history) are always restored.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..errors import CheckpointError, InternalError, StateMismatch
-from ..rng import capture_rng, restore_rng
 from ..run import TrainingRun
-from .codec import split_state
+from .components import component_names, components, restore_order
 from .evaluations import evaluation_tensors
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
 __all__ = [
-    "OMITTABLE",
     "capture_state",
-    "capture_data",
+    "capture_history",
     "check_capturable",
+    "checked_omit",
     "restore_state",
-    "restore_positions",
+    "restore_components",
 ]
-
-OMITTABLE = ("rng", "optimizer", "scheduler", "data", "scaler")
 
 
 def capture_state(
@@ -41,36 +36,19 @@ def capture_state(
     them before the next step, or copy them (the async checkpointer does)."""
     model_tensors = dedupe_shared_tensors(run.model.state_dict())
     tensors: dict[str, torch.Tensor] = {}
-    state = {
-        "optimizer": split_state(run.optimizer.state_dict(), "optimizer", tensors),
-        "scheduler": split_state(run.scheduler.state_dict(), "scheduler", tensors),
-        "data": capture_data(run, tensors),
-        "rng": split_state(capture_rng(run.generator), "rng", tensors),
-        "scaler": split_state(run.scaler.state_dict(), "scaler", tensors) if run.scaler is not None else None,
-        "progress": {"step": run.step},
-    }
+    state = {component.name: component.captured(run, tensors) for component in components()}
+    state["progress"] = {"step": run.step}
+    capture_history(run, tensors)
+    return model_tensors, state, tensors
+
+
+def capture_history(run: TrainingRun, tensors: dict[str, torch.Tensor]) -> None:
+    """The loss, learning-rate and step history, as tensors ``history/KEY`` of ``tensors``, and the
+    evaluations (``evaluation/*``, :mod:`.evaluations`)."""
     for key in HISTORY:
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
     tensors.update(evaluation_tensors(run.evaluations))
-    return model_tensors, state, tensors
-
-
-def capture_data(run: TrainingRun, tensors: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """The ``data`` component: the sampler's position, the task's own state, and the feed's
-    ``source`` record (JSON). With ``tensors``, split for a checkpoint (tensors added there);
-    without, the live values (copies of the sampler's and task's, for comparisons). Under
-    torchrun a stream's record gathers every rank's position: every rank calls this together."""
-    task_state = getattr(run.data, "state_dict", None)
-    sampler = run.sampler.state_dict() if run.sampler is not None else None
-    task = task_state() if task_state else None
-    if tensors is None:
-        return copy.deepcopy({"sampler": sampler, "task": task, "source": run.feed.state_dict()})
-    return {
-        "sampler": split_state(sampler, "data/sampler", tensors) if sampler is not None else None,
-        "task": split_state(task, "data/task", tensors) if task_state else None,
-        "source": run.feed.state_dict(),
-    }
 
 
 def check_capturable(run: TrainingRun) -> None:
@@ -81,6 +59,15 @@ def check_capturable(run: TrainingRun) -> None:
         capture_state(run)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"this run's state cannot be checkpointed: {exc}") from None
+
+
+def checked_omit(omit: Iterable[str]) -> frozenset[str]:
+    """``omit`` as a set of component names, each one of this run's components."""
+    omit = frozenset(omit)
+    unknown = omit - set(component_names())
+    if unknown:
+        raise InternalError(f"unknown components to omit: {sorted(unknown)}; choose from {component_names()}")
+    return omit
 
 
 def restore_state(
@@ -98,24 +85,15 @@ def restore_state(
     ``step``: the checkpoint's step, which the state must agree with; ``derived``: the
     checkpoint's derived buffers, compared with this run's fresh ones; ``record``: its
     meta.json model record, see :func:`~pipeline.checkpoint.weights.check_weights_fit`),
-    then load weights, optimizer, scheduler, data position and scaler, and RNG states last."""
-    omit = frozenset(omit)
-    unknown = omit - set(OMITTABLE)
-    if unknown:
-        raise InternalError(f"unknown components to omit: {sorted(unknown)}; choose from {OMITTABLE}")
+    then load weights, every component but ``omit`` (RNG states last), step and history."""
+    omit = checked_omit(omit)
     joined = validated_state(run, state, tensors, step=step)
     try:
         load_model_weights(run.model, model_tensors, derived=derived, record=record)
-        if "optimizer" not in omit:
-            run.optimizer.load_state_dict(joined["optimizer"])
-        restore_positions(run, joined, omit)
-        if "scaler" not in omit and run.scaler is not None:
-            run.scaler.load_state_dict(joined["scaler"])
+        restore_components(run, joined, omit)
         run.step = joined["step"]
         run.history = {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
         run.evaluations = joined["evaluations"]
-        if "rng" not in omit:
-            restore_rng(joined["rng"], run.generator, need_cuda=run.device.type == "cuda")
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -125,15 +103,12 @@ def restore_state(
         ) from None
 
 
-def restore_positions(run: TrainingRun, joined: Mapping[str, Any], omit: Iterable[str] = ()) -> None:
-    """The schedule's and the data's positions from a validated state (the scheduler; the
-    sampler, then the task's own state), except the omitted components: the same in one
-    process and under torchrun."""
-    if "scheduler" not in omit:
-        run.scheduler.load_state_dict(joined["scheduler"])
-    if "data" not in omit:
-        if run.sampler is not None:
-            run.sampler.load_state_dict(joined["sampler"])
-        run.feed.load_state_dict(joined["source"])
-        if joined["task"] is not None:
-            run.data.load_state_dict(joined["task"])
+def restore_components(
+    run: TrainingRun, joined: Mapping[str, Any], omit: Iterable[str] = (), *, shared_only: bool = False
+) -> None:
+    """Set each validated component but ``omit`` into the run, the RNGs last; with
+    ``shared_only``, only those a launch saves once for every rank (a distributed restore
+    sets each rank's own itself)."""
+    for component in restore_order():
+        if component.name not in omit and not (shared_only and component.per_rank):
+            component.restore(run, joined[component.name])

@@ -343,7 +343,10 @@ class LaunchWorld(World):
         forward and backward of the first batch (``loss``) rebuilds them in every process,
         fresh or resumed, so every step reduces alike. The RNG states and buffers it moved
         are put back, and the gradients dropped: the step that follows is the one an
-        uninterrupted run takes. ``run``: the :class:`pipeline.run.TrainingRun`."""
+        uninterrupted run takes. ``run``: the :class:`pipeline.run.TrainingRun`. Once settled,
+        nothing."""
+        if self.buckets_settled:
+            return
         rng = capture_rng(run.generator)
         buffers = {name: buffer.detach().clone() for name, buffer in run.model.named_buffers()}
         run.optimizer.zero_grad(set_to_none=True)

@@ -11,11 +11,11 @@ point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparison
 """
 
 from .distributed import verify_resume_distributed
-from .plan import CONTROLS, DEFAULT_STEPS, plan_cut
+from .plan import DEFAULT_STEPS, controls, plan_cut
 from .protocol import REPORT_SCHEMA, describe, summary_line, verify_resume
 
 __all__ = [
-    "CONTROLS",
+    "controls",
     "DEFAULT_STEPS",
     "REPORT_SCHEMA",
     "plan_cut",

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoint import component_names
 from .compare import Bundle, Check, compare
 
 __all__ = [
-    "STATE_PARTS",
+    "state_parts",
     "state_checks",
     "after_cut_checks",
     "boundary_checks",
@@ -25,10 +26,14 @@ __all__ = [
     "judge",
 ]
 
-# Parts of a checkpoint's training state, each compared on its own (the ``data`` part holds
-# the sampler position and the task data's own state).
-STATE_PARTS = ("optimizer", "scheduler", "data", "rng", "scaler", "progress")
 _HISTORY = (("loss", "losses"), ("lr", "learning_rates"), ("step", "history_steps"))
+
+
+def state_parts() -> tuple[str, ...]:
+    """Parts of a checkpoint's training state, each compared on its own: every component
+    (:func:`pipeline.checkpoint.components`; ``data`` holds the sampler position and the task
+    data's own state), and the progress."""
+    return (*component_names(), "progress")
 
 
 def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float) -> list[Check]:
@@ -36,7 +41,7 @@ def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float)
     checks = [compare(f"{prefix}.model", "model", reference.model, candidate.model, atol)]
     checks += [
         compare(f"{prefix}.{part}", part, reference.component(part), candidate.component(part), atol)
-        for part in STATE_PARTS
+        for part in state_parts()
     ]
     checks += [
         compare(f"{prefix}.{label}", "history", reference.history(key), candidate.history(key), atol)

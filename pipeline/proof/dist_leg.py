@@ -65,7 +65,8 @@ def run_launch(spec_path: Path) -> None:
             results.append(entry)
     finally:
         world.close()
-    if world.rank == 0:
+    lead = world.rank == 0
+    if lead:
         write_json_atomic(Path(spec["results"]), results, allow_nan=True)
 
 

@@ -52,16 +52,12 @@ from ..run import resolve_device
 from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SPEC_FILE
-from .plan import CONTROLS, leg_env, plan_cut
+from .plan import controls, leg_env, plan_cut
 from .protocol import REPORT_SCHEMA, create_output, last_line, refuse_output
 
-__all__ = ["verify_resume_distributed", "DIST_CONTROLS", "DIST_LEG_MODULE", "dist_bundle"]
+__all__ = ["verify_resume_distributed", "dist_controls", "DIST_LEG_MODULE", "dist_bundle"]
 
 DIST_LEG_MODULE = "pipeline.proof.dist_leg"
-# (leg, component, omitted, swap_rng): the saved components, then the per-rank RNG swap.
-DIST_CONTROLS = tuple((f"omit-{name}", name, (name,), False) for name in CONTROLS) + (
-    ("swap-rng", "rank_rng", (), True),
-)
 RESULTS_FILE = "results.json"
 
 
@@ -124,7 +120,7 @@ def verify_resume_distributed(
         "resume-and-controls": [run("resume", n, resume=str(cut_folder))]
         + [
             run(leg, n, resume=str(cut_folder), omit=list(omit), swap_rng=swap)
-            for leg, _, omit, swap in DIST_CONTROLS
+            for leg, _, omit, swap in dist_controls(config)
         ],
     }
     report: dict[str, Any] = {
@@ -187,7 +183,7 @@ def verify_resume_distributed(
             {r["name"]: r for r in json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))}
         )
     try:
-        report.update(_evaluate(output, n, k, atol, results))
+        report.update(_evaluate(output, n, k, atol, results, dist_controls(config)))
     except (PipelineError, OSError, KeyError, ValueError) as exc:
         _incomplete(output, report, f"could not compare the launches' results: {exc}")
     report["completed"] = True
@@ -226,8 +222,20 @@ def _steps(bundle: Bundle) -> dict[str, Any]:
     }
 
 
+def dist_controls(config: Config) -> tuple[tuple[str, str, tuple[str, ...], bool], ...]:
+    """(leg, component, omitted, swap_rng): the saved components
+    (:func:`~pipeline.proof.plan.controls`), then the per-rank RNG swap."""
+    omitted = tuple((f"omit-{name}", name, (name,), False) for name in controls(config))
+    return omitted + (("swap-rng", "rank_rng", (), True),)
+
+
 def _evaluate(
-    output: Path, n: int, k: int, atol: float, results: dict[str, dict[str, Any]]
+    output: Path,
+    n: int,
+    k: int,
+    atol: float,
+    results: dict[str, dict[str, Any]],
+    legs: tuple[tuple[str, str, tuple[str, ...], bool], ...],
 ) -> dict[str, Any]:
     def final(name: str) -> Bundle:
         return dist_bundle(output / name / CHECKPOINTS_DIR / step_dir_name(n))
@@ -235,7 +243,7 @@ def _evaluate(
     reference = final("reference")
     positive = state_checks("final", reference, final("resume"), atol)
     controls, control_checks = {}, {}
-    for leg, component, _, _ in DIST_CONTROLS:
+    for leg, component, _, _ in legs:
         candidate = final(leg)
         outcome = state_checks("final", reference, candidate, atol)
         exercise = Check(**results[leg]["exercise"])

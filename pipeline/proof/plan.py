@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint import step_dir_name
+from ..checkpoint import components, step_dir_name
 from ..config import Config
 from ..data import describe_inputs, load_task_data, make_sampler
 from ..errors import ConfigError
@@ -19,7 +19,7 @@ from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
 
 __all__ = [
     "DEFAULT_STEPS",
-    "CONTROLS",
+    "controls",
     "Plan",
     "Leg",
     "plan_cut",
@@ -32,8 +32,6 @@ __all__ = [
 ]
 
 DEFAULT_STEPS = 10
-# The saved components a negative control leaves unrestored, in report order.
-CONTROLS = ("rng", "optimizer", "scheduler", "data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,14 +149,19 @@ def _sampler_epochs(data: Any, config: Config, n: int) -> list[int] | None:
     return epochs
 
 
+def controls(config: Config) -> tuple[str, ...]:
+    """The saved components a negative control leaves unrestored, in report order: each of
+    the training state's (:func:`pipeline.checkpoint.components`) a run of ``config`` has."""
+    return tuple(component.name for component in components() if component.proved(config))
+
+
 def make_legs(plan: Plan, config: Config) -> list[Leg]:
     """continuous, cut, resume, then one resume per omitted component."""
-    controls = CONTROLS + (("scaler",) if config.training.amp == "fp16" else ())
     return [
         Leg("continuous", plan.steps, resume=False, snapshot=False),
         Leg("cut", plan.cut, resume=False),
         Leg("resume", plan.steps, resume=True),
-        *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls),
+        *(Leg(f"omit-{name}", plan.steps, resume=True, omit=(name,)) for name in controls(config)),
     ]
 
 

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node N tests/helpers/dist_leg.py PLAN.json
 
-PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": ...,
+PLAN: {"config": path, "results": path, "register": "module:function" (optional: called
+on every rank first, to register a training-state component), "runs": [{"overrides": {...}, "resume": ...,
 "stop_at": ..., "reshard": ..., "extend_to": ..., "init_from": ..., "progress": ..., "forge": {...}},
 ...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
@@ -14,11 +15,12 @@ Rank 0 writes one result per run (step, losses,
 checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
 Each rank writes ``<results>-threads-rank<R>.json``: the default process group's gloo threads
 (those started by ``init_process_group``, which this harness calls first) as seen before
-``World.close`` and as left after it.
+``LaunchWorld.close`` and as left after it.
 """
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -66,7 +68,10 @@ def gloo_threads(among: set[int]) -> list[str]:
 
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
-    # The default group alone first (World.start joins it), so its threads are known.
+    if "register" in plan:  # "module:function" that registers a training-state component
+        module, function = plan["register"].split(":")
+        getattr(importlib.import_module(module), function)()
+    # The default group alone first (LaunchWorld.start joins it), so its threads are known.
     dist.init_process_group("gloo")
     default_group = {int(tid) for tid in os.listdir("/proc/self/task")} - {threading.get_native_id()}
     world = LaunchWorld.start(load_config(plan["config"], plan["runs"][0]["overrides"]))

@@ -21,9 +21,12 @@ from .world import World
 __all__ = ["accumulate_gradients", "effective_batch"]
 
 
-def effective_batch(run: TrainingRun, world: World) -> str:
-    """The line a run prints at its start: rows per optimizer step, and how they are made."""
+def effective_batch(run: TrainingRun, world: World) -> str | None:
+    """The line a run prints at its start: rows per optimizer step, and how they are made;
+    ``None`` when that is simply ``data.batch_size`` in one process (nothing to say)."""
     rows, steps = run.config.data.batch_size, run.config.training.grad_accum_steps
+    if steps == 1 and world.world_size == 1:
+        return None
     line = f"effective batch: {rows * steps} rows per optimizer step ({steps} micro-batch"
     line += f"{'es' if steps > 1 else ''} of {rows}"
     if world.world_size > 1:

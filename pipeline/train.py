@@ -280,7 +280,8 @@ def _train(
         )
         for line in start.messages(new, launch):
             report.message(line)
-        report.message(effective_batch(run, world))
+        if (batch := effective_batch(run, world)) is not None:
+            report.message(batch)
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
         checkpointer = open_checkpointer(
             store,

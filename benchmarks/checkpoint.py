@@ -56,6 +56,7 @@ from pipeline.layout import MODEL_FILE, STATE_FILE  # noqa: E402
 from pipeline.provenance import library_versions  # noqa: E402
 from pipeline.rng import seed_everything  # noqa: E402
 from pipeline.run import TrainingRun  # noqa: E402
+from pipeline.world import World  # noqa: E402
 
 __all__ = ["main"]
 
@@ -163,7 +164,9 @@ def build_run(size_gb: float) -> TrainingRun:
         scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
         data=data,
         sampler=sampler,
-        feed=BatchFeed(data, sampler, Config(), torch.device("cpu"), None, 64, None),
+        feed=BatchFeed(
+            data, sampler, Config(), torch.device("cpu"), World(device=torch.device("cpu")), 64, None
+        ),
         generator=generator,
         scaler=None,
         autocast_dtype=None,

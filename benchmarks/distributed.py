@@ -114,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     from pipeline.checkpoint.weights import model_summary
     from pipeline.config import load_config
     from pipeline.data import load_manifest, prepare_data
-    from pipeline.distributed.world import World
+    from pipeline.distributed.world import LaunchWorld
     from pipeline.run import build_run, fresh_buffers
     from pipeline.train import run_provenance, train_step
 
@@ -129,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         "checkpoint.keep_last": 1,
     }
     config = load_config(REPO / "config.yaml", overrides)
-    world = World.start(config)
+    world = LaunchWorld.start(config)
     if world.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         prepare_data(config)
@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         summary_.update(model_summary(model, fresh_buffers(model)))
         return world.wrap(model, config)
 
-    run = build_run(config, world.device, wrap=wrap)
+    run = build_run(config, world.device, wrap=wrap, world=world)
     train_step(run, world)  # the optimizer's state exists from the first step on
     store = CheckpointStore(config.checkpoint.dir, keep_last=1)
     if world.rank == 0:

@@ -226,7 +226,7 @@ def test_a_mark_that_cannot_be_read_prunes_nothing_and_best_is_refused(data_dir,
 
 def _kill_child(data_dir: Path, folder: Path) -> subprocess.Popen:
     args = [PYTHON, "scripts/02_train.py", *data_args(data_dir), "--checkpoint-dir", str(folder), "--quiet",
-            "--max-steps", "30", "--resume", "auto", "--keep-last", "1", "--checkpoint-every", "4",
+            "--max-steps", "300", "--resume", "auto", "--keep-last", "1", "--checkpoint-every", "4",
             "--set", "training.eval_every=1", "--set", "checkpoint.best_metric=mse",
             "--set", "checkpoint.best_mode=max", "--set", "checkpoint.async=true"]  # fmt: skip
     return subprocess.Popen(
@@ -235,7 +235,7 @@ def _kill_child(data_dir: Path, folder: Path) -> subprocess.Popen:
 
 
 def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir, tmp_path):
-    rng = random.Random(35)
+    rng, killed = random.Random(35), 0
     for trial in range(3):
         folder = tmp_path / f"trial-{trial}"
         child = _kill_child(data_dir, folder)
@@ -245,6 +245,8 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         steps = CheckpointStore(folder).committed_steps()
         if not steps:
             continue
+        killed += 1
+        assert steps[-1] < 300, "the kill must strike while the run trains"
         verify_checkpoint(folder / f"step-{steps[-1]:08d}")
         marked = read_best(folder)
         if marked is not None:
@@ -256,6 +258,7 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         child = _kill_child(data_dir, folder)
         assert child.wait(timeout=300) == 0, child.stderr.read()
         assert read_best(folder)["step"] in CheckpointStore(folder).committed_steps()
+    assert killed, "no trial was killed after its first checkpoint"
 
 
 def _without_dtype(tmp_path: Path) -> Path:

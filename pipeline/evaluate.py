@@ -37,7 +37,7 @@ from .provenance import code_fingerprint
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
 
-__all__ = ["evaluation_config", "evaluate_checkpoint", "write_metrics", "read_metrics"]
+__all__ = ["evaluation_config", "evaluate_checkpoint", "check_metrics", "write_metrics", "read_metrics"]
 
 _log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _note_unused_overrides(saved: dict[str, Any], config: Config, source: str) -
         )
 
 
-def _check_metrics(metrics: Any, where: str) -> dict[str, float]:
+def check_metrics(metrics: Any, where: str) -> dict[str, float]:
     """``{name: finite float}`` or an error naming ``where`` the metrics came from."""
     if not isinstance(metrics, dict) or not metrics:
         raise MetricsError(f"{where}: metrics must be a non-empty mapping of name to number")
@@ -184,7 +184,7 @@ def _evaluate(
     data = load_task_data(eval_config)
     with factory_errors("data.factory", f"{eval_config.data.factory} evaluate()"):
         evaluated = data.evaluate(model, device)
-    metrics = _check_metrics(evaluated, f"{eval_config.data.factory} evaluate()")
+    metrics = check_metrics(evaluated, f"{eval_config.data.factory} evaluate()")
     sample = getattr(data, "sample", None)
     with factory_errors("data.factory", f"{eval_config.data.factory} sample()"):
         text = sample(model, device) if sample is not None else None
@@ -238,5 +238,5 @@ def read_metrics(path: str | Path, *, rerun: str = "python scripts/04_evaluate.p
         raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun {rerun}")
     if not isinstance(record["step"], int) or not isinstance(record["modelo_sha256"], str):
         raise MetricsError(f"{path} has a malformed step or modelo_sha256: rerun {rerun}")
-    _check_metrics(record["metrics"], str(path))
+    check_metrics(record["metrics"], str(path))
     return record

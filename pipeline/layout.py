@@ -17,6 +17,7 @@ __all__ = [
     "DATA_MANIFEST_FILE",
     "LOCK_FILE",
     "RESUME_FILE",
+    "BEST_FILE",
     "SIGNATURE_FILE",
     "PUBLIC_KEY_FILE",
     "CONFIG_FILE",
@@ -78,6 +79,8 @@ DATA_MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
 # In checkpoint.dir while a torchrun run is stopped: the command that continues it.
 RESUME_FILE = "RESUME"
+# In checkpoint.dir with checkpoint.best_metric: which step is the best evaluated one.
+BEST_FILE = "BEST.json"
 
 
 def shard_name(index: int, count: int) -> str:

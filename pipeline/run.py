@@ -51,6 +51,9 @@ class TrainingRun:
     ``pipeline.checkpoint.weights.model_summary``)."""
     step: int = 0
     history: dict[str, list] = field(default_factory=lambda: {"step": [], "loss": [], "lr": []})
+    evaluations: dict[str, list] = field(default_factory=lambda: {"step": []})
+    """``training.eval_every``'s results: the evaluated steps, and one list per metric the task's
+    ``evaluate`` returns, in step order (:mod:`pipeline.evaluating`)."""
 
 
 def configure_determinism(config: Config) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from .accumulation import accumulate_gradients, effective_batch
 from .checkpoint import (
     Checkpointer,
     CheckpointStore,
@@ -31,7 +32,8 @@ from .config import Config
 from .data import load_manifest
 from .distributed.launch import joined
 from .environment import current_environment, pin_threads
-from .errors import InputFailed, Preempted, TrainingDiverged, UserCodeExited
+from .errors import ConfigError, InputFailed, Preempted, TrainingDiverged, UserCodeExited
+from .evaluating import check_evaluable, evaluate_if_due
 from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers
@@ -73,6 +75,8 @@ class TrainResult:
     checkpoint: Path | None
     history: dict[str, list]
     resumed_from: int | None
+    evaluations: dict[str, list] = dataclasses.field(default_factory=lambda: {"step": []})
+    """``training.eval_every``'s values: ``{"step": [...], "<metric>": [...]}`` (``run.evaluations``)."""
     rank: int = 0
     """Under torchrun, the rank that returned this (every rank returns the same result)."""
 
@@ -99,33 +103,21 @@ class _StopSignals:
 
 
 def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, float]:
-    """One optimizer step; returns (loss, learning rate used). Under torchrun (``world``, by
-    default this process alone) every rank draws the same global batch and trains on its
-    slice of it; the loss returned is the global batch's."""
+    """One optimizer step of ``training.grad_accum_steps`` micro-batches
+    (:mod:`pipeline.accumulation`); returns (loss, learning rate used). Under torchrun
+    (``world``, by default this process alone) every rank draws the same global batches and
+    trains on its slice of each; the loss returned is the step's global mean."""
     world = world or World(device=run.device)
     run.model.train()
-    batch, scale = run.feed.next_batch()  # this rank's slice under torchrun
-
-    def forward() -> torch.Tensor:
-        with torch.autocast(
-            run.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None
-        ):
-            loss = run.data.loss(run.model, batch)
-        return world.scaled_loss(loss, scale)
-
-    world.settle_buckets(run, forward)  # DDP's, before a process's first step
-    loss = forward()
-    run.optimizer.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(run, world)
     clip = run.config.training.grad_clip
     if run.scaler is not None:
-        run.scaler.scale(loss).backward()
         if clip:
             run.scaler.unscale_(run.optimizer)
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
         run.scaler.step(run.optimizer)
         run.scaler.update()
     else:
-        loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
         run.optimizer.step()
@@ -275,6 +267,7 @@ def _train(
             start.restore(run, world, store.root, omit=hooks.skip_restore, swap_rng=hooks.swap_rng)
             if launch.parallel == "none":  # a launch's state is captured together (a stream's positions)
                 check_capturable(run)
+            check_evaluable(run)
             if hooks.on_start is not None:
                 hooks.on_start(run)
             if first:  # the run continues: a stop's note would name a launch of the past
@@ -287,6 +280,8 @@ def _train(
         )
         for line in start.messages(new, launch):
             report.message(line)
+        if (batch := effective_batch(run, world)) is not None:
+            report.message(batch)
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
         checkpointer = open_checkpointer(
             store,
@@ -319,6 +314,7 @@ def _train(
             history=run.history,
             resumed_from=start.step,
             rank=world.rank,
+            evaluations=run.evaluations,
         )
     except (InputFailed, TrainingDiverged) as exc:
         # Said here, after the checkpointer closed: a save that was in flight is committed now.
@@ -390,11 +386,17 @@ def _loop(
                     "check the data"
                 )
             report.update(run.step, loss, lr)
+            evaluated = evaluate_if_due(run, world, report.message)
             if on_step is not None:
                 on_step(run)
-            if run.step % every == 0 or run.step == end:
+            if run.step % every == 0 or run.step == end or evaluated.save:
                 saved = checkpointer.save(run)
                 last_saved = run.step
+            if evaluated.refusal is not None:
+                checkpointer.wait()
+                raise ConfigError(
+                    f"{evaluated.refusal}; step {run.step} is committed: resume with {resume_hint}"
+                )
         stop = stop_requested()
         if stop is not None and last_saved != run.step:
             saved = checkpointer.save(run)

@@ -2,6 +2,7 @@
 
     python scripts/04_evaluate.py                                   # latest in checkpoint.dir
     python scripts/04_evaluate.py --checkpoint estados_local/step-00000010
+    python scripts/04_evaluate.py --checkpoint best                 # the best evaluated (checkpoint.best_metric)
     python scripts/04_evaluate.py --checkpoint-dir runs/ft             # latest in 02's --checkpoint-dir
     python scripts/04_evaluate.py --output runs/metrics.json
     python scripts/04_evaluate.py --config examples/charlm/config.yaml   # -> runs/charlm/metrics.json
@@ -35,8 +36,9 @@ def main() -> int:
     parser.add_argument(
         "--checkpoint",
         default="latest",
-        metavar="latest|PATH",
-        help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir)",
+        metavar="latest|best|PATH",
+        help="checkpoint to evaluate (default: the newest committed one in checkpoint.dir; best: the one "
+        "checkpoint.best_metric marked)",
     )
     parser.add_argument(
         "--output",

@@ -58,8 +58,9 @@ def main() -> int:
     parser.add_argument(
         "--checkpoint",
         default="latest",
-        metavar="latest|PATH",
-        help="checkpoint to stage (default: the newest committed one in checkpoint.dir)",
+        metavar="latest|best|PATH",
+        help="checkpoint to stage (default: the newest committed one in checkpoint.dir; best: the one "
+        "checkpoint.best_metric marked)",
     )
     parser.add_argument(
         "--stage",

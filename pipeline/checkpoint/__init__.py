@@ -4,8 +4,10 @@
 ``codec``                 nested state <-> (JSON tree, tensor table), no pickle
 ``tensorfile``            THE safetensors reader and writer (hash while writing;
                           map once, hash and view while reading)
-``store``                 one ``estados_local/``: lock, list, resolve "latest or path",
-                          atomic save, prune
+``store``                 one ``estados_local/``: lock, list, resolve "latest", "best" or
+                          a path, atomic save, prune
+``best``                  the best evaluated step (``checkpoint.best_metric``) and its mark
+``evaluations``           a run's evaluations in its training state, checked on load
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
 ``shards``                a distributed checkpoint's launch record, shard coverage, and
                           its full tensors one at a time (``ConsolidatedTensors``)
@@ -29,6 +31,7 @@ import importlib
 from typing import Any
 
 from ..world import World
+from .best import best_record, read_best
 from .checkpointer import Checkpointer, OneSaveInFlight
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
@@ -76,6 +79,8 @@ _DISTRIBUTED = (
 __all__ = [
     *_DISTRIBUTED,
     "Checkpointer",
+    "best_record",
+    "read_best",
     "CheckpointStore",
     "CheckpointWeights",
     "ConsolidatedTensors",

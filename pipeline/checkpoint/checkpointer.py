@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from ..run import TrainingRun
+from .best import best_record
 from .snapshot import SnapshotBuffers
 from .state import capture_state
 from .store import CheckpointStore, SavedCheckpoint
@@ -97,6 +98,9 @@ class Checkpointer(OneSaveInFlight):
         # One save in flight: the snapshot buffers are reused, so the previous write must
         # be done with them, and its failure must stop training before more work is lost.
         self.wait()
+        self.store.best = best_record(
+            run.evaluations, run.config.checkpoint.best_metric, run.config.checkpoint.best_mode
+        )
         model_tensors, state, state_tensors = capture_state(run)
         meta = {
             **self.provenance,

@@ -61,6 +61,7 @@ from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, r
 from ..rng import capture_rng, derive_rank_rng, restore_rng
 from ..run import TrainingRun
 from ..world import World
+from .best import best_record
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
 from .components import components
@@ -250,6 +251,8 @@ class DistributedCheckpointer(OneSaveInFlight):
 
     def save(self, run: TrainingRun) -> SavedCheckpoint | PendingSave:
         self.wait()  # the buffers are reused, and a failed save must stop training now
+        checkpoint = run.config.checkpoint
+        self.store.best = best_record(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
         step = run.step
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)
@@ -594,6 +597,7 @@ def _restore_rest(
     restore_components(run, joined, omit, shared_only=True)
     run.step = joined["step"]
     run.history = {key: history[f"history/{key}"].tolist() for key in HISTORY}
+    run.evaluations = joined["evaluations"]
     if "rng" in omit:
         derive_rank_rng(run.config.training.seed, 0, rank)
     elif not resharded:

@@ -92,7 +92,7 @@ def load_checkpoint(
     committed: bool = False,
     into: torch.nn.Module | None = None,
 ) -> LoadedCheckpoint:
-    """Verify ``spec`` (``"latest"`` in ``root``, or a checkpoint folder) and load it.
+    """Verify ``spec`` (``"latest"`` or ``"best"`` in ``root``, or a checkpoint folder) and load it.
 
     ``mode`` says which tensors are built (:class:`LoadMode`); every byte is verified.
     ``into`` (resume, with ``LoadMode.FULL``): the model the weights are for; each stored
@@ -136,7 +136,8 @@ def pinned_checkpoint(
                 held.enter_context(pin(folder))
                 break
             except NoCheckpoint:
-                if str(spec) != "latest" or attempt == _PIN_ATTEMPTS - 1:
+                # A trainer beside us may prune the folder just resolved: resolve again.
+                if str(spec) not in ("latest", "best") or attempt == _PIN_ATTEMPTS - 1:
                     raise
         yield _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode))
 

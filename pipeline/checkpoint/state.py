@@ -15,6 +15,7 @@ import torch
 from ..errors import CheckpointError, InternalError, StateMismatch
 from ..run import TrainingRun
 from .components import component_names, components, restore_order
+from .evaluations import evaluation_tensors
 from .validate import HISTORY, validated_state
 from .weights import dedupe_shared_tensors, load_model_weights
 
@@ -42,10 +43,12 @@ def capture_state(
 
 
 def capture_history(run: TrainingRun, tensors: dict[str, torch.Tensor]) -> None:
-    """The loss, learning-rate and step history, as tensors ``history/KEY`` of ``tensors``."""
+    """The loss, learning-rate and step history, as tensors ``history/KEY`` of ``tensors``, and the
+    evaluations (``evaluation/*``, :mod:`.evaluations`)."""
     for key in HISTORY:
         dtype = torch.int64 if key == "step" else torch.float64
         tensors[f"history/{key}"] = torch.tensor(run.history[key], dtype=dtype)
+    tensors.update(evaluation_tensors(run.evaluations))
 
 
 def check_capturable(run: TrainingRun) -> None:
@@ -90,6 +93,7 @@ def restore_state(
         restore_components(run, joined, omit)
         run.step = joined["step"]
         run.history = {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
+        run.evaluations = joined["evaluations"]
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):
             raise

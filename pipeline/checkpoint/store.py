@@ -61,6 +61,7 @@ from ..errors import (
 )
 from ..hashing import HashingWriter
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE
+from .best import read_best, write_best
 from .shards import check_launch_record
 from .tensorfile import write_safetensors_files
 
@@ -169,6 +170,9 @@ class CheckpointStore:
         )
         self._pruning: threading.Thread | None = None
         self._prune_error: BaseException | None = None
+        self.best: dict[str, Any] | None = None
+        """The best evaluated step as of the save in progress (:func:`.best.best_record`), set by
+        the checkpointer before each save; the commit marks it before anything is pruned."""
 
     # -- locking -------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointStore":
@@ -299,12 +303,39 @@ class CheckpointStore:
         lock, which :meth:`release` keeps until the prune is done."""
         self._require_lock("prune")
         self.wait_for_prune()
+        if not self._mark_best(step):
+            return  # the old mark stands, and so does every checkpoint: nothing is pruned
         # Not a daemon: an interpreter that exits mid-prune finishes it rather than leaving
         # a half-deleted folder for the next start to sweep.
         self._pruning = threading.Thread(
             target=self._prune_logged, args=(step,), name=f"prune-after-step-{step}", daemon=False
         )
         self._pruning.start()
+
+    def _mark_best(self, step: int) -> bool:
+        """Mark :attr:`best` once its checkpoint is committed (``step`` just was); False when
+        the mark could not be written (a warning: the prune is skipped, the next save retries)."""
+        best = self.best
+        if best is None or best["step"] > step or not (self.path_for(best["step"]) / META_FILE).is_file():
+            return True  # not saved under this metric (chosen on a resume): the old mark stands
+        try:
+            if read_best(self.root) == best:
+                return True
+        except CheckpointError:
+            pass  # replaced by the right one
+        try:
+            write_best(self.root, best)
+        except OSError as exc:
+            _log.warning(
+                "warning: step %d is committed, but marking step %d as the best in %s/ failed (%s); "
+                "nothing is pruned, and the next save retries",
+                step,
+                best["step"],
+                self.root,
+                describe_os_error(exc),
+            )
+            return False
+        return True
 
     def wait_for_prune(self) -> None:
         """Wait for the prune :meth:`prune_after_commit` started, if any; raise here what it
@@ -344,8 +375,15 @@ class CheckpointStore:
         return self._prune()
 
     def _prune(self) -> list[int]:
+        try:
+            best = read_best(self.root)
+        except CheckpointError as exc:
+            _log.warning("warning: nothing is pruned while the best checkpoint is unknown: %s", exc)
+            return []
         steps = self._listed_steps()
         victims = steps[: -self.keep_last] if len(steps) > self.keep_last else []
+        if best is not None:  # kept besides the last keep_last
+            victims = [step for step in victims if step != best["step"]]
         pruned = []
         for step in victims:
             folder = self.path_for(step)
@@ -578,7 +616,8 @@ def check_listing(folder: Path, meta: dict[str, Any]) -> None:
 
 
 def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> tuple[Path, list[Path]]:
-    """The one place that turns ``"latest"`` or a folder path into a folder to load.
+    """The one place that turns ``"latest"``, ``"best"`` (the step ``BEST.json`` marks, see
+    :mod:`.best`) or a folder path into a folder to load.
 
     Returns ``(folder, older)``: ``older`` are the older committed folders, newest first,
     that a caller may name when ``folder`` fails verification (only for ``"latest"``).
@@ -586,6 +625,8 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     path must be a committed ``step-…`` folder, and "none yet" points at training.
     Nothing is verified here; :func:`pipeline.checkpoint.load.load_checkpoint` does that.
     """
+    if str(spec) == "best":
+        return _best_folder(Path(root)), []
     if str(spec) != "latest":
         folder = Path(spec)
         _refuse_symlink(folder)
@@ -609,6 +650,23 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     _refuse_symlink(store.path_for(steps[-1]))
     older = [store.path_for(step) for step in reversed(steps[:-1])]
     return store.path_for(steps[-1]), [folder for folder in older if not folder.is_symlink()]
+
+
+def _best_folder(root: Path) -> Path:
+    best = read_best(root)
+    if best is None:
+        raise NoCheckpoint(
+            f"no best checkpoint is marked in {root}/: train with checkpoint.best_metric and "
+            "training.eval_every set, or pass --checkpoint latest or PATH"
+        )
+    folder = CheckpointStore(root).path_for(best["step"])
+    _refuse_symlink(folder)
+    if not (folder / META_FILE).is_file():
+        raise NoCheckpoint(
+            f"{root}/BEST.json marks step {best['step']}, which is not a committed checkpoint there: "
+            "pass --checkpoint latest or PATH"
+        )
+    return folder
 
 
 _SYMLINK_REASON = (

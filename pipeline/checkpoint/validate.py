@@ -19,6 +19,7 @@ import torch
 from ..errors import StateMismatch
 from ..run import TrainingRun
 from .components import components, fail, like
+from .evaluations import PREFIX, evaluations_from
 
 __all__ = ["HISTORY", "validated_state"]
 
@@ -80,10 +81,16 @@ def validated_state(
         raise fail("", f"is malformed: {exc}") from None
     except RecursionError:
         raise fail("", "is nested too deeply") from None
-    unused = sorted(set(tensors) - used - {f"history/{key}" for key in HISTORY})
+    unused = sorted(
+        set(tensors)
+        - used
+        - {f"history/{key}" for key in HISTORY}
+        - {k for k in tensors if k.startswith(PREFIX)}
+    )
     if unused:
         raise fail("", f"does not reference tensor {unused[0]!r} of the state file")
     joined["step"] = _progress(state, tensors, run, step)
+    joined["evaluations"] = evaluations_from(tensors, joined["step"])
     for component in table:
         if component.name == "optimizer" and optimizer is not None:
             like(joined["optimizer"], dict(optimizer), "optimizer")

@@ -18,6 +18,7 @@ see :func:`derived_outputs` and docs/configuration.md.
 
 from .loading import DEFAULT_CONFIG_PATH, apply_overrides, derived_outputs, load_config, parse_set_overrides
 from .sections import (
+    METRIC_NAME,
     RESUME_IRRELEVANT_KEYS,
     CardConfig,
     CheckpointConfig,
@@ -52,4 +53,5 @@ __all__ = [
     "launch_mode",
     "launched_as",
     "RESUME_IRRELEVANT_KEYS",
+    "METRIC_NAME",
 ]

@@ -32,6 +32,7 @@ __all__ = [
     "launch_mode",
     "launched_as",
     "RESUME_IRRELEVANT_KEYS",
+    "METRIC_NAME",
 ]
 
 # Keys that may differ between a checkpoint and the run resuming it: they change where
@@ -48,6 +49,10 @@ RESUME_IRRELEVANT_KEYS = frozenset(
         "checkpoint.keep_last",
         "checkpoint.async",
         "training.log_every",
+        # Evaluation restores every RNG it could draw from: the weights do not depend on it.
+        "training.eval_every",
+        "checkpoint.best_metric",
+        "checkpoint.best_mode",
         # A resume restores the thread count its checkpoint recorded (pipeline.environment).
         "training.threads",
         "card",
@@ -91,7 +96,8 @@ class DataConfig:
     seed: int = 1234
     """Seed of the data generation (script 01); training randomness has its own seed."""
     batch_size: int = 4
-    """Examples per optimizer step (the global batch: under torchrun each rank trains on its share)."""
+    """Examples per micro-batch (the global one: under torchrun each rank trains on its share); an
+    optimizer step takes ``training.grad_accum_steps`` of them."""
     shuffle: bool = True
     """Draw a new permutation of the training rows at the start of every epoch."""
     drop_last: bool = False
@@ -205,8 +211,9 @@ class TrainingConfig:
     over max_steps holds its final value instead of jumping back up)."""
     device: Device = "cpu"
     """'cpu', 'cuda', or 'auto' (cuda when available)."""
-    dtype: DType = "float64"
-    """Parameter dtype. float64 on CPU makes bitwise resume checks meaningful."""
+    dtype: DType = "float32"
+    """Parameter dtype. float32 is the fast default; the built-in regression task's config.yaml
+    asks for float64, whose last bits make its resume proof's comparisons sharp."""
     amp: Amp = "none"
     """Automatic mixed precision: 'none', 'fp16' (with a GradScaler) or 'bf16'."""
     grad_clip: float = 0.0
@@ -218,6 +225,13 @@ class TrainingConfig:
     a resume restores the recorded count (the count changes how sums are split)."""
     log_every: int = 1
     """Steps between log lines when stdout is not a terminal."""
+    grad_accum_steps: int = 1
+    """Micro-batches (each ``data.batch_size`` rows) per optimizer step, their gradients summed
+    before it: the effective batch is ``data.batch_size`` x this. The loss is the mean over
+    every row of the step's micro-batches, a short last batch of an epoch included."""
+    eval_every: int = 0
+    """Run the task's ``evaluate(model, device)`` every this many optimizer steps and at
+    ``training.max_steps`` (0: never); the values go into ``run.evaluations`` and every checkpoint."""
     parallel: Parallel = "auto"
     """'auto': 'ddp' under ``torchrun --nproc-per-node N scripts/02_train.py`` with N > 1, 'none'
     (one process) otherwise. 'none', 'ddp' or 'fsdp2' explicitly: checked against the launch
@@ -239,9 +253,17 @@ class TrainingConfig:
             f"must be a finite number >= 0 (got {self.grad_clip})",
         )
         _require_int(self.log_every, "training.log_every", 1)
+        _require_int(self.grad_accum_steps, "training.grad_accum_steps", 1)
+        _require_int(self.eval_every, "training.eval_every", 0)
         # torch.set_num_threads takes a C int.
         _require_int(self.threads, "training.threads", 1, 2**31)
         _require_int(self.seed, "training.seed", 0)
+
+
+BestMode = Literal["min", "max"]
+# What evaluate() may name a metric kept in a run's history: it becomes a tensor name in the
+# training state (pipeline.checkpoint.evaluations).
+METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -256,11 +278,23 @@ class CheckpointConfig:
     """How many committed checkpoints to keep; older ones are pruned after a save commits."""
     async_: bool = field(default=True, metadata={"key": "async"})
     """Write in a background thread after a fast copy of the state to CPU memory."""
+    best_metric: str = ""
+    """A metric the task's ``evaluate`` returns (needs ``training.eval_every``): the checkpoint
+    of its best evaluated step is kept besides the last ``keep_last`` and is ``--checkpoint best``.
+    A new best at a step that is not a save step is saved. Empty: no best is kept."""
+    best_mode: BestMode = "min"
+    """Whether the best ``best_metric`` is the 'min' (a loss) or the 'max' (an accuracy)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "checkpoint.dir", "must not be empty")
         _require_int(self.every, "checkpoint.every", 1)
         _require_int(self.keep_last, "checkpoint.keep_last", 1)
+        _require_choice(self.best_mode, BestMode, "checkpoint.best_mode")
+        _require(
+            not self.best_metric or bool(METRIC_NAME.match(self.best_metric)),
+            "checkpoint.best_metric",
+            f"must be a metric name such as 'mse' (got {self.best_metric!r})",
+        )
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -482,6 +516,11 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> Config:
         if unknown:
             raise ValueError(f"unknown section {unknown[0]!r} (known sections: {', '.join(_SECTIONS)})")
         sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
+        _require(
+            not sections["checkpoint"].best_metric or sections["training"].eval_every > 0,
+            "checkpoint.best_metric",
+            "needs evaluations: set training.eval_every to a number of steps > 0",
+        )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return Config(**sections, source=source)

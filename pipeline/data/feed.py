@@ -67,7 +67,9 @@ class _SamplerFeed(Feed):
 
     def _next_indices(self) -> tuple[int, list[int], float]:
         """Advance the live sampler by one global batch: (epoch, this rank's indices, scale)."""
-        indices, scale = self.world.slice([int(i) for i in self.sampler.next_indices()])
+        indices = [int(i) for i in self.sampler.next_indices()]
+        self.rows = len(indices)
+        indices, scale = self.world.slice(indices)
         return batch_epoch(self.sampler), indices, scale
 
     def state_dict(self) -> dict[str, Any]:

@@ -46,6 +46,9 @@ class Feed:
     implement it)."""
 
     kind = ""
+    rows = 0
+    """Rows of the global batch :meth:`next_batch` handed out last (what gradient accumulation
+    weighs it by; a short last batch of an epoch has fewer)."""
 
     def next_batch(self) -> tuple[Any, float]:
         raise NotImplementedError

@@ -84,6 +84,7 @@ class StreamFeed(Feed):
         self.split = config.data.stream_split
         self.sharded = self.split == "shards" and self.world_size > 1
         batch = config.data.batch_size
+        self.rows = batch  # a stream's batches are all full
         if self.sharded:
             if batch % self.world_size:
                 raise DataError(

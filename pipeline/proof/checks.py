@@ -37,7 +37,7 @@ def state_parts() -> tuple[str, ...]:
 
 
 def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float) -> list[Check]:
-    """Weights, every state part, and the loss / learning-rate / step history."""
+    """Weights, every state part, the loss / learning-rate / step history, and the evaluations."""
     checks = [compare(f"{prefix}.model", "model", reference.model, candidate.model, atol)]
     checks += [
         compare(f"{prefix}.{part}", part, reference.component(part), candidate.component(part), atol)
@@ -47,6 +47,9 @@ def state_checks(prefix: str, reference: Bundle, candidate: Bundle, atol: float)
         compare(f"{prefix}.{label}", "history", reference.history(key), candidate.history(key), atol)
         for key, label in _HISTORY
     ]
+    checks.append(
+        compare(f"{prefix}.evaluations", "history", reference.evaluations(), candidate.evaluations(), atol)
+    )
     return checks
 
 

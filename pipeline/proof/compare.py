@@ -76,6 +76,10 @@ class Bundle:
     def history(self, key: str) -> torch.Tensor:
         return self.tensors[f"history/{key}"]
 
+    def evaluations(self) -> dict[str, torch.Tensor]:
+        """``training.eval_every``'s values (``evaluation/*``; none when the run evaluates nothing)."""
+        return {key: tensor for key, tensor in self.tensors.items() if key.startswith("evaluation/")}
+
 
 def checkpoint_bundle(folder: Path) -> Bundle:
     """A committed checkpoint, after verifying every file's SHA-256 against its meta.json."""

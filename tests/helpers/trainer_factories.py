@@ -1,0 +1,50 @@
+"""Tasks for the accumulation/evaluation tests: the regression task without evaluate(), or with one that draws."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import Config
+from pipeline.tasks.regression import build_data
+
+
+class _WithoutEvaluate:
+    """The regression task's data, every attribute but evaluate."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "evaluate":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def build_data_without_evaluate(config: Config, data_dir: Path) -> _WithoutEvaluate:
+    return _WithoutEvaluate(build_data(config, data_dir))
+
+
+class _DrawingEvaluate:
+    """The regression task's data, whose evaluate draws from every RNG the training uses and
+    reports the mode and grad mode it was called in (the regression's own evaluate sets eval
+    mode itself)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        noise = random.random() + float(np.random.rand()) + float(torch.rand(1))
+        called_in = {"train_mode": float(model.training), "grad_mode": float(torch.is_grad_enabled())}
+        return {**self._inner.evaluate(model, device), "noise": noise, **called_in}
+
+
+def build_data_drawing_evaluate(config: Config, data_dir: Path) -> _DrawingEvaluate:
+    return _DrawingEvaluate(build_data(config, data_dir))

@@ -1,0 +1,443 @@
+"""Gradient accumulation, evaluation during training, the best checkpoint, float32 by default."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.checkpoint import CheckpointStore, best_record, read_best
+
+from support import (
+    PYTHON,
+    REPO,
+    assert_checkpoints_bitwise_equal,
+    data_args,
+    one_line_error,
+    script_env,
+    train,
+    verify_checkpoint,
+)
+
+NO_DROPOUT = ["--set", "model.params.dropout=0.0"]
+EVAL = ["--set", "training.eval_every=3", "--set", "checkpoint.best_metric=mse"]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "modelo.safetensors")
+
+
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "estado_treino.safetensors")
+
+
+def _close(a: Path, b: Path, atol: float) -> None:
+    left, right = _weights(a), _weights(b)
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.allclose(left[name], right[name], rtol=0, atol=atol), name
+
+
+@pytest.mark.parametrize(
+    ("micro", "steps", "whole"),
+    [(2, 4, 8), (5, 5, 24)],  # 5 x 5 is one epoch of 24 rows: its last micro-batch has 4
+    ids=["equal-micro-batches", "short-last-batch"],
+)
+def test_micro_batches_train_like_one_batch_of_their_rows(data_dir, tmp_path, micro, steps, whole):
+    accumulated, single = tmp_path / "accumulated", tmp_path / "single"
+    common = [*NO_DROPOUT, "--max-steps", "6"]  # augmentation stays: seeded per sample
+    ran = train(
+        data_dir,
+        accumulated,
+        *common,
+        "--set",
+        f"data.batch_size={micro}",
+        "--set",
+        f"training.grad_accum_steps={steps}",
+    )
+    assert ran.returncode == 0, ran.stderr
+    ran = train(data_dir, single, *common, "--set", f"data.batch_size={whole}")
+    assert ran.returncode == 0, ran.stderr
+    _close(accumulated / "step-00000006", single / "step-00000006", 1e-10)
+    losses = (
+        _state(accumulated / "step-00000006")["history/loss"],
+        _state(single / "step-00000006")["history/loss"],
+    )
+    assert torch.allclose(*losses, rtol=0, atol=1e-10)
+
+
+def test_the_effective_batch_is_printed(data_dir, tmp_path):
+    ran = subprocess.run(
+        [PYTHON, "scripts/02_train.py", *data_args(data_dir), "--checkpoint-dir", str(tmp_path / "b"),
+         "--max-steps", "1", "--set", "training.grad_accum_steps=3"],
+        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "effective batch: 12 rows per optimizer step (3 micro-batches of 4)" in ran.stderr + ran.stdout
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference(data_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("accumulated")
+    ran = train(data_dir, folder, "--max-steps", "10", "--set", "training.grad_accum_steps=3", *EVAL)
+    assert ran.returncode == 0, ran.stderr
+    return folder
+
+
+def test_an_accumulated_evaluated_run_cut_and_resumed_is_bitwise_the_uninterrupted_one(
+    data_dir, accumulated_reference, tmp_path
+):
+    accumulated = ["--set", "training.grad_accum_steps=3", *EVAL]
+    first = train(data_dir, tmp_path, "--max-steps", "10", "--stop-at", "4", *accumulated)
+    assert first.returncode == 0, first.stderr
+    second = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest", *accumulated)
+    assert second.returncode == 0, second.stderr
+    assert_checkpoints_bitwise_equal(accumulated_reference / "step-00000010", tmp_path / "step-00000010")
+    state = _state(tmp_path / "step-00000010")
+    assert state["evaluation/step"].tolist() == [3, 6, 9, 10]
+    assert set(k for k in state if k.startswith("evaluation/")) == {
+        "evaluation/step",
+        "evaluation/mse",
+        "evaluation/rmse",
+    }
+
+
+def test_evaluating_does_not_change_the_weights(data_dir, accumulated_reference, tmp_path):
+    ran = train(data_dir, tmp_path, "--max-steps", "10", "--set", "training.grad_accum_steps=3")
+    assert ran.returncode == 0, ran.stderr
+    plain, evaluated = _state(tmp_path / "step-00000010"), _state(accumulated_reference / "step-00000010")
+    assert not any(k.startswith("evaluation/") for k in plain)
+    assert {k: v for k, v in evaluated.items() if not k.startswith("evaluation/")}.keys() == plain.keys()
+    for key, tensor in plain.items():
+        assert torch.equal(tensor, evaluated[key]), key
+    for name, tensor in _weights(tmp_path / "step-00000010").items():
+        assert torch.equal(tensor, _weights(accumulated_reference / "step-00000010")[name]), name
+
+
+def test_the_run_object_holds_the_evaluations(data_dir, tmp_path):
+    from pipeline.config import load_config
+    from pipeline.train import train as train_in_process
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "checkpoint.dir": str(tmp_path),
+        "training.max_steps": 5,
+        "training.eval_every": 2,
+    }
+    result = train_in_process(load_config(REPO / "config.yaml", overrides), progress=False)
+    assert result.evaluations["step"] == [2, 4, 5]
+    assert set(result.evaluations) == {"step", "mse", "rmse"}
+    assert all(len(v) == 3 for v in result.evaluations.values())
+    assert result.evaluations["rmse"][0] == pytest.approx(result.evaluations["mse"][0] ** 0.5)
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["training.grad_accum_steps=0"], "training.grad_accum_steps must be >= 1"),
+        (["training.eval_every=-1"], "training.eval_every must be >= 0"),
+        (["checkpoint.best_mode=median"], "checkpoint.best_mode must be one of ('min', 'max')"),
+        (["checkpoint.best_metric=mse"], "checkpoint.best_metric needs evaluations"),
+        (
+            ["training.eval_every=2", "data.factory=trainer_factories:build_data_without_evaluate"],
+            "has no evaluate(model, device)",
+        ),
+        (["training.eval_every=2", "checkpoint.best_metric=accuracy"], "evaluate returned mse, rmse"),
+    ],
+    ids=["accum-0", "eval-negative", "best-mode", "best-without-eval", "no-evaluate", "unknown-metric"],
+)
+def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, sets, says):
+    args = [arg for one in sets for arg in ("--set", one)]
+    ran = train(data_dir, tmp_path, "--max-steps", "4", *args)
+    assert ran.returncode == 2, ran.stderr
+    assert says in one_line_error(ran)
+
+
+def test_an_unknown_best_metric_stops_at_the_first_evaluation_with_its_checkpoint(data_dir, tmp_path):
+    ran = train(data_dir, tmp_path, "--max-steps", "10", "--set", "training.eval_every=2",
+                "--set", "checkpoint.best_metric=accuracy")  # fmt: skip
+    assert ran.returncode == 2
+    assert "step 2 is committed" in one_line_error(ran)
+    assert CheckpointStore(tmp_path).committed_steps() == [2]
+    again = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest",
+                  "--set", "training.eval_every=2", "--set", "checkpoint.best_metric=rmse")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_config_built_in_code_is_checked_like_a_file():
+    from pipeline.config import CheckpointConfig, TrainingConfig
+
+    with pytest.raises(ValueError, match="checkpoint.best_mode must be one of"):
+        CheckpointConfig(best_mode="median")
+    with pytest.raises(ValueError, match="training.grad_accum_steps must be >= 1"):
+        TrainingConfig(grad_accum_steps=0)
+
+
+def _best_steps(folder: Path, mode: str) -> int:
+    evaluations = {
+        key.removeprefix("evaluation/"): t.tolist()
+        for key, t in _state(folder).items()
+        if key.startswith("evaluation/")
+    }
+    return best_record(evaluations, "mse", mode)["step"]
+
+
+def test_the_best_survives_keep_last_1_and_is_selected_by_checkpoint_best(data_dir, tmp_path):
+    # mse falls while training: 'max' makes an early step the best, kept beside the last.
+    best = ["--set", "checkpoint.best_mode=max", "--keep-last", "1", "--checkpoint-every", "2"]
+    ran = train(data_dir, tmp_path, "--max-steps", "10", *EVAL, *best)
+    assert ran.returncode == 0, ran.stderr
+    marked = read_best(tmp_path)
+    assert marked["step"] == _best_steps(tmp_path / "step-00000010", "max") == 3  # saved though not every 2
+    assert CheckpointStore(tmp_path).committed_steps() == [3, 10]
+    from pipeline.checkpoint import LoadMode, load_checkpoint
+
+    assert load_checkpoint("best", tmp_path, mode=LoadMode.VERIFY).folder.name == "step-00000003"
+    assert load_checkpoint("latest", tmp_path, mode=LoadMode.VERIFY).folder.name == "step-00000010"
+
+
+def test_a_mark_that_cannot_be_read_prunes_nothing_and_best_is_refused(data_dir, tmp_path):
+    ran = train(data_dir, tmp_path, "--max-steps", "4", "--checkpoint-every", "1",
+                "--set", "training.eval_every=2", "--set", "checkpoint.best_metric=mse",
+                "--set", "checkpoint.best_mode=max")  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    (tmp_path / "BEST.json").write_text("{not json")
+    store = CheckpointStore(tmp_path, keep_last=1)
+    with store:
+        assert store.prune() == []
+    from pipeline.checkpoint import load_checkpoint
+    from pipeline.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="BEST.json is not valid JSON"):
+        load_checkpoint("best", tmp_path)
+    (tmp_path / "BEST.json").unlink()
+    with pytest.raises(CheckpointError, match="no best checkpoint is marked"):
+        load_checkpoint("best", tmp_path)
+
+
+def _kill_child(data_dir: Path, folder: Path) -> subprocess.Popen:
+    args = [PYTHON, "scripts/02_train.py", *data_args(data_dir), "--checkpoint-dir", str(folder), "--quiet",
+            "--max-steps", "300", "--resume", "auto", "--keep-last", "1", "--checkpoint-every", "4",
+            "--set", "training.eval_every=1", "--set", "checkpoint.best_metric=mse",
+            "--set", "checkpoint.best_mode=max", "--set", "checkpoint.async=true"]  # fmt: skip
+    return subprocess.Popen(
+        args, cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir, tmp_path):
+    rng, killed = random.Random(35), 0
+    for trial in range(3):
+        folder = tmp_path / f"trial-{trial}"
+        child = _kill_child(data_dir, folder)
+        time.sleep(rng.uniform(2.0, 5.0))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        steps = CheckpointStore(folder).committed_steps()
+        if not steps:
+            continue
+        killed += 1
+        assert steps[-1] < 300, "the kill must strike while the run trains"
+        verify_checkpoint(folder / f"step-{steps[-1]:08d}")
+        marked = read_best(folder)
+        if marked is not None:
+            assert marked["step"] in steps
+            verify_checkpoint(folder / f"step-{marked['step']:08d}")
+        # The best by the newest checkpoint's own evaluations is still there too.
+        assert _best_steps(folder / f"step-{steps[-1]:08d}", "max") in steps
+        # And the run goes on from there.
+        child = _kill_child(data_dir, folder)
+        assert child.wait(timeout=300) == 0, child.stderr.read()
+        assert read_best(folder)["step"] in CheckpointStore(folder).committed_steps()
+    assert killed, "no trial was killed after its first checkpoint"
+
+
+def _without_dtype(tmp_path: Path) -> Path:
+    raw = yaml.safe_load((REPO / "config.yaml").read_text())
+    del raw["training"]["dtype"]
+    path = tmp_path / "nodtype.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_config_without_dtype_trains_and_stages_float32(data_dir, tmp_path):
+    config = _without_dtype(tmp_path)
+    env = script_env()
+    common = ["--config", str(config), *data_args(data_dir)]
+    for script, extra in (("01_prepare_data.py", []), ("02_train.py", ["--quiet", "--max-steps", "2"]),
+                          ("04_evaluate.py", []), ("05_stage.py", [])):  # fmt: skip
+        if script == "01_prepare_data.py":
+            continue  # the session's data is the default config's: same recipe
+        ran = subprocess.run([PYTHON, str(REPO / "scripts" / script), *common, *extra], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+    checkpoint = next(tmp_path.glob("runs/nodtype/estados_local/step-*"))
+    assert {t.dtype for t in _weights(checkpoint).values()} == {torch.float32}
+    staged = load_file(next(tmp_path.glob("runs/nodtype/hub_stage/modelo.safetensors")))
+    assert {t.dtype for t in staged.values()} == {torch.float32}
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["config"]["training"]["dtype"] == "float32"
+
+
+def test_checkpoint_best_stages_the_best(data_dir, tmp_path):
+    env = script_env()
+    best = [*data_args(data_dir), "--set", "training.eval_every=3", "--set", "checkpoint.best_metric=mse",
+            "--set", "checkpoint.best_mode=max"]  # fmt: skip
+    for script, extra in (("02_train.py", ["--quiet"]), ("04_evaluate.py", ["--checkpoint", "best"]),
+                          ("05_stage.py", ["--checkpoint", "best"])):  # fmt: skip
+        ran = subprocess.run([PYTHON, str(REPO / "scripts" / script), "--config", str(REPO / "config.yaml"),
+                              *best, *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+    staged = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
+    assert staged["step"] == read_best(tmp_path / "estados_local")["step"] == 3
+    assert os.path.isdir(tmp_path / "estados_local" / "step-00000010")
+
+
+def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_controls_diverge(
+    data_dir, tmp_path
+):
+    args = [
+        "--set",
+        "training.grad_accum_steps=2",
+        *EVAL,
+        "--set",
+        "training.deterministic=false",
+        "--jobs",
+        "1",
+    ]
+    ran = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "03_verify_resume.py"), "--config", str(REPO / "config.yaml"),
+         *data_args(data_dir), "--output",
+         str(tmp_path / "proof"), *args],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    report = json.loads((tmp_path / "proof" / "verification.json").read_text())
+    assert report["all_checks_passed"] and report["positive"] and report["negative_divergence_detected"]
+    for name in ("rng", "optimizer", "scheduler", "data"):
+        assert report["components"]["negative"][name]["result"] == "detected", name
+    evaluations = [c for c in report["checks"]["positive"] if c["name"] == "final.evaluations"]
+    assert evaluations and evaluations[0]["passed"] and evaluations[0]["max_abs_diff"] == 0.0
+
+
+def test_an_evaluate_that_draws_from_every_rng_changes_nothing_the_training_computes(data_dir, tmp_path):
+    drawing = ["--set", "data.factory=trainer_factories:build_data_drawing_evaluate"]
+    plain = train(data_dir, tmp_path / "plain", "--max-steps", "6", *drawing)
+    evaluated = train(
+        data_dir, tmp_path / "evaluated", "--max-steps", "6", *drawing, "--set", "training.eval_every=1"
+    )
+    assert plain.returncode == 0 and evaluated.returncode == 0, plain.stderr + evaluated.stderr
+    state = _state(tmp_path / "evaluated" / "step-00000006")
+    assert state["evaluation/step"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert state["evaluation/train_mode"].tolist() == state["evaluation/grad_mode"].tolist() == [0.0] * 6
+    for name, tensor in _weights(tmp_path / "plain" / "step-00000006").items():
+        assert torch.equal(tensor, _weights(tmp_path / "evaluated" / "step-00000006")[name]), name
+
+
+def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tmp_path):
+    ran = train(data_dir, tmp_path, "--max-steps", "5", "--set", "training.eval_every=5")
+    assert ran.returncode == 0, ran.stderr
+    from pipeline.config import load_config
+    from pipeline.evaluate import evaluate_checkpoint
+
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path),
+                                                 "outputs.metrics": str(tmp_path / "metrics.json")})  # fmt: skip
+    record = evaluate_checkpoint(config, "latest")
+    state = _state(tmp_path / "step-00000005")
+    assert state["evaluation/mse"].tolist() == [record["metrics"]["mse"]]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "says"),
+    [
+        ({"evaluation/step": torch.tensor([2, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/step does not count up"),
+        ({"evaluation/step": torch.tensor([2, 9]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/step does not count up"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/mse is not 1 float64 values"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([float("nan")], dtype=torch.float64)},
+         "evaluation/mse holds a value that is not finite"),
+        ({"evaluation/mse": torch.tensor([1.0], dtype=torch.float64)}, "evaluation/step is not a list"),
+        ({"evaluation/step": torch.tensor([2])}, "has no metric beside it"),
+    ],
+    ids=["repeated-step", "past-the-run", "short", "nan", "no-steps", "no-metric"],
+)  # fmt: skip
+def test_saved_evaluations_are_checked_before_use(tensors, says):
+    from pipeline.checkpoint.evaluations import evaluations_from
+    from pipeline.errors import StateMismatch
+
+    with pytest.raises(StateMismatch, match=says):
+        evaluations_from(tensors, step=5)
+    assert evaluations_from({}, step=5) == {"step": []}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_accumulated_and_evaluated_under_torchrun_as_in_one_process(data_dir, tmp_path, mode):
+    args = [*data_args(data_dir), "--max-steps", "4", "--quiet", *NO_DROPOUT, "--set", "training.grad_accum_steps=2",
+            "--set", "training.eval_every=2"]  # fmt: skip
+    one = train(data_dir, tmp_path / "one", *args[2:])
+    assert one.returncode == 0, one.stderr
+    ran = subprocess.run(
+        [PYTHON, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "scripts" / "02_train.py"), "--config", str(REPO / "config.yaml"), *args,
+         "--set", f"training.parallel={mode}", "--checkpoint-dir", str(tmp_path / "two")],
+        cwd=tmp_path, env=script_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    from pipeline.checkpoint import load_checkpoint
+
+    single, launched = (
+        load_checkpoint(tmp_path / "one" / "step-00000004"),
+        load_checkpoint(tmp_path / "two" / "step-00000004"),
+    )
+    for name, tensor in single.model_tensors.items():
+        assert torch.allclose(tensor, launched.model_tensors[name], rtol=0, atol=1e-12), name
+    for key in ("evaluation/step", "evaluation/mse", "history/loss"):
+        assert torch.allclose(
+            single.state_tensors[key].double(), launched.state_tensors[key].double(), rtol=0, atol=1e-12
+        ), key
+
+
+class _SyncRecorder(torch.nn.Module):
+    """Records what DDP's and FSDP2's gradient-sync switches are asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def set_requires_gradient_sync(self, on: bool) -> None:
+        self.calls.append(on)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.calls.append("no_sync")
+        yield
+        self.calls.append("synced again")
+
+
+@pytest.mark.parametrize(
+    ("mode", "before_last", "last"),
+    [("ddp", ["no_sync", "synced again"], []), ("fsdp2", [False, True], []), ("none", [], [])],
+    ids=["ddp", "fsdp2", "none"],
+)
+def test_micro_batches_before_the_last_skip_the_gradient_reduce(mode, before_last, last):
+    from pipeline.accumulation import _gradient_sync
+    from pipeline.world import World
+
+    world = World(device=torch.device("cpu"), mode=mode)
+    for sync, expected in ((False, before_last), (True, last)):
+        model = _SyncRecorder()
+        with _gradient_sync(model, world, sync):
+            pass
+        assert model.calls == expected, (mode, sync)

@@ -36,6 +36,7 @@ from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers, resolve_device
 from .start import Launch, StartingPoint, StartRequest, plan_start, share_start
+from .traces import Traces, open_traces
 
 __all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
 
@@ -272,6 +273,12 @@ def train(
         )
         for line in start.messages(new, world):
             report.message(line)
+        # Rebuilt from the restored history, by the one process that logs (pipeline.traces).
+        traces = (
+            open_traces(config.outputs.traces, run, log_every=config.training.log_every, say=report.message)
+            if first
+            else None
+        )
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
         if world is None:
             checkpointer = Checkpointer(store, provenance, background=config.checkpoint.async_)
@@ -301,8 +308,11 @@ def train(
                 on_step=hooks.on_step,
                 resume_hint=hint,
                 world=world,
+                traces=traces,
             )
         finally:
+            if traces is not None:
+                traces.close(run)
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
         return TrainResult(
@@ -351,6 +361,7 @@ def _loop(
     on_step: Callable[[TrainingRun], None] | None,
     resume_hint: str,
     world: World | None = None,
+    traces: Traces | None = None,
 ):
     """Step to the end (or a stop signal), saving on the configured steps and the last one.
 
@@ -380,6 +391,8 @@ def _loop(
                     "check the data"
                 )
             report.update(run.step, loss, lr)
+            if traces is not None:
+                traces.update(run)
             if on_step is not None:
                 on_step(run)
             if run.step % every == 0 or run.step == end:

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR
+from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR, TRACES_DIR
 from .sections import Config, config_from_dict
 from .values import load_yaml as _load_yaml
 
@@ -74,12 +74,12 @@ def derived_outputs(path: str | Path | None) -> dict[str, str]:
     (the run's folder, where every relative path of a config points):
 
     - ``config.yaml`` at its top (the default config), or a config file outside it (shared by
-      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json`` and
-      ``hub_stage/``;
+      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json``,
+      ``hub_stage/`` and ``traces/``;
     - any other config file inside it writes under ``runs/<name>/``, where name is the file's
       stem, or its folder's name for a file called ``config.yaml``
       (``examples/charlm/config.yaml`` -> ``runs/charlm/estados_local/``,
-      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``),
+      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``, ``runs/charlm/traces/``),
 
     so several configs in one clone never share their checkpoints, metrics or stage."""
     base = None
@@ -89,11 +89,17 @@ def derived_outputs(path: str | Path | None) -> dict[str, str]:
             name = absolute.stem if absolute.stem != DEFAULT_CONFIG_PATH.stem else absolute.parent.name
             base = Path("runs") / name
     if base is None:
-        return {"checkpoint.dir": CHECKPOINT_DIR, "outputs.metrics": METRICS_FILE, "outputs.stage": STAGE_DIR}
+        return {
+            "checkpoint.dir": CHECKPOINT_DIR,
+            "outputs.metrics": METRICS_FILE,
+            "outputs.stage": STAGE_DIR,
+            "outputs.traces": TRACES_DIR,
+        }
     return {
         "checkpoint.dir": str(base / CHECKPOINT_DIR),
         "outputs.metrics": str(base / METRICS_FILE),
         "outputs.stage": str(base / STAGE_DIR),
+        "outputs.traces": str(base / TRACES_DIR),
     }
 
 

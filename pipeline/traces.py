@@ -140,7 +140,7 @@ class Traces:
         self._proto = _tensorboard()
         self._log_every = log_every
         self._say = say
-        self._file = open(folder / TRACE_FILE, "wb")  # noqa: SIM115: open until close()
+        self._file = open(folder / TRACE_FILE, "wb")  # open until close()
         self._records = self._proto[2](self._file)
         self._records.write(_header(self._proto, time.time()))
         self._history = 0

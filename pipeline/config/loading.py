@@ -74,12 +74,12 @@ def derived_outputs(path: str | Path | None) -> dict[str, str]:
     (the run's folder, where every relative path of a config points):
 
     - ``config.yaml`` at its top (the default config), or a config file outside it (shared by
-      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json``,
-      ``hub_stage/`` and ``traces/``;
+      runs that each work in their own folder), keeps ``estados_local/``, ``metrics.json`` and
+      ``hub_stage/``;
     - any other config file inside it writes under ``runs/<name>/``, where name is the file's
       stem, or its folder's name for a file called ``config.yaml``
       (``examples/charlm/config.yaml`` -> ``runs/charlm/estados_local/``,
-      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``, ``runs/charlm/traces/``),
+      ``runs/charlm/metrics.json``, ``runs/charlm/hub_stage/``),
 
     so several configs in one clone never share their checkpoints, metrics or stage."""
     base = None
@@ -89,17 +89,11 @@ def derived_outputs(path: str | Path | None) -> dict[str, str]:
             name = absolute.stem if absolute.stem != DEFAULT_CONFIG_PATH.stem else absolute.parent.name
             base = Path("runs") / name
     if base is None:
-        return {
-            "checkpoint.dir": CHECKPOINT_DIR,
-            "outputs.metrics": METRICS_FILE,
-            "outputs.stage": STAGE_DIR,
-            "outputs.traces": TRACES_DIR,
-        }
+        return {"checkpoint.dir": CHECKPOINT_DIR, "outputs.metrics": METRICS_FILE, "outputs.stage": STAGE_DIR}
     return {
         "checkpoint.dir": str(base / CHECKPOINT_DIR),
         "outputs.metrics": str(base / METRICS_FILE),
         "outputs.stage": str(base / STAGE_DIR),
-        "outputs.traces": str(base / TRACES_DIR),
     }
 
 
@@ -114,6 +108,20 @@ def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         if isinstance(target, dict) and key not in target:
             target[key] = value
     return merged
+
+
+def _with_traces_beside_checkpoints(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``outputs.traces``, if neither the file nor an override names it, in the
+    folder that holds ``checkpoint.dir`` (``traces/`` beside ``estados_local/``,
+    ``runs/charlm/traces/`` beside ``runs/charlm/estados_local/``): training writes them, so
+    they follow its checkpoints wherever a config or a command line puts those."""
+    outputs, checkpoint = raw.get("outputs"), raw.get("checkpoint")
+    if not isinstance(outputs, dict) or "traces" in outputs or not isinstance(checkpoint, dict):
+        return raw
+    folder = checkpoint.get("dir")
+    if not isinstance(folder, str) or not folder:
+        return raw
+    return {**raw, "outputs": {**outputs, "traces": str(Path(folder).parent / TRACES_DIR)}}
 
 
 def _flow(value: Any) -> str:
@@ -150,5 +158,5 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key, value in overrides.items():
             if value is not None:
                 args += ["--set", f"{key}={_flow(value)}"]
-    config = config_from_dict(raw, source=source)
+    config = config_from_dict(_with_traces_beside_checkpoints(raw), source=source)
     return dataclasses.replace(config, command_args=tuple(args))

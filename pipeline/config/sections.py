@@ -355,8 +355,9 @@ class OutputsConfig:
     stage: str = STAGE_DIR
     """The folder script 05 builds and script 06 publishes."""
     traces: str = TRACES_DIR
-    """The TensorBoard traces training writes (with the optional ``tensorboard``): a folder
-    training rebuilds from the restored history at every start, so only one it made itself."""
+    """The TensorBoard traces training writes (with the optional ``tensorboard``); left out, the
+    folder ``traces`` beside ``checkpoint.dir``. Training rebuilds it from the restored history at
+    every start, so it replaces only a folder it made itself."""
 
     def __post_init__(self) -> None:
         _require(bool(self.metrics), "outputs.metrics", "must not be empty")

@@ -5,7 +5,9 @@ not ours. Read back with tensorboard's own readers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shlex
 import shutil
 import socket
 import subprocess
@@ -112,24 +114,35 @@ def test_traces_of_a_run_resumed_from_an_earlier_checkpoint_equal_the_uninterrup
     assert scalars(run.root / "traces") == scalars(trained_run.root / "traces")
 
 
-def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(trained_run, data_dir, tmp_path):
-    """SIGKILL right after step 7 (its checkpoint at step 5): nothing of the writer's cleanup
-    runs. The next start rebuilds the traces from step 5's history and goes on."""
-    folder = tmp_path / "killed"
-    overrides = {
-        "data.dir": str(data_dir),
-        "checkpoint.dir": str(folder / "estados_local"),
-        "checkpoint.async": False,
-    }
-    child = [sys.executable, HELPERS / "traces_child.py", CONFIG, json.dumps(overrides)]
-    killed = subprocess.run([*child, "7"], cwd=tmp_path, env=script_env(), capture_output=True, text=True)
+def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir, tmp_path):
+    """SIGKILL right after step 250 (its checkpoint at step 200): nothing of the writer's
+    cleanup runs, and the file holds what the writer had handed to the disk by then, steps
+    past the checkpoint included. The next start rebuilds the traces from step 200's history
+    and goes on; the result is the run that was never killed, each step once."""
+
+    def child(name: str, kill_at: int) -> subprocess.CompletedProcess:
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / name / "estados_local"),
+            "checkpoint.async": False,
+            "checkpoint.every": 100,
+            "training.max_steps": 300,
+        }
+        command = [sys.executable, HELPERS / "traces_child.py", CONFIG, json.dumps(overrides), str(kill_at)]
+        return subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True)
+
+    straight = child("straight", 0)
+    assert straight.returncode == 0, straight.stderr
+    killed = child("killed", 250)
     assert killed.returncode == -9, killed.stderr
-    assert (folder / "traces" / TRACE).is_file()
-    finished = subprocess.run([*child, "0"], cwd=tmp_path, env=script_env(), capture_output=True, text=True)
+    traced = [step for tag, step, _ in events(tmp_path / "killed" / "traces") if tag == "train/loss"]
+    assert traced == list(range(1, len(traced) + 1)) and 200 < len(traced) <= 250, traced[-3:]
+    finished = child("killed", 0)
     assert finished.returncode == 0, finished.stderr
-    points = events(folder / "traces")
+    points = events(tmp_path / "killed" / "traces")
     assert_each_step_once(points)
-    assert sorted(points) == sorted(events(trained_run.root / "traces"))
+    assert sorted(points) == sorted(events(tmp_path / "straight" / "traces"))
+    assert len(points) == 2 * 300
 
 
 def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_on(trained_run, tmp_path):
@@ -238,3 +251,38 @@ def test_two_runs_of_the_same_config_stage_the_same_bytes(staged_run, restaged_r
     assert sorted(staged) == sorted(restaged)
     assert [name for name in staged if staged[name] != restaged[name]] == []
     assert second["created"].encode() not in b"".join(restaged.values())
+
+
+def test_the_cards_commands_train_the_published_weights_again(staged_run, tmp_path):
+    """The card's Reproduce commands, run in an empty folder holding only the staged meta.json,
+    give weights with the staged SHA-256; the card names the platform facts that decide it."""
+    card = (staged_run.stage / "README.md").read_text()
+    section = card.split("## Reproduce", 1)[1].split("\n## ", 1)[0]
+    script = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    environment = meta["provenance"]["environment"]
+    for fact in (
+        f"torch {environment['torch']}",
+        f"dtype `{meta['config']['training']['dtype']}`",
+        f"deterministic algorithms {environment['deterministic_algorithms']}",
+        f"{environment['intra_op_threads']} intra-op and {environment['inter_op_threads']} inter-op threads",
+        meta["provenance"]["fingerprints"]["code"],
+    ):
+        assert fact in section, fact
+    folder = tmp_path / "again"
+    folder.mkdir()
+    shutil.copy(staged_run.stage / "meta.json", folder / "meta.json")
+    for line in script.splitlines():
+        command = line.removeprefix("python ").replace("scripts/", f"{REPO}/scripts/", 1)
+        result = subprocess.run(
+            f"{shlex.quote(sys.executable)} {command}",
+            shell=True,
+            cwd=folder,
+            env=script_env(),
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, f"{line}\n{result.stderr}"
+    step = f"step-{meta['step']:08d}"
+    weights = (folder / "estados_local" / step / "modelo.safetensors").read_bytes()
+    assert hashlib.sha256(weights).hexdigest() == meta["files"]["modelo.safetensors"]["sha256"]

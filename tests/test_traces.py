@@ -128,8 +128,8 @@ def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir
             "checkpoint.every": 100,
             "training.max_steps": 300,
         }
-        command = [sys.executable, HELPERS / "traces_child.py", CONFIG, json.dumps(overrides), str(kill_at)]
-        return subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True)
+        command = [HELPERS / "traces_child.py", CONFIG, json.dumps(overrides), str(kill_at)]
+        return run_python(command, cwd=tmp_path, env=script_env())
 
     straight = child("straight", 0)
     assert straight.returncode == 0, straight.stderr
@@ -273,15 +273,12 @@ def test_the_cards_commands_train_the_published_weights_again(staged_run, tmp_pa
     folder.mkdir()
     shutil.copy(staged_run.stage / "meta.json", folder / "meta.json")
     for line in script.splitlines():
-        command = line.removeprefix("python ").replace("scripts/", f"{REPO}/scripts/", 1)
-        result = subprocess.run(
-            f"{shlex.quote(sys.executable)} {command}",
-            shell=True,
-            cwd=folder,
-            env=script_env(),
-            capture_output=True,
-            text=True,
-        )
+        argv = shlex.split(line)
+        assert argv[0] == "python", line
+        if argv[1] == "-c":  # no torch: a plain interpreter is quick
+            result = subprocess.run([sys.executable, *argv[1:]], cwd=folder, capture_output=True, text=True)
+        else:  # scripts/NN_name.py of this tree, as the card's reader runs them from a clone
+            result = run_python([REPO / argv[1], *argv[2:]], cwd=folder, env=script_env())
         assert result.returncode == 0, f"{line}\n{result.stderr}"
     step = f"step-{meta['step']:08d}"
     weights = (folder / "estados_local" / step / "modelo.safetensors").read_bytes()

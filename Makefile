@@ -15,7 +15,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card,sign,localhub,datasets]'
+	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[test,card,sign,localhub,datasets,traces]'
 	touch $(STAMP)
 
 demo: $(STAMP)

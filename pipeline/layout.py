@@ -25,6 +25,10 @@ __all__ = [
     "INDEX_FILE",
     "CODE_DIR",
     "HUB_MODEL_FILE",
+    "TRACES_DIR",
+    "TRACE_FILE",
+    "TRACES_MARKER",
+    "STAGED_TRACES_DIR",
     "shard_name",
     "hub_shard_name",
     "DIST_MODEL_DIR",
@@ -72,6 +76,15 @@ def rank_rng_file(rank: int) -> str:
     """``rng/rank-00003.safetensors``: rank 3's RNG states."""
     return f"{DIST_RNG_DIR}/rank-{rank:05d}.safetensors"
 
+
+# TensorBoard traces: written while training into TRACES_DIR (or runs/<name>/traces/), a folder
+# training rebuilds on every start and marks as its own; staged under STAGED_TRACES_DIR, where
+# transformers' Trainer puts them. TensorBoard reads any file whose name holds "tfevents"; this
+# one names no host, time or process.
+TRACES_DIR = "traces"
+TRACE_FILE = "events.out.tfevents.pipeline"
+TRACES_MARKER = ".pipeline-traces"
+STAGED_TRACES_DIR = "runs"
 
 # Elsewhere.
 METRICS_FILE = "metrics.json"

@@ -38,6 +38,7 @@ from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers
 from .start import Launch, StartingPoint, StartRequest, plan_start, share_start
+from .traces import Traces, open_traces
 from .world import World
 
 __all__ = ["train", "train_step", "TrainResult", "TrainingHooks"]
@@ -282,6 +283,12 @@ def _train(
             report.message(line)
         if (batch := effective_batch(run, world)) is not None:
             report.message(batch)
+        # Rebuilt from the restored history, by the one process that logs (pipeline.traces).
+        traces = (
+            open_traces(config.outputs.traces, run, log_every=config.training.log_every, say=report.message)
+            if first
+            else None
+        )
         provenance = run_provenance(config, manifest, device, changes, start.lineage)
         checkpointer = open_checkpointer(
             store,
@@ -303,8 +310,11 @@ def _train(
                 resume_hint=hint,
                 world=world,
                 note_stops=launch.parallel != "none",
+                traces=traces,
             )
         finally:
+            if traces is not None:
+                traces.close(run)
             report.close()
             checkpointer.close()  # waits for a save in flight; may raise its error
         return TrainResult(
@@ -355,6 +365,7 @@ def _loop(
     resume_hint: str,
     world: World,
     note_stops: bool,
+    traces: Traces | None = None,
 ):
     """Step to the end (or a stop signal), saving on the configured steps and the last one.
 
@@ -387,6 +398,8 @@ def _loop(
                 )
             report.update(run.step, loss, lr)
             evaluated = evaluate_if_due(run, world, report.message)
+            if traces is not None:
+                traces.update(run)
             if on_step is not None:
                 on_step(run)
             if run.step % every == 0 or run.step == end or evaluated.save:

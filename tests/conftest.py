@@ -14,6 +14,8 @@ Fixtures (the session ones are built once and shared: treat them as read-only):
 ``trained_run``   session: data prepared and ``config.yaml`` trained to its last step.
 ``evaluated_run`` session: ``trained_run`` plus ``metrics.json``.
 ``staged_run``    session: ``evaluated_run`` plus ``hub_stage/``.
+``restaged_run``  session: the same config trained, evaluated and staged again from scratch in
+                  another folder, at least a second later (another wall-clock ``created``).
 ``run_copy``      function: ``run_copy(run)`` returns a private, writable copy in
                   ``tmp_path`` (relative paths in saved configs keep working).
 
@@ -27,9 +29,12 @@ own ``data/``, ``estados_local/``, ``metrics.json`` or ``hub_stage/``.
 
 from __future__ import annotations
 
+import datetime
+import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -170,6 +175,18 @@ def evaluated_run(trained_run, tmp_path_factory) -> RunFolder:
 def staged_run(evaluated_run, tmp_path_factory) -> RunFolder:
     run = evaluated_run.copy_to(tmp_path_factory.mktemp("staged_run") / "run")
     run.ok("05_stage.py")
+    return run
+
+
+@pytest.fixture(scope="session")
+def restaged_run(staged_run, tmp_path_factory) -> RunFolder:
+    run = RunFolder(tmp_path_factory.mktemp("restaged_run") / "run")
+    run.root.mkdir()
+    created = json.loads((staged_run.checkpoint / "meta.json").read_text())["created"]
+    while datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds") <= created:
+        time.sleep(0.1)
+    for script in ("01_prepare_data.py", "02_train.py", "04_evaluate.py", "05_stage.py"):
+        run.ok(script, *(("--quiet",) if script == "02_train.py" else ()))
     return run
 
 

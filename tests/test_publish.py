@@ -28,6 +28,7 @@ from huggingface_hub import lfs as hf_lfs
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, hf_raise_for_status
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from localhub import LocalHub, LocalHubProcess
 from pipeline.audit import parse_manifest
@@ -67,6 +68,7 @@ STAGED = (
     "training_curve.png",
     "config.json",
     "model.safetensors.index.json",
+    "runs/events.out.tfevents.pipeline",
 )
 
 
@@ -362,6 +364,34 @@ def test_rerun_makes_no_commit_and_says_already_published(published):
     assert not any(key.startswith(("POST", "PUT", "DELETE")) for key in published.rerun_requests), (
         published.rerun_requests
     )
+
+
+@PUBLISHED
+def test_the_one_commit_holds_the_tensorboard_traces_where_the_hub_finds_them(published, tmp_path):
+    api = api_for(published.hub)
+    first = api.list_repo_commits(published.repo_id)[0].commit_id
+    name = "runs/events.out.tfevents.pipeline"
+    assert name in api.list_repo_files(published.repo_id, revision=first)
+    path = api.hf_hub_download(published.repo_id, name, revision=first, local_dir=tmp_path)
+    assert Path(path).read_bytes() == (published.run.stage / name).read_bytes()
+    traces = EventAccumulator(str(Path(path).parent), size_guidance={"scalars": 0})
+    traces.Reload()
+    assert [e.step for e in traces.Scalars("train/loss")] == list(range(1, 11))
+
+
+@PUBLISHED
+def test_an_identical_run_staged_elsewhere_publishes_nothing_new(published, restaged_run, tmp_path):
+    """The same config trained, evaluated and staged again, in another folder at another time:
+    the same stage, so 06 finds the repo already holding it and sends no write."""
+    published.hub.reset_request_counts()
+    result = run_publish(
+        restaged_run.stage, published.hub, published.repo_id, tmp_path, protocol=published.protocol
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    head = api_for(published.hub).repo_info(published.repo_id).sha
+    assert f"nothing to publish: {published.repo_id} already holds this stage at {head}" in result.stdout
+    assert len(commit_titles(published.hub, published.repo_id)) == 2
+    assert not any(key.startswith(("POST", "PUT", "DELETE")) for key in published.hub.request_counts())
 
 
 @PUBLISHED

@@ -36,6 +36,7 @@ STAGED = {
     "MANIFEST.sha256",
     "config.json",
     "model.safetensors.index.json",
+    "runs/events.out.tfevents.pipeline",
 }
 # The default model's factory module, shipped under code/ with the local modules it imports.
 FACTORY_SOURCE = "code/pipeline/tasks/mlp.py"
@@ -125,7 +126,7 @@ def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
     assert meta["source_checkpoint"] == {
         "folder": "step-00000010",
         "schema": source["schema"],
-        "meta_file_sha256": sha256(checkpoint / "meta.json"),
+        "files": {name: entry["sha256"] for name, entry in source["files"].items()},
     }
     assert meta["provenance"]["fingerprints"] == source["fingerprints"]
     assert meta["provenance"]["versions"] == source["versions"]

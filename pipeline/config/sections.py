@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from ..layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR
+from ..layout import CHECKPOINT_DIR, DATA_DIR, METRICS_FILE, STAGE_DIR, TRACES_DIR
 from ..params import is_yaml11_float
 from .values import INT64 as _INT64
 from .values import check_params as _check_params
@@ -388,10 +388,15 @@ class OutputsConfig:
     """The evaluation record script 04 writes and script 05 reads."""
     stage: str = STAGE_DIR
     """The folder script 05 builds and script 06 publishes."""
+    traces: str = TRACES_DIR
+    """The TensorBoard traces training writes (with the optional ``tensorboard``); left out, the
+    folder ``traces`` beside ``checkpoint.dir``. Training rebuilds it from the restored history at
+    every start, so it replaces only a folder it made itself."""
 
     def __post_init__(self) -> None:
         _require(bool(self.metrics), "outputs.metrics", "must not be empty")
         _require(bool(self.stage), "outputs.stage", "must not be empty")
+        _require(bool(self.traces), "outputs.traces", "must not be empty")
 
 
 _SECTIONS: dict[str, type] = {

@@ -105,6 +105,7 @@ def verify_resume_distributed(
             "every": every,
             "keep_last": n,
         }
+        raw["outputs"] = {**raw["outputs"], "traces": str(output.resolve() / name / "traces")}
         return {
             "name": name,
             "config": raw,

@@ -194,6 +194,7 @@ def leg_spec(leg: Leg, plan: Plan, config: Config, output: Path) -> dict[str, An
         "every": plan.steps,
         "keep_last": 1,
     }
+    raw["outputs"] = {**raw["outputs"], "traces": str(leg.folder(output).resolve() / "traces")}
     cut_folder = output.resolve() / "cut" / CHECKPOINTS_DIR / step_dir_name(plan.cut)
     return {
         "leg": leg.name,

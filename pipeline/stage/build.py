@@ -9,6 +9,7 @@ A stage (``hub_stage/`` by default) holds plain files only (docs/stage.md)::
     code/...             a non-transformers model's own modules and code/hub_loader.py
     meta.json            the publishable record (schema pipeline.stage/1, see build_stage)
     training_curve.png   loss and learning rate against step
+    runs/events.out.tfevents.pipeline   TensorBoard traces of the same history (with tensorboard)
     README.md            the model card
     MANIFEST.sha256      `sha256sum` format over every other file
     (generation_config.json, the factory module's hub_files, verification.json: when present)
@@ -53,7 +54,9 @@ from ..layout import (
     MODEL_FILE,
     PUBLIC_KEY_FILE,
     README_FILE,
+    STAGED_TRACES_DIR,
     STATE_FILE,
+    TRACE_FILE,
 )
 from ..leaks import scan_secrets
 from ..provenance import CodeChange, code_changed_refusal, code_changes
@@ -61,12 +64,13 @@ from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from ..sources import shipped_sources
+from ..traces import trace_bytes
 from .card import build_model_card, read_user_sections, render_curve
 from .card_parts import LOADER_MODULE
 from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
 from .hf_export import hub_files, inspect_model, is_transformers_model
 from .proof_report import PROOF_FILE, read_proof
-from .record import Sources, proof_verdict, public_config, read_history, staged_meta
+from .record import Sources, proof_verdict, public_config, read_progress, staged_meta
 from .weights import (
     DEFAULT_MAX_SHARD_SIZE,
     index_bytes,
@@ -175,6 +179,24 @@ def _write_code(built: Path, config: Config, meta: dict[str, Any]) -> dict[str, 
     return files
 
 
+def _write_traces(
+    built: Path, history: dict[str, list], evaluations: dict[str, list], log_every: int
+) -> tuple[str, dict[str, Any]] | None:
+    """The TensorBoard traces of the verified checkpoint's history, where the Hub's Training
+    metrics tab finds them; drawn again here rather than copied from the training's own
+    folder, so they hold exactly the staged step's history and the same bytes for the same
+    history. ``None`` without the optional tensorboard: the card says so."""
+    try:
+        data = trace_bytes(history, evaluations, log_every)
+    except ImportError:
+        return None
+    name = f"{STAGED_TRACES_DIR}/{TRACE_FILE}"
+    (built / STAGED_TRACES_DIR).mkdir()
+    entry = write_file(built / name, data)
+    fsync_dir(built / STAGED_TRACES_DIR)
+    return name, entry
+
+
 def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
     """Write every stage file into ``built``; returns the non-finite tensor names."""
     export = inspect_model(src.model, src.model_config, public_config(src.meta, src.config))
@@ -202,6 +224,7 @@ def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
         CONFIG_FILE,
         GENERATION_CONFIG_FILE,
         CURVE_FILE,
+        STAGED_TRACES_DIR,
         META_FILE,
         README_FILE,
         MANIFEST_FILE,
@@ -213,10 +236,13 @@ def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
         report = read_proof(Path(build.proof), src.meta, Path.cwd())
         files[PROOF_FILE] = write_file(built / PROOF_FILE, json_bytes(report))
         verdict = proof_verdict(report)
-    history = read_history(src.folder / STATE_FILE)
+    history, evaluations = read_progress(src.folder / STATE_FILE)
     curve = render_curve(history)  # None without the optional matplotlib: the card says so
     if curve is not None:
         files[CURVE_FILE] = write_file(built / CURVE_FILE, curve)
+    traces = _write_traces(built, history, evaluations, src.meta["config"]["training"]["log_every"])
+    if traces is not None:
+        files[traces[0]] = traces[1]
     described = {
         "transformers": export.is_transformers,
         "architecture": export.architecture,
@@ -224,7 +250,9 @@ def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
         "renamed": plan.renames,
         "total_size": plan.total_size,
     }
-    staged = staged_meta(src, history, dict(files), described, nonfinite, build.repo_id)
+    staged = staged_meta(
+        src, history, dict(files), described, nonfinite, build.repo_id, traces[0] if traces else None
+    )
     staged["proof"] = verdict
     listed = {**files, META_FILE: write_file(built / META_FILE, json_bytes(staged))}
     signer = build.signer

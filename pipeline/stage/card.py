@@ -18,6 +18,7 @@ from huggingface_hub import ModelCard
 
 from ..errors import StageError
 from ..layout import CURVE_FILE
+from ..traces import INSTALL_HINT
 from .card_parts import card_data, fence, hash_section, load_section, number, printable, verify_section
 
 __all__ = [
@@ -163,6 +164,20 @@ def _progress_line(meta: Mapping[str, Any]) -> str:
     )
 
 
+def _traces_line(meta: Mapping[str, Any]) -> str:
+    traces = meta["training"]["traces"]
+    if traces is None:
+        return (
+            f"\n\nNo TensorBoard traces: tensorboard was not installed where this model was staged "
+            f"({INSTALL_HINT})."
+        )
+    return (
+        f"\n\nTensorBoard traces of the same history (`train/loss`, `train/lr` and each evaluation as "
+        f"`eval/<metric>`): [`{traces}`]({traces}), shown on the Hub's *Training metrics* tab, or locally "
+        "with `tensorboard --logdir runs`."
+    )
+
+
 def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
     config, training = meta["config"], meta["training"]
     rows = [
@@ -190,7 +205,7 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
         if curve_file
         else "\n\nNo training curve: matplotlib was not installed where this model was staged."
     )
-    return f"## Training\n\n{table}{curve}"
+    return f"## Training\n\n{table}{curve}{_traces_line(meta)}"
 
 
 def _launch_phrase(launch: Mapping[str, Any]) -> str:
@@ -272,17 +287,66 @@ def _proof_section(meta: Mapping[str, Any]) -> str:
     )
 
 
+def _reproduce_section(meta: Mapping[str, Any]) -> str:
+    """How anyone trains these weights again, bit for bit, and what must match for that."""
+    config, provenance, training = meta["config"], meta["provenance"], meta["training"]
+    environment, versions = provenance["environment"], provenance["versions"]
+    step, lineage = meta["step"], training["lineage"]
+    run = config["training"]
+    train = "python scripts/02_train.py --config config.yaml"
+    if not lineage:
+        commands = [train + (f" --stop-at {step}" if step < run["max_steps"] else "")]
+        extended = ""
+    else:
+        commands = [f"{train} --set training.max_steps={lineage[0]['from_max_steps']}"]
+        extended = (
+            " This run was extended (`training.lineage` in `meta.json`): after the first command, "
+            "continue it with `--resume latest --extend-to N` at each step the lineage lists, "
+            f"stopping at step {step}."
+        )
+    script = "\n".join(
+        [
+            "python -c \"import json, yaml; yaml.safe_dump(json.load(open('meta.json'))['config'], "
+            "open('config.yaml', 'w'))\"",
+            "python scripts/01_prepare_data.py --config config.yaml",
+            *commands,
+        ]
+    )
+    facts = [
+        f"torch {environment['torch']}, NumPy {environment['numpy']}",
+        f"device type `{environment['device_type']}`",
+        f"dtype `{run['dtype']}`, AMP `{run['amp']}`",
+        f"deterministic algorithms {environment['deterministic_algorithms']}, cuDNN deterministic "
+        f"{environment['cudnn_deterministic']}, cuDNN benchmark {environment['cudnn_benchmark']}",
+        f"{environment['intra_op_threads']} intra-op and {environment['inter_op_threads']} inter-op threads "
+        "(`training.threads` pins the first)",
+        f"the pipeline's code fingerprint `{provenance['fingerprints']['code']}` and the data fingerprint "
+        f"`{provenance['fingerprints']['data']}` (script 01 prepares the data from `data.seed`)",
+    ]
+    listed = "\n".join(f"- {fact}" for fact in facts)
+    libraries = ", ".join(f"{name} {value}" for name, value in sorted(versions.items()) if value is not None)
+    return (
+        "## Reproduce\n\nThe weights are the deterministic result of the recorded config, code and data: "
+        "with this pipeline's scripts, in an empty folder holding this repository's `meta.json`, run\n\n"
+        + fence(script, "sh")
+        + f"\n\non a platform with the same\n\n{listed}\n\n"
+        + f"(the libraries recorded: {libraries}).{extended} The checkpoint's weights then have the SHA-256 "
+        "listed above, and staging it as this one was (`scripts/04_evaluate.py`, then `scripts/05_stage.py` "
+        "with the same flags) gives the same bytes for every file of `MANIFEST.sha256`: nothing staged holds "
+        "a wall-clock time, a host name or a machine path, and the TensorBoard traces' events carry wall "
+        "time 0. Another thread count, device or library version computes other sums: the weights then "
+        "differ in their last bits, and so do the digests."
+    )
+
+
 def _provenance_section(meta: Mapping[str, Any]) -> str:
     provenance, source = meta["provenance"], meta["source_checkpoint"]
     versions = ", ".join(
         f"{name} {value}" for name, value in sorted(provenance["versions"].items()) if value is not None
     )
     rows = [
-        (
-            "source checkpoint",
-            f"`{source['folder']}` (its `meta.json` SHA-256 `{source['meta_file_sha256']}`)",
-        ),
-        ("checkpoint written", str(meta["training"]["created"])),
+        ("source checkpoint", f"`{source['folder']}`"),
+        *((f"its `{name}`", f"SHA-256 `{digest}`") for name, digest in source["files"].items()),
         ("code fingerprint", f"`{provenance['fingerprints']['code']}`"),
         ("data fingerprint", f"`{provenance['fingerprints']['data']}`"),
         ("libraries", versions),
@@ -350,7 +414,13 @@ def build_model_card(
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)
-    sections += [_proof_section(meta), hash_section(files), verify_section(), _provenance_section(meta)]
+    sections += [
+        _proof_section(meta),
+        hash_section(files),
+        verify_section(),
+        _reproduce_section(meta),
+        _provenance_section(meta),
+    ]
     body = printable("\n\n".join(sections) + "\n")
     content = f"---\n{card_data(meta).to_yaml()}\n---\n\n" + body
     # Parsing it back checks the front matter is valid YAML that the Hub client accepts.

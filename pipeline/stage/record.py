@@ -15,14 +15,15 @@ import torch
 
 from ..audit import STAGE_SCHEMA
 from ..checkpoint import CheckpointWeights, read_tensors
+from ..checkpoint.evaluations import evaluations_from
 from ..config import Config
-from ..errors import StageError
+from ..errors import StageError, StateMismatch
 from ..provenance import CodeChange
 from ..start import Launch
 from .proof_report import PROOF_FILE
 from .redact import public_paths
 
-__all__ = ["Sources", "proof_verdict", "public_config", "read_history", "staged_meta"]
+__all__ = ["Sources", "proof_verdict", "public_config", "read_progress", "staged_meta"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,20 @@ class Sources:
     """Counted files that changed since training (a stage that ships no code only)."""
 
 
-def read_history(path: Path) -> dict[str, list]:
+def read_progress(path: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """The run's history and its evaluations (``{}`` for a run that kept none) from the
+    checkpoint's training state ``path``."""
     try:
         tensors = read_tensors(path)
-        return {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
+        history = {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
     except (KeyError, ValueError) as exc:  # SchemaMismatch is a ValueError
         raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
+    last = int(history["step"][-1]) if history["step"] else 0
+    try:
+        evaluations = evaluations_from(tensors, last)
+    except StateMismatch as exc:
+        raise StageError(f"{path}: {exc}") from None
+    return history, (evaluations if evaluations["step"] else {})
 
 
 def public_config(meta: dict[str, Any], config: Config) -> dict[str, Any]:
@@ -72,8 +81,12 @@ def staged_meta(
     export: dict[str, Any],
     nonfinite: list[str],
     repo_id: str | None,
+    traces: str | None,
 ) -> dict[str, Any]:
-    """The publishable record: no optimizer, RNG or sampler internals, no machine paths."""
+    """The publishable record: no optimizer, RNG or sampler internals, no machine paths, and
+    nothing of the clock or the host, so two identical runs stage the same record (the
+    checkpoint's ``created`` time stays beside the checkpoint). ``traces``: the staged
+    TensorBoard event file, if any."""
     meta, record = src.meta, src.metrics
     return {
         "schema": STAGE_SCHEMA,
@@ -84,7 +97,6 @@ def staged_meta(
         # The repo the card's snippet names; publishing elsewhere is refused unless forced.
         "repo_id": repo_id,
         "training": {
-            "created": meta["created"],
             "final_loss": history["loss"][-1] if history["loss"] else None,
             "final_lr": history["lr"][-1] if history["lr"] else None,
             "history_points": len(history["step"]),
@@ -94,6 +106,7 @@ def staged_meta(
             # another launch (--reshard) and environment changes (--allow-environment-change).
             "launch": Launch.of_checkpoint(meta).to_dict(),
             "changes": meta["environment"]["changes"],
+            "traces": traces,
         },
         "metrics": None
         if record is None
@@ -107,15 +120,19 @@ def staged_meta(
             "fingerprints": meta["fingerprints"],
             "versions": meta["versions"],
             "device": meta["device"],
+            # What else decides the numbers (thread counts, determinism switches, torch and NumPy):
+            # the platform a re-run must match for the weights' digests to match (the card says so).
+            "environment": {key: value for key, value in meta["environment"].items() if key != "changes"},
             # Files of the code that differ from those the weights were trained with (a model
             # that ships no code is staged anyway; its weights still had to fit today's model).
             "code_changes": [change.record() for change in src.code_changes],
         },
-        # The SHA-256 of the checkpoint's meta.json file (not its seal, meta.json's own meta_sha256).
+        # The checkpoint's files by SHA-256, as its sealed meta.json lists them: not the digest of
+        # meta.json itself, which holds the wall-clock time it was written at.
         "source_checkpoint": {
             "folder": src.folder.name,
             "schema": meta["schema"],
-            "meta_file_sha256": src.meta_file_sha256,
+            "files": {name: entry["sha256"] for name, entry in sorted(meta["files"].items())},
         },
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,

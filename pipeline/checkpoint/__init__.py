@@ -36,6 +36,7 @@ from .checkpointer import Checkpointer, OneSaveInFlight
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .components import Component, component_names, components, register_component, unregister_component
+from .evaluations import evaluations_from
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
@@ -81,6 +82,7 @@ __all__ = [
     "Checkpointer",
     "best_record",
     "read_best",
+    "evaluations_from",
     "CheckpointStore",
     "CheckpointWeights",
     "ConsolidatedTensors",

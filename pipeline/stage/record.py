@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from ..audit import STAGE_SCHEMA
-from ..checkpoint import CheckpointWeights, read_tensors
-from ..checkpoint.evaluations import evaluations_from
+from ..checkpoint import CheckpointWeights, evaluations_from, read_tensors
 from ..config import Config
 from ..errors import StageError, StateMismatch
 from ..provenance import CodeChange

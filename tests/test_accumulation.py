@@ -301,6 +301,12 @@ def test_checkpoint_best_stages_the_best(data_dir, tmp_path):
     staged = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
     assert staged["step"] == read_best(tmp_path / "estados_local")["step"] == 3
     assert os.path.isdir(tmp_path / "estados_local" / "step-00000010")
+    # The staged traces hold the best checkpoint's evaluation, read through the checkpoint's check.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(tmp_path / "hub_stage" / "runs"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("eval/mse")] == [3]
 
 
 def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_controls_diverge(

@@ -6,11 +6,15 @@ PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": 
 "stop_at": ..., "reshard": ..., "extend_to": ..., "init_from": ..., "progress": ..., "forge": {...}},
 ...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
-to ``value``, resealed as a forger would. ``record``: each rank records its file-system
-calls under ``checkpoint.dir`` (tests/helpers/oprecorder.py) with the time each completed (null
-for a call that raised, such as a mkdir of a folder that exists), into
-``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
-Rank 0 writes one result per run (step, losses,
+to ``value``, resealed as a forger would. ``copy`` (rank 0, before the run): copy the
+checkpoint folder ``from`` into the folder ``to``, and flip the last byte of its file
+``flip`` if given (damage after the seal). ``reads``: each rank counts the bytes it reads from
+each file under ``checkpoint.dir`` into ``<to>-rank<R>.json``, and rewrites each file whose
+path starts with one of ``rewrite`` once it has read it whole (tests/helpers/readrecorder.py).
+``record``: each rank records its file-system calls under ``checkpoint.dir``
+(tests/helpers/oprecorder.py) with the time each completed (null for a call that raised,
+such as a mkdir of a folder that exists), into ``<record>-rank<R>.json``, so the test can
+merge the ranks' calls and check their order. Rank 0 writes one result per run (step, losses,
 checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
 Each rank writes ``<results>-threads-rank<R>.json``: the default process group's gloo threads
 (those started by ``init_process_group``, which this harness calls first) as seen before
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from oprecorder import Recorder
+from readrecorder import ReadRecorder
 
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import launch_mode, load_config
@@ -49,6 +54,17 @@ def forge(spec: dict) -> None:
         node[last] = spec["value"]
         meta["meta_sha256"] = meta_sha256(meta)
         meta_path.write_bytes(json_bytes(meta))
+
+
+def copy(spec: dict) -> None:
+    source = Path(spec["from"])
+    target = Path(spec["to"]) / source.name
+    shutil.copytree(source, target)
+    if spec.get("flip"):
+        damaged = target / spec["flip"]
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 1
+        damaged.write_bytes(bytes(data))
 
 
 def gloo_threads(among: set[int]) -> list[str]:
@@ -76,6 +92,8 @@ def main(plan_path: str) -> None:
             config = load_config(plan["config"], run["overrides"])
             if "forge" in run and world.rank == 0:
                 forge(run["forge"])
+            if "copy" in run and world.rank == 0:
+                copy(run["copy"])
             world.barrier()
             done: dict[int, int] = {}  # op index -> completion time (a call that raised has none)
             recorder = (
@@ -86,8 +104,13 @@ def main(plan_path: str) -> None:
                 if "record" in run
                 else contextlib.nullcontext()
             )
+            reads = (
+                ReadRecorder(config.checkpoint.dir, rewrite=True, only=tuple(run["reads"]["rewrite"]))
+                if "reads" in run
+                else contextlib.nullcontext()
+            )
             try:
-                with recorder:
+                with recorder, reads:
                     result = train_distributed(
                         config,
                         world=dataclasses.replace(
@@ -115,6 +138,10 @@ def main(plan_path: str) -> None:
             # Every rank's exit code: a refusal must end every rank, with the same code.
             codes = [json.loads(text) for text in world.gather_text(json.dumps(outcome.get("exit_code", 0)))]
             results.append({**outcome, "exit_codes": codes})
+            if "reads" in run:
+                Path(f"{run['reads']['to']}-rank{world.rank}.json").write_text(
+                    json.dumps({"read": reads.read, "rewritten": reads.rewritten})
+                )
             if "record" in run:
                 Path(f"{run['record']}-rank{world.rank}.json").write_text(
                     json.dumps(

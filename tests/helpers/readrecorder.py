@@ -1,0 +1,94 @@
+"""Count the bytes a process reads from each file under a folder, and rewrite a file the
+moment the process has read all of it (test-owned).
+
+:class:`ReadRecorder` replaces ``os.open``, ``os.pread``, ``os.preadv`` and ``os.close`` in
+the running process with wrappers that note, per file under ``root``, how many bytes were
+read through a descriptor of it. Nothing in ``pipeline/`` knows about it: the real code
+runs, its reads are seen from outside, as the kernel sees them (no FUSE needed).
+
+``rewrite``: once the bytes read from a file whose path starts with one of ``only`` reach
+its size, every byte of its last 8 is flipped on disk (the size unchanged), as a writer
+racing the reader would: a reader that uses bytes other than those it read and hashed then
+uses the rewritten ones.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ReadRecorder"]
+
+
+class ReadRecorder:
+    """Install while the block runs (a context manager); ``read``: ``{relative path: bytes}``,
+    ``rewritten``: the relative paths flipped (``rewrite``)."""
+
+    def __init__(self, root: str | Path, *, rewrite: bool = False, only: tuple[str, ...] = ("",)) -> None:
+        self.root = os.path.abspath(root)
+        self.rewrite = rewrite
+        self.only = only
+        self.read: dict[str, int] = {}
+        self.rewritten: list[str] = []
+        self._fds: dict[int, str] = {}
+        self._saved: dict[str, Any] = {}
+
+    def _ours(self, path: Any) -> str | None:
+        try:
+            full = os.path.abspath(os.fsdecode(path))
+        except TypeError:
+            return None
+        if full.startswith(self.root + os.sep):
+            return os.path.relpath(full, self.root)
+        return None
+
+    def _count(self, fd: int, got: int) -> None:
+        name = self._fds.get(fd)
+        if name is None or got <= 0:
+            return
+        self.read[name] = self.read.get(name, 0) + got
+        full = os.path.join(self.root, name)
+        if (
+            self.rewrite
+            and name.startswith(self.only)
+            and name not in self.rewritten
+            and self.read[name] >= os.stat(full).st_size
+        ):
+            self.rewritten.append(name)
+            with open(full, "r+b") as handle:
+                handle.seek(-8, os.SEEK_END)
+                tail = handle.read(8)
+                handle.seek(-8, os.SEEK_END)
+                handle.write(bytes(b ^ 0xFF for b in tail))
+
+    def __enter__(self) -> "ReadRecorder":
+        real = self._saved = {name: getattr(os, name) for name in ("open", "pread", "preadv", "close")}
+
+        def os_open(path, flags, *args, **kwargs):
+            fd = real["open"](path, flags, *args, **kwargs)
+            name = self._ours(path)
+            if name is not None and not flags & (os.O_WRONLY | os.O_RDWR):
+                self._fds[fd] = name
+            return fd
+
+        def pread(fd, count, offset):
+            data = real["pread"](fd, count, offset)
+            self._count(fd, len(data))
+            return data
+
+        def preadv(fd, buffers, offset, *args):
+            got = real["preadv"](fd, buffers, offset, *args)
+            self._count(fd, got)
+            return got
+
+        def close(fd):
+            self._fds.pop(fd, None)
+            return real["close"](fd)
+
+        os.open, os.pread, os.preadv, os.close = os_open, pread, preadv, close
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, call in self._saved.items():
+            setattr(os, name, call)

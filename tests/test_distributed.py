@@ -536,8 +536,8 @@ def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches
 @LEGS
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
-    then the 2->1 reshard (augmentation noise on: it is seeded per sample); a stream, whose
-    position is per rank, refused."""
+    a shard damaged after its seal refused, then the 2->1 reshard (augmentation noise on: it
+    is seeded per sample); a stream, whose position is per rank, refused."""
     root, results, _ = legs
     assert results[12]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
@@ -549,7 +549,8 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         **STREAM,
         "checkpoint.dir": str(tmp_path / "stream"),
     }
-    refused, forged, resharded, stream = launch_plan(
+    damaged = f"{DIST_OPTIM_DIR}/{_shard(2)}"
+    refused, forged, refused_damaged, resharded, stream = launch_plan(
         1,
         tmp_path,
         "reshard",
@@ -566,6 +567,16 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
                     "value": 5,
                 },
             },
+            {
+                **resume,
+                "reshard": True,
+                "overrides": {**base, "checkpoint.dir": str(tmp_path / "damaged")},
+                "copy": {
+                    "from": str(root / "quiet_cut" / "step-00000006"),
+                    "to": str(tmp_path / "damaged"),
+                    "flip": damaged,
+                },
+            },
             {**resume, "reshard": True},
             {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream},
         ],
@@ -578,6 +589,9 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
     )
     assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged
+    # The one process reads every shard, and verifies each: a shard damaged after its seal is refused.
+    assert refused_damaged["error"] == "ChecksumMismatch", refused_damaged
+    assert f"{damaged} SHA-256 differs from meta.json" in refused_damaged["message"], refused_damaged
     assert resharded["step"] == 10, resharded
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1

@@ -536,7 +536,8 @@ def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches
 @LEGS
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
-    a shard damaged after its seal refused, then the 2->1 reshard (augmentation noise on: it
+    a shard damaged after its seal refused, one struck from a resealed meta.json refused by
+    its coverage, then the 2->1 reshard (augmentation noise on: it
     is seeded per sample); a stream, whose position is per rank, refused."""
     root, results, _ = legs
     assert results[12]["step"] == 6
@@ -550,7 +551,7 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         "checkpoint.dir": str(tmp_path / "stream"),
     }
     damaged = f"{DIST_OPTIM_DIR}/{_shard(2)}"
-    refused, forged, refused_damaged, resharded, stream = launch_plan(
+    refused, forged, refused_damaged, uncovered, resharded, stream = launch_plan(
         1,
         tmp_path,
         "reshard",
@@ -577,6 +578,16 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
                     "flip": damaged,
                 },
             },
+            {
+                **resume,
+                "reshard": True,
+                "overrides": {**base, "checkpoint.dir": str(tmp_path / "uncovered")},
+                "copy": {
+                    "from": str(root / "quiet_cut" / "step-00000006"),
+                    "to": str(tmp_path / "uncovered"),
+                    "strike": f"{DIST_MODEL_DIR}/{_shard(2)}",
+                },
+            },
             {**resume, "reshard": True},
             {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream},
         ],
@@ -592,6 +603,8 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     # The one process reads every shard, and verifies each: a shard damaged after its seal is refused.
     assert refused_damaged["error"] == "ChecksumMismatch", refused_damaged
     assert f"{damaged} SHA-256 differs from meta.json" in refused_damaged["message"], refused_damaged
+    # A shard struck from meta.json passes the hashes; the coverage DCP plans from catches it.
+    assert uncovered["error"] == "ChecksumMismatch" and "cover" in uncovered["message"], uncovered
     assert resharded["step"] == 10, resharded
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1

@@ -8,7 +8,8 @@ PLAN: {"config": path, "results": path, "runs": [{"overrides": {...}, "resume": 
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
 to ``value``, resealed as a forger would. ``copy`` (rank 0, before the run): copy the
 checkpoint folder ``from`` into the folder ``to``, and flip the last byte of its file
-``flip`` if given (damage after the seal). ``reads``: each rank counts the bytes it reads from
+``flip`` if given (damage after the seal), or delete its file ``strike`` and strike it from
+``meta.json``, resealed. ``reads``: each rank counts the bytes it reads from
 each file under ``checkpoint.dir`` into ``<to>-rank<R>.json``, and rewrites each file whose
 path starts with one of ``rewrite`` once it has read it whole (tests/helpers/readrecorder.py).
 ``record``: each rank records its file-system calls under ``checkpoint.dir``
@@ -65,6 +66,12 @@ def copy(spec: dict) -> None:
         data = bytearray(damaged.read_bytes())
         data[-1] ^= 1
         damaged.write_bytes(bytes(data))
+    if spec.get("strike"):
+        (target / spec["strike"]).unlink()
+        meta = json.loads((target / "meta.json").read_text())
+        del meta["files"][spec["strike"]]
+        meta["meta_sha256"] = meta_sha256(meta)
+        (target / "meta.json").write_bytes(json_bytes(meta))
 
 
 def gloo_threads(among: set[int]) -> list[str]:

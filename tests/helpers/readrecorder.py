@@ -1,9 +1,10 @@
 """Count the bytes a process reads from each file under a folder, and rewrite a file the
 moment the process has read all of it (test-owned).
 
-:class:`ReadRecorder` replaces ``os.open``, ``os.pread``, ``os.preadv`` and ``os.close`` in
-the running process with wrappers that note, per file under ``root``, how many bytes were
-read through a descriptor of it. Nothing in ``pipeline/`` knows about it: the real code
+:class:`ReadRecorder` replaces ``os.open``, ``open``, ``os.pread``, ``os.preadv``,
+``mmap.mmap`` and ``os.close`` in the running process with wrappers that note, per file
+under ``root``, how many bytes were read through a descriptor of it (a map counts as its
+whole length read: its pages are the file's). Nothing in ``pipeline/`` knows about it: the real code
 runs, its reads are seen from outside, as the kernel sees them (no FUSE needed).
 
 ``rewrite``: once the bytes read from a file whose path starts with one of ``only`` reach
@@ -14,6 +15,8 @@ uses the rewritten ones.
 
 from __future__ import annotations
 
+import builtins
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,8 @@ class ReadRecorder:
         self.rewritten: list[str] = []
         self._fds: dict[int, str] = {}
         self._saved: dict[str, Any] = {}
+        self._py_open: Any = None
+        self._py_mmap: Any = None
 
     def _ours(self, path: Any) -> str | None:
         try:
@@ -64,13 +69,33 @@ class ReadRecorder:
 
     def __enter__(self) -> "ReadRecorder":
         real = self._saved = {name: getattr(os, name) for name in ("open", "pread", "preadv", "close")}
+        py_open, py_mmap = self._py_open, self._py_mmap = builtins.open, mmap.mmap
+
+        def note(fd: int, path: Any, reading: bool) -> None:
+            name = self._ours(path) if reading else None
+            if name is None:
+                self._fds.pop(fd, None)  # a descriptor number reused
+            else:
+                self._fds[fd] = name
 
         def os_open(path, flags, *args, **kwargs):
             fd = real["open"](path, flags, *args, **kwargs)
-            name = self._ours(path)
-            if name is not None and not flags & (os.O_WRONLY | os.O_RDWR):
-                self._fds[fd] = name
+            note(fd, path, not flags & (os.O_WRONLY | os.O_RDWR))
             return fd
+
+        def builtin_open(file, mode="r", *args, **kwargs):
+            handle = py_open(file, mode, *args, **kwargs)
+            if not isinstance(file, int):
+                note(handle.fileno(), file, not set(mode) & set("wax+"))
+            return handle
+
+        recorder = self
+
+        class Mapped(py_mmap):  # a type still, for the isinstance checks of the code under test
+            def __new__(cls, fileno, length, *args, **kwargs):
+                buffer = super().__new__(cls, fileno, length, *args, **kwargs)
+                recorder._count(fileno, len(buffer))
+                return buffer
 
         def pread(fd, count, offset):
             data = real["pread"](fd, count, offset)
@@ -87,8 +112,10 @@ class ReadRecorder:
             return real["close"](fd)
 
         os.open, os.pread, os.preadv, os.close = os_open, pread, preadv, close
+        builtins.open, mmap.mmap = builtin_open, Mapped
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, call in self._saved.items():
             setattr(os, name, call)
+        builtins.open, mmap.mmap = self._py_open, self._py_mmap

@@ -537,7 +537,7 @@ def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
     a shard damaged after its seal refused, one struck from a resealed meta.json refused by
-    its coverage, then the 2->1 reshard (augmentation noise on: it
+    its coverage, headers swapped while planning refused, then the 2->1 reshard (augmentation noise on: it
     is seeded per sample); a stream, whose position is per rank, refused."""
     root, results, _ = legs
     assert results[12]["step"] == 6
@@ -551,7 +551,30 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         "checkpoint.dir": str(tmp_path / "stream"),
     }
     damaged = f"{DIST_OPTIM_DIR}/{_shard(2)}"
-    refused, forged, refused_damaged, uncovered, resharded, stream = launch_plan(
+    # Both FSDP2 model shards with the places of net.0.weight's chunks swapped in their headers
+    # (coverage still whole), each swapped back once its header was read: the plan was made
+    # from headers other than the sealed ones now read, and hashed, whole.
+    chunk = '\\"net.0.weight\\": {\\"saved_offsets\\": [@, 0]}'
+    swap = {
+        f"{DIST_MODEL_DIR}/{_shard(1)}": [chunk.replace("@", "0"), chunk.replace("@", "8")],
+        f"{DIST_MODEL_DIR}/{_shard(2)}": [chunk.replace("@", "8"), chunk.replace("@", "0")],
+    }
+    swapped = {
+        "resume": "latest",
+        "reshard": True,
+        "overrides": {
+            "data.dir": str(data_dir),
+            "training.parallel": "fsdp2",
+            "checkpoint.dir": str(tmp_path / "swapped"),
+        },
+        "copy": {
+            "from": str(root / "full_fsdp2" / "step-00000005"),
+            "to": str(tmp_path / "swapped"),
+            "forge_header": swap,
+        },
+        "reads": {"to": str(tmp_path / "swapped_reads"), "restore": [f"step-00000005/{n}" for n in swap]},
+    }
+    refused, forged, refused_damaged, uncovered, header_swapped, resharded, stream = launch_plan(
         1,
         tmp_path,
         "reshard",
@@ -588,6 +611,7 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
                     "strike": f"{DIST_MODEL_DIR}/{_shard(2)}",
                 },
             },
+            swapped,
             {**resume, "reshard": True},
             {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream},
         ],
@@ -605,6 +629,8 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
     assert f"{damaged} SHA-256 differs from meta.json" in refused_damaged["message"], refused_damaged
     # A shard struck from meta.json passes the hashes; the coverage DCP plans from catches it.
     assert uncovered["error"] == "ChecksumMismatch" and "cover" in uncovered["message"], uncovered
+    assert header_swapped.get("error") == "ChecksumMismatch", header_swapped
+    assert f"{_shard(1)} changed while it was read" in header_swapped["message"], header_swapped
     assert resharded["step"] == 10, resharded
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1

@@ -9,9 +9,12 @@ copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a pat
 to ``value``, resealed as a forger would. ``copy`` (rank 0, before the run): copy the
 checkpoint folder ``from`` into the folder ``to``, and flip the last byte of its file
 ``flip`` if given (damage after the seal), or delete its file ``strike`` and strike it from
-``meta.json``, resealed. ``reads``: each rank counts the bytes it reads from
-each file under ``checkpoint.dir`` into ``<to>-rank<R>.json``, and rewrites each file whose
-path starts with one of ``rewrite`` once it has read it whole (tests/helpers/readrecorder.py).
+``meta.json``, resealed, or replace ``old`` by ``new`` (as long) in the files of
+``forge_header`` ``{file: [old, new]}``, keeping each original beside the folder.
+``reads``: each rank counts the bytes it reads from each file under ``checkpoint.dir`` into
+``<to>-rank<R>.json``, rewrites each file whose path starts with one of ``rewrite`` once it
+has read it whole, and writes each file of ``restore`` back to its original once its header
+was read (tests/helpers/readrecorder.py).
 ``record``: each rank records its file-system calls under ``checkpoint.dir``
 (tests/helpers/oprecorder.py) with the time each completed (null for a call that raised,
 such as a mkdir of a folder that exists), into ``<record>-rank<R>.json``, so the test can
@@ -66,6 +69,13 @@ def copy(spec: dict) -> None:
         data = bytearray(damaged.read_bytes())
         data[-1] ^= 1
         damaged.write_bytes(bytes(data))
+    for name, (old, new) in spec.get("forge_header", {}).items():
+        # The same length, so the file's size and data offsets stay; kept to be swapped back.
+        forged = target / name
+        data = forged.read_bytes()
+        assert data.count(old.encode()) == 1 and len(old) == len(new), (name, old)
+        (Path(spec["to"]) / f"{forged.name}.original").write_bytes(data)
+        forged.write_bytes(data.replace(old.encode(), new.encode()))
     if spec.get("strike"):
         (target / spec["strike"]).unlink()
         meta = json.loads((target / "meta.json").read_text())
@@ -112,7 +122,15 @@ def main(plan_path: str) -> None:
                 else contextlib.nullcontext()
             )
             reads = (
-                ReadRecorder(config.checkpoint.dir, rewrite=True, only=tuple(run["reads"]["rewrite"]))
+                ReadRecorder(
+                    config.checkpoint.dir,
+                    rewrite=True,
+                    only=tuple(run["reads"].get("rewrite", [])),
+                    restore={
+                        name: (Path(config.checkpoint.dir) / f"{Path(name).name}.original").read_bytes()
+                        for name in run["reads"].get("restore", [])
+                    },
+                )
                 if "reads" in run
                 else contextlib.nullcontext()
             )

@@ -10,7 +10,9 @@ runs, its reads are seen from outside, as the kernel sees them (no FUSE needed).
 ``rewrite``: once the bytes read from a file whose path starts with one of ``only`` reach
 its size, every byte of its last 8 is flipped on disk (the size unchanged), as a writer
 racing the reader would: a reader that uses bytes other than those it read and hashed then
-uses the rewritten ones.
+uses the rewritten ones. ``restore``: ``{relative path: bytes}``: once a file's header (its
+8-byte length and the JSON after it) was read, the file is written back to those bytes, as
+a writer that swapped in a file and back would.
 """
 
 from __future__ import annotations
@@ -28,10 +30,18 @@ class ReadRecorder:
     """Install while the block runs (a context manager); ``read``: ``{relative path: bytes}``,
     ``rewritten``: the relative paths flipped (``rewrite``)."""
 
-    def __init__(self, root: str | Path, *, rewrite: bool = False, only: tuple[str, ...] = ("",)) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        rewrite: bool = False,
+        only: tuple[str, ...] = ("",),
+        restore: dict[str, bytes] | None = None,
+    ) -> None:
         self.root = os.path.abspath(root)
         self.rewrite = rewrite
         self.only = only
+        self.restore = dict(restore or {})
         self.read: dict[str, int] = {}
         self.rewritten: list[str] = []
         self._fds: dict[int, str] = {}
@@ -54,6 +64,11 @@ class ReadRecorder:
             return
         self.read[name] = self.read.get(name, 0) + got
         full = os.path.join(self.root, name)
+        original = self.restore.get(name)
+        if original is not None and self.read[name] >= 8 + int.from_bytes(original[:8], "little"):
+            del self.restore[name]
+            with open(full, "r+b") as handle:
+                handle.write(original)
         if (
             self.rewrite
             and name.startswith(self.only)

@@ -874,7 +874,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
 @pytest.mark.heavy
 def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path):
     """Also: config.yaml as it is under torchrun (training.parallel auto) trains DDP, and its
-    checkpoints record ddp, never auto."""
+    checkpoints record ddp, never auto; a resume of a shard damaged since is one line."""
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
     launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet", parallel=None)
@@ -899,6 +899,22 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
     for folder in committed:  # every step folder is complete: none half-made
         meta = verify_distributed(folder)
         assert meta["parallel"]["mode"] == "ddp" and meta["config"]["training"]["parallel"] == "ddp"
+    # A shard damaged after its seal: the ranks that read it refuse, every rank stops, and
+    # the launch prints the refusal once.
+    shard = sorted((committed[-1] / DIST_MODEL_DIR).iterdir())[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    resumed = torchrun(
+        2, *train_args(data_dir, checkpoints, "--resume", "latest", parallel=None), cwd=tmp_path
+    )
+    assert resumed.returncode == 1 and "exitcode  : 2" in resumed.stderr, resumed.stderr[
+        -3000:
+    ]  # torchrun's 1
+    errors = error_lines(resumed.stderr)
+    assert len(errors) == 1 and f"{shard.name} SHA-256 differs from meta.json" in errors[0], resumed.stderr[
+        -3000:
+    ]
 
 
 def _world(rank: int, size: int) -> World:

@@ -602,14 +602,15 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
                 },
             },
             {
-                **resume,
-                "reshard": True,
-                "overrides": {**base, "checkpoint.dir": str(tmp_path / "uncovered")},
+                **swapped,
+                # FSDP2: every tensor keeps rank 0's chunk, so DCP alone would load half the rows.
+                "overrides": {**swapped["overrides"], "checkpoint.dir": str(tmp_path / "uncovered")},
                 "copy": {
-                    "from": str(root / "quiet_cut" / "step-00000006"),
+                    "from": str(root / "full_fsdp2" / "step-00000005"),
                     "to": str(tmp_path / "uncovered"),
                     "strike": f"{DIST_MODEL_DIR}/{_shard(2)}",
                 },
+                "reads": {"to": str(tmp_path / "uncovered_reads")},
             },
             swapped,
             {**resume, "reshard": True},

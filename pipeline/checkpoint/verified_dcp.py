@@ -25,7 +25,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint import Metadata, StorageReader
@@ -71,9 +71,13 @@ class SealedReads:
     def refuse(self, error: PipelineError) -> None:
         self.refusals.append(error)
 
-    def read(self, name: str) -> memoryview | None:
+    def read(self, name: str, into: Mapping[int, memoryview] | None = None) -> memoryview | None:
         """File ``name``'s bytes, read into memory of this process and hashed there; ``None``
-        (a refusal kept) if they are not the bytes ``meta.json`` seals."""
+        (a refusal kept) if they are not the bytes ``meta.json`` seals.
+
+        ``into``: ``{file offset: memoryview}``, ranges read straight into their final place
+        (a tensor that takes a whole stored chunk) and hashed there; the returned buffer
+        holds the rest (its pages of those ranges are never touched)."""
         path = self.folder / name
         sealed = self.meta["files"][name]
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -85,8 +89,7 @@ class SealedReads:
         whole = memoryview(data.numpy()).cast("B")
         short = False
         try:
-            for start in range(0, size, _READ_CHUNK):
-                view = whole[start : start + _READ_CHUNK]
+            for start, view in _in_file_order(whole, into or {}):
                 done = 0
                 while done < len(view):
                     got = os.preadv(fd, [view[done:]], start + done)
@@ -126,6 +129,25 @@ class SealedReads:
             raise _REFUSALS.get(kind, ChecksumMismatch)(message)
 
 
+def _in_file_order(whole: memoryview, into: Mapping[int, memoryview]) -> Iterator[tuple[int, memoryview]]:
+    """(file offset, where to read it) for every byte of the file, in order, in chunks of at
+    most ``_READ_CHUNK``: the ranges of ``into`` there, the rest in ``whole``. Ranges that
+    overlap or run past the end (a header that lied) are read into ``whole`` instead."""
+    position = 0
+    for start, view in sorted(into.items()):
+        if start < position or start + len(view) > len(whole):
+            continue
+        yield from _chunks(position, whole[position:start])
+        yield from _chunks(start, view)
+        position = start + len(view)
+    yield from _chunks(position, whole[position:])
+
+
+def _chunks(offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
+    for start in range(0, len(view), _READ_CHUNK):
+        yield offset + start, view[start : start + _READ_CHUNK]
+
+
 def _head(path: Path) -> tuple[bytes, int]:
     """A safetensors file's first bytes up to the end of its header, and the file's size."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -151,6 +173,7 @@ class VerifiedShardReader(StorageReader):
         self.reads = reads
         self.part = part
         self.heads: dict[str, bytes] = {}
+        self.headers: dict[str, tuple[dict[str, Any], int]] = {}
         self.storage_data: dict[MetadataIndex, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -212,6 +235,7 @@ class VerifiedShardReader(StorageReader):
                     f"{path} is not a valid shard file: {str(exc).splitlines()[0]}"
                 ) from None
             self.heads[name] = head
+            self.headers[name] = parse_header(head, size=size)
         _check_coverage(folder / self.part, expected, tensors)
         self.storage_data = storage
         return Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=StorageMeta())
@@ -233,7 +257,30 @@ class VerifiedShardReader(StorageReader):
             per_file.setdefault(self.storage_data[item.storage_index], []).append(item)
         for name, items in sorted(per_file.items()):
             path = self.reads.folder / name
-            data = self.reads.read(name)
+            targets = [planner.resolve_tensor(item).detach() for item in items]
+            header, data_start = self.headers[name]
+            into: dict[int, memoryview] = {}
+            direct = [False] * len(items)
+            for index, (item, target) in enumerate(zip(items, targets)):
+                # A request for a whole stored chunk into a tensor laid out like it is read
+                # straight into that tensor (an FSDP2 resume at its own world size: all of them).
+                entry = header[item.storage_index.fqn]
+                begin, end = entry["data_offsets"]
+                if (
+                    end > begin
+                    and not any(item.storage_offsets)
+                    and list(item.lengths) == entry["shape"]
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                    and target.dtype == _DTYPES[entry["dtype"]]
+                    and target.numel() * target.element_size() == end - begin
+                    and data_start + begin not in into
+                ):
+                    into[data_start + begin] = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast(
+                        "B"
+                    )
+                    direct[index] = True
+            data = self.reads.read(name, into)
             if data is None:
                 continue
             head = self.heads[name]
@@ -244,11 +291,13 @@ class VerifiedShardReader(StorageReader):
                 )
                 continue
             views = tensors_from_map(path, data)
-            for item in items:
+            for item, target, in_place in zip(items, targets, direct):
+                if in_place:  # read into it already
+                    planner.commit_tensor(item, target)
+                    continue
                 source = views[item.storage_index.fqn][
                     tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
                 ]
-                target = planner.resolve_tensor(item).detach()
                 if target.shape != source.shape:
                     raise SchemaMismatch(
                         f"{path}: a read of {item.storage_index.fqn} does not fit its target"

@@ -7,12 +7,12 @@ under ``root``, how many bytes were read through a descriptor of it (a map count
 whole length read: its pages are the file's). Nothing in ``pipeline/`` knows about it: the real code
 runs, its reads are seen from outside, as the kernel sees them (no FUSE needed).
 
-``rewrite``: once the bytes read from a file whose path starts with one of ``only`` reach
-its size, every byte of its last 8 is flipped on disk (the size unchanged), as a writer
-racing the reader would: a reader that uses bytes other than those it read and hashed then
-uses the rewritten ones. ``restore``: ``{relative path: bytes}``: once a file's header (its
-8-byte length and the JSON after it) was read, the file is written back to those bytes, as
-a writer that swapped in a file and back would.
+``rewrite``: once every byte of a file whose path starts with one of ``only`` was read,
+every byte of its last 8 is flipped on disk (the size unchanged), as a writer racing the
+reader would: a reader that uses bytes other than those it read and hashed then uses the
+rewritten ones. ``restore``: ``{relative path: bytes}``: once a file's header (its 8-byte
+length and the JSON after it) was read, the file is written back to those bytes, as a
+writer that swapped in a file and back would.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class ReadRecorder:
         self.rewritten: list[str] = []
         self._fds: dict[int, str] = {}
         self._saved: dict[str, Any] = {}
+        self._spans: dict[str, list[tuple[int, int]]] = {}
         self._py_open: Any = None
         self._py_mmap: Any = None
 
@@ -58,7 +59,19 @@ class ReadRecorder:
             return os.path.relpath(full, self.root)
         return None
 
-    def _count(self, fd: int, got: int) -> None:
+    def _every_byte_read(self, name: str, offset: int, got: int, size: int) -> bool:
+        """Note bytes ``offset:offset+got`` of ``name`` read; whether all ``size`` now were."""
+        spans = sorted([*self._spans.get(name, []), (offset, offset + got)])
+        merged = [spans[0]]
+        for start, end in spans[1:]:
+            if start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self._spans[name] = merged
+        return merged[0][0] == 0 and merged[0][1] >= size
+
+    def _count(self, fd: int, got: int, offset: int) -> None:
         name = self._fds.get(fd)
         if name is None or got <= 0:
             return
@@ -73,7 +86,7 @@ class ReadRecorder:
             self.rewrite
             and name.startswith(self.only)
             and name not in self.rewritten
-            and self.read[name] >= os.stat(full).st_size
+            and self._every_byte_read(name, offset, got, os.stat(full).st_size)
         ):
             self.rewritten.append(name)
             with open(full, "r+b") as handle:
@@ -109,17 +122,17 @@ class ReadRecorder:
         class Mapped(py_mmap):  # a type still, for the isinstance checks of the code under test
             def __new__(cls, fileno, length, *args, **kwargs):
                 buffer = super().__new__(cls, fileno, length, *args, **kwargs)
-                recorder._count(fileno, len(buffer))
+                recorder._count(fileno, len(buffer), 0)
                 return buffer
 
         def pread(fd, count, offset):
             data = real["pread"](fd, count, offset)
-            self._count(fd, len(data))
+            self._count(fd, len(data), offset)
             return data
 
         def preadv(fd, buffers, offset, *args):
             got = real["preadv"](fd, buffers, offset, *args)
-            self._count(fd, got)
+            self._count(fd, got, offset)
             return got
 
         def close(fd):

@@ -135,7 +135,9 @@ class SealedReads:
 def _in_file_order(whole: memoryview, into: Mapping[int, memoryview]) -> Iterator[tuple[int, memoryview]]:
     """(file offset, where to read it) for every byte of the file, in order, in chunks of at
     most ``_READ_CHUNK``: the ranges of ``into`` there, the rest in ``whole``. Ranges that
-    overlap or run past the end (a header that lied) are read into ``whole`` instead."""
+    overlap or run past the end come from a planned header that is not this file's (the
+    strict parser lets no real one tile so): read into ``whole`` instead, and the file is
+    refused for that header (:meth:`VerifiedShardReader.read_data`)."""
     position = 0
     for start, view in sorted(into.items()):
         if start < position or start + len(view) > len(whole):

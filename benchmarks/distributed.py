@@ -12,9 +12,10 @@ per repetition, in an order rotated by the repetition (``sidebyside``):
   ``save`` (every rank's shards, RNG file, hashes, the sealed meta.json, the atomic commit);
   ``dcp_hf`` = ``dcp.save`` with ``HuggingFaceStorageWriter`` of the same tensors;
   ``dcp_fs`` = ``dcp.save`` with its default ``FileSystemWriter`` (pickle ``.metadata``);
-- resume (files dropped from the page cache first): ``ours`` = rank 0's
-  ``load_checkpoint`` (every byte hashed, headers, shard coverage) then
-  ``restore_distributed`` on every rank, as ``02_train.py --resume`` under torchrun;
+- resume (files dropped from the page cache first): ``ours`` = ``restore_distributed`` on
+  every rank, as ``02_train.py --resume`` under torchrun: each rank reads the files it uses
+  whole into its memory and hashes them there against the sealed meta.json, every shard
+  header parsed and every tensor's coverage checked, DCP's reads served from those bytes;
   ``dcp_hf`` / ``dcp_fs`` = ``dcp.load`` with the matching reader into the live tensors;
 - stall: ``async`` = how long ``save`` keeps training waiting with ``checkpoint.async``
   (state dicts, RNG capture, the copy into reused buffers, the thread's start; the commit
@@ -54,7 +55,7 @@ TARGETS = (
     ("save / dcp.save, FileSystemWriter", "save/ours", "save/dcp_fs", 1.5),
     ("async stall / state dicts + memcpy of the local shards", "stall/async", "stall/memcpy", 1.2),
     ("async stall / memcpy of the local shards alone", "stall/async", "stall/memcpy_only", None),
-    ("verified resume / dcp.load, HF reader", "resume/ours", "resume/dcp_hf", None),
+    ("verified resume / dcp.load, HF reader", "resume/ours", "resume/dcp_hf", 1.2),
     ("verified resume / dcp.load, FileSystemReader", "resume/ours", "resume/dcp_fs", None),
 )
 FEATURES = 1024
@@ -103,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
+    from pipeline.checkpoint import CheckpointStore
     from pipeline.checkpoint.distributed import (
         DistributedCheckpointer,
         _model_state,
@@ -171,8 +172,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def resume_ours():
         folder = store.path_for(run.step)
-        meta = load_checkpoint(folder, mode=LoadMode.VERIFY).meta if world.rank == 0 else None
-        restore_distributed(run, world, folder, meta if meta is not None else read_meta(folder))
+        restore_distributed(run, world, folder, read_meta(folder))
 
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors().values()]
     floor = [torch.empty_like(t) for t in local]

@@ -39,6 +39,7 @@ from .config import Config, launch_mode
 from .environment import reproduce_environment
 from .errors import (
     CheckpointError,
+    ChecksumMismatch,
     ConfigError,
     LaunchMismatch,
     PipelineError,
@@ -224,8 +225,9 @@ class StartingPoint:
         instead when they are damaged: as every reader does, damage is reported first."""
         try:
             yield
-        except PipelineError:
-            if self.spec is not None and not self.verified:
+        except PipelineError as refusal:
+            # A damaged file already named (a distributed load verifies as it reads) is the damage.
+            if self.spec is not None and not self.verified and not isinstance(refusal, ChecksumMismatch):
                 load_checkpoint(self.spec, root, mode=LoadMode.VERIFY)
             raise
 
@@ -339,7 +341,9 @@ def plan_start(
     launch without ``--reshard``.
 
     A checkpoint continued in the same single process is verified as it loads into the run
-    (one pass over its bytes); any other is verified whole here, before any rank reads it."""
+    (one pass over its bytes), a distributed one as each rank reads its files into the run;
+    a single-process one continued under torchrun is verified whole here, before any rank
+    reads it."""
     spec = store.resume_target(request.resume)
     if spec is None:
         if request.extend_to is not None:
@@ -352,7 +356,8 @@ def plan_start(
         )
     folder, meta = checkpoint_meta(spec, store.root)
     start = StartingPoint(config=config, spec=spec, folder=folder, meta=meta)
-    if is_distributed(meta) or launch.world_size > 1 or launch.parallel != "none":
+    # A distributed checkpoint is verified as it loads too, each rank the files it reads.
+    if not is_distributed(meta) and (launch.world_size > 1 or launch.parallel != "none"):
         loaded = load_checkpoint(spec, store.root, mode=LoadMode.VERIFY)
         start.folder, start.meta, start.verified = loaded.folder, loaded.meta, True
     with start.damage_first(store.root):
@@ -418,7 +423,7 @@ def share_start(
     launch: Launch,
 ) -> StartingPoint:
     """Rank 0's decision on every rank: the checkpoint's folder is broadcast, the others read
-    its sealed meta.json (rank 0 verified every file) and derive the same config."""
+    its sealed meta.json and derive the same config (the files are verified as they load)."""
     folder = world.broadcast_text(
         str(start.folder) if start is not None and start.folder is not None else None
     )

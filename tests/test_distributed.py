@@ -34,6 +34,7 @@ from pipeline.durable import json_bytes
 from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
 from pipeline.hashing import sha256_file
+from pipeline.layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
 from pipeline.proof.checks import control_verdict, judge
 from pipeline.proof.compare import compare
 from pipeline.run import build_model
@@ -160,11 +161,42 @@ def legs(data_dir, tmp_path_factory):
             {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "resume": "latest"},
             {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_full_{mode}")}},
         ]
+    # The FSDP2 run's step 5, resumed: each rank's reads counted, and each file it read whole
+    # rewritten on disk at once (tests/helpers/readrecorder.py); then with a shard damaged.
+    fsdp2 = {"data.dir": str(data_dir), "training.parallel": "fsdp2", "checkpoint.keep_last": 3}
+    for name, flip in (("reads_fsdp2", None), ("damaged_fsdp2", f"{DIST_MODEL_DIR}/{_shard(2)}")):
+        runs.append(
+            {
+                "overrides": {**fsdp2, "checkpoint.dir": str(root / name)},
+                "resume": "latest",
+                "copy": {
+                    "from": str(root / "full_fsdp2" / "step-00000005"),
+                    "to": str(root / name),
+                    "flip": flip,
+                },
+                # Only the files one rank reads are rewritten (FSDP2: its model shard, its RNGs).
+                **(
+                    {
+                        "reads": {
+                            "to": str(root / "reads"),
+                            "rewrite": ["step-00000005/model/", "step-00000005/rng/"],
+                        }
+                    }
+                    if flip is None
+                    else {}
+                ),
+            }
+        )
     try:
         return root, launch_plan(2, root, "legs", runs), mounted
     finally:
         if mounted:
             subprocess.run(["umount", str(full_disk)], check=False)
+
+
+def _shard(index: int) -> str:
+    """The name of a model or optimizer shard file (DCP's layout; index = rank + 1)."""
+    return f"shard-{index:05d}-model-00001-of-00001.safetensors"
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
@@ -348,6 +380,63 @@ def test_missing_or_altered_shard_is_refused(legs, tmp_path):
         verify_distributed(folder)
 
 
+@LEGS
+def test_each_rank_hashes_only_the_files_it_reads_and_uses_the_bytes_it_hashed(legs):
+    """Per rank: every shard file's header read (DCP plans from them); whole, once, only the
+    files its plan reads from: its own shards and any shard holding a replicated tensor (the
+    optimizer's step counts, which DCP saves in one rank's file), its RNG file, the shared
+    state; never another rank's RNGs. Each model shard and RNG file rewritten on disk as
+    soon as its rank read it, and the resume still bitwise that of the uninterrupted run:
+    the bytes used are the bytes read (and hashed there: SealedReads)."""
+    root, results, _ = legs
+    full, resumed = results[5], results[19]
+    assert resumed.get("loss") == full["loss"], resumed
+    folder = root / "reads_fsdp2" / "step-00000005"
+    with pytest.raises(ChecksumMismatch, match="SHA-256 differs"):
+        verify_distributed(folder)  # the rewrites did land on disk
+    files = json.loads((folder / "meta.json").read_text())["files"]
+    headers, replicated = {}, set()
+    for name in files:
+        if name.startswith((f"{DIST_MODEL_DIR}/", f"{DIST_OPTIM_DIR}/")):
+            data = (folder / name).read_bytes()
+            headers[name] = 8 + int.from_bytes(data[:8], "little")
+            entries = json.loads(data[8 : headers[name]])
+            if any(entry.get("shape") == [] for entry in entries.values()):
+                replicated.add(name)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{root / 'reads'}-rank{rank}.json").read_text())
+        read = {name.removeprefix("step-00000005/"): count for name, count in got["read"].items()}
+        own = {f"{DIST_MODEL_DIR}/{_shard(rank + 1)}", f"{DIST_OPTIM_DIR}/{_shard(rank + 1)}", *replicated}
+        for name, entry in files.items():
+            if name in headers:
+                whole = entry["size"] if name in own else 0
+                assert read.get(name) == headers[name] + whole, (rank, name, read)
+            elif name in (rank_rng_file(rank), STATE_FILE):
+                assert read.get(name) == entry["size"], (rank, name, read)
+            else:
+                assert name not in read, (rank, name, read)
+        mine = {f"step-00000005/{DIST_MODEL_DIR}/{_shard(rank + 1)}", f"step-00000005/{rank_rng_file(rank)}"}
+        assert set(got["rewritten"]) == mine, got
+
+
+@LEGS
+def test_a_shard_damaged_after_its_seal_is_refused_on_every_launch_shape(legs, data_dir, tmp_path):
+    """Only rank 1 reads the damaged shard; both ranks refuse with its line, exit 2. In one
+    process (04 and 05) the same copy is refused; the 2->1 reshard: see
+    test_other_world_size_is_refused_then_resharded_within_1e9."""
+    root, results, _ = legs
+    damaged = results[20]
+    assert damaged.get("error") == "ChecksumMismatch", damaged
+    assert f"{DIST_MODEL_DIR}/{_shard(2)} SHA-256 differs from meta.json" in damaged["message"], damaged
+    assert damaged["exit_codes"] == [2, 2], damaged
+    folder = root / "damaged_fsdp2" / "step-00000005"
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(root / "damaged_fsdp2")})
+    with pytest.raises(ChecksumMismatch, match=f"{_shard(2)} SHA-256 differs"):
+        evaluate_checkpoint(config, folder)
+    with pytest.raises(ChecksumMismatch, match=f"{_shard(2)} SHA-256 differs"):
+        build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage")
+
+
 def _reseal(folder: Path, edit) -> None:
     """Edit meta.json and reseal it, as a forger (or a buggy writer) would."""
     meta = json.loads((folder / "meta.json").read_text())
@@ -447,8 +536,9 @@ def test_a_stream_split_over_two_ranks_resumes_bitwise_and_trains_on_the_batches
 @LEGS
 def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, tmp_path):
     """One 1-process launch: the refusal, a forged state refused by the validated restore,
-    then the 2->1 reshard (augmentation noise on: it is seeded per sample); a stream, whose
-    position is per rank, refused."""
+    a shard damaged after its seal refused, one struck from a resealed meta.json refused by
+    its coverage, headers swapped while planning refused, then the 2->1 reshard (augmentation noise on: it
+    is seeded per sample); a stream, whose position is per rank, refused."""
     root, results, _ = legs
     assert results[12]["step"] == 6
     base = {"data.dir": str(data_dir), "training.parallel": "ddp", **QUIET_RNG}
@@ -460,7 +550,31 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         **STREAM,
         "checkpoint.dir": str(tmp_path / "stream"),
     }
-    refused, forged, resharded, stream = launch_plan(
+    damaged = f"{DIST_OPTIM_DIR}/{_shard(2)}"
+    # Both FSDP2 model shards with the places of net.0.weight's chunks swapped in their headers
+    # (coverage still whole), each swapped back once its header was read: the plan was made
+    # from headers other than the sealed ones now read, and hashed, whole.
+    chunk = '\\"net.0.weight\\": {\\"saved_offsets\\": [@, 0]}'
+    swap = {
+        f"{DIST_MODEL_DIR}/{_shard(1)}": [chunk.replace("@", "0"), chunk.replace("@", "8")],
+        f"{DIST_MODEL_DIR}/{_shard(2)}": [chunk.replace("@", "8"), chunk.replace("@", "0")],
+    }
+    swapped = {
+        "resume": "latest",
+        "reshard": True,
+        "overrides": {
+            "data.dir": str(data_dir),
+            "training.parallel": "fsdp2",
+            "checkpoint.dir": str(tmp_path / "swapped"),
+        },
+        "copy": {
+            "from": str(root / "full_fsdp2" / "step-00000005"),
+            "to": str(tmp_path / "swapped"),
+            "forge_header": swap,
+        },
+        "reads": {"to": str(tmp_path / "swapped_reads"), "restore": [f"step-00000005/{n}" for n in swap]},
+    }
+    refused, forged, refused_damaged, uncovered, header_swapped, resharded, stream = launch_plan(
         1,
         tmp_path,
         "reshard",
@@ -477,6 +591,28 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
                     "value": 5,
                 },
             },
+            {
+                **resume,
+                "reshard": True,
+                "overrides": {**base, "checkpoint.dir": str(tmp_path / "damaged")},
+                "copy": {
+                    "from": str(root / "quiet_cut" / "step-00000006"),
+                    "to": str(tmp_path / "damaged"),
+                    "flip": damaged,
+                },
+            },
+            {
+                **swapped,
+                # FSDP2: every tensor keeps rank 0's chunk, so DCP alone would load half the rows.
+                "overrides": {**swapped["overrides"], "checkpoint.dir": str(tmp_path / "uncovered")},
+                "copy": {
+                    "from": str(root / "full_fsdp2" / "step-00000005"),
+                    "to": str(tmp_path / "uncovered"),
+                    "strike": f"{DIST_MODEL_DIR}/{_shard(2)}",
+                },
+                "reads": {"to": str(tmp_path / "uncovered_reads")},
+            },
+            swapped,
             {**resume, "reshard": True},
             {"resume": str(root / "stream_cut" / "step-00000007"), "reshard": True, "overrides": stream},
         ],
@@ -489,6 +625,13 @@ def test_other_world_size_is_refused_then_resharded_within_1e9(legs, data_dir, t
         "written by 2 processes, this launch has 1" in refused["message"] and "\n" not in refused["message"]
     )
     assert forged["error"] == "StateMismatch" and "scheduler.last_epoch is 5" in forged["message"], forged
+    # The one process reads every shard, and verifies each: a shard damaged after its seal is refused.
+    assert refused_damaged["error"] == "ChecksumMismatch", refused_damaged
+    assert f"{damaged} SHA-256 differs from meta.json" in refused_damaged["message"], refused_damaged
+    # A shard struck from meta.json passes the hashes; the coverage DCP plans from catches it.
+    assert uncovered["error"] == "ChecksumMismatch" and "cover" in uncovered["message"], uncovered
+    assert header_swapped.get("error") == "ChecksumMismatch", header_swapped
+    assert f"{_shard(1)} changed while it was read" in header_swapped["message"], header_swapped
     assert resharded["step"] == 10, resharded
     meta = verify_distributed(root / "quiet_cut" / "step-00000010")
     assert meta["resharded_from"] == 2 and meta["parallel"]["world_size"] == 1
@@ -732,7 +875,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
 @pytest.mark.heavy
 def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir, tmp_path):
     """Also: config.yaml as it is under torchrun (training.parallel auto) trains DDP, and its
-    checkpoints record ddp, never auto."""
+    checkpoints record ddp, never auto; a resume of a shard damaged since is one line."""
     log = tmp_path / "log.txt"
     checkpoints = tmp_path / "ck"
     launcher = _launch(data_dir, checkpoints, log, "--checkpoint-every", "1", "--quiet", parallel=None)
@@ -757,6 +900,22 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
     for folder in committed:  # every step folder is complete: none half-made
         meta = verify_distributed(folder)
         assert meta["parallel"]["mode"] == "ddp" and meta["config"]["training"]["parallel"] == "ddp"
+    # A shard damaged after its seal: the ranks that read it refuse, every rank stops, and
+    # the launch prints the refusal once.
+    shard = sorted((committed[-1] / DIST_MODEL_DIR).iterdir())[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    resumed = torchrun(
+        2, *train_args(data_dir, checkpoints, "--resume", "latest", parallel=None), cwd=tmp_path
+    )
+    assert resumed.returncode == 1 and "exitcode  : 2" in resumed.stderr, resumed.stderr[
+        -3000:
+    ]  # torchrun's 1
+    errors = error_lines(resumed.stderr)
+    assert len(errors) == 1 and f"{shard.name} SHA-256 differs from meta.json" in errors[0], resumed.stderr[
+        -3000:
+    ]
 
 
 def _world(rank: int, size: int) -> LaunchWorld:

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..durable import atomic_folder, json_loads_strict
-from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, StateMismatch
+from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, SchemaMismatch, StateMismatch
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, derive_rank_rng, restore_rng
 from ..run import TrainingRun
@@ -70,8 +70,9 @@ from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
 from .state import capture_history, checked_omit, restore_components
 from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
-from .tensorfile import map_file, parse_header, read_tensors, write_safetensors
+from .tensorfile import map_file, parse_header, read_tensors, tensors_from_map, write_safetensors
 from .validate import HISTORY, validated_state
+from .verified_dcp import SealedReads
 from .weights import check_derived_buffers, derived_buffer_names
 
 __all__ = [
@@ -176,10 +177,11 @@ def live_components(run: TrainingRun) -> dict[str, Any]:
     return live
 
 
-def read_rank_rng(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(JSON tree, tensors) of one rank's RNG file, through the strict parser."""
-    tensors = read_tensors(path)
-    header, _ = parse_header(map_file(path))
+def read_rank_rng(path: Path, data: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON tree, tensors) of one rank's RNG file, through the strict parser; ``data``: its
+    bytes, read and verified already (:class:`~.verified_dcp.SealedReads`)."""
+    tensors = read_tensors(path) if data is None else tensors_from_map(path, data)
+    header, _ = parse_header(map_file(path) if data is None else data)
     try:
         return json_loads_strict(header["__metadata__"][_RNG_KEY].encode("utf-8")), tensors
     except (KeyError, TypeError, ValueError):
@@ -453,8 +455,9 @@ def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _dcp_load(
-    template: dict[str, torch.Tensor], folder: Path, expected: dict[str, Any], what: str, world: World
+    template: dict[str, torch.Tensor], reads: SealedReads, part: str, what: str, world: World
 ) -> None:
+    folder, expected = reads.folder / part, reads.meta["tensors"][part]
     if tensor_specs(template) != expected:
         odd = sorted(set(template) ^ set(expected)) or sorted(
             n for n in template if tensor_specs({n: template[n]})[n] != expected[n]
@@ -463,10 +466,18 @@ def _dcp_load(
             f"{folder}: the checkpoint's {what} tensors differ from this run's at {odd[0]}: "
             "it does not fit the model or optimizer built from the config"
         )
-    with warnings.catch_warnings():
-        # One process reading every shard (a run moved to one process) is what no_dist means.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not world.launched)
+    try:
+        with warnings.catch_warnings():
+            # One process reading every shard (a run moved to one process) is what no_dist means.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(template, storage_reader=reads.reader(part), no_dist=not world.launched)
+    except CheckpointException as failed:
+        # DCP gathered every rank's failure, so every rank raises the same (lowest) rank's.
+        error = failed.failures[min(failed.failures)][0]
+        if isinstance(error, (PipelineError, OSError)):
+            raise error from None
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StateMismatch(f"{folder}: saved training state does not fit this run: {first}") from None
 
 
 def restore_distributed(
@@ -478,11 +489,12 @@ def restore_distributed(
     omit: Iterable[str] = (),
     swap_rng: bool = False,
 ) -> None:
-    """Load a verified distributed checkpoint (rank 0 ran
-    :func:`pipeline.checkpoint.load_checkpoint` on it: hashes, strict headers, shard
-    coverage; every rank read its sealed meta.json) into a built run: wrapped, one rank of a
-    launch (``world``), or a plain one process (a run moved to one process with
-    ``--reshard``). Model and optimizer come through DCP, which redistributes
+    """Load a distributed checkpoint, verified as it is read (every rank read its sealed
+    meta.json), into a built run: wrapped, one rank of a launch (``world``), or a plain one
+    process (a run moved to one process with ``--reshard``). Each rank
+    reads the files it uses into its own memory and hashes them there
+    (:class:`~.verified_dcp.SealedReads`); the ranks agree that every one matched its seal
+    before any state is set. Model and optimizer come through DCP, which redistributes
     them for another world size or ``training.parallel`` (DCP loads into the run's own
     tensors, so a refusal after it ends the run, and nothing on disk changes); then the
     JSON state, validated with the single-process rules
@@ -498,17 +510,25 @@ def restore_distributed(
     rank, world_size = world.rank, world.world_size
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
+    reads = SealedReads(folder, meta)
     _, optimizer, _ = _optimizer_state(run)
     if "optimizer" not in omit:
-        _dcp_load(optimizer, folder / DIST_OPTIM_DIR, meta["tensors"][DIST_OPTIM_DIR], "optimizer", world)
+        _dcp_load(optimizer, reads, DIST_OPTIM_DIR, "optimizer", world)
     model = _model_state(run, meta["tensors"][DIST_MODEL_DIR])
-    _dcp_load(model, folder / DIST_MODEL_DIR, meta["tensors"][DIST_MODEL_DIR], "model", world)
+    _dcp_load(model, reads, DIST_MODEL_DIR, "model", world)
     resharded = meta["parallel"]["world_size"] != world_size
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
     # over; the per-rank streams have no counterpart at another world size.
     source = 0 if resharded else (1 - rank if swap_rng and rank < 2 else rank)
-    rng_tree, rng_tensors = read_rank_rng(folder / rank_rng_file(source))
-    shared = read_tensors(folder / STATE_FILE)
+    rng_data, shared_data = reads.read(rank_rng_file(source)), reads.read(STATE_FILE)
+    rng_tree, rng_tensors, shared = None, {}, {}
+    try:
+        if rng_data is not None and shared_data is not None:
+            rng_tree, rng_tensors = read_rank_rng(folder / rank_rng_file(source), rng_data)
+            shared = tensors_from_map(folder / STATE_FILE, shared_data)
+    except (SchemaMismatch, StateMismatch) as unfit:
+        reads.refuse(unfit)
+    reads.agree(world)  # one collective: every file any rank used matched its seal
     state = {**meta["training_state"], "rng": rng_tree}
     _, _, live = _optimizer_state(run)
     joined = validated_state(

@@ -7,11 +7,19 @@ on every rank first, to register a training-state component), "runs": [{"overrid
 "stop_at": ..., "reshard": ..., "extend_to": ..., "init_from": ..., "progress": ..., "forge": {...}},
 ...]}. ``forge`` (rank 0, before the run):
 copy checkpoint folder ``from`` to ``to`` and set ``meta.json``'s ``key`` (a path of keys)
-to ``value``, resealed as a forger would. ``record``: each rank records its file-system
-calls under ``checkpoint.dir`` (tests/helpers/oprecorder.py) with the time each completed (null
-for a call that raised, such as a mkdir of a folder that exists), into
-``<record>-rank<R>.json``, so the test can merge the ranks' calls and check their order.
-Rank 0 writes one result per run (step, losses,
+to ``value``, resealed as a forger would. ``copy`` (rank 0, before the run): copy the
+checkpoint folder ``from`` into the folder ``to``, and flip the last byte of its file
+``flip`` if given (damage after the seal), or delete its file ``strike`` and strike it from
+``meta.json``, resealed, or replace ``old`` by ``new`` (as long) in the files of
+``forge_header`` ``{file: [old, new]}``, keeping each original beside the folder.
+``reads``: each rank counts the bytes it reads from each file under ``checkpoint.dir`` into
+``<to>-rank<R>.json``, rewrites each file whose path starts with one of ``rewrite`` once it
+has read it whole, and writes each file of ``restore`` back to its original once its header
+was read (tests/helpers/readrecorder.py).
+``record``: each rank records its file-system calls under ``checkpoint.dir``
+(tests/helpers/oprecorder.py) with the time each completed (null for a call that raised,
+such as a mkdir of a folder that exists), into ``<record>-rank<R>.json``, so the test can
+merge the ranks' calls and check their order. Rank 0 writes one result per run (step, losses,
 checkpoint, or the refusal's type and message; every rank's exit code) to ``results``.
 Each rank writes ``<results>-threads-rank<R>.json``: the default process group's gloo threads
 (those started by ``init_process_group``, which this harness calls first) as seen before
@@ -31,6 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from oprecorder import Recorder
+from readrecorder import ReadRecorder
 
 from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import launch_mode, load_config
@@ -51,6 +60,30 @@ def forge(spec: dict) -> None:
         node[last] = spec["value"]
         meta["meta_sha256"] = meta_sha256(meta)
         meta_path.write_bytes(json_bytes(meta))
+
+
+def copy(spec: dict) -> None:
+    source = Path(spec["from"])
+    target = Path(spec["to"]) / source.name
+    shutil.copytree(source, target)
+    if spec.get("flip"):
+        damaged = target / spec["flip"]
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 1
+        damaged.write_bytes(bytes(data))
+    for name, (old, new) in spec.get("forge_header", {}).items():
+        # The same length, so the file's size and data offsets stay; kept to be swapped back.
+        forged = target / name
+        data = forged.read_bytes()
+        assert data.count(old.encode()) == 1 and len(old) == len(new), (name, old)
+        (Path(spec["to"]) / f"{forged.name}.original").write_bytes(data)
+        forged.write_bytes(data.replace(old.encode(), new.encode()))
+    if spec.get("strike"):
+        (target / spec["strike"]).unlink()
+        meta = json.loads((target / "meta.json").read_text())
+        del meta["files"][spec["strike"]]
+        meta["meta_sha256"] = meta_sha256(meta)
+        (target / "meta.json").write_bytes(json_bytes(meta))
 
 
 def gloo_threads(among: set[int]) -> list[str]:
@@ -81,6 +114,8 @@ def main(plan_path: str) -> None:
             config = load_config(plan["config"], run["overrides"])
             if "forge" in run and world.rank == 0:
                 forge(run["forge"])
+            if "copy" in run and world.rank == 0:
+                copy(run["copy"])
             world.barrier()
             done: dict[int, int] = {}  # op index -> completion time (a call that raised has none)
             recorder = (
@@ -91,8 +126,21 @@ def main(plan_path: str) -> None:
                 if "record" in run
                 else contextlib.nullcontext()
             )
+            reads = (
+                ReadRecorder(
+                    config.checkpoint.dir,
+                    rewrite=True,
+                    only=tuple(run["reads"].get("rewrite", [])),
+                    restore={
+                        name: (Path(config.checkpoint.dir) / f"{Path(name).name}.original").read_bytes()
+                        for name in run["reads"].get("restore", [])
+                    },
+                )
+                if "reads" in run
+                else contextlib.nullcontext()
+            )
             try:
-                with recorder:
+                with recorder, reads:
                     result = train(
                         config,
                         world=dataclasses.replace(
@@ -120,6 +168,10 @@ def main(plan_path: str) -> None:
             # Every rank's exit code: a refusal must end every rank, with the same code.
             codes = [json.loads(text) for text in world.gather_text(json.dumps(outcome.get("exit_code", 0)))]
             results.append({**outcome, "exit_codes": codes})
+            if "reads" in run:
+                Path(f"{run['reads']['to']}-rank{world.rank}.json").write_text(
+                    json.dumps({"read": reads.read, "rewritten": reads.rewritten})
+                )
             if "record" in run:
                 Path(f"{run['record']}-rank{world.rank}.json").write_text(
                     json.dumps(

@@ -1,0 +1,339 @@
+"""A distributed resume uses only bytes its own rank hashed.
+
+:class:`SealedReads` is one rank's reading of a distributed checkpoint. Each file a rank
+needs (its shards, its RNG file, the shared state) is read whole into this process's
+memory, once, and hashed there against the whole-file SHA-256 that the sealed
+``meta.json`` lists; DCP's read requests are then served from those bytes
+(:class:`VerifiedShardReader`, a ``torch.distributed.checkpoint`` ``StorageReader``), so
+no later write to a file reaches what was verified, and no rank reads another rank's
+shards beyond their headers. A reshard reads whole every file any of its chunks are in.
+
+Planning needs every shard file's header (which rank's chunk is where): the headers are
+read small and unhashed, parsed by the one strict parser, and every tensor's coverage is
+checked on them against ``meta.json``'s shapes (torch's planner would leave a gap as the
+freshly built values). A header only steers reads: every read it steers goes to a file that
+is then hashed whole, whose hashed header must be the planned one byte for byte.
+
+A refusal is kept, not raised, while DCP's collectives run (a rank raising there would
+leave the others waiting in the next one); :meth:`SealedReads.agree` then decides on every
+rank with one collective, before any state is set. docs/distributed.md, "Resume".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ..errors import ChecksumMismatch, PipelineError, SchemaMismatch, StateMismatch
+from ..world import World
+from .tensorfile import _DTYPES, _MAX_HEADER, parse_header, tensors_from_map
+from .verified_read import _Hashing
+
+__all__ = ["SealedReads", "VerifiedShardReader"]
+
+# Bytes per read: the hasher follows the reader a chunk behind, on another core.
+_READ_CHUNK = 8 * 1024 * 1024
+# Where torch's HuggingFaceStorageWriter records a chunk's place in its full tensor.
+_SHARDING_KEY, _OFFSETS_KEY = "DCP_SHARDING_INFO", "saved_offsets"
+# The refusals a rank can keep for the agreement, by name (the agreement carries text).
+_REFUSALS = {cls.__name__: cls for cls in (ChecksumMismatch, SchemaMismatch, StateMismatch)}
+
+
+class SealedReads:
+    """This rank's reads of the checkpoint ``folder`` whose verified ``meta.json`` is
+    ``meta``: each file read whole into memory and hashed there (:meth:`read`), refusals
+    kept until :meth:`agree`."""
+
+    def __init__(self, folder: Path, meta: Mapping[str, Any]) -> None:
+        self.folder = folder
+        self.meta = meta
+        self.refusals: list[PipelineError] = []
+
+    def reader(self, part: str) -> "VerifiedShardReader":
+        """A DCP ``StorageReader`` of ``part/`` (model or optimizer) whose reads come from here."""
+        return VerifiedShardReader(self, part)
+
+    def refuse(self, error: PipelineError) -> None:
+        self.refusals.append(error)
+
+    def read(self, name: str, into: Mapping[int, memoryview] | None = None) -> memoryview | None:
+        """File ``name``'s bytes, read into memory of this process and hashed there; ``None``
+        (a refusal kept) if they are not the bytes ``meta.json`` seals.
+
+        ``into``: ``{file offset: memoryview}``, ranges read straight into their final place
+        (a tensor that takes a whole stored chunk) and hashed there; the returned buffer
+        holds the rest (its pages of those ranges are never touched)."""
+        path = self.folder / name
+        sealed = self.meta["files"][name]
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        hashing = _Hashing(path.name)
+        hashing.start()
+        size = sealed["size"]
+        # Anonymous pages: none is touched but those read into (a chunk read in place never is).
+        whole = memoryview(mmap.mmap(-1, max(size, 1))).cast("B")[:size]
+        short = False
+        try:
+            # The whole file is about to be read in order: let the kernel read ahead.
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            for start, view in _in_file_order(whole, into or {}):
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], start + done)
+                    if got == 0:
+                        short = True
+                        break
+                    done += got
+                if short:
+                    break
+                hashing.chunks.put(view)
+            # A file grown since it was listed is not the sealed one either.
+            short = short or os.fstat(fd).st_size != size
+        finally:
+            hashing.chunks.put(None)
+            hashing.join()
+            os.close(fd)
+        if hashing.error is not None:
+            raise hashing.error
+        if short or hashing.digest.hexdigest() != sealed["sha256"]:
+            self.refuse(
+                ChecksumMismatch(
+                    f"{path} SHA-256 differs from meta.json: the file is damaged or was modified"
+                )
+            )
+            return None
+        return whole
+
+    def agree(self, world: World) -> None:
+        """One collective: every rank learns whether any rank refused a file it read, and
+        every rank raises the same one line (the lowest refusing rank's first), so the
+        launch prints it once."""
+        mine = f"{type(self.refusals[0]).__name__}\t{self.refusals[0]}" if self.refusals else ""
+        said = world.gather_text(mine)
+        first = next((line for line in said if line), None)
+        if first is not None:
+            kind, _, message = first.partition("\t")
+            raise _REFUSALS.get(kind, ChecksumMismatch)(message)
+
+
+def _in_file_order(whole: memoryview, into: Mapping[int, memoryview]) -> Iterator[tuple[int, memoryview]]:
+    """(file offset, where to read it) for every byte of the file, in order, in chunks of at
+    most ``_READ_CHUNK``: the ranges of ``into`` there, the rest in ``whole``. Ranges that
+    overlap or run past the end come from a planned header that is not this file's (the
+    strict parser lets no real one tile so): read into ``whole`` instead, and the file is
+    refused for that header (:meth:`VerifiedShardReader.read_data`)."""
+    position = 0
+    for start, view in sorted(into.items()):
+        if start < position or start + len(view) > len(whole):
+            continue
+        yield from _chunks(position, whole[position:start])
+        yield from _chunks(start, view)
+        position = start + len(view)
+    yield from _chunks(position, whole[position:])
+
+
+def _chunks(offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
+    for start in range(0, len(view), _READ_CHUNK):
+        yield offset + start, view[start : start + _READ_CHUNK]
+
+
+def _head(path: Path) -> tuple[bytes, int]:
+    """A safetensors file's first bytes up to the end of its header, and the file's size."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        first = os.pread(fd, 8, 0)
+        length = int.from_bytes(first, "little") if len(first) == 8 else 0
+        return first + os.pread(fd, min(length, _MAX_HEADER, max(size - 8, 0)), 8), size
+    finally:
+        os.close(fd)
+
+
+class VerifiedShardReader(StorageReader):
+    """DCP's reads of one part (``model/`` or ``optim/``) of a distributed checkpoint, in the
+    layout torch's ``HuggingFaceStorageWriter`` writes, served from :class:`SealedReads`.
+
+    :meth:`read_metadata` plans from every file's header (module docstring);
+    :meth:`read_data` reads each file this rank's plan names, whole, hashed, then copies
+    the requested slices out of those bytes. A file refused serves nothing."""
+
+    def __init__(self, reads: SealedReads, part: str) -> None:
+        super().__init__()
+        self.reads = reads
+        self.part = part
+        self.heads: dict[str, bytes] = {}
+        self.headers: dict[str, tuple[dict[str, Any], int]] = {}
+        self.storage_data: dict[MetadataIndex, str] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        folder, expected = self.reads.folder, self.reads.meta["tensors"][self.part]
+        tensors: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, str] = {}
+        for name in sorted(n for n in self.reads.meta["files"] if n.startswith(f"{self.part}/")):
+            path = folder / name
+            head, size = _head(path)
+            try:
+                header, _ = parse_header(head, size=size)
+                extra = header.get("__metadata__") or {}
+                sharding = json.loads(extra[_SHARDING_KEY]) if _SHARDING_KEY in extra else {}
+                for key, entry in header.items():
+                    if key == "__metadata__":
+                        continue
+                    offsets = sharding.get(key, {}).get(_OFFSETS_KEY, [0] * len(entry["shape"]))
+                    if not (
+                        isinstance(offsets, list)
+                        and len(offsets) == len(entry["shape"])
+                        and all(type(o) is int and o >= 0 for o in offsets)
+                    ):
+                        raise ValueError(f"bad offsets for {key}")
+                    spec = expected.get(key)
+                    if spec is None:
+                        raise ChecksumMismatch(f"{path} holds tensor {key} that meta.json does not list")
+                    chunk = ChunkStorageMetadata(
+                        offsets=torch.Size(offsets), sizes=torch.Size(entry["shape"])
+                    )
+                    if (
+                        _DTYPES[spec["dtype"]] != _DTYPES[entry["dtype"]]
+                        or any(o + s > f for o, s, f in zip(offsets, entry["shape"], spec["shape"]))
+                        or len(offsets) != len(spec["shape"])
+                    ):
+                        raise ChecksumMismatch(
+                            f"{path}: a shard of {key} does not fit its {spec['dtype']} tensor of "
+                            f"shape {spec['shape']}"
+                        )
+                    tensors.setdefault(
+                        key,
+                        TensorStorageMetadata(
+                            properties=TensorProperties(dtype=_DTYPES[spec["dtype"]]),
+                            size=torch.Size(spec["shape"]),
+                            chunks=[],
+                        ),
+                    ).chunks.append(chunk)
+                    storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = name
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                if isinstance(exc, PipelineError):
+                    raise
+                raise SchemaMismatch(
+                    f"{path} is not a valid shard file: {str(exc).splitlines()[0]}"
+                ) from None
+            self.heads[name] = head
+            self.headers[name] = parse_header(head, size=size)
+        _check_coverage(folder / self.part, expected, tensors)
+        self.storage_data = storage
+        return Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=StorageMeta())
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index], []).append(item)
+        for name, items in sorted(per_file.items()):
+            path = self.reads.folder / name
+            targets = [planner.resolve_tensor(item).detach() for item in items]
+            header, data_start = self.headers[name]
+            into: dict[int, memoryview] = {}
+            direct = [False] * len(items)
+            for index, (item, target) in enumerate(zip(items, targets)):
+                # A request for a whole stored chunk into a tensor laid out like it is read
+                # straight into that tensor (an FSDP2 resume at its own world size: all of them).
+                entry = header[item.storage_index.fqn]
+                begin, end = entry["data_offsets"]
+                if (
+                    end > begin
+                    and not any(item.storage_offsets)
+                    and list(item.lengths) == entry["shape"]
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                    and target.dtype == _DTYPES[entry["dtype"]]
+                    and target.numel() * target.element_size() == end - begin
+                    and data_start + begin not in into
+                ):
+                    into[data_start + begin] = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast(
+                        "B"
+                    )
+                    direct[index] = True
+            data = self.reads.read(name, into)
+            if data is None:
+                continue
+            head = self.heads[name]
+            if bytes(data[: len(head)]) != head:
+                # Hashed and sealed, but not what the plan was made from: changed meanwhile.
+                self.reads.refuse(
+                    ChecksumMismatch(f"{path} changed while it was read: the file was modified")
+                )
+                continue
+            views = tensors_from_map(path, data)
+            for item, target, in_place in zip(items, targets, direct):
+                if in_place:  # read into it already
+                    planner.commit_tensor(item, target)
+                    continue
+                source = views[item.storage_index.fqn][
+                    tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                ]
+                if target.shape != source.shape:
+                    raise SchemaMismatch(
+                        f"{path}: a read of {item.storage_index.fqn} does not fit its target"
+                    )
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+            del views, data  # one file's bytes held at a time
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _check_coverage(
+    where: Path, expected: Mapping[str, Any], tensors: Mapping[str, TensorStorageMetadata]
+) -> None:
+    """Every tensor ``meta.json`` lists tiled exactly by its chunks: none missing, no two
+    overlapping, their volumes adding up to the whole."""
+    for name, spec in sorted(expected.items()):
+        chunks = tensors[name].chunks if name in tensors else []
+        if not chunks:
+            raise ChecksumMismatch(f"{where}/ holds no shard of tensor {name}: a shard file is missing")
+        for i, a in enumerate(chunks):
+            for b in chunks[i + 1 :]:
+                if math.prod(a.sizes) and all(
+                    max(ao, bo) < min(ao + asz, bo + bsz)
+                    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+                ):
+                    raise ChecksumMismatch(f"{where}/: two shards of {name} overlap")
+        volume = sum(math.prod(chunk.sizes) for chunk in chunks)
+        if volume != math.prod(spec["shape"]):
+            raise ChecksumMismatch(
+                f"{where}/: the shards of {name} cover {volume} of its {math.prod(spec['shape'])} "
+                "elements: a shard file is missing or damaged"
+            )

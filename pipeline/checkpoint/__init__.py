@@ -4,6 +4,7 @@
 ``codec``                 nested state <-> (JSON tree, tensor table), no pickle
 ``tensorfile``            THE safetensors reader and writer (hash while writing;
                           map once, hash and view while reading)
+``meta``                  THE ``meta.json``: fields, build, seal, read, check
 ``store``                 one ``estados_local/``: lock, list, resolve "latest or path",
                           atomic save, prune
 ``load``                  verification and load in one pass: :func:`load_checkpoint`
@@ -30,18 +31,11 @@ from .checkpointer import Checkpointer
 from .codec import join_state, split_state
 from .compat import check_resume_compatible, continued_config
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .meta import is_distributed, read_meta
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
 from .state import OMITTABLE, capture_state, check_capturable, restore_state
-from .store import (
-    CheckpointStore,
-    SavedCheckpoint,
-    is_distributed,
-    parse_step_dir,
-    read_meta,
-    resolve,
-    step_dir_name,
-)
+from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, resolve, step_dir_name
 from .tensorfile import (
     PUBLISHED_METADATA,
     MappedTensors,

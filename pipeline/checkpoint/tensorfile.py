@@ -30,6 +30,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from ..errors import InternalError, SchemaMismatch
+from ..hashing import ChunkDigests
 from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from ..safetensors_header import check_tensor_name, parse_header
 
@@ -144,18 +145,20 @@ def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
 
 class _Hasher(threading.Thread):
     """SHA-256 of each file's in-memory chunks, the files in the order they are written, on
-    a second core while the writer sends the same chunks to disk.
+    another core while the writer sends the same chunks to disk: ``make()`` gives each
+    file's digest (a whole-file ``hashlib.sha256``, or :class:`ChunkDigests`).
 
     hashlib drops the GIL for large buffers, so hashing and ``write`` run in parallel and a
     save costs max(hash, write) instead of their sum. The chunks are the source buffers
-    themselves, never a read-back of the file. One thread for all the files: on a 2-core
-    machine, a thread per file and the writer would be three busy threads for two cores.
+    themselves, never a read-back of the file. One thread per kind of digest for all the
+    files: the whole-file digests and the chunk table are two passes over the same memory,
+    each on its own core, neither waiting for the other.
     """
 
-    def __init__(self, files: list[list[memoryview]]) -> None:
+    def __init__(self, files: list[list[memoryview]], make: Callable[[], Any]) -> None:
         super().__init__(name="safetensors-sha256", daemon=True)
         self._files = files
-        self.digests = [hashlib.sha256() for _ in files]
+        self.digests = [make() for _ in files]
         self.error: BaseException | None = None
         self.cancelled = threading.Event()
 
@@ -223,16 +226,20 @@ def write_safetensors(
     runs in a second thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
-    return write_safetensors_files([(path, tensors, metadata)])[0]
+    return write_safetensors_files([(path, tensors, metadata)])[0][:2]
 
 
 def write_safetensors_files(
     files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]],
-) -> list[tuple[str, int]]:
+    *,
+    chunk_size: int | None = None,
+) -> list[tuple[str, int, list[str] | None]]:
     """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
-    the other and each fsynced; (sha256, size) of each, in order.
+    the other and each fsynced; (sha256, size, chunk digests) of each, in order: the chunk
+    digests (:class:`~pipeline.hashing.ChunkDigests` of ``chunk_size``) if ``chunk_size``
+    is given, else None.
 
-    The hasher starts at once, over the tensors' memory, not the files: hashing does not wait
+    The hashers start at once, over the tensors' memory, not the files: hashing does not wait
     for the writer, so one save costs max(write, hash) rather than their sum, and the
     writer's fsyncs overlap the hashing.
     """
@@ -242,8 +249,11 @@ def write_safetensors_files(
         layouts.append(
             (path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK))
         )
-    hasher = _Hasher([chunks for _, chunks in layouts])
-    hasher.start()
+    hashers = [_Hasher([chunks for _, chunks in layouts], hashlib.sha256)]
+    if chunk_size is not None:
+        hashers.append(_Hasher([chunks for _, chunks in layouts], lambda: ChunkDigests(chunk_size)))
+    for hasher in hashers:
+        hasher.start()
     syncs: list[_Fsync] = []
     try:
         sizes = []
@@ -261,18 +271,24 @@ def write_safetensors_files(
             sync.join()
             if sync.error is not None:
                 raise sync.error
-        hasher.join()
-        if hasher.error is not None:
-            raise hasher.error
+        for hasher in hashers:
+            hasher.join()
+            if hasher.error is not None:
+                raise hasher.error
     finally:
         for sync in syncs:
             sync.join()
-        hasher.cancelled.set()
-        hasher.join()
+        for hasher in hashers:
+            hasher.cancelled.set()
+            hasher.join()
     for (path, chunks), size in zip(layouts, sizes):
         if size != sum(len(c) for c in chunks):
             raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
-    return [(digest.hexdigest(), size) for digest, size in zip(hasher.digests, sizes)]
+    tables = hashers[1].digests if chunk_size is not None else [None] * len(sizes)
+    return [
+        (digest.hexdigest(), size, None if table is None else table.hexdigests())
+        for digest, size, table in zip(hashers[0].digests, sizes, tables)
+    ]
 
 
 def write_safetensors_streamed(

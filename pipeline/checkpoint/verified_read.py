@@ -87,6 +87,7 @@ class _FileRead:
             # Hashed only, nothing used: the shared pages, no copy; only the header (read above) is parsed.
             if self.size > len(head):
                 self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+                self.map.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read front to back, once
                 self._add(memoryview(self.map)[len(head) :], len(head), read=False, piece=_HASH_CHUNK)
             return
         for _, name in sorted(

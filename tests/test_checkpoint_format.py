@@ -219,10 +219,11 @@ def test_a_malformed_chunk_table_is_refused_in_one_line(chunked, fault):
     [
         lambda e: e.pop("chunk_sha256"),
         lambda e: e.pop("chunk_size"),
+        lambda e: [e.pop("chunk_size"), e.pop("chunk_sha256")],
         lambda e: e.update(extra=1),
         lambda e: e.update(sha256="0" * 63),
     ],
-    ids=["no digests", "no chunk size", "an extra key", "a short whole digest"],
+    ids=["no digests", "no chunk size", "no chunk table", "an extra key", "a short whole digest"],
 )
 def test_a_files_entry_without_its_chunk_table_is_refused(chunked, change):
     meta = read_meta_json(chunked)
@@ -253,21 +254,23 @@ def as_schema_2(folder: Path) -> None:
     write_sealed(folder, meta)
 
 
-def test_a_schema_2_checkpoint_is_verified_by_its_whole_digests(chunked):
-    as_schema_2(chunked)
-    assert load_checkpoint(chunked).meta["schema"] == "pipeline.checkpoint/2"
-    meta = read_meta_json(chunked)
+def test_a_schema_2_checkpoint_is_verified_by_its_whole_digests(tmp_path):
+    with CheckpointStore(tmp_path) as store:  # files of several read pieces (2 MiB each)
+        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, _parts()).path
+    as_schema_2(folder)
+    assert load_checkpoint(folder).meta["schema"] == "pipeline.checkpoint/2"
+    meta = read_meta_json(folder)
     meta["files"]["modelo.safetensors"]["chunk_size"] = SMALL
-    write_sealed(chunked, meta)
+    write_sealed(folder, meta)
     with pytest.raises(SchemaMismatch, match="malformed files table"):
-        load_checkpoint(chunked, mode=LoadMode.VERIFY)
-    as_schema_2(chunked)
-    path = chunked / "modelo.safetensors"
+        load_checkpoint(folder, mode=LoadMode.VERIFY)
+    as_schema_2(folder)
+    path = folder / "modelo.safetensors"
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1
     path.write_bytes(raw)
     with pytest.raises(ChecksumMismatch, match=r"modelo.safetensors SHA-256 differs from meta.json: "):
-        load_checkpoint(chunked)
+        load_checkpoint(folder)
 
 
 def test_a_schema_2_checkpoint_resumes_bitwise(data_dir, tmp_path):

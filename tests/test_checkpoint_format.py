@@ -284,3 +284,19 @@ def test_a_schema_2_checkpoint_resumes_bitwise(data_dir, tmp_path):
     assert_checkpoints_bitwise_equal(straight / "step-00000006", resumed / "step-00000006")
     assert json.loads((resumed / "step-00000006" / "meta.json").read_text())["schema"] == SCHEMA_VERSION
     shutil.rmtree(straight)
+
+
+def test_build_meta_refuses_a_record_no_reader_would_accept():
+    from pipeline.checkpoint.meta import build_meta
+    from pipeline.errors import InternalError
+
+    entry = entry_of(b"x" * 10)
+    files = {"modelo.safetensors": entry, "estado_treino.safetensors": entry}
+    assert build_meta(_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
+    with pytest.raises(InternalError, match="owns"):
+        build_meta({**_parts(), "schema": "mine"}, step=1, files=files)
+    with pytest.raises(InternalError, match="keys differ"):
+        build_meta({**_parts(), "extra": 1}, step=1, files=files)
+    for broken in ({**entry, "chunk_sha256": []}, {"sha256": entry["sha256"], "size": 10}):
+        with pytest.raises(InternalError, match="files table is malformed"):
+            build_meta(_parts(), step=1, files={**files, "modelo.safetensors": broken})

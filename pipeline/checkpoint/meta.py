@@ -143,7 +143,9 @@ def build_meta(
     keys = DIST_META_KEYS if distributed else META_KEYS
     if set(record) | {SEAL_KEY} != keys:
         raise InternalError(f"checkpoint meta keys differ: {sorted((set(record) | {SEAL_KEY}) ^ keys)}")
-    if not _files_ok(record["files"], record["schema"]):
+    if not _files_ok(record["files"], record["schema"]) or any(
+        _chunk_table_fault(entry) for entry in record["files"].values() if not distributed
+    ):
         raise InternalError(f"checkpoint files table is malformed: {record['files']}")
     return {**record, SEAL_KEY: meta_sha256(record)}
 

@@ -512,8 +512,9 @@ def _on_tmpfs(path: Path) -> bool:
     return kind == "tmpfs"
 
 
-def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
-    bench = Bench(size_gb, folder)
+def timing_worker(size_gb: float, rep: int, folder: Path, only: str | None = None) -> dict[str, Any]:
+    chosen = set(only.split(",")) if only else None
+    bench = Bench(size_gb, folder, with_accelerate=chosen is None or bool(chosen & {"accelerate_save_state"}))
     # Other jobs on the machine show up here; the report keeps them next to the figures.
     results: dict[str, Any] = {
         "state_bytes": bench.state_bytes,
@@ -521,9 +522,10 @@ def timing_worker(size_gb: float, rep: int, folder: Path) -> dict[str, Any]:
         "tmpfs": _on_tmpfs(folder),
     }
     try:
-        results["ours_async_first"] = bench.first_async_save()
+        if chosen is None or "ours_async" in chosen:
+            results["ours_async_first"] = bench.first_async_save()
         for phase in (SAVES, LOADS):
-            for name in rotated(phase, rep):
+            for name in rotated([n for n in phase if chosen is None or n in chosen], rep):
                 gc.collect()
                 results[name] = getattr(bench, name)()
             bench.close()  # the loads run without the snapshot buffers and copies (3 GB each at 3 GB)
@@ -692,7 +694,9 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Path) -> dict[str, Any]:
+def drive(
+    sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Path, only: str | None = None
+) -> dict[str, Any]:
     folder_root = Path(tempfile.mkdtemp(prefix=".checkpoint-bench-", dir=folder_parent))
     timings: dict[str, list[dict[str, Any]]] = {size: [] for size in sizes}
     try:
@@ -702,7 +706,10 @@ def drive(sizes: list[str], reps: int, out: Path, memory: str, folder_parent: Pa
                 folder.mkdir()
                 print(f"rep {rep + 1}/{reps}, {size} GB ...", file=sys.stderr, flush=True)
                 timings[size].append(
-                    _spawn(["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)])
+                    _spawn(
+                        ["timing", "--size", size, "--rep", str(rep), "--dir", str(folder)]
+                        + (["--only", only] if only else [])
+                    )
                 )
                 shutil.rmtree(folder)
         results = {size: _aggregate(runs) for size, runs in timings.items()}
@@ -767,6 +774,11 @@ def main() -> int:
         default=REPO.parent,
         help="where the temporary folder goes (default: beside the repository, same disk)",
     )
+    parser.add_argument(
+        "--only",
+        help="time only these candidates (comma-separated names, e.g. ours_sync,ours_resume,torch_load; "
+        "a load needs the save whose output it reads)",
+    )
     parser.add_argument("--worker", choices=("timing", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
@@ -774,13 +786,13 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "timing":
-        print(json.dumps(timing_worker(float(args.size), args.rep, args.dir)))
+        print(json.dumps(timing_worker(float(args.size), args.rep, args.dir, args.only)))
         return 0
     if args.worker == "memory":
         print(json.dumps(memory_worker(float(args.size), args.candidate, args.dir)))
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    report = drive(sizes, max(1, args.reps), args.out, args.memory, args.tmp_parent)
+    report = drive(sizes, max(1, args.reps), args.out, args.memory, args.tmp_parent, args.only)
     _print_report(report, args.out)
     return 0
 

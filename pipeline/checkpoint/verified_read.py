@@ -1,13 +1,14 @@
-"""Verified reading: the hashed bytes are the used bytes, hashed on every core.
+"""Verified reading: the hashed bytes are the used bytes, read and hashed on every core.
 
 :func:`read_verified` reads a checkpoint's files into memory of this process (into the
 tensors that will be used, such as a resumed model's parameters) and hashes each piece
 there once read, so no later write to a file reaches what was verified; a file only
-verified is hashed on the page cache's pages. A file with a chunk table is hashed chunk
-by chunk on a pool of threads (hashlib drops the GIL), so a load costs about
-max(read, bytes / (cores x one core's SHA-256 rate)); a file sealed with its whole
-digest only is one chunk. The format and the order of a load's checks: docs/format.md,
-"How a load is verified" and "Why chunk digests".
+verified is hashed on the page cache's pages. Each chunk of a file (its chunk table's, or
+the whole file for one sealed with its whole digest only) is read and hashed by one thread
+of a pool of a thread per core (``pread`` and hashlib both drop the GIL), so a load costs
+about (read + hash) / cores, not one core's SHA-256 pass over the largest file. The format
+and the order of a load's checks: docs/format.md, "How a load is verified" and "Why chunk
+digests".
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
@@ -27,15 +27,18 @@ from .tensorfile import _DTYPES, _HASH_CHUNK, _MAX_HEADER, parse_header
 
 __all__ = ["read_verified"]
 
-# Bytes per read of read_verified: small, so that a chunk's hasher follows its reader closely.
+# Bytes per read of read_verified: small, so that a piece is still in the CPU cache when hashed.
 _READ_CHUNK = 2 * 1024 * 1024
 
 
-def _hash_queue(pieces: queue.SimpleQueue[Any]) -> str:
-    """SHA-256 of the pieces handed to ``pieces``, in order, as a reader finishes them (``None`` ends)."""
+def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, bool]]) -> str:
+    """SHA-256 of one chunk: each piece read into its destination first if it must be, then
+    hashed there (the destination's bytes, once read)."""
     digest = hashlib.sha256()
-    while (piece := pieces.get()) is not None:
-        digest.update(piece)
+    for view, offset, must_read in pieces:
+        if must_read:
+            read.read_into(view, offset)
+        digest.update(view)
     return digest.hexdigest()
 
 
@@ -61,9 +64,6 @@ class _FileRead:
         except BaseException:
             os.close(self.fd)
             raise
-        # Per chunk: its queue of pieces and its digest's future, opened at its first piece.
-        self.queues: dict[int, queue.SimpleQueue[Any]] = {}
-        self.futures: dict[int, Future[str]] = {}
 
     def _plan(self, destinations: Mapping[str, torch.Tensor] | None, chunk_size: int | None) -> None:
         first = self._pread(8, 0)
@@ -135,20 +135,12 @@ class _FileRead:
                 return
             done += got
 
-    def hand(self, pool: ThreadPoolExecutor, view: memoryview | bytes, offset: int) -> None:
-        """Give a piece (read) to its chunk's hasher; end the chunk at its last byte."""
-        chunk = offset // self.chunk_size
-        if chunk not in self.queues:
-            self.queues[chunk] = queue.SimpleQueue()
-            self.futures[chunk] = pool.submit(_hash_queue, self.queues[chunk])
-        self.queues[chunk].put(view)
-        if offset + len(view) == min((chunk + 1) * self.chunk_size, self.size):
-            self.queues[chunk].put(None)
-
-    def close(self) -> None:
-        for pieces in self.queues.values():
-            pieces.put(None)  # a chunk left open by an error: its hasher ends (a second None is unread)
-        os.close(self.fd)  # the map, if any, stays valid until its views are dropped
+    def chunks(self) -> list[list[tuple[memoryview | bytes, int, bool]]]:
+        """The planned pieces grouped by chunk, in file order."""
+        grouped: dict[int, list[tuple[memoryview | bytes, int, bool]]] = {}
+        for piece in self.pieces:
+            grouped.setdefault(piece[1] // self.chunk_size, []).append(piece)
+        return [grouped[index] for index in sorted(grouped)]
 
 
 def read_verified(
@@ -168,40 +160,32 @@ def read_verified(
     materialising (module docstring): each tensor is read, in file order, into its
     destination (the tensor of that name if dtype, shape, device and layout fit; a fresh
     tensor otherwise) and hashed there, so the digests are over the bytes that will be
-    used, which no later write to the file can reach. One thread reads every file, a little
-    of each in turn (``pread``: one kernel copy, no page-table work); the chunks' hashers
-    follow it on a pool of a thread per core, each chunk hashed as its pieces arrive.
+    used, which no later write to the file can reach. Each chunk is one task of a pool of a
+    thread per core, which reads its pieces (``pread``: one kernel copy, no page-table work)
+    and hashes each once read.
     """
     reads: dict[str, _FileRead] = {}
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="sha256") as pool:
-        try:
-            for name, path in paths.items():
-                reads[name] = _FileRead(Path(path), destinations.get(name), chunk_sizes.get(name))
-            position = dict.fromkeys(reads, 0)
-            total = {name: sum(len(v) for v, _, _ in read.pieces) or 1 for name, read in reads.items()}
-            done = dict.fromkeys(reads, 0)
-            pending = [name for name in reads if reads[name].pieces]
-            while pending:
-                # The file least far along next: every hasher keeps working until the end.
-                name = min(pending, key=lambda n: done[n] / total[n])
-                read = reads[name]
-                view, offset, must_read = read.pieces[position[name]]
-                if must_read:
-                    read.read_into(view, offset)
-                read.hand(pool, view, offset)  # the destination's bytes, once read
-                position[name] += 1
-                done[name] += len(view)
-                if position[name] == len(read.pieces):
-                    pending.remove(name)
-        finally:
-            for read in reads.values():
-                read.close()
-        digests = {
-            name: read.digests
-            if read.digests is not None
-            else [read.futures[k].result() for k in sorted(read.futures)]
-            for name, read in reads.items()
-        }
+    try:
+        for name, path in paths.items():
+            reads[name] = _FileRead(Path(path), destinations.get(name), chunk_sizes.get(name))
+        chunks = {name: read.chunks() for name, read in reads.items()}
+        # The files' chunks in turn (file A's first, file B's first, A's second, ...): the
+        # files' reads spread over the pool from the start.
+        rounds = max((len(c) for c in chunks.values()), default=0)
+        order = [(name, k) for k in range(rounds) for name in chunks if k < len(chunks[name])]
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="sha256") as pool:
+            futures = {
+                key: pool.submit(_verify_chunk, reads[key[0]], chunks[key[0]][key[1]]) for key in order
+            }
+            digests = {
+                name: read.digests
+                if read.digests is not None
+                else [futures[name, k].result() for k in range(len(chunks[name]))]
+                for name, read in reads.items()
+            }
+    finally:
+        for read in reads.values():
+            os.close(read.fd)  # the map, if any, stays valid until its views are dropped
     return {
         name: (
             None if read.changed else digests[name],

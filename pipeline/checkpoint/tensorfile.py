@@ -3,8 +3,8 @@ read (checkpoints, stage, warm start, proof snapshots, prepared data) goes throu
 
 Writing streams the standard layout (8-byte little-endian header length, JSON header
 padded to 8 bytes, tensors back to back) straight from the tensors' memory, hashed from
-the same buffers by a second thread, so a save costs about max(write, hash) and makes no
-in-memory copy of the file.
+the same buffers by other threads (the whole-file digest, and optionally the chunk
+digests), so a save costs about max(write, hash) and makes no in-memory copy of the file.
 
 Verified reading, where the hashed bytes are the used bytes, is
 :mod:`~pipeline.checkpoint.verified_read`'s (it parses with this module's parser).
@@ -223,7 +223,7 @@ def write_safetensors(
     Streaming avoids ``safetensors.torch.save``'s full in-memory copy of the file. The
     layout is the standard one (8-byte little-endian header length, JSON header padded to
     8 bytes, then the tensors back to back), so any safetensors reader loads it. SHA-256
-    runs in a second thread over the very buffers being written (see :class:`_Hasher`).
+    runs on another thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
     return write_safetensors_files([(path, tensors, metadata)])[0][:2]

@@ -81,6 +81,18 @@ def test_the_writer_seals_every_chunk_of_a_file_spanning_several(tmp_path):
         ChunkDigests(0)
 
 
+def test_a_file_of_one_chunk_beside_larger_ones_has_its_whole_digest_as_its_table(tmp_path):
+    """Only files larger than a chunk are hashed a second time; the others' table is their
+    whole digest, whatever their place among the files."""
+    files = [(tmp_path / "small-1", {"t": torch.ones(10)}, None), (tmp_path / "big", _tensors(), None)]
+    files.append((tmp_path / "small-2", {"t": torch.zeros(20)}, None))
+    files.append((tmp_path / "big-2", {name: t * 2 for name, t in _tensors().items()}, None))
+    for (path, _, _), (sha256, size, chunks) in zip(files, write_safetensors_files(files, chunk_size=SMALL)):
+        raw = path.read_bytes()
+        assert (sha256, size, chunks) == (hashlib.sha256(raw).hexdigest(), len(raw), _slices(raw, SMALL))
+    assert all(table is None for _, _, table in write_safetensors_files([(tmp_path / "x", _tensors(), None)]))
+
+
 def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
     with CheckpointStore(tmp_path) as store:
         saved = store.save(1, _tensors(), {"s": torch.arange(5)}, _parts())

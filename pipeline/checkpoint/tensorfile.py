@@ -250,8 +250,15 @@ def write_safetensors_files(
             (path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK))
         )
     hashers = [_Hasher([chunks for _, chunks in layouts], hashlib.sha256)]
+    # A file of one chunk has the whole digest as its chunk table: only larger files are
+    # hashed a second time, by chunks.
+    chunked = [
+        index
+        for index, (_, chunks) in enumerate(layouts)
+        if chunk_size is not None and sum(len(c) for c in chunks) > chunk_size
+    ]
     if chunk_size is not None:
-        hashers.append(_Hasher([chunks for _, chunks in layouts], lambda: ChunkDigests(chunk_size)))
+        hashers.append(_Hasher([layouts[i][1] for i in chunked], lambda: ChunkDigests(chunk_size)))
     for hasher in hashers:
         hasher.start()
     syncs: list[_Fsync] = []
@@ -284,11 +291,17 @@ def write_safetensors_files(
     for (path, chunks), size in zip(layouts, sizes):
         if size != sum(len(c) for c in chunks):
             raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
-    tables = hashers[1].digests if chunk_size is not None else [None] * len(sizes)
-    return [
-        (digest.hexdigest(), size, None if table is None else table.hexdigests())
-        for digest, size, table in zip(hashers[0].digests, sizes, tables)
-    ]
+    written = []
+    for index, (digest, size) in enumerate(zip(hashers[0].digests, sizes)):
+        whole = digest.hexdigest()
+        if chunk_size is None:
+            table = None
+        elif index in chunked:
+            table = hashers[1].digests[chunked.index(index)].hexdigests()
+        else:
+            table = [whole] if size else []
+        written.append((whole, size, table))
+    return written
 
 
 def write_safetensors_streamed(

@@ -35,7 +35,11 @@ __all__ = [
     "DIST_OPTIM_DIR",
     "DIST_RNG_DIR",
     "rank_rng_file",
+    "step_dir_name",
+    "parse_step_dir",
 ]
+
+import re
 
 # Default folders (config.yaml / command-line flags may point elsewhere).
 CHECKPOINT_DIR = "estados_local"
@@ -104,3 +108,20 @@ def shard_name(index: int, count: int) -> str:
 def hub_shard_name(index: int, count: int) -> str:
     """``model-00001-of-00003.safetensors``: a shard as save_pretrained names it."""
     return f"{HUB_MODEL_FILE.removesuffix('.safetensors')}-{index:05d}-of-{count:05d}.safetensors"
+
+
+# A committed checkpoint's folder: eight or more digits, so listings sort.
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """``10 -> "step-00000010"``; zero-padded so listings sort, but parsed as integers."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """Inverse of :func:`step_dir_name`; ``None`` for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None

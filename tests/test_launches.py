@@ -297,7 +297,7 @@ def test_a_torchrun_run_continues_in_one_process_or_under_fsdp2_only_with_reshar
     assert worst <= 1e-9, worst
     meta = load_checkpoint(cut / "step-00000010", mode=LoadMode.VERIFY).meta
     assert "parallel" not in meta and meta["environment"]["changes"][0]["now"]["parallel"] == "none"
-    assert meta["schema"] == "pipeline.checkpoint/2" and meta["lineage"] == []
+    assert meta["schema"] == "pipeline.checkpoint/3" and meta["lineage"] == []
 
 
 def _ranks(launcher: subprocess.Popen) -> list[int]:

@@ -20,7 +20,7 @@ from test_leaks import SAMPLES
 
 from pipeline.audit import audit_stage
 from pipeline.checkpoint import load_model_weights
-from pipeline.checkpoint.store import meta_sha256
+from pipeline.checkpoint.meta import entry_of, meta_sha256
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
 from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
@@ -92,7 +92,7 @@ def poison_weights(checkpoint: Path) -> str:
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, str(path), metadata={"format": "pt"})
-    entry = {"sha256": sha256(path), "size": path.stat().st_size}
+    entry = entry_of(path.read_bytes())
     rewrite_meta(checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
     return name
 
@@ -122,7 +122,8 @@ def test_stage_holds_the_committed_checkpoint_weights_byte_for_byte(staged_run):
     source = json.loads((checkpoint / "meta.json").read_text())
     meta = staged_meta(staged_run)
     assert meta["step"] == source["step"] == 10
-    assert meta["files"]["modelo.safetensors"] == source["files"]["modelo.safetensors"]
+    entry = source["files"]["modelo.safetensors"]  # the stage keeps the whole-file digest, not the chunks
+    assert meta["files"]["modelo.safetensors"] == {"sha256": entry["sha256"], "size": entry["size"]}
     assert meta["source_checkpoint"] == {
         "folder": "step-00000010",
         "schema": source["schema"],
@@ -333,7 +334,7 @@ def escaped_token_in_a_hub_files_tokenizer(run, monkeypatch):
 def github_token_in_the_weights_header(run, monkeypatch):
     path = run.checkpoint / "modelo.safetensors"
     save_file(load_file(path), str(path), metadata={"format": "pt", "pushed_by": SAMPLES["github-token"][1]})
-    entry = {"sha256": sha256(path), "size": path.stat().st_size}
+    entry = entry_of(path.read_bytes())
     rewrite_meta(run.checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
     return {}, "modelo.safetensors holds a GitHub token; nothing was staged."
 

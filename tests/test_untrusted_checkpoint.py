@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.checkpoint.store import meta_sha256
+from pipeline.checkpoint.meta import entry_of, meta_sha256
 from pipeline.errors import ChecksumMismatch, PipelineError, SchemaMismatch
 
 from support import REPO, one_line_error
@@ -59,7 +59,7 @@ def test_the_seal_is_the_three_lines_of_the_readme(folder):
     meta = read_meta_json(folder)
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    assert meta["schema"] == "pipeline.checkpoint/2"
+    assert meta["schema"] == "pipeline.checkpoint/3"
     assert meta["meta_sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
     assert load_checkpoint(folder, mode=LoadMode.VERIFY).meta == meta
 
@@ -398,7 +398,7 @@ def install_hostile(folder: Path, name: str, raw: bytes) -> None:
     """Replace one file of a checkpoint and rewrite its hash, size and the seal to match."""
     (folder / name).write_bytes(raw)
     meta = read_meta_json(folder)
-    meta["files"][name] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    meta["files"][name] = entry_of(raw)
     write_sealed(folder, meta)
 
 
@@ -572,9 +572,9 @@ def test_a_permutation_index_outside_the_data_is_refused(trained_run, run_copy):
     permutation = tensors["data/sampler/permutation"].view(torch.int64)
     permutation[0] = 10**6
     path.unlink()
-    sha, size = write_safetensors(path, tensors)
+    write_safetensors(path, tensors)
     meta = read_meta_json(run.checkpoint)
-    meta["files"]["estado_treino.safetensors"] = {"sha256": sha, "size": size}
+    meta["files"]["estado_treino.safetensors"] = entry_of(path.read_bytes())
     write_sealed(run.checkpoint, meta)
     with pytest.raises(StateMismatch, match="permutation"):
         train(load_config(REPO / "config.yaml", run.overrides), resume="latest", progress=False)

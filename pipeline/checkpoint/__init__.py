@@ -4,6 +4,7 @@
 ``codec``                 nested state <-> (JSON tree, tensor table), no pickle
 ``tensorfile``            THE safetensors reader and writer (hash while writing;
                           map once, hash and view while reading)
+``meta``                  THE ``meta.json``: fields, build, seal, read, check
 ``store``                 one ``estados_local/``: lock, list, resolve "latest", "best" or
                           a path, atomic save, prune
 ``best``                  the best evaluated step (``checkpoint.best_metric``) and its mark
@@ -39,18 +40,11 @@ from .compat import check_resume_compatible, continued_config
 from .components import Component, component_names, components, register_component, unregister_component
 from .evaluations import evaluations_from
 from .load import LoadedCheckpoint, LoadMode, checkpoint_meta, load_checkpoint, pinned_checkpoint
+from .meta import is_distributed, read_meta
 from .private_copy import CheckpointWeights, open_weights
 from .shards import ConsolidatedTensors
 from .state import capture_state, check_capturable, restore_state
-from .store import (
-    CheckpointStore,
-    SavedCheckpoint,
-    is_distributed,
-    parse_step_dir,
-    read_meta,
-    resolve,
-    step_dir_name,
-)
+from .store import CheckpointStore, SavedCheckpoint, parse_step_dir, resolve, step_dir_name
 from .tensorfile import (
     PUBLISHED_METADATA,
     MappedTensors,

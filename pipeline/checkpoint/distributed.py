@@ -21,7 +21,7 @@ optimizer) and :func:`~pipeline.checkpoint.tensorfile.write_safetensors` (its RN
 rank 0 the shared state), each hashed as it is written and fsynced by its writer; all
 agree; the ranks' ``{file: sha256, size}`` records go to rank
 0 as JSON (:meth:`World.gather_text`, no pickle); rank 0 checks they list exactly the
-folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.store.write_meta`) and
+folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.meta.write_meta`) and
 leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree; rank 0
 prunes through the store (pinned readers respected). A rank killed at any instant
 leaves only a ``.tmp-…`` folder, which the next run's lock holder removes. With
@@ -66,10 +66,11 @@ from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
 from .components import components
 from .load import LoadedCheckpoint, load_checkpoint
+from .meta import build_meta, write_meta
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
 from .state import capture_history, checked_omit, restore_components
-from .store import DIST_SCHEMA, CheckpointStore, SavedCheckpoint, write_meta
+from .store import CheckpointStore, SavedCheckpoint
 from .tensorfile import map_file, parse_header, read_tensors, tensors_from_map, write_safetensors
 from .validate import HISTORY, validated_state
 from .verified_dcp import SealedReads
@@ -408,21 +409,16 @@ class DistributedCheckpointer(OneSaveInFlight):
         self, temporary: Path, record: dict[str, Any], files: dict[str, dict[str, Any]]
     ) -> dict[str, dict[str, Any]]:
         """Write the sealed meta.json last (rank 0)."""
-        write_meta(
-            temporary,
-            {
-                **self.provenance,
-                "schema": DIST_SCHEMA,
-                "step": record["step"],
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "model": record["model"],
-                "training_state": record["training_state"],
-                "files": files,
-                "parallel": self.world.describe(),
-                "tensors": record["tensors"],
-                "resharded_from": self.resharded_from,
-            },
-        )
+        parts = {
+            **self.provenance,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": record["model"],
+            "training_state": record["training_state"],
+            "parallel": self.world.describe(),
+            "tensors": record["tensors"],
+            "resharded_from": self.resharded_from,
+        }
+        write_meta(temporary, build_meta(parts, step=record["step"], files=files, distributed=True))
         return files
 
 

@@ -38,8 +38,9 @@ import torch
 
 from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMismatch
 from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
+from .meta import check_listing, is_distributed, read_meta
 from .shards import consolidate, shard_tensors
-from .store import check_listing, is_distributed, parse_step_dir, pin, read_meta, resolve, step_dir_name
+from .store import parse_step_dir, pin, resolve, step_dir_name
 from .tensorfile import map_file, sha256_mapped, tensors_from_map
 from .verified_read import read_verified
 from .weights import dedupe_shared_tensors
@@ -194,12 +195,10 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
             name: (parameters if name == MODEL_FILE else {}) if name in used else None
             for name in meta["files"]
         },
+        {name: entry.get("chunk_size") for name, entry in meta["files"].items()},
     )
     for name, entry in sorted(meta["files"].items()):
-        if read[name][0] != entry["sha256"]:
-            raise ChecksumMismatch(
-                f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was modified"
-            )
+        _check_digests(folder / name, entry, read[name][0])
     # Parsed even with LoadMode.VERIFY: a file whose hash matches may still be malformed, and
     # evaluate, stage and resume must refuse exactly the same files.
     for name in (STATE_FILE, MODEL_FILE):
@@ -213,6 +212,25 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
         model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
         state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {},
     )
+
+
+def _check_digests(path: Path, entry: dict[str, Any], digests: list[str] | None) -> None:
+    """The digests a read computed against the file's entry in meta.json: its chunk table
+    (schema 3) or its whole SHA-256 (older schemas, one chunk)."""
+    expected = entry["chunk_sha256"] if "chunk_sha256" in entry else [entry["sha256"]]
+    if digests is None or len(digests) != len(expected):
+        raise ChecksumMismatch(f"{path} SHA-256 differs from meta.json: the file is damaged or was modified")
+    for index, (got, want) in enumerate(zip(digests, expected)):
+        if got != want:
+            where = (
+                f" (chunk {index}: bytes {index * entry['chunk_size']}-"
+                f"{min((index + 1) * entry['chunk_size'], entry['size'])})"
+                if "chunk_size" in entry
+                else ""
+            )
+            raise ChecksumMismatch(
+                f"{path} SHA-256 differs from meta.json{where}: the file is damaged or was modified"
+            )
 
 
 def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> LoadedCheckpoint:

@@ -22,8 +22,8 @@ import torch
 from ..errors import ChecksumMismatch, InternalError
 from ..hashing import CHUNK, HashingWriter, sha256_file
 from ..layout import DIST_MODEL_DIR, MODEL_FILE
+from .meta import is_distributed
 from .shards import ConsolidatedTensors
-from .store import is_distributed
 from .tensorfile import PUBLISHED_METADATA, MappedTensors, safetensors_sha256
 from .weights import check_derived_buffers, check_weights_fit
 

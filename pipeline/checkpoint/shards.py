@@ -68,7 +68,7 @@ def _spec_ok(spec: Any) -> bool:
 
 def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
     """``parallel``, ``tensors``, ``resharded_from`` and the files table's names of a
-    distributed meta.json (called by :func:`pipeline.checkpoint.store.read_meta`)."""
+    distributed meta.json (called by :func:`pipeline.checkpoint.meta.read_meta`)."""
     parallel, tensors, resharded = meta["parallel"], meta["tensors"], meta["resharded_from"]
     if not (
         isinstance(parallel, dict)

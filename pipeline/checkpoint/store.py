@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import re
@@ -43,26 +41,37 @@ from ..durable import (
     atomic_folder,
     close_lock_fd,
     fsync_dir,
-    json_bytes,
-    json_loads_strict,
     lock_folder,
     open_lock_fd,
     write_atomic,
 )
 from ..errors import (
-    SEALED_BUT_UNFIT,
     CheckpointError,
     CheckpointLocked,
-    ChecksumMismatch,
     InternalError,
     NoCheckpoint,
     SchemaMismatch,
     describe_os_error,
 )
-from ..hashing import HashingWriter
-from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE
+from ..hashing import CHUNK_SIZE
+from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE, parse_step_dir, step_dir_name
 from .best import read_best, write_best
-from .shards import check_launch_record
+from .meta import (
+    CHECKPOINT_FILES,
+    DIST_META_KEYS,
+    DIST_SCHEMA,
+    LINEAGE_KEYS,
+    META_KEYS,
+    SCHEMA_VERSION,
+    SEAL_KEY,
+    build_meta,
+    check_listing,
+    file_entry,
+    is_distributed,
+    meta_sha256,
+    read_meta,
+    write_meta,
+)
 from .tensorfile import write_safetensors_files
 
 __all__ = [
@@ -85,65 +94,11 @@ __all__ = [
     "LINEAGE_KEYS",
 ]
 
-SCHEMA_VERSION = "pipeline.checkpoint/2"
-# A torchrun checkpoint (pipeline.distributed): the same sealed meta.json and the same
-# readers, plus the launch that wrote it and every tensor's full shape (see ``shards``).
-DIST_SCHEMA = "pipeline.checkpoint.distributed/2"
-# Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
-# states) was covered by no hash, so a bit flip that kept it valid JSON went unnoticed.
-_UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
-SEAL_KEY = "meta_sha256"
-CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
-META_KEYS = frozenset(
-    {
-        "schema",
-        "step",
-        "created",
-        "config",
-        "fingerprints",
-        "versions",
-        "device",
-        "environment",
-        "model",
-        "training_state",
-        "lineage",
-        "files",
-        SEAL_KEY,
-    }
-)
-# One entry of meta.json "lineage" per --extend-to, oldest first: the run's max_steps before
-# and after, and the step it was extended at.
-LINEAGE_KEYS = frozenset({"from_max_steps", "at_step", "to_max_steps"})
-DIST_META_KEYS = META_KEYS | {"parallel", "tensors", "resharded_from"}
-# meta.json is parsed before anything is trusted; a bound keeps a hostile file from
-# exhausting memory.
-MAX_META_BYTES = 64 * 1024 * 1024
-# meta.json bytes that passed _sealed_meta (a resume reads its meta.json twice: to build the
-# run, then to load into it). Keyed by the bytes themselves, so no edit can hit it; the
-# byte-level checks are most of a small checkpoint's load time (the Python JSON encoder).
-_SEALED_BYTES: dict[bytes, None] = {}
-_SEALED_BYTES_MAX = 1024 * 1024
-_SEALED_BYTES_KEPT = 8
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TRASH_PREFIX = ".deleting-"
 # Exactly the names this module gives a save in progress (durable.atomic_folder) or a
 # checkpoint being pruned: nothing else in the folder is ever deleted.
 _STALE_DIR = re.compile(r"^\.(?:tmp|deleting)-step-\d{8,}-[0-9a-f]{8}$")
 _log = logging.getLogger(__name__)
-
-
-def step_dir_name(step: int) -> str:
-    """``10 -> "step-00000010"``; zero-padded so listings sort, but parsed as integers."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step-{step:08d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """Inverse of :func:`step_dir_name`; ``None`` for any other name."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,11 +243,12 @@ class CheckpointStore:
                 [
                     (temporary / name, tensors, metadata)
                     for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))
-                ]
+                ],
+                chunk_size=CHUNK_SIZE,
             )
-            for name, (sha256, size) in zip(CHECKPOINT_FILES, written):
-                files[name] = {"sha256": sha256, "size": size}
-            write_meta(temporary, {**meta, "schema": SCHEMA_VERSION, "step": step, "files": files})
+            for name, (sha256, size, chunks) in zip(CHECKPOINT_FILES, written):
+                files[name] = file_entry(sha256, size, chunks, CHUNK_SIZE)
+            write_meta(temporary, build_meta(meta, step=step, files=files))
         self.prune_after_commit(step)
         return SavedCheckpoint(step=step, path=final, files=files)
 
@@ -433,186 +389,6 @@ def pin(folder: str | Path) -> Iterator[Path]:
         yield folder
     finally:
         close_lock_fd(fd)
-
-
-def write_meta(temporary: Path, record: Mapping[str, Any]) -> None:
-    """Seal ``record`` and write it as ``meta.json``, last: its presence marks a complete
-    folder (fsynced by the writer; the folder's commit makes the name durable)."""
-    record = {**record, SEAL_KEY: meta_sha256(record)}
-    keys = DIST_META_KEYS if record["schema"] == DIST_SCHEMA else META_KEYS
-    if set(record) != keys:
-        raise InternalError(f"checkpoint meta keys differ: {sorted(set(record) ^ keys)}")
-    with HashingWriter(temporary / META_FILE) as out:
-        out.write(json_bytes(record))
-
-
-def is_distributed(meta: Mapping[str, Any]) -> bool:
-    """Whether a meta.json returned by :func:`read_meta` is a torchrun checkpoint's."""
-    return meta["schema"] == DIST_SCHEMA
-
-
-def _files_ok(files: Any, distributed: bool) -> bool:
-    if not isinstance(files, dict) or not all(
-        isinstance(e, dict)
-        and set(e) == {"sha256", "size"}
-        and isinstance(e["sha256"], str)
-        and type(e["size"]) is int
-        for e in files.values()
-    ):
-        return False
-    if not distributed:
-        return set(files) == set(CHECKPOINT_FILES)
-    # Relative safetensors paths inside the folder, nothing else (no "..", no absolute path).
-    return STATE_FILE in files and all(
-        isinstance(name, str)
-        and name.endswith(".safetensors")
-        and name.count("/") <= 1
-        and all(part not in ("", ".", "..") for part in name.split("/"))
-        for name in files
-    )
-
-
-def meta_sha256(record: Mapping[str, Any]) -> str:
-    """The seal of a checkpoint's ``meta.json``: SHA-256 of its canonical JSON without the
-    ``meta_sha256`` key (sorted keys, no spaces, UTF-8, no NaN). The README shows the same
-    three lines; ``ValueError`` if the record holds a non-finite float."""
-    body = {key: value for key, value in record.items() if key != SEAL_KEY}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    """THE reader of a checkpoint's ``meta.json``: parse, check the schema and the seal,
-    and the fields every later step relies on, before anything in it is used.
-
-    The seal covers every value; the file must also be byte for byte what the pipeline
-    writes, so that no change to the bytes (even one that decodes to the same values,
-    such as another spelling of a float) passes.
-    """
-    path = folder / META_FILE
-    if not path.is_file():
-        raise SchemaMismatch(f"{path} is missing: not a committed checkpoint")
-    size = path.stat().st_size
-    if size > MAX_META_BYTES:
-        raise SchemaMismatch(f"{path} is {size} bytes, over the {MAX_META_BYTES}-byte limit for meta.json")
-    raw = path.read_bytes()
-    if raw in _SEALED_BYTES:
-        meta = json.loads(raw)  # these very bytes passed the byte-level checks before
-    else:
-        meta = _sealed_meta(path, folder, raw)
-        if len(raw) <= _SEALED_BYTES_MAX:
-            _SEALED_BYTES[raw] = None
-            while len(_SEALED_BYTES) > _SEALED_BYTES_KEPT:
-                del _SEALED_BYTES[next(iter(_SEALED_BYTES))]
-    distributed = meta["schema"] == DIST_SCHEMA
-    keys = DIST_META_KEYS if distributed else META_KEYS
-    if set(meta) == keys - {"lineage"}:
-        meta["lineage"] = []  # written before runs could be extended (same schema): never extended
-    if set(meta) != keys:
-        odd = sorted(set(meta) ^ keys)
-        raise SchemaMismatch(
-            f"{path} has unexpected or missing fields ({', '.join(odd)}): {SEALED_BUT_UNFIT}"
-        )
-    if not _files_ok(meta["files"], distributed):
-        raise SchemaMismatch(f"{path} has a malformed files table: {SEALED_BUT_UNFIT}")
-    if type(meta["step"]) is not int or parse_step_dir(folder.name) != meta["step"]:
-        raise SchemaMismatch(f"{path} records step {meta['step']!r} but the folder is {folder.name}")
-    _check_lineage(path, meta["lineage"], meta["step"])
-    if distributed:
-        check_launch_record(path, meta)
-    return meta
-
-
-def _sealed_meta(path: Path, folder: Path, raw: bytes) -> dict[str, Any]:
-    """``meta.json``'s bytes parsed strictly, of a schema this version reads, sealed, and
-    exactly what the pipeline writes: the checks of :func:`read_meta` on the bytes alone."""
-    try:
-        meta = json_loads_strict(raw)
-    except ValueError as exc:
-        raise SchemaMismatch(
-            f"{path} is not valid JSON ({str(exc).splitlines()[0]}): the file is damaged"
-        ) from None
-    if not isinstance(meta, dict):
-        raise SchemaMismatch(f"{path} is not a JSON object: the file is damaged")
-    schema = meta.get("schema")
-    if schema in _UNSEALED_SCHEMAS:
-        raise SchemaMismatch(
-            f"{path} has schema {schema!r}, which predates the meta.json checksum "
-            f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
-            f"start a new run from its weights with --init-from {folder / MODEL_FILE}"
-        )
-    if schema not in (SCHEMA_VERSION, DIST_SCHEMA):
-        raise SchemaMismatch(
-            f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
-            "the checkpoint comes from another tool or version and is not loaded"
-        )
-    try:
-        sealed, exact = meta.get(SEAL_KEY) == meta_sha256(meta), raw == json_bytes(meta)
-    except RecursionError:  # parsed, but too deep to encode again: no writer of ours made it
-        raise SchemaMismatch(f"{path} is nested too deeply: the file is damaged") from None
-    if not sealed:
-        raise ChecksumMismatch(
-            f"{path}: {SEAL_KEY} does not match its content: the file is damaged or was edited"
-        )
-    if not exact:
-        raise ChecksumMismatch(f"{path} is not byte for byte what the pipeline wrote: the file was modified")
-    return meta
-
-
-def _check_lineage(path: Path, lineage: Any, step: int) -> None:
-    """Each extension starts where the previous one ended, raises max_steps, and happened
-    at or before this checkpoint's step."""
-    previous = None
-    for entry in lineage if isinstance(lineage, list) else [None]:
-        if not (
-            isinstance(entry, dict)
-            and set(entry) == LINEAGE_KEYS
-            and all(type(v) is int for v in entry.values())
-            and 0 <= entry["at_step"] <= step
-            and entry["at_step"] < entry["to_max_steps"]
-            and 1 <= entry["from_max_steps"] < entry["to_max_steps"]
-            and (
-                previous is None
-                or (
-                    entry["from_max_steps"] == previous["to_max_steps"]
-                    and entry["at_step"] >= previous["at_step"]
-                )
-            )
-        ):
-            raise SchemaMismatch(
-                f"{path} has a malformed lineage entry ({str(entry)[:120]}): {SEALED_BUT_UNFIT}"
-            )
-        previous = entry
-
-
-def check_listing(folder: Path, meta: dict[str, Any]) -> None:
-    """The checks short of hashing: no stray file, none missing, every size right (cheap,
-    and catches truncation before a long hash)."""
-    listed = set(meta["files"]) | {META_FILE}
-    # A distributed checkpoint nests its shards one level down (model/, optim/, rng/).
-    folders = {name.rsplit("/", 1)[0] for name in listed if "/" in name}
-    present = {p.relative_to(folder).as_posix() for p in folder.iterdir()}
-    present |= {
-        p.relative_to(folder).as_posix()
-        for sub in sorted(folders)
-        if (folder / sub).is_dir() and not (folder / sub).is_symlink()
-        for p in (folder / sub).iterdir()
-    }
-    unexpected = sorted(present - listed - folders)
-    if unexpected:
-        raise ChecksumMismatch(
-            f"{folder / unexpected[0]} is not listed in meta.json: the folder was modified"
-        )
-    for name, entry in sorted(meta["files"].items()):
-        path = folder / name
-        if not path.is_file():
-            raise ChecksumMismatch(f"{path} is missing")
-        size = path.stat().st_size
-        if size != entry["size"]:
-            raise ChecksumMismatch(
-                f"{path} is {size} bytes, meta.json records {entry['size']}: "
-                "the file is truncated or was modified"
-            )
 
 
 def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> tuple[Path, list[Path]]:

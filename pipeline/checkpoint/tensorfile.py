@@ -3,8 +3,8 @@ read (checkpoints, stage, warm start, proof snapshots, prepared data) goes throu
 
 Writing streams the standard layout (8-byte little-endian header length, JSON header
 padded to 8 bytes, tensors back to back) straight from the tensors' memory, hashed from
-the same buffers by a second thread, so a save costs about max(write, hash) and makes no
-in-memory copy of the file.
+the same buffers by other threads (the whole-file digest, and optionally the chunk
+digests), so a save costs about max(write, hash) and makes no in-memory copy of the file.
 
 Verified reading, where the hashed bytes are the used bytes, is
 :mod:`~pipeline.checkpoint.verified_read`'s (it parses with this module's parser).
@@ -30,6 +30,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from ..errors import InternalError, SchemaMismatch
+from ..hashing import ChunkDigests
 from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from ..safetensors_header import check_tensor_name, parse_header
 
@@ -144,18 +145,20 @@ def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
 
 class _Hasher(threading.Thread):
     """SHA-256 of each file's in-memory chunks, the files in the order they are written, on
-    a second core while the writer sends the same chunks to disk.
+    another core while the writer sends the same chunks to disk: ``make()`` gives each
+    file's digest (a whole-file ``hashlib.sha256``, or :class:`ChunkDigests`).
 
     hashlib drops the GIL for large buffers, so hashing and ``write`` run in parallel and a
     save costs max(hash, write) instead of their sum. The chunks are the source buffers
-    themselves, never a read-back of the file. One thread for all the files: on a 2-core
-    machine, a thread per file and the writer would be three busy threads for two cores.
+    themselves, never a read-back of the file. One thread per kind of digest for all the
+    files: the whole-file digests and the chunk table are two passes over the same memory,
+    each on its own core, neither waiting for the other.
     """
 
-    def __init__(self, files: list[list[memoryview]]) -> None:
+    def __init__(self, files: list[list[memoryview]], make: Callable[[], Any]) -> None:
         super().__init__(name="safetensors-sha256", daemon=True)
         self._files = files
-        self.digests = [hashlib.sha256() for _ in files]
+        self.digests = [make() for _ in files]
         self.error: BaseException | None = None
         self.cancelled = threading.Event()
 
@@ -220,19 +223,23 @@ def write_safetensors(
     Streaming avoids ``safetensors.torch.save``'s full in-memory copy of the file. The
     layout is the standard one (8-byte little-endian header length, JSON header padded to
     8 bytes, then the tensors back to back), so any safetensors reader loads it. SHA-256
-    runs in a second thread over the very buffers being written (see :class:`_Hasher`).
+    runs on another thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
-    return write_safetensors_files([(path, tensors, metadata)])[0]
+    return write_safetensors_files([(path, tensors, metadata)])[0][:2]
 
 
 def write_safetensors_files(
     files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]],
-) -> list[tuple[str, int]]:
+    *,
+    chunk_size: int | None = None,
+) -> list[tuple[str, int, list[str] | None]]:
     """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
-    the other and each fsynced; (sha256, size) of each, in order.
+    the other and each fsynced; (sha256, size, chunk digests) of each, in order: the chunk
+    digests (:class:`~pipeline.hashing.ChunkDigests` of ``chunk_size``) if ``chunk_size``
+    is given, else None.
 
-    The hasher starts at once, over the tensors' memory, not the files: hashing does not wait
+    The hashers start at once, over the tensors' memory, not the files: hashing does not wait
     for the writer, so one save costs max(write, hash) rather than their sum, and the
     writer's fsyncs overlap the hashing.
     """
@@ -242,8 +249,18 @@ def write_safetensors_files(
         layouts.append(
             (path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK))
         )
-    hasher = _Hasher([chunks for _, chunks in layouts])
-    hasher.start()
+    hashers = [_Hasher([chunks for _, chunks in layouts], hashlib.sha256)]
+    # A file of one chunk has the whole digest as its chunk table: only larger files are
+    # hashed a second time, by chunks.
+    chunked = [
+        index
+        for index, (_, chunks) in enumerate(layouts)
+        if chunk_size is not None and sum(len(c) for c in chunks) > chunk_size
+    ]
+    if chunk_size is not None:
+        hashers.append(_Hasher([layouts[i][1] for i in chunked], lambda: ChunkDigests(chunk_size)))
+    for hasher in hashers:
+        hasher.start()
     syncs: list[_Fsync] = []
     try:
         sizes = []
@@ -261,18 +278,30 @@ def write_safetensors_files(
             sync.join()
             if sync.error is not None:
                 raise sync.error
-        hasher.join()
-        if hasher.error is not None:
-            raise hasher.error
+        for hasher in hashers:
+            hasher.join()
+            if hasher.error is not None:
+                raise hasher.error
     finally:
         for sync in syncs:
             sync.join()
-        hasher.cancelled.set()
-        hasher.join()
+        for hasher in hashers:
+            hasher.cancelled.set()
+            hasher.join()
     for (path, chunks), size in zip(layouts, sizes):
         if size != sum(len(c) for c in chunks):
             raise InternalError(f"{path}: wrote {size} bytes, the layout has {sum(len(c) for c in chunks)}")
-    return [(digest.hexdigest(), size) for digest, size in zip(hasher.digests, sizes)]
+    written = []
+    for index, (digest, size) in enumerate(zip(hashers[0].digests, sizes)):
+        whole = digest.hexdigest()
+        if chunk_size is None:
+            table = None
+        elif index in chunked:
+            table = hashers[1].digests[chunked.index(index)].hexdigests()
+        else:
+            table = [whole] if size else []
+        written.append((whole, size, table))
+    return written
 
 
 def write_safetensors_streamed(

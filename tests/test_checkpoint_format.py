@@ -1,0 +1,314 @@
+"""The meta.json record: its fields against docs/format.md, the chunk table written with
+each file, verified chunk by chunk on load, every malformed table refused in one line,
+and a checkpoint sealed before chunk tables still read, verified and resumed bitwise."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_untrusted_checkpoint import read_meta_json, write_sealed
+
+from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
+from pipeline.checkpoint.meta import CHUNK_SIZE, FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
+from pipeline.checkpoint.tensorfile import write_safetensors_files
+from pipeline.checkpoint.verified_read import read_verified
+from pipeline.errors import ChecksumMismatch, SchemaMismatch
+from pipeline.hashing import ChunkDigests
+
+from support import REPO, assert_checkpoints_bitwise_equal, train
+
+SMALL = 4096  # a chunk size that makes the test checkpoints span several chunks
+
+
+def _doc_table(heading: str) -> dict[str, str]:
+    """``{key: description}`` of the markdown table whose header row is ``heading``."""
+    lines = (REPO / "docs" / "format.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index(heading) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        match = re.fullmatch(r"\| `([^`]+)` \| (.*) \|", line)
+        assert match, line
+        rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def test_the_meta_json_tables_of_the_docs_are_the_code_s():
+    assert _doc_table("| key | what |") == FIELDS
+    assert _doc_table("| entry key | what |") == FILE_FIELDS
+    assert set(FIELDS) == META_KEYS
+    assert str(CHUNK_SIZE) in FILE_FIELDS["chunk_size"]
+
+
+# -- writing: the chunk table comes from the written memory -------------------------------
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(3000, generator=generator), "b": torch.randn(77, generator=generator)}
+
+
+def _slices(raw: bytes, size: int) -> list[str]:
+    return [hashlib.sha256(raw[i : i + size]).hexdigest() for i in range(0, len(raw), size)]
+
+
+def test_the_writer_seals_every_chunk_of_a_file_spanning_several(tmp_path):
+    path = tmp_path / "x.safetensors"
+    [(sha256, size, chunks)] = write_safetensors_files(
+        [(path, _tensors(), {"format": "pt"})], chunk_size=SMALL
+    )
+    raw = path.read_bytes()
+    assert size == len(raw) > 2 * SMALL and sha256 == hashlib.sha256(raw).hexdigest()
+    assert chunks == _slices(raw, SMALL) and len(chunks) == -(-len(raw) // SMALL)
+    assert entry_of(raw, SMALL) == {
+        "sha256": sha256,
+        "size": size,
+        "chunk_size": SMALL,
+        "chunk_sha256": chunks,
+    }
+    table = ChunkDigests(SMALL)
+    for start in range(0, len(raw), 1000):  # pieces that straddle the chunk boundaries
+        table.update(raw[start : start + 1000])
+    assert table.hexdigests() == chunks
+    with pytest.raises(ValueError, match="positive integer"):
+        ChunkDigests(0)
+
+
+def test_a_file_of_one_chunk_beside_larger_ones_has_its_whole_digest_as_its_table(tmp_path):
+    """Only files larger than a chunk are hashed a second time; the others' table is their
+    whole digest, whatever their place among the files."""
+    files = [(tmp_path / "small-1", {"t": torch.ones(10)}, None), (tmp_path / "big", _tensors(), None)]
+    files.append((tmp_path / "small-2", {"t": torch.zeros(20)}, None))
+    files.append((tmp_path / "big-2", {name: t * 2 for name, t in _tensors().items()}, None))
+    for (path, _, _), (sha256, size, chunks) in zip(files, write_safetensors_files(files, chunk_size=SMALL)):
+        raw = path.read_bytes()
+        assert (sha256, size, chunks) == (hashlib.sha256(raw).hexdigest(), len(raw), _slices(raw, SMALL))
+    assert all(table is None for _, _, table in write_safetensors_files([(tmp_path / "x", _tensors(), None)]))
+
+
+def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
+    with CheckpointStore(tmp_path) as store:
+        saved = store.save(1, _tensors(), {"s": torch.arange(5)}, _parts())
+    meta = read_meta_json(saved.path)
+    assert meta["schema"] == SCHEMA_VERSION == "pipeline.checkpoint/3"
+    for name, entry in meta["files"].items():
+        assert entry == entry_of((saved.path / name).read_bytes()) == saved.files[name]
+        assert entry["chunk_size"] == CHUNK_SIZE and len(entry["chunk_sha256"]) == 1
+
+
+def _parts() -> dict:
+    return {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {},
+    }
+
+
+# -- reading: each chunk verified, a damaged one named ------------------------------------
+
+
+@pytest.fixture
+def chunked(tmp_path) -> Path:
+    """A checkpoint whose files are sealed in chunks of SMALL bytes (several per file)."""
+    with CheckpointStore(tmp_path) as store:
+        folder = store.save(1, _tensors(), {"s": torch.randn(2500)}, _parts()).path
+    meta = read_meta_json(folder)
+    for name in meta["files"]:
+        meta["files"][name] = entry_of((folder / name).read_bytes(), SMALL)
+        assert len(meta["files"][name]["chunk_sha256"]) >= 3
+    write_sealed(folder, meta)
+    return folder
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_load_verifies_each_chunk_and_names_the_damaged_one(chunked, into):
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(3000))
+    model.b = torch.nn.Parameter(torch.zeros(77))
+    loaded = load_checkpoint(chunked, into=model if into else None)
+    assert torch.equal(loaded.model_tensors["a"], _tensors()["a"])
+    path = chunked / "modelo.safetensors"
+    raw = path.read_bytes()
+    for chunk in (0, 1, len(raw) // SMALL):
+        damaged = bytearray(raw)
+        damaged[min(chunk * SMALL + 9, len(raw) - 1)] ^= 1
+        path.write_bytes(damaged)
+        with pytest.raises(ChecksumMismatch) as caught:
+            load_checkpoint(chunked, into=model if into else None)
+        end = min((chunk + 1) * SMALL, len(raw))
+        assert (
+            f"modelo.safetensors SHA-256 differs from meta.json (chunk {chunk}: bytes {chunk * SMALL}-{end})"
+            in (str(caught.value))
+        )
+    path.write_bytes(raw)
+    assert load_checkpoint(chunked, mode=LoadMode.VERIFY).meta["step"] == 1
+
+
+def test_read_verified_hashes_chunks_of_files_read_and_files_only_verified(chunked):
+    names = ("modelo.safetensors", "estado_treino.safetensors")
+    paths = {name: chunked / name for name in names}
+    for destinations in ({name: {} for name in names}, dict.fromkeys(names)):
+        read = read_verified(paths, destinations, dict.fromkeys(names, SMALL))
+        for name in names:
+            assert read[name][0] == _slices(paths[name].read_bytes(), SMALL)
+        whole = read_verified(paths, destinations, dict.fromkeys(names))
+        assert all(whole[n][0] == [hashlib.sha256(paths[n].read_bytes()).hexdigest()] for n in names)
+
+
+def test_a_malformed_file_is_hashed_by_chunks_before_the_parser_refuses_it(chunked):
+    path = chunked / "estado_treino.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[8:9] = b"["  # the header is no longer JSON; the size is unchanged
+    path.write_bytes(raw)
+    meta = read_meta_json(chunked)
+    meta["files"]["estado_treino.safetensors"] = entry_of(bytes(raw), SMALL)
+    write_sealed(chunked, meta)
+    read = read_verified({"s": path}, {"s": {}}, {"s": SMALL})
+    assert read["s"][0] == _slices(bytes(raw), SMALL) and isinstance(read["s"][1], ValueError)
+    with pytest.raises(SchemaMismatch, match="estado_treino.safetensors is not a valid safetensors file"):
+        load_checkpoint(chunked)
+
+
+# -- a malformed chunk table: one line, before any file is read ---------------------------
+
+
+def _swap_first_two(entry: dict) -> None:
+    entry["chunk_sha256"][:2] = entry["chunk_sha256"][1::-1]
+
+
+TABLE_FAULTS = {
+    "a chunk short of the end (a gap)": (lambda e: e["chunk_sha256"].pop(), "do not cover"),
+    "a chunk past the end (an overlap)": (lambda e: e["chunk_sha256"].append("0" * 64), "do not cover"),
+    "a chunk size that disagrees with the count": (lambda e: e.update(chunk_size=SMALL * 2), "do not cover"),
+    "a zero chunk size": (lambda e: e.update(chunk_size=0), "not a positive integer"),
+    "a negative chunk size": (lambda e: e.update(chunk_size=-SMALL), "not a positive integer"),
+    "a float chunk size": (lambda e: e.update(chunk_size=4096.0), "not a positive integer"),
+    "a boolean chunk size": (lambda e: e.update(chunk_size=True), "not a positive integer"),
+    "an uppercase digest": (
+        lambda e: e["chunk_sha256"].__setitem__(0, e["chunk_sha256"][0].upper()),
+        "not a list of SHA-256",
+    ),
+    "a short digest": (lambda e: e["chunk_sha256"].__setitem__(1, "ab"), "not a list of SHA-256"),
+    "digests not a list": (
+        lambda e: e.update(chunk_sha256={"0": e["chunk_sha256"][0]}),
+        "not a list of SHA-256",
+    ),
+    "one chunk unlike the whole": (
+        lambda e: e.update(chunk_size=e["size"], chunk_sha256=["0" * 64]),
+        "its one chunk's digest differs from the file's",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(TABLE_FAULTS))
+def test_a_malformed_chunk_table_is_refused_in_one_line(chunked, fault):
+    change, reason = TABLE_FAULTS[fault]
+    meta = read_meta_json(chunked)
+    change(meta["files"]["modelo.safetensors"])
+    write_sealed(chunked, meta)
+    with pytest.raises(SchemaMismatch) as caught:
+        load_checkpoint(chunked, mode=LoadMode.VERIFY)
+    message = str(caught.value)
+    assert "\n" not in message and caught.value.exit_code == 2
+    assert "the chunk table of modelo.safetensors is malformed" in message and reason in message, message
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e: e.pop("chunk_sha256"),
+        lambda e: e.pop("chunk_size"),
+        lambda e: [e.pop("chunk_size"), e.pop("chunk_sha256")],
+        lambda e: e.update(extra=1),
+        lambda e: e.update(sha256="0" * 63),
+    ],
+    ids=["no digests", "no chunk size", "no chunk table", "an extra key", "a short whole digest"],
+)
+def test_a_files_entry_without_its_chunk_table_is_refused(chunked, change):
+    meta = read_meta_json(chunked)
+    change(meta["files"]["estado_treino.safetensors"])
+    write_sealed(chunked, meta)
+    with pytest.raises(SchemaMismatch, match="malformed files table"):
+        load_checkpoint(chunked, mode=LoadMode.VERIFY)
+
+
+@pytest.mark.parametrize("change", [_swap_first_two, lambda e: e["chunk_sha256"].__setitem__(2, "0" * 64)])
+def test_a_well_formed_table_that_disagrees_with_the_file_is_refused(chunked, change):
+    meta = read_meta_json(chunked)
+    change(meta["files"]["modelo.safetensors"])
+    write_sealed(chunked, meta)
+    with pytest.raises(ChecksumMismatch, match=r"modelo.safetensors SHA-256 differs from meta.json \(chunk "):
+        load_checkpoint(chunked)
+
+
+# -- a checkpoint sealed before chunk tables -----------------------------------------------
+
+
+def as_schema_2(folder: Path) -> None:
+    """What the writer sealed before chunk tables: the same record, each file with its
+    whole digest only, schema 2."""
+    meta = read_meta_json(folder)
+    meta["schema"] = "pipeline.checkpoint/2"
+    meta["files"] = {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in meta["files"].items()}
+    write_sealed(folder, meta)
+
+
+def test_a_schema_2_checkpoint_is_verified_by_its_whole_digests(tmp_path):
+    with CheckpointStore(tmp_path) as store:  # files of several read pieces (2 MiB each)
+        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, _parts()).path
+    as_schema_2(folder)
+    assert load_checkpoint(folder).meta["schema"] == "pipeline.checkpoint/2"
+    meta = read_meta_json(folder)
+    meta["files"]["modelo.safetensors"]["chunk_size"] = SMALL
+    write_sealed(folder, meta)
+    with pytest.raises(SchemaMismatch, match="malformed files table"):
+        load_checkpoint(folder, mode=LoadMode.VERIFY)
+    as_schema_2(folder)
+    path = folder / "modelo.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    with pytest.raises(ChecksumMismatch, match=r"modelo.safetensors SHA-256 differs from meta.json: "):
+        load_checkpoint(folder)
+
+
+def test_a_schema_2_checkpoint_resumes_bitwise(data_dir, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train(data_dir, straight, "--max-steps", "6", "--checkpoint-every", "6").returncode == 0
+    first = train(data_dir, resumed, "--max-steps", "6", "--stop-at", "3", "--checkpoint-every", "3")
+    assert first.returncode == 0, first.stderr
+    as_schema_2(resumed / "step-00000003")
+    second = train(data_dir, resumed, "--max-steps", "6", "--resume", "latest")
+    assert second.returncode == 0, second.stderr
+    assert_checkpoints_bitwise_equal(straight / "step-00000006", resumed / "step-00000006")
+    assert json.loads((resumed / "step-00000006" / "meta.json").read_text())["schema"] == SCHEMA_VERSION
+    shutil.rmtree(straight)
+
+
+def test_build_meta_refuses_a_record_no_reader_would_accept():
+    from pipeline.checkpoint.meta import build_meta
+    from pipeline.errors import InternalError
+
+    entry = entry_of(b"x" * 10)
+    files = {"modelo.safetensors": entry, "estado_treino.safetensors": entry}
+    assert build_meta(_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
+    with pytest.raises(InternalError, match="owns"):
+        build_meta({**_parts(), "schema": "mine"}, step=1, files=files)
+    with pytest.raises(InternalError, match="keys differ"):
+        build_meta({**_parts(), "extra": 1}, step=1, files=files)
+    for broken in ({**entry, "chunk_sha256": []}, {"sha256": entry["sha256"], "size": 10}):
+        with pytest.raises(InternalError, match="files table is malformed"):
+            build_meta(_parts(), step=1, files={**files, "modelo.safetensors": broken})

@@ -239,12 +239,18 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
     for trial in range(3):
         folder = tmp_path / f"trial-{trial}"
         child = _kill_child(data_dir, folder)
-        time.sleep(rng.uniform(2.0, 5.0))
+        # Strike at a random instant after the first commit: a clock alone would strike before
+        # it on a loaded machine, or after the end on a fast one.
+        deadline = time.monotonic() + 120
+        while not CheckpointStore(folder).committed_steps() and child.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
+        if child.poll() is not None:
+            continue  # finished before the strike: nothing to learn from this trial
         child.send_signal(signal.SIGKILL)
         child.wait()
         steps = CheckpointStore(folder).committed_steps()
-        if not steps:
-            continue
         killed += 1
         assert steps[-1] < 300, "the kill must strike while the run trains"
         verify_checkpoint(folder / f"step-{steps[-1]:08d}")

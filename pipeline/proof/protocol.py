@@ -21,7 +21,7 @@ import torch
 
 from ..checkpoint import step_dir_name
 from ..config import Config, launched_as
-from ..data import load_manifest
+from ..data import DATASET, load_manifest
 from ..durable import write_json_atomic
 from ..environment import current_environment
 from ..errors import ConfigError, PipelineError, ProofIncomplete, describe_os_error
@@ -418,7 +418,7 @@ def describe(report: dict[str, Any]) -> list[str]:
     ]
     data = report["protocol"].get("data")
     if data:
-        workers = f", {data['num_workers']} DataLoader workers" if data["mode"] == "dataset" else ""
+        workers = f", {data['num_workers']} DataLoader workers" if data["mode"] == DATASET else ""
         lines.append(f"inputs: {data['mode']} ({data['source']}{workers})")
     positive = report["checks"]["positive"]
     worst = [c["max_abs_diff"] for c in positive if c["max_abs_diff"] is not None]

@@ -10,7 +10,6 @@ raise its error, if any, in the training thread.
 
 from __future__ import annotations
 
-import datetime as _dt
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..durable import utc_now
 from ..run import TrainingRun
 from .best import best_record
 from .snapshot import SnapshotBuffers
@@ -104,7 +104,7 @@ class Checkpointer(OneSaveInFlight):
         model_tensors, state, state_tensors = capture_state(run)
         meta = {
             **self.provenance,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": utc_now(),
             "model": model_summary(run.model, run.fresh_buffers),
             "training_state": state,
         }

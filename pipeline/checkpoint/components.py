@@ -34,7 +34,7 @@ import torch
 
 from ..config import Config
 from ..data import make_sampler
-from ..errors import SEALED_BUT_UNFIT, StateMismatch
+from ..errors import SEALED_BUT_UNFIT, StateMismatch, first_line
 from ..rng import RNG_FAMILIES, capture_rng, restore_rng
 from ..run import TrainingRun
 from .codec import join_state, split_state
@@ -266,9 +266,7 @@ def _data(run: TrainingRun, joined: dict[str, Any], step: int) -> None:
     try:
         scratch.load_state_dict(joined["sampler"])
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise fail(
-            "data.sampler", f"does not fit this data ({str(exc).splitlines()[0] if str(exc) else exc!r})"
-        ) from None
+        raise fail("data.sampler", f"does not fit this data ({first_line(exc, limit=None)})") from None
 
 
 def _restore_scaler(run: TrainingRun, saved: Any) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMismatch
+from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMismatch, first_line
 from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
 from .meta import check_listing, is_distributed, read_meta
 from .shards import consolidate, shard_tensors
@@ -204,7 +204,7 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
     for name in (STATE_FILE, MODEL_FILE):
         if isinstance(read[name][1], ValueError):
             raise SchemaMismatch(
-                f"{folder / name} is not a valid safetensors file: {str(read[name][1]).splitlines()[0]}"
+                f"{folder / name} is not a valid safetensors file: {first_line(read[name][1], limit=None)}"
             )
     return LoadedCheckpoint(
         folder=folder,

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, InternalError, StateMismatch
+from ..errors import CheckpointError, InternalError, StateMismatch, first_line
 from ..run import TrainingRun
 from .components import component_names, components, restore_order
 from .evaluations import evaluation_tensors
@@ -97,9 +97,9 @@ def restore_state(
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StateMismatch(
-            f"saved training state does not fit the objects built from the config: {first_line}"
+            f"saved training state does not fit the objects built from the config: "
+            f"{first_line(exc, limit=None)}"
         ) from None
 
 

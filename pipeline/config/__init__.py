@@ -9,29 +9,28 @@ Each config owns its outputs (``checkpoint.dir``, ``outputs.metrics``, ``outputs
 see :func:`derived_outputs` and docs/configuration.md.
 
 ============  ================================================================
-``sections``  the typed sections and :class:`Config`, every value validated; the dict
-              form a checkpoint records, read back by :func:`config_from_dict`
+``sections``  :class:`Config`, its sections together; the dict form a checkpoint
+              records, read back by :func:`config_from_dict`
+``training``  the sections of what a run computes and how it is saved: data, model,
+              optimizer, scheduler, training, checkpoint
+``outputs``   the sections of where results go and what the card says: outputs, card
 ``loading``   a config file read, its outputs derived, ``--set`` overrides applied
-``values``    what a file may hold: the strict YAML reader, the ``params`` check
+``values``    what a file may hold: the strict YAML reader, the checks of every value,
+              the ``params`` check
 ============  ================================================================
 """
 
 from .loading import DEFAULT_CONFIG_PATH, apply_overrides, derived_outputs, load_config, parse_set_overrides
-from .sections import (
+from .outputs import CardConfig, OutputsConfig
+from .sections import RESUME_IRRELEVANT_KEYS, Config, config_from_dict, launch_mode, launched_as
+from .training import (
     METRIC_NAME,
-    RESUME_IRRELEVANT_KEYS,
-    CardConfig,
     CheckpointConfig,
-    Config,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
-    OutputsConfig,
     SchedulerConfig,
     TrainingConfig,
-    config_from_dict,
-    launch_mode,
-    launched_as,
 )
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""What a config file may hold: the strict YAML reader and the check of free-form ``params``.
+"""What a config file may hold: the strict YAML reader, the checks every section's values go
+through (:func:`require` and its kin), and the check of free-form ``params``.
 
 Torch-free, used by the rest of :mod:`pipeline.config`. A free-form ``params`` value nests at most
 ``MAX_PARAMS_DEPTH`` levels and holds at most ``MAX_PARAMS_VALUES`` values (YAML aliases can
@@ -9,16 +10,48 @@ need them to; the YAML reader itself stops at ``MAX_YAML_DEPTH`` (its composer r
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any
 
 import yaml
 
-__all__ = ["INT64", "MAX_YAML_DEPTH", "MAX_PARAMS_DEPTH", "MAX_PARAMS_VALUES", "check_params", "load_yaml"]
+__all__ = [
+    "INT64",
+    "MAX_YAML_DEPTH",
+    "MAX_PARAMS_DEPTH",
+    "MAX_PARAMS_VALUES",
+    "require",
+    "require_int",
+    "require_choice",
+    "check_params",
+    "load_yaml",
+]
 
 MAX_YAML_DEPTH = 64
 MAX_PARAMS_DEPTH = 16
 MAX_PARAMS_VALUES = 100_000
 INT64 = 2**63
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    """Refuse a value unless ``condition`` holds: ``ValueError("<key> <message>")``. A section's
+    ``__post_init__`` does not know the file's name;
+    :func:`~pipeline.config.sections.config_from_dict` adds it."""
+    if not condition:
+        raise ValueError(f"{key} {message}")
+
+
+def require_int(value: int, key: str, low: int, high: int = INT64) -> None:
+    """``low <= value < high``; the default ceiling is what numpy and torch hold (int64)."""
+    require(value >= low, key, f"must be >= {low} (got {value})")
+    ceiling = f"2**{high.bit_length() - 1}" if high & (high - 1) == 0 else str(high)
+    require(value < high, key, f"must be < {ceiling} (got {value}): numpy and torch hold 64-bit integers")
+
+
+def require_choice(value: Any, choices: Any, key: str) -> None:
+    """``value`` is one of the ``Literal`` type's values (a string, not e.g. ``True`` for 'none')."""
+    allowed = typing.get_args(choices)
+    require(isinstance(value, str) and value in allowed, key, f"must be one of {allowed} (got {value!r})")
 
 
 def _where(key: str, path: tuple[Any, ...]) -> str:

@@ -19,10 +19,13 @@ from .feed_base import Feed, to_device
 from .prepared import load_manifest, load_task_data, prepare_data
 from .sampler import EpochSampler, Sampler, clone_sampler, make_sampler
 from .seeding import isolated_rng, seed_sample
-from .task import InputForm, TaskData, describe_inputs, input_mode
+from .task import BATCHES, DATASET, STREAM, InputForm, TaskData, describe_inputs, input_mode
 
 __all__ = [
     "InputForm",
+    "BATCHES",
+    "DATASET",
+    "STREAM",
     "TaskData",
     "Sampler",
     "EpochSampler",

@@ -40,7 +40,7 @@ from .failures import catchable, collate_failure, sample_deadline, user_error
 from .feed_base import Feed, dataset_fingerprint, map_tensors, to_device
 from .sampler import Sampler, batch_epoch, clone_sampler, dataset_length
 from .seeding import isolated_rng, seed_sample
-from .task import input_mode
+from .task import BATCHES, DATASET, STREAM, input_mode
 
 __all__ = ["BatchFeed", "LoaderFeed", "make_feed"]
 
@@ -77,7 +77,7 @@ class _SamplerFeed(Feed):
 
     def check_state(self, saved: Any) -> None:
         live = self.state_dict()
-        _check_kind(saved, self.kind)
+        self.check_kind(saved)
         if set(saved) != set(live):
             raise DataError(
                 f"training_state.data.source does not hold exactly {', '.join(live)}: {SEALED_BUT_UNFIT}"
@@ -96,19 +96,10 @@ class _SamplerFeed(Feed):
             )
 
 
-def _check_kind(saved: Any, kind: str) -> None:
-    found = saved.get("kind") if isinstance(saved, dict) else None
-    if found != kind:
-        raise DataError(
-            f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a {kind!r} "
-            "one: resume with the data factory it was trained with"
-        )
-
-
 class BatchFeed(_SamplerFeed):
     """``get_batch(indices, device)`` in the training process."""
 
-    kind = "batches"
+    kind = BATCHES
 
     def next_batch(self) -> tuple[Any, float]:
         epoch, indices, scale = self._next_indices()
@@ -125,7 +116,7 @@ class BatchFeed(_SamplerFeed):
 class LoaderFeed(_SamplerFeed):
     """A ``DataLoader`` over ``train_dataset`` in the order of a copy of the sampler."""
 
-    kind = "dataset"
+    kind = DATASET
 
     def __init__(
         self,
@@ -460,11 +451,11 @@ def make_feed(
     ``world`` (by default, this process alone)."""
     mode = input_mode(data)
     world = world or World(device=device)
-    if mode == "stream":
+    if mode == STREAM:
         from .stream import StreamFeed
 
         return StreamFeed(data, config, device, world)
-    if config.data.num_workers and mode == "batches":
+    if config.data.num_workers and mode == BATCHES:
         raise DataError(
             f"{config.source}: data.num_workers is {config.data.num_workers}, but data.factory gives "
             "get_batch, which runs in the training process: give a train_dataset to use workers, or set "
@@ -472,7 +463,7 @@ def make_feed(
         )
     if sampler is None:
         raise DataError("data.factory's make_sampler returned None")
-    if mode == "batches":
+    if mode == BATCHES:
         return BatchFeed(
             data,
             sampler,

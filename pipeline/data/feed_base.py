@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import DataError
+
 __all__ = ["Feed", "to_device", "map_tensors", "dataset_fingerprint"]
 
 
@@ -60,6 +62,15 @@ class Feed:
         """Refuse (:class:`DataError`, one line naming the field) a saved ``source`` record
         that does not belong to this source; nothing is changed."""
         raise NotImplementedError
+
+    def check_kind(self, saved: Any) -> None:
+        """Refuse a saved ``source`` record of another input form than this feed's (``kind``)."""
+        found = saved.get("kind") if isinstance(saved, dict) else None
+        if found != self.kind:
+            raise DataError(
+                f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a "
+                f"{self.kind!r} one: resume with the data factory it was trained with"
+            )
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Take a checked record's position (the sampler's is restored with the sampler)."""

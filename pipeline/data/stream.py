@@ -42,6 +42,7 @@ from ..world import World
 from .failures import catchable, collate_failure, sample_deadline
 from .feed_base import Feed, dataset_fingerprint, to_device
 from .seeding import isolated_rng, seed_sample
+from .task import STREAM
 
 __all__ = ["StreamFeed"]
 
@@ -60,7 +61,7 @@ def _json_copy(value: Any, what: str) -> Any:
 class StreamFeed(Feed):
     """One rank's reader of a ``train_iterable`` (see the module docstring)."""
 
-    kind = "stream"
+    kind = STREAM
 
     def __init__(self, data: Any, config: Config, device: torch.device, world: World) -> None:
         source = data.train_iterable
@@ -275,12 +276,7 @@ class StreamFeed(Feed):
 
     def check_state(self, saved: Any) -> None:
         where = "training_state.data.source"
-        found = saved.get("kind") if isinstance(saved, dict) else None
-        if found != self.kind:
-            raise DataError(
-                f"the checkpoint was trained from a {found!r} source, this run's data.factory gives a "
-                "'stream' one: resume with the data factory it was trained with"
-            )
+        self.check_kind(saved)
         if set(saved) != {"kind", "identity", "split", "world_size", "ranks"}:
             raise DataError(
                 f"{where} does not hold exactly kind, identity, split, world_size, ranks: {SEALED_BUT_UNFIT}"

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import torch
 
 from ..errors import DataError
 
-__all__ = ["InputForm", "TaskData", "input_mode", "describe_inputs"]
+__all__ = ["InputForm", "BATCHES", "DATASET", "STREAM", "TaskData", "input_mode", "describe_inputs"]
 
 InputForm = Literal["batches", "dataset", "stream"]
 """The three forms of a task's training inputs (:class:`TaskData`): ``get_batch``, a map-style
 ``train_dataset``, or a ``train_iterable``. A feed's saved state names it (its ``kind``), and
 the resume proof's report (``data.mode``)."""
+
+BATCHES: Final = "batches"
+"""``num_train`` and ``get_batch(indices, device)``, called in the training process."""
+DATASET: Final = "dataset"
+"""A map-style ``train_dataset``, read by a ``DataLoader``."""
+STREAM: Final = "stream"
+"""A ``train_iterable`` with ``state_dict()`` / ``load_state_dict()``."""
 
 
 class TaskData(Protocol):
@@ -49,9 +56,9 @@ def input_mode(data: Any) -> InputForm:
     forms: list[InputForm] = [
         name
         for name, present in (
-            ("batches", callable(getattr(data, "get_batch", None))),
-            ("dataset", getattr(data, "train_dataset", None) is not None),
-            ("stream", getattr(data, "train_iterable", None) is not None),
+            (BATCHES, callable(getattr(data, "get_batch", None))),
+            (DATASET, getattr(data, "train_dataset", None) is not None),
+            (STREAM, getattr(data, "train_iterable", None) is not None),
         )
         if present
     ]
@@ -68,13 +75,13 @@ def describe_inputs(data: Any, config: Any) -> dict[str, Any]:
     """What the resume proof's report says about the inputs it proved."""
     mode = input_mode(data)
     source = {
-        "batches": data,
-        "dataset": getattr(data, "train_dataset", None),
-        "stream": getattr(data, "train_iterable", None),
+        BATCHES: data,
+        DATASET: getattr(data, "train_dataset", None),
+        STREAM: getattr(data, "train_iterable", None),
     }[mode]
     return {
         "mode": mode,
         "source": f"{type(source).__module__}.{type(source).__qualname__}",
-        "num_workers": config.data.num_workers if mode == "dataset" else 0,
-        "stream_split": config.data.stream_split if mode == "stream" else None,
+        "num_workers": config.data.num_workers if mode == DATASET else 0,
+        "stream_split": config.data.stream_split if mode == STREAM else None,
     }

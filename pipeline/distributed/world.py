@@ -34,7 +34,7 @@ import torch.distributed.checkpoint  # noqa: F401
 from .. import PARENT_AT_START
 from ..commands import resume_command, torchrun_launcher
 from ..config import Config, launch_mode
-from ..errors import ConfigError, DataError, PeerFailed, PipelineError, describe_os_error
+from ..errors import ConfigError, DataError, PeerFailed, PipelineError, describe_os_error, first_line
 from ..rng import capture_rng, derive_rank_rng, restore_rng
 from ..world import World, launch_size
 
@@ -101,8 +101,7 @@ def _peer_loss(
     try:
         yield
     except RuntimeError as exc:  # torch.distributed.DistBackendError, DistNetworkError and gloo's errors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PipelineError(f"{what} ({first[:200]}); {then}") from None
+        raise PipelineError(f"{what} ({first_line(exc, limit=200)}); {then}") from None
 
 
 def _one_line(error: BaseException | None) -> str:

@@ -11,8 +11,9 @@ point), :mod:`.compare` (measured comparisons), :mod:`.checks` (which comparison
 """
 
 from .distributed import verify_resume_distributed
+from .layout import REPORT_SCHEMA
 from .plan import DEFAULT_STEPS, controls, plan_cut
-from .protocol import REPORT_SCHEMA, describe, summary_line, verify_resume
+from .protocol import describe, summary_line, verify_resume
 
 __all__ = [
     "controls",

@@ -34,7 +34,6 @@ every rank, right after the restore.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
@@ -46,14 +45,14 @@ from typing import Any, Callable
 from ..checkpoint import step_dir_name
 from ..config import Config, launch_mode, launched_as
 from ..data import load_manifest
-from ..durable import write_json_atomic
+from ..durable import utc_now, write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
 from ..run import resolve_device
 from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
-from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SPEC_FILE
+from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, REPORT_SCHEMA, SPEC_FILE
 from .plan import controls, leg_env, plan_cut
-from .protocol import REPORT_SCHEMA, create_output, last_line, refuse_output
+from .protocol import create_output, last_line, refuse_output
 
 __all__ = ["verify_resume_distributed", "dist_controls", "DIST_LEG_MODULE", "dist_bundle"]
 
@@ -126,7 +125,7 @@ def verify_resume_distributed(
     }
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_now(),
         "completed": False,
         "device": str(resolve_device(config)),
         "protocol": {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __all__ = [
     "REPORT_FILE",
+    "REPORT_SCHEMA",
     "SPEC_FILE",
     "LOG_FILE",
     "SUMMARY_FILE",
@@ -23,6 +24,8 @@ __all__ = [
 ]
 
 REPORT_FILE = "verification.json"
+REPORT_SCHEMA = "pipeline.resume-proof/1"
+"""The report's ``schema``: which fields it has and what they mean (a stage refuses any other)."""
 SPEC_FILE = "spec.json"
 LOG_FILE = "log.txt"
 SUMMARY_FILE = "summary.json"

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..checkpoint import components, step_dir_name
 from ..config import Config
-from ..data import describe_inputs, load_task_data, make_sampler
+from ..data import STREAM, describe_inputs, load_task_data, make_sampler
 from ..errors import ConfigError
 from ..provenance import PACKAGE_ROOT
 from .layout import CHECKPOINTS_DIR, LEG_MODULE, SPEC_FILE
@@ -95,7 +95,7 @@ def plan_cut(config: Config, steps: int | None, cut: int | None) -> Plan:
     if epochs is None:
         why = (
             "a stream has no epochs"
-            if inputs["mode"] == "stream"
+            if inputs["mode"] == STREAM
             else "the sampler's state has no integer 'epoch'"
         )
         return Plan(n, n // 2, f"{why}; cut at the middle", None, inputs)

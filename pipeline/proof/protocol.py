@@ -6,7 +6,6 @@ interpreter, and compares what they left behind. Everything goes into one new fo
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
@@ -21,8 +20,8 @@ import torch
 
 from ..checkpoint import step_dir_name
 from ..config import Config, launched_as
-from ..data import load_manifest
-from ..durable import write_json_atomic
+from ..data import DATASET, load_manifest
+from ..durable import utc_now, write_json_atomic
 from ..environment import current_environment
 from ..errors import ConfigError, PipelineError, ProofIncomplete, describe_os_error
 from ..hashing import sha256_bytes, sha256_file
@@ -39,12 +38,18 @@ from .checks import (
     state_checks,
 )
 from .compare import Check, checkpoint_bundle, load_snapshot
-from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, SNAPSHOT_DIR, SPEC_FILE, SUMMARY_FILE
+from .layout import (
+    CHECKPOINTS_DIR,
+    LOG_FILE,
+    REPORT_FILE,
+    REPORT_SCHEMA,
+    SNAPSHOT_DIR,
+    SPEC_FILE,
+    SUMMARY_FILE,
+)
 from .plan import Leg, Plan, leg_env, leg_spec, make_legs, pack, phases, plan_cut, process_command
 
-__all__ = ["REPORT_SCHEMA", "verify_resume", "summary_line", "describe"]
-
-REPORT_SCHEMA = "pipeline.resume-proof/1"
+__all__ = ["verify_resume", "summary_line", "describe"]
 
 
 def verify_resume(
@@ -307,7 +312,7 @@ def _header(
     }
     return {
         "schema": REPORT_SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_now(),
         "completed": False,
         "device": str(device),
         "environment": {
@@ -418,7 +423,7 @@ def describe(report: dict[str, Any]) -> list[str]:
     ]
     data = report["protocol"].get("data")
     if data:
-        workers = f", {data['num_workers']} DataLoader workers" if data["mode"] == "dataset" else ""
+        workers = f", {data['num_workers']} DataLoader workers" if data["mode"] == DATASET else ""
         lines.append(f"inputs: {data['mode']} ({data['source']}{workers})")
     positive = report["checks"]["positive"]
     worst = [c["max_abs_diff"] for c in positive if c["max_abs_diff"] is not None]

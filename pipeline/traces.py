@@ -127,8 +127,13 @@ def _not_ours(folder: Path) -> str | None:
     training). A mistyped ``outputs.traces`` must never delete someone's folder."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         return "is not a folder"
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / TRACES_MARKER).is_file():
+    names = {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
+    if names and not (folder / TRACES_MARKER).is_file():
         return f"holds files training did not write (no {TRACES_MARKER})"
+    # A marked folder may have gained files of someone's since (notes, other runs' events).
+    others = sorted(names - {TRACES_MARKER, TRACE_FILE})
+    if others:
+        return f"holds files training did not write ({others[0]})"
     return None
 
 

@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from pipeline.checkpoint import read_tensors
+from pipeline.layout import TRACES_MARKER
 from pipeline.traces import INSTALL_HINT, open_traces, trace_bytes
 
 from support import REPO, run_python, script_env
@@ -155,24 +156,27 @@ def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_
     assert (run.checkpoint_dir / "step-00000010" / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("kind", ["folder", "file"])
+@pytest.mark.parametrize("kind", ["folder", "marked", "file"])
 def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_path, kind):
     run = fresh_run(trained_run, tmp_path / "theirs")
     theirs = run.root / "traces"
-    if kind == "folder":
+    if kind == "file":
+        theirs.write_text("mine\n")
+    else:
         theirs.mkdir()
         (theirs / "notes.txt").write_text("mine\n")
-    else:
-        theirs.write_text("mine\n")
+    if kind == "marked":  # training's own folder, with a file of the user's added since
+        (theirs / TRACES_MARKER).write_text("written by training\n")
     result = run.script("02_train.py")
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "traces" in line.lower()]
     assert len(said) == 1 and "TensorBoard traces are off" in said[0] and "outputs.traces" in said[0], said
-    if kind == "folder":
-        assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
-        assert (theirs / "notes.txt").read_text() == "mine\n"
-    else:
+    if kind == "file":
         assert theirs.read_text() == "mine\n"
+    else:
+        kept = ["notes.txt"] + ([TRACES_MARKER] if kind == "marked" else [])
+        assert sorted(p.name for p in theirs.iterdir()) == sorted(kept)
+        assert (theirs / "notes.txt").read_text() == "mine\n"
 
 
 def test_evaluations_become_eval_traces_in_step_order(tmp_path):

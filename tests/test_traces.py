@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from pipeline.checkpoint import read_tensors
-from pipeline.layout import TRACES_MARKER
+from pipeline.layout import TRACE_FILE, TRACES_MARKER
 from pipeline.traces import INSTALL_HINT, open_traces, trace_bytes
 
 from support import REPO, run_python, script_env
@@ -156,17 +156,19 @@ def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_
     assert (run.checkpoint_dir / "step-00000010" / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("kind", ["folder", "marked", "file"])
+@pytest.mark.parametrize("kind", ["folder", "unmarked-events", "marked", "file"])
 def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_path, kind):
     run = fresh_run(trained_run, tmp_path / "theirs")
     theirs = run.root / "traces"
+    # unmarked-events: a copy of training's file kept by the user; marked: training's own folder,
+    # with a file of the user's added since.
+    kept = {"folder": ["notes.txt"], "unmarked-events": [TRACE_FILE], "marked": [TRACES_MARKER, "notes.txt"]}
     if kind == "file":
         theirs.write_text("mine\n")
     else:
         theirs.mkdir()
-        (theirs / "notes.txt").write_text("mine\n")
-    if kind == "marked":  # training's own folder, with a file of the user's added since
-        (theirs / TRACES_MARKER).write_text("written by training\n")
+        for name in kept[kind]:
+            (theirs / name).write_text("mine\n")
     result = run.script("02_train.py")
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "traces" in line.lower()]
@@ -174,9 +176,8 @@ def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_p
     if kind == "file":
         assert theirs.read_text() == "mine\n"
     else:
-        kept = ["notes.txt"] + ([TRACES_MARKER] if kind == "marked" else [])
-        assert sorted(p.name for p in theirs.iterdir()) == sorted(kept)
-        assert (theirs / "notes.txt").read_text() == "mine\n"
+        assert sorted(p.name for p in theirs.iterdir()) == sorted(kept[kind])
+        assert all((theirs / name).read_text() == "mine\n" for name in kept[kind])
 
 
 def test_evaluations_become_eval_traces_in_step_order(tmp_path):

@@ -200,11 +200,21 @@ class Traces:
             pass
 
 
-def open_traces(folder: str | Path, run: Any, *, log_every: int, say: Callable[[str], None]) -> Traces | None:
+def open_traces(
+    folder: str | Path, run: Any, *, log_every: int, say: Callable[[str], None], data_dir: str | Path
+) -> Traces | None:
     """The trace folder written again from ``run``'s restored history, open for appending; or
     ``None`` after one line saying why there are no traces (no tensorboard, a folder training
-    did not write, an unwritable one). Training goes on either way."""
+    did not write, one inside ``data_dir``, an unwritable one). Training goes on either way."""
     folder = Path(folder)
+    data = Path(data_dir).resolve()
+    if folder.resolve() == data or data in folder.resolve().parents:
+        # The data folder is fingerprinted file by file: a trace file there fails the next start.
+        say(
+            f"TensorBoard traces are off: {folder} is inside data.dir ({data_dir}), whose every file "
+            "is fingerprinted; set outputs.traces to a folder outside it"
+        )
+        return None
     try:
         _tensorboard()
     except ImportError:

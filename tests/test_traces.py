@@ -180,12 +180,27 @@ def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_p
         assert all((theirs / name).read_text() == "mine\n" for name in kept[kind])
 
 
+def test_traces_inside_the_data_folder_are_off_and_the_run_resumes(trained_run, tmp_path):
+    """The data folder is fingerprinted file by file: a trace file there would make the next
+    start refuse the run's own data."""
+    run = fresh_run(trained_run, tmp_path / "inside")
+    inside = ("--set", f"outputs.traces={run.data_dir / 'traces'}")
+    before = sorted(p.name for p in run.data_dir.iterdir())
+    stopped = run.script("02_train.py", "--stop-at", "5", *inside)
+    assert stopped.returncode == 0, stopped.stderr
+    said = [line for line in stopped.stderr.splitlines() if "traces" in line.lower()]
+    assert len(said) == 1 and "inside data.dir" in said[0] and "outputs.traces" in said[0], said
+    assert sorted(p.name for p in run.data_dir.iterdir()) == before
+    resumed = run.script("02_train.py", "--resume", "latest", *inside)
+    assert resumed.returncode == 0, resumed.stderr
+
+
 def test_evaluations_become_eval_traces_in_step_order(tmp_path):
     """An evaluation of step 2 recorded after step 3 ran is still written before step 3's
     values: TensorBoard reads a step going back as a restart and drops what came after it."""
     run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
     said: list[str] = []
-    traces = open_traces(tmp_path / "traces", run, log_every=1, say=said.append)
+    traces = open_traces(tmp_path / "traces", run, log_every=1, say=said.append, data_dir=tmp_path / "data")
     assert traces is not None and not said
     for key, value in (("step", 3), ("loss", 0.25), ("lr", 0.05)):
         run.history[key].append(value)

@@ -303,3 +303,16 @@ def test_the_cards_commands_train_the_published_weights_again(staged_run, tmp_pa
     step = f"step-{meta['step']:08d}"
     weights = (folder / "estados_local" / step / "modelo.safetensors").read_bytes()
     assert hashlib.sha256(weights).hexdigest() == meta["files"]["modelo.safetensors"]["sha256"]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_the_cards_commands_of_a_torchrun_run_launch_it_as_it_was(staged_run, parallel):
+    """A run recorded as DDP or FSDP2 is refused in one process: the card's command is torchrun's,
+    with the recorded number of processes."""
+    from pipeline.stage.card import _reproduce_section
+
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["training"]["launch"] = {"parallel": parallel, "world_size": 2, "ddp_find_unused_parameters": False}
+    script = _reproduce_section(meta).split("```sh\n", 1)[1].split("\n```", 1)[0]
+    assert "python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/02_train.py" in script
+    assert "python scripts/02_train.py" not in script

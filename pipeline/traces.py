@@ -127,8 +127,13 @@ def _not_ours(folder: Path) -> str | None:
     training). A mistyped ``outputs.traces`` must never delete someone's folder."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         return "is not a folder"
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / TRACES_MARKER).is_file():
+    names = {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
+    if names and not (folder / TRACES_MARKER).is_file():
         return f"holds files training did not write (no {TRACES_MARKER})"
+    # A marked folder may have gained files of someone's since (notes, other runs' events).
+    others = sorted(names - {TRACES_MARKER, TRACE_FILE})
+    if others:
+        return f"holds files training did not write ({others[0]})"
     return None
 
 
@@ -195,11 +200,21 @@ class Traces:
             pass
 
 
-def open_traces(folder: str | Path, run: Any, *, log_every: int, say: Callable[[str], None]) -> Traces | None:
+def open_traces(
+    folder: str | Path, run: Any, *, log_every: int, say: Callable[[str], None], data_dir: str | Path
+) -> Traces | None:
     """The trace folder written again from ``run``'s restored history, open for appending; or
     ``None`` after one line saying why there are no traces (no tensorboard, a folder training
-    did not write, an unwritable one). Training goes on either way."""
+    did not write, one inside ``data_dir``, an unwritable one). Training goes on either way."""
     folder = Path(folder)
+    data = Path(data_dir).resolve()
+    if folder.resolve() == data or data in folder.resolve().parents:
+        # The data folder is fingerprinted file by file: a trace file there fails the next start.
+        say(
+            f"TensorBoard traces are off: {folder} is inside data.dir ({data_dir}), whose every file "
+            "is fingerprinted; set outputs.traces to a folder outside it"
+        )
+        return None
     try:
         _tensorboard()
     except ImportError:

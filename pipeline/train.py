@@ -285,7 +285,13 @@ def _train(
             report.message(batch)
         # Rebuilt from the restored history, by the one process that logs (pipeline.traces).
         traces = (
-            open_traces(config.outputs.traces, run, log_every=config.training.log_every, say=report.message)
+            open_traces(
+                config.outputs.traces,
+                run,
+                log_every=config.training.log_every,
+                say=report.message,
+                data_dir=config.data.dir,
+            )
             if first
             else None
         )

@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from pipeline.checkpoint import read_tensors
+from pipeline.layout import TRACE_FILE, TRACES_MARKER
 from pipeline.traces import INSTALL_HINT, open_traces, trace_bytes
 
 from support import REPO, run_python, script_env
@@ -155,24 +156,43 @@ def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_
     assert (run.checkpoint_dir / "step-00000010" / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("kind", ["folder", "file"])
+@pytest.mark.parametrize("kind", ["folder", "unmarked-events", "marked", "file"])
 def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_path, kind):
     run = fresh_run(trained_run, tmp_path / "theirs")
     theirs = run.root / "traces"
-    if kind == "folder":
-        theirs.mkdir()
-        (theirs / "notes.txt").write_text("mine\n")
-    else:
+    # unmarked-events: a copy of training's file kept by the user; marked: training's own folder,
+    # with a file of the user's added since.
+    kept = {"folder": ["notes.txt"], "unmarked-events": [TRACE_FILE], "marked": [TRACES_MARKER, "notes.txt"]}
+    if kind == "file":
         theirs.write_text("mine\n")
+    else:
+        theirs.mkdir()
+        for name in kept[kind]:
+            (theirs / name).write_text("mine\n")
     result = run.script("02_train.py")
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "traces" in line.lower()]
     assert len(said) == 1 and "TensorBoard traces are off" in said[0] and "outputs.traces" in said[0], said
-    if kind == "folder":
-        assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
-        assert (theirs / "notes.txt").read_text() == "mine\n"
-    else:
+    if kind == "file":
         assert theirs.read_text() == "mine\n"
+    else:
+        assert sorted(p.name for p in theirs.iterdir()) == sorted(kept[kind])
+        assert all((theirs / name).read_text() == "mine\n" for name in kept[kind])
+
+
+def test_traces_inside_the_data_folder_are_off_and_the_run_resumes(trained_run, tmp_path):
+    """The data folder is fingerprinted file by file: a trace file there would make the next
+    start refuse the run's own data."""
+    run = fresh_run(trained_run, tmp_path / "inside")
+    inside = ("--set", f"outputs.traces={run.data_dir / 'traces'}")
+    before = sorted(p.name for p in run.data_dir.iterdir())
+    stopped = run.script("02_train.py", "--stop-at", "5", *inside)
+    assert stopped.returncode == 0, stopped.stderr
+    said = [line for line in stopped.stderr.splitlines() if "traces" in line.lower()]
+    assert len(said) == 1 and "inside data.dir" in said[0] and "outputs.traces" in said[0], said
+    assert sorted(p.name for p in run.data_dir.iterdir()) == before
+    resumed = run.script("02_train.py", "--resume", "latest", *inside)
+    assert resumed.returncode == 0, resumed.stderr
 
 
 def test_evaluations_become_eval_traces_in_step_order(tmp_path):
@@ -180,7 +200,7 @@ def test_evaluations_become_eval_traces_in_step_order(tmp_path):
     values: TensorBoard reads a step going back as a restart and drops what came after it."""
     run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
     said: list[str] = []
-    traces = open_traces(tmp_path / "traces", run, log_every=1, say=said.append)
+    traces = open_traces(tmp_path / "traces", run, log_every=1, say=said.append, data_dir=tmp_path / "data")
     assert traces is not None and not said
     for key, value in (("step", 3), ("loss", 0.25), ("lr", 0.05)):
         run.history[key].append(value)
@@ -283,3 +303,16 @@ def test_the_cards_commands_train_the_published_weights_again(staged_run, tmp_pa
     step = f"step-{meta['step']:08d}"
     weights = (folder / "estados_local" / step / "modelo.safetensors").read_bytes()
     assert hashlib.sha256(weights).hexdigest() == meta["files"]["modelo.safetensors"]["sha256"]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_the_cards_commands_of_a_torchrun_run_launch_it_as_it_was(staged_run, parallel):
+    """A run recorded as DDP or FSDP2 is refused in one process: the card's command is torchrun's,
+    with the recorded number of processes."""
+    from pipeline.stage.card import _reproduce_section
+
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["training"]["launch"] = {"parallel": parallel, "world_size": 2, "ddp_find_unused_parameters": False}
+    script = _reproduce_section(meta).split("```sh\n", 1)[1].split("\n```", 1)[0]
+    assert "python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/02_train.py" in script
+    assert "python scripts/02_train.py" not in script

@@ -293,7 +293,15 @@ def _reproduce_section(meta: Mapping[str, Any]) -> str:
     environment, versions = provenance["environment"], provenance["versions"]
     step, lineage = meta["step"], training["lineage"]
     run = config["training"]
-    train = "python scripts/02_train.py --config config.yaml"
+    moves = [change for change in training["changes"] if change["item"] == "launch"]
+    launch = moves[0]["recorded"] if moves else training["launch"]
+    # A run recorded as DDP or FSDP2 is refused in one process: it trains again under torchrun.
+    launcher = (
+        ""
+        if launch["parallel"] == "none"
+        else f"-m torch.distributed.run --standalone --nproc-per-node {launch['world_size']} "
+    )
+    train = f"python {launcher}scripts/02_train.py --config config.yaml"
     if not lineage:
         commands = [train + (f" --stop-at {step}" if step < run["max_steps"] else "")]
         extended = ""

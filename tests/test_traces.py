@@ -254,6 +254,7 @@ def test_stage_without_tensorboard_says_so_in_the_card(evaluated_run, run_copy):
         f"No TensorBoard traces: tensorboard was not installed where this model was staged ({INSTALL_HINT})"
         in (run.stage / "README.md").read_text()
     )
+    assert "traces' events carry wall time 0" not in (run.stage / "README.md").read_text()
 
 
 def test_two_runs_of_the_same_config_stage_the_same_bytes(staged_run, restaged_run):

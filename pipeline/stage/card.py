@@ -333,6 +333,9 @@ def _reproduce_section(meta: Mapping[str, Any]) -> str:
     ]
     listed = "\n".join(f"- {fact}" for fact in facts)
     libraries = ", ".join(f"{name} {value}" for name, value in sorted(versions.items()) if value is not None)
+    traces_clause = (
+        "" if meta["training"]["traces"] is None else ", and the TensorBoard traces' events carry wall time 0"
+    )
     return (
         "## Reproduce\n\nThe weights are the deterministic result of the recorded config, code and data: "
         "with this pipeline's scripts, in an empty folder holding this repository's `meta.json`, run\n\n"
@@ -341,8 +344,8 @@ def _reproduce_section(meta: Mapping[str, Any]) -> str:
         + f"(the libraries recorded: {libraries}).{extended} The checkpoint's weights then have the SHA-256 "
         "listed above, and staging it as this one was (`scripts/04_evaluate.py`, then `scripts/05_stage.py` "
         "with the same flags) gives the same bytes for every file of `MANIFEST.sha256`: nothing staged holds "
-        "a wall-clock time, a host name or a machine path, and the TensorBoard traces' events carry wall "
-        "time 0. Another thread count, device or library version computes other sums: the weights then "
+        f"a wall-clock time, a host name or a machine path{traces_clause}. Another thread count, device or "
+        "library version computes other sums: the weights then "
         "differ in their last bits, and so do the digests."
     )
 

@@ -1,7 +1,7 @@
 """Save and restore a distributed run: pickle-free, atomic across ranks, read back through
 the same verification as a single-process checkpoint.
 
-Format (``meta.json`` schema ``pipeline.checkpoint.distributed/2``)::
+Format (``meta.json`` schema ``pipeline.checkpoint.distributed/3``)::
 
     step-00000010/
         model/shard-0000R-model-00001-of-00001.safetensors   rank R-1's chunks, in the layout of
@@ -11,15 +11,16 @@ Format (``meta.json`` schema ``pipeline.checkpoint.distributed/2``)::
         rng/rank-00000.safetensors    rank 0's RNG states (tensors; the rest as JSON in the header)
         estado_treino.safetensors     rank-independent tensors: scheduler, sampler, history (once)
         meta.json                     written last and sealed (meta_sha256) like a single-process
-                                      one: JSON state, every file's SHA-256 and size, every
+                                      one: JSON state, every file's SHA-256, size and 64 MiB
+                                      chunk digests (meta.py's files entry), every
                                       tensor's full shape, the launch (mode, world size, DDP
                                       bucket setting)
 
 Commit protocol: rank 0 opens :func:`pipeline.durable.atomic_folder` and broadcasts the
 temporary folder's name; every rank writes its files through ``dcp.save`` (model, then
 optimizer) and :func:`~pipeline.checkpoint.tensorfile.write_safetensors` (its RNG states;
-rank 0 the shared state), each hashed as it is written and fsynced by its writer; all
-agree; the ranks' ``{file: sha256, size}`` records go to rank
+rank 0 the shared state), each hashed whole and by chunks from memory as it is written and
+fsynced by its writer; all agree; the ranks' ``{file: files entry}`` records go to rank
 0 as JSON (:meth:`World.gather_text`, no pickle); rank 0 checks they list exactly the
 folder's files, writes ``meta.json`` (:func:`~pipeline.checkpoint.meta.write_meta`) and
 leaves ``atomic_folder`` (fsync the folders, rename, fsync the parent); all agree; rank 0
@@ -57,6 +58,7 @@ from torch.futures import Future
 
 from ..durable import atomic_folder, json_loads_strict
 from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, SchemaMismatch, StateMismatch
+from ..hashing import CHUNK_SIZE
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng, derive_rank_rng, restore_rng
 from ..run import TrainingRun
@@ -66,12 +68,12 @@ from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import join_state, split_state
 from .components import components
 from .load import LoadedCheckpoint, load_checkpoint
-from .meta import build_meta, write_meta
+from .meta import build_meta, file_entry, write_meta
 from .shards import consolidate, shard_tensors, tensor_specs
 from .snapshot import SnapshotBuffers
 from .state import capture_history, checked_omit, restore_components
 from .store import CheckpointStore, SavedCheckpoint
-from .tensorfile import map_file, parse_header, read_tensors, tensors_from_map, write_safetensors
+from .tensorfile import map_file, parse_header, read_tensors, tensors_from_map, write_safetensors_files
 from .validate import HISTORY, validated_state
 from .verified_dcp import SealedReads
 from .weights import check_derived_buffers, derived_buffer_names
@@ -111,12 +113,12 @@ class _StreamedShardWriter(HuggingFaceStorageWriter):
     tensors' memory (torch's writer builds the whole file in memory first), hashed as it
     is written (no second read), fsynced, and with its header in one canonical order (torch's
     follows a hash map's, so two identical runs wrote different bytes). ``written``: this
-    rank's ``{file name: (sha256, size)}``."""
+    rank's ``{file name: files entry}`` (:func:`~pipeline.checkpoint.meta.file_entry`)."""
 
     def __init__(self, folder: Path, part: str) -> None:
         super().__init__(str(folder), save_distributed=True)
         self.folder, self.part = folder, part
-        self.written: dict[str, tuple[str, int]] = {}
+        self.written: dict[str, dict[str, Any]] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         done: Future[list[WriteResult]] = Future()
@@ -140,23 +142,26 @@ class _StreamedShardWriter(HuggingFaceStorageWriter):
                     index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(), storage_data=name
                 )
             )
-        self.written[f"{self.part}/{name}"] = write_safetensors(
+        self.written[f"{self.part}/{name}"] = _write_sealed(
             self.folder / name,
             tensors,
-            metadata={
-                _SHARDING_INFO: json.dumps(sharding, sort_keys=True),
-                _DCP_VERSION: "1.0",
-                "format": "pt",
-            },
+            {_SHARDING_INFO: json.dumps(sharding, sort_keys=True), _DCP_VERSION: "1.0", "format": "pt"},
         )
         done.set_result(results)
         return done
 
 
+def _write_sealed(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one file of the checkpoint; its ``files`` entry (whole and chunk digests, from
+    the tensors' memory as it is written, as the single-process store does)."""
+    sha256, size, chunks = write_safetensors_files([(path, tensors, metadata)], chunk_size=CHUNK_SIZE)[0]
+    return file_entry(sha256, size, chunks, CHUNK_SIZE)
+
+
 def _dcp_save(
     tensors: dict[str, torch.Tensor], temporary: Path, part: str, world: World
-) -> dict[str, tuple[str, int]]:
-    """Save ``tensors`` with DCP into ``temporary / part``; this rank's file's (sha256, size)."""
+) -> dict[str, dict[str, Any]]:
+    """Save ``tensors`` with DCP into ``temporary / part``; this rank's file's files entry."""
     odd = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if odd:
         raise CheckpointError(f"{odd[0]} is not a tensor: a distributed checkpoint holds tensors only")
@@ -385,14 +390,14 @@ class DistributedCheckpointer(OneSaveInFlight):
                     **_dcp_save(optimizer, temporary, DIST_OPTIM_DIR, world),
                 }
                 (temporary / DIST_RNG_DIR).mkdir(exist_ok=True)
-                hashed[rank_rng_file(world.rank)] = write_safetensors(
+                hashed[rank_rng_file(world.rank)] = _write_sealed(
                     temporary / rank_rng_file(world.rank),
                     rng,
-                    metadata={"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)},
+                    {"format": "pt", _RNG_KEY: json.dumps(record["rng_tree"], allow_nan=False)},
                 )
                 if lead:
-                    hashed[STATE_FILE] = write_safetensors(
-                        temporary / STATE_FILE, shared, metadata={"format": "pt", "step": str(step)}
+                    hashed[STATE_FILE] = _write_sealed(
+                        temporary / STATE_FILE, shared, {"format": "pt", "step": str(step)}
                     )
             records = world.gather_text(json.dumps(hashed))
             files: dict[str, dict[str, Any]] = {}
@@ -431,12 +436,12 @@ def _listed(temporary: Path, records: list[str]) -> dict[str, dict[str, Any]]:
     """The ranks' hash records joined (rank 0): every file in the folder exactly once."""
     files: dict[str, dict[str, Any]] = {}
     for record in records:
-        for name, (digest, size) in json_loads_strict(record.encode("utf-8")).items():
+        for name, entry in json_loads_strict(record.encode("utf-8")).items():
             if name in files:
                 raise CheckpointError(
                     f"{temporary / name} was hashed by two ranks: their listings of the folder differ"
                 )
-            files[name] = {"sha256": digest, "size": size}
+            files[name] = entry  # checked by build_meta
     present = sorted(p.relative_to(temporary).as_posix() for p in temporary.rglob("*") if not p.is_dir())
     for name in present:
         # What torch writes besides safetensors (.metadata, .distcp) is pickle.

@@ -21,7 +21,7 @@
 ``private_copy``          its weights from a verified private copy, one tensor at a time
 ``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
 ``distributed``           the commit protocol across torchrun ranks; restore via DCP
-``verified_dcp``          that restore's reads: each rank's files hashed in its memory
+``verified_dcp``          that restore's reads: each rank's chunks hashed in its memory
 ========================  ==========================================================
 
 Other packages import from here, not from the submodules (a test checks it). The names of

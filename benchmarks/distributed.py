@@ -105,12 +105,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from pipeline.checkpoint import CheckpointStore
-    from pipeline.checkpoint.distributed import (
-        DistributedCheckpointer,
-        _model_state,
-        _optimizer_state,
-        restore_distributed,
-    )
+    from pipeline.checkpoint.dist_restore import restore_distributed
+    from pipeline.checkpoint.distributed import DistributedCheckpointer, _model_state, _optimizer_state
     from pipeline.checkpoint.store import read_meta
     from pipeline.checkpoint.weights import model_summary
     from pipeline.config import load_config

@@ -21,11 +21,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from oprecorder import Op, ordering_problems
+from readrecorder import ReadRecorder
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from pipeline.checkpoint import LoadMode, load_checkpoint, load_model_weights, read_tensors
+from pipeline.checkpoint.meta import entry_of
 from pipeline.checkpoint.store import meta_sha256
+from pipeline.checkpoint.verified_dcp import SealedReads
 from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
@@ -50,6 +53,9 @@ LEGS = pytest.mark.xdist_group("distributed-legs")
 # Dropout draws from per-rank streams (re-derived by a reshard); the augmentation noise is
 # seeded per sample, the same at any world size, so it stays on.
 QUIET_RNG = {"model.params.dropout": 0.0}
+# The chunk size the counted resume's checkpoint is sealed with: small enough that a shard
+# file of the test's model spans many chunks.
+READ_CHUNK = 256
 STREAM = {"data.prepare": "inputs_factories:prepare_stream", "data.factory": "inputs_factories:build_stream"}
 
 
@@ -161,10 +167,16 @@ def legs(data_dir, tmp_path_factory):
             {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_cut_{mode}")}, "resume": "latest"},
             {"overrides": {**base, "checkpoint.dir": str(root / f"fp16_full_{mode}")}},
         ]
-    # The FSDP2 run's step 5, resumed: each rank's reads counted, and each file it read whole
-    # rewritten on disk at once (tests/helpers/readrecorder.py); then with a shard damaged.
+    # The FSDP2 run's step 5, resumed: sealed anew in chunks of READ_CHUNK bytes, each rank's
+    # reads counted, and each file it read whole rewritten on disk at once
+    # (tests/helpers/readrecorder.py); then with a shard damaged; then in the form of
+    # distributed schema 2 (whole-file digests only).
     fsdp2 = {"data.dir": str(data_dir), "training.parallel": "fsdp2", "checkpoint.keep_last": 3}
-    for name, flip in (("reads_fsdp2", None), ("damaged_fsdp2", f"{DIST_MODEL_DIR}/{_shard(2)}")):
+    for name, flip, reseal in (
+        ("reads_fsdp2", None, {"chunk_size": READ_CHUNK}),
+        ("damaged_fsdp2", f"{DIST_MODEL_DIR}/{_shard(2)}", None),
+        ("old_fsdp2", None, {"schema": "pipeline.checkpoint.distributed/2"}),
+    ):
         runs.append(
             {
                 "overrides": {**fsdp2, "checkpoint.dir": str(root / name)},
@@ -173,6 +185,7 @@ def legs(data_dir, tmp_path_factory):
                     "from": str(root / "full_fsdp2" / "step-00000005"),
                     "to": str(root / name),
                     "flip": flip,
+                    "reseal": reseal,
                 },
                 # Only the files one rank reads are rewritten (FSDP2: its model shard, its RNGs).
                 **(
@@ -182,7 +195,7 @@ def legs(data_dir, tmp_path_factory):
                             "rewrite": ["step-00000005/model/", "step-00000005/rng/"],
                         }
                     }
-                    if flip is None
+                    if name == "reads_fsdp2"
                     else {}
                 ),
             }
@@ -339,7 +352,7 @@ def test_checkpoint_is_safetensors_only_and_fully_listed(legs):
             assert not (folder / name).read_bytes().startswith(b"PK"), f"{name} is a zip (torch.save) file"
         assert {"rng/rank-00000.safetensors", "rng/rank-00001.safetensors"} <= set(meta["files"])
         assert meta["parallel"] == {"mode": mode, "world_size": 2, "ddp_find_unused_parameters": False}
-        assert meta["resharded_from"] is None and meta["schema"] == "pipeline.checkpoint.distributed/2"
+        assert meta["resharded_from"] is None and meta["schema"] == "pipeline.checkpoint.distributed/3"
         # Sealed like a single-process meta.json, and the environment recorded.
         assert meta["meta_sha256"] == meta_sha256(meta)
         assert meta["environment"]["intra_op_threads"] == 1 and meta["environment"]["changes"] == []
@@ -381,36 +394,82 @@ def test_missing_or_altered_shard_is_refused(legs, tmp_path):
 
 
 @LEGS
-def test_each_rank_hashes_only_the_files_it_reads_and_uses_the_bytes_it_hashed(legs):
-    """Per rank: every shard file's header read (DCP plans from them); whole, once, only the
-    files its plan reads from: its own shards and any shard holding a replicated tensor (the
-    optimizer's step counts, which DCP saves in one rank's file), its RNG file, the shared
-    state; never another rank's RNGs. Each model shard and RNG file rewritten on disk as
-    soon as its rank read it, and the resume still bitwise that of the uninterrupted run:
-    the bytes used are the bytes read (and hashed there: SealedReads)."""
+def test_a_rank_hashes_the_chunks_it_reads_and_refuses_a_bad_one_or_a_bad_table(legs, tmp_path):
+    """SealedReads on a real checkpoint (no launch): a read hashes the chunks covering its
+    ranges and no other (a damaged chunk elsewhere is not read, so not refused); a damaged
+    chunk it reads is refused, naming it; a read past the file's end is refused; a distributed
+    checkpoint's chunk table that does not tile its file is refused by meta.json's reader."""
+    folder = _damaged_copy(legs, tmp_path)
+    name = f"{DIST_OPTIM_DIR}/{_shard(1)}"
+    _reseal(folder, lambda meta: meta["files"].update({name: entry_of((folder / name).read_bytes(), 256)}))
+    meta = verify_distributed(folder)
+    size = meta["files"][name]["size"]
+    assert size > 4 * 256
+    data = bytearray((folder / name).read_bytes())
+    data[-1] ^= 1  # the last chunk damaged
+    (folder / name).write_bytes(bytes(data))
+    reads = SealedReads(folder, meta)
+    with ReadRecorder(folder) as recorder:
+        first = reads.read(name, [(10, 300)])
+    assert first is not None and bytes(first[:512]) == bytes(data[:512]) and not reads.refusals
+    assert recorder.read == {name: 512}, recorder.read  # chunks 0 and 1, nothing else
+    assert reads.read(name, [(300, 400), (size - 1, size)]) is None
+    assert f"SHA-256 differs from meta.json (chunk {(size - 1) // 256}: bytes" in str(reads.refusals[0])
+    assert reads.read(name, [(0, size + 1)]) is None
+    assert "falls outside the file" in str(reads.refusals[1])
+    _reseal(folder, lambda meta: meta["files"][name]["chunk_sha256"].pop())
+    with pytest.raises(SchemaMismatch, match=f"the chunk table of {name} is malformed"):
+        verify_distributed(folder)
+
+
+@LEGS
+def test_each_rank_hashes_only_the_chunks_it_reads_and_uses_the_bytes_it_hashed(legs):
+    """Per rank: every shard file's header read (DCP plans from them); once, only the sealed
+    chunks covering the header and the bytes its plan reads of each file: its own shards
+    whole, of another rank's optimizer shard the chunks of the tensors every rank holds alike
+    (the optimizer's step counts, which DCP saves in one rank's file), never that whole
+    file; its RNG file and the shared state; never another rank's RNGs. Each model shard
+    and RNG file rewritten on disk as soon as its rank read it, and the resume still bitwise
+    that of the uninterrupted run: the bytes used are the bytes read (and hashed there:
+    SealedReads). A checkpoint in the form of distributed schema 2 (whole-file digests)
+    resumes bitwise too."""
     root, results, _ = legs
-    full, resumed = results[5], results[19]
+    full, resumed, old = results[5], results[19], results[21]
     assert resumed.get("loss") == full["loss"], resumed
+    assert old.get("loss") == full["loss"], old
+    old_meta = json.loads((root / "old_fsdp2" / "step-00000005" / "meta.json").read_text())
+    assert old_meta["schema"] == "pipeline.checkpoint.distributed/2"
+    assert all(set(entry) == {"sha256", "size"} for entry in old_meta["files"].values())
     folder = root / "reads_fsdp2" / "step-00000005"
     with pytest.raises(ChecksumMismatch, match="SHA-256 differs"):
         verify_distributed(folder)  # the rewrites did land on disk
     files = json.loads((folder / "meta.json").read_text())["files"]
-    headers, replicated = {}, set()
+    assert {entry["chunk_size"] for entry in files.values()} == {READ_CHUNK}
+    heads, replicated = {}, {}
     for name in files:
         if name.startswith((f"{DIST_MODEL_DIR}/", f"{DIST_OPTIM_DIR}/")):
             data = (folder / name).read_bytes()
-            headers[name] = 8 + int.from_bytes(data[:8], "little")
-            entries = json.loads(data[8 : headers[name]])
-            if any(entry.get("shape") == [] for entry in entries.values()):
-                replicated.add(name)
+            heads[name] = 8 + int.from_bytes(data[:8], "little")
+            entries = json.loads(data[8 : heads[name]])
+            # The chunks covering the header and each tensor every rank holds alike (shape []).
+            spans = [(0, heads[name])] + [
+                (heads[name] + e["data_offsets"][0], heads[name] + e["data_offsets"][1])
+                for e in entries.values()
+                if e.get("shape") == []
+            ]
+            chunks = {k for a, b in spans for k in range(a // READ_CHUNK, (b - 1) // READ_CHUNK + 1)}
+            if len(spans) > 1:
+                replicated[name] = sum(min(READ_CHUNK, files[name]["size"] - k * READ_CHUNK) for k in chunks)
+    sizes = {name: files[name]["size"] for name in replicated}
+    assert replicated and all(replicated[name] < sizes[name] for name in replicated), (replicated, sizes)
     for rank in (0, 1):
         got = json.loads(Path(f"{root / 'reads'}-rank{rank}.json").read_text())
         read = {name.removeprefix("step-00000005/"): count for name, count in got["read"].items()}
-        own = {f"{DIST_MODEL_DIR}/{_shard(rank + 1)}", f"{DIST_OPTIM_DIR}/{_shard(rank + 1)}", *replicated}
+        own = {f"{DIST_MODEL_DIR}/{_shard(rank + 1)}", f"{DIST_OPTIM_DIR}/{_shard(rank + 1)}"}
         for name, entry in files.items():
-            if name in headers:
-                whole = entry["size"] if name in own else 0
-                assert read.get(name) == headers[name] + whole, (rank, name, read)
+            if name in heads:
+                hashed = entry["size"] if name in own else replicated.get(name, 0)
+                assert read.get(name) == heads[name] + hashed, (rank, name, read)
             elif name in (rank_rng_file(rank), STATE_FILE):
                 assert read.get(name) == entry["size"], (rank, name, read)
             else:

@@ -20,12 +20,14 @@
 ``compat``                may this checkpoint resume this config?
 ``private_copy``          its weights from a verified private copy, one tensor at a time
 ``checkpointer``          sync or background saves of a live run (``snapshot``: buffers)
-``distributed``           the commit protocol across torchrun ranks; restore via DCP
-``verified_dcp``          that restore's reads: each rank's files hashed in its memory
+``distributed``           the commit protocol across torchrun ranks (save through DCP)
+``dist_restore``          a distributed checkpoint restored through DCP, or a single-
+                          process one onto the ranks (``--reshard``)
+``verified_dcp``          that restore's reads: each rank's chunks hashed in its memory
 ========================  ==========================================================
 
 Other packages import from here, not from the submodules (a test checks it). The names of
-``distributed`` load on first use, so a single-process run never imports
+``distributed`` and ``dist_restore`` load on first use, so a single-process run never imports
 ``torch.distributed.checkpoint``.
 """
 
@@ -63,14 +65,15 @@ from .weights import (
     warm_start,
 )
 
-_DISTRIBUTED = (
-    "DistributedCheckpointer",
-    "live_components",
-    "read_full_state",
-    "read_rank_rng",
-    "restore_distributed",
-    "restore_from_single",
-)
+# Loaded on first use, from their module (module docstring).
+_DISTRIBUTED = {
+    "DistributedCheckpointer": ".distributed",
+    "live_components": ".dist_restore",
+    "read_full_state": ".dist_restore",
+    "read_rank_rng": ".dist_restore",
+    "restore_distributed": ".dist_restore",
+    "restore_from_single": ".dist_restore",
+}
 
 __all__ = [
     *_DISTRIBUTED,
@@ -125,7 +128,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in _DISTRIBUTED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".distributed", __name__), name)
+    value = getattr(importlib.import_module(_DISTRIBUTED[name], __name__), name)
     globals()[name] = value
     return value
 

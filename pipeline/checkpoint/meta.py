@@ -28,6 +28,7 @@ from .shards import check_launch_record
 __all__ = [
     "SCHEMA_VERSION",
     "DIST_SCHEMA",
+    "DIST_SCHEMAS",
     "CHUNK_SIZE",
     "FIELDS",
     "FILE_FIELDS",
@@ -49,10 +50,13 @@ SCHEMA_VERSION = "pipeline.checkpoint/3"
 # Schema 2: the same record, each file with its whole SHA-256 only (no chunk table); still
 # read, and verified as written (one digest per file).
 _WHOLE_FILE_SCHEMAS = ("pipeline.checkpoint/2",)
-# A torchrun checkpoint (pipeline.distributed): the same sealed meta.json and the same
-# readers, plus the launch that wrote it and every tensor's full shape (see ``shards``);
-# its files carry whole-file digests only.
-DIST_SCHEMA = "pipeline.checkpoint.distributed/2"
+# A torchrun checkpoint (pipeline.distributed): the same sealed meta.json, files table and
+# readers, plus the launch that wrote it and every tensor's full shape (see ``shards``).
+DIST_SCHEMA = "pipeline.checkpoint.distributed/3"
+# Distributed schema 2: the same, each file with its whole SHA-256 only; still read, and
+# verified as written (one digest per file).
+_WHOLE_FILE_DIST_SCHEMAS = ("pipeline.checkpoint.distributed/2",)
+DIST_SCHEMAS = (DIST_SCHEMA, *_WHOLE_FILE_DIST_SCHEMAS)
 # Schema 1 had no meta_sha256: its meta.json (optimizer groups, sampler cursor, RNG
 # states) was covered by no hash, so a bit flip that kept it valid JSON went unnoticed.
 _UNSEALED_SCHEMAS = ("pipeline.checkpoint/1",)
@@ -60,8 +64,9 @@ SEAL_KEY = "meta_sha256"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_FILE)
 
 FIELDS: dict[str, str] = {
-    "schema": "`pipeline.checkpoint/3` (`pipeline.checkpoint.distributed/2` under torchrun); "
-    "`pipeline.checkpoint/2`, the same without chunk digests, is still read",
+    "schema": "`pipeline.checkpoint/3` (`pipeline.checkpoint.distributed/3` under torchrun); "
+    "`pipeline.checkpoint/2` and `pipeline.checkpoint.distributed/2`, the same without chunk "
+    "digests, are still read",
     "step": "the global step; equals the folder's number",
     "created": "UTC time of the save, ISO 8601, seconds",
     "config": "the full config the run trains with",
@@ -82,9 +87,9 @@ FIELDS: dict[str, str] = {
 FILE_FIELDS: dict[str, str] = {
     "sha256": "SHA-256 of the whole file, as `sha256sum` prints it",
     "size": "its size in bytes",
-    "chunk_size": f"bytes per chunk: {CHUNK_SIZE} (64 MiB); schema 3 only",
+    "chunk_size": f"bytes per chunk: {CHUNK_SIZE} (64 MiB); schema 3 only (both kinds)",
     "chunk_sha256": "SHA-256 of each `chunk_size` piece of the file in order, the last one shorter: "
-    "exactly ceil(size / chunk_size) digests; schema 3 only",
+    "exactly ceil(size / chunk_size) digests; schema 3 only (both kinds)",
 }
 META_KEYS = frozenset(FIELDS)
 # One entry of meta.json "lineage" per --extend-to, oldest first: the run's max_steps before
@@ -144,7 +149,7 @@ def build_meta(
     if set(record) | {SEAL_KEY} != keys:
         raise InternalError(f"checkpoint meta keys differ: {sorted((set(record) | {SEAL_KEY}) ^ keys)}")
     if not _files_ok(record["files"], record["schema"]) or any(
-        _chunk_table_fault(entry) for entry in record["files"].values() if not distributed
+        _chunk_table_fault(entry) for entry in record["files"].values()
     ):
         raise InternalError(f"checkpoint files table is malformed: {record['files']}")
     return {**record, SEAL_KEY: meta_sha256(record)}
@@ -173,7 +178,7 @@ def meta_sha256(record: Mapping[str, Any]) -> str:
 
 def is_distributed(meta: Mapping[str, Any]) -> bool:
     """Whether a meta.json returned by :func:`read_meta` is a torchrun checkpoint's."""
-    return meta["schema"] == DIST_SCHEMA
+    return meta["schema"] in DIST_SCHEMAS
 
 
 def _chunk_table_fault(entry: Mapping[str, Any]) -> str | None:
@@ -197,7 +202,9 @@ def _chunk_table_fault(entry: Mapping[str, Any]) -> str | None:
 
 
 def _files_ok(files: Any, schema: str) -> bool:
-    entry_keys = _WHOLE_ENTRY if schema in (*_WHOLE_FILE_SCHEMAS, DIST_SCHEMA) else _CHUNKED_ENTRY
+    entry_keys = (
+        _WHOLE_ENTRY if schema in (*_WHOLE_FILE_SCHEMAS, *_WHOLE_FILE_DIST_SCHEMAS) else _CHUNKED_ENTRY
+    )
     if not isinstance(files, dict) or not all(
         isinstance(e, dict)
         and set(e) == entry_keys
@@ -208,7 +215,7 @@ def _files_ok(files: Any, schema: str) -> bool:
         for e in files.values()
     ):
         return False
-    if schema != DIST_SCHEMA:
+    if schema not in DIST_SCHEMAS:
         return set(files) == set(CHECKPOINT_FILES)
     # Relative safetensors paths inside the folder, nothing else (no "..", no absolute path).
     return STATE_FILE in files and all(
@@ -243,7 +250,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
             _SEALED_BYTES[raw] = None
             while len(_SEALED_BYTES) > _SEALED_BYTES_KEPT:
                 del _SEALED_BYTES[next(iter(_SEALED_BYTES))]
-    distributed = meta["schema"] == DIST_SCHEMA
+    distributed = meta["schema"] in DIST_SCHEMAS
     keys = DIST_META_KEYS if distributed else META_KEYS
     if set(meta) == keys - {"lineage"}:
         meta["lineage"] = []  # written before runs could be extended (same schema): never extended
@@ -254,7 +261,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
         )
     if not _files_ok(meta["files"], meta["schema"]):
         raise SchemaMismatch(f"{path} has a malformed files table: {SEALED_BUT_UNFIT}")
-    if meta["schema"] == SCHEMA_VERSION:
+    if meta["schema"] in (SCHEMA_VERSION, DIST_SCHEMA):
         for name, entry in sorted(meta["files"].items()):
             fault = _chunk_table_fault(entry)
             if fault is not None:
@@ -287,7 +294,7 @@ def _sealed_meta(path: Path, folder: Path, raw: bytes) -> dict[str, Any]:
             f"({SEAL_KEY}), so its training state cannot be verified and is not loaded; "
             f"start a new run from its weights with --init-from {folder / MODEL_FILE}"
         )
-    if schema not in (SCHEMA_VERSION, *_WHOLE_FILE_SCHEMAS, DIST_SCHEMA):
+    if schema not in (SCHEMA_VERSION, *_WHOLE_FILE_SCHEMAS, *DIST_SCHEMAS):
         raise SchemaMismatch(
             f"{path} has schema {schema!r}, this version reads {SCHEMA_VERSION!r}: "
             "the checkpoint comes from another tool or version and is not loaded"

@@ -1,18 +1,20 @@
 """A distributed resume uses only bytes its own rank hashed.
 
-:class:`SealedReads` is one rank's reading of a distributed checkpoint. Each file a rank
-needs (its shards, its RNG file, the shared state) is read whole into this process's
-memory, once, and hashed there against the whole-file SHA-256 that the sealed
-``meta.json`` lists; DCP's read requests are then served from those bytes
-(:class:`VerifiedShardReader`, a ``torch.distributed.checkpoint`` ``StorageReader``), so
-no later write to a file reaches what was verified, and no rank reads another rank's
-shards beyond their headers. A reshard reads whole every file any of its chunks are in.
+:class:`SealedReads` is one rank's reading of a distributed checkpoint. Of each file a
+rank needs, the sealed chunks (``meta.json``'s chunk table, :mod:`.meta`) covering the
+bytes it uses are read into this process's memory, once, and each hashed there against
+its digest before any byte of it is served; DCP's read requests are then served from those
+bytes (:class:`VerifiedShardReader`, a ``torch.distributed.checkpoint`` ``StorageReader``),
+so no later write to a file reaches what was verified, and a rank reads of another rank's
+shard only the chunks of its header and of the pieces it loads (under FSDP2, the optimizer's
+step counts, which DCP saves once for all ranks). A file sealed with its whole digest only
+(distributed schema 2) is one chunk: read whole, hashed whole.
 
-Planning needs every shard file's header (which rank's chunk is where): the headers are
+Planning needs every shard file's header (which rank's piece is where): the headers are
 read small and unhashed, parsed by the one strict parser, and every tensor's coverage is
 checked on them against ``meta.json``'s shapes (torch's planner would leave a gap as the
-freshly built values). A header only steers reads: every read it steers goes to a file that
-is then hashed whole, whose hashed header must be the planned one byte for byte.
+freshly built values). A header only steers reads: every byte it steers to is hashed before
+it is used, and the hashed header must be the planned one byte for byte.
 
 A refusal is kept, not raised, while DCP's collectives run (a rank raising there would
 leave the others waiting in the next one); :meth:`SealedReads.agree` then decides on every
@@ -21,12 +23,14 @@ rank with one collective, before any state is set. docs/distributed.md, "Resume"
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch.distributed.checkpoint import Metadata, StorageReader
@@ -43,12 +47,11 @@ from torch.futures import Future
 from ..errors import ChecksumMismatch, PipelineError, SchemaMismatch, StateMismatch
 from ..world import World
 from .tensorfile import _DTYPES, _MAX_HEADER, parse_header, tensors_from_map
-from .verified_read import _Hashing
 
 __all__ = ["SealedReads", "VerifiedShardReader"]
 
-# Bytes per read: the hasher follows the reader a chunk behind, on another core.
-_READ_CHUNK = 8 * 1024 * 1024
+# Bytes per read: small, so that a piece is still in the CPU cache when hashed.
+_READ_CHUNK = 2 * 1024 * 1024
 # Where torch's HuggingFaceStorageWriter records a chunk's place in its full tensor.
 _SHARDING_KEY, _OFFSETS_KEY = "DCP_SHARDING_INFO", "saved_offsets"
 # The refusals a rank can keep for the agreement, by name (the agreement carries text).
@@ -57,8 +60,8 @@ _REFUSALS = {cls.__name__: cls for cls in (ChecksumMismatch, SchemaMismatch, Sta
 
 class SealedReads:
     """This rank's reads of the checkpoint ``folder`` whose verified ``meta.json`` is
-    ``meta``: each file read whole into memory and hashed there (:meth:`read`), refusals
-    kept until :meth:`agree`."""
+    ``meta``: the chunks of each file that this rank uses read into memory and hashed there
+    (:meth:`read`), refusals kept until :meth:`agree`."""
 
     def __init__(self, folder: Path, meta: Mapping[str, Any]) -> None:
         self.folder = folder
@@ -72,52 +75,64 @@ class SealedReads:
     def refuse(self, error: PipelineError) -> None:
         self.refusals.append(error)
 
-    def read(self, name: str, into: Mapping[int, memoryview] | None = None) -> memoryview | None:
-        """File ``name``'s bytes, read into memory of this process and hashed there; ``None``
-        (a refusal kept) if they are not the bytes ``meta.json`` seals.
+    def read(
+        self,
+        name: str,
+        spans: Iterable[tuple[int, int]] | None = None,
+        into: Mapping[int, memoryview] | None = None,
+    ) -> memoryview | None:
+        """File ``name``'s bytes in a buffer of its size, of which the sealed chunks covering
+        ``spans`` (``[start, end)`` byte ranges; None: the whole file) are read into memory
+        of this process and each hashed there against its digest in ``meta.json`` (a file
+        sealed with its whole digest only is one chunk); the rest of the buffer is never read
+        nor touched. ``None`` (a refusal kept) if a chunk is not the sealed bytes.
 
         ``into``: ``{file offset: memoryview}``, ranges read straight into their final place
-        (a tensor that takes a whole stored chunk) and hashed there; the returned buffer
-        holds the rest (its pages of those ranges are never touched)."""
+        (a tensor that takes a whole stored chunk) and hashed there; the buffer's pages of
+        those ranges are never touched."""
         path = self.folder / name
         sealed = self.meta["files"][name]
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        hashing = _Hashing(path.name)
-        hashing.start()
         size = sealed["size"]
-        # Anonymous pages: none is touched but those read into (a chunk read in place never is).
-        whole = memoryview(mmap.mmap(-1, max(size, 1))).cast("B")[:size]
-        short = False
-        try:
-            # The whole file is about to be read in order: let the kernel read ahead.
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-            for start, view in _in_file_order(whole, into or {}):
-                done = 0
-                while done < len(view):
-                    got = os.preadv(fd, [view[done:]], start + done)
-                    if got == 0:
-                        short = True
-                        break
-                    done += got
-                if short:
-                    break
-                hashing.chunks.put(view)
-            # A file grown since it was listed is not the sealed one either.
-            short = short or os.fstat(fd).st_size != size
-        finally:
-            hashing.chunks.put(None)
-            hashing.join()
-            os.close(fd)
-        if hashing.error is not None:
-            raise hashing.error
-        if short or hashing.digest.hexdigest() != sealed["sha256"]:
+        chunk_size = sealed.get("chunk_size", max(size, 1))
+        digests = sealed.get("chunk_sha256", [sealed["sha256"]])
+        spans = [(0, size)] if spans is None else [(a, b) for a, b in spans if b > a]
+        if any(a < 0 or b > size for a, b in spans):
             self.refuse(
-                ChecksumMismatch(
-                    f"{path} SHA-256 differs from meta.json: the file is damaged or was modified"
-                )
+                ChecksumMismatch(f"{path}: a planned read falls outside the file: the file was modified")
             )
             return None
+        wanted = sorted({k for a, b in spans for k in range(a // chunk_size, (b - 1) // chunk_size + 1)})
+        # Anonymous pages: none is touched but those read into (a chunk read in place never is).
+        whole = memoryview(mmap.mmap(-1, max(size, 1))).cast("B")[:size]
+        direct = _disjoint(into or {}, size)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for k in wanted:  # the kernel reads ahead within each chunk (its reads go in order)
+                begin = k * chunk_size
+                os.posix_fadvise(fd, begin, min(chunk_size, size - begin), os.POSIX_FADV_WILLNEED)
+            with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
+                got = list(
+                    pool.map(
+                        lambda k: _read_chunk(
+                            fd, whole, direct, k * chunk_size, min((k + 1) * chunk_size, size)
+                        ),
+                        wanted,
+                    )
+                )
+            # A file grown since it was listed is not the sealed one either.
+            grown = os.fstat(fd).st_size != size
+        finally:
+            os.close(fd)
+        for k, digest in zip(wanted, got):
+            if grown or digest != digests[k]:
+                where = f" (chunk {k}: bytes {k * chunk_size}-{min((k + 1) * chunk_size, size)})"
+                self.refuse(
+                    ChecksumMismatch(
+                        f"{path} SHA-256 differs from meta.json{where if 'chunk_sha256' in sealed else ''}: "
+                        "the file is damaged or was modified"
+                    )
+                )
+                return None
         return whole
 
     def agree(self, world: World) -> None:
@@ -132,25 +147,48 @@ class SealedReads:
             raise _REFUSALS.get(kind, ChecksumMismatch)(message)
 
 
-def _in_file_order(whole: memoryview, into: Mapping[int, memoryview]) -> Iterator[tuple[int, memoryview]]:
-    """(file offset, where to read it) for every byte of the file, in order, in chunks of at
-    most ``_READ_CHUNK``: the ranges of ``into`` there, the rest in ``whole``. Ranges that
-    overlap or run past the end come from a planned header that is not this file's (the
-    strict parser lets no real one tile so): read into ``whole`` instead, and the file is
-    refused for that header (:meth:`VerifiedShardReader.read_data`)."""
+def _disjoint(into: Mapping[int, memoryview], size: int) -> list[tuple[int, memoryview]]:
+    """The ranges of ``into`` in file order. Ranges that overlap or run past the end come
+    from a planned header that is not this file's (the strict parser lets no real one tile
+    so): left out, so read into the buffer instead, and the file is refused for that header
+    (:meth:`VerifiedShardReader.read_data`)."""
+    kept: list[tuple[int, memoryview]] = []
     position = 0
     for start, view in sorted(into.items()):
-        if start < position or start + len(view) > len(whole):
+        if start >= position and start + len(view) <= size:
+            kept.append((start, view))
+            position = start + len(view)
+    return kept
+
+
+def _read_chunk(
+    fd: int, whole: memoryview, direct: list[tuple[int, memoryview]], begin: int, end: int
+) -> str | None:
+    """SHA-256 of the file's bytes ``[begin, end)`` read into memory (the ranges of
+    ``direct`` into their views, the rest into ``whole``) and hashed there once read, in
+    pieces of ``_READ_CHUNK`` (still in the CPU cache when hashed); None if the file ends early."""
+    digest = hashlib.sha256()
+    position = begin
+    pieces: list[tuple[int, memoryview]] = []
+    for start, view in direct:
+        low, high = max(start, begin), min(start + len(view), end)
+        if low >= high:
             continue
-        yield from _chunks(position, whole[position:start])
-        yield from _chunks(start, view)
-        position = start + len(view)
-    yield from _chunks(position, whole[position:])
-
-
-def _chunks(offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
-    for start in range(0, len(view), _READ_CHUNK):
-        yield offset + start, view[start : start + _READ_CHUNK]
+        pieces.append((position, whole[position:low]))
+        pieces.append((low, view[low - start : high - start]))
+        position = high
+    pieces.append((position, whole[position:end]))
+    for offset, view in pieces:
+        for at in range(0, len(view), _READ_CHUNK):
+            piece = view[at : at + _READ_CHUNK]
+            done = 0
+            while done < len(piece):
+                got = os.preadv(fd, [piece[done:]], offset + at + done)
+                if got == 0:
+                    return None
+                done += got
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def _head(path: Path) -> tuple[bytes, int]:
@@ -264,6 +302,10 @@ class VerifiedShardReader(StorageReader):
             path = self.reads.folder / name
             targets = [planner.resolve_tensor(item).detach() for item in items]
             header, data_start = self.headers[name]
+            # The header (to check the hashed one is the planned one) and each request's bytes.
+            spans = [(0, data_start)] + [
+                _span(header[item.storage_index.fqn], data_start, item) for item in items
+            ]
             into: dict[int, memoryview] = {}
             direct = [False] * len(items)
             for index, (item, target) in enumerate(zip(items, targets)):
@@ -285,7 +327,7 @@ class VerifiedShardReader(StorageReader):
                         "B"
                     )
                     direct[index] = True
-            data = self.reads.read(name, into)
+            data = self.reads.read(name, spans, into)
             if data is None:
                 continue
             head = self.heads[name]
@@ -313,6 +355,19 @@ class VerifiedShardReader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _span(entry: Mapping[str, Any], data_start: int, item: Any) -> tuple[int, int]:
+    """The file's bytes ``[start, end)`` from the first to the last element of a request
+    (a slice of a stored row-major chunk); empty for an empty one."""
+    if not all(item.lengths):
+        return (0, 0)
+    size = _DTYPES[entry["dtype"]].itemsize
+    strides = [math.prod(entry["shape"][i + 1 :]) for i in range(len(entry["shape"]))]
+    first = sum(o * s for o, s in zip(item.storage_offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
+    begin = data_start + entry["data_offsets"][0]
+    return (begin + first * size, begin + (last + 1) * size)
 
 
 def _check_coverage(

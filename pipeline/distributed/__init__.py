@@ -7,7 +7,7 @@
 ==============  ==============================================================
 
 The run itself is :func:`pipeline.train.train`'s, the same in one process and on each rank.
-Saving and restoring a distributed checkpoint is ``pipeline.checkpoint.distributed``;
+Saving and restoring a distributed checkpoint is ``pipeline.checkpoint.distributed`` and ``.dist_restore``;
 reading one (verification, shard coverage, consolidated weights) is
 :func:`pipeline.checkpoint.load_checkpoint`, as for any checkpoint. Nothing here is
 imported by ``import pipeline``; ``world`` (and torch.distributed.checkpoint with it) only

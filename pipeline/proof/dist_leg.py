@@ -5,7 +5,7 @@
 
 Runs the spec's trainings one after the other in one process group. Right after each
 restore every rank copies its live state of each component
-(:func:`pipeline.checkpoint.distributed.live_components`); a control's copy is compared with
+(:func:`pipeline.checkpoint.dist_restore.live_components`); a control's copy is compared with
 the first run's (the full resume) for the component it leaves out, and the ranks' checks go
 to rank 0, which writes one result per run: the step reached and that "exercise" check
 (the first rank whose restored values differ, else rank 0's).

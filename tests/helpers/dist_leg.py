@@ -11,7 +11,10 @@ to ``value``, resealed as a forger would. ``copy`` (rank 0, before the run): cop
 checkpoint folder ``from`` into the folder ``to``, and flip the last byte of its file
 ``flip`` if given (damage after the seal), or delete its file ``strike`` and strike it from
 ``meta.json``, resealed, or replace ``old`` by ``new`` (as long) in the files of
-``forge_header`` ``{file: [old, new]}``, keeping each original beside the folder.
+``forge_header`` ``{file: [old, new]}``, keeping each original beside the folder; then
+``reseal``: every file's ``meta.json`` entry made anew (meta.py's ``entry_of``) with chunks of
+``chunk_size`` bytes, or whole-file digests only under ``schema`` (an older writer's form),
+resealed.
 ``reads``: each rank counts the bytes it reads from each file under ``checkpoint.dir`` into
 ``<to>-rank<R>.json``, rewrites each file whose path starts with one of ``rewrite`` once it
 has read it whole, and writes each file of ``restore`` back to its original once its header
@@ -41,7 +44,7 @@ import torch.distributed as dist
 from oprecorder import Recorder
 from readrecorder import ReadRecorder
 
-from pipeline.checkpoint.store import meta_sha256
+from pipeline.checkpoint.meta import CHUNK_SIZE, entry_of, file_entry, meta_sha256
 from pipeline.config import launch_mode, load_config
 from pipeline.distributed.world import LaunchWorld
 from pipeline.durable import json_bytes
@@ -82,6 +85,15 @@ def copy(spec: dict) -> None:
         (target / spec["strike"]).unlink()
         meta = json.loads((target / "meta.json").read_text())
         del meta["files"][spec["strike"]]
+        meta["meta_sha256"] = meta_sha256(meta)
+        (target / "meta.json").write_bytes(json_bytes(meta))
+    if spec.get("reseal"):
+        how = spec["reseal"]
+        meta = json.loads((target / "meta.json").read_text())
+        for name in meta["files"]:
+            entry = entry_of((target / name).read_bytes(), how.get("chunk_size", CHUNK_SIZE))
+            meta["files"][name] = entry if "chunk_size" in how else file_entry(entry["sha256"], entry["size"])
+        meta["schema"] = how.get("schema", meta["schema"])
         meta["meta_sha256"] = meta_sha256(meta)
         (target / "meta.json").write_bytes(json_bytes(meta))
 

@@ -106,6 +106,26 @@ def check_launch_record(path: Path, meta: dict[str, Any]) -> None:
         )
 
 
+def shard_offsets(header: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any], list[int]]]:
+    """``(tensor, header entry, offsets in the full tensor)`` for each tensor of a DCP shard
+    file's parsed header (DCP records the offsets in its ``__metadata__``; a tensor it does not
+    list starts at 0). Malformed sharding info raises ``ValueError``, ``TypeError``,
+    ``KeyError`` or ``AttributeError`` while iterating: the caller names the file."""
+    extra = header.get("__metadata__") or {}
+    sharding = json.loads(extra[_SHARDING_KEY]) if _SHARDING_KEY in extra else {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = sharding.get(key, {}).get(_OFFSETS_KEY, [0] * len(entry["shape"]))
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == len(entry["shape"])
+            and all(type(o) is int and o >= 0 for o in offsets)
+        ):
+            raise ValueError(f"bad offsets for {key}")
+        yield key, entry, offsets
+
+
 def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[tuple[list[int], str]]]:
     """``{tensor: [(offsets, file)]}`` from the headers of ``part/``'s files, each parsed by
     the one strict parser (:func:`~pipeline.checkpoint.tensorfile.parse_header`)."""
@@ -113,19 +133,8 @@ def _chunks(folder: Path, part: str, maps: Mapping[str, Any]) -> dict[str, list[
     for name in sorted(n for n in maps if n.startswith(f"{part}/")):
         tensors_from_map(folder / name, maps[name])  # every rule of the strict parser, one line if broken
         header, _ = parse_header(maps[name])
-        extra = header.get("__metadata__") or {}
         try:
-            sharding = json.loads(extra[_SHARDING_KEY]) if _SHARDING_KEY in extra else {}
-            for key, entry in header.items():
-                if key == "__metadata__":
-                    continue
-                offsets = sharding.get(key, {}).get(_OFFSETS_KEY, [0] * len(entry["shape"]))
-                if not (
-                    isinstance(offsets, list)
-                    and len(offsets) == len(entry["shape"])
-                    and all(type(o) is int and o >= 0 for o in offsets)
-                ):
-                    raise ValueError(f"bad offsets for {key}")
+            for key, _entry, offsets in shard_offsets(header):
                 chunks.setdefault(key, []).append((offsets, name))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise SchemaMismatch(

@@ -24,7 +24,6 @@ rank with one collective, before any state is set. docs/distributed.md, "Resume"
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import mmap
 import os
@@ -46,14 +45,13 @@ from torch.futures import Future
 
 from ..errors import ChecksumMismatch, PipelineError, SchemaMismatch, StateMismatch
 from ..world import World
+from .shards import shard_offsets
 from .tensorfile import _DTYPES, _MAX_HEADER, parse_header, tensors_from_map
 
 __all__ = ["SealedReads", "VerifiedShardReader"]
 
 # Bytes per read: small, so that a piece is still in the CPU cache when hashed.
 _READ_CHUNK = 2 * 1024 * 1024
-# Where torch's HuggingFaceStorageWriter records a chunk's place in its full tensor.
-_SHARDING_KEY, _OFFSETS_KEY = "DCP_SHARDING_INFO", "saved_offsets"
 # The refusals a rank can keep for the agreement, by name (the agreement carries text).
 _REFUSALS = {cls.__name__: cls for cls in (ChecksumMismatch, SchemaMismatch, StateMismatch)}
 
@@ -235,18 +233,7 @@ class VerifiedShardReader(StorageReader):
             head, size = _head(path)
             try:
                 header, _ = parse_header(head, size=size)
-                extra = header.get("__metadata__") or {}
-                sharding = json.loads(extra[_SHARDING_KEY]) if _SHARDING_KEY in extra else {}
-                for key, entry in header.items():
-                    if key == "__metadata__":
-                        continue
-                    offsets = sharding.get(key, {}).get(_OFFSETS_KEY, [0] * len(entry["shape"]))
-                    if not (
-                        isinstance(offsets, list)
-                        and len(offsets) == len(entry["shape"])
-                        and all(type(o) is int and o >= 0 for o in offsets)
-                    ):
-                        raise ValueError(f"bad offsets for {key}")
+                for key, entry, offsets in shard_offsets(header):
                     spec = expected.get(key)
                     if spec is None:
                         raise ChecksumMismatch(f"{path} holds tensor {key} that meta.json does not list")

@@ -10,7 +10,7 @@ silent skip). Before any mutation, the tests named must pass on an unmutated cop
 that already fails would "kill" every mutation naming it. Two mutations run at a time, each
 pytest on one thread.
 
-    python tests/mutation/mutate.py [--only NAME_SUBSTRING] [--jobs 2] [--list]
+    python tests/mutation/mutate.py [--only NAME_SUBSTRING] [--files core,trainer] [--jobs 2] [--list]
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class Mutation:
     area: str
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]
+    source: str = ""
+    """The toml file it comes from, without ``.toml``."""
 
 
 def load(folder: Path = MUTATIONS) -> list[Mutation]:
@@ -76,7 +78,7 @@ def load(folder: Path = MUTATIONS) -> list[Mutation]:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
         for entry in raw["mutation"]:
             edits = tuple(Edit(e["file"], e["search"], e["replace"]) for e in entry["edit"])
-            mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"])))
+            mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"]), path.stem))
     names = [m.name for m in mutations]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -185,6 +187,7 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only mutations whose name contains this text")
+    parser.add_argument("--files", help="run only the mutations of these toml files (comma-separated stems)")
     parser.add_argument("--jobs", type=int, default=2, help="mutations run at the same time (default 2)")
     parser.add_argument(
         "--list",
@@ -192,9 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         help="check that every mutation applies and names tests that exist; run nothing",
     )
     args = parser.parse_args(argv)
-    mutations = [m for m in load() if args.only is None or args.only in m.name]
+    files = None if args.files is None else set(args.files.split(","))
+    mutations = [
+        m
+        for m in load()
+        if (args.only is None or args.only in m.name) and (files is None or m.source in files)
+    ]
     if not mutations:
-        print(f"error: no mutation matches {args.only!r}", file=sys.stderr)
+        print(f"error: no mutation matches {args.only!r} in {args.files or 'every file'}", file=sys.stderr)
         return 2
     if args.list:
         errors = [(m, check_applies(m)) for m in mutations]

@@ -23,7 +23,8 @@ per repetition, in an order rotated by the repetition (``sidebyside``):
   from torch's state-dict API and copied into preallocated buffers, the floor any snapshot
   through that API pays; ``memcpy_only`` = the copy alone.
 
-Times are rank 0's, barrier to barrier. Files go to ``$BENCH_DIR`` (default: beside the
+Times are rank 0's, barrier to barrier; CPU seconds rank 0's process (all its threads)
+over the candidate alone. Files go to ``$BENCH_DIR`` (default: beside the
 repository, same disk). Printed: medians per size, then every target (met / borderline /
 missed) and the other ratios; ``--out`` gets the JSON.
 """
@@ -205,6 +206,7 @@ def worker(args: argparse.Namespace) -> None:
         "resume/dcp_fs": lambda: root / "dcp_fs",
     }
     times: dict[str, list[float]] = {name: [] for name in candidates}
+    cpu: dict[str, list[float]] = {name: [] for name in candidates}
     loads = []
     background.save(run)  # the first background save allocates the buffers: untimed
     background.wait()
@@ -216,10 +218,12 @@ def worker(args: argparse.Namespace) -> None:
                 if name in sources and world.rank == 0:
                     evict(sources[name]())
                 world.barrier()
-                started = time.perf_counter()
+                started, used = time.perf_counter(), time.process_time()
                 candidates[name]()
+                spent = time.process_time() - used  # before the barrier, which spins on gloo
                 world.barrier()
                 times[name].append(time.perf_counter() - started)
+                cpu[name].append(spent)
                 if name == "stall/async":
                     background.wait()  # untimed: the commit in the background
     background.close()
@@ -238,6 +242,7 @@ def worker(args: argparse.Namespace) -> None:
                     "state_bytes": state_bytes,
                     "loadavg_1min": loads,
                     "seconds": times,
+                    "cpu_seconds": cpu,
                 },
                 indent=1,
             )
@@ -257,13 +262,25 @@ def report(parts: dict[str, dict], out: Path, command: str) -> None:
             f"### state {scope} ({size} requested; {part['nproc']} processes, {part['mode']}, "
             f"{part['params'] / 1e6:.1f}M float64 parameters; 1-min load average per repetition: {load})\n"
         )
-        print("| candidate | median s [min-max] |\n| --- | --- |")
+        print("| candidate | median s [min-max] | CPU s, median |\n| --- | --- | ---: |")
         for name, values in part["seconds"].items():
             spread = summary(values)
-            print(f"| {name} | {spread['median']:.3f} [{spread['min']:.3f}-{spread['max']:.3f}] |")
+            used = summary(part["cpu_seconds"][name])["median"]
+            print(
+                f"| {name} | {spread['median']:.3f} [{spread['min']:.3f}-{spread['max']:.3f}] | {used:.3f} |"
+            )
         print()
         for label, top, bottom, goal in TARGETS:
             ratios.append(ratio(label, scope, part["seconds"][top], part["seconds"][bottom], goal))
+        ratios.append(
+            ratio(
+                "verified resume / dcp.load, HF reader: CPU",
+                scope,
+                part["cpu_seconds"]["resume/ours"],
+                part["cpu_seconds"]["resume/dcp_hf"],
+                None,
+            )
+        )
     print("targets (met: both estimates meet the goal; borderline: one does)\n")
     print(target_table(ratios) + "\n")
     print("other ratios: ratio of medians (median of per-repetition ratios)")

@@ -11,7 +11,9 @@ from typing import BinaryIO, Iterable
 from .errors import naming
 
 __all__ = [
-    "CHUNK_SIZE",
+    "MIN_CHUNK_SIZE",
+    "MAX_CHUNK_SIZE",
+    "chunk_size_for",
     "ChunkDigests",
     "sha256_file",
     "sha256_bytes",
@@ -21,10 +23,23 @@ __all__ = [
 ]
 
 CHUNK = 8 * 1024 * 1024
-# Bytes per chunk digest of a checkpoint's file (docs/format.md, "Why chunk digests"): large
-# enough that the table stays small (16 digests per GiB) and a digest's fixed cost vanishes,
-# small enough that a file of a few hundred MiB already spreads over every core of a load.
-CHUNK_SIZE = 64 * 1024 * 1024
+# Bytes per chunk digest of a checkpoint's file (docs/format.md, "Why chunk digests"): the
+# smallest power of two from MIN_CHUNK_SIZE to MAX_CHUNK_SIZE that cuts the file into at most
+# CHUNKS_PER_FILE chunks. Small chunks spread even a file of a few MiB over every core of a load, and let a
+# rank that needs a few bytes of another rank's shard (its header, a step count) hash little
+# more than those; large ones keep the table small for large files (16 digests per GiB), and
+# a digest's fixed cost vanishes at either end.
+MIN_CHUNK_SIZE = 4 * 1024 * 1024
+MAX_CHUNK_SIZE = 64 * 1024 * 1024
+CHUNKS_PER_FILE = 64
+
+
+def chunk_size_for(size: int) -> int:
+    """The chunk size a save records for a file of ``size`` bytes (readers take any)."""
+    chunk_size = MIN_CHUNK_SIZE
+    while chunk_size < MAX_CHUNK_SIZE and chunk_size * CHUNKS_PER_FILE < size:
+        chunk_size *= 2
+    return chunk_size
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -49,7 +64,7 @@ class ChunkDigests:
     """SHA-256 of each ``chunk_size`` piece of a byte stream fed in order, in pieces of any
     size: piece k covers bytes [k * chunk_size, (k + 1) * chunk_size), the last one shorter."""
 
-    def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
+    def __init__(self, chunk_size: int) -> None:
         if type(chunk_size) is not int or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.chunk_size = chunk_size

@@ -15,11 +15,11 @@ import torch
 from test_untrusted_checkpoint import read_meta_json, write_sealed
 
 from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
-from pipeline.checkpoint.meta import CHUNK_SIZE, FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
+from pipeline.checkpoint.meta import FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
 from pipeline.checkpoint.tensorfile import write_safetensors_files
 from pipeline.checkpoint.verified_read import read_verified
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
-from pipeline.hashing import ChunkDigests
+from pipeline.hashing import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkDigests, chunk_size_for
 
 from support import REPO, assert_checkpoints_bitwise_equal, train
 
@@ -44,7 +44,28 @@ def test_the_meta_json_tables_of_the_docs_are_the_code_s():
     assert _doc_table("| key | what |") == FIELDS
     assert _doc_table("| entry key | what |") == FILE_FIELDS
     assert set(FIELDS) == META_KEYS
-    assert str(CHUNK_SIZE) in FILE_FIELDS["chunk_size"]
+    assert (
+        str(MIN_CHUNK_SIZE) in FILE_FIELDS["chunk_size"] and str(MAX_CHUNK_SIZE) in FILE_FIELDS["chunk_size"]
+    )
+
+
+MiB, GiB = 1024 * 1024, 1024 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "size, chunk_size",
+    [
+        (0, 4 * MiB),
+        (10 * MiB, 4 * MiB),
+        (256 * MiB, 4 * MiB),  # 64 chunks
+        (256 * MiB + 1, 8 * MiB),  # 65 would be too many
+        (600 * MiB, 16 * MiB),
+        (4 * GiB, 64 * MiB),
+        (1024 * GiB, 64 * MiB),  # the table grows past 64 chunks only above 4 GiB
+    ],
+)
+def test_a_save_cuts_each_file_into_at_most_64_chunks_of_4_to_64_mib(size, chunk_size):
+    assert chunk_size_for(size) == chunk_size
 
 
 # -- writing: the chunk table comes from the written memory -------------------------------
@@ -61,9 +82,10 @@ def _slices(raw: bytes, size: int) -> list[str]:
 
 def test_the_writer_seals_every_chunk_of_a_file_spanning_several(tmp_path):
     path = tmp_path / "x.safetensors"
-    [(sha256, size, chunks)] = write_safetensors_files(
-        [(path, _tensors(), {"format": "pt"})], chunk_size=SMALL
+    [(sha256, size, chunk_size, chunks)] = write_safetensors_files(
+        [(path, _tensors(), {"format": "pt"})], chunk_size=lambda size: SMALL
     )
+    assert chunk_size == SMALL
     raw = path.read_bytes()
     assert size == len(raw) > 2 * SMALL and sha256 == hashlib.sha256(raw).hexdigest()
     assert chunks == _slices(raw, SMALL) and len(chunks) == -(-len(raw) // SMALL)
@@ -83,24 +105,44 @@ def test_the_writer_seals_every_chunk_of_a_file_spanning_several(tmp_path):
 
 def test_a_file_of_one_chunk_beside_larger_ones_has_its_whole_digest_as_its_table(tmp_path):
     """Only files larger than a chunk are hashed a second time; the others' table is their
-    whole digest, whatever their place among the files."""
+    whole digest, whatever their place among the files; each file gets the chunk size its
+    own size asks for."""
     files = [(tmp_path / "small-1", {"t": torch.ones(10)}, None), (tmp_path / "big", _tensors(), None)]
     files.append((tmp_path / "small-2", {"t": torch.zeros(20)}, None))
-    files.append((tmp_path / "big-2", {name: t * 2 for name, t in _tensors().items()}, None))
-    for (path, _, _), (sha256, size, chunks) in zip(files, write_safetensors_files(files, chunk_size=SMALL)):
+    files.append(
+        (tmp_path / "big-2", {name: t * 2 for name, t in _tensors().items()} | {"c": torch.ones(99)}, None)
+    )
+
+    def sizes(size: int) -> int:  # the two large files differ in size: their chunks too
+        return SMALL if size < 12_500 else SMALL // 2
+
+    for (path, _, _), written in zip(files, write_safetensors_files(files, chunk_size=sizes)):
         raw = path.read_bytes()
-        assert (sha256, size, chunks) == (hashlib.sha256(raw).hexdigest(), len(raw), _slices(raw, SMALL))
-    assert all(table is None for _, _, table in write_safetensors_files([(tmp_path / "x", _tensors(), None)]))
+        expected = sizes(len(raw))
+        assert written == (hashlib.sha256(raw).hexdigest(), len(raw), expected, _slices(raw, expected))
+    assert {(path.name, len(path.read_bytes()) > SMALL) for path, _, _ in files} == {
+        ("small-1", False),
+        ("small-2", False),
+        ("big", True),
+        ("big-2", True),
+    }
+    assert all(
+        written.chunks is None and written.chunk_size is None
+        for written in write_safetensors_files([(tmp_path / "x", _tensors(), None)])
+    )
 
 
 def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
+    """The training-state file (9 MiB) spans three 4 MiB chunks; the weights fit in one."""
     with CheckpointStore(tmp_path) as store:
-        saved = store.save(1, _tensors(), {"s": torch.arange(5)}, _parts())
+        saved = store.save(1, _tensors(), {"s": torch.zeros(9 * MiB // 4)}, _parts())
     meta = read_meta_json(saved.path)
     assert meta["schema"] == SCHEMA_VERSION == "pipeline.checkpoint/3"
     for name, entry in meta["files"].items():
-        assert entry == entry_of((saved.path / name).read_bytes()) == saved.files[name]
-        assert entry["chunk_size"] == CHUNK_SIZE and len(entry["chunk_sha256"]) == 1
+        raw = (saved.path / name).read_bytes()
+        assert entry == entry_of(raw) == saved.files[name]
+        assert entry["chunk_size"] == MIN_CHUNK_SIZE and entry["chunk_sha256"] == _slices(raw, MIN_CHUNK_SIZE)
+    assert len(meta["files"]["estado_treino.safetensors"]["chunk_sha256"]) == 3
 
 
 def _parts() -> dict:

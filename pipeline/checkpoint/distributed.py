@@ -54,7 +54,7 @@ from torch.futures import Future
 
 from ..durable import atomic_folder, json_loads_strict
 from ..errors import CheckpointError, PipelineError
-from ..hashing import CHUNK_SIZE
+from ..hashing import chunk_size_for
 from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from ..rng import capture_rng
 from ..run import TrainingRun
@@ -140,8 +140,10 @@ class _StreamedShardWriter(HuggingFaceStorageWriter):
 def _write_sealed(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
     """Write one file of the checkpoint; its ``files`` entry (whole and chunk digests, from
     the tensors' memory as it is written, as the single-process store does)."""
-    sha256, size, chunks = write_safetensors_files([(path, tensors, metadata)], chunk_size=CHUNK_SIZE)[0]
-    return file_entry(sha256, size, chunks, CHUNK_SIZE)
+    sha256, size, chunk_size, chunks = write_safetensors_files(
+        [(path, tensors, metadata)], chunk_size=chunk_size_for
+    )[0]
+    return file_entry(sha256, size, chunks, chunk_size)
 
 
 def _dcp_save(

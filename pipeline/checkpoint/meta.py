@@ -7,8 +7,9 @@ goes through :func:`read_meta`, then :func:`check_listing` (the folder against t
 key; docs/format.md shows the same tables (a test holds them equal).
 
 The ``files`` table gives each file's whole SHA-256 (what ``sha256sum`` prints) and, from
-schema 3 on, the SHA-256 of each :data:`CHUNK_SIZE` piece of it, which a load verifies on
-every core (docs/format.md, "Why chunk digests").
+schema 3 on, the SHA-256 of each ``chunk_size`` piece of it (the writer picks the size per
+file, :func:`~pipeline.hashing.chunk_size_for`), which a load verifies on every core
+(docs/format.md, "Why chunk digests").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 
 from ..durable import json_bytes, json_loads_strict
 from ..errors import SEALED_BUT_UNFIT, ChecksumMismatch, InternalError, SchemaMismatch
-from ..hashing import CHUNK_SIZE, ChunkDigests, HashingWriter
+from ..hashing import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkDigests, HashingWriter, chunk_size_for
 from ..layout import META_FILE, MODEL_FILE, STATE_FILE, parse_step_dir
 from .shards import check_launch_record
 
@@ -29,7 +30,6 @@ __all__ = [
     "SCHEMA_VERSION",
     "DIST_SCHEMA",
     "DIST_SCHEMAS",
-    "CHUNK_SIZE",
     "FIELDS",
     "FILE_FIELDS",
     "META_KEYS",
@@ -87,7 +87,9 @@ FIELDS: dict[str, str] = {
 FILE_FIELDS: dict[str, str] = {
     "sha256": "SHA-256 of the whole file, as `sha256sum` prints it",
     "size": "its size in bytes",
-    "chunk_size": f"bytes per chunk: {CHUNK_SIZE} (64 MiB); schema 3 only (both kinds)",
+    "chunk_size": f"bytes per chunk, chosen per file by the writer: the smallest power of two from "
+    f"{MIN_CHUNK_SIZE} (4 MiB) to {MAX_CHUNK_SIZE} (64 MiB) that cuts the file into at most 64 chunks; "
+    "a reader takes any positive size; schema 3 only (both kinds)",
     "chunk_sha256": "SHA-256 of each `chunk_size` piece of the file in order, the last one shorter: "
     "exactly ceil(size / chunk_size) digests; schema 3 only (both kinds)",
 }
@@ -115,17 +117,24 @@ _SEALED_BYTES_KEPT = 8
 # -- building and writing ------------------------------------------------------------------
 
 
-def file_entry(sha256: str, size: int, chunks: list[str] | None = None, chunk_size: int = CHUNK_SIZE) -> dict:
-    """One ``files`` entry: whole digest and size, and the chunk table when given."""
+def file_entry(
+    sha256: str, size: int, chunks: list[str] | None = None, chunk_size: int | None = None
+) -> dict:
+    """One ``files`` entry: whole digest and size, and the chunk table (``chunks`` of
+    ``chunk_size`` bytes each) when given."""
     entry: dict[str, Any] = {"sha256": sha256, "size": size}
     if chunks is not None:
+        if chunk_size is None:
+            raise InternalError("a chunk table needs its chunk size")
         entry.update(chunk_size=chunk_size, chunk_sha256=list(chunks))
     return entry
 
 
-def entry_of(data: bytes | memoryview, chunk_size: int = CHUNK_SIZE) -> dict:
+def entry_of(data: bytes | memoryview, chunk_size: int | None = None) -> dict:
     """The ``files`` entry a save records for a file of these bytes (for a tool that writes
-    a checkpoint's file by other means, then seals it)."""
+    a checkpoint's file by other means, then seals it); ``chunk_size``: the save's own
+    choice (:func:`~pipeline.hashing.chunk_size_for`) unless given."""
+    chunk_size = chunk_size_for(len(data)) if chunk_size is None else chunk_size
     table = ChunkDigests(chunk_size)
     table.update(data)
     return file_entry(hashlib.sha256(data).hexdigest(), len(data), table.hexdigests(), chunk_size)

@@ -53,7 +53,7 @@ from ..errors import (
     SchemaMismatch,
     describe_os_error,
 )
-from ..hashing import CHUNK_SIZE
+from ..hashing import chunk_size_for
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE, parse_step_dir, step_dir_name
 from .best import read_best, write_best
 from .meta import (
@@ -244,10 +244,10 @@ class CheckpointStore:
                     (temporary / name, tensors, metadata)
                     for name, tensors in ((MODEL_FILE, model_tensors), (STATE_FILE, state_tensors))
                 ],
-                chunk_size=CHUNK_SIZE,
+                chunk_size=chunk_size_for,
             )
-            for name, (sha256, size, chunks) in zip(CHECKPOINT_FILES, written):
-                files[name] = file_entry(sha256, size, chunks, CHUNK_SIZE)
+            for name, (sha256, size, chunk_size, chunks) in zip(CHECKPOINT_FILES, written):
+                files[name] = file_entry(sha256, size, chunks, chunk_size)
             write_meta(temporary, build_meta(meta, step=step, files=files))
         self.prune_after_commit(step)
         return SavedCheckpoint(step=step, path=final, files=files)

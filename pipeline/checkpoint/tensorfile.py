@@ -25,7 +25,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "write_safetensors",
     "write_safetensors_files",
+    "Written",
     "write_safetensors_streamed",
     "read_tensors",
     "map_file",
@@ -49,6 +50,17 @@ __all__ = [
     "check_tensor_name",
     "safetensors_sha256",
 ]
+
+
+class Written(NamedTuple):
+    """One file :func:`write_safetensors_files` wrote: its SHA-256 and size, and its chunk
+    size and chunk digests (None when none were asked for)."""
+
+    sha256: str
+    size: int
+    chunk_size: int | None
+    chunks: list[str] | None
+
 
 # The header metadata of every weights file written from tensors rather than copied (a
 # staged file, a distributed checkpoint's weights consolidated): what transformers checks.
@@ -146,7 +158,7 @@ def _chunks(pieces: list[memoryview], size: int) -> list[memoryview]:
 class _Hasher(threading.Thread):
     """SHA-256 of each file's in-memory chunks, the files in the order they are written, on
     another core while the writer sends the same chunks to disk: ``make()`` gives each
-    file's digest (a whole-file ``hashlib.sha256``, or :class:`ChunkDigests`).
+    file's digest in ``digests`` (a whole-file ``hashlib.sha256``, or :class:`ChunkDigests`).
 
     hashlib drops the GIL for large buffers, so hashing and ``write`` run in parallel and a
     save costs max(hash, write) instead of their sum. The chunks are the source buffers
@@ -155,10 +167,10 @@ class _Hasher(threading.Thread):
     each on its own core, neither waiting for the other.
     """
 
-    def __init__(self, files: list[list[memoryview]], make: Callable[[], Any]) -> None:
+    def __init__(self, files: list[list[memoryview]], digests: list[Any]) -> None:
         super().__init__(name="safetensors-sha256", daemon=True)
         self._files = files
-        self.digests = [make() for _ in files]
+        self.digests = digests
         self.error: BaseException | None = None
         self.cancelled = threading.Event()
 
@@ -226,18 +238,19 @@ def write_safetensors(
     runs on another thread over the very buffers being written (see :class:`_Hasher`).
     The tensors must not change until this returns.
     """
-    return write_safetensors_files([(path, tensors, metadata)])[0][:2]
+    written = write_safetensors_files([(path, tensors, metadata)])[0]
+    return written.sha256, written.size
 
 
 def write_safetensors_files(
     files: Sequence[tuple[str | Path, Mapping[str, torch.Tensor], Mapping[str, str] | None]],
     *,
-    chunk_size: int | None = None,
-) -> list[tuple[str, int, list[str] | None]]:
+    chunk_size: Callable[[int], int] | None = None,
+) -> list[Written]:
     """:func:`write_safetensors` of several files (path, tensors, metadata), written one after
-    the other and each fsynced; (sha256, size, chunk digests) of each, in order: the chunk
-    digests (:class:`~pipeline.hashing.ChunkDigests` of ``chunk_size``) if ``chunk_size``
-    is given, else None.
+    the other and each fsynced; what was written of each (:class:`Written`), in order, with
+    its chunk digests (:class:`~pipeline.hashing.ChunkDigests` of ``chunk_size(its size)``
+    bytes, e.g. :func:`~pipeline.hashing.chunk_size_for`) if ``chunk_size`` is given.
 
     The hashers start at once, over the tensors' memory, not the files: hashing does not wait
     for the writer, so one save costs max(write, hash) rather than their sum, and the
@@ -249,16 +262,16 @@ def write_safetensors_files(
         layouts.append(
             (path, _chunks([memoryview(header), *(_tensor_bytes(t) for t in ordered)], WRITE_CHUNK))
         )
-    hashers = [_Hasher([chunks for _, chunks in layouts], hashlib.sha256)]
+    hashers = [_Hasher([chunks for _, chunks in layouts], [hashlib.sha256() for _ in layouts])]
+    planned = [sum(len(c) for c in chunks) for _, chunks in layouts]
+    sizes_of_chunks = [None if chunk_size is None else chunk_size(size) for size in planned]
     # A file of one chunk has the whole digest as its chunk table: only larger files are
     # hashed a second time, by chunks.
-    chunked = [
-        index
-        for index, (_, chunks) in enumerate(layouts)
-        if chunk_size is not None and sum(len(c) for c in chunks) > chunk_size
-    ]
+    chunked = [index for index, size in enumerate(planned) if size > (sizes_of_chunks[index] or size)]
     if chunk_size is not None:
-        hashers.append(_Hasher([layouts[i][1] for i in chunked], lambda: ChunkDigests(chunk_size)))
+        hashers.append(
+            _Hasher([layouts[i][1] for i in chunked], [ChunkDigests(sizes_of_chunks[i]) for i in chunked])
+        )
     for hasher in hashers:
         hasher.start()
     syncs: list[_Fsync] = []
@@ -300,7 +313,7 @@ def write_safetensors_files(
             table = hashers[1].digests[chunked.index(index)].hexdigests()
         else:
             table = [whole] if size else []
-        written.append((whole, size, table))
+        written.append(Written(whole, size, sizes_of_chunks[index], table))
     return written
 
 

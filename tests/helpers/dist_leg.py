@@ -44,7 +44,7 @@ import torch.distributed as dist
 from oprecorder import Recorder
 from readrecorder import ReadRecorder
 
-from pipeline.checkpoint.meta import CHUNK_SIZE, entry_of, file_entry, meta_sha256
+from pipeline.checkpoint.meta import entry_of, file_entry, meta_sha256
 from pipeline.config import launch_mode, load_config
 from pipeline.distributed.world import LaunchWorld
 from pipeline.durable import json_bytes
@@ -91,7 +91,7 @@ def copy(spec: dict) -> None:
         how = spec["reseal"]
         meta = json.loads((target / "meta.json").read_text())
         for name in meta["files"]:
-            entry = entry_of((target / name).read_bytes(), how.get("chunk_size", CHUNK_SIZE))
+            entry = entry_of((target / name).read_bytes(), how.get("chunk_size"))
             meta["files"][name] = entry if "chunk_size" in how else file_entry(entry["sha256"], entry["size"])
         meta["schema"] = how.get("schema", meta["schema"])
         meta["meta_sha256"] = meta_sha256(meta)

@@ -21,7 +21,7 @@ from pipeline.checkpoint.verified_read import read_verified
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
 from pipeline.hashing import ChunkDigests
 
-from support import REPO, assert_checkpoints_bitwise_equal, train
+from support import REPO, assert_checkpoints_bitwise_equal, save_parts, train
 
 SMALL = 4096  # a chunk size that makes the test checkpoints span several chunks
 
@@ -95,26 +95,12 @@ def test_a_file_of_one_chunk_beside_larger_ones_has_its_whole_digest_as_its_tabl
 
 def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
     with CheckpointStore(tmp_path) as store:
-        saved = store.save(1, _tensors(), {"s": torch.arange(5)}, _parts())
+        saved = store.save(1, _tensors(), {"s": torch.arange(5)}, save_parts())
     meta = read_meta_json(saved.path)
     assert meta["schema"] == SCHEMA_VERSION == "pipeline.checkpoint/3"
     for name, entry in meta["files"].items():
         assert entry == entry_of((saved.path / name).read_bytes()) == saved.files[name]
         assert entry["chunk_size"] == CHUNK_SIZE and len(entry["chunk_sha256"]) == 1
-
-
-def _parts() -> dict:
-    return {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
 
 
 # -- reading: each chunk verified, a damaged one named ------------------------------------
@@ -124,7 +110,7 @@ def _parts() -> dict:
 def chunked(tmp_path) -> Path:
     """A checkpoint whose files are sealed in chunks of SMALL bytes (several per file)."""
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, _tensors(), {"s": torch.randn(2500)}, _parts()).path
+        folder = store.save(1, _tensors(), {"s": torch.randn(2500)}, save_parts()).path
     meta = read_meta_json(folder)
     for name in meta["files"]:
         meta["files"][name] = entry_of((folder / name).read_bytes(), SMALL)
@@ -268,7 +254,7 @@ def as_schema_2(folder: Path) -> None:
 
 def test_a_schema_2_checkpoint_is_verified_by_its_whole_digests(tmp_path):
     with CheckpointStore(tmp_path) as store:  # files of several read pieces (2 MiB each)
-        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, _parts()).path
+        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, save_parts()).path
     as_schema_2(folder)
     assert load_checkpoint(folder).meta["schema"] == "pipeline.checkpoint/2"
     meta = read_meta_json(folder)
@@ -304,11 +290,11 @@ def test_build_meta_refuses_a_record_no_reader_would_accept():
 
     entry = entry_of(b"x" * 10)
     files = {"modelo.safetensors": entry, "estado_treino.safetensors": entry}
-    assert build_meta(_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
+    assert build_meta(save_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
     with pytest.raises(InternalError, match="owns"):
-        build_meta({**_parts(), "schema": "mine"}, step=1, files=files)
+        build_meta({**save_parts(), "schema": "mine"}, step=1, files=files)
     with pytest.raises(InternalError, match="keys differ"):
-        build_meta({**_parts(), "extra": 1}, step=1, files=files)
+        build_meta({**save_parts(), "extra": 1}, step=1, files=files)
     for broken in ({**entry, "chunk_sha256": []}, {"sha256": entry["sha256"], "size": 10}):
         with pytest.raises(InternalError, match="files table is malformed"):
-            build_meta(_parts(), step=1, files={**files, "modelo.safetensors": broken})
+            build_meta(save_parts(), step=1, files={**files, "modelo.safetensors": broken})

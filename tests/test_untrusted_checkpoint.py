@@ -17,7 +17,7 @@ from pipeline.checkpoint import LoadMode, load_checkpoint
 from pipeline.checkpoint.meta import entry_of, meta_sha256
 from pipeline.errors import ChecksumMismatch, PipelineError, SchemaMismatch
 
-from support import REPO, one_line_error
+from support import REPO, one_line_error, save_parts
 
 STEP = "step-00000010"
 
@@ -303,23 +303,12 @@ def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensor
 
     from pipeline.checkpoint import CheckpointStore
 
-    meta = {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
     with CheckpointStore(tmp_path) as store:
         folder = store.save(
             1,
             {"w": torch.randn(65536, dtype=torch.float64)},
             {"s": torch.randn(65536, dtype=torch.float64)},
-            meta,
+            save_parts(),
         ).path
     loaded = load_checkpoint(folder, mode=mode)
     assert bool(loaded.state_tensors) is (mode is LoadMode.FULL) and loaded.model_tensors
@@ -354,19 +343,8 @@ def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path)
             self.register_buffer("b", torch.zeros(4096))
 
     saved = {"w": torch.randn(65536, dtype=torch.float64), "v": torch.randn(3, 5), "b": torch.randn(4096)}
-    meta = {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, saved, {"s": torch.randn(4096)}, meta).path
+        folder = store.save(1, saved, {"s": torch.randn(4096)}, save_parts()).path
     model = Model()
     loaded = load_checkpoint(folder, into=model)
     assert loaded.model_tensors["w"].data_ptr() == model.w.data_ptr()

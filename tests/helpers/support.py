@@ -341,6 +341,23 @@ def verify_checkpoint(folder: Path) -> dict:
     return load_checkpoint(folder, mode=LoadMode.VERIFY).meta
 
 
+def save_parts(training_state: dict | None = None) -> dict:
+    """The records ``CheckpointStore.save`` writes beside the tensors, empty but for
+    ``training_state``: what a test that saves a checkpoint without a trainer passes. A fresh
+    dict each call, so a test may change it."""
+    return {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {} if training_state is None else training_state,
+    }
+
+
 def first_python_block(card: str) -> str:
     """The code of the first ```python block of a model card (the loading snippet)."""
     import re

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_untrusted_checkpoint import read_meta_json, write_sealed
 
 from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
 from pipeline.checkpoint.meta import CHUNK_SIZE, FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
@@ -21,7 +20,7 @@ from pipeline.checkpoint.verified_read import read_verified
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
 from pipeline.hashing import ChunkDigests
 
-from support import REPO, assert_checkpoints_bitwise_equal, save_parts, train
+from support import REPO, assert_checkpoints_bitwise_equal, read_meta_json, save_parts, train, write_sealed
 
 SMALL = 4096  # a chunk size that makes the test checkpoints span several chunks
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.checkpoint.meta import entry_of, meta_sha256
+from pipeline.checkpoint.meta import entry_of
 from pipeline.errors import ChecksumMismatch, PipelineError, SchemaMismatch
 
-from support import REPO, one_line_error, save_parts
+from support import REPO, one_line_error, read_meta_json, save_parts, write_sealed
 
 STEP = "step-00000010"
 
@@ -28,18 +28,6 @@ def folder(trained_run, tmp_path) -> Path:
     root = tmp_path / "estados_local"
     shutil.copytree(trained_run.checkpoint, root / STEP)
     return root / STEP
-
-
-def read_meta_json(folder: Path) -> dict:
-    return json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-
-
-def write_sealed(folder: Path, meta: dict) -> None:
-    """What an attacker or a careless edit does: change meta.json and recompute the seal,
-    in the exact layout the pipeline writes."""
-    meta = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    meta["meta_sha256"] = meta_sha256(meta)
-    (folder / "meta.json").write_bytes((json.dumps(meta, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def refused(folder: Path, *fragments: str, error: type[PipelineError] = PipelineError) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["python_command", "resume_command", "script_command", "torchrun_launcher"]
+__all__ = ["python_command", "resume_command", "script_command", "torchrun_launcher", "with_set"]
 
 _NUMBERED = re.compile(r"^0\d_\w+\.py$")
 
@@ -49,6 +49,20 @@ def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
         elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
             kept.append(token)
     return shlex.join([*(launcher or [python_command()]), argv[0], *kept, "--resume", "latest"])
+
+
+def with_set(command: str, item: str) -> str:
+    """``command`` (shell-quoted, as :func:`resume_command` gives it) with ``--set item``
+    (``key=value``) in place of its own ``--set`` of that key, or before its ``--resume``."""
+    key, tokens, kept = _set_key(item), shlex.split(command), []
+    while tokens:
+        token = tokens.pop(0)
+        if token == "--set" and tokens and _set_key(tokens[0]) == key:
+            tokens.pop(0)
+        elif not (token.startswith("--set=") and _set_key(token.removeprefix("--set=")) == key):
+            kept.append(token)
+    at = kept.index("--resume") if "--resume" in kept else len(kept)
+    return shlex.join([*kept[:at], "--set", item, *kept[at:]])
 
 
 def python_command() -> str:

@@ -13,6 +13,7 @@ on every rank together; the replicas are equal, so every rank records the same v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import Callable
 
 import torch
@@ -48,6 +49,8 @@ class Evaluated:
     """Save this step even off ``checkpoint.every``: it is the new best."""
     refusal: str | None = None
     """``checkpoint.best_metric`` is not among the values: save this step, then stop with this."""
+    fix: str | None = None
+    """With ``refusal``: the ``--set`` item (``key=value``) the printed resume command carries."""
 
 
 def evaluate_if_due(run: TrainingRun, world: World, say: Callable[[str], None]) -> Evaluated:
@@ -62,10 +65,14 @@ def evaluate_if_due(run: TrainingRun, world: World, say: Callable[[str], None]) 
     say(f"step {step} evaluation: " + ", ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
     checkpoint = run.config.checkpoint
     if checkpoint.best_metric and checkpoint.best_metric not in metrics:
+        names = sorted(metrics)
+        # The printed resume command sets the name closest to the misspelt one (else the first).
+        instead = (get_close_matches(checkpoint.best_metric, names, n=1) or names)[0]
         return Evaluated(
             save=True,
             refusal=f"{run.config.source}: checkpoint.best_metric is {checkpoint.best_metric!r}, but the task's "
-            f"evaluate returned {', '.join(sorted(metrics))}: set checkpoint.best_metric to one of them",
+            f"evaluate returned {', '.join(names)}: set checkpoint.best_metric to one of them",
+            fix=f"checkpoint.best_metric={instead}",
         )
     best = best_record(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
     return Evaluated(save=best is not None and best["step"] == step)

@@ -28,6 +28,7 @@ from .checkpoint import (
     model_summary,
     open_checkpointer,
 )
+from .commands import with_set
 from .config import Config
 from .data import load_manifest
 from .distributed.launch import joined
@@ -413,9 +414,8 @@ def _loop(
                 last_saved = run.step
             if evaluated.refusal is not None:
                 checkpointer.wait()
-                raise ConfigError(
-                    f"{evaluated.refusal}; step {run.step} is committed: resume with {resume_hint}"
-                )
+                resume = resume_hint if evaluated.fix is None else with_set(resume_hint, evaluated.fix)
+                raise ConfigError(f"{evaluated.refusal}; step {run.step} is committed: resume with {resume}")
         stop = stop_requested()
         if stop is not None and last_saved != run.step:
             saved = checkpointer.save(run)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import time
@@ -163,14 +164,37 @@ def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, sets, says):
 
 
 def test_an_unknown_best_metric_stops_at_the_first_evaluation_with_its_checkpoint(data_dir, tmp_path):
+    """A misspelt name stops the run at its first evaluation, that step committed; the printed
+    resume command sets the closest name the task returns in place of the bad ``--set``, and
+    continues the run as it is."""
     ran = train(data_dir, tmp_path, "--max-steps", "10", "--set", "training.eval_every=2",
-                "--set", "checkpoint.best_metric=accuracy")  # fmt: skip
+                "--set", "checkpoint.best_metric=rmsee")  # fmt: skip
     assert ran.returncode == 2
-    assert "step 2 is committed" in one_line_error(ran)
+    refusal, _, command = one_line_error(ran).partition("; step 2 is committed: resume with ")
+    assert refusal.endswith(
+        "checkpoint.best_metric is 'rmsee', but the task's evaluate returned mse, rmse: set "
+        "checkpoint.best_metric to one of them"
+    )
     assert CheckpointStore(tmp_path).committed_steps() == [2]
-    again = train(data_dir, tmp_path, "--max-steps", "10", "--resume", "latest",
-                  "--set", "training.eval_every=2", "--set", "checkpoint.best_metric=rmse")  # fmt: skip
+    argv = shlex.split(command)
+    assert argv[-4:] == ["--set", "checkpoint.best_metric=rmse", "--resume", "latest"]
+    assert "checkpoint.best_metric=rmsee" not in argv
+    again = subprocess.run(argv, env=script_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
+    assert read_best(tmp_path)["metric"] == "rmse"
+
+
+def test_the_resume_command_of_a_refusal_sets_the_fix_in_place_of_the_bad_value():
+    from pipeline.commands import with_set
+
+    for given in (["--set", "checkpoint.best_metric=msee"], ["--set=checkpoint.best_metric=msee"], []):
+        command = shlex.join(
+            ["python", "02_train.py", "--set", "a=1", *given, "--quiet", "--resume", "latest"]
+        )
+        assert shlex.split(with_set(command, "checkpoint.best_metric=mse")) == [
+            "python", "02_train.py", "--set", "a=1", "--quiet", "--set", "checkpoint.best_metric=mse",
+            "--resume", "latest",
+        ]  # fmt: skip
 
 
 def test_a_config_built_in_code_is_checked_like_a_file():

@@ -32,7 +32,7 @@ from pipeline.layout import MODEL_FILE, STATE_FILE
 from pipeline.run import build_run
 from pipeline.train import train_step
 
-from support import PYTHON, REPO, data_args, script_env, train, verify_checkpoint
+from support import PYTHON, REPO, data_args, save_parts, script_env, train, verify_checkpoint
 
 FILES = (MODEL_FILE, STATE_FILE)
 
@@ -284,19 +284,8 @@ def test_mixed_dtypes_are_stored_aligned_loaded_into_own_memory_and_viewed_by_re
         "c/ids": torch.arange(3, dtype=torch.int16),
         "empty": torch.zeros(0),
     }
-    meta = {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, mixed, mixed, meta).path
+        folder = store.save(1, mixed, mixed, save_parts()).path
     loaded = load_checkpoint(folder)
     for name, tensors, mapped in (
         (MODEL_FILE, loaded.model_tensors, False),

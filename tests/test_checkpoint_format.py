@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_untrusted_checkpoint import read_meta_json, write_sealed
 
 from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
 from pipeline.checkpoint.meta import FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
@@ -21,7 +20,7 @@ from pipeline.checkpoint.verified_read import read_verified
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
 from pipeline.hashing import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkDigests, chunk_size_for
 
-from support import REPO, assert_checkpoints_bitwise_equal, train
+from support import REPO, assert_checkpoints_bitwise_equal, read_meta_json, save_parts, train, write_sealed
 
 SMALL = 4096  # a chunk size that makes the test checkpoints span several chunks
 
@@ -135,7 +134,7 @@ def test_a_file_of_one_chunk_beside_larger_ones_has_its_whole_digest_as_its_tabl
 def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
     """The training-state file (9 MiB) spans three 4 MiB chunks; the weights fit in one."""
     with CheckpointStore(tmp_path) as store:
-        saved = store.save(1, _tensors(), {"s": torch.zeros(9 * MiB // 4)}, _parts())
+        saved = store.save(1, _tensors(), {"s": torch.zeros(9 * MiB // 4)}, save_parts())
     meta = read_meta_json(saved.path)
     assert meta["schema"] == SCHEMA_VERSION == "pipeline.checkpoint/3"
     for name, entry in meta["files"].items():
@@ -145,20 +144,6 @@ def test_a_save_records_the_chunk_table_of_each_file(tmp_path):
     assert len(meta["files"]["estado_treino.safetensors"]["chunk_sha256"]) == 3
 
 
-def _parts() -> dict:
-    return {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
-
-
 # -- reading: each chunk verified, a damaged one named ------------------------------------
 
 
@@ -166,7 +151,7 @@ def _parts() -> dict:
 def chunked(tmp_path) -> Path:
     """A checkpoint whose files are sealed in chunks of SMALL bytes (several per file)."""
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, _tensors(), {"s": torch.randn(2500)}, _parts()).path
+        folder = store.save(1, _tensors(), {"s": torch.randn(2500)}, save_parts()).path
     meta = read_meta_json(folder)
     for name in meta["files"]:
         meta["files"][name] = entry_of((folder / name).read_bytes(), SMALL)
@@ -310,7 +295,7 @@ def as_schema_2(folder: Path) -> None:
 
 def test_a_schema_2_checkpoint_is_verified_by_its_whole_digests(tmp_path):
     with CheckpointStore(tmp_path) as store:  # files of several read pieces (2 MiB each)
-        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, _parts()).path
+        folder = store.save(1, {"w": torch.randn(1_500_000)}, {"s": torch.arange(5)}, save_parts()).path
     as_schema_2(folder)
     assert load_checkpoint(folder).meta["schema"] == "pipeline.checkpoint/2"
     meta = read_meta_json(folder)
@@ -346,11 +331,11 @@ def test_build_meta_refuses_a_record_no_reader_would_accept():
 
     entry = entry_of(b"x" * 10)
     files = {"modelo.safetensors": entry, "estado_treino.safetensors": entry}
-    assert build_meta(_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
+    assert build_meta(save_parts(), step=1, files=files)["schema"] == SCHEMA_VERSION
     with pytest.raises(InternalError, match="owns"):
-        build_meta({**_parts(), "schema": "mine"}, step=1, files=files)
+        build_meta({**save_parts(), "schema": "mine"}, step=1, files=files)
     with pytest.raises(InternalError, match="keys differ"):
-        build_meta({**_parts(), "extra": 1}, step=1, files=files)
+        build_meta({**save_parts(), "extra": 1}, step=1, files=files)
     for broken in ({**entry, "chunk_sha256": []}, {"sha256": entry["sha256"], "size": 10}):
         with pytest.raises(InternalError, match="files table is malformed"):
-            build_meta(_parts(), step=1, files={**files, "modelo.safetensors": broken})
+            build_meta(save_parts(), step=1, files={**files, "modelo.safetensors": broken})

@@ -28,17 +28,9 @@ from pipeline.checkpoint.weights import dedupe_shared_tensors
 from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, SchemaMismatch
 from pipeline.hashing import HashingWriter, sha256_file
 
-META = {
-    "created": "now",
-    "config": {},
-    "fingerprints": {},
-    "versions": {},
-    "device": "cpu",
-    "model": {},
-    "environment": {},
-    "lineage": [],
-    "training_state": split_state({"best": math.inf}, "state", {}),
-}
+from support import save_parts
+
+META = save_parts(split_state({"best": math.inf}, "state", {}))
 
 
 def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:

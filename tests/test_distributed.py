@@ -33,7 +33,6 @@ from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
 from pipeline.distributed.world import LaunchWorld
-from pipeline.durable import json_bytes
 from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
 from pipeline.hashing import sha256_file
@@ -44,7 +43,7 @@ from pipeline.run import build_model
 from pipeline.stage import build_stage
 from pipeline.train import train
 
-from support import HELPERS, REPO, script_env
+from support import HELPERS, REPO, reseal, script_env
 
 CONFIG = REPO / "config.yaml"
 # The tests that read the shared launches (``legs``) run on one worker, so those launches run
@@ -172,7 +171,7 @@ def legs(data_dir, tmp_path_factory):
     # (tests/helpers/readrecorder.py); then with a shard damaged; then in the form of
     # distributed schema 2 (whole-file digests only).
     fsdp2 = {"data.dir": str(data_dir), "training.parallel": "fsdp2", "checkpoint.keep_last": 3}
-    for name, flip, reseal in (
+    for name, flip, sealed_again in (
         ("reads_fsdp2", None, {"chunk_size": READ_CHUNK}),
         ("damaged_fsdp2", f"{DIST_MODEL_DIR}/{_shard(2)}", None),
         ("old_fsdp2", None, {"schema": "pipeline.checkpoint.distributed/2"}),
@@ -185,7 +184,7 @@ def legs(data_dir, tmp_path_factory):
                     "from": str(root / "full_fsdp2" / "step-00000005"),
                     "to": str(root / name),
                     "flip": flip,
-                    "reseal": reseal,
+                    "reseal": sealed_again,
                 },
                 # Only the files one rank reads are rewritten (FSDP2: its model shard, its RNGs).
                 **(
@@ -401,7 +400,7 @@ def test_a_rank_hashes_the_chunks_it_reads_and_refuses_a_bad_one_or_a_bad_table(
     checkpoint's chunk table that does not tile its file is refused by meta.json's reader."""
     folder = _damaged_copy(legs, tmp_path)
     name = f"{DIST_OPTIM_DIR}/{_shard(1)}"
-    _reseal(folder, lambda meta: meta["files"].update({name: entry_of((folder / name).read_bytes(), 256)}))
+    reseal(folder, lambda meta: meta["files"].update({name: entry_of((folder / name).read_bytes(), 256)}))
     meta = verify_distributed(folder)
     size = meta["files"][name]["size"]
     assert size > 4 * 256
@@ -417,7 +416,7 @@ def test_a_rank_hashes_the_chunks_it_reads_and_refuses_a_bad_one_or_a_bad_table(
     assert f"SHA-256 differs from meta.json (chunk {(size - 1) // 256}: bytes" in str(reads.refusals[0])
     assert reads.read(name, [(0, size + 1)]) is None
     assert "falls outside the file" in str(reads.refusals[1])
-    _reseal(folder, lambda meta: meta["files"][name]["chunk_sha256"].pop())
+    reseal(folder, lambda meta: meta["files"][name]["chunk_sha256"].pop())
     with pytest.raises(SchemaMismatch, match=f"the chunk table of {name} is malformed"):
         verify_distributed(folder)
 
@@ -496,14 +495,6 @@ def test_a_shard_damaged_after_its_seal_is_refused_on_every_launch_shape(legs, d
         build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage")
 
 
-def _reseal(folder: Path, edit) -> None:
-    """Edit meta.json and reseal it, as a forger (or a buggy writer) would."""
-    meta = json.loads((folder / "meta.json").read_text())
-    edit(meta)
-    meta["meta_sha256"] = meta_sha256(meta)
-    (folder / "meta.json").write_bytes(json_bytes(meta))
-
-
 @LEGS
 def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(legs, tmp_path):
     folder = _damaged_copy(legs, tmp_path)
@@ -516,10 +507,10 @@ def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(l
     with pytest.raises(ChecksumMismatch, match=r"model/\.metadata is not listed in meta.json"):
         verify_distributed(folder)
     (folder / "model" / ".metadata").unlink()
-    _reseal(folder, lambda meta: meta["parallel"].update(mode="tp"))
+    reseal(folder, lambda meta: meta["parallel"].update(mode="tp"))
     with pytest.raises(SchemaMismatch, match="malformed parallel record"):
         verify_distributed(folder)
-    _reseal(
+    reseal(
         folder,
         lambda meta: (meta["parallel"].update(mode="fsdp2"), meta["files"].pop("rng/rank-00001.safetensors")),
     )
@@ -556,7 +547,7 @@ def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
     # (DCP's reader would load half the rows without a word).
     folder = _damaged_copy(legs, tmp_path)
     shard = sorted((folder / "model").iterdir())[0]
-    _reseal(folder, lambda meta: meta["files"].pop(f"model/{shard.name}"))
+    reseal(folder, lambda meta: meta["files"].pop(f"model/{shard.name}"))
     shard.unlink()
     with pytest.raises(ChecksumMismatch, match="cover|no shard"):
         verify_distributed(folder)

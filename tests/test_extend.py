@@ -100,6 +100,25 @@ def test_extension_refused_by_the_script_in_one_line(data_dir, tmp_path):
     )
 
 
+def test_a_run_started_with_max_steps_extends_without_it_and_a_resume_names_its_length(data_dir, tmp_path):
+    """A run started with ``--max-steps 6`` (the file says 10) and stopped at 3: ``--extend-to``
+    alone continues it (it names the length; the schedule keeps the lineage's first), and a
+    plain resume without ``--max-steps`` is refused naming the flag that resumes it."""
+    started = train_script(data_dir, tmp_path, "--max-steps", "6", "--stop-at", "3")
+    assert started.returncode == 0, started.stderr
+    refused = train_script(data_dir, tmp_path, "--resume", "latest")
+    assert refused.returncode == 2
+    assert one_line_error(refused) == (
+        "error: training.max_steps is 10, but the checkpoint's run is 6 steps: resume it at its length "
+        "with --max-steps 6, or train it further with --extend-to N (N > 6)"
+    )
+    extended = train_script(data_dir, tmp_path, "--resume", "latest", "--extend-to", "8")
+    assert extended.returncode == 0, extended.stderr
+    meta = verify_checkpoint(tmp_path / "step-00000008")
+    assert meta["config"]["training"]["max_steps"] == 8
+    assert meta["lineage"] == [{"from_max_steps": 6, "at_step": 3, "to_max_steps": 8}]
+
+
 def test_extended_cosine_holds_its_floor_and_resumes_bitwise(data_dir, tmp_path):
     """warmup_cosine keeps the run's first length: past it, the rate holds at min_ratio
     (no jump back up). An extended run cut after the extension and resumed with the

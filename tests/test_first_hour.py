@@ -21,7 +21,7 @@ from pipeline.factories import resolve as resolve_factory
 from pipeline.hashing import sha256_file
 from pipeline.provenance import check_code_unchanged, counted_sources
 
-from support import REPO, one_line_error, run_python, run_script, script_env
+from support import REPO, one_line_error, run_python, run_script, save_parts, script_env
 
 CONFIG = REPO / "config.yaml"
 DEEP = "[" * 3000 + "]" * 3000
@@ -309,17 +309,7 @@ def test_a_checkpoint_without_per_file_fingerprints_is_held_to_its_one_hash():
 
 # -- symlinked step folders, and OS errors that name their path --------------------------------
 
-META = {
-    "created": "now",
-    "config": {},
-    "fingerprints": {},
-    "versions": {},
-    "device": "cpu",
-    "model": {},
-    "environment": {},
-    "lineage": [],
-    "training_state": {},
-}
+META = save_parts()
 
 
 def test_a_symlinked_step_folder_is_refused_by_every_reader_and_never_pruned(tmp_path, caplog):

@@ -14,14 +14,12 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
 from pipeline.data import InputForm, input_mode, prepare_data
-from pipeline.durable import json_bytes
 from pipeline.errors import DataError
 from pipeline.train import train
 
-from support import REPO, assert_checkpoints_bitwise_equal, run_script, script_env
+from support import REPO, assert_checkpoints_bitwise_equal, reseal, run_script, script_env
 
 CONFIG = REPO / "config.yaml"
 NOISY = {"data.factory": "inputs_factories:build_noisy_rows"}
@@ -191,11 +189,11 @@ def test_a_saved_stream_position_of_another_source_is_refused_in_one_line(stream
     other = build_mapped_stream(
         _config(stream_dir, tmp_path, **STREAM), stream_dir
     ).train_iterable.state_dict()
-    meta_path = tmp_path / "cut" / "step-00000003" / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    meta["training_state"]["data"]["source"]["ranks"][0]["state"] = other  # identity kept, as a forger would
-    meta["meta_sha256"] = meta_sha256(meta)
-    meta_path.write_bytes(json_bytes(meta))
+
+    def forge(meta: dict) -> None:  # identity kept, as a forger would
+        meta["training_state"]["data"]["source"]["ranks"][0]["state"] = other
+
+    reseal(tmp_path / "cut" / "step-00000003", forge)
     with pytest.raises(
         DataError,
         match=r"source\.ranks\[0\]\.state\.examples_iterable\S* (has other fields|is "
@@ -225,11 +223,10 @@ def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_f
 def test_a_stream_checkpoint_is_refused_by_a_map_style_run_and_back(stream_dir, tmp_path):
     train(_config(stream_dir, tmp_path / "s", **STREAM), progress=False, stop_at=2)
     shutil.copytree(tmp_path / "s", tmp_path / "m")
-    meta_path = tmp_path / "m" / "step-00000002" / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    meta["training_state"]["data"]["source"] = {"kind": "dataset", "num_samples": 24, "fingerprint": None}
-    meta["meta_sha256"] = meta_sha256(meta)
-    meta_path.write_bytes(json_bytes(meta))
+    dataset = {"kind": "dataset", "num_samples": 24, "fingerprint": None}
+    reseal(
+        tmp_path / "m" / "step-00000002", lambda meta: meta["training_state"]["data"].update(source=dataset)
+    )
     with pytest.raises(
         DataError, match="trained from a 'dataset' source, this run's data.factory gives a 'stream'"
     ):

@@ -27,14 +27,12 @@ import pytest
 import torch
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.checkpoint.store import meta_sha256
 from pipeline.config import load_config
-from pipeline.durable import json_bytes
 from pipeline.errors import LaunchMismatch, NoCheckpoint, StateMismatch
 from pipeline.stage import build_stage
 from pipeline.train import train
 
-from support import HELPERS, REPO, run_script, script_env
+from support import HELPERS, REPO, reseal, run_script, script_env
 
 CONFIG = REPO / "config.yaml"
 LAUNCHES = pytest.mark.xdist_group("two-agents")
@@ -285,10 +283,7 @@ def test_a_torchrun_run_continues_in_one_process_or_under_fsdp2_only_with_reshar
         train(config, resume="latest", progress=False)
     forged = tmp_path / "forged" / "step-00000006"
     shutil.copytree(cut / "step-00000006", forged)
-    meta = json.loads((forged / "meta.json").read_text())
-    meta["training_state"]["scheduler"]["last_epoch"] = 5
-    meta["meta_sha256"] = meta_sha256(meta)
-    (forged / "meta.json").write_bytes(json_bytes(meta))
+    reseal(forged, lambda meta: meta["training_state"]["scheduler"].update(last_epoch=5))
     with pytest.raises(StateMismatch, match="scheduler.last_epoch is 5"):
         train(config, resume=str(forged), reshard=True, progress=False)
     result = train(config, resume="latest", reshard=True, progress=False)
@@ -639,11 +634,12 @@ def test_a_flipped_ddp_bucket_setting_is_refused_then_recorded_as_a_move(moves):
 def _as_an_older_version_wrote_it(folder: Path) -> None:
     """meta.json's AdamW betas as a list, resealed: what a checkpoint written after a move
     held before torch's loaders' lists were given back their tuples."""
-    meta = json.loads((folder / "meta.json").read_text())
-    group = meta["training_state"]["optimizer"]["param_groups"][0]
-    group["betas"] = group["betas"]["__tuple__"]
-    meta["meta_sha256"] = meta_sha256(meta)
-    (folder / "meta.json").write_bytes(json_bytes(meta))
+
+    def as_a_list(meta: dict) -> None:
+        group = meta["training_state"]["optimizer"]["param_groups"][0]
+        group["betas"] = group["betas"]["__tuple__"]
+
+    reseal(folder, as_a_list)
 
 
 @pytest.mark.heavy

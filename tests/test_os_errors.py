@@ -21,19 +21,15 @@ import torch
 
 from pipeline.checkpoint import CheckpointStore
 
-from support import assert_checkpoints_bitwise_equal, one_line_error, run_script, verify_checkpoint
+from support import (
+    assert_checkpoints_bitwise_equal,
+    one_line_error,
+    run_script,
+    save_parts,
+    verify_checkpoint,
+)
 
-META = {
-    "created": "now",
-    "config": {},
-    "fingerprints": {},
-    "versions": {},
-    "device": "cpu",
-    "model": {},
-    "environment": {},
-    "lineage": [],
-    "training_state": {"best": 0.5},
-}
+META = save_parts({"best": 0.5})
 
 
 @contextlib.contextmanager

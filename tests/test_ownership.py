@@ -18,19 +18,9 @@ from pipeline.audit import stage_marker_problem
 from pipeline.checkpoint import CheckpointStore
 from pipeline.errors import InternalError
 
-from support import REPO
+from support import REPO, save_parts
 
-META = {
-    "created": "now",
-    "config": {},
-    "fingerprints": {},
-    "versions": {},
-    "device": "cpu",
-    "model": {},
-    "environment": {},
-    "lineage": [],
-    "training_state": {"best": 0.5},
-}
+META = save_parts({"best": 0.5})
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -20,12 +19,14 @@ from test_leaks import SAMPLES
 
 from pipeline.audit import audit_stage
 from pipeline.checkpoint import load_model_weights
-from pipeline.checkpoint.meta import entry_of, meta_sha256
+from pipeline.checkpoint.meta import entry_of
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
 from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
 from pipeline.run import build_model
 from pipeline.stage import build_stage
+
+from support import reseal
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {
@@ -76,14 +77,6 @@ def in_process_config(run, **overrides):
     return load_config(CONFIG, {**run.overrides, **overrides})
 
 
-def rewrite_meta(checkpoint: Path, change: Callable[[dict], None]) -> None:
-    path = checkpoint / "meta.json"
-    meta = json.loads(path.read_text())
-    change(meta)
-    meta["meta_sha256"] = meta_sha256(meta)  # resealed, as a real save would: only the change is tested
-    path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-
-
 def poison_weights(checkpoint: Path) -> str:
     """Put a NaN in the first tensor and record the new file's hash, as a real save would."""
     path = checkpoint / "modelo.safetensors"
@@ -93,7 +86,7 @@ def poison_weights(checkpoint: Path) -> str:
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, str(path), metadata={"format": "pt"})
     entry = entry_of(path.read_bytes())
-    rewrite_meta(checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
+    reseal(checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
     return name
 
 
@@ -335,7 +328,7 @@ def github_token_in_the_weights_header(run, monkeypatch):
     path = run.checkpoint / "modelo.safetensors"
     save_file(load_file(path), str(path), metadata={"format": "pt", "pushed_by": SAMPLES["github-token"][1]})
     entry = entry_of(path.read_bytes())
-    rewrite_meta(run.checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
+    reseal(run.checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
     return {}, "modelo.safetensors holds a GitHub token; nothing was staged."
 
 
@@ -382,7 +375,7 @@ def test_latest_is_the_newest_committed_checkpoint_never_a_temporary_folder(eval
     # A newer, complete-looking save that was never renamed into place.
     temporary = run.checkpoint_dir / ".tmp-step-00000099-0badc0de"
     shutil.copytree(run.checkpoint, temporary)
-    rewrite_meta(temporary, lambda meta: meta.update(step=99))
+    reseal(temporary, lambda meta: meta.update(step=99))
     poison_weights(temporary)
     result = build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert result.step == 10 and result.source.name == "step-00000010"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
-from pipeline.checkpoint.meta import entry_of, meta_sha256
+from pipeline.checkpoint.meta import entry_of
 from pipeline.errors import ChecksumMismatch, PipelineError, SchemaMismatch
 
-from support import REPO, one_line_error
+from support import REPO, one_line_error, read_meta_json, save_parts, write_sealed
 
 STEP = "step-00000010"
 
@@ -28,18 +28,6 @@ def folder(trained_run, tmp_path) -> Path:
     root = tmp_path / "estados_local"
     shutil.copytree(trained_run.checkpoint, root / STEP)
     return root / STEP
-
-
-def read_meta_json(folder: Path) -> dict:
-    return json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-
-
-def write_sealed(folder: Path, meta: dict) -> None:
-    """What an attacker or a careless edit does: change meta.json and recompute the seal,
-    in the exact layout the pipeline writes."""
-    meta = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    meta["meta_sha256"] = meta_sha256(meta)
-    (folder / "meta.json").write_bytes((json.dumps(meta, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def refused(folder: Path, *fragments: str, error: type[PipelineError] = PipelineError) -> str:
@@ -303,23 +291,12 @@ def test_a_write_to_the_file_after_verification_does_not_reach_the_loaded_tensor
 
     from pipeline.checkpoint import CheckpointStore
 
-    meta = {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
     with CheckpointStore(tmp_path) as store:
         folder = store.save(
             1,
             {"w": torch.randn(65536, dtype=torch.float64)},
             {"s": torch.randn(65536, dtype=torch.float64)},
-            meta,
+            save_parts(),
         ).path
     loaded = load_checkpoint(folder, mode=mode)
     assert bool(loaded.state_tensors) is (mode is LoadMode.FULL) and loaded.model_tensors
@@ -354,19 +331,8 @@ def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path)
             self.register_buffer("b", torch.zeros(4096))
 
     saved = {"w": torch.randn(65536, dtype=torch.float64), "v": torch.randn(3, 5), "b": torch.randn(4096)}
-    meta = {
-        "created": "now",
-        "config": {},
-        "fingerprints": {},
-        "versions": {},
-        "device": "cpu",
-        "model": {},
-        "environment": {},
-        "lineage": [],
-        "training_state": {},
-    }
     with CheckpointStore(tmp_path) as store:
-        folder = store.save(1, saved, {"s": torch.randn(4096)}, meta).path
+        folder = store.save(1, saved, {"s": torch.randn(4096)}, save_parts()).path
     model = Model()
     loaded = load_checkpoint(folder, into=model)
     assert loaded.model_tensors["w"].data_ptr() == model.w.data_ptr()

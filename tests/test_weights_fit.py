@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_untrusted_checkpoint import _split, install_hostile, read_meta_json, tensor_file, write_sealed
+from test_untrusted_checkpoint import _split, install_hostile, tensor_file
 
 from pipeline.checkpoint import (
     MappedTensors,
@@ -27,7 +27,7 @@ from pipeline.sources import model_sources
 from pipeline.stage import StageBuild, build_stage
 from pipeline.stage.weights import HUB_MAX_FILE_SIZE, parse_size, plan_weights
 
-from support import REPO
+from support import REPO, read_meta_json, write_sealed
 
 FIT = "does not fit the configured model"
 

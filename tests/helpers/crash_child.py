@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 from oprecorder import CRASH_EXIT, Recorder, ordering_problems
 
+from support import save_parts
+
 REPO = Path(__file__).resolve().parents[2]
 FOREIGN = {"notes.txt": b"not ours\n", "step-00000007.bak/precious.bin": b"\x00keep"}
 
@@ -77,17 +79,7 @@ class Protocol:
 
 # -- checkpoint save and prune ---------------------------------------------------------------
 
-META = {
-    "created": "now",
-    "config": {},
-    "fingerprints": {},
-    "versions": {},
-    "device": "cpu",
-    "model": {},
-    "environment": {},
-    "lineage": [],
-    "training_state": {"best": 0.5},
-}
+META = save_parts({"best": 0.5})
 
 
 def _tensors(step: int) -> tuple[dict, dict]:

@@ -44,25 +44,27 @@ import torch.distributed as dist
 from oprecorder import Recorder
 from readrecorder import ReadRecorder
 
-from pipeline.checkpoint.meta import entry_of, file_entry, meta_sha256
+from pipeline.checkpoint.meta import entry_of, file_entry
 from pipeline.config import launch_mode, load_config
 from pipeline.distributed.world import LaunchWorld
-from pipeline.durable import json_bytes
 from pipeline.errors import PipelineError
 from pipeline.train import train
+
+from support import reseal
 
 
 def forge(spec: dict) -> None:
     shutil.copytree(spec["from"], spec["to"])
-    for meta_path in Path(spec["to"]).glob("step-*/meta.json"):
-        meta = json.loads(meta_path.read_text())
-        *parents, last = spec["key"]
+    *parents, last = spec["key"]
+
+    def set_value(meta: dict) -> None:
         node = meta
         for key in parents:
             node = node[key]
         node[last] = spec["value"]
-        meta["meta_sha256"] = meta_sha256(meta)
-        meta_path.write_bytes(json_bytes(meta))
+
+    for meta_path in Path(spec["to"]).glob("step-*/meta.json"):
+        reseal(meta_path.parent, set_value)
 
 
 def copy(spec: dict) -> None:
@@ -83,19 +85,19 @@ def copy(spec: dict) -> None:
         forged.write_bytes(data.replace(old.encode(), new.encode()))
     if spec.get("strike"):
         (target / spec["strike"]).unlink()
-        meta = json.loads((target / "meta.json").read_text())
-        del meta["files"][spec["strike"]]
-        meta["meta_sha256"] = meta_sha256(meta)
-        (target / "meta.json").write_bytes(json_bytes(meta))
+        reseal(target, lambda meta: meta["files"].pop(spec["strike"]))
     if spec.get("reseal"):
         how = spec["reseal"]
-        meta = json.loads((target / "meta.json").read_text())
-        for name in meta["files"]:
-            entry = entry_of((target / name).read_bytes(), how.get("chunk_size"))
-            meta["files"][name] = entry if "chunk_size" in how else file_entry(entry["sha256"], entry["size"])
-        meta["schema"] = how.get("schema", meta["schema"])
-        meta["meta_sha256"] = meta_sha256(meta)
-        (target / "meta.json").write_bytes(json_bytes(meta))
+
+        def entries_anew(meta: dict) -> None:
+            for name in meta["files"]:
+                entry = entry_of((target / name).read_bytes(), how.get("chunk_size"))
+                meta["files"][name] = (
+                    entry if "chunk_size" in how else file_entry(entry["sha256"], entry["size"])
+                )
+            meta["schema"] = how.get("schema", meta["schema"])
+
+        reseal(target, entries_anew)
 
 
 def gloo_threads(among: set[int]) -> list[str]:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from safetensors.torch import load_file
@@ -339,6 +339,49 @@ def verify_checkpoint(folder: Path) -> dict:
     from pipeline.checkpoint import LoadMode, load_checkpoint
 
     return load_checkpoint(folder, mode=LoadMode.VERIFY).meta
+
+
+def save_parts(training_state: dict | None = None) -> dict:
+    """The records ``CheckpointStore.save`` writes beside the tensors, empty but for
+    ``training_state``: what a test that saves a checkpoint without a trainer passes. A fresh
+    dict each call, so a test may change it."""
+    return {
+        "created": "now",
+        "config": {},
+        "fingerprints": {},
+        "versions": {},
+        "device": "cpu",
+        "model": {},
+        "environment": {},
+        "lineage": [],
+        "training_state": {} if training_state is None else training_state,
+    }
+
+
+def read_meta_json(folder: Path) -> dict:
+    """A checkpoint folder's ``meta.json``, as written (nothing checked)."""
+    import json
+
+    return json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+
+
+def write_sealed(folder: Path, meta: dict) -> None:
+    """Write ``meta`` as the folder's ``meta.json`` with its seal recomputed, in the exact
+    layout the pipeline writes: what a forger, or a careless edit, does, so that only the
+    change to the record is what a test then sees refused or accepted."""
+    from pipeline.checkpoint.meta import meta_sha256
+    from pipeline.durable import json_bytes
+
+    meta = {key: value for key, value in meta.items() if key != "meta_sha256"}
+    meta["meta_sha256"] = meta_sha256(meta)
+    (folder / "meta.json").write_bytes(json_bytes(meta))
+
+
+def reseal(folder: Path, edit: Callable[[dict], object]) -> None:
+    """Apply ``edit`` to the folder's ``meta.json`` record in place, then :func:`write_sealed` it."""
+    meta = read_meta_json(folder)
+    edit(meta)
+    write_sealed(folder, meta)
 
 
 def first_python_block(card: str) -> str:

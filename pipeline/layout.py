@@ -76,6 +76,12 @@ DIST_OPTIM_DIR = "optim"
 DIST_RNG_DIR = "rng"
 
 
+def dcp_shard_name(index: int) -> str:
+    """``shard-00003-model-00001-of-00001.safetensors``: the name torch's HuggingFaceStorageWriter
+    gives, inside ``model/`` or ``optim/``, to the file of its writer ``index`` (rank + 1)."""
+    return f"shard-{index:05d}-model-00001-of-00001.safetensors"
+
+
 def rank_rng_file(rank: int) -> str:
     """``rng/rank-00003.safetensors``: rank 3's RNG states."""
     return f"{DIST_RNG_DIR}/rank-{rank:05d}.safetensors"

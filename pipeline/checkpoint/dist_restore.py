@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..durable import json_loads_strict
 from ..errors import SEALED_BUT_UNFIT, CheckpointError, PipelineError, SchemaMismatch, StateMismatch
-from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
+from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, dcp_shard_name, rank_rng_file
 from ..rng import derive_rank_rng, restore_rng
 from ..run import TrainingRun
 from ..world import World
@@ -150,12 +150,19 @@ def restore_distributed(
     # DCP loads in place, so templates: the optimizer's first (torch builds its state with a
     # zero-gradient, zero-lr step, which must not touch weights loaded after it).
     reads = SealedReads(folder, meta)
+    resharded = meta["parallel"]["world_size"] != world_size
+    if not resharded:
+        # This rank's own files, read from the disk while torch builds the templates and
+        # DCP plans (a reshard's reads are known only from the plan).
+        own = dcp_shard_name(rank + 1)
+        reads.prefetch(
+            [f"{DIST_OPTIM_DIR}/{own}", f"{DIST_MODEL_DIR}/{own}", rank_rng_file(rank), STATE_FILE]
+        )
     _, optimizer, _ = _optimizer_state(run)
     if "optimizer" not in omit:
         _dcp_load(optimizer, reads, DIST_OPTIM_DIR, "optimizer", world)
     model = _model_state(run, meta["tensors"][DIST_MODEL_DIR])
     _dcp_load(model, reads, DIST_MODEL_DIR, "model", world)
-    resharded = meta["parallel"]["world_size"] != world_size
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
     # over; the per-rank streams have no counterpart at another world size.
     source = 0 if resharded else (1 - rank if swap_rng and rank < 2 else rank)

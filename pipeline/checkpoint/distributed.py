@@ -55,7 +55,7 @@ from torch.futures import Future
 from ..durable import atomic_folder, json_loads_strict
 from ..errors import CheckpointError, PipelineError
 from ..hashing import chunk_size_for
-from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
+from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, dcp_shard_name, rank_rng_file
 from ..rng import capture_rng
 from ..run import TrainingRun
 from ..world import World
@@ -111,7 +111,7 @@ class _StreamedShardWriter(HuggingFaceStorageWriter):
         if not plan.items:
             done.set_result([])
             return done
-        name = f"shard-{plan.storage_data['shard_index']:05d}-model-00001-of-00001.safetensors"
+        name = dcp_shard_name(plan.storage_data["shard_index"])
         tensors, sharding, results = {}, {}, []
         for item in plan.items:
             tensor = planner.resolve_data(item)

@@ -27,6 +27,7 @@ import hashlib
 import math
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -65,6 +66,14 @@ class SealedReads:
         self.folder = folder
         self.meta = meta
         self.refusals: list[PipelineError] = []
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start the kernel reading files ``names`` of the folder into the page cache, on a
+        thread of its own, while DCP plans and the first files are hashed: a hint, no more.
+        Nothing it reads is used (every byte used is read and hashed by :meth:`read`), and a
+        file it cannot open is left to the read that needs it to name."""
+        paths = [self.folder / name for name in names if name in self.meta["files"]]
+        threading.Thread(target=_prefetch, args=(paths,), name="checkpoint-prefetch", daemon=True).start()
 
     def reader(self, part: str) -> "VerifiedShardReader":
         """A DCP ``StorageReader`` of ``part/`` (model or optimizer) whose reads come from here."""
@@ -143,6 +152,20 @@ class SealedReads:
         if first is not None:
             kind, _, message = first.partition("\t")
             raise _REFUSALS.get(kind, ChecksumMismatch)(message)
+
+
+def _prefetch(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _disjoint(into: Mapping[int, memoryview], size: int) -> list[tuple[int, memoryview]]:

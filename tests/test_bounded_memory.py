@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint import ConsolidatedTensors, MappedTensors, write_safetensors
-from pipeline.checkpoint.tensorfile import map_file, sha256_mapped
+from pipeline.checkpoint.tensorfile import map_file
+from pipeline.checkpoint.verified_read import sha256_mapped
 
 MIB = 1024 * 1024
 
@@ -35,14 +36,14 @@ def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(t
     write_safetensors(path, {f"t{i}": torch.full((4 * MIB,), i, dtype=torch.uint8) for i in range(16)})
     before = rss()
     hashed = map_file(path)  # kept open: only given-back pages leave the count
-    sha256_mapped({"big": hashed}, own=())
+    sha256_mapped({"big": hashed}, {}, own=())
     assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, (
         "64 MiB hashed: at most a chunk or two stays mapped"
     )
     hashed.close()
     before = rss()
     kept = map_file(path)
-    sha256_mapped({"big": kept}, own=("big",))  # its tensors will be viewed: every page owned and kept
+    sha256_mapped({"big": kept}, {}, own=("big",))  # its tensors will be viewed: every page owned and kept
     assert rss()["RssAnon"] - before["RssAnon"] > 60 * MIB, "the measure sees pages that stay"
     kept.close()
 

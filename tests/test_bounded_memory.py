@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeline.checkpoint import ConsolidatedTensors, MappedTensors, write_safetensors
@@ -31,19 +32,23 @@ def rss() -> dict[str, int]:
     return values
 
 
-def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(tmp_path):
+@pytest.mark.parametrize("chunk_size", [None, 16 * MIB])
+def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(tmp_path, chunk_size):
+    """Hashed whole or in chunks side by side (a thread per core)."""
     path = tmp_path / "big.safetensors"
     write_safetensors(path, {f"t{i}": torch.full((4 * MIB,), i, dtype=torch.uint8) for i in range(16)})
     before = rss()
     hashed = map_file(path)  # kept open: only given-back pages leave the count
-    sha256_mapped({"big": hashed}, {}, own=())
+    sha256_mapped({"big": hashed}, {"big": chunk_size}, own=())
     assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, (
         "64 MiB hashed: at most a chunk or two stays mapped"
     )
     hashed.close()
     before = rss()
     kept = map_file(path)
-    sha256_mapped({"big": kept}, {}, own=("big",))  # its tensors will be viewed: every page owned and kept
+    sha256_mapped(
+        {"big": kept}, {"big": chunk_size}, own=("big",)
+    )  # its tensors will be viewed: every page owned and kept
     assert rss()["RssAnon"] - before["RssAnon"] > 60 * MIB, "the measure sees pages that stay"
     kept.close()
 

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from test_untrusted_checkpoint import read_meta_json, write_sealed
 
-from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
+from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint, verified_read
 from pipeline.checkpoint.meta import CHUNK_SIZE, FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
-from pipeline.checkpoint.tensorfile import write_safetensors_files
-from pipeline.checkpoint.verified_read import read_verified
+from pipeline.checkpoint.tensorfile import map_file, write_safetensors_files
+from pipeline.checkpoint.verified_read import read_verified, sha256_mapped
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
 from pipeline.hashing import ChunkDigests
 
@@ -166,6 +168,71 @@ def test_read_verified_hashes_chunks_of_files_read_and_files_only_verified(chunk
             assert read[name][0] == _slices(paths[name].read_bytes(), SMALL)
         whole = read_verified(paths, destinations, dict.fromkeys(names))
         assert all(whole[n][0] == [hashlib.sha256(paths[n].read_bytes()).hexdigest()] for n in names)
+
+
+class _SideBySide:
+    """hashlib as verified_read sees it, whose SHA-256 objects wait, at their first update,
+    until another thread's does too: a read that hashes one file's chunks one after the
+    other never gets past its first chunk (the barrier breaks)."""
+
+    def __init__(self) -> None:
+        self.meeting = threading.Barrier(2, timeout=10)
+        self.threads: set[int] = set()
+
+    def sha256(self, *args):
+        real, side = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                if threading.get_ident() not in side.threads:
+                    side.threads.add(threading.get_ident())
+                    side.meeting.wait()
+                real.update(data)
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
+def test_sha256_mapped_hashes_the_chunks_of_one_file_side_by_side(chunked, monkeypatch):
+    """A distributed checkpoint read by one process: each chunk of each map is a task of the
+    pool, so two chunks of one file are hashed at once; the digests are the chunk table's
+    (the whole file's for no chunk size), whether the pages are owned or not."""
+    path = chunked / "modelo.safetensors"
+    raw = path.read_bytes()
+    side = _SideBySide()
+    monkeypatch.setattr(verified_read, "hashlib", side)
+    for own in ((), ("m",)):
+        assert sha256_mapped({"m": map_file(path)}, {"m": SMALL}, own=own) == {"m": _slices(raw, SMALL)}
+    assert len(side.threads) == 2
+    monkeypatch.undo()
+    whole = hashlib.sha256(raw).hexdigest()
+    assert sha256_mapped({"m": map_file(path), "e": b""}, {"e": SMALL}) == {"m": [whole], "e": []}
+
+
+@pytest.mark.parametrize("chunk_size", [None, SMALL, 3000])
+def test_sha256_mapped_hashes_what_a_parser_then_reads_from_the_map(chunked, chunk_size):
+    """Owned pages are this process's copy, made before they are hashed: a write to the
+    file afterwards does not reach them. Of a file not used only the header is owned (what
+    a parser reads), and the rest read again from the file if touched (never used). Chunk
+    sizes that are not a page's multiple share pages between chunks."""
+    path = chunked / "modelo.safetensors"
+    raw = path.read_bytes()
+    head = 8 + int.from_bytes(raw[:8], "little")
+    assert len(raw) > 3 * SMALL and head < mmap.PAGESIZE
+    changed = bytes(b ^ 0xFF for b in raw)
+    for own in ((), ("m",)):
+        path.write_bytes(raw)
+        mapped = map_file(path)
+        sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)
+        with open(path, "r+b") as handle:  # in place: the pages the map shares, if any
+            handle.write(changed)
+        paged = -(-head // mmap.PAGESIZE) * mmap.PAGESIZE  # a page is owned whole
+        assert mapped[:paged] == raw[:paged]
+        assert mapped[paged:] == (raw[paged:] if own else changed[paged:])
+        mapped.close()
+    path.write_bytes(raw)
 
 
 def test_a_malformed_file_is_hashed_by_chunks_before_the_parser_refuses_it(chunked):

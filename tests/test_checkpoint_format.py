@@ -211,27 +211,62 @@ def test_sha256_mapped_hashes_the_chunks_of_one_file_side_by_side(chunked, monke
     assert sha256_mapped({"m": map_file(path), "e": b""}, {"e": SMALL}) == {"m": [whole], "e": []}
 
 
+class _RewriteOnHash:
+    """hashlib as verified_read sees it, whose first SHA-256 update, once done, rewrites the
+    file in place (every byte flipped), as a writer racing the reader would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rewritten = False
+
+    def sha256(self, *args):
+        real, outer = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                real.update(data)
+                if not outer.rewritten:
+                    outer.rewritten = True
+                    raw = outer.path.read_bytes()
+                    with open(outer.path, "r+b") as handle:  # in place: the pages the map shares
+                        handle.write(bytes(b ^ 0xFF for b in raw))
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
 @pytest.mark.parametrize("chunk_size", [None, SMALL, 3000])
-def test_sha256_mapped_hashes_what_a_parser_then_reads_from_the_map(chunked, chunk_size):
-    """Owned pages are this process's copy, made before they are hashed: a write to the
-    file afterwards does not reach them. Of a file not used only the header is owned (what
-    a parser reads), and the rest read again from the file if touched (never used). Chunk
-    sizes that are not a page's multiple share pages between chunks."""
+def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_the_map(
+    chunked, chunk_size, monkeypatch
+):
+    """The file rewritten as soon as a first piece was hashed: of a file whose tensors are
+    used, the map then holds exactly the bytes hashed (each page made this process's own
+    copy before it was hashed); of a file only verified, the header a parser reads from it
+    (owned before any chunk is hashed), its other pages reading the file again (never used).
+    Chunk sizes that are not a page's multiple share pages between chunks."""
     path = chunked / "modelo.safetensors"
     raw = path.read_bytes()
     head = 8 + int.from_bytes(raw[:8], "little")
     assert len(raw) > 3 * SMALL and head < mmap.PAGESIZE
-    changed = bytes(b ^ 0xFF for b in raw)
+    paged = -(-head // mmap.PAGESIZE) * mmap.PAGESIZE  # a page is owned whole
     for own in ((), ("m",)):
         path.write_bytes(raw)
         mapped = map_file(path)
-        sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)
-        with open(path, "r+b") as handle:  # in place: the pages the map shares, if any
-            handle.write(changed)
-        paged = -(-head // mmap.PAGESIZE) * mmap.PAGESIZE  # a page is owned whole
-        assert mapped[:paged] == raw[:paged]
-        assert mapped[paged:] == (raw[paged:] if own else changed[paged:])
+        racing = _RewriteOnHash(path)
+        monkeypatch.setattr(verified_read, "hashlib", racing)
+        digests = sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)["m"]
+        monkeypatch.undo()
+        held = bytes(mapped)
         mapped.close()
+        assert racing.rewritten and held[:paged] == raw[:paged]
+        if own:
+            assert digests == (
+                _slices(held, chunk_size) if chunk_size else [hashlib.sha256(held).hexdigest()]
+            )
+        else:
+            assert held[paged:] == bytes(b ^ 0xFF for b in raw[paged:])
     path.write_bytes(raw)
 
 

@@ -58,7 +58,6 @@ WRITE_CHUNK = 8 * 1024 * 1024
 # Written bytes between hints that start their writeback (see _write_all).
 WRITEBACK_WINDOW = 8 * 1024 * 1024
 _ADVISE = hasattr(os, "posix_fadvise")
-_HASH_CHUNK = 8 * 1024 * 1024
 _PAGE = mmap.PAGESIZE
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {

@@ -33,7 +33,7 @@ import torch
 
 from ..hashing import ChunkDigests
 from ..safetensors_header import MAX_HEADER as _MAX_HEADER
-from .tensorfile import _DTYPES, _HASH_CHUNK, _PAGE, parse_header
+from .tensorfile import _DTYPES, _PAGE, parse_header
 
 __all__ = ["read_verified", "sha256_mapped"]
 
@@ -54,6 +54,7 @@ def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, b
         if must_read:
             read.read_into(view, offset)
         digest.update(view)
+        read.hashed(offset, len(view))
     return digest.hexdigest()
 
 
@@ -103,7 +104,7 @@ class _FileRead:
             if self.size > len(head):
                 self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
                 self.map.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read front to back, once
-                self._add(memoryview(self.map)[len(head) :], len(head), read=False, piece=_HASH_CHUNK)
+                self._add(memoryview(self.map)[len(head) :], len(head), read=False)
             return
         for _, name in sorted(
             (entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__"
@@ -125,13 +126,13 @@ class _FileRead:
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 self._add(view, data_start + begin, read=True)
 
-    def _add(self, view: memoryview, offset: int, *, read: bool, piece: int = _READ_CHUNK) -> None:
-        """Plan ``view`` (the file's bytes from ``offset`` on) in pieces of at most ``piece``
-        bytes that never straddle a chunk boundary."""
+    def _add(self, view: memoryview, offset: int, *, read: bool) -> None:
+        """Plan ``view`` (the file's bytes from ``offset`` on) in pieces of at most
+        ``_READ_CHUNK`` bytes that never straddle a chunk boundary."""
         done = 0
         while done < len(view):
             at = offset + done
-            take = min(piece, len(view) - done, self.chunk_size - at % self.chunk_size)
+            take = min(_READ_CHUNK, len(view) - done, self.chunk_size - at % self.chunk_size)
             self.pieces.append((view[done : done + take], at, read))
             done += take
 
@@ -140,6 +141,14 @@ class _FileRead:
         if len(data) < count:
             self.changed = True
         return data
+
+    def hashed(self, offset: int, count: int) -> None:
+        """Bytes ``offset:offset+count`` were hashed: of a file only verified, the map's pages
+        under them are given back (the OS counts every mapped page touched; none is used, and
+        one shared with a neighbouring piece is read again if touched)."""
+        if self.map is not None:
+            first = offset // _PAGE * _PAGE
+            self.map.madvise(mmap.MADV_DONTNEED, first, offset + count - first)
 
     def read_into(self, view: memoryview, offset: int) -> None:
         done = 0

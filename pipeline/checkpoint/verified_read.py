@@ -4,13 +4,14 @@
 tensors that will be used, such as a resumed model's parameters) and hashes each piece
 there once read, so no later write to a file reaches what was verified; a file only
 verified is hashed on the page cache's pages. :func:`sha256_mapped` hashes files mapped
-privately (:func:`~pipeline.checkpoint.tensorfile.map_file`, the reader of a distributed
+privately (:func:`~pipeline.checkpoint.tensorfile.map_file`: the reader of a distributed
 checkpoint in one process, whose tensors view the maps): the pages of a file whose tensors
 will be viewed are made this process's own copy before they are hashed (a private map's
-page that was never written reads the file again, so a later write to the file would
-otherwise reach a verified tensor), and of any other file only its header's pages, so the
-header a parser then reads from the map is the hashed one; its other pages are given back
-once hashed (the OS counts every mapped page touched, and a file may be larger than memory).
+page never written reads the file again, so a later write to the file would otherwise
+reach a verified tensor); of any other file only the header's pages are, so the header a
+parser then reads from the map is the hashed one. Pages hashed and not used are given
+back at once (the OS counts every mapped page touched, and a file may be larger than
+memory).
 
 Each chunk of a file (its chunk table's, or the whole file for one sealed with its whole
 digest only) is read and hashed by one task of a pool of a thread per core (``pread``,

@@ -46,9 +46,8 @@ def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(t
     hashed.close()
     before = rss()
     kept = map_file(path)
-    sha256_mapped(
-        {"big": kept}, {"big": chunk_size}, own=("big",)
-    )  # its tensors will be viewed: every page owned and kept
+    # Its tensors will be viewed: every page owned and kept.
+    sha256_mapped({"big": kept}, {"big": chunk_size}, own=("big",))
     assert rss()["RssAnon"] - before["RssAnon"] > 60 * MIB, "the measure sees pages that stay"
     kept.close()
 

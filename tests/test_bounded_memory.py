@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeline.checkpoint import ConsolidatedTensors, MappedTensors, write_safetensors
-from pipeline.checkpoint.tensorfile import map_file, sha256_mapped
+from pipeline.checkpoint.tensorfile import map_file
+from pipeline.checkpoint.verified_read import read_verified, sha256_mapped
 
 MIB = 1024 * 1024
 
@@ -30,21 +32,45 @@ def rss() -> dict[str, int]:
     return values
 
 
-def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(tmp_path):
+@pytest.mark.parametrize("chunk_size", [None, 16 * MIB])
+def test_pages_hashed_for_verification_only_are_given_back_and_owned_ones_kept(tmp_path, chunk_size):
+    """Hashed whole or in chunks side by side (a thread per core)."""
     path = tmp_path / "big.safetensors"
     write_safetensors(path, {f"t{i}": torch.full((4 * MIB,), i, dtype=torch.uint8) for i in range(16)})
     before = rss()
     hashed = map_file(path)  # kept open: only given-back pages leave the count
-    sha256_mapped({"big": hashed}, own=())
+    sha256_mapped({"big": hashed}, {"big": chunk_size}, own=())
     assert rss()["RssFile"] - before["RssFile"] < 24 * MIB, (
         "64 MiB hashed: at most a chunk or two stays mapped"
     )
     hashed.close()
     before = rss()
     kept = map_file(path)
-    sha256_mapped({"big": kept}, own=("big",))  # its tensors will be viewed: every page owned and kept
+    # Its tensors will be viewed: every page owned and kept.
+    sha256_mapped({"big": kept}, {"big": chunk_size}, own=("big",))
     assert rss()["RssAnon"] - before["RssAnon"] > 60 * MIB, "the measure sees pages that stay"
     kept.close()
+
+
+def peak_since(reset: bool = False) -> int:
+    """This process's peak resident size (VmHWM) in bytes; ``reset``: make it the current
+    size first (Linux: /proc/self/clear_refs)."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
+def test_a_file_only_verified_is_hashed_with_its_pages_given_back_as_it_goes(tmp_path):
+    """read_verified of a file whose tensors are not used (04 and 05 verify a single-process
+    checkpoint so): its map's pages leave the count once hashed, at its peak too."""
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, {f"t{i}": torch.full((4 * MIB,), i, dtype=torch.uint8) for i in range(16)})
+    for chunk_size in (None, 16 * MIB):
+        before = peak_since(reset=True)
+        read = read_verified({"big": path}, {"big": None}, {"big": chunk_size})
+        assert read["big"][0] is not None and read["big"][1] == {}
+        assert peak_since() - before < 24 * MIB, "64 MiB hashed: a few pieces per thread stay mapped"
 
 
 def test_a_sharded_checkpoints_tensors_come_whole_one_at_a_time_with_their_pages_released(tmp_path):

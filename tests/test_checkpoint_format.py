@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint
+from pipeline.checkpoint import CheckpointStore, LoadMode, load_checkpoint, verified_read
 from pipeline.checkpoint.meta import FIELDS, FILE_FIELDS, META_KEYS, SCHEMA_VERSION, entry_of
-from pipeline.checkpoint.tensorfile import write_safetensors_files
-from pipeline.checkpoint.verified_read import read_verified
+from pipeline.checkpoint.tensorfile import map_file, write_safetensors_files
+from pipeline.checkpoint.verified_read import read_verified, sha256_mapped
 from pipeline.errors import ChecksumMismatch, SchemaMismatch
 from pipeline.hashing import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkDigests, chunk_size_for
 
@@ -193,6 +195,112 @@ def test_read_verified_hashes_chunks_of_files_read_and_files_only_verified(chunk
             assert read[name][0] == _slices(paths[name].read_bytes(), SMALL)
         whole = read_verified(paths, destinations, dict.fromkeys(names))
         assert all(whole[n][0] == [hashlib.sha256(paths[n].read_bytes()).hexdigest()] for n in names)
+
+
+class _SideBySide:
+    """hashlib as verified_read sees it, whose SHA-256 objects wait, at their first update,
+    until another thread's does too: a read that hashes one file's chunks one after the
+    other never gets past its first chunk (the barrier breaks)."""
+
+    def __init__(self) -> None:
+        self.meeting = threading.Barrier(2, timeout=10)
+        self.threads: set[int] = set()
+
+    def sha256(self, *args):
+        real, side = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                if threading.get_ident() not in side.threads:
+                    side.threads.add(threading.get_ident())
+                    side.meeting.wait()
+                real.update(data)
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
+def test_sha256_mapped_hashes_the_chunks_of_one_file_side_by_side(chunked, monkeypatch):
+    """A distributed checkpoint read by one process: each chunk of each map is a task of the
+    pool, so two chunks of one file are hashed at once; the digests are the chunk table's
+    (the whole file's for no chunk size), whether the pages are owned or not."""
+    path = chunked / "modelo.safetensors"
+    raw = path.read_bytes()
+    side = _SideBySide()
+    monkeypatch.setattr(verified_read, "hashlib", side)
+    for own in ((), ("m",)):
+        assert sha256_mapped({"m": map_file(path)}, {"m": SMALL}, own=own) == {"m": _slices(raw, SMALL)}
+    assert len(side.threads) == 2
+    monkeypatch.undo()
+    whole = hashlib.sha256(raw).hexdigest()
+    assert sha256_mapped({"m": map_file(path), "e": b""}, {"e": SMALL}) == {"m": [whole], "e": []}
+
+
+class _RewriteOnHash:
+    """hashlib as verified_read sees it, whose first SHA-256 update, once done, rewrites the
+    file in place (every byte flipped), as a writer racing the reader would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rewritten = False
+
+    def sha256(self, *args):
+        real, outer = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                real.update(data)
+                if not outer.rewritten:
+                    outer.rewritten = True
+                    raw = outer.path.read_bytes()
+                    with open(outer.path, "r+b") as handle:  # in place: the pages the map shares
+                        handle.write(bytes(b ^ 0xFF for b in raw))
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
+@pytest.mark.parametrize("chunk_size", [None, SMALL, 3000])
+@pytest.mark.parametrize("tensors", [2, 300])
+def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_the_map(
+    tmp_path, chunk_size, tensors, monkeypatch
+):
+    """The file rewritten as soon as a first piece was hashed: of a file whose tensors are
+    used, the map then holds exactly the bytes hashed (each page made this process's own
+    copy before it was hashed); of a file only verified, the header a parser reads from it
+    (owned before any chunk is hashed; a header of one page, or of several), its other pages
+    reading the file again (never used). Chunk sizes that are not a page's multiple share
+    pages between chunks."""
+    path = tmp_path / "m.safetensors"
+    write_safetensors_files(
+        [(path, {f"t{i:03d}": torch.randn(3000 // tensors) for i in range(tensors)}, None)]
+    )
+    raw = path.read_bytes()
+    head = 8 + int.from_bytes(raw[:8], "little")
+    assert len(raw) > 2 * SMALL and (head < mmap.PAGESIZE) == (tensors == 2)
+    paged = -(-head // mmap.PAGESIZE) * mmap.PAGESIZE  # a page is owned whole
+    for own in ((), ("m",)):
+        path.write_bytes(raw)
+        mapped = map_file(path)
+        racing = _RewriteOnHash(path)
+        monkeypatch.setattr(verified_read, "hashlib", racing)
+        digests = sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)["m"]
+        monkeypatch.undo()
+        held = bytes(mapped)
+        mapped.close()
+        assert racing.rewritten
+        if own:
+            assert digests == (
+                _slices(held, chunk_size) if chunk_size else [hashlib.sha256(held).hexdigest()]
+            )
+        else:
+            assert held[:paged] == raw[:paged]
+            assert held[paged:] == bytes(b ^ 0xFF for b in raw[paged:])
+    path.write_bytes(raw)
 
 
 def test_a_malformed_file_is_hashed_by_chunks_before_the_parser_refuses_it(chunked):

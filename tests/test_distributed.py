@@ -496,6 +496,56 @@ def test_a_shard_damaged_after_its_seal_is_refused_on_every_launch_shape(legs, d
 
 
 @LEGS
+def test_one_process_verifies_each_chunk_of_a_distributed_checkpoint_and_names_the_damaged_one(
+    legs, data_dir, tmp_path
+):
+    """04, 05 and a load of the weights and the state in one process (the proof's) compare
+    every chunk digest of every file: a byte flipped in a middle chunk of a model shard is
+    refused naming the file and the chunk. Sealed with whole-file digests only (distributed
+    schema 2), the same copy is verified by those, the flip refused naming the file."""
+    folder = _damaged_copy(legs, tmp_path)
+    whole = load_checkpoint(folder)
+    reseal(
+        folder,
+        lambda meta: meta["files"].update(
+            {name: entry_of((folder / name).read_bytes(), READ_CHUNK) for name in meta["files"]}
+        ),
+    )
+    loaded = load_checkpoint(folder)
+    assert loaded.model_tensors.keys() == whole.model_tensors.keys()
+    assert all(torch.equal(loaded.model_tensors[k], whole.model_tensors[k]) for k in whole.model_tensors)
+    name = f"{DIST_MODEL_DIR}/{_shard(2)}"
+    raw = (folder / name).read_bytes()
+    chunk = len(raw) // READ_CHUNK // 2
+    assert 0 < chunk < len(raw) // READ_CHUNK - 1
+    damaged = bytearray(raw)
+    damaged[chunk * READ_CHUNK + 9] ^= 1
+    (folder / name).write_bytes(damaged)
+    span = f"bytes {chunk * READ_CHUNK}-{(chunk + 1) * READ_CHUNK}"
+    line = f"{name} SHA-256 differs from meta.json (chunk {chunk}: {span})"
+    config = load_config(CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path)})
+    for load in (
+        lambda: evaluate_checkpoint(config, folder),
+        lambda: build_stage(config, checkpoint=folder, stage_dir=tmp_path / "stage"),
+        lambda: load_checkpoint(folder),
+    ):
+        with pytest.raises(ChecksumMismatch) as caught:
+            load()
+        assert line in str(caught.value)
+    reseal(
+        folder,
+        lambda meta: meta.update(
+            schema="pipeline.checkpoint.distributed/2",
+            files={n: {"sha256": e["sha256"], "size": e["size"]} for n, e in meta["files"].items()},
+        ),
+    )
+    with pytest.raises(ChecksumMismatch, match=f"{name} SHA-256 differs from meta.json: the file is damaged"):
+        verify_distributed(folder)
+    (folder / name).write_bytes(raw)
+    assert verify_distributed(folder)["schema"] == "pipeline.checkpoint.distributed/2"
+
+
+@LEGS
 def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(legs, tmp_path):
     folder = _damaged_copy(legs, tmp_path)
     text = (folder / "meta.json").read_text()

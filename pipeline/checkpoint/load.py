@@ -41,8 +41,8 @@ from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE,
 from .meta import check_listing, is_distributed, read_meta
 from .shards import consolidate, shard_tensors
 from .store import parse_step_dir, pin, resolve, step_dir_name
-from .tensorfile import map_file, sha256_mapped, tensors_from_map
-from .verified_read import read_verified
+from .tensorfile import map_file, tensors_from_map
+from .verified_read import read_verified, sha256_mapped
 from .weights import dedupe_shared_tensors
 
 __all__ = ["LoadMode", "LoadedCheckpoint", "checkpoint_meta", "load_checkpoint", "pinned_checkpoint"]
@@ -195,7 +195,7 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
             name: (parameters if name == MODEL_FILE else {}) if name in used else None
             for name in meta["files"]
         },
-        {name: entry.get("chunk_size") for name, entry in meta["files"].items()},
+        _chunk_sizes(meta),
     )
     for name, entry in sorted(meta["files"].items()):
         _check_digests(folder / name, entry, read[name][0])
@@ -212,6 +212,12 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
         model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
         state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {},
     )
+
+
+def _chunk_sizes(meta: dict[str, Any]) -> dict[str, int | None]:
+    """Each file's chunk size: the digests a read computes are one per chunk (None: one of
+    the whole file, a schema without chunk tables)."""
+    return {name: entry.get("chunk_size") for name, entry in meta["files"].items()}
 
 
 def _check_digests(path: Path, entry: dict[str, Any], digests: list[str] | None) -> None:
@@ -234,21 +240,19 @@ def _check_digests(path: Path, entry: dict[str, Any], digests: list[str] | None)
 
 
 def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> LoadedCheckpoint:
-    """:func:`_load` of a torchrun checkpoint: every file mapped once and hashed on the map
-    (the model shards' pages owned first when the weights are used), every header parsed,
-    and every shard's coverage checked before the consolidated weights are built."""
+    """:func:`_load` of a torchrun checkpoint: every file mapped once and its chunks hashed
+    on the map by the pool (:func:`.verified_read.sha256_mapped`; the pages of the files
+    whose tensors are used owned first), every header parsed, and every shard's coverage
+    checked before the consolidated weights are built."""
     maps = {name: map_file(folder / name) for name in meta["files"]}
     used = _USED[mode]
     if MODEL_FILE in used:
         # The consolidated weights are built from the model shards' mapped pages.
         used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
     # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
-    digests = sha256_mapped(maps, own=used)
+    digests = sha256_mapped(maps, _chunk_sizes(meta), own=used)
     for name, entry in sorted(meta["files"].items()):
-        if digests[name] != entry["sha256"]:
-            raise ChecksumMismatch(
-                f"{folder / name} SHA-256 differs from meta.json: the file is damaged or was modified"
-            )
+        _check_digests(folder / name, entry, digests[name])
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
     # Every shard header parsed and every tensor's coverage checked before torch's
     # reader (resume) or the consolidation below (evaluate, stage) reads a value.

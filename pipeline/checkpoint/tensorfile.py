@@ -25,13 +25,12 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from ..errors import InternalError, SchemaMismatch
 from ..hashing import ChunkDigests
-from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from ..safetensors_header import check_tensor_name, parse_header
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "read_tensors",
     "map_file",
     "MappedTensors",
-    "sha256_mapped",
     "tensors_from_map",
     "parse_header",
     "check_tensor_name",
@@ -72,10 +70,6 @@ WRITE_CHUNK = 8 * 1024 * 1024
 # Written bytes between hints that start their writeback (see _write_all).
 WRITEBACK_WINDOW = 8 * 1024 * 1024
 _ADVISE = hasattr(os, "posix_fadvise")
-_HASH_CHUNK = 8 * 1024 * 1024
-# Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11 lacks the name): fault the
-# pages in as if written, which gives a private map its own copy of them.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PAGE = mmap.PAGESIZE
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -453,72 +447,6 @@ def map_file(path: Path) -> mmap.mmap | bytes:
         # The whole file is about to be hashed: let the kernel read ahead of the hasher.
         mapped.madvise(mmap.MADV_WILLNEED)
     return mapped
-
-
-def _own_pages(buffer: mmap.mmap, start: int, stop: int) -> None:
-    """Make bytes ``start:stop`` of a private map this process's own copy, so no later
-    write to the file can change them (see the module docstring)."""
-    try:
-        buffer.madvise(_MADV_POPULATE_WRITE, start, stop - start)
-    except (OSError, ValueError):
-        # A kernel without MADV_POPULATE_WRITE: write each page's first byte to itself.
-        with memoryview(buffer) as view:
-            for page in range(start, stop, _PAGE):
-                view[page] = view[page]
-
-
-def _sha256(buffer: mmap.mmap | bytes, *, own: bool) -> str:
-    digest = hashlib.sha256()
-    if not isinstance(buffer, mmap.mmap):
-        own = False  # bytes are this process's own already
-    with memoryview(buffer) as view:
-        size = len(view)
-        if isinstance(buffer, mmap.mmap) and not own:
-            # Nothing will view the data, but the header is parsed: own it, so the parsed
-            # header is the hashed one.
-            _own_pages(buffer, 0, min(size, 8))
-            _own_pages(buffer, 0, min(size, 8 + min(int.from_bytes(view[:8], "little"), _MAX_HEADER)))
-        # Pages no one will view are given back once hashed (never the owned header): the
-        # OS counts every mapped page touched, and a file may be larger than memory.
-        kept = 0
-        if not own and isinstance(buffer, mmap.mmap):
-            kept = -(-(8 + int.from_bytes(view[:8], "little")) // _PAGE) * _PAGE
-        for start in range(0, size, _HASH_CHUNK):
-            stop = min(start + _HASH_CHUNK, size)
-            if own:
-                _own_pages(buffer, start, stop)
-            digest.update(view[start:stop])
-            if kept and stop > kept:
-                buffer.madvise(mmap.MADV_DONTNEED, max(start, kept), stop - max(start, kept))
-    return digest.hexdigest()
-
-
-def sha256_mapped(
-    maps: dict[str, mmap.mmap | bytes], *, own: Collection[str] | None = None
-) -> dict[str, str]:
-    """SHA-256 of each map, one thread per file (hashlib and madvise drop the GIL).
-
-    ``own``: the files whose tensors will be viewed (default: all); their pages are copied
-    before they are hashed (copy on read, module docstring). Of the rest only the header's
-    pages are, so the header a parser then reads from the map is the hashed one.
-    """
-    digests: dict[str, str] = {}
-    errors: list[BaseException] = []
-
-    def work(name: str) -> None:
-        try:
-            digests[name] = _sha256(maps[name], own=own is None or name in own)
-        except BaseException as exc:  # raised below, in the calling thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(name,), name=f"sha256-{name}") for name in maps]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return digests
 
 
 def tensors_from_map(path: Path, buffer: mmap.mmap | bytes) -> dict[str, torch.Tensor]:

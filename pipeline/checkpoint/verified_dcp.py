@@ -45,9 +45,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ..errors import ChecksumMismatch, PipelineError, SchemaMismatch, StateMismatch
+from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from ..world import World
 from .shards import shard_offsets
-from .tensorfile import _DTYPES, _MAX_HEADER, parse_header, tensors_from_map
+from .tensorfile import _DTYPES, parse_header, tensors_from_map
 
 __all__ = ["SealedReads", "VerifiedShardReader"]
 

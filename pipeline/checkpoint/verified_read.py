@@ -3,12 +3,21 @@
 :func:`read_verified` reads a checkpoint's files into memory of this process (into the
 tensors that will be used, such as a resumed model's parameters) and hashes each piece
 there once read, so no later write to a file reaches what was verified; a file only
-verified is hashed on the page cache's pages. Each chunk of a file (its chunk table's, or
-the whole file for one sealed with its whole digest only) is read and hashed by one thread
-of a pool of a thread per core (``pread`` and hashlib both drop the GIL), so a load costs
-about (read + hash) / cores, not one core's SHA-256 pass over the largest file. The format
-and the order of a load's checks: docs/format.md, "How a load is verified" and "Why chunk
-digests".
+verified is hashed on the page cache's pages. :func:`sha256_mapped` hashes files mapped
+privately (:func:`~pipeline.checkpoint.tensorfile.map_file`: the reader of a distributed
+checkpoint in one process, whose tensors view the maps): the pages of a file whose tensors
+will be viewed are made this process's own copy before they are hashed (a private map's
+page never written reads the file again, so a later write to the file would otherwise
+reach a verified tensor); of any other file only the header's pages are, so the header a
+parser then reads from the map is the hashed one. Pages hashed and not used are given
+back at once (the OS counts every mapped page touched, and a file may be larger than
+memory).
+
+Each chunk of a file (its chunk table's, or the whole file for one sealed with its whole
+digest only) is read and hashed by one task of a pool of a thread per core (``pread``,
+``madvise`` and hashlib drop the GIL), so a load costs about (read + hash) / cores, not
+one core's SHA-256 pass over the largest file. The format and the order of a load's
+checks: docs/format.md, "How a load is verified" and "Why chunk digests".
 """
 
 from __future__ import annotations
@@ -17,18 +26,25 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
 from ..hashing import ChunkDigests
-from .tensorfile import _DTYPES, _HASH_CHUNK, _MAX_HEADER, parse_header
+from ..safetensors_header import MAX_HEADER as _MAX_HEADER
+from .tensorfile import _DTYPES, _PAGE, parse_header
 
-__all__ = ["read_verified"]
+__all__ = ["read_verified", "sha256_mapped"]
 
-# Bytes per read of read_verified: small, so that a piece is still in the CPU cache when hashed.
+# Bytes per read of read_verified, and per page range sha256_mapped owns (copies) or gives
+# back: small, so that a piece is still in the CPU cache when hashed, and a map's pages
+# hashed but not kept stay a few MiB per thread.
 _READ_CHUNK = 2 * 1024 * 1024
+# Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11 lacks the name): fault the
+# pages in as if written, which gives a private map its own copy of them.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, bool]]) -> str:
@@ -39,6 +55,7 @@ def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, b
         if must_read:
             read.read_into(view, offset)
         digest.update(view)
+        read.hashed(offset, len(view))
     return digest.hexdigest()
 
 
@@ -88,7 +105,7 @@ class _FileRead:
             if self.size > len(head):
                 self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
                 self.map.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read front to back, once
-                self._add(memoryview(self.map)[len(head) :], len(head), read=False, piece=_HASH_CHUNK)
+                self._add(memoryview(self.map)[len(head) :], len(head), read=False)
             return
         for _, name in sorted(
             (entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__"
@@ -110,13 +127,13 @@ class _FileRead:
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 self._add(view, data_start + begin, read=True)
 
-    def _add(self, view: memoryview, offset: int, *, read: bool, piece: int = _READ_CHUNK) -> None:
-        """Plan ``view`` (the file's bytes from ``offset`` on) in pieces of at most ``piece``
-        bytes that never straddle a chunk boundary."""
+    def _add(self, view: memoryview, offset: int, *, read: bool) -> None:
+        """Plan ``view`` (the file's bytes from ``offset`` on) in pieces of at most
+        ``_READ_CHUNK`` bytes that never straddle a chunk boundary."""
         done = 0
         while done < len(view):
             at = offset + done
-            take = min(piece, len(view) - done, self.chunk_size - at % self.chunk_size)
+            take = min(_READ_CHUNK, len(view) - done, self.chunk_size - at % self.chunk_size)
             self.pieces.append((view[done : done + take], at, read))
             done += take
 
@@ -125,6 +142,14 @@ class _FileRead:
         if len(data) < count:
             self.changed = True
         return data
+
+    def hashed(self, offset: int, count: int) -> None:
+        """Bytes ``offset:offset+count`` were hashed: of a file only verified, the map's pages
+        under them are given back (the OS counts every mapped page touched; none is used, and
+        one shared with a neighbouring piece is read again if touched)."""
+        if self.map is not None:
+            first = offset // _PAGE * _PAGE
+            self.map.madvise(mmap.MADV_DONTNEED, first, offset + count - first)
 
     def read_into(self, view: memoryview, offset: int) -> None:
         done = 0
@@ -168,28 +193,113 @@ def read_verified(
     try:
         for name, path in paths.items():
             reads[name] = _FileRead(Path(path), destinations.get(name), chunk_sizes.get(name))
-        chunks = {name: read.chunks() for name, read in reads.items()}
-        # The files' chunks in turn (file A's first, file B's first, A's second, ...): the
-        # files' reads spread over the pool from the start.
-        rounds = max((len(c) for c in chunks.values()), default=0)
-        order = [(name, k) for k in range(rounds) for name in chunks if k < len(chunks[name])]
-        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="sha256") as pool:
-            futures = {
-                key: pool.submit(_verify_chunk, reads[key[0]], chunks[key[0]][key[1]]) for key in order
-            }
-            digests = {
-                name: read.digests
-                if read.digests is not None
-                else [futures[name, k].result() for k in range(len(chunks[name]))]
+        pooled = _in_pool(
+            {
+                name: [partial(_verify_chunk, read, chunk) for chunk in read.chunks()]
                 for name, read in reads.items()
             }
+        )
     finally:
         for read in reads.values():
             os.close(read.fd)  # the map, if any, stays valid until its views are dropped
     return {
         name: (
-            None if read.changed else digests[name],
+            None if read.changed else read.digests if read.digests is not None else pooled[name],
             read.error if read.error is not None else read.tensors,
         )
         for name, read in reads.items()
     }
+
+
+def sha256_mapped(
+    maps: Mapping[str, mmap.mmap | bytes],
+    chunk_sizes: Mapping[str, int | None],
+    *,
+    own: Collection[str] | None = None,
+) -> dict[str, list[str]]:
+    """The chunk digests of each file mapped privately (``maps``: name -> its
+    :func:`~pipeline.checkpoint.tensorfile.map_file`): of each ``chunk_sizes[name]`` bytes,
+    or of the whole file for None (or a name not given), each chunk one task of the pool.
+
+    ``own``: the files whose tensors will be viewed (default: all); each piece of their
+    pages is made this process's own copy, then hashed there (module docstring). Of the
+    other files only the header's pages are owned (before any chunk is hashed), and every
+    other page is given back once hashed.
+    """
+    return _in_pool(
+        {
+            name: _mapped_chunks(buffer, chunk_sizes.get(name), own=own is None or name in own)
+            for name, buffer in maps.items()
+        }
+    )
+
+
+def _in_pool(tasks: Mapping[str, Sequence[Callable[[], str]]]) -> dict[str, list[str]]:
+    """Run each file's chunk tasks (each returns its chunk's digest) on a pool of a thread
+    per core; each file's digests in chunk order."""
+    # The files' chunks in turn (file A's first, file B's first, A's second, ...): the
+    # files' reads spread over the pool from the start.
+    rounds = max((len(chunks) for chunks in tasks.values()), default=0)
+    order = [(name, k) for k in range(rounds) for name in tasks if k < len(tasks[name])]
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="sha256") as pool:
+        futures = {key: pool.submit(tasks[key[0]][key[1]]) for key in order}
+        return {name: [futures[name, k].result() for k in range(len(tasks[name]))] for name in tasks}
+
+
+def _mapped_chunks(
+    buffer: mmap.mmap | bytes, chunk_size: int | None, *, own: bool
+) -> list[Callable[[], str]]:
+    """The tasks hashing each chunk of a map (:func:`sha256_mapped`); of a file not owned,
+    the header's pages owned here first."""
+    size = len(buffer)
+    mapped = isinstance(buffer, mmap.mmap)  # else the bytes of an empty file: nothing to own
+    kept = _own_header(buffer) if mapped and not own else None
+    step = chunk_size if chunk_size is not None else max(size, 1)
+    count = -(-size // step) if chunk_size is not None else 1
+    return [
+        partial(_hash_mapped, buffer, k * step, min((k + 1) * step, size), own=own and mapped, kept=kept)
+        for k in range(count)
+    ]
+
+
+def _own_header(buffer: mmap.mmap) -> int:
+    """Own the pages of the header (its 8-byte length, then as much of the JSON as the
+    parser reads); the offset from which pages may be given back."""
+    size = len(buffer)
+    _own_pages(buffer, 0, min(size, 8))
+    end = min(size, 8 + min(int.from_bytes(buffer[:8], "little"), _MAX_HEADER))
+    _own_pages(buffer, 0, end)
+    return -(-end // _PAGE) * _PAGE
+
+
+def _hash_mapped(buffer: mmap.mmap | bytes, start: int, stop: int, *, own: bool, kept: int | None) -> str:
+    """SHA-256 of bytes ``start:stop`` of a map, piece by piece: each owned first if
+    ``own``, and its pages from ``kept`` on given back once hashed (None: none)."""
+    digest = hashlib.sha256()
+    with memoryview(buffer) as view:
+        for begin in range(start, stop, _READ_CHUNK):
+            end = min(begin + _READ_CHUNK, stop)
+            if own:
+                _own_pages(buffer, begin, end)
+            digest.update(view[begin:end])
+            if kept is not None and end > kept:
+                # A neighbouring chunk's page given back too is read again if touched: it is
+                # hashed only, never used.
+                first = max(begin // _PAGE * _PAGE, kept)
+                buffer.madvise(mmap.MADV_DONTNEED, first, end - first)
+    return digest.hexdigest()
+
+
+def _own_pages(buffer: mmap.mmap, start: int, stop: int) -> None:
+    """Make bytes ``start:stop`` of a private map this process's own copy, so no later
+    write to the file can change them (module docstring). Two chunks may share a page."""
+    first = start // _PAGE * _PAGE
+    try:
+        buffer.madvise(_MADV_POPULATE_WRITE, first, stop - first)
+    except (OSError, ValueError):
+        # A kernel without MADV_POPULATE_WRITE: write a byte of each page to itself, never
+        # one outside start:stop (another thread may be hashing a shared page's other part).
+        with memoryview(buffer) as view:
+            for page in range(first, stop, _PAGE):
+                at = max(page, start)
+                view[at] = view[at]

@@ -23,12 +23,11 @@ rank with one collective, before any state is set. docs/distributed.md, "Resume"
 
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -49,11 +48,10 @@ from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from ..world import World
 from .shards import shard_offsets
 from .tensorfile import _DTYPES, parse_header, tensors_from_map
+from .verified_read import _READ_CHUNK, on_pool, read_and_hash
 
 __all__ = ["SealedReads", "VerifiedShardReader"]
 
-# Bytes per read: small, so that a piece is still in the CPU cache when hashed.
-_READ_CHUNK = 2 * 1024 * 1024
 # The refusals a rank can keep for the agreement, by name (the agreement carries text).
 _REFUSALS = {cls.__name__: cls for cls in (ChecksumMismatch, SchemaMismatch, StateMismatch)}
 
@@ -118,15 +116,18 @@ class SealedReads:
             for k in wanted:  # the kernel reads ahead within each chunk (its reads go in order)
                 begin = k * chunk_size
                 os.posix_fadvise(fd, begin, min(chunk_size, size - begin), os.POSIX_FADV_WILLNEED)
-            with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
-                got = list(
-                    pool.map(
-                        lambda k: _read_chunk(
-                            fd, whole, direct, k * chunk_size, min((k + 1) * chunk_size, size)
-                        ),
-                        wanted,
-                    )
-                )
+            got = on_pool(
+                {
+                    name: [
+                        partial(
+                            read_and_hash,
+                            fd,
+                            _pieces(whole, direct, k * chunk_size, min((k + 1) * chunk_size, size)),
+                        )
+                        for k in wanted
+                    ]
+                }
+            )[name]
             # A file grown since it was listed is not the sealed one either.
             grown = os.fstat(fd).st_size != size
         finally:
@@ -183,34 +184,27 @@ def _disjoint(into: Mapping[int, memoryview], size: int) -> list[tuple[int, memo
     return kept
 
 
-def _read_chunk(
-    fd: int, whole: memoryview, direct: list[tuple[int, memoryview]], begin: int, end: int
-) -> str | None:
-    """SHA-256 of the file's bytes ``[begin, end)`` read into memory (the ranges of
-    ``direct`` into their views, the rest into ``whole``) and hashed there once read, in
-    pieces of ``_READ_CHUNK`` (still in the CPU cache when hashed); None if the file ends early."""
-    digest = hashlib.sha256()
+def _pieces(
+    whole: memoryview, direct: list[tuple[int, memoryview]], begin: int, end: int
+) -> list[tuple[memoryview, int, bool]]:
+    """The file's bytes ``[begin, end)`` as pieces for :func:`~.verified_read.read_and_hash`:
+    the ranges of ``direct`` into their views, the rest into ``whole``, in pieces of at most
+    ``_READ_CHUNK`` (still in the CPU cache when hashed)."""
+    spans: list[tuple[int, memoryview]] = []
     position = begin
-    pieces: list[tuple[int, memoryview]] = []
     for start, view in direct:
         low, high = max(start, begin), min(start + len(view), end)
         if low >= high:
             continue
-        pieces.append((position, whole[position:low]))
-        pieces.append((low, view[low - start : high - start]))
+        spans.append((position, whole[position:low]))
+        spans.append((low, view[low - start : high - start]))
         position = high
-    pieces.append((position, whole[position:end]))
-    for offset, view in pieces:
-        for at in range(0, len(view), _READ_CHUNK):
-            piece = view[at : at + _READ_CHUNK]
-            done = 0
-            while done < len(piece):
-                got = os.preadv(fd, [piece[done:]], offset + at + done)
-                if got == 0:
-                    return None
-                done += got
-            digest.update(piece)
-    return digest.hexdigest()
+    spans.append((position, whole[position:end]))
+    return [
+        (view[at : at + _READ_CHUNK], offset + at, True)
+        for offset, view in spans
+        for at in range(0, len(view), _READ_CHUNK)
+    ]
 
 
 def _head(path: Path) -> tuple[bytes, int]:

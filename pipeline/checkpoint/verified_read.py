@@ -28,7 +28,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Callable, Collection, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -37,6 +37,8 @@ from ..safetensors_header import MAX_HEADER as _MAX_HEADER
 from .tensorfile import _DTYPES, _PAGE, parse_header
 
 __all__ = ["read_verified", "sha256_mapped"]
+
+_T = TypeVar("_T")
 
 # Bytes per read of read_verified, and per page range sha256_mapped owns (copies) or gives
 # back: small, so that a piece is still in the CPU cache when hashed, and a map's pages
@@ -47,16 +49,44 @@ _READ_CHUNK = 2 * 1024 * 1024
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, bool]]) -> str:
-    """SHA-256 of one chunk: each piece read into its destination first if it must be, then
-    hashed there (the destination's bytes, once read)."""
+def read_and_hash(
+    fd: int,
+    pieces: Iterable[tuple[memoryview | bytes, int, bool]],
+    hashed: Callable[[int, int], None] | None = None,
+) -> str | None:
+    """SHA-256 of one chunk's pieces, in file order, each ``(view, file offset, whether it
+    must be read into the view first)``: read there (``pread``, one kernel copy into the
+    memory that will be used) if it must be, then hashed there, while still in the CPU
+    cache; ``hashed(offset, count)`` is told after each. None if the file ends before a
+    piece is filled (it is shorter than when listed: damaged). The one read-and-hash step of
+    every verified read: :func:`read_verified` and a distributed resume's
+    (:mod:`.verified_dcp`)."""
     digest = hashlib.sha256()
     for view, offset, must_read in pieces:
-        if must_read:
-            read.read_into(view, offset)
+        if must_read and not _fill(fd, view, offset):
+            return None
         digest.update(view)
-        read.hashed(offset, len(view))
+        if hashed is not None:
+            hashed(offset, len(view))
     return digest.hexdigest()
+
+
+def _fill(fd: int, view: memoryview | bytes, offset: int) -> bool:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            return False
+        done += got
+    return True
+
+
+def _verify_chunk(read: _FileRead, pieces: list[tuple[memoryview | bytes, int, bool]]) -> str:
+    digest = read_and_hash(read.fd, pieces, read.hashed)
+    if digest is None:
+        read.changed = True  # its digests come back None (read_verified)
+        return ""
+    return digest
 
 
 class _FileRead:
@@ -151,15 +181,6 @@ class _FileRead:
             first = offset // _PAGE * _PAGE
             self.map.madvise(mmap.MADV_DONTNEED, first, offset + count - first)
 
-    def read_into(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got == 0:
-                self.changed = True
-                return
-            done += got
-
     def chunks(self) -> list[list[tuple[memoryview | bytes, int, bool]]]:
         """The planned pieces grouped by chunk, in file order."""
         grouped: dict[int, list[tuple[memoryview | bytes, int, bool]]] = {}
@@ -193,7 +214,7 @@ def read_verified(
     try:
         for name, path in paths.items():
             reads[name] = _FileRead(Path(path), destinations.get(name), chunk_sizes.get(name))
-        pooled = _in_pool(
+        pooled = on_pool(
             {
                 name: [partial(_verify_chunk, read, chunk) for chunk in read.chunks()]
                 for name, read in reads.items()
@@ -226,7 +247,7 @@ def sha256_mapped(
     other files only the header's pages are owned (before any chunk is hashed), and every
     other page is given back once hashed.
     """
-    return _in_pool(
+    return on_pool(
         {
             name: _mapped_chunks(buffer, chunk_sizes.get(name), own=own is None or name in own)
             for name, buffer in maps.items()
@@ -234,9 +255,9 @@ def sha256_mapped(
     )
 
 
-def _in_pool(tasks: Mapping[str, Sequence[Callable[[], str]]]) -> dict[str, list[str]]:
+def on_pool(tasks: Mapping[str, Sequence[Callable[[], _T]]]) -> dict[str, list[_T]]:
     """Run each file's chunk tasks (each returns its chunk's digest) on a pool of a thread
-    per core; each file's digests in chunk order."""
+    per core; each file's digests in chunk order. The one pool of every verified read."""
     # The files' chunks in turn (file A's first, file B's first, A's second, ...): the
     # files' reads spread over the pool from the start.
     rounds = max((len(chunks) for chunks in tasks.values()), default=0)

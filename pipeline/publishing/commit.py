@@ -2,7 +2,8 @@
 
 :func:`~.start.publish` runs, in order (:mod:`.start` up to the audit, then :func:`publish_audited`)::
 
-    check    the Publication's values: folders, timeout, repo id (nothing read or sent yet)
+    check    the Publication's values: folders, timeout, then the repo id while the audit reads
+             (nothing sent yet)
     deadline --timeout starts: it bounds everything below (deadline.py)
     audit    audit_stage(hub_stage/) under stage_lock, one read of every byte: each file against
              MANIFEST.sha256, scanned for leaks (pipeline.leaks: tokens, credential formats,

@@ -4,7 +4,8 @@
 
     check    the Publication's values: folders, timeout, then the repo id while the audit reads
              (nothing sent yet)
-    deadline --timeout starts: it bounds everything below (deadline.py)
+    deadline --timeout starts once the Hub client is loaded (its import, which runs beside the
+             audit, is not counted): it bounds everything below (deadline.py)
     audit    audit_stage(hub_stage/) under stage_lock, one read of every byte: each file against
              MANIFEST.sha256, scanned for leaks (pipeline.leaks: tokens, credential formats,
              private keys, this machine's paths and host name) and, when the client uploads
@@ -96,12 +97,13 @@ class PublishResult:
 def publish_audited(
     publication: Publication,
     receipts: Path,
-    deadline: Deadline,
+    timeout_s: float,
     auditing: Future[Audit],
     say: Callable[[str], None],
 ) -> PublishResult:
     """The rest of :func:`~.start.publish`, which checked ``publication``'s folders and timeout,
     holds the stage lock and started the audit (``auditing``): no request before its result."""
+    deadline = Deadline(timeout_s)  # from now: importing this module is not the Hub's time
     wanted = replace(publication, repo_id=hub_repo_id(publication.repo_id))
     stage = Path(wanted.stage)
     endpoint, prefix = resolve_endpoint(wanted.endpoint), clean_prefix(wanted.path_in_repo)

@@ -1,7 +1,8 @@
 """The publish's deadline: ``--timeout`` bounds the whole publish, not each request.
 
-A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` starts (default
-:func:`default_timeout`). While it is installed (:meth:`Deadline.installed`):
+A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` has loaded the Hub client,
+the audit reading meanwhile (default :func:`default_timeout`). While it is installed
+(:meth:`Deadline.installed`):
 
 - every request of the client's shared HTTP session waits at most ``min(REQUEST_TIMEOUT_S,
   time left)`` for each read or write (a request hook sets the bound on the request itself, also on

@@ -20,7 +20,7 @@ from ..audit import AuditedFile, audit_stage, stage_lock
 from ..errors import StageChanged
 from ..leaks import leak_rules
 from . import xet
-from .deadline import Deadline, default_timeout
+from .deadline import default_timeout
 from .plan import Publication, check_receipt_dir, check_timeout, clean_prefix
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
     receipts = check_receipt_dir(publication.receipt_dir, stage)
     clean_prefix(publication.path_in_repo)
     timeout = check_timeout(publication.timeout_s)
-    deadline = Deadline(timeout if timeout is not None else default_timeout(_stage_bytes(stage)))
+    timeout_s = timeout if timeout is not None else default_timeout(_stage_bytes(stage))
     # Hold the stage lock from the audit to the end of the publish: 05 cannot rebuild the stage meanwhile.
     with stage_lock(stage), ThreadPoolExecutor(1, thread_name_prefix="publish-audit") as reader:
         # Re-audit and re-scan every staged file right before uploading, in one read; any
@@ -65,7 +65,7 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
         auditing = reader.submit(_audit, stage, verify_later=not publication.dry_run)
         from .commit import publish_audited  # the Hub client, imported while the audit reads
 
-        return publish_audited(publication, receipts, deadline, auditing, say)
+        return publish_audited(publication, receipts, timeout_s, auditing, say)
 
 
 def audit_result(auditing: Future[Audit], stage: Path, say: Callable[[str], None]) -> Audit:

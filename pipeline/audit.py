@@ -301,20 +301,22 @@ def audit_stage(
         if name not in expected:
             raise StageAuditError(f"{manifest_path} does not list {name}: not a complete stage")
     names = sorted(expected)
-    scans = (
-        {name: FileScan(leaks, size=(stage / name).stat().st_size) for name in names}
-        if leaks is not None
-        else {}
-    )
+    sizes = {name: (stage / name).stat().st_size for name in names}
+    scans = {name: FileScan(leaks, size=sizes[name]) for name in names} if leaks is not None else {}
     signature = stage / SIGNATURE_FILE
 
     def side() -> SideDigest | None:
         return xet_digest() if xet_digest is not None else None
 
     # hashlib releases the GIL on large buffers, so threads hash several files on several cores.
+    # Largest first: the longest hash (the weights') starts at once, the small files beside it.
+    largest_first = sorted(names, key=lambda name: -sizes[name])
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
         read = dict(
-            zip(names, pool.map(lambda name: _read_once(stage / name, scans.get(name), side()), names))
+            zip(
+                largest_first,
+                pool.map(lambda name: _read_once(stage / name, scans.get(name), side()), largest_first),
+            )
         )
     hashes = {name: sha for name, (sha, _) in read.items()}
     xet_hash = {name: other for name, (_, other) in read.items()}

@@ -164,7 +164,16 @@ def main() -> int:
         from pipeline.publishing import Publication, format_plan, publish
         from pipeline.signing import ExpectedSigner
 
-    quiet_hub_progress_unless_terminal()
+    quieted: list[bool] = []
+
+    def say(line: str) -> None:
+        # The Hub client's progress bars go off (unless stderr is a terminal) with the first line,
+        # the audit's, which comes before any request and so before any bar; not at start, so
+        # that loading the client's progress utilities (tqdm, asyncio) runs beside the audit.
+        if not quieted:
+            quiet_hub_progress_unless_terminal()
+            quieted.append(True)
+        print(line, flush=True)
 
     signer = ExpectedSigner(
         sign_key=args.sign_key,
@@ -190,7 +199,7 @@ def main() -> int:
         tag=args.tag,
         restage=args.restage,
     )
-    result = publish(publication, say=lambda line: print(line, flush=True))
+    result = publish(publication, say=say)
     if result.status == "dry run":
         print(format_plan(result.plan))
         print("dry run: no write request was sent")

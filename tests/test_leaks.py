@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import sys
 import urllib.parse
 
 import numpy as np
@@ -349,6 +350,29 @@ def test_weights_are_searched_for_this_machines_tokens_in_every_byte_and_for_tok
         metadata={"note": f"pushed with {HF_SHAPED}"},
     )
     assert refused(tmp_path, rules()).startswith("modelo.safetensors holds an hf_ token")
+
+
+def test_a_large_chunk_is_searched_for_a_secret_value_exactly_as_bytes_find_would():
+    """A chunk of 1 MiB or more is searched for each literal secret by the C library's memmem
+    (without the GIL): found at the window's first and last byte, never just outside it."""
+    from pipeline.leaks import scan
+
+    if sys.platform.startswith("linux"):
+        assert scan._MEMMEM is not None  # the fast path is the one this test exercises
+    value = f"plain-{secrets.token_hex(12)}".encode()
+    search, size = scan._literal(value), 3 << 20
+    start, end = 1000, size - 1000
+    for where in (start - 1, start, start + 7, size // 2, end - len(value), end - len(value) + 1, end):
+        buffer = bytearray(size)
+        buffer[where : where + len(value)] = value
+        assert search(buffer, start, end) == (where in range(start, end - len(value) + 1)), where
+    # Fed whole, a binary file's chunk is searched from its first byte to its last.
+    for where in (0, size - len(value)):
+        buffer = bytearray(size)
+        buffer[where : where + len(value)] = value
+        fed = FileScan(rules(environ={"HF_TOKEN": value.decode()}), size=size)
+        fed.feed(buffer, size)
+        assert fed.found == {"secret": "the value of HF_TOKEN"}, where
 
 
 def test_float_tensors_are_skipped_only_where_the_strict_parser_accepts_the_header():

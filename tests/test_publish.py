@@ -308,6 +308,12 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
 
 
 @PUBLISHED
+def test_the_hub_clients_progress_bars_stay_off_when_stderr_is_not_a_terminal(published):
+    for result in (published.first, published.rerun):
+        assert result.returncode == 0 and "%|" not in result.stderr, result.stderr
+
+
+@PUBLISHED
 def test_published_weights_have_the_checkpoint_sha256_on_the_hub(published):
     [entry] = api_for(published.hub).get_paths_info(published.repo_id, ["modelo.safetensors"], expand=True)
     checkpoint_meta = json.loads((published.run.checkpoint / "meta.json").read_text())

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from pipeline.errors import PublishError, ReceiptNotWritten, SecretInStage, Stag
 from pipeline.leaks import KINDS, leak_rules
 from pipeline.publishing.client import Target, network_words
 from pipeline.publishing.deadline import Deadline
+
+from support import TREE_PATH
 
 # The loopback Hub fixtures of test_publish.py (hf_env and waits are autouse there, and so here).
 hf_env, hub, token_env, no_client_sleep, waits = (
@@ -107,6 +111,38 @@ def test_06_rescans_the_stage_and_refuses_a_leak_before_any_request(
     secret = text.strip().split()[-1].strip('"')[-12:]
     assert secret not in result.stdout + result.stderr and "MIGHAgEAMBMG" not in result.stdout + result.stderr
     assert hub.count() == 0
+
+
+def test_no_request_reaches_the_hub_before_the_audit_has_passed(staged_run, hub, tmp_path, token_env):
+    # The audit reads on its own thread while the Hub client loads; the first request, even a
+    # read, still waits for its result (a failed audit sends none: the test above).
+    at_audit: list[dict[str, int]] = []
+
+    def say(line: str) -> None:
+        if line.startswith("audited "):
+            at_audit.append(hub.request_counts())
+
+    result = publish_here(staged_run.stage, hub, "alice/audited-first", tmp_path, say=say)
+    assert result.status == "published" and write_requests(hub) > 0
+    assert at_audit == [{}]
+
+
+def test_publish_up_to_the_audit_leaves_the_hub_client_unloaded(tmp_path):
+    # What publish() runs before the audit starts imports no part of the Hub client (HfApi, httpx),
+    # which then loads beside the audit instead of before it: a third of a second of 06's time.
+    code = (
+        "import sys\n"
+        "from pipeline.publishing import Publication, format_plan, publish\n"
+        "import pipeline.publishing.start\n"
+        "client = ('httpx2', 'huggingface_hub.hf_api', 'huggingface_hub.errors', 'huggingface_hub.utils')\n"
+        "print(sorted(name for name in client if name in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": TREE_PATH}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_05_refuses_a_card_holding_cloud_keys_naming_each_and_keeps_the_stage(staged_run, run_copy):

@@ -1,13 +1,16 @@
 """Publish the audited stage to the Hugging Face Hub as ONE atomic commit, verified after landing.
 
-:func:`publish` runs, in order::
+:func:`~.start.publish` runs, in order (:mod:`.start` up to the audit, then :func:`publish_audited`)::
 
-    check    the Publication's values: repo id, folders, timeout (nothing read or sent yet)
-    deadline --timeout starts: it bounds everything below (deadline.py)
+    check    the Publication's values: folders, timeout, then the repo id while the audit reads
+             (nothing sent yet)
+    deadline --timeout starts once the Hub client is loaded (its import, which runs beside the
+             audit, is not counted): it bounds everything below (deadline.py)
     audit    audit_stage(hub_stage/) under stage_lock, one read of every byte: each file against
              MANIFEST.sha256, scanned for leaks (pipeline.leaks: tokens, credential formats,
              private keys, this machine's paths and host name) and, when the client uploads
-             over Xet, Xet-hashed for the check after landing; a leak refuses before any request
+             over Xet, Xet-hashed for the check after landing; a leak refuses before any request.
+             It reads on its own thread while this module, the Hub client, is imported
     sign     a signed stage's model.sig verified with the expected key (pipeline.signing)
     token    huggingface_hub.get_token() (HF_TOKEN or `hf auth login`); never printed or stored
     read     repo_info -> the branch head and its files; list_repo_tree at that head when a file
@@ -38,38 +41,35 @@ makes a second commit.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from huggingface_hub import HfApi, constants, get_token
 
-from ..audit import AuditedFile, audit_stage, stage_lock
-from ..errors import PublishError, ReceiptNotWritten, StageChanged, TokenRejected, VerificationFailed
-from ..leaks import leak_rules
+from ..audit import AuditedFile
+from ..errors import PublishError, ReceiptNotWritten, TokenRejected, VerificationFailed
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from . import xet
 from .client import Target, call, hub_errors, remote_files, tags
-from .deadline import Deadline, default_timeout
-from .landing import Publishing, StatKey, land, stat_key
+from .deadline import Deadline
+from .landing import Publishing, land
 from .plan import (
     KEPT_REMOTE_FILES,
     Publication,
     PublishPlan,
-    check_receipt_dir,
     check_staged_repo_id,
-    check_timeout,
     clean_prefix,
     prepare_receipt_dir,
     read_plan,
     resolve_endpoint,
 )
+from .start import Audit, audit_result
 from .verify import Receipt, VerifiedFile, receipt_path, verify_commit, write_receipt
 
-__all__ = ["PublishResult", "publish"]
-
-NOTHING_SENT = "nothing was published (no request was sent)"
+__all__ = ["PublishResult", "publish_audited"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,110 +91,73 @@ class PublishResult:
     """Every staged file as the audit found it (its hashes, and the leaks ``card.allow_leaks`` allowed)."""
 
 
-def _quiet(line: str) -> None:
-    pass
+# -- the whole publish, step by step, once the audit has started ---------------------------------
 
 
-# -- the entry point: the whole publish, step by step ------------------------------------------
-
-
-def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) -> PublishResult:
-    """Publish ``publication.stage`` to ``publication.repo_id`` as one commit; see the module docstring.
-
-    ``say`` receives progress lines. Raises a :class:`~pipeline.errors.PublishError` (exit 2,
-    nothing published), :class:`~pipeline.errors.VerificationFailed` (exit 1, the commit landed
-    but does not match the audit) or :class:`~pipeline.errors.ReceiptNotWritten` (exit 1, landed
-    and verified, no receipt). The token comes from :func:`huggingface_hub.get_token` only.
-    """
+def publish_audited(
+    publication: Publication,
+    receipts: Path,
+    timeout_s: float,
+    auditing: Future[Audit],
+    say: Callable[[str], None],
+) -> PublishResult:
+    """The rest of :func:`~.start.publish`, which checked ``publication``'s folders and timeout,
+    holds the stage lock and started the audit (``auditing``): no request before its result."""
+    deadline = Deadline(timeout_s)  # from now: importing this module is not the Hub's time
     wanted = replace(publication, repo_id=hub_repo_id(publication.repo_id))
     stage = Path(wanted.stage)
-    receipts = check_receipt_dir(wanted.receipt_dir, stage)
     endpoint, prefix = resolve_endpoint(wanted.endpoint), clean_prefix(wanted.path_in_repo)
-    timeout = check_timeout(wanted.timeout_s)
-    deadline = Deadline(timeout if timeout is not None else default_timeout(_stage_bytes(stage)))
     with deadline.installed():
-        # Hold the stage lock from the audit to the end of the commit: 05 cannot rebuild the stage meanwhile.
-        with stage_lock(stage):
-            # Re-audit and re-scan every staged file right before uploading, in one read; any
-            # difference or leak refuses before any request.
-            audited, snapshot = _audit(stage, say, verify_later=not wanted.dry_run)
-            check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
-            signature = _signature(stage, wanted.signer, say)
-            token = _token(wanted.dry_run)
-            target = Target(
-                HfApi(endpoint=endpoint, token=token),
-                endpoint,
-                wanted.repo_id,
-                wanted.revision or constants.DEFAULT_REVISION,
-                prefix,
-                token,
-                deadline,
-                wanted.create_pr,
-                say,
-            )
-            # Read the branch head and compare the files under it with the audit (read requests only).
-            xet_hashes = xet.StagedXetHashes(stage, audited)
+        audited, snapshot = audit_result(auditing, stage, say)
+        check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
+        signature = _signature(stage, wanted.signer, say)
+        token = _token(wanted.dry_run)
+        target = Target(
+            HfApi(endpoint=endpoint, token=token),
+            endpoint,
+            wanted.repo_id,
+            wanted.revision or constants.DEFAULT_REVISION,
+            prefix,
+            token,
+            deadline,
+            wanted.create_pr,
+            say,
+        )
+        # Read the branch head and compare the files under it with the audit (read requests only).
+        xet_hashes = xet.StagedXetHashes(stage, audited)
+        plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
+        _check_tag(target, wanted.tag, plan)
+        if wanted.dry_run:
+            return PublishResult(plan, "dry run", signature=signature, audited=tuple(audited.values()))
+        prepare_receipt_dir(receipts)
+        if not plan.up_to_date and plan.head is None:
+            # Create what is missing (the only writes before the commit), then plan again against the new head.
+            _create_missing(target, plan, wanted.private)
             plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
-            _check_tag(target, wanted.tag, plan)
-            if wanted.dry_run:
-                return PublishResult(plan, "dry run", signature=signature, audited=tuple(audited.values()))
-            prepare_receipt_dir(receipts)
-            if not plan.up_to_date and plan.head is None:
-                # Create what is missing (the only writes before the commit), then plan again against the new head.
-                _create_missing(target, plan, wanted.private)
-                plan = read_plan(target, stage, audited, wanted.message, xet_hashes)
-            run = Publishing(
-                target, stage, audited, snapshot, receipts, signature, plan, wanted.restage, xet_hashes
-            )
-            if plan.up_to_date:
-                say(
-                    f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit"
-                )
-                return _tagged(run, wanted.tag, _finish(run, plan.head, "already published"))  # type: ignore[arg-type]
-            if plan.head is None:
-                raise PublishError(
-                    f"{wanted.repo_id}@{target.revision} is still missing after creating it; rerun"
-                )
-            changed = sum(f.action != "unchanged" for f in plan.files)
+        run = Publishing(
+            target, stage, audited, snapshot, receipts, signature, plan, wanted.restage, xet_hashes
+        )
+        if plan.up_to_date:
             say(
-                f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
-                f"onto {plan.head[:12]} of {target.revision}"
+                f"{wanted.repo_id}@{target.revision} already holds exactly this stage at {plan.head}: no commit"
             )
-            commit, lost = land(run)
+            return _tagged(run, wanted.tag, _finish(run, plan.head, "already published"))  # type: ignore[arg-type]
+        if plan.head is None:
+            raise PublishError(
+                f"{wanted.repo_id}@{target.revision} is still missing after creating it; rerun"
+            )
+        changed = sum(f.action != "unchanged" for f in plan.files)
+        say(
+            f"committing {changed} new or changed file(s) and {len(plan.deletions)} deletion(s) "
+            f"onto {plan.head[:12]} of {target.revision}"
+        )
+        commit, lost = land(run)
         # The client returns the old head when it found nothing to change (a race with an identical push).
         status = "already published" if commit == plan.head else "published"
         return _tagged(run, wanted.tag, _finish(run, commit, status, answer_lost=lost))
 
 
 # -- before any request -------------------------------------------------------------------------
-
-
-def _stage_bytes(stage: Path) -> int:
-    """What the default deadline is derived from (0 for a missing stage: the audit refuses it)."""
-    return sum(entry.stat().st_size for entry in stage.rglob("*") if entry.is_file()) if stage.is_dir() else 0
-
-
-def _audit(
-    stage: Path, say: Callable[[str], None], *, verify_later: bool
-) -> tuple[dict[str, AuditedFile], dict[str, StatKey]]:
-    """audit_stage with the leak scan and (for a Xet upload to verify later) the Xet hashes in
-    the same read, with stat snapshots around it so later edits are noticed without reading again."""
-    before = (
-        {p.relative_to(stage).as_posix(): stat_key(p) for p in stage.rglob("*") if p.is_file()}
-        if stage.is_dir()
-        else {}
-    )
-    # Uploaded over Xet, the files are verified by their Xet hash: computed from the audit's read.
-    xet_digest = xet.new_digest if verify_later and xet.client_uploads_over_xet() else None
-    audited = audit_stage(stage, leaks=leak_rules(), xet_digest=xet_digest, consequence=NOTHING_SENT)
-    snapshot = {name: stat_key(stage / name) for name in audited}
-    if any(before.get(name) != key for name, key in snapshot.items()):
-        raise StageChanged(f"{stage}/ changed while it was being audited; nothing was sent; rerun")
-    say(f"audited {len(audited)} files in {stage}/ against its MANIFEST.sha256 and scanned them for leaks")
-    for entry in audited.values():
-        for words in entry.allowed_leaks:
-            say(f"leak scan: {entry.name} holds {words}, allowed by the stage's card.allow_leaks")
-    return audited, snapshot
 
 
 def _signature(

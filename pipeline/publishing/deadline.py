@@ -1,7 +1,8 @@
 """The publish's deadline: ``--timeout`` bounds the whole publish, not each request.
 
-A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` starts (default
-:func:`default_timeout`). While it is installed (:meth:`Deadline.installed`):
+A :class:`Deadline` is set when :func:`~pipeline.publishing.publish` has loaded the Hub client,
+the audit reading meanwhile (default :func:`default_timeout`). While it is installed
+(:meth:`Deadline.installed`):
 
 - every request of the client's shared HTTP session waits at most ``min(REQUEST_TIMEOUT_S,
   time left)`` for each read or write (a request hook sets the bound on the request itself, also on
@@ -30,13 +31,13 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import urlsplit
 
-import httpx2
-from huggingface_hub import get_session
-
 from ..errors import DeadlinePassed
+
+if TYPE_CHECKING:
+    import httpx2
 
 __all__ = [
     "REQUEST_TIMEOUT_S",
@@ -164,6 +165,8 @@ class Deadline:
     # -- the client's requests ---------------------------------------------------------------
 
     def _before_request(self, request: httpx2.Request) -> None:
+        import httpx2  # loaded with the Hub client by then (see follow_session)
+
         what = describe_request(request.method, request.url)
         if what in self._unanswered:
             self.note(f"no answer to {what} (timed out or connection lost)")
@@ -227,6 +230,9 @@ class Deadline:
 
     def follow_session(self) -> None:
         """Install on the client's current session: it replaces its session after a connection error."""
+        # Imported here: the publish imports the Hub client while the audit reads (.start).
+        from huggingface_hub import get_session
+
         self._install_on(get_session())
 
     # -- the watchdog -------------------------------------------------------------------------

@@ -53,14 +53,12 @@ from .client import (
 )
 from .deadline import RETRYABLE
 from .plan import PublishPlan, compare
+from .start import StatKey, stat_key
 
-__all__ = ["COMMIT_ATTEMPTS", "Publishing", "StatKey", "land", "stat_key"]
+__all__ = ["COMMIT_ATTEMPTS", "Publishing", "land"]
 
 # Commit attempts on 429/5xx answers, the first one included.
 COMMIT_ATTEMPTS = 4
-
-# Size, mtime, ctime and inode: a process can set a file's mtime back after writing it, never its ctime.
-StatKey = tuple[int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -79,11 +77,6 @@ class Publishing:
     """The command that rebuilds the stage (:attr:`Publication.restage`)."""
     xet_hashes: xet.StagedXetHashes
     """The Xet hash of each staged file (the audit's, or computed when first needed)."""
-
-
-def stat_key(path: Path) -> StatKey:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def land(run: Publishing) -> tuple[str, bool]:

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from huggingface_hub import constants
 
@@ -23,8 +23,10 @@ from ..audit import AuditedFile
 from ..errors import PublishError
 from ..layout import HUB_MODEL_FILE, INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
 from ..signing import ExpectedSigner
-from .client import RemoteFile, Target, pull_requests, read_branch, remote_files
 from .xet import StagedXetHashes
+
+if TYPE_CHECKING:
+    from .client import RemoteFile, Target
 
 __all__ = [
     "KEPT_REMOTE_FILES",
@@ -285,6 +287,9 @@ def read_plan(
     xet_hashes: StagedXetHashes,
 ) -> PublishPlan:
     """The plan from read requests only; a missing branch is compared with main, where it would start."""
+    # Not imported with this module: the Hub client loads while the audit reads (.start).
+    from .client import pull_requests, read_branch, remote_files
+
     head, remote = read_branch(target, target.revision)
     base = head
     if head is None and target.revision != constants.DEFAULT_REVISION:

@@ -55,6 +55,8 @@ _API = {
 __all__ = ["__version__", *_API]
 
 
+# Written out here, not through pipeline.lazy as the subpackages are: model code imports
+# pipeline.params, which runs this file, and what model code imports is published with it.
 def __getattr__(name: str) -> Any:
     module = _API.get(name)
     if module is None:

@@ -17,31 +17,24 @@ audit reads.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 # public name -> module that defines it
 _API = {
-    "COMMIT_ATTEMPTS": "landing",
-    "REQUEST_TIMEOUT_S": "deadline",
-    "Publication": "plan",
-    "PublishPlan": "plan",
-    "PublishResult": "commit",
-    "default_timeout": "deadline",
-    "format_plan": "plan",
-    "publish": "start",
+    "COMMIT_ATTEMPTS": ".landing",
+    "REQUEST_TIMEOUT_S": ".deadline",
+    "Publication": ".plan",
+    "PublishPlan": ".plan",
+    "PublishResult": ".commit",
+    "default_timeout": ".deadline",
+    "format_plan": ".plan",
+    "publish": ".start",
 }
 
 __all__ = sorted(_API)
 
 
-def __getattr__(name: str) -> Any:
-    module = _API.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pipeline.publishing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_names(__name__, _API)
 
 
 def __dir__() -> list[str]:

@@ -15,8 +15,7 @@ and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and signing
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 # name -> the module that defines it. Lazy, so that importing a submodule does not import
 # the whole stage.
@@ -30,9 +29,4 @@ _NAMES = {
 __all__ = list(_NAMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'pipeline.stage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _NAMES)

@@ -31,9 +31,9 @@ Other packages import from here, not from the submodules (a test checks it). The
 ``torch.distributed.checkpoint``.
 """
 
-import importlib
 from typing import Any
 
+from ..lazy import lazy_names
 from ..world import World
 from .best import best_record, read_best
 from .checkpointer import Checkpointer, OneSaveInFlight
@@ -125,12 +125,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _DISTRIBUTED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_DISTRIBUTED[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _DISTRIBUTED)
 
 
 def open_checkpointer(

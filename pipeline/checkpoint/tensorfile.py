@@ -261,7 +261,11 @@ def write_safetensors_files(
     sizes_of_chunks = [None if chunk_size is None else chunk_size(size) for size in planned]
     # A file of one chunk has the whole digest as its chunk table: only larger files are
     # hashed a second time, by chunks.
-    chunked = [index for index, size in enumerate(planned) if size > (sizes_of_chunks[index] or size)]
+    chunked = (
+        []
+        if chunk_size is None
+        else [index for index, size in enumerate(planned) if size > sizes_of_chunks[index]]
+    )
     if chunk_size is not None:
         hashers.append(
             _Hasher([layouts[i][1] for i in chunked], [ChunkDigests(sizes_of_chunks[i]) for i in chunked])

@@ -37,6 +37,7 @@ __all__ = [
     "rank_rng_file",
     "step_dir_name",
     "parse_step_dir",
+    "staged_by_file",
 ]
 
 import re
@@ -104,6 +105,12 @@ LOCK_FILE = ".lock"
 RESUME_FILE = "RESUME"
 # In checkpoint.dir with checkpoint.best_metric: which step is the best evaluated one.
 BEST_FILE = "BEST.json"
+
+
+def staged_by_file(stage_name: str) -> str:
+    """``.hub_stage.staged-by.json``: beside the stage ``hub_stage`` (never in it, as it is
+    published), the command that built it, which 06's refusals repeat."""
+    return f".{stage_name}.staged-by.json"
 
 
 def shard_name(index: int, count: int) -> str:

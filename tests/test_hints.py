@@ -4,7 +4,18 @@ as printed does what it says (never a second error)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import shlex
+import subprocess
+
 import pytest
+
+from localhub import LocalHub
+from pipeline.commands import staged_command
+
+from support import script_env
 
 
 @pytest.mark.parametrize("script", ["04_evaluate.py", "05_stage.py"])
@@ -17,3 +28,62 @@ def test_a_mistyped_checkpoint_name_lists_latest_best_and_path(script, evaluated
     line = run.refused(script, "--checkpoint", str(run.root / "data"))  # a folder, not a checkpoint
     assert "is not a committed checkpoint folder" in line and "latest|best|PATH" in line, line
     assert sorted(p.name for p in run.root.iterdir()) == before
+
+
+def test_06s_restage_hint_repeats_every_flag_05_was_given_and_runs_as_printed(
+    trained_run, run_copy, tmp_path
+):
+    """05 stages the best checkpoint of another checkpoint folder for one repo; 06 is asked
+    to publish it to another. Its fix is the 05 command that built the stage, with the new
+    repo id: run as printed, word for word, it stages that same checkpoint (a command without
+    --checkpoint best or --checkpoint-dir would stage another step and be refused for
+    metrics that evaluate this one)."""
+    run = run_copy(trained_run)
+    chosen = ["--checkpoint-dir", "best-run", "--checkpoint", "best"]
+    evaluated = ["--set", "training.eval_every=3", "--set", "checkpoint.best_metric=mse"]
+    # mse falls while training: 'max' marks an early step as the best, not the last.
+    run.ok(
+        "02_train.py",
+        "--quiet",
+        "--checkpoint-dir",
+        "best-run",
+        *evaluated,
+        "--set",
+        "checkpoint.best_mode=max",
+    )
+    run.ok("04_evaluate.py", *chosen)
+    run.ok("05_stage.py", *chosen, "--repo-id", "me/first")
+    step = json.loads((run.stage / "meta.json").read_text())["step"]
+    assert step == 3
+    with LocalHub(tmp_path / "hub", token="t") as hub:
+        publish = ("06_publish.py", "--repo-id", "me/second", "--dry-run", "--endpoint", hub.url)
+        line = run.refused(*publish)
+        printed = line.split("restage with ", 1)[1].split(", or pass --force-repo-id")[0]
+        assert "--checkpoint best" in printed and "--checkpoint-dir best-run" in printed, printed
+        assert printed.endswith("--repo-id me/second") and "me/first" not in printed, printed
+        rerun = subprocess.run(
+            shlex.split(printed), cwd=run.root, env=script_env(), capture_output=True, text=True
+        )
+        assert rerun.returncode == 0, rerun.stderr
+        staged = json.loads((run.stage / "meta.json").read_text())
+        assert (staged["step"], staged["repo_id"]) == (step, "me/second")
+        assert "dry run: no write request was sent" in run.ok(*publish).stdout
+
+
+def test_a_record_of_another_stage_or_folder_is_not_repeated(staged_run, run_copy, tmp_path):
+    """The record beside the stage names the command only for the stage it built, run from
+    the folder it ran in; otherwise 06 names 05 on its config."""
+    run = run_copy(staged_run)
+    run.ok("05_stage.py", "--repo-id", "me/first", "--no-metrics")
+    record = run.root / ".hub_stage.staged-by.json"
+    manifest = hashlib.sha256((run.stage / "MANIFEST.sha256").read_bytes()).hexdigest()
+    with contextlib.chdir(run.root):
+        assert "--no-metrics" in staged_command(run.stage, manifest)
+        assert staged_command(run.stage, "0" * 64) is None
+    assert staged_command(run.stage, manifest) is None  # another working folder: its paths mean other things
+    with LocalHub(tmp_path / "hub", token="t") as hub:
+        publish = ("06_publish.py", "--repo-id", "me/second", "--dry-run", "--endpoint", hub.url)
+        assert "--no-metrics --repo-id me/second, or" in run.refused(*publish)
+        record.write_text(record.read_text().replace(manifest, "0" * 64))
+        line = run.refused(*publish)
+    assert "--no-metrics" not in line and "05_stage.py --config" in line, line

@@ -49,7 +49,9 @@ from typing import Callable
 from huggingface_hub import HfApi, constants, get_token
 
 from ..audit import AuditedFile
+from ..commands import staged_command
 from ..errors import PublishError, ReceiptNotWritten, TokenRejected, VerificationFailed
+from ..layout import MANIFEST_FILE
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from . import xet
@@ -109,6 +111,9 @@ def publish_audited(
     endpoint, prefix = resolve_endpoint(wanted.endpoint), clean_prefix(wanted.path_in_repo)
     with deadline.installed():
         audited, snapshot = audit_result(auditing, stage, say)
+        # A refusal's fix repeats the command that built this very stage, every flag of it.
+        restage = staged_command(stage, audited[MANIFEST_FILE].sha256)
+        wanted = replace(wanted, restage=restage or wanted.restage)
         check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
         signature = _signature(stage, wanted.signer, say)
         token = _token(wanted.dry_run)

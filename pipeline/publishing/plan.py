@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal, Mapping
 from huggingface_hub import constants
 
 from ..audit import AuditedFile
+from ..commands import with_option
 from ..errors import PublishError
 from ..layout import HUB_MODEL_FILE, INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
 from ..signing import ExpectedSigner
@@ -80,7 +81,8 @@ class Publication:
     tag: str | None = None
     """Tag the verified commit; a tag that names another commit is refused, never moved."""
     restage: str = "python scripts/05_stage.py"
-    """The command that rebuilds this stage, as a refusal tells it (06 adds its ``--config``)."""
+    """The command that rebuilds this stage, as a refusal tells it, when 05 left no record of
+    the command that built it (:func:`pipeline.commands.staged_command`; 06 adds its ``--config``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +190,7 @@ def check_staged_repo_id(stage: Path, repo_id: str, force: bool, restage: str) -
     if staged_for and staged_for != repo_id and not force:
         raise PublishError(
             f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
-            f"restage with {restage} --repo-id {repo_id}, or pass --force-repo-id"
+            f"restage with {with_option(restage, '--repo-id', repo_id)}, or pass --force-repo-id"
         )
 
 

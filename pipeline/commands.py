@@ -163,23 +163,42 @@ def python_command() -> str:
 
 
 def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
-    """The command that runs the numbered ``script`` on ``config`` as it was given (its
-    ``--config`` and ``--set`` arguments), with ``args``, under this interpreter or
+    """The command that runs the numbered ``script`` with ``args``, under this interpreter or
     ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
-    in. The script's path is spelled as this one was invoked (from a numbered script), else
-    ``scripts/<script>``."""
+    in. From ``script`` itself (a hint to run it again) it repeats every flag this
+    invocation was given (``sys.argv``; the scripts take no abbreviations); from another
+    script, the ``--config`` and ``--set`` arguments ``config`` was given. An option of
+    ``args`` replaces the given one (a ``--set`` the given ``--set`` of its key): one
+    option, one value. The script's path is spelled as this one was invoked (from a
+    numbered script), else ``scripts/<script>``."""
     invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
-    # A key that args sets replaces the config's own --set of it: one key, one value.
-    ours = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
-    given, kept = list(config.command_args), []
+    numbered = invoked is not None and _NUMBERED.match(invoked.name) is not None
+    folder = invoked.parent if invoked is not None and numbered else Path("scripts")
+    again = numbered and invoked is not None and invoked.name == script
+    given = list(sys.argv[1:]) if again else list(config.command_args)
+    return shlex.join(
+        [*(launcher or [python_command()]), str(folder / script), *_without(given, args), *args]
+    )
+
+
+def _without(given: list[str], args: Sequence[str]) -> list[str]:
+    """``given`` without the options that ``args`` sets again (each with its value)."""
+    keys = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
+    options = {arg for arg in args if arg.startswith("--") and arg != "--set"}
+    kept: list[str] = []
     while given:
         token = given.pop(0)
-        if token == "--set" and given and _set_key(given[0]) in ours:
+        name, equals, value = token.partition("=")
+        if token == "--set" and given and _set_key(given[0]) in keys:
             given.pop(0)
-        else:
+        elif equals and name == "--set" and _set_key(value) in keys:
+            continue
+        elif token in options:
+            if given and not given[0].startswith("--"):
+                given.pop(0)
+        elif not (equals and name in options):
             kept.append(token)
-    return shlex.join([*(launcher or [python_command()]), str(folder / script), *kept, *args])
+    return kept
 
 
 def _set_key(item: str) -> str:

@@ -15,7 +15,9 @@ import pytest
 from localhub import LocalHub
 from pipeline.commands import staged_command
 
-from support import script_env
+from support import REPO, script_env
+
+CONFIG = REPO / "config.yaml"
 
 
 @pytest.mark.parametrize("script", ["04_evaluate.py", "05_stage.py"])
@@ -87,3 +89,62 @@ def test_a_record_of_another_stage_or_folder_is_not_repeated(staged_run, run_cop
         record.write_text(record.read_text().replace(manifest, "0" * 64))
         line = run.refused(*publish)
     assert "--no-metrics" not in line and "05_stage.py --config" in line, line
+
+
+def test_a_command_to_run_the_same_script_again_repeats_every_flag_and_replaces_the_ones_it_sets(monkeypatch):
+    from pipeline.commands import script_command
+    from pipeline.config import Config
+
+    config = Config(command_args=("--config", "mine.yaml"))
+    argv = ["scripts/02_train.py", "--config", "mine.yaml", "--set", "training.parallel=ddp", "--resume=auto"]
+    monkeypatch.setattr("sys.argv", [*argv, "--stop-at", "5", "--checkpoint-dir", "runs/x", "--quiet"])
+    again = shlex.split(
+        script_command(config, "02_train.py", "--set", "training.parallel=none", "--resume", "7")
+    )
+    assert again[1:] == [
+        "scripts/02_train.py", "--config", "mine.yaml", "--stop-at", "5", "--checkpoint-dir", "runs/x", "--quiet",
+        "--set", "training.parallel=none", "--resume", "7",
+    ]  # fmt: skip
+    # Another script: only the config as it was given, beside the script this one was run from.
+    other = shlex.split(script_command(config, "01_prepare_data.py", "--set", "data.dir=d"))
+    assert other[1:] == ["scripts/01_prepare_data.py", "--config", "mine.yaml", "--set", "data.dir=d"]
+
+
+def test_02s_torchrun_hint_keeps_the_runs_own_flags(trained_run, run_copy):
+    """training.parallel ddp in one process: the torchrun launch it names resumes (a launch
+    without --resume would be refused over the committed checkpoints) and stops where asked."""
+    run = run_copy(trained_run)
+    asked = ("--set", "training.parallel=ddp", "--resume", "latest", "--extend-to", "12", "--stop-at", "11")
+    line = run.refused("02_train.py", *asked)
+    launch = shlex.split(line.split("launch with ", 1)[1].split(", or set training.parallel")[0])
+    assert launch[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=N"], launch
+    assert launch[6:] == ["--config", str(CONFIG), *asked], launch
+
+
+def test_04s_pointer_to_an_older_checkpoint_names_the_flag_04_takes(trained_run, run_copy):
+    run = run_copy(trained_run)
+    two = ("--checkpoint-dir", "two", "--set", "checkpoint.keep_last=2")
+    run.ok("02_train.py", "--quiet", *two)
+    weights = run.root / "two" / "step-00000010" / "modelo.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    line = run.refused("04_evaluate.py", *two)
+    older = "two/step-00000005"  # as 04 was given the folder that holds it
+    assert line.endswith(
+        f"; the older checkpoint {older} verifies: evaluate or stage it with --checkpoint {older} (nothing was deleted)"
+    ), line
+    run.ok("04_evaluate.py", *two, "--checkpoint", older)
+
+
+def test_04s_fix_for_unprepared_data_prepares_the_data_of_the_config_it_was_given(trained_run, run_copy):
+    run = run_copy(trained_run)
+    elsewhere = ("--set", "data.dir=elsewhere/regression")
+    line = run.refused("04_evaluate.py", *elsewhere)
+    printed = line.split("run ", 1)[1].removesuffix(" first")
+    assert printed.endswith(f"01_prepare_data.py --config {CONFIG} --set data.dir=elsewhere/regression"), line
+    prepared = subprocess.run(
+        shlex.split(printed), cwd=run.root, env=script_env(), capture_output=True, text=True
+    )
+    assert prepared.returncode == 0, prepared.stderr
+    run.ok("04_evaluate.py", *elsewhere)

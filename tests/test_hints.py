@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shlex
+import signal
 import subprocess
 
 import pytest
@@ -148,3 +150,37 @@ def test_04s_fix_for_unprepared_data_prepares_the_data_of_the_config_it_was_give
     )
     assert prepared.returncode == 0, prepared.stderr
     run.ok("04_evaluate.py", *elsewhere)
+
+
+@pytest.mark.parametrize("stop_at", [None, 4], ids=["last-step", "stop-at"])
+def test_a_signal_after_the_last_step_says_the_run_is_complete_and_after_any_other_how_to_resume(
+    data_dir, tmp_path, stop_at
+):
+    """SIGTERM during the last step's save: the run is complete, nothing is left to resume
+    (a "Resume with" would point at a run with no step left); after ``--stop-at`` it is not."""
+    from pipeline.config import load_config
+    from pipeline.errors import Preempted
+    from pipeline.train import TrainingHooks, train
+
+    checkpoints = tmp_path / "ck"
+    sets = {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints), "training.max_steps": 6}
+    config = load_config(CONFIG, sets)
+    last = stop_at or 6
+
+    def on_step(run) -> None:
+        if run.step == last:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the loop, honoured after the step's save
+
+    hint = "python scripts/02_train.py --resume latest"
+    with pytest.raises(Preempted) as stopped:
+        train(config, progress=False, stop_at=stop_at, hooks=TrainingHooks(on_step=on_step), resume_hint=hint)
+    where = checkpoints / f"step-{last:08d}"
+    assert stopped.value.exit_code == 128 + signal.SIGTERM and (where / "meta.json").is_file()
+    if stop_at is None:
+        assert str(stopped.value) == (
+            f"stopped by SIGTERM after the last step, 6: the run is complete; its checkpoint {where} is committed"
+        )
+    else:
+        assert str(stopped.value) == (
+            f"stopped by SIGTERM after step 4; checkpoint {where} is committed. Resume with: {hint}"
+        )

@@ -38,8 +38,10 @@ __all__ = [
     "step_dir_name",
     "parse_step_dir",
     "staged_by_file",
+    "receipts_beside",
 ]
 
+import os
 import re
 
 # Default folders (config.yaml / command-line flags may point elsewhere).
@@ -105,6 +107,14 @@ LOCK_FILE = ".lock"
 RESUME_FILE = "RESUME"
 # In checkpoint.dir with checkpoint.best_metric: which step is the best evaluated one.
 BEST_FILE = "BEST.json"
+
+
+def receipts_beside(stage: str) -> str:
+    """``hub_receipts`` beside the stage folder ``stage``: a publish's receipts stay with the
+    outputs of the config that staged it (``hub_receipts/`` for ``config.yaml``'s
+    ``hub_stage/``, ``runs/charlm/hub_receipts/`` for ``runs/charlm/hub_stage/``), never in the
+    stage, which is uploaded as it is."""
+    return os.path.join(os.path.dirname(os.path.normpath(stage)), RECEIPT_DIR)
 
 
 def staged_by_file(stage_name: str) -> str:

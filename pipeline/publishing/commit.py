@@ -21,7 +21,7 @@
              deletions of files under the target folder that the stage no longer has
              (``.gitattributes`` stays)
     verify   LFS SHA-256s and Xet hashes the Hub lists, downloaded small files, against the audit
-    receipt  hub_receipts/<namespace>--<name>-<commit12>.json, outside the stage
+    receipt  hub_receipts/<namespace>--<name>-<commit12>.json beside the stage (--receipt-dir)
     tag      the verified commit, with --tag
 
 Why one commit: a trainer that pushes on every save makes one commit per save, runs into

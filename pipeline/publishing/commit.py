@@ -55,6 +55,7 @@ from ..layout import MANIFEST_FILE
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from . import xet
+from .audited import Audit, audit_result
 from .client import Target, call, hub_errors, remote_files, tags
 from .deadline import Deadline
 from .landing import Publishing, land
@@ -68,7 +69,6 @@ from .plan import (
     read_plan,
     resolve_endpoint,
 )
-from .start import Audit, audit_result
 from .verify import Receipt, VerifiedFile, receipt_path, verify_commit, write_receipt
 
 __all__ = ["PublishResult", "publish_audited"]

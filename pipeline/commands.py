@@ -1,22 +1,38 @@
 """The command lines the pipeline prints in its hints and refusals: a script run again on the
 config it was given, a run resumed as it was launched, a torchrun launch under this
-interpreter. Torch-free and import-light, so any module can name a command without the
-scripts' plumbing (:mod:`pipeline.cli`)."""
+interpreter, a stage rebuilt by the very command that built it. Every one repeats every flag
+the user gave (a hint that drops one gives a second error when followed). Torch-free and
+import-light, so any module can name a command without the scripts' plumbing
+(:mod:`pipeline.cli`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import stat
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+from .durable import write_json_atomic
+from .layout import staged_by_file
 
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["python_command", "resume_command", "script_command", "torchrun_launcher", "with_set"]
+__all__ = [
+    "python_command",
+    "record_stage_command",
+    "resume_command",
+    "script_command",
+    "staged_command",
+    "torchrun_launcher",
+    "with_option",
+    "with_set",
+]
 
 _NUMBERED = re.compile(r"^0\d_\w+\.py$")
 
@@ -65,6 +81,72 @@ def with_set(command: str, item: str) -> str:
     return shlex.join([*kept[:at], "--set", item, *kept[at:]])
 
 
+def with_option(command: str, option: str, value: str) -> str:
+    """``command`` (shell-quoted) with ``option value`` at its end, in place of its own
+    ``option`` (``--option v`` or ``--option=v``): one option, one value."""
+    tokens, kept = shlex.split(command), []
+    while tokens:
+        token = tokens.pop(0)
+        if token == option:
+            tokens = tokens[1:]
+        elif not token.startswith(f"{option}="):
+            kept.append(token)
+    return shlex.join([*kept, option, value])
+
+
+def record_stage_command(stage: str | Path, argv: Sequence[str], manifest_sha256: str) -> None:
+    """Keep, beside ``stage`` (never in it: it is published), the command that built it:
+    ``argv`` (``sys.argv`` of script 05, whose parser takes no abbreviations) under this
+    interpreter, the folder it ran in, and the SHA-256 of the stage's ``MANIFEST.sha256``,
+    which binds the record to this very stage. A record that cannot be written is left
+    out: 06 then names the command from the config (:func:`staged_command`)."""
+    stage = Path(os.path.abspath(stage))
+    record = {
+        "command": shlex.join([python_command(), *argv]),
+        "cwd": os.getcwd(),
+        "manifest_sha256": manifest_sha256,
+    }
+    try:
+        write_json_atomic(stage.parent / staged_by_file(stage.name), record)
+    except OSError:
+        pass
+
+
+# The record is a few hundred bytes; anything larger is not ours.
+_MAX_RECORD_BYTES = 64 * 1024
+
+
+def staged_command(stage: str | Path, manifest_sha256: str) -> str | None:
+    """The command that built ``stage`` as :func:`record_stage_command` kept it, if it built
+    exactly this stage (``manifest_sha256``, from the audit) and ran in this working folder
+    (its paths are relative to it); else ``None``. Read once, from a descriptor opened
+    without following a link or waiting on a pipe."""
+    stage = Path(os.path.abspath(stage))
+    try:
+        fd = os.open(
+            stage.parent / staged_by_file(stage.name),
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        )
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        record = json.loads(os.read(fd, _MAX_RECORD_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if (
+        not isinstance(record, dict)
+        or record.get("manifest_sha256") != manifest_sha256
+        or record.get("cwd") != os.getcwd()
+        or not isinstance(record.get("command"), str)
+    ):
+        return None
+    return record["command"]
+
+
 def python_command() -> str:
     """How to name this interpreter in a printed command: ``python`` when that is what the
     shell finds first, else its path (relative when under the working folder)."""
@@ -81,23 +163,42 @@ def python_command() -> str:
 
 
 def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
-    """The command that runs the numbered ``script`` on ``config`` as it was given (its
-    ``--config`` and ``--set`` arguments), with ``args``, under this interpreter or
+    """The command that runs the numbered ``script`` with ``args``, under this interpreter or
     ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
-    in. The script's path is spelled as this one was invoked (from a numbered script), else
-    ``scripts/<script>``."""
+    in. From ``script`` itself (a hint to run it again) it repeats every flag this
+    invocation was given (``sys.argv``; the scripts take no abbreviations); from another
+    script, the ``--config`` and ``--set`` arguments ``config`` was given. An option of
+    ``args`` replaces the given one (a ``--set`` the given ``--set`` of its key): one
+    option, one value. The script's path is spelled as this one was invoked (from a
+    numbered script), else ``scripts/<script>``."""
     invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    folder = invoked.parent if invoked is not None and _NUMBERED.match(invoked.name) else Path("scripts")
-    # A key that args sets replaces the config's own --set of it: one key, one value.
-    ours = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
-    given, kept = list(config.command_args), []
+    numbered = invoked is not None and _NUMBERED.match(invoked.name) is not None
+    folder = invoked.parent if invoked is not None and numbered else Path("scripts")
+    again = numbered and invoked is not None and invoked.name == script
+    given = list(sys.argv[1:]) if again else list(config.command_args)
+    return shlex.join(
+        [*(launcher or [python_command()]), str(folder / script), *_without(given, args), *args]
+    )
+
+
+def _without(given: list[str], args: Sequence[str]) -> list[str]:
+    """``given`` without the options that ``args`` sets again (each with its value)."""
+    keys = {_set_key(value) for option, value in zip(args, args[1:]) if option == "--set"}
+    options = {arg for arg in args if arg.startswith("--") and arg != "--set"}
+    kept: list[str] = []
     while given:
         token = given.pop(0)
-        if token == "--set" and given and _set_key(given[0]) in ours:
+        name, equals, value = token.partition("=")
+        if token == "--set" and given and _set_key(given[0]) in keys:
             given.pop(0)
-        else:
+        elif equals and name == "--set" and _set_key(value) in keys:
+            continue
+        elif token in options:
+            if given and not given[0].startswith("--"):
+                given.pop(0)
+        elif not (equals and name in options):
             kept.append(token)
-    return shlex.join([*(launcher or [python_command()]), str(folder / script), *kept, *args])
+    return kept
 
 
 def _set_key(item: str) -> str:

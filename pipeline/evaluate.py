@@ -18,6 +18,7 @@ immutable and verified against an exact file list.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -85,7 +86,8 @@ def evaluation_config(meta: dict[str, Any], config: Config, *, source: str) -> C
         "training": {**raw["training"], "device": config.training.device},
     }
     try:
-        return config_from_dict(raw, source=source)
+        # The command line it came with too: a printed command repeats the user's config flags.
+        return dataclasses.replace(config_from_dict(raw, source=source), command_args=config.command_args)
     except ConfigError as exc:
         raise ConfigMismatch(f"the checkpoint's config is not valid for this version: {exc}") from None
 

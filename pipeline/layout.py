@@ -37,8 +37,11 @@ __all__ = [
     "rank_rng_file",
     "step_dir_name",
     "parse_step_dir",
+    "staged_by_file",
+    "receipts_beside",
 ]
 
+import os
 import re
 
 # Default folders (config.yaml / command-line flags may point elsewhere).
@@ -104,6 +107,20 @@ LOCK_FILE = ".lock"
 RESUME_FILE = "RESUME"
 # In checkpoint.dir with checkpoint.best_metric: which step is the best evaluated one.
 BEST_FILE = "BEST.json"
+
+
+def receipts_beside(stage: str) -> str:
+    """``hub_receipts`` beside the stage folder ``stage``: a publish's receipts stay with the
+    outputs of the config that staged it (``hub_receipts/`` for ``config.yaml``'s
+    ``hub_stage/``, ``runs/charlm/hub_receipts/`` for ``runs/charlm/hub_stage/``), never in the
+    stage, which is uploaded as it is."""
+    return os.path.join(os.path.dirname(os.path.normpath(stage)), RECEIPT_DIR)
+
+
+def staged_by_file(stage_name: str) -> str:
+    """``.hub_stage.staged-by.json``: beside the stage ``hub_stage`` (never in it, as it is
+    published), the command that built it, which 06's refusals repeat."""
+    return f".{stage_name}.staged-by.json"
 
 
 def shard_name(index: int, count: int) -> str:

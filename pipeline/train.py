@@ -426,6 +426,13 @@ def _loop(
             name = signal.Signals(stop).name
             store = checkpointer.store
             where = saved.path if saved is not None else store.path_for(run.step)
+            if run.step >= run.config.training.max_steps:  # nothing is left to resume
+                raise Preempted(
+                    f"stopped by {name} after the last step, {run.step}: the run is complete; its "
+                    f"checkpoint {where} is committed",
+                    stop,
+                    quiet=world.rank != 0,
+                )
             message = (
                 f"stopped by {name} after step {run.step}; checkpoint {where} is committed. "
                 f"Resume with: {resume_hint}"

@@ -28,8 +28,9 @@ with project_imports():
 
 
 def main() -> int:
+    # No abbreviations: a hint to run this script again repeats its arguments as given.
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     add_config_arguments(parser)
     add_checkpoint_dir_argument(parser)

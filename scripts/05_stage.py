@@ -41,7 +41,9 @@ from _bootstrap import project_imports
 with project_imports():
     from pipeline.audit import format_audit_table
     from pipeline.cli import add_checkpoint_dir_argument, add_config_arguments, config_from_args, run_main
+    from pipeline.commands import record_stage_command
     from pipeline.config import parse_set_overrides
+    from pipeline.layout import MANIFEST_FILE
     from pipeline.signing import key_signer, sigstore_signer
     from pipeline.stage import StageBuild, build_stage
     from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
@@ -49,8 +51,9 @@ with project_imports():
 
 
 def main() -> int:
+    # No abbreviations: the command 06's refusals repeat is this one, as given (sys.argv).
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     add_config_arguments(parser)
     parser.set_defaults(config=None)  # config.yaml, unless --from-folder (no config of ours needed)
@@ -189,6 +192,7 @@ def main() -> int:
                 "fit the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
                 file=sys.stderr,
             )
+    record_stage_command(stage, sys.argv, result.files[MANIFEST_FILE].sha256)
     if result.nonfinite:
         print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
     print(format_audit_table(result.report))

@@ -18,7 +18,8 @@ holding the whole stage is made on top of the branch head that was read (a push 
 fails with 412 instead of being overwritten). A rerun when the Hub already holds the stage
 makes no commit. After landing, the Hub's LFS SHA-256s and Xet hashes are checked against the
 audit (the weights are not downloaded again), the small files downloaded and hashed, and a
-receipt (with the signing key's fingerprint) is written to hub_receipts/.
+receipt (with the signing key's fingerprint) is written to hub_receipts/ beside the stage
+(runs/<name>/hub_receipts/ for another config than config.yaml).
 
 --timeout bounds the whole publish (default: the default publish timeout, docs/publishing.md):
 no request or retry starts after it, the Xet client's retries are capped by it, and when it
@@ -96,8 +97,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--receipt-dir",
         type=Path,
-        default=Path(RECEIPT_DIR),
-        help=f"where the receipt is written (default: {RECEIPT_DIR})",
+        help=f"where the receipt is written (default: {RECEIPT_DIR}/ beside the stage, with the config's "
+        "other outputs)",
     )
     parser.add_argument(
         "--timeout",

@@ -477,3 +477,28 @@ def test_micro_batches_before_the_last_skip_the_gradient_reduce(mode, before_las
         with _gradient_sync(model, world, sync):
             pass
         assert model.calls == expected, (mode, sync)
+
+
+def test_the_proofs_cut_is_planned_on_the_steps_training_takes_with_accumulation(data_dir, tmp_path):
+    """24 rows in batches of 4, two per optimizer step: epoch 1 begins at step 4, as the
+    checkpoints of a real run record it; the proof plans its cut inside epoch 0 with that
+    boundary still to come (not "no new epoch starts", as six batches would say)."""
+    from pipeline.config import load_config
+    from pipeline.proof.plan import plan_cut
+
+    sets = {"training.grad_accum_steps": 2, "training.max_steps": 6}
+    args = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    ran = train(data_dir, tmp_path, *args, "--set", "checkpoint.every=1", "--set", "checkpoint.keep_last=6")
+    assert ran.returncode == 0, ran.stderr
+    recorded = [
+        json.loads((tmp_path / f"step-{step:08d}" / "meta.json").read_text())["training_state"]["data"][
+            "sampler"
+        ]["epoch"]
+        for step in range(1, 7)
+    ]
+    assert recorded == [0, 0, 0, 1, 1, 1]
+    plan = plan_cut(load_config(REPO / "config.yaml", {"data.dir": str(data_dir), **sets}), None, None)
+    assert plan.epochs[1:] == recorded
+    assert (plan.steps, plan.cut) == (6, 2), plan
+    assert plan.reason.endswith("step 2 is inside epoch 0; epoch 1 starts at step 4"), plan.reason
+    assert plan.to_dict()["first_step_of_a_new_epoch_after_cut"] == 4

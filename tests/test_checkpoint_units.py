@@ -100,8 +100,13 @@ def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):
         resolve("latest", tmp_path)
     with pytest.raises(NoCheckpoint, match="pass --checkpoint PATH"):
         resolve("latest", tmp_path, committed=True)
+    (tmp_path / ".tmp-step-00000001-ab").mkdir()  # a save in progress
     with pytest.raises(CheckpointError, match="not a committed checkpoint folder"):
         resolve(tmp_path / ".tmp-step-00000001-ab", tmp_path, committed=True)
+    with pytest.raises(
+        NoCheckpoint, match=r"neither latest, best nor an existing folder: name latest\|best\|PATH"
+    ):
+        resolve(tmp_path / "bset", tmp_path, committed=True)
 
 
 def test_a_damaged_latest_names_the_older_checkpoint_that_verifies(tmp_path):

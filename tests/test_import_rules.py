@@ -4,6 +4,7 @@
 - ``localhub`` (the loopback Hub) imports nothing of ``pipeline``.
 - The publish side (``pipeline.publishing`` and what it imports) never imports torch: statically,
   over every import statement of its closure, and for real, 06 --dry-run with torch impossible.
+- No circle of imports among the modules of ``pipeline``: the imports go one way.
 
 And the map the packages draw of themselves: each one's ``__init__`` names every module in it.
 """
@@ -153,3 +154,125 @@ def test_a_packages_docstring_names_every_module_in_it(package):
     text = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
     modules = sorted(path.stem for path in folder.glob("*.py") if path.stem != "__init__")
     assert modules and [name for name in modules if f"``{name}``" not in text] == [], text
+
+
+# -- no circle of imports ---------------------------------------------------------------------
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def runtime_imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that an import statement of ``path`` (module ``module``)
+    loads when it runs:
+    at module level or inside a function (a lazy import defers a dependency, it does not
+    remove it), but not under ``if TYPE_CHECKING:`` (never run). ``from pkg import name``
+    loads ``pkg.name`` when that is a module, else ``pkg`` (its ``__init__``); the parent
+    packages Python runs first are not counted (every submodule has them)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                for other in child.orelse:  # type: ignore[attr-defined]
+                    visit_statement(other)
+            else:
+                visit_statement(child)
+
+    def visit_statement(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in modules else base)
+        else:
+            visit(node)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return (found & modules) - {module}
+
+
+def import_cycles(files: dict[str, Path]) -> list[list[str]]:
+    """Every circle of imports among ``files`` (``{module: path}``): the strongly connected
+    components of the import graph with more than one module (Tarjan), each as a path that
+    goes round it."""
+    graph = {name: runtime_imports(path, name, set(files)) for name, path in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(_round(graph, sorted(component)))
+
+    for name in sorted(graph):
+        if name not in index:
+            connect(name)
+    return circles
+
+
+def _round(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A path from the component's first module back to it, inside the component."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        for other in sorted(graph[node] & members):
+            if other == start:
+                return [*paths[node], start]
+            if other not in paths:
+                paths[other] = [*paths[node], other]
+                todo.append(other)
+    return component
+
+
+def test_no_circle_of_imports_among_the_pipelines_modules():
+    files = {module_name(p): p for p in python_files("pipeline")}
+    circles = [" -> ".join(circle) for circle in import_cycles(files)]
+    assert circles == [], circles
+
+
+def test_the_circle_finder_finds_a_circle_through_a_lazy_import_and_not_through_type_checking(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import two\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import one\n"
+        "def two():\n    from . import c\n"
+    )
+    (package / "c.py").write_text("import pkg.a\n")
+    files = {f"pkg.{p.stem}": p for p in package.glob("*.py") if p.stem != "__init__"}
+    reach = {name: runtime_imports(path, name, set(files)) for name, path in files.items()}
+    assert reach == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert import_cycles(files) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    (package / "c.py").write_text("")
+    assert import_cycles(files) == []

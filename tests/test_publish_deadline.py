@@ -19,7 +19,7 @@ from huggingface_hub import get_session
 from test_publish import assert_holds_exactly_the_stage, commit_titles, publish_here, run_publish, stored
 from test_publish_safety import error_line_after_uploads
 
-from pipeline.errors import PublishError, PublishTimedOut, UploadInterrupted
+from pipeline.errors import PublishError, PublishTimedOut, UploadInterrupted, VerificationFailed
 from pipeline.publishing import deadline
 
 from support import XET_FAST_RETRIES
@@ -268,3 +268,24 @@ def test_a_silent_server_is_given_up_on_after_the_longest_wait_for_one_answer_an
     message = str(refused.value)
     assert f"no answer from {silent.url} to reading the branch head within 0.5s" in message, message
     assert "nothing was committed" in message and waits == [1.0, 2.0, 4.0, 8.0], (waits, message)
+
+
+def test_after_the_first_cut_the_settled_deadline_still_cuts_a_verification_that_hangs(
+    staged_run, hub, tmp_path, token_env
+):
+    """The commit lands but its answer trickles: the watchdog cuts it at the deadline (its
+    first cut), the publish settles (finding the commit, verifying it) within ``min(timeout,
+    SETTLE_S)`` more, and the watchdog must cut again when that passes: here every download
+    of the check after landing trickles too. Without the second cut the verification would
+    hang until the server stops (here the test's release, at 2 x timeout + 5 s)."""
+    hub.trickle_next(method="POST", path=r"/commit/main$")
+    hub.trickle_next(times=100, method="GET", path=r"/resolve/")  # the small files' downloads
+    result, elapsed, said = trickled_publish(staged_run.stage, hub, "alice/trickle-settled", tmp_path, 3)
+    assert any("the answer to the commit was lost, but the commit landed" in line for line in said), said
+    assert isinstance(result, VerificationFailed), result
+    message = str(result)
+    assert message.startswith("could not verify what landed: "), message
+    assert "ran out of its 3s --timeout while verifying" in message and "rerun to verify" in message, message
+    assert hub.count("GET", r"/resolve/") >= 1 and hub.count("POST", r"/commit/") == 1
+    # Cut at the settled deadline, 3 + 3 s: well before the release would end the trickle.
+    assert elapsed < 3 + 3 + 2, elapsed

@@ -432,7 +432,7 @@ def test_the_stage_lock_is_beside_the_stage_not_on_its_parent(staged_run, tmp_pa
 
 
 def test_a_non_positive_timeout_is_refused(staged_run, hub, tmp_path, token_env):
-    with pytest.raises(PublishError, match="--timeout 0 must be a positive number"):
+    with pytest.raises(PublishError, match="--timeout 0 must be a number of seconds above 0"):
         publish_here(staged_run.stage, hub, "alice/t", tmp_path, timeout_s=0)
 
 

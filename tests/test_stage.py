@@ -23,6 +23,7 @@ from pipeline.checkpoint.meta import entry_of
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
 from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
+from pipeline.layout import staged_by_file
 from pipeline.run import build_model
 from pipeline.stage import build_stage
 
@@ -63,9 +64,11 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def leftovers(run) -> list[str]:
-    """Hidden temporary or set-aside stages next to hub_stage/."""
+    """Hidden temporary or set-aside stages next to hub_stage/ (not its lock, nor the record of
+    the command that built it)."""
+    kept = {".hub_stage.lock", staged_by_file("hub_stage")}
     return sorted(
-        p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage") and p.name != ".hub_stage.lock"
+        p.name for p in run.root.iterdir() if p.name.startswith(".hub_stage") and p.name not in kept
     )
 
 

@@ -106,7 +106,9 @@ def load_checkpoint(
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
     folder, older = resolve(spec, root, committed=committed)
-    return _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode, into=into))
+    return _or_name_older(
+        folder, older, lambda candidate: _load(candidate, mode=mode, into=into), committed=committed
+    )
 
 
 def checkpoint_meta(
@@ -140,10 +142,18 @@ def pinned_checkpoint(
                 # A trainer beside us may prune the folder just resolved: resolve again.
                 if str(spec) not in ("latest", "best") or attempt == _PIN_ATTEMPTS - 1:
                     raise
-        yield _or_name_older(folder, older, lambda candidate: _load(candidate, mode=mode))
+        yield _or_name_older(
+            folder, older, lambda candidate: _load(candidate, mode=mode), committed=committed
+        )
 
 
-def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) -> _T:
+def _or_name_older(
+    folder: Path, older: list[Path], load: Callable[[Path], _T], *, committed: bool = False
+) -> _T:
+    """``load(folder)``, or its refusal naming the newest older checkpoint that verifies, with
+    the flag that names it: ``--checkpoint`` where a finished checkpoint is consumed
+    (``committed``: 04, 05), ``--resume`` where a run continues."""
+    use = "evaluate or stage it with --checkpoint" if committed else "resume from it with --resume"
     try:
         return load(folder)
     except CheckpointError as damage:
@@ -153,8 +163,7 @@ def _or_name_older(folder: Path, older: list[Path], load: Callable[[Path], _T]) 
             except (CheckpointError, OSError):  # damaged too, or pruned meanwhile by a trainer
                 continue
             raise CheckpointError(
-                f"{damage} The older checkpoint {candidate} verifies: resume from it with "
-                f"--resume {candidate} (nothing was deleted)."
+                f"{damage}; the older checkpoint {candidate} verifies: {use} {candidate} (nothing was deleted)"
             ) from None
         raise
 

@@ -391,6 +391,13 @@ def pin(folder: str | Path) -> Iterator[Path]:
         close_lock_fd(fd)
 
 
+# What a checkpoint may be named by, as every refusal of a name lists it.
+_SPECS = (
+    "name latest|best|PATH (the newest committed checkpoint, the one checkpoint.best_metric marked, "
+    "or a step-NNNNNNNN folder)"
+)
+
+
 def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> tuple[Path, list[Path]]:
     """The one place that turns ``"latest"``, ``"best"`` (the step ``BEST.json`` marks, see
     :mod:`.best`) or a folder path into a folder to load.
@@ -406,10 +413,12 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     if str(spec) != "latest":
         folder = Path(spec)
         _refuse_symlink(folder)
+        if not folder.exists():  # a mistyped keyword ("bset") is a path to nowhere
+            raise NoCheckpoint(f"{spec} is neither latest, best nor an existing folder: {_SPECS}")
         if committed and parse_step_dir(folder.resolve().name) is None:
             raise CheckpointError(
                 f"{spec} is not a committed checkpoint folder (step-NNNNNNNN): only committed "
-                "checkpoints are evaluated or staged"
+                f"checkpoints are evaluated or staged; {_SPECS}"
             )
         return folder, []
     store = CheckpointStore(root)

@@ -3,11 +3,9 @@ and evaluation read them only after checking every file against it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +86,9 @@ def _own_folder_command(config: Config) -> tuple[str, str]:
     """Script 01 on this config into a folder of its own beside ``data.dir`` (named by the
     recipe, so each recipe gets one), and the ``--set`` that points the other scripts at it."""
     folder = f"{str(config.data.dir).rstrip('/')}-{sha256_bytes(json.dumps(_recipe(config), sort_keys=True).encode())[:8]}"
-    args, kept = list(config.command_args), []
-    while args:
-        token = args.pop(0)
-        if token == "--set" and args and args[0].partition("=")[0].strip() == "data.dir":
-            args.pop(0)
-        else:
-            kept.append(token)
-    point = f"--set data.dir={folder}"
-    moved = dataclasses.replace(config, command_args=(*kept, "--set", f"data.dir={folder}"))
-    return script_command(moved, "01_prepare_data.py"), point
+    return script_command(
+        config, "01_prepare_data.py", "--set", f"data.dir={folder}"
+    ), f"--set data.dir={folder}"
 
 
 def _show(value: Any) -> str:
@@ -204,8 +195,9 @@ def load_manifest(config: Config, *, verify: bool = True, trained: str | None = 
     named by the refusal."""
     folder = Path(config.data.dir)
     if not (folder / DATA_MANIFEST_FILE).is_file():
-        prepare = shlex.join(["scripts/01_prepare_data.py", *config.command_args])  # this config, as given
-        raise DataError(f"no prepared data in {folder}/: run {prepare} first")
+        raise DataError(
+            f"no prepared data in {folder}/: run {script_command(config, '01_prepare_data.py')} first"
+        )
     manifest = _read_manifest(folder)
     difference = _recipe_difference(manifest, config)
     if difference is not None and trained is not None:

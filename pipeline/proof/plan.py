@@ -133,14 +133,16 @@ def _where(epochs: list[int] | None, k: int, n: int) -> str:
 
 
 def _sampler_epochs(data: Any, config: Config, n: int) -> list[int] | None:
-    """Dry-run the configured sampler for N batches (no model, a throwaway generator)."""
+    """Dry-run the configured sampler for N optimizer steps (no model, a throwaway
+    generator): each step draws ``training.grad_accum_steps`` batches, as training does."""
     generator = np.random.Generator(np.random.PCG64(config.training.seed))
     sampler = make_sampler(data, generator, config)
     if sampler is None:  # a stream
         return None
     epochs: list[int] = [0]
     for _ in range(n):
-        sampler.next_indices()
+        for _ in range(config.training.grad_accum_steps):
+            sampler.next_indices()
         state = sampler.state_dict()
         epoch = state.get("epoch") if isinstance(state, dict) else None
         if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool):

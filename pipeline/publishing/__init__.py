@@ -1,7 +1,8 @@
 """Script 06: publish the audited stage to the Hub as one commit, then verify what landed.
 
 ``start`` holds :func:`publish`: its checks, the stage lock, and the audit, which it starts on
-its own thread before the Hub client is even imported; ``commit`` narrates the rest step by
+its own thread before the Hub client is even imported; ``audited`` what the audit hands on
+(the files, the stat snapshot) to the steps after it; ``commit`` narrates the rest step by
 step (the plan, the one commit, verification, receipt); ``landing`` sends that one
 ``create_commit``, retries it, and finds out whether it landed when its answer is lost;
 ``plan`` holds what a publish is asked to do (:class:`Publication`) and what it would do;

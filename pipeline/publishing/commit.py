@@ -21,7 +21,7 @@
              deletions of files under the target folder that the stage no longer has
              (``.gitattributes`` stays)
     verify   LFS SHA-256s and Xet hashes the Hub lists, downloaded small files, against the audit
-    receipt  hub_receipts/<namespace>--<name>-<commit12>.json, outside the stage
+    receipt  hub_receipts/<namespace>--<name>-<commit12>.json beside the stage (--receipt-dir)
     tag      the verified commit, with --tag
 
 Why one commit: a trainer that pushes on every save makes one commit per save, runs into
@@ -49,10 +49,13 @@ from typing import Callable
 from huggingface_hub import HfApi, constants, get_token
 
 from ..audit import AuditedFile
+from ..commands import staged_command
 from ..errors import PublishError, ReceiptNotWritten, TokenRejected, VerificationFailed
+from ..layout import MANIFEST_FILE
 from ..repo_ids import hub_repo_id
 from ..signing import ExpectedSigner, SignatureCheck, verify_stage
 from . import xet
+from .audited import Audit, audit_result
 from .client import Target, call, hub_errors, remote_files, tags
 from .deadline import Deadline
 from .landing import Publishing, land
@@ -66,7 +69,6 @@ from .plan import (
     read_plan,
     resolve_endpoint,
 )
-from .start import Audit, audit_result
 from .verify import Receipt, VerifiedFile, receipt_path, verify_commit, write_receipt
 
 __all__ = ["PublishResult", "publish_audited"]
@@ -109,6 +111,9 @@ def publish_audited(
     endpoint, prefix = resolve_endpoint(wanted.endpoint), clean_prefix(wanted.path_in_repo)
     with deadline.installed():
         audited, snapshot = audit_result(auditing, stage, say)
+        # A refusal's fix repeats the command that built this very stage, every flag of it.
+        restage = staged_command(stage, audited[MANIFEST_FILE].sha256)
+        wanted = replace(wanted, restage=restage or wanted.restage)
         check_staged_repo_id(stage, wanted.repo_id, wanted.force_repo_id, wanted.restage)
         signature = _signature(stage, wanted.signer, say)
         token = _token(wanted.dry_run)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import httpx2
 
 __all__ = [
+    "MAX_TIMEOUT_S",
     "REQUEST_TIMEOUT_S",
     "SETTLE_S",
     "Deadline",
@@ -55,6 +56,10 @@ SETTLE_S = 30.0
 BASE_TIMEOUT_S = 300.0
 SECONDS_PER_MB = 1.0
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
+# The longest --timeout: a week. A deadline ends a publish that hangs; a week is 600 GB at the
+# default's rate of 1 s per MB, twelve times the Hub's 50 GB per file. Beyond it a value means
+# no deadline at all (1e308 s: the watchdog could not even wait that long; threading.TIMEOUT_MAX).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def default_timeout(stage_bytes: int) -> float:

@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..signing import SignatureCheck
 from . import xet
+from .audited import StatKey, stat_key
 from .client import (
     RERUN,
     Target,
@@ -53,7 +54,6 @@ from .client import (
 )
 from .deadline import RETRYABLE
 from .plan import PublishPlan, compare
-from .start import StatKey, stat_key
 
 __all__ = ["COMMIT_ATTEMPTS", "Publishing", "land"]
 

@@ -20,9 +20,19 @@ from typing import TYPE_CHECKING, Literal, Mapping
 from huggingface_hub import constants
 
 from ..audit import AuditedFile
+from ..commands import with_option
 from ..errors import PublishError
-from ..layout import HUB_MODEL_FILE, INDEX_FILE, META_FILE, MODEL_FILE, RECEIPT_DIR, STAGE_DIR
+from ..layout import (
+    HUB_MODEL_FILE,
+    INDEX_FILE,
+    META_FILE,
+    MODEL_FILE,
+    RECEIPT_DIR,
+    STAGE_DIR,
+    receipts_beside,
+)
 from ..signing import ExpectedSigner
+from .deadline import MAX_TIMEOUT_S
 from .xet import StagedXetHashes
 
 if TYPE_CHECKING:
@@ -66,8 +76,9 @@ class Publication:
     """Commit title; None names the step and the weights' SHA-256."""
     dry_run: bool = False
     """Plan only: read requests, no write, no receipt."""
-    receipt_dir: str | Path = RECEIPT_DIR
-    """Where the receipt is written; never inside the stage."""
+    receipt_dir: str | Path | None = None
+    """Where the receipt is written; never inside the stage. None: ``hub_receipts`` beside the
+    stage (:func:`pipeline.layout.receipts_beside`), with the outputs of the config that staged it."""
     timeout_s: float | None = None
     """Deadline of the whole publish, in seconds; None: the default publish timeout
     (:func:`~pipeline.publishing.default_timeout`)."""
@@ -80,7 +91,8 @@ class Publication:
     tag: str | None = None
     """Tag the verified commit; a tag that names another commit is refused, never moved."""
     restage: str = "python scripts/05_stage.py"
-    """The command that rebuilds this stage, as a refusal tells it (06 adds its ``--config``)."""
+    """The command that rebuilds this stage, as a refusal tells it, when 05 left no record of
+    the command that built it (:func:`pipeline.commands.staged_command`; 06 adds its ``--config``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,22 +163,29 @@ def clean_prefix(path_in_repo: str | None) -> str:
     return text + "/" if text else ""
 
 
-def check_receipt_dir(receipt_dir: str | Path, stage: Path) -> Path:
-    folder = Path(receipt_dir)
+def check_receipt_dir(receipt_dir: str | Path | None, stage: Path) -> Path:
+    """The receipt folder (None: :func:`~pipeline.layout.receipts_beside` the stage), refused
+    inside the stage."""
+    folder = Path(receipts_beside(str(stage)) if receipt_dir is None else receipt_dir)
     if folder.resolve().is_relative_to(stage.resolve()):
         raise PublishError(
             f"--receipt-dir {folder} is inside the stage {stage}/, which is uploaded as it is: "
-            "write receipts elsewhere (default: hub_receipts/)"
+            f"write receipts elsewhere (default: {RECEIPT_DIR}/ beside the stage)"
         )
     return folder
 
 
 def check_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+    """``--timeout`` in seconds: above 0 and at most :data:`~.deadline.MAX_TIMEOUT_S` (not
+    nan, inf or a bool), or None for the default."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
         raise PublishError(
-            f"--timeout {timeout!r} must be a positive number of seconds (the whole publish's deadline)"
+            f"--timeout {timeout!r} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} "
+            "(a week): it is the deadline of the whole publish, which ends one that hangs"
         )
-    return None if timeout is None else float(timeout)
+    return float(timeout)
 
 
 def prepare_receipt_dir(folder: Path) -> None:
@@ -188,7 +207,7 @@ def check_staged_repo_id(stage: Path, repo_id: str, force: bool, restage: str) -
     if staged_for and staged_for != repo_id and not force:
         raise PublishError(
             f"{stage}/ was staged for {staged_for} (its card loads from there), not {repo_id}: "
-            f"restage with {restage} --repo-id {repo_id}, or pass --force-repo-id"
+            f"restage with {with_option(restage, '--repo-id', repo_id)}, or pass --force-repo-id"
         )
 
 

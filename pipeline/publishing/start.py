@@ -12,37 +12,28 @@ none.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..audit import AuditedFile, audit_stage, stage_lock
+from ..audit import audit_stage, stage_lock
 from ..errors import StageChanged
 from ..leaks import leak_rules
 from . import xet
+from .audited import Audit, stat_key
 from .deadline import default_timeout
 from .plan import Publication, check_receipt_dir, check_timeout, clean_prefix
 
 if TYPE_CHECKING:
     from .commit import PublishResult
 
-__all__ = ["NOTHING_SENT", "Audit", "StatKey", "audit_result", "publish", "stat_key"]
+__all__ = ["NOTHING_SENT", "publish"]
 
 NOTHING_SENT = "nothing was published (no request was sent)"
-
-# Size, mtime, ctime and inode: a process can set a file's mtime back after writing it, never its ctime.
-StatKey = tuple[int, int, int, int]
-# What the audit hands on: every staged file, and the stat snapshot that notices a later edit.
-Audit = tuple[dict[str, AuditedFile], dict[str, StatKey]]
 
 
 def _quiet(line: str) -> None:
     pass
-
-
-def stat_key(path: Path) -> StatKey:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) -> PublishResult:
@@ -66,16 +57,6 @@ def publish(publication: Publication, *, say: Callable[[str], None] = _quiet) ->
         from .commit import publish_audited  # the Hub client, imported while the audit reads
 
         return publish_audited(publication, receipts, timeout_s, auditing, say)
-
-
-def audit_result(auditing: Future[Audit], stage: Path, say: Callable[[str], None]) -> Audit:
-    """The audit's result (its refusal raised), said once it is in."""
-    files, snapshot = auditing.result()
-    say(f"audited {len(files)} files in {stage}/ against its MANIFEST.sha256 and scanned them for leaks")
-    for entry in files.values():
-        for words in entry.allowed_leaks:
-            say(f"leak scan: {entry.name} holds {words}, allowed by the stage's card.allow_leaks")
-    return files, snapshot
 
 
 def _stage_bytes(stage: Path) -> int:

@@ -11,10 +11,10 @@ downloads the weights:
   commit (one GET each, side by side) and hashed.
 
 "Verified" means the same under each: the audit's SHA-256 matches bytes the server holds. The
-receipt (``hub_receipts/<namespace>--<name>-<commit12>.json``) records the repo, the commit and
-its URL, the time, every file's hash and how it was checked, and the stage signature's key
-fingerprint (``signature``, null for an unsigned stage). It is written atomically, outside the
-stage, and never holds the token.
+receipt (``hub_receipts/<namespace>--<name>-<commit12>.json`` beside the stage) records the
+repo, the commit and its URL, the time, every file's hash and how it was checked, and the stage
+signature's key fingerprint (``signature``, null for an unsigned stage). It is written
+atomically, outside the stage, and never holds the token.
 """
 
 from __future__ import annotations

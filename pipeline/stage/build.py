@@ -333,7 +333,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         raise TypeError("build_stage takes a StageBuild or its fields as keywords, not both")
     build = build if build is not None else StageBuild(**options)
     if build.repo_id is not None:  # the card's snippets download from it: 06's rule, and a namespace
-        build = replace(build, repo_id=hub_repo_id(build.repo_id, namespace_required=True))
+        build = replace(build, repo_id=hub_repo_id(build.repo_id))
     stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
     metrics = (
         None

@@ -223,7 +223,7 @@ def stage_folder(config: Config, build: FolderStage) -> StageResult:
     Any refusal raises a :class:`~pipeline.errors.PipelineError` and leaves the previous
     stage as it was; nothing is ever written into the folder."""
     if build.repo_id is not None:  # the card's snippets download from it: 06's rule, and a namespace
-        build = replace(build, repo_id=hub_repo_id(build.repo_id, namespace_required=True))
+        build = replace(build, repo_id=hub_repo_id(build.repo_id))
     folder = Path(os.path.realpath(build.folder))
     stage_dir = config.outputs.stage if build.stage_dir is None else build.stage_dir
     stage = Path(os.path.abspath(stage_dir))

@@ -233,6 +233,22 @@ def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edi
         assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
 
 
+def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
+    from pipeline.checkpoint.best import check_best
+
+    evaluations = {"step": [2, 4, 6], "loss": [0.5, 0.25, 0.25]}
+    mark = {"step": 6, "metric": "loss", "mode": "min", "value": 0.25}
+    with pytest.raises(
+        CheckpointError, match="the committed step 4 was evaluated at loss = 0.25, as good or better"
+    ):
+        check_best(mark, evaluations, [4, 6], "BEST.json")
+    assert check_best(mark, evaluations, [2, 6], "BEST.json") == mark  # step 4 was pruned: 6 is the best kept
+    assert best_record(evaluations, "loss", "min", among={2, 4, 6})["step"] == 4
+    assert best_record(evaluations, "loss", "min", among={2, 6})["step"] == 6
+    assert best_record(evaluations, "loss", "max", among={4, 6})["step"] == 4
+    assert best_record(evaluations, "loss", "min", among=set()) is None
+
+
 def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marked_run):
     loaded = load_checkpoint("best", marked_run / "estados_local", mode=LoadMode.WEIGHTS)
     assert loaded.folder.name == "step-00000003" and loaded.state_tensors == {}

@@ -277,7 +277,7 @@ class CheckpointStore:
         written (a warning: the prune is skipped, the next save retries)."""
         rule = self.best
         # A linked step folder is not one this store wrote: never marked (readers refuse it).
-        kept = [step for step in self._listed_steps() if not self.path_for(step).is_symlink()]
+        kept = [listed for listed in self._listed_steps() if not self.path_for(listed).is_symlink()]
         best = rule.among(kept) if rule is not None else None
         if best is None:
             return True  # no rule, or no kept checkpoint evaluated at its step: the old mark stands

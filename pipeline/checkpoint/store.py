@@ -276,11 +276,12 @@ class CheckpointStore:
         run's best under the new rule may have no checkpoint). False when the mark could not be
         written (a warning: the prune is skipped, the next save retries)."""
         rule = self.best
+        if rule is None:
+            return True  # no checkpoint.best_metric: nothing to mark
         # A linked step folder is not one this store wrote: never marked (readers refuse it).
-        kept = [listed for listed in self._listed_steps() if not self.path_for(listed).is_symlink()]
-        best = rule.among(kept) if rule is not None else None
+        best = rule.among([kept for kept in self._listed_steps() if not self.path_for(kept).is_symlink()])
         if best is None:
-            return True  # no rule, or no kept checkpoint evaluated at its step: the old mark stands
+            return True  # no kept checkpoint evaluated at its own step: the old mark stands
         try:
             if read_best(self.root) == best:
                 return True

@@ -2,9 +2,13 @@
 
 The model is rebuilt from the config saved in the checkpoint's own ``meta.json`` (not
 from today's ``config.yaml``), its weights are loaded strictly, and the prepared data
-must carry the fingerprint the checkpoint was trained on. ``metrics.json`` names the
-checkpoint's step and the SHA-256 of its ``modelo.safetensors``, so script 05 can refuse
-to put one checkpoint's metrics on another checkpoint's model card.
+must carry the fingerprint the checkpoint was trained on. The code that builds and evaluates
+the model must be the code it was trained with (:func:`~pipeline.provenance.check_code_as_trained`,
+the rule 05 applies: a model that ships its code is refused, a transformers model evaluated
+with a warning). ``metrics.json`` names the checkpoint's step and the SHA-256 of its
+``modelo.safetensors``, the SHA-256 of every code file that counts (``fingerprints.sources``)
+and of this package (``fingerprints.code``), and the config it evaluated under, so script 05
+can refuse to put one checkpoint's metrics, or metrics another code computed, on a card.
 
 A distributed (torchrun) checkpoint is evaluated the same way, in one process: the load
 consolidates its verified shards into the weights a single process would have saved, and
@@ -34,7 +38,7 @@ from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
 from .factories import factory_errors
 from .hashing import sha256_file
 from .layout import META_FILE, METRICS_FILE
-from .provenance import code_fingerprint
+from .provenance import check_code_as_trained, code_fingerprint, counted_sources
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
 
@@ -42,7 +46,8 @@ __all__ = ["evaluation_config", "evaluate_checkpoint", "check_metrics", "write_m
 
 _log = logging.getLogger(__name__)
 
-METRICS_SCHEMA = "pipeline.metrics/1"
+# 2: the code files (fingerprints.sources) and the config it evaluated under.
+METRICS_SCHEMA = "pipeline.metrics/2"
 HELDOUT_SPLIT = "heldout"
 METRICS_KEYS = frozenset(
     {
@@ -55,13 +60,11 @@ METRICS_KEYS = frozenset(
         "metrics",
         "sample",
         "fingerprints",
+        "config",
         "device",
         "created",
     }
 )
-# Records written before the rename called the SHA-256 of the checkpoint's meta.json file
-# "meta_sha256", the name of meta.json's own seal (a hash of its content without that key).
-_OLD_META_FILE_KEY = "meta_sha256"
 # metrics.json is small; the bound keeps a stray huge file from being parsed.
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
 
@@ -178,6 +181,13 @@ def _evaluate(
     # Seeded so that a stochastic evaluate() or sample() gives the same record every time.
     seed_everything(eval_config.training.seed)
     model = build_model(eval_config, device)
+    for change in check_code_as_trained(meta, eval_config, model, use="evaluate"):
+        _log.warning(
+            "warning: %s; evaluated anyway, since this model ships no code and its weights must fit the "
+            "model the code builds now (metrics.json records the files evaluated with)",
+            change.describe(),
+        )
+    sources = counted_sources(eval_config)
     weights.load_into(model)
     # The bytes evaluated, by the name 05 checks: a distributed checkpoint's weights as
     # the one file 05 stages from them (hashed, not written).
@@ -204,7 +214,8 @@ def _evaluate(
         "split": HELDOUT_SPLIT,
         "metrics": metrics,
         "sample": text,
-        "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint()},
+        "fingerprints": {"data": manifest["fingerprint"], "code": code_fingerprint(), "sources": sources},
+        "config": eval_config.to_dict(),
         "device": str(device),
         "created": utc_now(),
     }
@@ -234,11 +245,19 @@ def read_metrics(path: str | Path, *, rerun: str = "python scripts/04_evaluate.p
         record = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError):
         raise MetricsError(f"{path} is not valid JSON: rerun {rerun}") from None
-    if isinstance(record, dict) and _OLD_META_FILE_KEY in record and "meta_file_sha256" not in record:
-        record["meta_file_sha256"] = record.pop(_OLD_META_FILE_KEY)
     if not isinstance(record, dict) or record.get("schema") != METRICS_SCHEMA or set(record) != METRICS_KEYS:
+        # An older schema records no code files: it cannot show which code computed it.
         raise MetricsError(f"{path} is not a {METRICS_SCHEMA} record: rerun {rerun}")
     if not isinstance(record["step"], int) or not isinstance(record["modelo_sha256"], str):
         raise MetricsError(f"{path} has a malformed step or modelo_sha256: rerun {rerun}")
+    fingerprints = record["fingerprints"]
+    if (
+        not isinstance(fingerprints, dict)
+        or not isinstance(fingerprints.get("code"), str)
+        or not isinstance(fingerprints.get("sources"), dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprints["sources"].items())
+        or not isinstance(record["config"], dict)
+    ):
+        raise MetricsError(f"{path} has malformed fingerprints or config: rerun {rerun}")
     check_metrics(record["metrics"], str(path))
     return record

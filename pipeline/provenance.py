@@ -4,8 +4,10 @@ What a checkpoint was computed with, file by file (:func:`counted_sources`): the
 code closure (the files script 05 ships under ``code/``), and the files of ``data.factory``,
 ``optimizer.factory`` and ``scheduler.factory``. A resume, and the stage of a model that
 ships its code, apply one rule (:func:`check_code_unchanged`): every counted file is the one
-it was trained with, or the refusal names the first that is not and what to do. A stage that
-ships no code (a transformers model) records the changes instead (:func:`code_changes`).
+it was trained with, or the refusal names the first that is not and what to do. Script 04
+(evaluate) and 05 (stage) apply it through :func:`check_code_as_trained`: a model that ships
+its code is refused, one that ships none (a transformers model) is evaluated or staged with
+the changes returned (:func:`code_changes`) for a warning and the record.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .config import Config
 from .errors import CodeChanged
 from .hashing import fingerprint_files, fingerprint_table, sha256_file
 from .sources import PACKAGE_ROOT, module_file, shipped_sources
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PACKAGE_ROOT",
@@ -35,6 +40,8 @@ __all__ = [
     "code_changes",
     "code_changed_refusal",
     "check_code_unchanged",
+    "check_code_as_trained",
+    "is_transformers_model",
 ]
 
 FACTORY_KEYS = ("data.prepare", "data.factory", "model.factory", "optimizer.factory", "scheduler.factory")
@@ -214,14 +221,19 @@ def code_changes(meta: dict[str, Any], config: Config) -> list[CodeChange]:
     return changes
 
 
-def code_changed_refusal(change: CodeChange, *, use: Literal["resume", "stage"]) -> CodeChanged:
-    """The refusal of a resume or a stage over ``change``, with what to do."""
+def code_changed_refusal(change: CodeChange, *, use: Literal["resume", "evaluate", "stage"]) -> CodeChanged:
+    """The refusal of a resume, an evaluation or a stage over ``change``, with what to do."""
     # git keeps the bytes the checkpoint was trained with: this shows them, commit by commit.
     history = f" (git log -p -- {change.file} shows its earlier versions)" if change.file else ""
     if use == "resume":
         fix = (
             f"restore it{history} to resume exactly, or pass --allow-environment-change to continue the run "
             "with the new code (its next checkpoints record it)"
+        )
+    elif use == "evaluate":
+        fix = (
+            "the metrics would be computed with other code than the code that built these weights (and "
+            f"that 05 ships): restore it{history}, or evaluate a checkpoint trained with this code"
         )
     else:
         fix = (
@@ -237,3 +249,23 @@ def check_code_unchanged(meta: dict[str, Any], config: Config, *, use: Literal["
     changes = code_changes(meta, config)
     if changes:
         raise code_changed_refusal(changes[0], use=use)
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel``: its repo loads with ``from_pretrained`` and ships no code."""
+    module = sys.modules.get("transformers")
+    return module is not None and isinstance(model, module.PreTrainedModel)
+
+
+def check_code_as_trained(
+    meta: dict[str, Any], config: Config, model: torch.nn.Module, *, use: Literal["evaluate", "stage"]
+) -> list[CodeChange]:
+    """The rule of 04 and 05 for the code that built ``model`` (from ``config``) against the
+    code the checkpoint of ``meta`` was trained with: a model that ships its code is refused
+    (:class:`CodeChanged`, naming the first changed file) if any counted file changed; a
+    transformers model, which ships none, goes on, the changes returned for a warning and the
+    record (its weights must still fit the model the code builds now)."""
+    changes = code_changes(meta, config)
+    if changes and not is_transformers_model(model):
+        raise code_changed_refusal(changes[0], use=use)
+    return changes

@@ -421,7 +421,8 @@ def test_saved_evaluations_are_checked_before_use(tensors, says):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_accumulated_and_evaluated_under_torchrun_as_in_one_process(data_dir, tmp_path, mode):
     args = [*data_args(data_dir), "--max-steps", "4", "--quiet", *NO_DROPOUT, "--set", "training.grad_accum_steps=2",
-            "--set", "training.eval_every=2"]  # fmt: skip
+            "--set", "training.eval_every=2", "--set", "checkpoint.best_metric=mse",
+            "--set", "checkpoint.best_mode=max"]  # fmt: skip
     one = train(data_dir, tmp_path / "one", *args[2:])
     assert one.returncode == 0, one.stderr
     ran = subprocess.run(
@@ -443,6 +444,18 @@ def test_accumulated_and_evaluated_under_torchrun_as_in_one_process(data_dir, tm
         assert torch.allclose(
             single.state_tensors[key].double(), launched.state_tensors[key].double(), rtol=0, atol=1e-12
         ), key
+    # The best mark of a distributed run, checked against its training state's evaluations.
+    from pipeline.checkpoint import LoadMode
+    from pipeline.errors import CheckpointError
+
+    marked = read_best(tmp_path / "two")
+    assert marked["step"] == 2 and marked["value"] == launched.state_tensors["evaluation/mse"].tolist()[0]
+    assert load_checkpoint("best", tmp_path / "two", mode=LoadMode.WEIGHTS).best == marked
+    (tmp_path / "two" / "BEST.json").write_text(json.dumps({**marked, "step": 4}))
+    with pytest.raises(
+        CheckpointError, match=r"BEST.json marks step 4 with mse = .*, but that checkpoint recorded"
+    ):
+        load_checkpoint("best", tmp_path / "two", mode=LoadMode.VERIFY)
 
 
 class _SyncRecorder(torch.nn.Module):

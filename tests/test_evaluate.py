@@ -16,6 +16,7 @@ from pipeline.config import load_config
 from pipeline.data import load_manifest, prepare_data
 from pipeline.errors import ChecksumMismatch, DataError
 from pipeline.evaluate import evaluate_checkpoint
+from pipeline.provenance import code_fingerprint
 from pipeline.run import build_model
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
@@ -43,13 +44,41 @@ def test_metrics_json_names_the_step_and_sha256_of_the_evaluated_weights(evaluat
     assert record["created"] == created.isoformat(timespec="seconds"), record["created"]
 
 
-def test_a_metrics_record_written_before_the_rename_is_still_read(evaluated_run, tmp_path):
+def test_metrics_json_names_every_code_file_and_the_config_it_evaluated_under(evaluated_run):
+    record = json.loads(evaluated_run.metrics.read_text())
+    meta = json.loads((evaluated_run.checkpoint / "meta.json").read_text())
+    # The files the checkpoint counts, as they were when 04 ran (unchanged since training here).
+    assert record["fingerprints"]["sources"] == meta["fingerprints"]["sources"]
+    assert "pipeline/tasks/regression.py" in record["fingerprints"]["sources"]  # model, data and evaluate
+    assert record["fingerprints"]["code"] == code_fingerprint()
+    config = load_config(CONFIG, evaluated_run.overrides)
+    assert {**record["config"], "data": {**record["config"]["data"], "dir": None}} == {
+        **meta["config"],
+        "data": {**meta["config"]["data"], "dir": None},
+    }
+    assert record["config"]["training"]["device"] == config.training.device
+
+
+@pytest.mark.parametrize("edit", ["first-schema", "old-key", "no-sources"])
+def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_that_rewrites_it(
+    evaluated_run, tmp_path, edit
+):
+    from pipeline.errors import MetricsError
     from pipeline.evaluate import read_metrics
 
     record = json.loads(evaluated_run.metrics.read_text())
-    old = {("meta_sha256" if key == "meta_file_sha256" else key): value for key, value in record.items()}
-    (tmp_path / "metrics.json").write_text(json.dumps(old))
-    assert read_metrics(tmp_path / "metrics.json") == record
+    if edit == "first-schema":
+        record = {**record, "schema": "pipeline.metrics/1"}
+        del record["config"]
+        del record["fingerprints"]["sources"]
+    elif edit == "old-key":
+        record["meta_sha256"] = record.pop("meta_file_sha256")
+    else:
+        del record["fingerprints"]["sources"]
+    (tmp_path / "metrics.json").write_text(json.dumps(record))
+    with pytest.raises(MetricsError, match=r"metrics\.json (is not a pipeline\.metrics/2 record|has malformed "
+                       r"fingerprints or config): rerun python scripts/04_evaluate\.py$"):  # fmt: skip
+        read_metrics(tmp_path / "metrics.json")
 
 
 def test_metric_is_the_error_on_the_heldout_rows_not_the_training_rows(evaluated_run):

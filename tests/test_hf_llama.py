@@ -162,8 +162,10 @@ def test_a_changed_model_module_does_not_block_a_transformers_stage_but_weights_
     published, tmp_path
 ):
     """A transformers repo ships no code: a model module edited after training (a comment)
-    is staged with one warning naming it and both SHA-256s, recorded in meta.json and on the
-    card; an edit that changes the model is still refused by the weights-fit check."""
+    is evaluated and staged with one warning naming it and both SHA-256s, recorded in
+    metrics.json, meta.json and on the card; once the module is restored, those metrics were
+    computed by other code than the stage ships, and 05 refuses them until 04 runs again; an
+    edit that changes the model is still refused by the weights-fit check."""
     module = tmp_path / "tiny_llama.py"
     module.write_text(
         "from examples.hf_llama.model import build_model as built, hub_files  # noqa: F401\n"
@@ -179,9 +181,19 @@ def test_a_changed_model_module_does_not_block_a_transformers_stage_but_weights_
 
     assert script("02_train.py", "--quiet").returncode == 0
     trained = sha256_file(module)
-    module.write_text(module.read_text() + "# a comment\n")
+    original = module.read_text()
+    module.write_text(original + "# a comment\n")
     now = sha256_file(module)
-    staged = script("05_stage.py", "--no-metrics")
+    evaluated = script("04_evaluate.py")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert [line for line in evaluated.stderr.splitlines() if line.startswith("warning: ")] == [
+        f"warning: tiny_llama.py (the model's code) changed since step 2 was trained (SHA-256 {trained} then, "
+        f"{now} now); evaluated anyway, since this model ships no code and its weights must fit the model the "
+        "code builds now (metrics.json records the files evaluated with)"
+    ], evaluated.stderr
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["fingerprints"]["sources"]["tiny_llama.py"] == now
+    staged = script("05_stage.py")
     assert staged.returncode == 0, staged.stderr
     warnings = [line for line in staged.stderr.splitlines() if line.startswith("warning: ")]
     assert warnings == [
@@ -200,6 +212,18 @@ def test_a_changed_model_module_does_not_block_a_transformers_stage_but_weights_
     ]
     card = (tmp_path / "hub_stage" / "README.md").read_text()
     assert f"| code changed since training | `tiny_llama.py` (the model's code): SHA-256 `{trained}`" in card
+    module.write_text(original)  # restored: now the code of training, not the code of the metrics
+    line = one_line_error(script("05_stage.py"))
+    assert (
+        line.startswith(
+            "error: metrics.json was computed under other code than this stage ships: tiny_llama.py (the model's "
+            f"code) differs from the file 04 evaluated with (SHA-256 {now} then, {trained} now): rerun "
+        )
+        and "04_evaluate.py" in line
+    ), line
+    assert script("04_evaluate.py").returncode == 0
+    restaged = script("05_stage.py")
+    assert restaged.returncode == 0 and "warning" not in restaged.stderr, restaged.stderr
     module.write_text(
         "import dataclasses\n"
         "from examples.hf_llama.model import build_model as built, hub_files  # noqa: F401\n"

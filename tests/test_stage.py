@@ -146,7 +146,9 @@ def test_staged_record_carries_no_optimizer_or_rng_internals(staged_run):
         "checks",
         "files",
         "proof",
+        "selected_as_best",
     }
+    assert meta["selected_as_best"] is None  # staged as the newest, not chosen as the best
     text = (staged_run.stage / "meta.json").read_text()
     for internal in ("training_state", "exp_avg", "torch_cpu", "numpy_generator", "permutation"):
         assert internal not in text

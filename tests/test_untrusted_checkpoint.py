@@ -730,8 +730,9 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
 
 def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_stage(data_dir, tmp_path):
     """``scale`` is built from a code constant; ``bn``'s statistics are trained. Edit the
-    constant after the save: resume, evaluate and stage refuse naming ``scale``; with the
-    constant unchanged all of them accept the trained statistics."""
+    constant after the save: resume, evaluate and stage refuse naming the changed file, and a
+    resume that accepts the change still refuses ``scale``; with the constant unchanged all of
+    them accept the trained statistics."""
     from conftest import RunFolder
 
     run = RunFolder(tmp_path)
@@ -750,19 +751,16 @@ def test_a_derived_buffer_whose_code_changed_is_refused_on_resume_evaluate_and_s
     assert "scale" in derived and not any(name.startswith("bn.") for name in derived)
     run.ok("04_evaluate.py", *args)  # unchanged code: the trained BatchNorm statistics load
     module.write_text(module.read_text().replace("SCALE = 1.0", "SCALE = 2.0"))
-    # Resume and stage name the changed file first (the code a checkpoint counts); accepted
-    # on purpose, the resume still refuses the buffer this code no longer builds.
+    # Resume, evaluate and stage name the changed file first (the code a checkpoint counts);
+    # accepted on purpose, the resume still refuses the buffer this code no longer builds.
     for script, extra in (
         ("02_train.py", ("--quiet", "--resume", "latest")),
+        ("04_evaluate.py", ()),
         ("05_stage.py", ("--no-metrics",)),
     ):
         line = run.refused(script, *args, *extra)
         assert "scaled_factories.py (the model's code) changed since step 4" in line, (script, line)
-    for script, extra in (
-        ("02_train.py", ("--quiet", "--resume", "latest", "--allow-environment-change")),
-        ("04_evaluate.py", ()),
-    ):
-        line = run.refused(script, *args, *extra)
-        assert "buffer scale" in line and "code or config that builds it changed" in line, (script, line)
+    line = run.refused("02_train.py", *args, "--quiet", "--resume", "latest", "--allow-environment-change")
+    assert "buffer scale" in line and "code or config that builds it changed" in line, line
     module.write_text(module.read_text().replace("SCALE = 2.0", "SCALE = 1.0"))
     run.ok("02_train.py", *args, "--quiet", "--resume", "latest")

@@ -1,45 +1,124 @@
 """The best evaluated checkpoint (``checkpoint.best_metric``): which step it is, and its mark.
 
 The best step is computed from the run's own evaluations (``run.evaluations``, saved in every
-checkpoint), the earliest of equal values winning. The mark is ``BEST.json`` in the checkpoint
+checkpoint), the earliest of equal values winning, among the steps that have a committed
+checkpoint (:func:`best_record` with ``among``). The mark is ``BEST.json`` in the checkpoint
 folder, ``{"step", "metric", "mode", "value"}``, replaced atomically. The order that keeps the
 best and the last verifiable whatever instant a kill strikes (:meth:`CheckpointStore.prune_after_commit`):
 
 1. the new best's checkpoint is committed (the old best is still there, still marked);
-2. the mark moves to it (one atomic rename: either mark names a committed checkpoint);
+2. the mark moves to the best committed step (one atomic rename: either mark names a committed
+   checkpoint);
 3. only then the prune runs, sparing the marked step besides the last ``keep_last``.
 
 A kill between 1 and 2 leaves the old best marked and kept; the next save marks the new one
 (it is recomputed from the evaluations at every save). A mark that cannot be read stops every
-prune (a warning): nothing is deleted that might be the best.
+prune (a warning): nothing is deleted that might be the best. A resume that changes
+``best_metric`` or ``best_mode`` moves the mark at its first save to the best of the kept
+checkpoints under the new rule, and only then may the old best be pruned.
+
+Every reader checks the mark against the checkpoint it names (:func:`check_best`): that step
+evaluated itself, with the marked value, and no committed checkpoint before it recorded an
+evaluation that the mark's own rule ranks as good or better. A mark moved by hand, or left
+from another run, is refused in one line.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from ..durable import json_loads_strict, write_json_atomic
 from ..errors import CheckpointError
 from ..layout import BEST_FILE
 
-__all__ = ["best_record", "read_best", "write_best", "best_path"]
+__all__ = ["BestRule", "best_record", "check_best", "read_best", "write_best", "best_path"]
 
 _KEYS = frozenset({"step", "metric", "mode", "value"})
 # The mark is a few dozen bytes; the bound keeps a stray file from being parsed.
 _MAX_BYTES = 4096
 
 
-def best_record(evaluations: Mapping[str, list], metric: str, mode: str) -> dict[str, Any] | None:
+def best_record(
+    evaluations: Mapping[str, list], metric: str, mode: str, *, among: Collection[int] | None = None
+) -> dict[str, Any] | None:
     """The best evaluated step of ``metric`` (``mode`` 'min' or 'max'), as the mark records it;
-    ``None`` when nothing was evaluated yet or no metric is chosen."""
+    ``None`` when nothing was evaluated yet or no metric is chosen. ``among``: only these steps
+    count (the committed checkpoints'); ``None``: every evaluated step."""
     if not metric or not evaluations.get("step") or metric not in evaluations:
         return None
-    values = evaluations[metric]
+    pairs = [
+        (int(step), value)
+        for step, value in zip(evaluations["step"], evaluations[metric])
+        if among is None or step in among
+    ]
+    if not pairs:
+        return None
     pick = min if mode == "min" else max
-    index = values.index(pick(values))  # the first of equal values: the earliest step
-    return {"step": int(evaluations["step"][index]), "metric": metric, "mode": mode, "value": values[index]}
+    best = pick(value for _, value in pairs)
+    step = next(step for step, value in pairs if value == best)  # the first of equal values: the earliest
+    return {"step": step, "metric": metric, "mode": mode, "value": best}
+
+
+@dataclass(frozen=True, slots=True)
+class BestRule:
+    """What a save hands its store (:attr:`CheckpointStore.best`): the rule, and the run's
+    evaluations as of that save (a copy: training goes on while a background save commits)."""
+
+    metric: str
+    mode: str
+    evaluations: Mapping[str, list]
+
+    @classmethod
+    def of(cls, evaluations: Mapping[str, list], metric: str, mode: str) -> "BestRule | None":
+        """The rule of a run (``None`` without ``checkpoint.best_metric``)."""
+        if not metric:
+            return None
+        return cls(metric, mode, {name: list(values) for name, values in evaluations.items()})
+
+    def among(self, committed: Collection[int]) -> dict[str, Any] | None:
+        """The mark for these committed steps: the best of them under this rule."""
+        return best_record(self.evaluations, self.metric, self.mode, among=set(committed))
+
+
+def _better_or_equal(value: float, than: float, mode: str) -> bool:
+    return value <= than if mode == "min" else value >= than
+
+
+def check_best(
+    mark: Mapping[str, Any], evaluations: Mapping[str, list], committed: Collection[int], path: str | Path
+) -> dict[str, Any]:
+    """``mark`` (read from ``path``) checked against the evaluations that the checkpoint it
+    names recorded (its own training state): the step evaluated itself, ``metric`` is one of
+    its values and has exactly the marked value, and no committed step before it was
+    evaluated as good or better under the mark's ``mode`` (the mark names the earliest best
+    of the kept checkpoints). Returns the mark with the record's value; a mark that fails
+    raises :class:`CheckpointError` naming ``path``."""
+    step, metric, mode = mark["step"], mark["metric"], mark["mode"]
+    fix = "delete it (the next save marks the best again), or pass --checkpoint latest or PATH"
+    steps = list(evaluations.get("step", []))
+    if step not in steps or metric not in evaluations:
+        recorded = ", ".join(sorted(name for name in evaluations if name != "step")) or "nothing"
+        raise CheckpointError(
+            f"{path} marks step {step} as the best by {metric}, but that checkpoint recorded no "
+            f"evaluation of {metric} at its own step (it recorded {recorded}): {fix}"
+        )
+    values = evaluations[metric]
+    value = values[steps.index(step)]
+    if value != mark["value"]:
+        raise CheckpointError(
+            f"{path} marks step {step} with {metric} = {mark['value']!r}, but that checkpoint recorded "
+            f"{metric} = {value!r} at step {step}: {fix}"
+        )
+    for earlier, earlier_value in zip(steps, values):
+        if earlier < step and earlier in committed and _better_or_equal(earlier_value, value, mode):
+            raise CheckpointError(
+                f"{path} marks step {step} ({metric} = {value!r}) as the best ({mode}), but the committed "
+                f"step {earlier} was evaluated at {metric} = {earlier_value!r}, as good or better: {fix}"
+            )
+    return {"step": step, "metric": metric, "mode": mode, "value": value}
 
 
 def best_path(root: str | Path) -> Path:

@@ -19,7 +19,7 @@ import torch
 
 from ..durable import utc_now
 from ..run import TrainingRun
-from .best import best_record
+from .best import BestRule
 from .snapshot import SnapshotBuffers
 from .state import capture_state
 from .store import CheckpointStore, SavedCheckpoint
@@ -98,7 +98,7 @@ class Checkpointer(OneSaveInFlight):
         # One save in flight: the snapshot buffers are reused, so the previous write must
         # be done with them, and its failure must stop training before more work is lost.
         self.wait()
-        self.store.best = best_record(
+        self.store.best = BestRule.of(
             run.evaluations, run.config.checkpoint.best_metric, run.config.checkpoint.best_mode
         )
         model_tensors, state, state_tensors = capture_state(run)

@@ -59,7 +59,7 @@ from ..layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, d
 from ..rng import capture_rng
 from ..run import TrainingRun
 from ..world import World
-from .best import best_record
+from .best import BestRule
 from .checkpointer import OneSaveInFlight, PendingSave
 from .codec import split_state
 from .components import components
@@ -204,7 +204,7 @@ class DistributedCheckpointer(OneSaveInFlight):
     def save(self, run: TrainingRun) -> SavedCheckpoint | PendingSave:
         self.wait()  # the buffers are reused, and a failed save must stop training now
         checkpoint = run.config.checkpoint
-        self.store.best = best_record(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
+        self.store.best = BestRule.of(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
         step = run.step
         model = _model_state(run, self.model_summary["tensors"])
         optimizer_tree, optimizer, _ = _optimizer_state(run)

@@ -19,7 +19,10 @@ the same parser, plus every shard's coverage (:mod:`.shards`); its ``model_tenso
 the consolidated weights a single process would have saved.
 
 For ``"latest"``, a refusal names an older checkpoint that verifies, if there is one:
-silently resuming from older state would repeat work the user believes was saved.
+silently resuming from older state would repeat work the user believes was saved. For
+``"best"``, the mark (``BEST.json``) is checked against the evaluations the checkpoint it
+names recorded, read from its verified training state (:func:`.best.check_best`; only those
+tensors are read into memory, the rest of the file is hashed where it lies).
 
 :func:`pinned_checkpoint` is the same load for readers that run beside a trainer (scripts
 04 and 05): it pins the folder (see :func:`pipeline.checkpoint.store.pin`) until the block
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -38,9 +41,12 @@ import torch
 
 from ..errors import CheckpointError, ChecksumMismatch, NoCheckpoint, SchemaMismatch, first_line
 from ..layout import CHECKPOINT_DIR, DIST_MODEL_DIR, DIST_OPTIM_DIR, MODEL_FILE, STATE_FILE
+from .best import best_path, check_best
+from .evaluations import PREFIX as EVALUATION_PREFIX
+from .evaluations import evaluations_from
 from .meta import check_listing, is_distributed, read_meta
 from .shards import consolidate, shard_tensors
-from .store import parse_step_dir, pin, resolve, step_dir_name
+from .store import CheckpointStore, best_folder, parse_step_dir, pin, resolve, step_dir_name
 from .tensorfile import map_file, tensors_from_map
 from .verified_read import read_verified, sha256_mapped
 from .weights import dedupe_shared_tensors
@@ -76,6 +82,9 @@ class LoadedCheckpoint:
     meta: dict[str, Any]
     model_tensors: dict[str, torch.Tensor]
     state_tensors: dict[str, torch.Tensor]
+    best: dict[str, Any] | None = None
+    """Loaded as ``"best"``: the mark, checked against this checkpoint's own evaluations
+    (:func:`.best.check_best`), its value the one the checkpoint recorded."""
 
     @property
     def derived_buffers(self) -> Any:
@@ -105,10 +114,23 @@ def load_checkpoint(
     ``committed``: see :func:`pipeline.checkpoint.store.resolve`. Raises
     :class:`~pipeline.errors.CheckpointError` subclasses naming the file; reads only.
     """
-    folder, older = resolve(spec, root, committed=committed)
+    folder, older, mark = _resolve(spec, root, committed)
     return _or_name_older(
-        folder, older, lambda candidate: _load(candidate, mode=mode, into=into), committed=committed
+        folder,
+        older,
+        lambda candidate: _load(candidate, mode=mode, into=into, mark=mark, root=root),
+        committed=committed,
     )
+
+
+def _resolve(
+    spec: str | Path, root: str | Path, committed: bool
+) -> tuple[Path, list[Path], dict[str, Any] | None]:
+    """:func:`.store.resolve`, and for ``"best"`` the mark read with it (checked by the load)."""
+    if str(spec) == "best":
+        folder, mark = best_folder(root)
+        return folder, [], mark
+    return (*resolve(spec, root, committed=committed), None)
 
 
 def checkpoint_meta(
@@ -134,7 +156,7 @@ def pinned_checkpoint(
     so every later read of its files (a copy, a hash) sees the verified bytes."""
     with contextlib.ExitStack() as held:
         for attempt in range(_PIN_ATTEMPTS):
-            folder, older = resolve(spec, root, committed=committed)
+            folder, older, mark = _resolve(spec, root, committed)
             try:
                 held.enter_context(pin(folder))
                 break
@@ -143,7 +165,10 @@ def pinned_checkpoint(
                 if str(spec) not in ("latest", "best") or attempt == _PIN_ATTEMPTS - 1:
                     raise
         yield _or_name_older(
-            folder, older, lambda candidate: _load(candidate, mode=mode), committed=committed
+            folder,
+            older,
+            lambda candidate: _load(candidate, mode=mode, mark=mark, root=root),
+            committed=committed,
         )
 
 
@@ -181,10 +206,39 @@ def _meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) -> LoadedCheckpoint:
+def _load(
+    folder: Path,
+    *,
+    mode: LoadMode,
+    into: torch.nn.Module | None = None,
+    mark: dict[str, Any] | None = None,
+    root: str | Path = CHECKPOINT_DIR,
+) -> LoadedCheckpoint:
+    """Verify and load ``folder``; with ``mark`` (loaded as ``"best"`` in ``root``), check the
+    mark against the evaluations its training state recorded."""
     meta = _meta(folder)
-    if is_distributed(meta):
-        return _load_distributed(folder, meta, mode)
+    loaded, evaluations = (
+        _load_distributed(folder, meta, mode, evaluated=mark is not None)
+        if is_distributed(meta)
+        else _load_single(folder, meta, mode, into, evaluated=mark is not None)
+    )
+    if mark is None:
+        return loaded
+    try:
+        recorded = evaluations_from(evaluations, meta["step"])
+    except CheckpointError as exc:
+        raise CheckpointError(f"{folder / STATE_FILE}: {exc}") from None
+    committed = CheckpointStore(root).committed_steps()
+    return replace(loaded, best=check_best(mark, recorded, committed, best_path(root)))
+
+
+def _evaluation_tensor(name: str) -> bool:
+    return name.startswith(EVALUATION_PREFIX)
+
+
+def _load_single(
+    folder: Path, meta: dict[str, Any], mode: LoadMode, into: torch.nn.Module | None, *, evaluated: bool
+) -> tuple[LoadedCheckpoint, dict[str, torch.Tensor]]:
     used = _USED[mode]
     # Straight into the model's parameters (resume): not its buffers, which are compared
     # with the stored values before loading (check_derived_buffers).
@@ -197,14 +251,19 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
         if into is not None and mode is LoadMode.FULL
         else {}
     )
-    # Reading a file costs a copy of it (benchmarks/README.md): only what is used is read.
+    # Reading a file costs a copy of it (benchmarks/README.md): only what is used is read; of a
+    # training state read only for its evaluations, only they are.
+    partly = evaluated and STATE_FILE not in used
     read = read_verified(
         {name: folder / name for name in meta["files"]},
         {
-            name: (parameters if name == MODEL_FILE else {}) if name in used else None
+            name: (parameters if name == MODEL_FILE else {})
+            if name in used or (partly and name == STATE_FILE)
+            else None
             for name in meta["files"]
         },
         _chunk_sizes(meta),
+        wanted={STATE_FILE: _evaluation_tensor} if partly else None,
     )
     for name, entry in sorted(meta["files"].items()):
         _check_digests(folder / name, entry, read[name][0])
@@ -215,12 +274,14 @@ def _load(folder: Path, *, mode: LoadMode, into: torch.nn.Module | None = None) 
             raise SchemaMismatch(
                 f"{folder / name} is not a valid safetensors file: {first_line(read[name][1], limit=None)}"
             )
-    return LoadedCheckpoint(
+    state = read[STATE_FILE][1]
+    loaded = LoadedCheckpoint(
         folder=folder,
         meta=meta,
         model_tensors=read[MODEL_FILE][1] if MODEL_FILE in used else {},
-        state_tensors=read[STATE_FILE][1] if STATE_FILE in used else {},
+        state_tensors=state if STATE_FILE in used else {},
     )
+    return loaded, (state if evaluated else {})
 
 
 def _chunk_sizes(meta: dict[str, Any]) -> dict[str, int | None]:
@@ -248,7 +309,9 @@ def _check_digests(path: Path, entry: dict[str, Any], digests: list[str] | None)
             )
 
 
-def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> LoadedCheckpoint:
+def _load_distributed(
+    folder: Path, meta: dict[str, Any], mode: LoadMode, *, evaluated: bool
+) -> tuple[LoadedCheckpoint, dict[str, torch.Tensor]]:
     """:func:`_load` of a torchrun checkpoint: every file mapped once and its chunks hashed
     on the map by the pool (:func:`.verified_read.sha256_mapped`; the pages of the files
     whose tensors are used owned first), every header parsed, and every shard's coverage
@@ -258,8 +321,10 @@ def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> Loa
     if MODEL_FILE in used:
         # The consolidated weights are built from the model shards' mapped pages.
         used = (*used, *(name for name in meta["files"] if name.startswith(f"{DIST_MODEL_DIR}/")))
-    # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned.
-    digests = sha256_mapped(maps, _chunk_sizes(meta), own=used)
+    # Owning a page costs a copy of it (benchmarks/README.md): only what is used is owned (the
+    # training state's, a few small tensors here, for its evaluations too).
+    owned = (*used, STATE_FILE) if evaluated else used
+    digests = sha256_mapped(maps, _chunk_sizes(meta), own=owned)
     for name, entry in sorted(meta["files"].items()):
         _check_digests(folder / name, entry, digests[name])
     state = tensors_from_map(folder / STATE_FILE, maps[STATE_FILE])
@@ -272,6 +337,7 @@ def _load_distributed(folder: Path, meta: dict[str, Any], mode: LoadMode) -> Loa
             continue
         tensors_from_map(folder / name, maps[name])
     model = consolidate(model_pieces, meta["tensors"][DIST_MODEL_DIR]) if MODEL_FILE in used else {}
-    return LoadedCheckpoint(
+    loaded = LoadedCheckpoint(
         folder=folder, meta=meta, model_tensors=model, state_tensors=state if STATE_FILE in used else {}
     )
+    return loaded, (state if evaluated else {})

@@ -55,7 +55,7 @@ from ..errors import (
 )
 from ..hashing import chunk_size_for
 from ..layout import LOCK_FILE, META_FILE, MODEL_FILE, RESUME_FILE, STATE_FILE, parse_step_dir, step_dir_name
-from .best import read_best, write_best
+from .best import BestRule, read_best, write_best
 from .meta import (
     CHECKPOINT_FILES,
     DIST_META_KEYS,
@@ -90,6 +90,7 @@ __all__ = [
     "is_distributed",
     "check_listing",
     "resolve",
+    "best_folder",
     "pin",
     "LINEAGE_KEYS",
 ]
@@ -125,9 +126,10 @@ class CheckpointStore:
         )
         self._pruning: threading.Thread | None = None
         self._prune_error: BaseException | None = None
-        self.best: dict[str, Any] | None = None
-        """The best evaluated step as of the save in progress (:func:`.best.best_record`), set by
-        the checkpointer before each save; the commit marks it before anything is pruned."""
+        self.best: BestRule | None = None
+        """The run's best rule and evaluations as of the save in progress, set by the
+        checkpointer before each save; the commit marks the best committed step under it
+        before anything is pruned (:meth:`_mark_best`)."""
 
     # -- locking -------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointStore":
@@ -269,11 +271,17 @@ class CheckpointStore:
         self._pruning.start()
 
     def _mark_best(self, step: int) -> bool:
-        """Mark :attr:`best` once its checkpoint is committed (``step`` just was); False when
-        the mark could not be written (a warning: the prune is skipped, the next save retries)."""
-        best = self.best
-        if best is None or best["step"] > step or not (self.path_for(best["step"]) / META_FILE).is_file():
-            return True  # not saved under this metric (chosen on a resume): the old mark stands
+        """Mark the best committed step under :attr:`best` once ``step`` is committed: the run's
+        best, or after a resume that changed the rule, the best of the kept checkpoints (the
+        run's best under the new rule may have no checkpoint). False when the mark could not be
+        written (a warning: the prune is skipped, the next save retries)."""
+        rule = self.best
+        if rule is None:
+            return True  # no checkpoint.best_metric: nothing to mark
+        # A linked step folder is not one this store wrote: never marked (readers refuse it).
+        best = rule.among([kept for kept in self._listed_steps() if not self.path_for(kept).is_symlink()])
+        if best is None:
+            return True  # no kept checkpoint evaluated at its own step: the old mark stands
         try:
             if read_best(self.root) == best:
                 return True
@@ -409,7 +417,7 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     Nothing is verified here; :func:`pipeline.checkpoint.load.load_checkpoint` does that.
     """
     if str(spec) == "best":
-        return _best_folder(Path(root)), []
+        return best_folder(root)[0], []
     if str(spec) != "latest":
         folder = Path(spec)
         _refuse_symlink(folder)
@@ -437,7 +445,10 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
     return store.path_for(steps[-1]), [folder for folder in older if not folder.is_symlink()]
 
 
-def _best_folder(root: Path) -> Path:
+def best_folder(root: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The folder ``BEST.json`` in ``root`` marks, and the mark (checked against that folder's
+    own evaluations by the load, :func:`.best.check_best`)."""
+    root = Path(root)
     best = read_best(root)
     if best is None:
         raise NoCheckpoint(
@@ -451,7 +462,7 @@ def _best_folder(root: Path) -> Path:
             f"{root}/BEST.json marks step {best['step']}, which is not a committed checkpoint there: "
             "pass --checkpoint latest or PATH"
         )
-    return folder
+    return folder, best
 
 
 _SYMLINK_REASON = (

@@ -95,8 +95,15 @@ class _FileRead:
     be read into the view first), split at chunk boundaries: chunk k is bytes
     [k * chunk_size, (k + 1) * chunk_size), or the whole file when ``chunk_size`` is None."""
 
-    def __init__(self, path: Path, destinations: Mapping[str, torch.Tensor] | None, chunk_size: int | None):
+    def __init__(
+        self,
+        path: Path,
+        destinations: Mapping[str, torch.Tensor] | None,
+        chunk_size: int | None,
+        wanted: Callable[[str], bool] | None = None,
+    ):
         self.path = path
+        self.wanted = wanted
         self.tensors: dict[str, torch.Tensor] = {}
         self.error: ValueError | None = None
         self.digests: list[str] | None = None  # set here for a malformed file, hashed in this thread
@@ -133,14 +140,17 @@ class _FileRead:
         if destinations is None:
             # Hashed only, nothing used: the shared pages, no copy; only the header (read above) is parsed.
             if self.size > len(head):
-                self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-                self.map.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read front to back, once
-                self._add(memoryview(self.map)[len(head) :], len(head), read=False)
+                self._add(self._mapped()[len(head) :], len(head), read=False)
             return
         for _, name in sorted(
             (entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__"
         ):
             entry = header[name]
+            if self.wanted is not None and not self.wanted(name):
+                begin, end = (data_start + offset for offset in entry["data_offsets"])
+                if begin < end:  # hashed where it lies, like a file only verified
+                    self._add(self._mapped()[begin:end], begin, read=False)
+                continue
             dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
             target = destinations.get(name)
             fits = (
@@ -156,6 +166,13 @@ class _FileRead:
             if begin < end:
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 self._add(view, data_start + begin, read=True)
+
+    def _mapped(self) -> memoryview:
+        """The file's shared pages (mapped on first use), for bytes hashed and never used."""
+        if self.map is None:
+            self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+            self.map.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read front to back, once
+        return memoryview(self.map)
 
     def _add(self, view: memoryview, offset: int, *, read: bool) -> None:
         """Plan ``view`` (the file's bytes from ``offset`` on) in pieces of at most
@@ -193,6 +210,8 @@ def read_verified(
     paths: Mapping[str, Path],
     destinations: Mapping[str, Mapping[str, torch.Tensor] | None],
     chunk_sizes: Mapping[str, int | None],
+    *,
+    wanted: Mapping[str, Callable[[str], bool]] | None = None,
 ) -> dict[str, tuple[list[str] | None, dict[str, torch.Tensor] | ValueError]]:
     """Hash every file of ``paths``, reading those whose tensors are used into memory of
     this process: ``{name: (chunk digests, tensors)}``, or ``(chunk digests, the parser's
@@ -208,12 +227,17 @@ def read_verified(
     tensor otherwise) and hashed there, so the digests are over the bytes that will be
     used, which no later write to the file can reach. Each chunk is one task of a pool of a
     thread per core, which reads its pieces (``pread``: one kernel copy, no page-table work)
-    and hashes each once read.
+    and hashes each once read. ``wanted[name]``: of a file read, only the tensors whose name
+    it accepts are read and handed out (a training state's evaluations, not its optimizer);
+    the others are hashed on the page cache's pages, as a file only verified.
     """
     reads: dict[str, _FileRead] = {}
+    wanted = wanted or {}
     try:
         for name, path in paths.items():
-            reads[name] = _FileRead(Path(path), destinations.get(name), chunk_sizes.get(name))
+            reads[name] = _FileRead(
+                Path(path), destinations.get(name), chunk_sizes.get(name), wanted.get(name)
+            )
         pooled = on_pool(
             {
                 name: [partial(_verify_chunk, read, chunk) for chunk in read.chunks()]

@@ -6,7 +6,7 @@ the manifest, the folder replaced only if 05 built it); ``weights`` brings the c
 weights in, one tensor in memory at a time; ``hf_export`` writes the files the Hub's tools
 need; ``hub_loader`` is the loader shipped with the model's code (collected by
 ``pipeline.sources``, which training fingerprints too); ``card`` writes the model card,
-of parts a folder's card shares (``card_parts``);
+of parts a folder's card shares (``card_parts``), its recipe one fact at a time (``recipe``);
 ``redact`` and ``proof_report`` keep machine paths and foreign proofs out; ``from_folder``,
 ``folder_source`` and ``folder_card`` stage a folder another tool wrote. The stage's manifest
 and audit (``pipeline.audit``), the leak scan (``pipeline.leaks``) and signing

@@ -59,7 +59,7 @@ from ..layout import (
     TRACE_FILE,
 )
 from ..leaks import scan_secrets
-from ..provenance import CodeChange, code_changed_refusal, code_changes
+from ..provenance import CodeChange, check_code_as_trained, code_changes, code_fingerprint
 from ..repo_ids import hub_repo_id
 from ..run import build_model
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
@@ -68,7 +68,7 @@ from ..traces import trace_bytes
 from .card import build_model_card, read_user_sections, render_curve
 from .card_parts import LOADER_MODULE
 from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
-from .hf_export import hub_files, inspect_model, is_transformers_model
+from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
 from .record import Sources, proof_verdict, public_config, read_progress, staged_meta
 from .weights import (
@@ -133,10 +133,11 @@ class StageResult:
 
 
 def _matching_metrics(
-    path: Path, folder: Path, meta: dict[str, Any], sha: str, config: Config
+    path: Path, folder: Path, meta: dict[str, Any], sha: str, config: Config, model_config: Config
 ) -> dict[str, Any]:
     """metrics.json, if and only if it was computed from exactly these weights (``sha``: of the
-    checkpoint's weights as one modelo.safetensors) and data."""
+    checkpoint's weights as one modelo.safetensors) and data, by the code this stage ships and
+    stages with (``model_config``'s counted files, and this package)."""
     # The command that writes the record this stage reads, for this config, as printed.
     output = (
         () if os.path.abspath(path) == os.path.abspath(config.outputs.metrics) else ("--output", str(path))
@@ -157,7 +158,29 @@ def _matching_metrics(
         raise StageError(
             f"{path} was computed on other data than {folder.name} was trained on: rerun {evaluate}"
         )
+    evaluated = {"step": record["step"], "fingerprints": {"sources": record["fingerprints"]["sources"]}}
+    for change in code_changes(evaluated, model_config)[:1]:
+        raise StageError(
+            f"{path} was computed under other code than this stage ships: {_since_04(change)}: rerun {evaluate}"
+        )
+    if record["fingerprints"]["code"] != code_fingerprint():
+        raise StageError(
+            f"{path} was computed by another version of this pipeline (code fingerprint "
+            f"{record['fingerprints']['code'][:12]}, {code_fingerprint()[:12]} now): rerun {evaluate}"
+        )
     return record
+
+
+def _since_04(change: CodeChange) -> str:
+    """``change`` between the code 04 evaluated with (``trained``) and the code now."""
+    if change.trained is None:
+        return f"{change.file} ({change.role}) was not part of the code 04 evaluated with"
+    if change.current is None:
+        return f"{change.file} was part of the code 04 evaluated with and no longer is (SHA-256 {change.trained})"
+    return (
+        f"{change.file} ({change.role}) differs from the file 04 evaluated with (SHA-256 {change.trained} "
+        f"then, {change.current} now)"
+    )
 
 
 # -- building -----------------------------------------------------------------------------
@@ -354,19 +377,19 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
     ):
         folder, meta = loaded.folder, loaded.meta
         model_config = evaluation_config(meta, config, source=str(folder / META_FILE))
-        changes = code_changes(meta, model_config)
         # Built without weights (parameters on meta: no memory, any size) by today's code.
         model = build_model(model_config, "meta")
-        if changes and not is_transformers_model(model):
-            # This stage ships the model's code: the code these weights were trained with (the
-            # rule a resume applies). A transformers repo ships none: its change is recorded.
-            raise code_changed_refusal(changes[0], use="stage")
+        # This stage ships the model's code: the code these weights were trained with (the rule
+        # a resume and 04 apply). A transformers repo ships none: its change is recorded.
+        changes = check_code_as_trained(meta, model_config, model, use="stage")
         # A stale record is refused before the weights are copied; a distributed checkpoint's
         # weights have a hash as one file only once they are read.
         single = not is_distributed(meta)
         record = None
         if metrics is not None and single:
-            record = _matching_metrics(metrics, folder, meta, meta["files"][MODEL_FILE]["sha256"], config)
+            record = _matching_metrics(
+                metrics, folder, meta, meta["files"][MODEL_FILE]["sha256"], config, model_config
+            )
         meta_file_sha256 = sha256_file(folder / META_FILE)
         recover(stage)
         check_replaceable(stage)
@@ -374,7 +397,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
         weights = open_weights(folder, meta, work)
         scratch.callback(weights.close)
         if metrics is not None and not single:
-            record = _matching_metrics(metrics, folder, meta, weights.sha256(), config)
+            record = _matching_metrics(metrics, folder, meta, weights.sha256(), config, model_config)
         # The weights are published for this code: they must fit the model it builds.
         weights.check_fit(model)
         src = Sources(
@@ -388,6 +411,7 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             weights=weights,
             user_sections=user_sections,
             code_changes=changes,
+            selected_as_best=loaded.best,
         )
         with atomic_folder(stage, owned=built_by_us) as built:
             nonfinite = _build_into(built, src, build)

@@ -20,6 +20,7 @@ from ..errors import StageError
 from ..layout import CURVE_FILE
 from ..traces import INSTALL_HINT
 from .card_parts import card_data, fence, hash_section, load_section, number, printable, verify_section
+from .recipe import recipe_rows, selection_phrase
 
 __all__ = [
     "MAX_SECTIONS",
@@ -120,10 +121,6 @@ def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:
     return buffer.getvalue()
 
 
-def _params(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key} {value}" for key, value in sorted(params.items()))
-
-
 def _weights_phrase(meta: Mapping[str, Any]) -> str:
     files = meta["export"]["weights"]
     if len(files) == 1:
@@ -147,7 +144,7 @@ def _describe(meta: Mapping[str, Any]) -> str:
 def _progress_line(meta: Mapping[str, Any]) -> str:
     """What the staged checkpoint is, from the record: never the configured run length alone."""
     step, planned = meta["step"], meta["config"]["training"]["max_steps"]
-    run = (
+    run = selection_phrase(meta) or (
         "the last step of its run"
         if step >= planned
         else f"an intermediate checkpoint of a run configured for {planned:,} steps"
@@ -186,15 +183,8 @@ def _training_section(meta: Mapping[str, Any], curve_file: str | None) -> str:
             "final training loss",
             number(training["final_loss"]) if training["final_loss"] is not None else "n/a",
         ),
-        (
-            "optimizer",
-            f"`{config['optimizer']['factory']}`, lr {config['optimizer']['lr']}, "
-            f"weight decay {config['optimizer']['weight_decay']}",
-        ),
-        ("schedule", f"`{config['scheduler']['factory']}` {_params(config['scheduler']['params'])}".rstrip()),
-        ("batch size", str(config["data"]["batch_size"])),
+        *recipe_rows(meta),
         ("seed", str(config["training"]["seed"])),
-        ("dtype / AMP", f"{config['training']['dtype']} / {config['training']['amp']}"),
         ("launch", f"{_launch_phrase(training['launch'])} on {meta['provenance']['device']}"),
         *([("history", history)] if (history := _history(training)) else []),
         ("parameters", f"{meta['model']['num_parameters']:,}"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -22,6 +21,7 @@ import torch
 from ..checkpoint import stored_layout
 from ..config import Config
 from ..errors import ConfigError
+from ..provenance import is_transformers_model
 
 __all__ = ["HUB_FILES_HOOK", "ModelExport", "hub_files", "inspect_model", "is_transformers_model"]
 
@@ -44,12 +44,6 @@ class ModelExport:
 
 def _json(payload: Any) -> bytes:
     return (json.dumps(payload, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
-
-
-def is_transformers_model(model: torch.nn.Module) -> bool:
-    """A transformers ``PreTrainedModel``: its repo loads with ``from_pretrained`` and ships no code."""
-    module = sys.modules.get("transformers")
-    return module is not None and isinstance(model, module.PreTrainedModel)
 
 
 def _tied_renames(model: torch.nn.Module, kept: set[str]) -> dict[str, str]:

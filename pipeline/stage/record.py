@@ -49,6 +49,9 @@ class Sources:
     """The Markdown of the config's ``card.sections`` file, if any."""
     code_changes: list[CodeChange]
     """Counted files that changed since training (a stage that ships no code only)."""
+    selected_as_best: dict[str, Any] | None = None
+    """Staged as ``--checkpoint best``: the mark, checked against the checkpoint's own
+    evaluations (metric, mode, and the value it recorded)."""
 
 
 def read_progress(path: Path) -> tuple[dict[str, list], dict[str, list]]:
@@ -134,6 +137,10 @@ def staged_meta(
             "files": {name: entry["sha256"] for name, entry in sorted(meta["files"].items())},
         },
         "checks": {"nonfinite_tensors": nonfinite},
+        # Chosen as --checkpoint best: by which metric and mode, at the value this step recorded.
+        "selected_as_best": None
+        if src.selected_as_best is None
+        else {key: src.selected_as_best[key] for key in ("metric", "mode", "value")},
         "files": files,
     }
 

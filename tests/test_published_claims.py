@@ -1,0 +1,324 @@
+"""What a stage claims is what was computed: metrics bound to the code that computed them, the
+recipe as trained on the card, and the best mark checked against the evaluations the marked
+checkpoint recorded, kept on a committed step when a resume changes its rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from oprecorder import Recorder
+from safetensors.torch import load_file
+
+from pipeline.checkpoint import LoadMode, best_record, load_checkpoint, read_best
+from pipeline.errors import CheckpointError
+from pipeline.hashing import sha256_file
+from pipeline.stage.recipe import recipe_rows
+
+from support import REPO, one_line_error, run_python, script_env
+
+CONFIG = REPO / "config.yaml"
+
+
+def _scripts(folder: Path, *args: str, env: dict[str, str] | None = None):
+    """``script(name, *extra)``: ``scripts/<name> --config config.yaml *args *extra`` run in ``folder``."""
+
+    def script(name: str, *extra: str):
+        return run_python(
+            [REPO / "scripts" / name, "--config", CONFIG, *args, *extra], cwd=folder, env=env or script_env()
+        )
+
+    return script
+
+
+def _evaluations(checkpoint: Path) -> dict[str, list]:
+    tensors = load_file(checkpoint / "estado_treino.safetensors")
+    return {
+        k.removeprefix("evaluation/"): t.tolist() for k, t in tensors.items() if k.startswith("evaluation/")
+    }
+
+
+# -- metrics bound to the code that computed them -------------------------------------------------
+
+
+def test_04_refuses_code_changed_since_training_and_05_refuses_metrics_of_another_pipeline(
+    data_dir, tmp_path
+):
+    """A model that ships its code: its module edited after training (Tanh -> ReLU) or its data
+    module edited, 04 refuses naming the file, as 05 does; restored, 04 records every counted
+    file. Metrics that another version of this package computed (a copy of the tree with one
+    file changed) are refused by 05, naming the fix."""
+    model = tmp_path / "my_mlp.py"
+    source = (
+        (REPO / "pipeline" / "tasks" / "mlp.py").read_text().replace("from ..params", "from pipeline.params")
+    )
+    model.write_text(source)
+    data = tmp_path / "my_data.py"
+    data.write_text("from pipeline.tasks.regression import build_data, prepare_data  # noqa\n")
+    script = _scripts(tmp_path, "--set", f"data.dir={data_dir}", "--set", "model.factory=my_mlp:build_model",
+                      "--set", "data.factory=my_data:build_data", "--set", "training.max_steps=4")  # fmt: skip
+    assert script("02_train.py", "--quiet").returncode == 0
+    trained = sha256_file(model)
+    model.write_text(source.replace("torch.nn.Tanh()", "torch.nn.ReLU()", 1))
+    edited = sha256_file(model)
+    assert one_line_error(script("04_evaluate.py")) == (
+        f"error: my_mlp.py (the model's code) changed since step 4 was trained (SHA-256 {trained} then, {edited} "
+        "now): the metrics would be computed with other code than the code that built these weights (and that 05 "
+        "ships): restore it (git log -p -- my_mlp.py shows its earlier versions), or evaluate a checkpoint trained "
+        "with this code"
+    )
+    assert not (tmp_path / "metrics.json").exists()
+    assert "my_mlp.py (the model's code) changed since step 4" in one_line_error(script("05_stage.py"))
+    model.write_text(source)
+    data.write_text(data.read_text() + "# an edit\n")
+    assert "my_data.py (the data factory) changed since step 4" in one_line_error(script("04_evaluate.py"))
+    data.write_text(data.read_text().replace("# an edit\n", ""))
+    assert script("04_evaluate.py").returncode == 0
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["fingerprints"]["sources"]["my_mlp.py"] == trained
+    assert record["fingerprints"]["sources"]["my_data.py"] == sha256_file(data)
+    assert record["config"]["model"]["factory"] == "my_mlp:build_model"
+    # 04 run by another version of the pipeline: the same files counted, another package.
+    tree = tmp_path / "other-version"
+    shutil.copytree(REPO / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    card = tree / "pipeline" / "stage" / "card.py"
+    card.write_text(card.read_text() + "# another version\n")
+    other = script_env(PYTHONPATH=os.pathsep.join([str(tree), str(REPO / "tests" / "helpers")]))
+    assert _scripts(tmp_path, "--set", f"data.dir={data_dir}", env=other)("04_evaluate.py").returncode == 0
+    line = one_line_error(script("05_stage.py"))
+    assert line.startswith("error: metrics.json was computed by another version of this pipeline (code "
+                           "fingerprint ") and "now): rerun " in line and line.endswith("04_evaluate.py --config "
+                           f"{CONFIG} --set data.dir={data_dir} --set model.factory=my_mlp:build_model --set "
+                           "data.factory=my_data:build_data --set training.max_steps=4 --checkpoint "
+                           "estados_local/step-00000004"), line  # fmt: skip
+    assert not (tmp_path / "hub_stage").exists()
+    assert script("04_evaluate.py").returncode == 0
+    staged = script("05_stage.py")
+    assert staged.returncode == 0, staged.stderr
+    metrics = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())["metrics"]["values"]
+    assert metrics == json.loads((tmp_path / "metrics.json").read_text())["metrics"]
+
+
+# -- the recipe as trained on the card ---------------------------------------------------------
+
+
+RECIPE = ["--set", "training.grad_accum_steps=2", "--set", "training.grad_clip=0.5", "--set", "training.dtype=float32",
+          "--set", "training.amp=bf16", "--set", "training.eval_every=3", "--set", "checkpoint.best_metric=mse",
+          "--set", "checkpoint.best_mode=max", "--set", "checkpoint.keep_last=1"]  # fmt: skip
+
+
+def test_the_card_states_the_recipe_as_trained_and_why_a_best_stage_was_chosen(data_dir, tmp_path):
+    script = _scripts(tmp_path, "--set", f"data.dir={data_dir}", *RECIPE)
+    assert script("02_train.py", "--quiet").returncode == 0
+    marked = read_best(tmp_path / "estados_local")
+    for name in ("04_evaluate.py", "05_stage.py"):
+        ran = script(name, "--checkpoint", "best")
+        assert ran.returncode == 0, ran.stderr
+    step = marked["step"]
+    checkpoint = tmp_path / "estados_local" / f"step-{step:08d}"
+    evaluations = _evaluations(checkpoint)
+    value = evaluations["mse"][evaluations["step"].index(step)]  # the checkpoint's own record
+    staged = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
+    assert staged["selected_as_best"] == {"metric": "mse", "mode": "max", "value": value}
+    card = (tmp_path / "hub_stage" / "README.md").read_text()
+    assert (
+        f"This is step **{step}**, selected as the best by `mse` (max) = {value:.6g} at step {step} of 10; "
+        in card
+    )
+    table = card.split("## Training\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    history = load_file(checkpoint / "estado_treino.safetensors")["history/loss"].tolist()
+    assert table == [
+        "| | |",
+        "| --- | --- |",
+        f"| steps | {step} |",
+        f"| final training loss | {history[-1]:.6g} |",
+        "| effective batch | 8 rows per optimizer step (2 micro-batches of 4, their gradients accumulated) |",
+        "| gradient clipping | total L2 norm clipped to 0.5 |",
+        "| precision | float32 parameters, autocast to bfloat16 |",
+        "| optimizer | `pipeline.factories:adam`, lr 0.01, weight decay 0.0, betas [0.9, 0.999], eps 1e-08 |",
+        "| schedule | `pipeline.factories:step_lr` gamma 0.5, step_size 4, stepped once per optimizer step |",
+        "| evaluation | every 3 optimizer steps and at step 10; the best by `mse` (max) kept as `--checkpoint best` |",
+        "| seed | 0 |",
+        "| launch | one process on cpu |",
+        "| parameters | 353 |",
+    ]
+    # Under torchrun each micro-batch is split over the processes (unevenly when it must be);
+    # early stopping, when a record has it, is one more row.
+    staged["training"]["launch"]["world_size"] = 3
+    staged["config"]["data"]["batch_size"] = 16
+    staged["config"]["training"].update(early_stopping_patience=4, early_stopping_threshold=0.01)
+    rows = dict(recipe_rows(staged))
+    assert rows["effective batch"] == (
+        "32 rows per optimizer step (2 micro-batches of 16, their gradients accumulated); each micro-batch split "
+        "over 3 processes, 5 or 6 rows each"
+    )
+    assert (
+        rows["early stopping"]
+        == "after 4 evaluations without an improvement of `mse` (max) by more than 0.01"
+    )
+    staged["training"]["launch"]["world_size"] = 2
+    assert dict(recipe_rows(staged))["effective batch"].endswith("split over 2 processes, 8 rows each")
+
+
+# -- the best mark, checked wherever it is read ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def marked_run(data_dir, tmp_path_factory) -> Path:
+    """A run whose best (mse, max: the first evaluation, mse falls) is kept beside the last."""
+    folder = tmp_path_factory.mktemp("marked")
+    script = _scripts(folder, "--set", f"data.dir={data_dir}", "--set", "training.eval_every=3",
+                      "--set", "checkpoint.best_metric=mse", "--set", "checkpoint.best_mode=max")  # fmt: skip
+    ran = script("02_train.py", "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(p.name for p in (folder / "estados_local").glob("step-*")) == [
+        "step-00000003",
+        "step-00000010",
+    ]
+    return folder
+
+
+def _moved(marked_run: Path, tmp_path: Path, **edit) -> Path:
+    folder = tmp_path / "run"
+    shutil.copytree(marked_run, folder)
+    mark = json.loads((folder / "estados_local" / "BEST.json").read_text())
+    (folder / "estados_local" / "BEST.json").write_text(json.dumps({**mark, **edit}))
+    return folder
+
+
+def test_a_mark_moved_by_hand_is_refused_by_04_05_and_load_checkpoint(marked_run, data_dir, tmp_path):
+    folder = _moved(marked_run, tmp_path, step=10)  # another committed step, the value unchanged
+    value = read_best(marked_run / "estados_local")["value"]
+    recorded = _evaluations(folder / "estados_local" / "step-00000010")["mse"][-1]
+    says = (
+        f"estados_local/BEST.json marks step 10 with mse = {value!r}, but that checkpoint recorded mse = "
+        f"{recorded!r} at step 10: delete it (the next save marks the best again), or pass --checkpoint latest "
+        "or PATH"
+    )
+    script = _scripts(folder, "--set", f"data.dir={data_dir}")
+    for name, extra in (("04_evaluate.py", ()), ("05_stage.py", ("--no-metrics",))):
+        assert one_line_error(script(name, "--checkpoint", "best", *extra)) == f"error: {says}", name
+    assert not (folder / "metrics.json").exists() and not (folder / "hub_stage").exists()
+    for mode in LoadMode:
+        with pytest.raises(CheckpointError) as refused:
+            load_checkpoint("best", folder / "estados_local", mode=mode)
+        assert str(refused.value) == f"{folder}/{says}"
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        # Step 10's own value, but step 3 (committed) recorded a higher mse: not the best by max.
+        ({"step": 10, "value": "own"}, "but the committed step 3 was evaluated at mse = "),
+        (
+            {"metric": "accuracy"},
+            "recorded no evaluation of accuracy at its own step (it recorded mse, rmse)",
+        ),
+    ],
+    ids=["not-the-best-by-its-mode", "a-metric-never-evaluated"],
+)
+def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edit, says):
+    if edit.get("value") == "own":
+        edit = {**edit, "value": _evaluations(marked_run / "estados_local" / "step-00000010")["mse"][-1]}
+    folder = _moved(marked_run, tmp_path, **edit)
+    with pytest.raises(CheckpointError, match="BEST.json marks step") as refused:
+        load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    # The same mark in min mode is the truth: among the committed steps, step 10 has the lowest mse.
+    if "value" in edit:
+        folder = _moved(marked_run, tmp_path / "min", **edit, mode="min")
+        assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
+
+
+def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
+    from pipeline.checkpoint.best import check_best
+
+    evaluations = {"step": [2, 4, 6], "loss": [0.5, 0.25, 0.25]}
+    mark = {"step": 6, "metric": "loss", "mode": "min", "value": 0.25}
+    with pytest.raises(
+        CheckpointError, match="the committed step 4 was evaluated at loss = 0.25, as good or better"
+    ):
+        check_best(mark, evaluations, [4, 6], "BEST.json")
+    assert check_best(mark, evaluations, [2, 6], "BEST.json") == mark  # step 4 was pruned: 6 is the best kept
+    assert best_record(evaluations, "loss", "min", among={2, 4, 6})["step"] == 4
+    assert best_record(evaluations, "loss", "min", among={2, 6})["step"] == 6
+    assert best_record(evaluations, "loss", "max", among={4, 6})["step"] == 4
+    assert best_record(evaluations, "loss", "min", among=set()) is None
+
+
+def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marked_run):
+    loaded = load_checkpoint("best", marked_run / "estados_local", mode=LoadMode.WEIGHTS)
+    assert loaded.folder.name == "step-00000003" and loaded.state_tensors == {}
+    assert loaded.best == read_best(marked_run / "estados_local")
+
+
+# -- a resume that changes the rule ---------------------------------------------------------------
+
+
+WOBBLE = ["--set", "data.factory=trainer_factories:build_data_wobbling_evaluate", "--set", "training.max_steps=12",
+          "--set", "training.eval_every=1", "--set", "checkpoint.best_metric=wobble",
+          "--set", "checkpoint.keep_last=1"]  # fmt: skip
+
+
+def _committed(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "meta.json").is_file())
+
+
+def test_a_resume_that_changes_best_mode_marks_the_best_kept_checkpoint_before_the_old_best_goes(
+    data_dir, tmp_path
+):
+    """Trained to step 6 keeping the highest ``wobble`` (a metric that jumps about), then resumed
+    keeping the lowest: at every save the mark names the best committed step under the new rule
+    (the run's lowest may have no checkpoint), and the old best is pruned only once the new mark
+    is written and its folder fsynced."""
+    from pipeline.config import load_config, parse_set_overrides
+    from pipeline.train import train as train_in_process
+
+    root = tmp_path / "estados_local"
+    first = _scripts(tmp_path, "--set", f"data.dir={data_dir}", *WOBBLE, "--set", "checkpoint.best_mode=max",
+                     "--set", "checkpoint.every=3")("02_train.py", "--quiet", "--stop-at", "6")  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    old_best = read_best(root)
+    assert old_best["mode"] == "max" and old_best["step"] in _committed(root)
+    events: list[tuple[str, int | None, list[int], dict | None]] = []
+
+    def after(op) -> None:
+        if op.kind == "rename" and op.target == str(root / "BEST.json"):
+            events.append(("marked", None, _committed(root), read_best(root)))
+        elif op.kind == "rename" and Path(op.target).name.startswith(".deleting-step-"):
+            events.append(("pruned", int(Path(op.path).name[5:]), _committed(root), read_best(root)))
+        elif op.kind == "fsync" and op.is_dir and op.path == str(root):
+            events.append(("synced", None, [], None))
+
+    overrides = {
+        **parse_set_overrides(WOBBLE[1::2]),
+        "data.dir": str(data_dir),
+        "checkpoint.dir": str(root),
+        "checkpoint.every": 2,
+        "checkpoint.best_mode": "min",
+    }
+    with Recorder(root, after=after):
+        result = train_in_process(load_config(CONFIG, overrides), resume="latest", progress=False)
+    evaluations = result.evaluations
+    pruned = [(step, committed, mark) for kind, step, committed, mark in events if kind == "pruned"]
+    assert old_best["step"] in [step for step, _, _ in pruned], "the old best was never pruned"
+    for step, committed, mark in pruned:
+        assert mark["mode"] == "min" and mark["step"] != step and mark["step"] in committed, (step, mark)
+    kinds = [kind for kind, *_ in events]
+    for index, kind in enumerate(kinds):
+        if kind == "pruned":
+            last_mark = max(i for i in range(index) if kinds[i] == "marked")
+            assert "synced" in kinds[last_mark:index], "a prune before the new mark was durable"
+    marks = [(committed, mark) for kind, _, committed, mark in events if kind == "marked"]
+    assert marks, "the resumed run never marked a best"
+    for committed, mark in marks:
+        assert mark == best_record(evaluations, "wobble", "min", among=set(committed)), (committed, mark)
+    # Not vacuous: a mark was written while the run's lowest had no checkpoint.
+    assert any(mark != best_record(evaluations, "wobble", "min", among=set(range(1, max(committed) + 1)))
+               for committed, mark in marks), marks  # fmt: skip
+    # The end: the mark names a committed step, and every reader accepts it.
+    assert read_best(root)["step"] in _committed(root)
+    assert load_checkpoint("best", root, mode=LoadMode.VERIFY).best == read_best(root)

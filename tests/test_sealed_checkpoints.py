@@ -294,8 +294,8 @@ def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed
     stale = sealed / ".meta.json.0123abcd.tmp"  # what write_json_atomic leaves if killed
     stale.write_text("{")
     (sealed / "weights.bin").write_bytes(b"new")
-    seal_checkpoint(sealed, step=4)
-    assert check_seal(sealed)["step"] == 4 and not stale.exists()
+    seal_checkpoint(sealed, step=3)
+    assert check_seal(sealed)["files"]["weights.bin"]["size"] == 3 and not stale.exists()
     ours = {"schema": "pipeline.checkpoint/2", "step": 3}
     (sealed / "meta.json").write_text(json.dumps(ours))
     with pytest.raises(

@@ -317,15 +317,15 @@ def test_a_file_changed_after_its_seal_was_checked_is_refused(folder, tmp_path, 
     import pipeline.stage.folder_source as source
 
     seal_checkpoint(folder, step=3)
-    real = source.check_seal
+    real = source.check_seal_in
 
-    def check_then_change(checked: Path) -> dict:
+    def check_then_change(checked) -> dict:
         seal = real(checked)
-        tokenizer = checked / "tokenizer.json"
-        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))
+        tokenizer = checked.path / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))  # same file, same size
         return seal
 
-    monkeypatch.setattr(source, "check_seal", check_then_change)
+    monkeypatch.setattr(source, "check_seal_in", check_then_change)
     with pytest.raises(StageError, match=r"tokenizer\.json changed after it was sealed"):
         stage(folder, tmp_path / "stage")
     assert not (tmp_path / "stage").exists()
@@ -377,7 +377,7 @@ def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_p
     meta = json.loads((target / "meta.json").read_text())
     assert meta["metrics"]["values"] == {"epoch": 1, "eval_loss": 2.5}
     card = ModelCard.load(target / "README.md")
-    assert "As supplied by the publisher in `eval.json`" in card.text and "| eval_loss | 2.5 |" in card.text
+    assert "As supplied by the publisher in `eval.json`" in card.text and "| `eval_loss` | 2.5 |" in card.text
     assert card.data.eval_results[0].metric_value in (1, 2.5)
     metrics.write_text(json.dumps({"eval_loss": "low"}))
     with pytest.raises(StageError, match="eval_loss"):

@@ -73,6 +73,8 @@ SWAPS = [
     pytest.param("config.json", "device", "now a device, not a regular file", id="config-to-dev-zero"),
     pytest.param("model.safetensors", "device", "now a device, not a regular file", id="weights-to-dev-zero"),
     pytest.param("tokenizer.json", "other", "now another file", id="tokenizer-to-another-file"),
+    pytest.param("config.json", "grown", "now 19 bytes, not the 12 surveyed", id="config-appended-to"),
+    pytest.param(".", "folder", "now another folder", id="folder-replaced-by-a-copy"),
 ]
 
 
@@ -96,6 +98,12 @@ def test_a_file_swapped_after_the_survey_is_refused_in_one_line_never_followed_o
     assert f"{folder / name} changed while it was staged ({reason})" in line, line
     assert not target.exists() and leftovers(tmp_path) == []
     assert private.read_text() == json.dumps({"note": PRIVATE_MARK})
+    staged_nowhere = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and not p.is_symlink() and PRIVATE_MARK.encode() in p.read_bytes()
+    ]
+    assert staged_nowhere == [private]
 
 
 def test_a_read_stops_at_the_size_the_descriptor_showed_and_notices_growth_or_shrinking(tmp_path):

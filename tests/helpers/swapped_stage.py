@@ -7,13 +7,15 @@ Runs what ``scripts/05_stage.py --from-folder FOLDER --stage STAGE`` runs (throu
 here, the test's side: once the real survey has returned, ``NAME`` of the folder is replaced
 by KIND (``link``: a symbolic link to TARGET, a private file; ``fifo``: a FIFO nobody writes;
 ``device``: a character device like /dev/zero, which never ends; ``other``: another file of
-the same size moved over it). So the swap lands between the survey and the read every time, on the real
+the same size moved over it; ``grown``: the same file appended to; NAME ``.`` and
+``folder``: the whole folder replaced by a copy). So the swap lands between the survey and the read every time, on the real
 file system; nothing in ``pipeline/`` knows about it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -21,6 +23,15 @@ from pathlib import Path
 
 def swap(path: Path, kind: str, target: str | None) -> None:
     size = path.stat().st_size
+    if kind == "grown":  # the same file, appended to in place
+        with open(path, "ab") as out:
+            out.write(b" " * 7)
+        return
+    if kind == "folder":  # the whole folder moved away, a copy put in its place
+        shutil.copytree(path, path.with_name(".copy"))
+        path.rename(path.with_name(".moved"))
+        path.with_name(".copy").rename(path)
+        return
     if kind == "other":  # moved over it (mv), as another program would replace a file
         other = path.with_name(".other")
         other.write_bytes(b"{" + b" " * (size - 2) + b"}")

@@ -42,8 +42,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from sidebyside import loadavg, ratio, rotated, summary, target_table  # noqa: E402
 
-from pipeline.integrations.seal import _hash_files, _plain_files  # noqa: E402
+from pipeline.integrations.seal import _hash_files, _listing  # noqa: E402
 from pipeline.integrations.transformers import SealedCheckpoints  # noqa: E402
+from pipeline.safe_read import HandedFolder  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -119,7 +120,8 @@ def _hash_alone(folder: Path) -> float:
     """The seal's hashing of the newest checkpoint, alone (what SealedCheckpoints adds at least)."""
     checkpoint = max(folder.glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
     start = time.perf_counter()
-    _hash_files(checkpoint, _plain_files(checkpoint))
+    with HandedFolder(checkpoint) as handed:
+        _hash_files(handed, _listing(handed))
     return time.perf_counter() - start
 
 

@@ -5,24 +5,28 @@ The commands the pipeline prints (each repeats the config it was given) are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
-from .errors import CapturedTraceback, PipelineError, Preempted, describe_os_error
+from .errors import CapturedTraceback, PipelineError, Preempted, Stopped, describe_os_error
 
 __all__ = [
     "add_config_arguments",
     "add_checkpoint_dir_argument",
     "config_from_args",
     "run_main",
+    "stopping",
     "resume_command",
     "script_command",
     "python_command",
@@ -70,6 +74,31 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     return load_config(args.config, overrides)
 
 
+@contextlib.contextmanager
+def stopping(outcome: str) -> Iterator[None]:
+    """While in this block, SIGTERM and SIGINT raise :class:`~pipeline.errors.Stopped` in the
+    main thread, once: every ``finally`` and atomic writer on the way out runs, so a scratch
+    copy or a half-built folder is removed rather than left behind by a process killed
+    outright; a second signal during that clean-up is ignored. ``outcome`` ends the line
+    ``run_main`` prints (``error: stopped by SIGTERM; <outcome>``, exit 128 + N)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not stops:
+            stops.append(signum)
+            raise Stopped(signum, outcome)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's ``main``; expected failures print one line and exit non-zero, no traceback.
 
@@ -112,6 +141,9 @@ def run_main(main: Callable[[], int | None]) -> None:
             "data/model params"
         )
         sys.exit(2)
+    except Stopped as exc:
+        _error(str(exc))
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         _error("interrupted")
         sys.exit(130)

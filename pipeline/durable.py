@@ -38,11 +38,12 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import InternalError, naming
+from .errors import InternalError, LockRefused, naming, shown
 from .hashing import HashingWriter
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "step",
     "naming",
     "fsync_dir",
+    "fsync_tree",
     "atomic_folder",
     "recover",
     "scratch_folder",
@@ -94,6 +96,32 @@ def _fsync_file(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Make a folder another tool wrote durable, as it is: every regular file under it, then
+    every folder deepest first, then ``folder`` itself and its parent. Links and special
+    files are not followed nor synced (each file is opened ``O_NOFOLLOW|O_NONBLOCK``)."""
+    folder = Path(folder)
+    for parent, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            try:
+                fd = os.open(Path(parent) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENXIO):
+                    continue  # a link or a socket: nothing of ours to sync
+                raise
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    with naming(Path(parent) / name):
+                        os.fsync(fd)
+            finally:
+                os.close(fd)
+        for name in dirs:
+            if not os.path.islink(Path(parent) / name):
+                fsync_dir(Path(parent) / name)
+    fsync_dir(folder)
+    fsync_dir(folder.parent)
 
 
 def _sibling(dest: Path, prefix: str) -> Path:
@@ -361,11 +389,19 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+# The most a lock file holds: the decimal pid this class writes (Linux's pid_max is 2**22).
+_PID_BYTES = 20
+
+
 class FolderLock:
     """An exclusive, non-blocking ``flock`` on ``path`` (a lock file, created if needed, or
     a folder). The kernel drops it when the process dies, even by SIGKILL, so no lock is
     ever stale. ``busy(holder)`` builds the error raised when someone else holds it;
-    ``holder`` is the pid recorded in a lock file, or ``"unknown"``."""
+    ``holder`` is the pid recorded in a lock file, or ``"unknown"``.
+
+    The lock file's name is someone's to plant: a link there to a user's file, a FIFO, a
+    device, a hard link or a file of other content is refused (:class:`LockRefused`), never
+    written through; only an empty file or one holding a pid is ever truncated."""
 
     def __init__(self, path: str | Path, busy: Callable[[str], Exception]) -> None:
         self.path = Path(path)
@@ -373,13 +409,46 @@ class FolderLock:
         self._fd: int | None = None
         self._pid = 0
 
-    def acquire(self) -> None:
-        is_dir = self.path.is_dir()
-        fd = (
-            open_lock_fd(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            if is_dir
-            else open_lock_fd(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _refused(self, what: str) -> LockRefused:
+        return LockRefused(
+            f"{shown(self.path)} {what}: a lock file is never written through, so nothing was touched; "
+            "if it is not yours, remove it (rm) and run again, else use another folder"
         )
+
+    def _open(self) -> tuple[int, bool]:
+        """(descriptor, is a folder). A lock file is opened without following a link and
+        checked on its descriptor before a byte is written: a regular file with no other
+        name (hard link), holding nothing or a pid (what this class writes)."""
+        try:
+            folder = stat.S_ISDIR(os.lstat(self.path).st_mode)
+        except FileNotFoundError:
+            folder = False
+        if folder:
+            return open_lock_fd(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW), True
+        try:
+            fd = open_lock_fd(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._refused("is a link") from None
+            if exc.errno in (errno.ENXIO, errno.EISDIR):
+                raise self._refused("is not a regular file") from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise self._refused("is not a regular file (a FIFO or device)")
+            if info.st_nlink != 1:
+                raise self._refused(f"has {info.st_nlink} names (hard links): another file shares its bytes")
+            held = os.pread(fd, _PID_BYTES + 1, 0)
+            if len(held) > _PID_BYTES or not (held == b"" or held.isdigit()):
+                raise self._refused("holds something else than the process id a lock holds")
+        except BaseException:
+            close_lock_fd(fd)
+            raise
+        return fd, False
+
+    def acquire(self) -> None:
+        fd, is_dir = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

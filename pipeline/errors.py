@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import unicodedata
 from pathlib import Path
 from typing import Iterator
 
 __all__ = [
     "naming",
+    "shown",
     "PipelineError",
     "ConfigError",
     "FactoryFailed",
@@ -32,6 +34,9 @@ __all__ = [
     "CheckpointLocked",
     "NoCheckpoint",
     "UnsealedCheckpoint",
+    "FileChanged",
+    "LockRefused",
+    "Stopped",
     "LaunchMismatch",
     "WorldSizeMismatch",
     "PeerFailed",
@@ -88,6 +93,33 @@ def first_line(exc: BaseException, *, named: bool = False, limit: int | None = 3
         return type(exc).__name__
     line = text.splitlines()[0][:limit]
     return f"{type(exc).__name__}: {line}" if named else line
+
+
+# What a name shows as \xNN (or \uNNNN) in a message or a card: control, format (a bidi
+# override) and separator characters (a line break of any kind), lone surrogates, and the
+# characters that end a card's code span or table cell. The backslash too, so that an escape
+# shown is never a name's own text.
+_SHOWN_AS_IS = frozenset("\\`|")
+
+
+def shown(name: str | os.PathLike) -> str:
+    """A name read from a user's folder (a file, a tensor, a path) as every message and card
+    shows it: one line of inert text. A line break, a Markdown or HTML control cannot act:
+    each character that could is written as ``\\xNN`` (``\\uNNNN``); a plain name is
+    returned unchanged. Cards put it in a code span (:func:`pipeline.stage.card_parts.code`)."""
+    text = os.fspath(name) if not isinstance(name, str) else name
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    out = []
+    for char in text:
+        if char in _SHOWN_AS_IS or unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            code = ord(char)
+            out.append(
+                f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+            )
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -204,6 +236,22 @@ class UnsealedCheckpoint(CheckpointError, ValueError):
     is malformed or does not match the files: the folder is incomplete or damaged."""
 
 
+class FileChanged(PipelineError):
+    """A file of a folder someone handed over is not, once opened, what was checked
+    (:mod:`pipeline.safe_read`): now a link, a FIFO or device, another file or another size.
+    ``path`` names it, ``reason`` says what it is now; callers say what they were doing."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"{shown(path)} changed while it was read ({reason})")
+        self.path = Path(path)
+        self.reason = reason
+
+
+class LockRefused(PipelineError):
+    """A lock file is a link, a FIFO or device, a file with other hard links, or holds what
+    the pipeline never writes there: it is never written through."""
+
+
 # -- training (pipeline.train, pipeline.proof) ---------------------------------------------
 
 
@@ -214,6 +262,21 @@ class LaunchMismatch(CheckpointError):
 
 class WorldSizeMismatch(LaunchMismatch):
     """A distributed checkpoint was written by another number of processes (see --reshard)."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived while a script was working (:func:`pipeline.cli.stopping`):
+    raised in the main thread so that every atomic writer and scratch folder cleans up on the
+    way out, then printed by ``run_main`` as one line, exit 128 + the signal's number.
+    ``outcome`` says what the stop left. Not an ``Exception``: code that catches those
+    broadly must not swallow the stop."""
+
+    def __init__(self, signum: int, outcome: str) -> None:
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name}; {outcome}")
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 class PeerFailed(PipelineError):

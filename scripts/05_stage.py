@@ -40,12 +40,20 @@ from _bootstrap import project_imports
 
 with project_imports():
     from pipeline.audit import format_audit_table
-    from pipeline.cli import add_checkpoint_dir_argument, add_config_arguments, config_from_args, run_main
+    from pipeline.cli import (
+        add_checkpoint_dir_argument,
+        add_config_arguments,
+        config_from_args,
+        run_main,
+        stopping,
+    )
     from pipeline.commands import record_stage_command
-    from pipeline.config import parse_set_overrides
+    from pipeline.config import Config, parse_set_overrides
+    from pipeline.errors import shown
     from pipeline.layout import MANIFEST_FILE
-    from pipeline.signing import key_signer, sigstore_signer
+    from pipeline.signing import StageSigner, key_signer, sigstore_signer
     from pipeline.stage import StageBuild, build_stage
+    from pipeline.stage.build import StageResult
     from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
     from pipeline.stage.weights import DEFAULT_MAX_SHARD_SIZE, large_blocks_to_the_os
 
@@ -158,8 +166,39 @@ def main() -> int:
         )
     elif args.sign_sigstore:
         signer = sigstore_signer()
+    with stopping("what was being staged was removed; an earlier stage is as it was"):
+        result = _stage(args, config, stage, signer)
+    record_stage_command(stage, sys.argv, result.files[MANIFEST_FILE].sha256)
+    for change in result.code_changes:
+        print(
+            f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights "
+            "fit the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
+            file=sys.stderr,
+        )
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if result.nonfinite:
+        print(
+            f"warning: staged with non-finite tensors: {', '.join(map(shown, result.nonfinite))}",
+            file=sys.stderr,
+        )
+    print(format_audit_table(result.report))
+    metrics = "with metrics" if result.with_metrics else "without metrics"
+    what = "the model" if result.step is None else f"step {result.step}"
+    print(
+        f"staged {what} from {shown(result.source)} into {result.stage}/ ({metrics}); "
+        f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256"
+    )
+    if signer is not None:
+        print(
+            f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}"
+        )
+    return 0
+
+
+def _stage(args: argparse.Namespace, config: Config, stage: Path, signer: StageSigner | None) -> StageResult:
     if args.from_folder is not None:
-        result = stage_folder(
+        return stage_folder(
             config,
             FolderStage(
                 folder=args.from_folder,
@@ -171,42 +210,20 @@ def main() -> int:
                 signer=signer,
             ),
         )
-    else:
-        result = build_stage(
-            config,
-            StageBuild(
-                checkpoint=args.checkpoint,
-                stage_dir=stage,
-                with_metrics=not args.no_metrics,
-                metrics=args.metrics,
-                allow_nonfinite=args.allow_nonfinite,
-                repo_id=args.repo_id,
-                max_shard_size=args.max_shard_size,
-                proof=args.proof,
-                signer=signer,
-            ),
-        )
-        for change in result.code_changes:
-            print(
-                f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights "
-                "fit the model the code builds now (recorded in meta.json provenance.code_changes and on the card)",
-                file=sys.stderr,
-            )
-    record_stage_command(stage, sys.argv, result.files[MANIFEST_FILE].sha256)
-    if result.nonfinite:
-        print(f"warning: staged with non-finite tensors: {', '.join(result.nonfinite)}", file=sys.stderr)
-    print(format_audit_table(result.report))
-    metrics = "with metrics" if result.with_metrics else "without metrics"
-    what = "the model" if result.step is None else f"step {result.step}"
-    print(
-        f"staged {what} from {result.source} into {result.stage}/ ({metrics}); "
-        f"check it with: cd {result.stage} && sha256sum -c MANIFEST.sha256"
+    return build_stage(
+        config,
+        StageBuild(
+            checkpoint=args.checkpoint,
+            stage_dir=stage,
+            with_metrics=not args.no_metrics,
+            metrics=args.metrics,
+            allow_nonfinite=args.allow_nonfinite,
+            repo_id=args.repo_id,
+            max_shard_size=args.max_shard_size,
+            proof=args.proof,
+            signer=signer,
+        ),
     )
-    if signer is not None:
-        print(
-            f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}"
-        )
-    return 0
 
 
 if __name__ == "__main__":

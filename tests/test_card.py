@@ -201,6 +201,46 @@ def test_card_sections_must_be_a_regular_file_of_bounded_size(tmp_path):
     )
 
 
+def test_card_sections_are_confined_by_path_components_not_by_a_string_prefix(tmp_path):
+    run = tmp_path / "a" / "b"
+    (run / "bc").mkdir(parents=True)
+    (run / "bc" / "card.md").write_text("## Inside\n")
+    sibling = tmp_path / "a" / "bc"  # "/a/bc" starts with the string "/a/b", but is not inside it
+    sibling.mkdir()
+    (sibling / "card.md").write_text("## Shadow\n")
+    for name in ("../bc/card.md", str(sibling / "card.md")):
+        assert "is outside the folder the scripts run in" in refused_sections(name, run)
+    (run / "sibling.md").symlink_to(sibling / "card.md")
+    assert "is a link to a file outside the folder the scripts run in" in refused_sections("sibling.md", run)
+    assert read_user_sections("bc/card.md", run) == "## Inside\n"
+
+
+@pytest.mark.parametrize("swap", ["link", "other"])
+def test_card_sections_swapped_after_they_were_looked_at_are_refused_not_followed(
+    tmp_path, monkeypatch, swap
+):
+    import pipeline.stage.card as card_module
+
+    secret = tmp_path / "secret.md"
+    secret.write_text("## Shadow\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "card.md").write_text("## Intended use\n")
+
+    class SwapAfterLooking(card_module.HandedFolder):
+        def lstat(self, name):
+            found = super().lstat(name)
+            (run / "card.md").unlink()
+            if swap == "link":
+                (run / "card.md").symlink_to(secret)
+            else:
+                (run / "card.md").write_text("## Other\n" * 2)
+            return found
+
+    monkeypatch.setattr(card_module, "HandedFolder", SwapAfterLooking)
+    assert "changed while it was read; run 05 again" in refused_sections("card.md", run)
+
+
 def test_05_refuses_card_sections_outside_its_folder_in_one_line_and_keeps_the_stage(staged_run, run_copy):
     run = run_copy(staged_run)
     before = (run.stage / "README.md").read_bytes()

@@ -225,8 +225,26 @@ def code_as_architecture(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def several_safetensors_without_an_index(folder: Path) -> None:
+    resave_sharded(folder)
+    (folder / "model.safetensors.index.json").unlink()
+
+
+def a_stray_shard_beside_the_weights(folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    name = sorted(tensors)[0]
+    save_file({name: tensors[name]}, folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+
+
+def weights_without_tensors(folder: Path) -> None:
+    save_file({}, folder / "model.safetensors")
+
+
 BAD = {
     empty: "is empty",
+    several_safetensors_without_an_index: ".safetensors files (model-00001-of-0000",
+    a_stray_shard_beside_the_weights: "holds 2 .safetensors files (model-00002-of-00002.safetensors, model.safetensors)",
+    weights_without_tensors: "model.safetensors holds no tensors",
     pickle_named_safetensors: "model.safetensors is not a valid safetensors file",
     config_not_json: "config.json is not valid JSON",
     index_names_a_missing_shard: "which is missing from",
@@ -253,6 +271,9 @@ def test_a_bad_folder_is_refused_in_one_line_and_the_previous_stage_stays(
         stage(folder, target)
     assert BAD[damage] in str(refused.value)
     assert "\n" not in str(refused.value) and refused.value.exit_code == 2
+    assert ".tmp-" not in str(refused.value) and ".scratch-" not in str(
+        refused.value
+    )  # the user's files named
     assert snapshot(target) == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".stage.lock"]
 
@@ -265,6 +286,46 @@ def test_05_prints_one_error_line_and_exits_2_on_a_bad_folder(folder, tmp_path, 
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert BAD[damage] in one_line_error(result)
+    assert not (tmp_path / "stage").exists()
+
+
+def test_05_warns_of_an_unsealed_checkpoint_and_a_hard_linked_file_and_stages_them(folder, tmp_path):
+    checkpoint = folder.rename(tmp_path / "checkpoint-500")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
+    outside = tmp_path / "elsewhere.json"
+    os.link(checkpoint / "tokenizer_config.json", outside)  # the same bytes under a name outside
+    result = run_script(
+        "05_stage.py", "--from-folder", str(checkpoint), "--stage", str(tmp_path / "stage"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2, result.stderr
+    assert warnings[0].startswith(
+        f"warning: {checkpoint} looks like a trainer's checkpoint (its name, checkpoint-500)"
+    )
+    assert "carries no seal" in warnings[0] and "seal_checkpoint" in warnings[0]
+    assert warnings[1].startswith(f"warning: {checkpoint / 'tokenizer_config.json'} has 2 hard links")
+    seal_checkpoint(checkpoint, step=500)
+    os.unlink(outside)
+    again = run_script(
+        "05_stage.py", "--from-folder", str(checkpoint), "--stage", str(tmp_path / "stage"), cwd=tmp_path
+    )
+    assert again.returncode == 0 and "warning:" not in again.stderr, again.stderr
+
+
+def test_supplied_metrics_that_are_a_fifo_are_refused_without_waiting(gpt2, tmp_path):
+    import threading
+
+    fifo = tmp_path / "metrics.json"
+    os.mkfifo(fifo)
+    # Without O_NONBLOCK the open would wait for a writer forever: this one comes after 20 s.
+    rescue = threading.Timer(20, lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))
+    rescue.start()
+    try:
+        with pytest.raises(StageError, match=r"--metrics .*metrics\.json is a FIFO, not a regular file"):
+            stage(gpt2, tmp_path / "stage", metrics=fifo)
+    finally:
+        rescue.cancel()
     assert not (tmp_path / "stage").exists()
 
 
@@ -317,15 +378,15 @@ def test_a_file_changed_after_its_seal_was_checked_is_refused(folder, tmp_path, 
     import pipeline.stage.folder_source as source
 
     seal_checkpoint(folder, step=3)
-    real = source.check_seal
+    real = source.check_seal_in
 
-    def check_then_change(checked: Path) -> dict:
+    def check_then_change(checked) -> dict:
         seal = real(checked)
-        tokenizer = checked / "tokenizer.json"
-        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))
+        tokenizer = checked.path / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes().replace(b"hello", b"jello"))  # same file, same size
         return seal
 
-    monkeypatch.setattr(source, "check_seal", check_then_change)
+    monkeypatch.setattr(source, "check_seal_in", check_then_change)
     with pytest.raises(StageError, match=r"tokenizer\.json changed after it was sealed"):
         stage(folder, tmp_path / "stage")
     assert not (tmp_path / "stage").exists()
@@ -377,7 +438,7 @@ def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_p
     meta = json.loads((target / "meta.json").read_text())
     assert meta["metrics"]["values"] == {"epoch": 1, "eval_loss": 2.5}
     card = ModelCard.load(target / "README.md")
-    assert "As supplied by the publisher in `eval.json`" in card.text and "| eval_loss | 2.5 |" in card.text
+    assert "As supplied by the publisher in `eval.json`" in card.text and "| `eval_loss` | 2.5 |" in card.text
     assert card.data.eval_results[0].metric_value in (1, 2.5)
     metrics.write_text(json.dumps({"eval_loss": "low"}))
     with pytest.raises(StageError, match="eval_loss"):

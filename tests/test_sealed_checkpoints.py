@@ -8,6 +8,7 @@ once, every run a forked child); the seal's own checks run in this process, on s
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -262,6 +263,12 @@ HOSTILE = [
         "lowercase hex sha256 and a size",
         id="negative_size",
     ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(step=2)),
+        "seals step 2, but its folder is checkpoint-3",
+        id="step_of_another_folder",
+    ),
+    pytest.param(rewrite_seal(lambda s: s.update(files={})), "lists no file", id="empty_seal"),
 ]
 
 
@@ -290,12 +297,130 @@ def test_when_no_checkpoint_verifies_verified_checkpoint_raises_instead_of_start
         verified_checkpoint(sealed.parent)
 
 
+def test_a_checkpoint_pruned_or_unreadable_while_checked_is_skipped_with_its_reason(
+    sealed, capsys, monkeypatch
+):
+    """A rotation deletes the newest checkpoint (or one of its files) while verified_checkpoint
+    hashes it, or the disk fails a read: the folder is skipped, named with the reason, and the
+    previous one returned; nothing raises out of the user's resume_from_checkpoint= line. The
+    event is made to happen at the real open of the file, from the test's side."""
+    import errno
+
+    real_open = os.open
+
+    def events(kind):
+        done = []
+
+        def open_then(path, flags, *args, dir_fd=None, **kwargs):
+            inside = dir_fd is not None and os.readlink(f"/proc/self/fd/{dir_fd}") == str(sealed)
+            if inside and path == "weights.bin" and not done:
+                done.append(kind)
+                if kind == "eio":
+                    raise OSError(errno.EIO, "Input/output error", str(sealed / path))
+                if kind == "file_deleted":
+                    (sealed / path).unlink()
+                else:
+                    shutil.rmtree(sealed)
+            return real_open(path, flags, *args, dir_fd=dir_fd, **kwargs)
+
+        return open_then, done
+
+    for kind, reason in [
+        ("eio", "weights.bin: Input/output error"),
+        ("file_deleted", "weights.bin changed while its seal was checked (gone)"),
+        ("folder_pruned", "weights.bin changed while its seal was checked (gone)"),
+    ]:
+        if not sealed.exists():
+            shutil.copytree(sealed.parent / "checkpoint-2", sealed)
+            seal_checkpoint(sealed, step=3)
+        elif not (sealed / "weights.bin").exists():
+            (sealed / "weights.bin").write_bytes(b"w")
+            seal_checkpoint(sealed, step=3)
+        opener, done = events(kind)
+        monkeypatch.setattr(os, "open", opener)
+        assert verified_checkpoint(sealed.parent) == sealed.parent / "checkpoint-2", kind
+        monkeypatch.setattr(os, "open", real_open)
+        err = capsys.readouterr().err
+        assert done == [kind] and f"skipping checkpoint-3: {sealed}/{reason}" in err, err
+
+
+def test_a_run_from_before_sealed_checkpoints_is_told_how_to_seal_one_it_trusts(tmp_path):
+    output = tmp_path / "out"
+    for step in (2, 4):
+        (output / f"checkpoint-{step}").mkdir(parents=True)
+        (output / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w" * step)
+    with pytest.raises(UnsealedCheckpoint) as refused:
+        verified_checkpoint(output)
+    message = str(refused.value)
+    assert "no checkpoint in" in message and "is sealed (the newest is checkpoint-4)" in message
+    assert f"pipeline.integrations.seal.seal_checkpoint('{output / 'checkpoint-4'}')" in message
+    with pytest.raises(UnsealedCheckpoint) as unsealed:
+        check_seal(output / "checkpoint-4")
+    assert "has no meta.json" in str(unsealed.value) and "seal_checkpoint" in str(unsealed.value)
+    seal_checkpoint(output / "checkpoint-4", step=4)  # the user trusts it
+    assert verified_checkpoint(output) == output / "checkpoint-4"
+
+
+def test_sealing_refuses_an_empty_folder_and_a_step_that_is_not_the_folders(tmp_path):
+    empty = tmp_path / "checkpoint-5"
+    empty.mkdir()
+    with pytest.raises(UnsealedCheckpoint, match="holds no file: nothing to seal"):
+        seal_checkpoint(empty, step=5)
+    (empty / "weights.bin").write_bytes(b"w")
+    with pytest.raises(ValueError, match="is the folder of step 5, not of step 6"):
+        seal_checkpoint(empty, step=6)
+    assert not (empty / "meta.json").exists()
+    assert seal_checkpoint(empty, step=5)["step"] == 5
+
+
+def test_keep_last_1_makes_the_new_checkpoint_durable_before_it_prunes_the_old(tmp_path):
+    """The crash harness's page-cache model (tests/helpers/oprecorder.py): a Trainer save that
+    fsyncs nothing, then SealedCheckpoints(keep_last=1); after every recorded call, what a power
+    cut would keep must still hold a checkpoint that verifies."""
+    from oprecorder import PageCache, Recorder
+
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    output = tmp_path / "output"
+    old = output / "checkpoint-2"
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(secrets.token_bytes(4096))
+    seal_checkpoint(old, step=2)
+    cache = PageCache(output)  # what exists now counts as durable
+    states: dict[int, tuple] = {}  # op index -> what a power cut right after it keeps
+
+    def after(op) -> None:
+        cache.after(op)
+        states[len(recorder.ops) - 1] = cache.durable()
+
+    recorder = Recorder(output, after=after)
+    with recorder:
+        new = output / "checkpoint-3"
+        (new / "sub").mkdir(parents=True)
+        (new / "model.safetensors").write_bytes(secrets.token_bytes(8192))
+        (new / "sub" / "optimizer.pt").write_bytes(secrets.token_bytes(1024))
+        args = SimpleNamespace(output_dir=str(output), should_save=True, save_total_limit=None)
+        state = SimpleNamespace(global_step=3, best_model_checkpoint=None)
+        SealedCheckpoints(keep_last=1).on_save(args, state, object())
+    assert not old.exists() and verified_checkpoint(output) == new
+    pruned = next(i for i, op in enumerate(recorder.ops) if op.kind == "rename" and op.path == str(old))
+    for at in sorted(i for i in states if i >= pruned):
+        cut = tmp_path / f"power-cut-{at}"
+        cut.mkdir()
+        cache.materialize(states[at], cut)
+        try:
+            kept = verified_checkpoint(cut)
+        except UnsealedCheckpoint:
+            kept = None
+        assert kept is not None, f"a power cut after {recorder.ops[at]} leaves no checkpoint that verifies"
+
+
 def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed):
     stale = sealed / ".meta.json.0123abcd.tmp"  # what write_json_atomic leaves if killed
     stale.write_text("{")
     (sealed / "weights.bin").write_bytes(b"new")
-    seal_checkpoint(sealed, step=4)
-    assert check_seal(sealed)["step"] == 4 and not stale.exists()
+    seal_checkpoint(sealed, step=3)
+    assert check_seal(sealed)["files"]["weights.bin"]["size"] == 3 and not stale.exists()
     ours = {"schema": "pipeline.checkpoint/2", "step": 3}
     (sealed / "meta.json").write_text(json.dumps(ours))
     with pytest.raises(

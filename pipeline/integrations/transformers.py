@@ -45,7 +45,8 @@ class SealedCheckpoints(TrainerCallback):
     runs, choosing them by modification time; a crash among those deletions leaves a
     half-deleted folder that later looks newest, and a run killed again can be left with no
     sealed checkpoint at all (seen in the kill tests). ``keep_last`` deletes only once the new
-    checkpoint is sealed, by step, each folder renamed away before it is removed."""
+    checkpoint is sealed and its files fsynced (so ``keep_last=1`` survives a power cut too),
+    by step, each folder renamed away before it is removed."""
 
     def __init__(self, keep_last: int | None = None) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):

@@ -127,6 +127,10 @@ class StageResult:
     code_changes: list[CodeChange] = field(default_factory=list)
     """Files of the model's code (or its factories) changed since training, staged anyway
     because the stage ships no code (a transformers model); recorded in its meta.json."""
+    warnings: list[str] = field(default_factory=list)
+    """What the user should know of a stage built anyway (05 prints each as a ``warning:``
+    line): a folder another tool wrote that looks like a checkpoint but has no seal, a file
+    staged from it with other hard links."""
 
 
 # -- refusals -----------------------------------------------------------------------------

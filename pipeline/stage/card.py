@@ -16,10 +16,11 @@ from typing import Any, Mapping, Sequence
 
 from huggingface_hub import ModelCard
 
-from ..errors import StageError
+from ..errors import FileChanged, StageError, shown
 from ..layout import CURVE_FILE
+from ..safe_read import HandedFolder, Seen
 from ..traces import INSTALL_HINT
-from .card_parts import card_data, fence, hash_section, load_section, number, printable, verify_section
+from .card_parts import card_data, code, fence, hash_section, load_section, number, printable, verify_section
 from .recipe import recipe_rows, selection_phrase
 
 __all__ = [
@@ -51,36 +52,42 @@ def read_user_sections(name: str, root: str | Path) -> str | None:
     if not real.is_relative_to(inside):
         linked = path.is_relative_to(inside)
         how = "is a link to a file outside" if linked else "is outside"
-        raise StageError(f"card.sections: {name} {how} {where} ({inside}); {fix}")
+        raise StageError(f"card.sections: {shown(name)} {how} {where} ({shown(inside)}); {fix}")
+    if real == inside:
+        raise StageError(
+            f"card.sections: {shown(name)} is not a regular file (a folder, device or pipe); {fix}"
+        )
+    relative = real.relative_to(inside).as_posix()
     try:
-        found = os.stat(real)
-        if not stat.S_ISREG(found.st_mode):
-            raise StageError(f"card.sections: {name} is not a regular file (a folder, device or pipe); {fix}")
-        # O_NOFOLLOW and O_NONBLOCK: a file swapped for a link or a pipe since is not followed or waited on.
-        handle = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(handle, "rb") as file:
-            opened = os.fstat(file.fileno())
-            if (opened.st_dev, opened.st_ino) != (found.st_dev, found.st_ino):
-                raise StageError(f"card.sections: {name} changed while it was read; run 05 again")
-            if opened.st_size > MAX_SECTIONS:
+        # Opened from the folder's descriptor, no link followed on the way, checked to be the
+        # file just looked at, read within its size: a swap for a link, a pipe or a device since
+        # is refused, never followed or waited on (pipeline.safe_read).
+        with HandedFolder(inside) as handed:
+            found = handed.lstat(relative)
+            if not stat.S_ISREG(found.st_mode):
                 raise StageError(
-                    f"card.sections: {name} is {opened.st_size:,} bytes, over the {MAX_SECTIONS // 1024} KiB "
+                    f"card.sections: {shown(name)} is not a regular file (a folder, device or pipe); {fix}"
+                )
+            if found.st_size > MAX_SECTIONS:
+                raise StageError(
+                    f"card.sections: {shown(name)} is {found.st_size:,} bytes, over the {MAX_SECTIONS // 1024} KiB "
                     "a card's own sections may have (a card is read by people): shorten it"
                 )
-            data = file.read(MAX_SECTIONS + 1)
+            with handed.open(relative, seen=Seen.of(found)) as file:
+                data = file.read()
+    except FileChanged:
+        raise StageError(f"card.sections: {shown(name)} changed while it was read; run 05 again") from None
     except FileNotFoundError:
         raise StageError(
-            f"card.sections: {name} not found (paths are relative to {where}); fix the path or set "
+            f"card.sections: {shown(name)} not found (paths are relative to {where}); fix the path or set "
             'card.sections to ""'
         ) from None
     except OSError as exc:
-        raise StageError(f"card.sections: {name} cannot be read ({exc.strerror or exc})") from None
-    if len(data) > MAX_SECTIONS:  # it grew after the size was checked
-        raise StageError(f"card.sections: {name} changed while it was read; run 05 again")
+        raise StageError(f"card.sections: {shown(name)} cannot be read ({exc.strerror or exc})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise StageError(f"card.sections: {name} is not UTF-8 text") from None
+        raise StageError(f"card.sections: {shown(name)} is not UTF-8 text") from None
 
 
 def render_curve(history: Mapping[str, Sequence[float]]) -> bytes | None:
@@ -411,7 +418,7 @@ def build_model_card(
             "written as `\\xNN`):\n\n" + fence(printable(sample), "text")
         )
     if meta["checks"]["nonfinite_tensors"]:
-        listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
+        listed = ", ".join(code(t) for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)

@@ -12,11 +12,13 @@ from typing import Any, Mapping
 
 from huggingface_hub import EvalResult, ModelCardData
 
+from ..errors import shown
 from ..layout import CODE_DIR
 
 __all__ = [
     "LOADER_MODULE",
     "card_data",
+    "code",
     "fence",
     "hash_section",
     "load_section",
@@ -37,6 +39,13 @@ def fence(text: str, language: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     ticks = "`" * max(3, longest + 1)
     return f"{ticks}{language}\n{text.rstrip()}\n{ticks}"
+
+
+def code(name: str) -> str:
+    """A name from a user's folder (a file, a tensor, a metric) as a card shows it: inert text
+    in a code span, on one line, that no Markdown or HTML in it can escape (:func:`shown`
+    writes line breaks, backticks and table bars as ``\\xNN``)."""
+    return f"`{shown(name)}`"
 
 
 def number(value: float) -> str:
@@ -214,7 +223,7 @@ def load_section(meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]]
 
 def hash_section(files: Mapping[str, Mapping[str, Any]]) -> str:
     rows = "\n".join(
-        f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |" for name, entry in sorted(files.items())
+        f"| {code(name)} | {entry['size']:,} | `{entry['sha256']}` |" for name, entry in sorted(files.items())
     )
     return (
         "## Files and SHA-256\n\n| file | bytes | SHA-256 |\n| --- | ---: | --- |\n" + rows + "\n\n"

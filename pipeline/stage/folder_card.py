@@ -10,6 +10,7 @@ model, the hash table, how to verify) are :mod:`.card`'s.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from huggingface_hub import ModelCard
@@ -17,6 +18,7 @@ from huggingface_hub import ModelCard
 from ..layout import CONFIG_FILE, INDEX_FILE
 from .card_parts import (
     card_data,
+    code,
     fence,
     hash_section,
     load_section,
@@ -29,9 +31,12 @@ from .card_parts import (
 __all__ = ["build_folder_card"]
 
 
-def _inline(text: str) -> str:
-    """``text`` as inline code that it cannot close early."""
-    return "`" + text.replace("`", "'") + "`"
+# A title shown as it is; any other name (a folder's, which may hold anything) as code.
+_PLAIN_TITLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _title(name: str) -> str:
+    return f"# {name}" if _PLAIN_TITLE.fullmatch(name) else f"# {code(name)}"
 
 
 def _weights_phrase(export: Mapping[str, Any]) -> str:
@@ -47,7 +52,7 @@ def _describe(meta: Mapping[str, Any]) -> str:
         return card["description"].strip()
     kind = f"transformers `{export['architecture']}`" if export["transformers"] else "PyTorch"
     return (
-        f"{_inline(meta['config']['model']['name'])} is a {kind} model with "
+        f"{code(meta['config']['model']['name'])} is a {kind} model with "
         f"{meta['model']['num_parameters']:,} parameters in {_weights_phrase(export)}. It was trained with "
         "another tool; its files were checked and staged by `scripts/05_stage.py --from-folder`, which knows "
         "what they hold, not how they were made."
@@ -75,9 +80,9 @@ def _metrics_section(meta: Mapping[str, Any]) -> str:
     metrics = meta["metrics"]
     if metrics is None:
         return "## Metrics\n\nNone were supplied with these weights, and none were computed when they were staged."
-    rows = "\n".join(f"| {name} | {number(value)} |" for name, value in metrics["values"].items())
+    rows = "\n".join(f"| {code(name)} | {number(value)} |" for name, value in metrics["values"].items())
     return (
-        f"## Metrics\n\nAs supplied by the publisher in {_inline(metrics['supplied'])}, for these weights; "
+        f"## Metrics\n\nAs supplied by the publisher in {code(metrics['supplied'])}, for these weights; "
         f"this pipeline did not compute them.\n\n| metric | value |\n| --- | --- |\n{rows}"
     )
 
@@ -91,13 +96,13 @@ def _source_section(meta: Mapping[str, Any]) -> str:
         else "It carried no seal, so nothing shows the folder was complete beyond what was checked here."
     )
     rows = "\n".join(
-        f"| {_inline(name)} | {entry['size']:,} | `{entry['sha256']}` |"
+        f"| {code(name)} | {entry['size']:,} | `{entry['sha256']}` |"
         for name, entry in source["files"].items()
     )
-    left_out = ", ".join(_inline(name) for name in source["left_out"]) or "nothing"
+    left_out = ", ".join(code(name) for name in source["left_out"]) or "nothing"
     step = f" It holds training step {meta['step']:,}." if meta["step"] is not None else ""
     return (
-        f"## Source\n\nStaged from the folder {_inline(source['folder'])}.{step} {seal} The weights were parsed "
+        f"## Source\n\nStaged from the folder {code(source['folder'])}.{step} {seal} The weights were parsed "
         "strictly as safetensors and scanned for NaN and infinite values. Files read from it:\n\n"
         f"| file | bytes | SHA-256 |\n| --- | ---: | --- |\n{rows}\n\n"
         f"Left out, never opened: {left_out}. No resume proof goes with these weights: how they were trained "
@@ -121,14 +126,14 @@ def build_folder_card(
         else _plainload_section(files, repo_id)
     )
     sections = [
-        f"# {meta['config']['model']['name']}",
+        _title(meta["config"]["model"]["name"]),
         _describe(meta),
         *([user_sections.strip()] if user_sections and user_sections.strip() else []),
         load,
         _metrics_section(meta),
     ]
     if meta["checks"]["nonfinite_tensors"]:
-        listed = ", ".join(f"`{t}`" for t in meta["checks"]["nonfinite_tensors"])
+        listed = ", ".join(code(t) for t in meta["checks"]["nonfinite_tensors"])
         sections.append(f"## Warning\n\nThese tensors hold NaN or infinite values: {listed}.")
     if signature_section:
         sections.append(signature_section)

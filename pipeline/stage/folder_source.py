@@ -1,9 +1,13 @@
 """Read a model folder that another tool wrote, strictly, for 05 ``--from-folder``.
 
 :func:`survey_folder` sorts out what the folder holds before any file is read, refusing what
-cannot be staged: an empty folder, a link out of it, weights that exist only as a pickle (never
-opened: loading one runs code), no weights, no ``config.json``. :func:`read_folder` then reads
-what is staged, each file once, hashed as read:
+cannot be staged: an empty folder, a link anywhere in it, weights that exist only as a pickle
+(never opened: loading one runs code), no weights or several without an index, no
+``config.json``. It notes what it saw of each file (device, inode, size). :func:`read_folder`
+then reads what is staged, each file once, from a descriptor of the folder
+(:mod:`pipeline.safe_read`): opened without following a link or waiting on a FIFO, checked to
+be the very file surveyed, read within its size; a file swapped in between is refused
+("changed while it was staged"). Each is hashed as read:
 
 - a ``meta.json`` must be a seal (:mod:`pipeline.integrations.seal`) that verifies in full, and
   every file read must still be the sealed bytes;
@@ -16,13 +20,16 @@ what is staged, each file once, hashed as read:
   generation files are kept as bytes, staged byte for byte.
 
 The training state (``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``, ``training_args.bin``,
-``trainer_state.json``) and anything else is left where it is, never opened.
+``trainer_state.json``) and anything else is left where it is, never opened. Warnings, for the
+script's ``warning:`` lines: a checkpoint-like folder that carries no seal, and a staged file
+with other hard links (its bytes may also be reachable from outside the folder).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +38,11 @@ import torch
 
 from ..checkpoint import CheckpointWeights, MappedTensors
 from ..durable import json_loads_strict
-from ..errors import SchemaMismatch, StageError, UnsealedCheckpoint
-from ..hashing import CHUNK, HashingWriter, sha256_bytes, sha256_file
-from ..integrations.seal import check_seal
+from ..errors import FileChanged, SchemaMismatch, StageError, UnsealedCheckpoint, shown
+from ..hashing import HashingWriter, sha256_bytes, sha256_file
+from ..integrations.seal import check_seal_in, checkpoint_number
 from ..layout import CONFIG_FILE, GENERATION_CONFIG_FILE, HUB_MODEL_FILE, INDEX_FILE, META_FILE
+from ..safe_read import HandedFile, HandedFolder, Seen
 
 __all__ = ["CARRIED_FILES", "FolderInventory", "FolderSource", "json_object", "read_folder", "survey_folder"]
 
@@ -79,62 +87,83 @@ class FolderInventory:
     """``config.json`` and the tokenizer and generation files present, staged byte for byte."""
     left_out: tuple[str, ...]
     """Everything else at the top of the folder (a folder's name ends in ``/``): never opened."""
+    seen: dict[str, Seen]
+    """What the survey saw of the folder (under ``"."``) and of each regular file at its top."""
+    checkpoint_like: str | None
+    """Why the folder looks like a trainer's checkpoint (its name, its training state), if it does."""
 
 
 # -- what the folder holds -------------------------------------------------------------------
 
 
-def _refuse_outside_links(folder: Path) -> None:
-    """A link anywhere in the folder must stay inside it (a link out could stage any file)."""
-    root = os.path.realpath(folder)
-    for parent, dirs, files in os.walk(folder):
-        for entry in dirs + files:
-            path = Path(parent) / entry
-            if path.is_symlink():
-                target = os.path.realpath(path)
-                if os.path.commonpath([root, target]) != root or target == root:
-                    raise StageError(
-                        f"{path} is a link to {target}, outside {folder}: copy the files into the folder "
-                        "(cp -rL) and stage the copy; nothing was staged"
-                    )
+def _refuse_links(folder: Path, listing: dict[str, os.stat_result]) -> None:
+    """No link anywhere in the folder: every file is read from the folder's own descriptor,
+    never through a link (one out of it could stage any file)."""
+    for name, info in listing.items():
+        if stat.S_ISLNK(info.st_mode):
+            path = folder / name
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            raise StageError(
+                f"{shown(path)} is a link to {shown(target)}: 05 reads the folder's plain files only, never through "
+                "a link; copy the files into a folder (cp -rL) and stage the copy; nothing was staged"
+            )
 
 
 def _pickle_refusal(folder: Path, name: str) -> StageError:
     return StageError(
-        f"{folder / name} is a pickle, and pickles are never loaded here (loading one runs code): convert "
+        f"{shown(folder / name)} is a pickle, and pickles are never loaded here (loading one runs code): convert "
         "the model where you trust it, e.g. AutoModel.from_pretrained(DIR).save_pretrained(NEW_DIR) writes "
         "model.safetensors, then stage NEW_DIR; nothing was staged"
     )
+
+
+def _checkpoint_like(folder: Path, files: set[str]) -> str | None:
+    if checkpoint_number(folder.name) is not None:
+        return f"its name, {shown(folder.name)}"
+    state = sorted(name for name in files if _TRAINING_STATE.fullmatch(name))
+    return f"it holds {state[0]}" if state else None
 
 
 def survey_folder(folder: Path) -> FolderInventory:
     """What ``folder`` (a real path, links resolved) holds, from the names alone: what will be
     read and what is left out; or the refusal of a folder that cannot be staged."""
     if not folder.is_dir():
-        raise StageError(f"--from-folder {folder} is not a folder")
-    entries = sorted(os.listdir(folder))
-    if not entries:
-        raise StageError(f"{folder} is empty: there is nothing to stage")
-    _refuse_outside_links(folder)
-    files = {name for name in entries if (folder / name).is_file()}
-    special = sorted(n for n in entries if not (folder / n).is_file() and not (folder / n).is_dir())
+        raise StageError(f"--from-folder {shown(folder)} is not a folder")
+    try:
+        with HandedFolder(folder) as handed:
+            itself = Seen.of(handed.info)
+            listing = dict(handed.walk())
+    except FileChanged as exc:
+        raise StageError(f"{exc}; nothing was staged") from None
+    top = {name: info for name, info in listing.items() if "/" not in name}
+    if not top:
+        raise StageError(f"{shown(folder)} is empty: there is nothing to stage")
+    _refuse_links(folder, listing)
+    files = {name for name, info in top.items() if stat.S_ISREG(info.st_mode)}
+    special = sorted(
+        n for n, info in top.items() if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode)
+    )
     if special:
-        raise StageError(f"{folder / special[0]} is not a plain file or folder; nothing was staged")
+        raise StageError(f"{shown(folder / special[0])} is not a plain file or folder; nothing was staged")
     safetensors = sorted(name for name in files if name.endswith(".safetensors"))
     index = None
     if INDEX_FILE in files:
         if HUB_MODEL_FILE in files:
             raise StageError(
-                f"{folder} holds both {HUB_MODEL_FILE} and {INDEX_FILE}: which are the weights? Remove the "
+                f"{shown(folder)} holds both {HUB_MODEL_FILE} and {INDEX_FILE}: which are the weights? Remove the "
                 "one that is stale; nothing was staged"
             )
         index, weights = INDEX_FILE, ()  # the shards are read from the index, once it is hashed
-    elif HUB_MODEL_FILE in files or len(safetensors) == 1:
-        weights = (HUB_MODEL_FILE if HUB_MODEL_FILE in files else safetensors[0],)
+    elif len(safetensors) == 1:
+        weights = (safetensors[0],)
     elif safetensors:
+        listed = ", ".join(shown(name) for name in safetensors[:3]) + (", …" if len(safetensors) > 3 else "")
         raise StageError(
-            f"{folder} holds {len(safetensors)} .safetensors files and no {INDEX_FILE} naming them; "
-            "nothing was staged"
+            f"{shown(folder)} holds {len(safetensors)} .safetensors files ({listed}) and no {INDEX_FILE} naming "
+            "them: which are the weights? Keep one, or the shards and their index; nothing was staged"
         )
     else:
         pickles = [
@@ -143,30 +172,40 @@ def survey_folder(folder: Path) -> FolderInventory:
         if pickles:
             raise _pickle_refusal(folder, pickles[0])
         raise StageError(
-            f"{folder} holds no weights ({HUB_MODEL_FILE}, or shards and {INDEX_FILE}); nothing was staged"
+            f"{shown(folder)} holds no weights ({HUB_MODEL_FILE}, or shards and {INDEX_FILE}); nothing was staged"
         )
     if CONFIG_FILE not in files:
         raise StageError(
-            f"{folder} has no {CONFIG_FILE}: the Hub's tools need one beside the weights (save_pretrained "
+            f"{shown(folder)} has no {CONFIG_FILE}: the Hub's tools need one beside the weights (save_pretrained "
             "writes it); nothing was staged"
         )
     carried = (CONFIG_FILE, *(name for name in CARRIED_FILES if name in files))
     read = {*weights, *carried, *((index,) if index else ())}
     left_out = tuple(
-        f"{name}/" if (folder / name).is_dir() else name
-        for name in entries
+        f"{name}/" if stat.S_ISDIR(top[name].st_mode) else name
+        for name in sorted(top)
         if name not in read and name != META_FILE
     )
-    return FolderInventory(folder=folder, weights=weights, index=index, carried=carried, left_out=left_out)
+    return FolderInventory(
+        folder=folder,
+        weights=weights,
+        index=index,
+        carried=carried,
+        left_out=left_out,
+        seen={".": itself, **{name: Seen.of(top[name]) for name in sorted(files)}},
+        checkpoint_like=_checkpoint_like(folder, files),
+    )
 
 
-def _seal_of(folder: Path) -> dict[str, Any] | None:
+def _seal_of(handed: HandedFolder) -> dict[str, Any] | None:
     """The folder's seal, verified in full, or None without a meta.json. A meta.json that is
     not a seal that verifies is refused: it may be a damaged seal, never trusted or ignored."""
-    if not os.path.lexists(folder / META_FILE):
+    try:
+        handed.lstat(META_FILE)
+    except FileNotFoundError:
         return None
     try:
-        return check_seal(folder)
+        return check_seal_in(handed)
     except UnsealedCheckpoint as exc:
         raise StageError(f"{exc}; nothing was staged") from None
 
@@ -175,46 +214,92 @@ def _checked_entry(path: Path, entry: dict[str, Any], seal: dict[str, Any] | Non
     """``entry`` (the SHA-256 and size of the bytes read) if it is what the seal recorded."""
     if seal is not None and seal["files"].get(path.name) != entry:
         raise StageError(
-            f"{path} changed after it was sealed (its SHA-256 differs from meta.json); nothing was staged"
+            f"{shown(path)} changed after it was sealed (its SHA-256 differs from meta.json); nothing was staged"
         )
     return entry
 
 
-def _read_small(path: Path, seal: dict[str, Any] | None) -> tuple[bytes, dict[str, Any]]:
-    size = path.stat().st_size
-    if size > _MAX_SMALL_FILE:
-        raise StageError(f"{path} is {size:,} bytes, over the {_MAX_SMALL_FILE:,}-byte limit of such a file")
-    data = path.read_bytes()
-    return data, _checked_entry(path, {"sha256": sha256_bytes(data), "size": len(data)}, seal)
+class _Reader:
+    """The folder, opened once and checked against the survey, and what was read from it."""
+
+    def __init__(self, handed: HandedFolder, inventory: FolderInventory) -> None:
+        self.handed, self.inventory = handed, inventory
+        self.seal: dict[str, Any] | None = None
+        self.sources: dict[str, dict[str, Any]] = {}
+        self.warnings: list[str] = []
+
+    def open(self, name: str) -> HandedFile:
+        seen = self.inventory.seen[name]
+        if seen.links > 1:
+            self.warnings.append(
+                f"{shown(self.handed.path / name)} has {seen.links} hard links: the same bytes have another name, "
+                "maybe outside the folder; it was staged as read (check it is the file you meant)"
+            )
+        return self.handed.open(name, seen=seen)
+
+    def small(self, name: str) -> bytes:
+        path = self.handed.path / name
+        with self.open(name) as file:
+            if file.size > _MAX_SMALL_FILE:
+                raise StageError(
+                    f"{shown(path)} is {file.size:,} bytes, over the {_MAX_SMALL_FILE:,}-byte limit of such a file"
+                )
+            data = file.read()
+        self.sources[name] = _checked_entry(
+            path, {"sha256": sha256_bytes(data), "size": len(data)}, self.seal
+        )
+        return data
+
+    def copy_weights(self, name: str, target: Path) -> MappedTensors:
+        """Copy one weights file privately, hashing while copying; re-hash the copy from disk;
+        parse it with the strict parser. Every later read is of this copy."""
+        source = self.handed.path / name
+        with self.open(name) as src, HashingWriter(target) as out:
+            for chunk in src.chunks():
+                out.write(chunk)
+        self.sources[name] = _checked_entry(source, {"sha256": out.sha256, "size": out.size}, self.seal)
+        if sha256_file(target) != out.sha256:
+            raise StageError(f"the copy of {shown(source)} reads back with another SHA-256: check the disk")
+        try:
+            return MappedTensors(target)
+        except SchemaMismatch as exc:
+            rule = str(exc).partition("is not a valid safetensors file: ")[2] or str(exc)
+            raise StageError(
+                f"{shown(source)} is not a valid safetensors file ({rule}); nothing was staged"
+            ) from None
 
 
 def json_object(data: bytes, path: Path) -> dict[str, Any]:
     try:
         value = json_loads_strict(data)
     except ValueError as exc:
-        raise StageError(f"{path} is not valid JSON ({exc}); nothing was staged") from None
+        raise StageError(f"{shown(path)} is not valid JSON ({exc}); nothing was staged") from None
     if not isinstance(value, dict):
-        raise StageError(f"{path} must hold a JSON object; nothing was staged")
+        raise StageError(f"{shown(path)} must hold a JSON object; nothing was staged")
     return value
 
 
-def _shard_names(index: dict[str, Any], path: Path, folder: Path) -> tuple[dict[str, str], tuple[str, ...]]:
-    """The index's ``weight_map`` and the shard files it names, each present in the folder."""
+def _shard_names(
+    index: dict[str, Any], path: Path, inventory: FolderInventory
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The index's ``weight_map`` and the shard files it names, each a regular file the survey saw."""
     weight_map = index.get("weight_map")
     if (
         not isinstance(weight_map, dict)
         or not weight_map
         or not all(isinstance(v, str) for v in weight_map.values())
     ):
-        raise StageError(f"{path} has no weight_map of tensor names to files; nothing was staged")
+        raise StageError(f"{shown(path)} has no weight_map of tensor names to files; nothing was staged")
     shards = tuple(sorted(set(weight_map.values())))
     for shard in shards:
         if not _WEIGHTS_NAME.fullmatch(shard):
             raise StageError(
-                f"{path} names {shard!r}, not a .safetensors file of the folder; nothing was staged"
+                f"{shown(path)} names {shown(repr(shard))}, not a .safetensors file of the folder; nothing was staged"
             )
-        if not (folder / shard).is_file():
-            raise StageError(f"{path} names {shard}, which is missing from {folder}; nothing was staged")
+        if shard not in inventory.seen:
+            raise StageError(
+                f"{shown(path)} names {shard}, which is missing from {shown(inventory.folder)}; nothing was staged"
+            )
     return weight_map, shards
 
 
@@ -232,48 +317,33 @@ class _Shards:
         self._files[self._owner[name]].release(name)
 
 
-def _copy_weights(
-    source: Path, target: Path, seal: dict[str, Any] | None
-) -> tuple[MappedTensors, dict[str, Any]]:
-    """Copy one weights file privately, hashing while copying; re-hash the copy from disk;
-    parse it with the strict parser. Every later read is of this copy."""
-    with open(source, "rb") as src, HashingWriter(target) as out:
-        while chunk := src.read(CHUNK):
-            out.write(chunk)
-    entry = _checked_entry(source, {"sha256": out.sha256, "size": out.size}, seal)
-    if sha256_file(target) != out.sha256:
-        raise StageError(f"the copy of {source} reads back with another SHA-256: check the disk")
-    try:
-        return MappedTensors(target), entry
-    except SchemaMismatch as exc:
-        rule = str(exc).partition("is not a valid safetensors file: ")[2] or str(exc)
-        raise StageError(f"{source} is not a valid safetensors file ({rule}); nothing was staged") from None
-
-
-def _open_weights(
-    inventory: FolderInventory, scratch: Path, seal: dict[str, Any] | None, sources: dict[str, dict[str, Any]]
-) -> CheckpointWeights:
-    """The folder's weights from verified private copies, one tensor at a time; ``sources``
-    gets the SHA-256 and size of every file read."""
+def _open_weights(reader: _Reader, scratch: Path) -> CheckpointWeights:
+    """The folder's weights from verified private copies, one tensor at a time; the reader's
+    ``sources`` get the SHA-256 and size of every file read."""
+    inventory = reader.inventory
     folder = inventory.folder
     weight_map: dict[str, str] | None = None
     names = inventory.weights
     if inventory.index is not None:
-        data, sources[inventory.index] = _read_small(folder / inventory.index, seal)
+        index_path = folder / inventory.index
         weight_map, names = _shard_names(
-            json_object(data, folder / inventory.index), folder / inventory.index, folder
+            json_object(reader.small(inventory.index), index_path), index_path, inventory
         )
     mapped: dict[str, MappedTensors] = {}
     for name in names:
-        mapped[name], sources[name] = _copy_weights(folder / name, scratch / name, seal)
+        mapped[name] = reader.copy_weights(name, scratch / name)
     if weight_map is None:
         (only,) = names
+        if not mapped[only].specs:
+            raise StageError(
+                f"{shown(folder / only)} holds no tensors: there are no weights to stage; nothing was staged"
+            )
         return CheckpointWeights(
             mapped[only],
             scratch / only,
-            sources[only],
+            reader.sources[only],
             [mapped[only]],
-            origin=str(folder / only),
+            origin=shown(folder / only),
             record=None,
         )
     owner: dict[str, str] = {}
@@ -281,28 +351,28 @@ def _open_weights(
         for tensor in tensors.specs:
             if tensor in owner:
                 raise StageError(
-                    f"tensor {tensor} is listed twice, in {folder / owner[tensor]} and {folder / shard}; "
-                    "nothing was staged"
+                    f"tensor {shown(tensor)} is listed twice, in {shown(folder / owner[tensor])} and "
+                    f"{shown(folder / shard)}; nothing was staged"
                 )
             owner[tensor] = shard
     for tensor, shard in sorted(owner.items()):
         if weight_map.get(tensor) != shard:
             raise StageError(
-                f"{folder / inventory.index} does not map tensor {tensor} to {shard}, which holds it; "
+                f"{shown(folder / inventory.index)} does not map tensor {shown(tensor)} to {shard}, which holds it; "
                 "nothing was staged"
             )
     unheld = sorted(set(weight_map) - set(owner))
     if unheld:
         raise StageError(
-            f"{folder / inventory.index} maps tensor {unheld[0]} to {weight_map[unheld[0]]}, which does not "
-            "hold it; nothing was staged"
+            f"{shown(folder / inventory.index)} maps tensor {shown(unheld[0])} to {weight_map[unheld[0]]}, which "
+            "does not hold it; nothing was staged"
         )
     return CheckpointWeights(
         _Shards(mapped, owner),
         None,
         None,
         list(mapped.values()),
-        origin=str(folder / INDEX_FILE),
+        origin=shown(folder / INDEX_FILE),
         record=None,
     )
 
@@ -319,7 +389,9 @@ def _model_facts(config: dict[str, Any], path: Path) -> tuple[bool, str | None]:
         and architectures
         and all(isinstance(a, str) and _CLASS_NAME.fullmatch(a) for a in architectures)
     ):
-        raise StageError(f"{path}: architectures must be a list of Python class names; nothing was staged")
+        raise StageError(
+            f"{shown(path)}: architectures must be a list of Python class names; nothing was staged"
+        )
     return isinstance(config.get("model_type"), str), architectures[0]
 
 
@@ -340,33 +412,52 @@ class FolderSource:
     """``config.json`` names a transformers model (``model_type`` and ``architectures``)."""
     architecture: str | None
     """Its first ``architectures`` class name, if any."""
+    warnings: tuple[str, ...]
+    """What the user should know, staged anyway: no seal on a checkpoint-like folder, hard links."""
 
 
 def read_folder(inventory: FolderInventory, scratch: Path) -> FolderSource:
     """Read what ``inventory`` stages: the seal checked, the weights copied into ``scratch``
-    (close ``weights`` when done), the small files as bytes, all hashed as read."""
+    (close ``weights`` when done), the small files as bytes, all hashed as read, each from
+    the file the survey saw (else "changed while it was staged")."""
     folder = inventory.folder
-    seal = _seal_of(folder)
-    sources: dict[str, dict[str, Any]] = {}
-    weights = _open_weights(inventory, scratch, seal, sources)
     try:
-        small = {}
-        for name in inventory.carried:
-            small[name], sources[name] = _read_small(folder / name, seal)
-            if name.endswith(".json"):
-                json_object(small[name], folder / name)
-        transformers, architecture = _model_facts(
-            json_object(small[CONFIG_FILE], folder / CONFIG_FILE), folder / CONFIG_FILE
+        with HandedFolder(folder, seen=inventory.seen["."]) as handed:
+            reader = _Reader(handed, inventory)
+            reader.seal = _seal_of(handed)
+            weights = _open_weights(reader, scratch)
+            try:
+                small = {}
+                for name in inventory.carried:
+                    small[name] = reader.small(name)
+                    if name.endswith(".json"):
+                        json_object(small[name], folder / name)
+                transformers, architecture = _model_facts(
+                    json_object(small[CONFIG_FILE], folder / CONFIG_FILE), folder / CONFIG_FILE
+                )
+            except BaseException:
+                weights.close()
+                raise
+    except FileChanged as exc:
+        raise StageError(
+            f"{shown(exc.path)} changed while it was staged ({exc.reason}): is another program writing the "
+            "folder? Nothing was staged"
+        ) from None
+    warnings = list(dict.fromkeys(reader.warnings))
+    if reader.seal is None and inventory.checkpoint_like is not None:
+        warnings.insert(
+            0,
+            f"{shown(folder)} looks like a trainer's checkpoint ({inventory.checkpoint_like}) but carries no seal: "
+            "nothing shows its save finished; staged as read. If you trust it, seal it first with "
+            "pipeline.integrations.seal.seal_checkpoint (docs/other-trainers.md)",
         )
-    except BaseException:
-        weights.close()
-        raise
     return FolderSource(
         inventory=inventory,
-        seal=seal,
+        seal=reader.seal,
         weights=weights,
         small=small,
-        sources=sources,
+        sources=reader.sources,
         transformers=transformers,
         architecture=architecture,
+        warnings=tuple(warnings),
     )

@@ -24,7 +24,7 @@ from typing import Any
 from ..audit import STAGE_SCHEMA, AuditedFile, audit_stage, stage_lock
 from ..config import Config, apply_overrides, config_from_dict
 from ..durable import atomic_folder, fsync_dir, json_bytes, recover, scratch_folder
-from ..errors import NonFiniteWeights, StageError
+from ..errors import NonFiniteWeights, StageError, shown
 from ..layout import (
     HUB_MODEL_FILE,
     INDEX_FILE,
@@ -36,6 +36,7 @@ from ..layout import (
 )
 from ..leaks import scan_secrets
 from ..repo_ids import hub_repo_id
+from ..safe_read import read_regular
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from .build import StageResult
 from .card import read_user_sections
@@ -75,17 +76,16 @@ class FolderStage:
 
 def _supplied_metrics(path: Path) -> dict[str, float]:
     try:
-        size = path.stat().st_size
-        if size > _MAX_METRICS:
-            raise StageError(f"--metrics {path} is {size:,} bytes, over the {_MAX_METRICS:,}-byte limit")
-        values = json_object(path.read_bytes(), path)
+        values = json_object(read_regular(path, _MAX_METRICS), path)
     except FileNotFoundError:
-        raise StageError(f"--metrics {path} not found") from None
+        raise StageError(f"--metrics {shown(path)} not found") from None
+    except ValueError as exc:  # a FIFO, a device, too large: refused before it is read
+        raise StageError(f"--metrics {shown(path)} {exc}") from None
     for name, value in values.items():
         if not (name and name.isprintable() and len(name) <= 100) or type(value) not in (int, float):
             raise StageError(
-                f"--metrics {path}: {name!r} must be a short metric name with a number, as Trainer.evaluate() "
-                "returns them"
+                f"--metrics {shown(path)}: {shown(repr(name))} must be a short metric name with a number, as "
+                "Trainer.evaluate() returns them"
             )
     return dict(sorted(values.items()))
 
@@ -190,7 +190,7 @@ def _report(read: FolderSource, audited: dict[str, AuditedFile]) -> list[Audited
     folder = read.inventory.folder
     how = "its seal, re-hashed while copied" if read.seal is not None else "hashed while copied (no seal)"
     source = [
-        AuditedFile(f"{folder}/{name}", entry["size"], entry["sha256"], how)
+        AuditedFile(shown(f"{folder}/{name}"), entry["size"], entry["sha256"], how)
         for name, entry in sorted(read.sources.items())
     ]
     notes = {
@@ -206,7 +206,8 @@ def _check_apart(folder: Path, stage: Path) -> None:
     source, target = Path(os.path.realpath(folder)), Path(os.path.realpath(stage))
     if source == target or source.is_relative_to(target) or target.is_relative_to(source):
         raise StageError(
-            f"the stage {stage} and the folder {folder} overlap: pass a --stage outside it; nothing was staged"
+            f"the stage {shown(stage)} and the folder {shown(folder)} overlap: pass a --stage outside it; "
+            "nothing was staged"
         )
 
 
@@ -255,4 +256,5 @@ def stage_folder(config: Config, build: FolderStage) -> StageResult:
         report=_report(read, audited),
         nonfinite=nonfinite,
         with_metrics=build.metrics is not None,
+        warnings=list(read.warnings),
     )

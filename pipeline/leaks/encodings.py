@@ -120,7 +120,8 @@ MEMMEM_MIN = 1 << 20
 
 
 def _finder(marks: bytes | bytearray) -> Callable[[bytes, int], int]:
-    """``marks.find(needle, start)``, by ``memmem`` on a large bytearray."""
+    """``marks.find(needle, start)``, by ``memmem`` on a large bytearray (``find`` slows down
+    on marks: most needles repeat one letter)."""
     if MEMMEM is None or not isinstance(marks, bytearray) or len(marks) < MEMMEM_MIN:
         return marks.find
     window = (ctypes.c_char * len(marks)).from_buffer(marks)

@@ -46,8 +46,8 @@ _BASE64_MARKS = bytes(
 _HEX_MARKS = bytes(ord("a") if chr(c) in "0123456789abcdefABCDEF" else ord(".") for c in range(256))
 _RUN_EXTENT = re.compile(b"a*")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
-# Between the decoded runs: a whole base64 group (3 NUL bytes), a whole hex byte (NUL), so each
-# run keeps its own alignment in one decoding call.
+# Between the runs of an encoding: a whole base64 group (3 NUL bytes, 2 at least whatever the
+# alignment), a whole hex byte (NUL), so each run keeps its place in a group.
 _BASE64_GAP = b"AAAA"
 _HEX_GAP = b"00"
 
@@ -102,20 +102,15 @@ def encoded_runs(data: bytes) -> tuple[bytes, bytes]:
     characters of its alphabet (``blob_aGZf…``, ``a6866…``) or cut by a read's seam decodes
     right at one of them. The bytes decoded next to a credential are noise from the glued
     characters: they are searched with patterns without word boundaries (``LeakKind.decoded``)."""
+    # Each run completed to whole groups (its last bytes come out; a lone last character makes
+    # one byte of noise) and all joined by whole groups: one decoding per alignment, the runs
+    # moved to it together by the characters put in front.
     base64 = _runs(data, _BASE64_MARKS, _BASE64_RUN)
-    decoded = []
-    for shift in range(4):
-        groups = []
-        for run in base64:
-            part = run[shift:]
-            part = part[: len(part) - (len(part) % 4 == 1)]  # a lone last character holds no byte
-            groups.append(part + b"A" * (-len(part) % 4))  # the last group completed: its bytes come out
-        decoded.append(binascii.a2b_base64(_BASE64_GAP.join(groups).translate(_URL_SAFE)))
+    joined = _BASE64_GAP.join(run + b"A" * (-len(run) % 4) for run in base64).translate(_URL_SAFE)
+    decoded = [binascii.a2b_base64(b"A" * lead + joined + b"A" * (-lead % 4)) for lead in range(4)]
     hexes = _runs(data, _HEX_MARKS, _HEX_RUN)
-    decoded_hex = [
-        binascii.a2b_hex(_HEX_GAP.join(run[shift : shift + (len(run) - shift) // 2 * 2] for run in hexes))
-        for shift in range(2)
-    ]
+    joined = _HEX_GAP.join(run + b"0" * (len(run) % 2) for run in hexes)
+    decoded_hex = [binascii.a2b_hex(b"0" * lead + joined + b"0" * lead) for lead in range(2)]
     return (
         SEPARATOR.join(decoded) if base64 else b"",
         SEPARATOR.join(decoded_hex) if hexes else b"",

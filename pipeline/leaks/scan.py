@@ -175,6 +175,7 @@ class FileScan:
         self._text: list[Rule] = literals + forms + kinds + machine
         # Runs of binary bytes and decoded runs are mostly noise, in which a short host name would
         # turn up by chance; decoded bytes next to a credential are noise too (no word boundaries).
+        # A value of this machine is found encoded by its forms; decoded, in mixed-case hex too.
         self._runs = literals + forms + kinds
         self._decoded = literals + [(kind.id, kind.what, kind.search_decoded, "") for kind in KINDS]
         self._literals = literals
@@ -278,7 +279,6 @@ class FileScan:
         for decoded, encoding in zip(encoded_runs(view), ("base64-encoded", "hex-encoded")):
             if decoded:
                 said = f"{how}, {encoding}" if how else encoding
-                self._search(self._literals, decoded, 0, len(decoded), said)
                 for stride, runs in text_runs(decoded, 0, len(decoded), STRIDES):
                     self._search(
                         self._decoded, runs, 0, len(runs), ", ".join(filter(None, (said, _WIDTHS[stride])))

@@ -27,6 +27,7 @@ from pipeline.leaks import KINDS, FileScan
 from support import one_line_error, run_script, script_env
 
 NOISE = random.Random(0).randbytes(4096)  # binary bytes around a planted string
+SAMPLES_OF = {kind.id: kind.examples for kind in KINDS}
 
 
 def machine(value: str):
@@ -111,14 +112,32 @@ def test_utf16_and_utf32_text_is_scanned_as_text(encoding, bom):
     data = (BOMS[encoding] if bom else b"") + text.encode(encoding)
     rule_set = rules(environ={"HF_TOKEN": value}, home="/home/alice", hostname="")
     width = encoding[:6].upper()
-    assert scan_bytes(data, rule_set) == {
-        "secret": f"the value of HF_TOKEN ({width})",
-        "github-token": f"a GitHub token ({width})",
-        "path": f"the home folder's path ({width})",
-    }
+    # Read whole, or in reads that split characters (with a byte order mark: without one, the
+    # first read is what tells the encoding; the audit's first read is 8 MiB or the whole file).
+    for chunk in (None, 4097, *((7,) if bom else ())):
+        assert scan_bytes(data, rule_set, chunk) == {
+            "secret": f"the value of HF_TOKEN ({width})",
+            "github-token": f"a GitHub token ({width})",
+            "path": f"the home folder's path ({width})",
+        }, chunk
     # Text is read as text: what a reader would see decoded is found too.
     escaped = ("see \\u0068" + SAMPLES["hf-token"][1][1:] + "\n").encode(encoding)
     assert scan_bytes(BOMS[encoding] + escaped, rules()) == {"hf-token": f"an hf_ token ({width}, escaped)"}
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_utf16_and_utf32_strings_inside_other_bytes_are_found(encoding):
+    """A wide string in a binary format, or in a UTF-8 text file, the secret ending it."""
+    value = f"plain-{secrets.token_hex(10)}"
+    _, github = SAMPLES["github-token"]
+    wide = f"owner={value};token={github}".encode(encoding)
+    width = encoding[:6].upper()
+    notes = b"# notes\n" + b"plain words of a UTF-8 text\n" * 100
+    for data in (NOISE + b"\x01" + wide + b"\xff" + NOISE, notes + wide + b"\nend\n"):
+        assert scan_bytes(data, machine(value)) == {
+            "secret": f"the value of HF_TOKEN ({width})",
+            "github-token": f"a GitHub token ({width})",
+        }
 
 
 def test_harmless_text_in_utf16_and_binary_carriers_passes():
@@ -148,6 +167,10 @@ def test_a_text_file_holding_a_nul_byte_is_still_scanned_as_text(where):
             found = scan_bytes(head + f"\n{example}\n".encode(), machine_rules)
             assert kind.id in found, (kind.id, example[:12], found)
     assert "path" in scan_bytes(head + b"\nsaved from /home/alice/data\n", machine_rules)
+    padded = head.replace(b"\n", b"\0\n")  # a NUL ending every line: still text
+    assert scan_bytes(padded + b"saved from /home/alice/data\n", machine_rules) == {
+        "path": "the home folder's path"
+    }
     assert "hf-token" in scan_bytes(head + b"\nhf%5f" + SAMPLES["hf-token"][1][3:].encode(), machine_rules)
 
 
@@ -190,7 +213,7 @@ def test_this_machines_short_values_are_found_in_every_encoding_at_every_alignme
 def test_a_secret_across_a_read_seam_is_found_in_every_encoding_and_carrier():
     value = f"plain-{secrets.token_hex(6)}"
     _, gitlab = SAMPLES["gitlab-token"]
-    both = f"{gitlab} {value}"
+    both = f"{gitlab} {value} {SAMPLES['anthropic-key'][1]}"  # a long key: 111 characters
     rule_set = machine(value)
     texts = {
         "plain": both,
@@ -203,6 +226,7 @@ def test_a_secret_across_a_read_seam_is_found_in_every_encoding_and_carrier():
         "text": lambda text: ("x " * 3000 + text + " tail\n").encode(),
         "UTF-16 text": lambda text: b"\xff\xfe" + ("x " * 3000 + text + " tail\n").encode("utf-16-le"),
         "int32 tensor": lambda text: weights(np.array([ord(c) for c in "x " * 3000 + text], np.int32)),
+        "int64 tensor": lambda text: weights(np.array([ord(c) for c in "x " * 3000 + text], np.int64)),
         "binary": lambda text: NOISE + b"\0" + text.encode() + b"\0" + NOISE,
     }
     missed = []
@@ -212,7 +236,7 @@ def test_a_secret_across_a_read_seam_is_found_in_every_encoding_and_carrier():
             start, width = _planted_at(carrier, data, text), _width(carrier)
             for cut in (1, len(text) // 3, len(text) // 2, len(text) - 2):
                 found = fed_in_two(data, rule_set, start + cut * width)
-                if not {"gitlab-token", "secret"} <= set(found):
+                if not {"gitlab-token", "secret", "anthropic-key"} <= set(found):
                     missed.append(f"{how} in {carrier}, cut at {cut}: {sorted(found)}")
     assert missed == []
 
@@ -231,7 +255,7 @@ def test_a_long_base64_run_cut_by_a_read_seam_is_decoded_at_its_alignment_on_bot
 
 
 def _width(carrier: str) -> int:
-    return {"UTF-16 text": 2, "int32 tensor": 4}.get(carrier, 1)
+    return {"UTF-16 text": 2, "int32 tensor": 4, "int64 tensor": 8}.get(carrier, 1)
 
 
 def _planted_at(carrier: str, data: bytes, text: str) -> int:
@@ -239,8 +263,8 @@ def _planted_at(carrier: str, data: bytes, text: str) -> int:
     width = _width(carrier)
     if width == 2:
         return data.index(text.encode("utf-16-le"))
-    if width == 4:
-        return data.index(np.array([ord(c) for c in text], np.int32).tobytes())
+    if width in (4, 8):
+        return data.index(np.array([ord(c) for c in text], np.int32 if width == 4 else np.int64).tobytes())
     return data.index(text.encode())
 
 
@@ -250,8 +274,10 @@ def _planted_at(carrier: str, data: bytes, text: str) -> int:
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.int64])
 def test_a_secret_held_in_an_integer_tensors_bytes_is_found(dtype):
     value = f"plain-{secrets.token_hex(8)}"
-    for kind in ("github-token", "openai-key", "database-url", "private-key"):
-        _, example = SAMPLES[kind]
+    pem_across_lines = next(example for example in SAMPLES_OF["private-key"] if "\n" in example)
+    for kind, example in [
+        (kind, SAMPLES[kind][1]) for kind in ("github-token", "openai-key", "database-url")
+    ] + [("private-key", pem_across_lines)]:
         text = f"{example}\n{value}"
         # As bytes (a uint8 buffer reinterpreted) and as one character code per element.
         as_bytes = np.frombuffer(text.encode().ljust(-(-len(text) // 8) * 8, b" "), dtype)

@@ -145,7 +145,8 @@ class FileScan:
     """One file's bytes streamed through the rules, in the order they are read.
 
     ``feed(buffer, n)`` searches ``buffer[:n]`` in place (bytes or bytearray: no copy) and the
-    seam it makes with the previous chunk. ``size`` is the file's size (a safetensors
+    seam it makes with the previous chunk; the first chunk tells how the file's text is encoded
+    (its first 8000 bytes, or all of a shorter file). ``size`` is the file's size (a safetensors
     header is checked against it). ``found`` maps each kind found to its words: a kind id of
     :data:`KINDS`, ``host-name``, or ``secret``/``path`` for what no entry may allow.
 
@@ -220,7 +221,7 @@ class FileScan:
         elif self._decoder is not None:
             decoded = self._decoder.decode(bytes(buffer[:n])).encode("utf-8", "replace")
             self._search_text_stream(decoded, len(decoded))
-        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT) : n])
+        self._tail = _kept(self._tail, buffer, n, self._overlap + _CONTEXT)
         self._position += n
 
     def _classify(self, buffer: bytes | bytearray, n: int) -> None:
@@ -264,7 +265,7 @@ class FileScan:
                 seam, max(0, len(self._text_tail) - self._text_overlap), len(seam), how=self._how
             )
         self._search_text(data, 0, n, how=self._how)
-        self._text_tail = bytes(data[max(0, n - self._text_overlap - _CONTEXT) : n])
+        self._text_tail = _kept(self._text_tail, data, n, self._text_overlap + _CONTEXT)
 
     def _search_text(
         self, buffer: bytes | bytearray, start: int, end: int, rules: list[Rule] | None = None, how: str = ""
@@ -302,6 +303,14 @@ class FileScan:
         if at < n:
             parts.append((at, n))
         return parts
+
+
+def _kept(tail: bytes, buffer: bytes | bytearray, n: int, keep: int) -> bytes:
+    """The last ``keep`` bytes of the stream so far: ``tail``, then ``buffer[:n]`` (reads
+    shorter than a seam keep the end of the ones before)."""
+    if n >= keep:
+        return bytes(buffer[n - keep : n])
+    return (tail + bytes(buffer[:n]))[-keep:]
 
 
 # The payload of a floating-point tensor is numbers: a token format there would be chance, and

@@ -211,7 +211,7 @@ def test_this_machines_short_values_are_found_in_every_encoding_at_every_alignme
 
 
 def test_a_secret_across_a_read_seam_is_found_in_every_encoding_and_carrier():
-    value = f"plain-{secrets.token_hex(6)}"
+    value = f"plain-{secrets.token_hex(80)}"  # long: 8 bytes a character, URL-encoded, 4 KB
     _, gitlab = SAMPLES["gitlab-token"]
     both = f"{gitlab} {value} {SAMPLES['anthropic-key'][1]}"  # a long key: 111 characters
     rule_set = machine(value)

@@ -7,7 +7,8 @@
 - :func:`text_runs`: the printable ASCII of binary bytes, one character every 1, 2, 4 or 8
   bytes: plain strings, UTF-16 and UTF-32 text of either byte order, an integer tensor
   holding character codes (int8/uint8, int16, int32, int64). Found by one ``translate`` and a
-  ``find`` per width (C loops at GB/s), so the scan keeps its speed on gigabytes of weights.
+  ``memmem`` per width (C loops at GB/s, no regular expression tried at every byte), so the
+  scan keeps its speed on gigabytes of weights.
 - :func:`literal_forms`: a literal secret as hex and base64 write it, wherever the encoding
   starts: the needles the scan searches text for, so a value of 8 bytes is found encoded
   (a decoded run would need 16 characters or more to be told from an identifier).
@@ -113,8 +114,8 @@ def _libc_memmem() -> Any:
 
 # A chunk of the weights is searched for each literal secret, and its marks for runs, by
 # ``memmem``, through ctypes, which releases the GIL for the call: a third of bytes.find's time
-# (a sixth on marks), and 06's audit hashes, reads and loads the Hub client on other threads
-# meanwhile. Smaller buffers (seams, text) keep bytes.find.
+# (a sixth for the runs' needles), and 06's audit hashes, reads and loads the Hub client on other
+# threads meanwhile. Smaller buffers (seams, text, where runs are many) keep bytes.find.
 MEMMEM = _libc_memmem()
 MEMMEM_MIN = 1 << 20
 

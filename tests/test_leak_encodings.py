@@ -133,7 +133,9 @@ def test_utf16_and_utf32_strings_inside_other_bytes_are_found(encoding):
     wide = f"owner={value};token={github}".encode(encoding)
     width = encoding[:6].upper()
     notes = b"# notes\n" + b"plain words of a UTF-8 text\n" * 100
-    for data in (NOISE + b"\x01" + wide + b"\xff" + NOISE, notes + wide + b"\nend\n"):
+    zeros = bytes(3000)  # padding: stretches of NUL bytes are skipped, not the strings next to them
+    padded = (zeros + wide + zeros, zeros + wide, wide + zeros)
+    for data in (NOISE + b"\x01" + wide + b"\xff" + NOISE, notes + wide + b"\nend\n", *padded):
         assert scan_bytes(data, machine(value)) == {
             "secret": f"the value of HF_TOKEN ({width})",
             "github-token": f"a GitHub token ({width})",

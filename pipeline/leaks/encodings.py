@@ -3,7 +3,7 @@
 - :func:`text_encoding`: a file's text encoding, from its first bytes: UTF-32 or UTF-16 by
   their byte order mark or, without one, by the NUL bytes ASCII leaves in every character;
   UTF-8 when nearly every byte is text, NUL bytes allowed (one NUL in a ``merges.txt`` does
-  not make it binary); None for binary bytes.
+  not make it binary) unless they are most of them; None for binary bytes.
 - :func:`text_runs`: the printable ASCII of binary bytes, one character every 1, 2, 4 or 8
   bytes: plain strings, UTF-16 and UTF-32 text of either byte order, an integer tensor
   holding character codes (int8/uint8, int16, int32, int64). Found by one ``translate`` and a
@@ -50,6 +50,15 @@ _PRINTABLE = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\r")
 _MARKS = bytes(ord("a") if c in _PRINTABLE else ord("z") if c == 0 else ord(".") for c in range(256))
 _UNITS = {stride: b"a" + b"z" * (stride - 1) for stride in STRIDES}
 _EXTENTS = {stride: re.compile(b"(?:" + unit + b")*") for stride, unit in _UNITS.items()}
+# The shortest run, up to its last character.
+_NEEDLES = {
+    stride: (unit * (_PLAIN_RUN if stride == 1 else _WIDE_RUN)).rstrip(b"z")
+    for stride, unit in _UNITS.items()
+}
+# Both memmem and find crawl through zeros (at a hundred MB/s) looking for a needle made mostly of
+# NUL marks: a wide run's is searched between stretches of zeros, which are skipped at GB/s.
+_ZEROS = b"z" * 64
+_ZEROS_EXTENT = re.compile(b"z*")
 _BIG_ENDIAN_LAST = re.compile(b"a")
 
 # Byte order marks, longest first (UTF-32LE's starts with UTF-16LE's); the codecs named read them.
@@ -71,12 +80,15 @@ def text_encoding(probe: bytes) -> str | None:
     for bom, encoding in _BOMS:
         if probe.startswith(bom):
             return encoding
-    if b"\0" in probe and (wide := _wide_encoding(probe)) is not None:
+    nuls = probe.count(0)
+    if nuls and (wide := _wide_encoding(probe)) is not None:
         return wide
-    # NUL bytes do not count: a stray one does not make text binary, and a reader skips it.
+    # NUL bytes do not count against text (a stray one does not make text binary, and a reader
+    # skips it) unless they are most of it: zeros are binary, searched fast as such.
     undecodable = probe.decode("utf-8", "replace").count("\ufffd")
     controls = len(probe) - len(probe.translate(None, _CONTROLS))
-    return "utf-8" if (undecodable + controls) * 1000 <= len(probe) * _NOT_TEXT_PER_MILLE else None
+    text = (undecodable + controls) * 1000 <= len(probe) * _NOT_TEXT_PER_MILLE
+    return "utf-8" if text and nuls * 2 <= len(probe) else None
 
 
 def _wide_encoding(probe: bytes) -> str | None:
@@ -120,33 +132,50 @@ MEMMEM = _libc_memmem()
 MEMMEM_MIN = 1 << 20
 
 
-def _finder(marks: bytes | bytearray) -> Callable[[bytes, int], int]:
-    """``marks.find(needle, start)``, by ``memmem`` on a large bytearray (``find`` slows down
-    on marks: most needles repeat one letter)."""
+def _finder(marks: bytes | bytearray) -> Callable[[bytes, int, int], int]:
+    """``marks.find(needle, start, end)``, by ``memmem`` on a large bytearray (``find`` slows
+    down on marks: most needles repeat one letter)."""
     if MEMMEM is None or not isinstance(marks, bytearray) or len(marks) < MEMMEM_MIN:
         return marks.find
     window = (ctypes.c_char * len(marks)).from_buffer(marks)
     base = ctypes.addressof(window)
 
-    def find(needle: bytes, start: int) -> int:
-        at = MEMMEM(base + start, len(window) - start, needle, len(needle))
+    def find(needle: bytes, start: int, end: int) -> int:
+        at = MEMMEM(base + start, max(0, end - start), needle, len(needle))
         return -1 if at is None else at - base
 
     return find
 
 
 def marked_runs(
-    marks: bytes | bytearray, unit: bytes, count: int, extent: re.Pattern[bytes]
+    marks: bytes | bytearray,
+    needle: bytes,
+    extent: re.Pattern[bytes],
+    start: int = 0,
+    end: int | None = None,
 ) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` of each run of ``marks`` made of ``count`` or more ``unit``s (``extent``
-    matches the units from a start): found by ``find`` rather than a regular expression, which
-    would try every position."""
-    needle, find = unit * count, _finder(marks)
-    at = find(needle, 0)
+    """``(first, last)`` of each run of ``marks`` that starts with ``needle`` (its shortest
+    form) in ``marks[start:end]`` and that ``extent`` matches from there: found by ``find``
+    rather than a regular expression, which would try every position."""
+    end = len(marks) if end is None else end
+    find = _finder(marks)
+    at = find(needle, start, end)
     while at >= 0:
-        end = extent.match(marks, at).end()  # type: ignore[union-attr] - `*` always matches
-        yield at, end
-        at = find(needle, end)
+        last = extent.match(marks, at).end()  # type: ignore[union-attr] - `*` always matches
+        yield at, last
+        at = find(needle, last, end)
+
+
+def _between_zeros(marks: bytes | bytearray) -> list[tuple[int, int]]:
+    """The parts of ``marks`` between stretches of 64 NUL marks or more."""
+    parts, at, find = [], 0, _finder(marks)
+    while (zeros := find(_ZEROS, at, len(marks))) >= 0:
+        if zeros > at:
+            parts.append((at, zeros))
+        at = _ZEROS_EXTENT.match(marks, zeros).end()  # type: ignore[union-attr] - `*` always matches
+    if at < len(marks):
+        parts.append((at, len(marks)))
+    return parts
 
 
 def text_runs(
@@ -164,10 +193,14 @@ def text_runs(
         if end - start == len(data)
         else (start, data[start:end].translate(_MARKS))
     )
+    between_zeros = _between_zeros(marks) if any(stride > 1 for stride in strides) else []
     for stride in strides:
         runs = []
-        minimum = _PLAIN_RUN if stride == 1 else _WIDE_RUN
-        for first, last in marked_runs(marks, _UNITS[stride], minimum, _EXTENTS[stride]):
+        parts = between_zeros if stride > 1 else [(0, len(marks))]
+        found = (
+            run for a, b in parts for run in marked_runs(marks, _NEEDLES[stride], _EXTENTS[stride], a, b)
+        )
+        for first, last in found:
             # Big-endian: the NULs come first, so the run found starts at the first character
             # and its last character has no NULs after it.
             if stride > 1 and _BIG_ENDIAN_LAST.match(marks, last) is not None:

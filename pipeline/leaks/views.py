@@ -92,7 +92,7 @@ def reader_view(data: bytes) -> tuple[bytes, tuple[str, ...]]:
 def _runs(data: bytes, marks: bytes, minimum: int) -> list[bytes]:
     """The distinct runs of ``minimum`` characters or more marked ``a`` (code and JSON repeat
     the same identifiers and keys many times)."""
-    found = marked_runs(data.translate(marks), b"a", minimum, _RUN_EXTENT)
+    found = marked_runs(data.translate(marks), b"a" * minimum, _RUN_EXTENT)
     return list(dict.fromkeys(data[first:last] for first, last in found))
 
 

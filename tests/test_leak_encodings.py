@@ -203,10 +203,8 @@ def test_this_machines_short_values_are_found_in_every_encoding_at_every_alignme
         for glue in ("", "a", "x_", "Qz9"):
             found = scan_bytes(f"note: {glue}{encoded}\n", rule_set)
             assert found.get("secret", "").startswith("the value of HF_TOKEN"), (how, glue, found)
-        found = scan_bytes(
-            NOISE[:999] + b"\0" + encoded.encode() + b"\0" + NOISE, rule_set
-        )  # in a binary file
-        assert "secret" in found, (how, "binary")
+        in_binary = NOISE[:999] + b"\0" + encoded.encode() + b"\0" + NOISE
+        assert "secret" in scan_bytes(in_binary, rule_set), (how, "in binary bytes")
 
 
 # -- secrets across a read's seam, in every encoding ------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import secrets
 import sys
 import urllib.parse
@@ -44,7 +45,7 @@ def test_a_secret_spanning_two_read_chunks_is_found(tmp_path, secret_kind):
     secret = HF_SHAPED if secret_kind == "hf_pattern" else literal
     # The file is read in CHUNK-sized reads: put the secret across the first boundary.
     start = CHUNK - len(secret) // 2
-    data = bytearray(b"\0" * (CHUNK + 4096))
+    data = bytearray(random.Random(0).randbytes(CHUNK + 4096))  # binary bytes
     data[start : start + len(secret)] = secret.encode()
     (tmp_path / "modelo.safetensors").write_bytes(bytes(data))
     message = refused(tmp_path, rules(environ={"HF_TOKEN": literal}))

@@ -34,17 +34,22 @@ class LeakKind:
     """Words for messages ("an AWS access key"); never the value."""
     pattern: re.Pattern[bytes]
     """What a value of this kind looks like (bounded context, at most ``OVERLAP`` bytes long)."""
+    decoded: re.Pattern[bytes]
+    """``pattern`` without its word boundaries, for bytes decoded from base64 or hex: the bytes
+    next to a decoded credential come from whatever text its encoding was glued to (noise), and
+    a boundary there would miss it. Chance matches in decoded noise are too rare to matter."""
     needles: tuple[bytes, ...]
     """Literals of which every match holds one, near its start: looked for first."""
     examples: tuple[str, ...]
     """Invented values of each form the pattern matches (the tests plant every one)."""
-    anywhere: bool = False
-    """Searched in binary files too (long, distinctive prefixes only)."""
     allowable: bool = True
     """May be allowed for a file by ``card.allow_leaks`` (a format can match a non-secret)."""
 
     def search(self, buffer: bytes | bytearray, start: int, end: int) -> bool:
         return near_needles(self.pattern, self.needles, buffer, start, end)
+
+    def search_decoded(self, buffer: bytes | bytearray, start: int, end: int) -> bool:
+        return near_needles(self.decoded, self.needles, buffer, start, end)
 
 
 def near_needles(
@@ -71,8 +76,13 @@ def near_needles(
     return False
 
 
+# A word boundary: a look-around that asks only what the neighbouring character is (one
+# character class). Dropped from the pattern searched in decoded bytes (``LeakKind.decoded``).
+_BOUNDARY = re.compile(rb"\(\?<?!\[(?:\\.|[^\]\\])*\]\)")
+
+
 def _kind(id: str, what: str, pattern: bytes, **fields: Any) -> LeakKind:  # noqa: A002 - the field's name
-    return LeakKind(id, what, re.compile(pattern), **fields)
+    return LeakKind(id, what, re.compile(pattern), re.compile(_BOUNDARY.sub(b"", pattern)), **fields)
 
 
 # Invented filler for the examples.
@@ -88,7 +98,6 @@ KINDS: tuple[LeakKind, ...] = (
         "hf-token",
         "an hf_ token",
         rb"hf_[A-Za-z0-9]{30,}",
-        anywhere=True,
         needles=(b"hf_",),
         examples=("hf" + "_" + _ALNUM + "Qa",),
     ),
@@ -102,7 +111,6 @@ KINDS: tuple[LeakKind, ...] = (
         + rb"){0,2}PRIVATE"
         + _GAP
         + rb"KEY-----",
-        anywhere=True,
         allowable=False,
         needles=(b"KEY-----",),
         examples=(
@@ -231,10 +239,11 @@ KINDS: tuple[LeakKind, ...] = (
         "a database URL with a password",
         rb"(?<![A-Za-z0-9+.-])(?:postgres(?:ql)?|mysql|mariadb|mongodb(?:\+srv)?|rediss?|amqps?|mssql"
         rb"|sqlserver|clickhouse|cockroachdb|oracle)(?:\+[A-Za-z0-9_]+)?://[^\s:/@'\"<>]*"
-        rb":(?![$<*])[^\s/@'\"<>]+@[A-Za-z0-9.-]+",
+        rb":(?!\$|<|\*)[^\s/@'\"<>]+@[A-Za-z0-9.-]+",
         needles=(b"://",),
         examples=(
             "postgresql" + "://trainer:" + "s3cr3t-Pw9" + "@db.example.com:5432/runs",
+            "postgres" + "://user:" + "Pa55word-x" + "@host/db",
             "mysql+pymysql" + "://u:" + "Hunter2x" + "@10.0.0.7/db",
             "mongodb+srv" + "://app:" + "Xk9pQ2w" + "@cluster0.example.net/?retryWrites=true",
             "redis" + "://:" + "cachePw77" + "@cache:6379/0",

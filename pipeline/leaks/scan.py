@@ -5,6 +5,7 @@ See the package docstring for what is refused where. Torch-free (the publish sid
 
 from __future__ import annotations
 
+import codecs
 import configparser
 import ctypes
 import os
@@ -17,6 +18,9 @@ from typing import Any, Callable, Mapping
 from ..errors import ConfigError, InternalError, SecretInStage
 from ..hashing import CHUNK
 from ..safetensors_header import DTYPE_SIZES, header_span, parse_header
+from .encodings import MEMMEM as _MEMMEM
+from .encodings import MEMMEM_MIN as _MEMMEM_MIN
+from .encodings import STRIDES, literal_forms, text_encoding, text_runs
 from .kinds import ALLOWABLE, BEFORE, HOST_NAME, KINDS, OVERLAP, near_needles
 from .views import encoded_runs, reader_view
 
@@ -48,7 +52,7 @@ SECRET_VARIABLES = (
 )
 # Shorter values would match by chance inside binary weights.
 _MIN_LITERAL_SECRET = 8
-# git's rule: a NUL byte in the first 8000 bytes makes a file binary.
+# How much of a file tells its text encoding (git reads as much to tell text from binary).
 _TEXT_PROBE = 8000
 _CONTEXT = 16  # bytes before the seam that look-behinds may read
 # Where a text file's text ends: nowhere.
@@ -61,6 +65,10 @@ _ORDER = {"secret": 0, **{kind.id: n for n, kind in enumerate(KINDS, 1)}, "path"
 
 Search = Callable[[Any, int, int], bool]
 """``search(buffer, start, end)``: whether a rule matches in ``buffer[start:end]``."""
+Rule = tuple[str, str, Search, str]
+"""``(kind, words, search, form)``: ``form`` says how the rule's value is written ("hex-encoded")."""
+# How the characters of a run lie in the bytes, in words ("" for plain bytes).
+_WIDTHS = {1: "", 2: "UTF-16", 4: "UTF-32", 8: "8 bytes a character"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,75 +145,100 @@ class FileScan:
     """One file's bytes streamed through the rules, in the order they are read.
 
     ``feed(buffer, n)`` searches ``buffer[:n]`` in place (bytes or bytearray: no copy) and the
-    seam it makes with the previous chunk. ``size`` is the file's size (a safetensors
+    seam it makes with the previous chunk; the first chunk tells how the file's text is encoded
+    (its first 8000 bytes, or all of a shorter file). ``size`` is the file's size (a safetensors
     header is checked against it). ``found`` maps each kind found to its words: a kind id of
     :data:`KINDS`, ``host-name``, or ``secret``/``path`` for what no entry may allow.
 
-    The text of a file is searched for every rule, as written and as its reader sees it
-    (:mod:`.views`): the whole of a text file, and the JSON header of a file shaped like
-    safetensors (its ``__metadata__`` and tensor names). The rest of a binary file is
-    searched for this machine's values in every byte and for the ``anywhere`` kinds outside
-    the floating-point tensors the strict parser (:mod:`pipeline.safetensors_header`) finds
-    in that header; a header it refuses marks no byte as numbers.
+    Every byte is searched for this machine's secret values. The text of a file is searched
+    for every rule, as written and as its reader sees it (:mod:`.views`): a text file whole
+    (UTF-8, whatever NUL bytes it holds; UTF-16 and UTF-32 decoded first), and the JSON header
+    of a file shaped like safetensors (its ``__metadata__`` and tensor names). Outside its
+    text and outside the floating-point tensors that the strict parser
+    (:mod:`pipeline.safetensors_header`) finds in that header, the printable runs of a file's
+    bytes (:func:`.encodings.text_runs`: strings of a binary format, UTF-16 or UTF-32 text,
+    integer tensors of character codes) are searched for this machine's values and the
+    credential formats. A header the parser refuses marks no byte as numbers.
     """
 
     def __init__(self, rules: LeakRules, *, size: int) -> None:
-        literals = [("secret", what, _literal(value)) for value, what in rules.secrets]
-        kinds = [(kind.id, kind.what, kind.search) for kind in KINDS]
+        literals = [("secret", what, _literal(value), "") for value, what in rules.secrets]
+        forms = [
+            ("secret", what, _any_needle(needles), how)
+            for value, what in rules.secrets
+            for how, needles in literal_forms(value)
+        ]
+        kinds = [(kind.id, kind.what, kind.search, "") for kind in KINDS]
         machine = [
-            (HOST_NAME if what == "the host name" else "path", what, _machine_word(value, what))
+            (HOST_NAME if what == "the host name" else "path", what, _machine_word(value, what), "")
             for value, what in rules.machine
         ]
-        self._text: list[tuple[str, str, Search]] = literals + kinds + machine
-        # Decoded runs are mostly random bytes, in which a short host name would turn up by chance.
-        self._decoded = literals + kinds
+        self._text: list[Rule] = literals + forms + kinds + machine
+        # Runs of binary bytes and decoded runs are mostly noise, in which a short host name would
+        # turn up by chance; decoded bytes next to a credential are noise too (no word boundaries).
+        # A value of this machine is found encoded by its forms; decoded, in mixed-case hex too.
+        self._runs = literals + forms + kinds
+        self._decoded = literals + [(kind.id, kind.what, kind.search_decoded, "") for kind in KINDS]
         self._literals = literals
-        self._binary = [(kind.id, kind.what, kind.search) for kind in KINDS if kind.anywhere]
         self._size = size
-        self._text_end: int | None = None  # file offset where the text ends (0: no text)
+        self._text_end: int | None = None  # file offset where the UTF-8 text ends (0: no text)
+        self._strides: tuple[int, ...] = STRIDES  # of the runs searched outside the text
+        self._decoder: codecs.IncrementalDecoder | None = None  # a UTF-16 or UTF-32 file's text
+        self._how = ""  # how the file's text is encoded, in words ("" for UTF-8)
         self._header: bytearray | None = None  # a safetensors header, while it is read
         self._numbers: list[tuple[int, int]] = []  # floating-point tensors: this machine's values only
         self._position = 0  # of the next chunk in the file
-        self._tail = b""
-        # A literal secret, even encoded (URL-encoding triples it), still fits in a seam.
-        self._overlap = max(
+        self._tail = b""  # the end of the previous chunk, as read
+        self._text_tail = b""  # the end of the text searched so far (UTF-8)
+        # A literal secret, even encoded (URL-encoding triples it), still fits in a seam of text;
+        # a run of bytes holds a character in up to 8 bytes.
+        self._text_overlap = max(
             [OVERLAP] + [3 * len(value) + BEFORE for value, _ in rules.secrets + rules.machine]
         )
+        self._overlap = max(STRIDES) * self._text_overlap
         self.found: dict[str, str] = {}
 
     def feed(self, buffer: bytes | bytearray, n: int) -> None:
         start = self._position
         if self._text_end is None:
-            self._text_end = self._text_extent(buffer, n)
+            self._classify(buffer, n)
         if self._header is not None:
             self._read_header(buffer, n)
-        text = max(0, min(n, self._text_end - start))  # buffer[:text] is text
-        # The seam: the end of the previous chunk (with a few bytes of left context) and the start of
-        # this one, as far as the text goes when it is text.
-        context = max(0, len(self._tail) - self._overlap)
-        if self._tail and text:
-            seam = self._tail + bytes(buffer[: min(text, self._overlap)])
-            self._search_text(seam, context, len(seam))
-        elif self._tail:
+        text = max(0, min(n, self._text_end - start))  # buffer[:text] is UTF-8 text
+        if self._tail:  # the seam: the end of the previous chunk (with left context) and this one's start
             seam = self._tail + bytes(buffer[: min(n, self._overlap)])
+            context = max(0, len(self._tail) - self._overlap)
             self._search(self._literals, seam, context, len(seam))
             for a, b in self._outside_numbers(start - len(self._tail), context, len(seam)):
-                self._search(self._binary, seam, a, b)
+                self._search_runs(seam, a, b, self._strides)
+        self._search(self._literals, buffer, 0, n)
+        # Plain runs of the text are the text itself, searched below; wide runs are not.
+        self._search_runs(buffer, 0, text, tuple(stride for stride in self._strides if stride > 1))
+        for a, b in self._outside_numbers(start, text, n):
+            self._search_runs(buffer, a, b, self._strides)
         if text:
-            self._search_text(buffer, 0, text)
-        if text < n:
-            self._search(self._literals, buffer, text, n)
-            for a, b in self._outside_numbers(start, text, n):
-                self._search(self._binary, buffer, a, b)
-        self._tail = bytes(buffer[max(0, n - self._overlap - _CONTEXT) : n])
+            self._search_text_stream(buffer, text)
+        elif self._decoder is not None:
+            decoded = self._decoder.decode(bytes(buffer[:n])).encode("utf-8", "replace")
+            self._search_text_stream(decoded, len(decoded))
+        self._tail = _kept(self._tail, buffer, n, self._overlap + _CONTEXT)
         self._position += n
 
-    def _text_extent(self, buffer: bytes | bytearray, n: int) -> int:
+    def _classify(self, buffer: bytes | bytearray, n: int) -> None:
+        """Where the file's text is and how it is encoded, from its first chunk."""
         end = header_span(bytes(buffer[: min(n, 9)]), self._size)
         if end is not None:  # shaped like safetensors: its header is text
             self._header = bytearray()
-            return end
-        return _ALL_OF_IT if buffer.find(b"\0", 0, min(n, _TEXT_PROBE)) < 0 else 0
+            self._text_end = end
+            return
+        encoding = text_encoding(bytes(buffer[: min(n, _TEXT_PROBE)]))
+        self._text_end = _ALL_OF_IT if encoding == "utf-8" else 0
+        if encoding is not None and encoding != "utf-8":
+            self._decoder = codecs.getincrementaldecoder(encoding)("replace")
+            self._how = encoding[:6].upper()  # "UTF-16", "UTF-32"
+        # A run of the file's own width is its text, searched decoded.
+        width = {"utf-8": 1, "utf-16": 2, "utf-32": 4}.get((encoding or "")[:6])
+        self._strides = tuple(stride for stride in STRIDES if stride != width)
 
     def _read_header(self, buffer: bytes | bytearray, n: int) -> None:
         """Collect the safetensors header (it starts the file); once whole, learn where the
@@ -218,22 +251,44 @@ class FileScan:
             self._numbers = _float_tensors(bytes(header), self._size)
             self._header = None
 
-    def _search(
-        self, checks: list[tuple[str, str, Search]], buffer: Any, start: int, end: int, how: str = ""
-    ) -> None:
-        for kind, what, search in checks:
+    def _search(self, checks: list[Rule], buffer: Any, start: int, end: int, how: str = "") -> None:
+        for kind, what, search, form in checks:
             if kind not in self.found and search(buffer, start, end):
-                self.found[kind] = f"{what} ({how})" if how else what
+                words = ", ".join(word for word in (how, form) if word)
+                self.found[kind] = f"{what} ({words})" if words else what
 
-    def _search_text(self, buffer: bytes | bytearray, start: int, end: int) -> None:
-        """Every rule, on the text ``buffer[start:end]`` as written and as a reader sees it."""
-        self._search(self._text, buffer, start, end)
+    def _search_text_stream(self, data: bytes | bytearray, n: int) -> None:
+        """The file's text ``data[:n]``, next after the text searched so far, and the seam between."""
+        if self._text_tail:
+            seam = self._text_tail + bytes(data[: min(n, self._text_overlap)])
+            self._search_text(
+                seam, max(0, len(self._text_tail) - self._text_overlap), len(seam), how=self._how
+            )
+        self._search_text(data, 0, n, how=self._how)
+        self._text_tail = _kept(self._text_tail, data, n, self._text_overlap + _CONTEXT)
+
+    def _search_text(
+        self, buffer: bytes | bytearray, start: int, end: int, rules: list[Rule] | None = None, how: str = ""
+    ) -> None:
+        """``rules`` (default: every rule) on the text ``buffer[start:end]``, as written and as a
+        reader sees it, and the base64 and hex runs in it decoded."""
+        rules = self._text if rules is None else rules
+        self._search(rules, buffer, start, end, how)
         view, changes = reader_view(bytes(buffer[start:end]))
         if changes:
-            self._search(self._text, view, 0, len(view), ", ".join(changes))
-        for decoded, how in zip(encoded_runs(view), ("base64-encoded", "hex-encoded")):
+            self._search(rules, view, 0, len(view), ", ".join((how, *changes) if how else changes))
+        for decoded, encoding in zip(encoded_runs(view), ("base64-encoded", "hex-encoded")):
             if decoded:
-                self._search(self._decoded, decoded, 0, len(decoded), how)
+                said = f"{how}, {encoding}" if how else encoding
+                for stride, runs in text_runs(decoded, 0, len(decoded), STRIDES):
+                    self._search(
+                        self._decoded, runs, 0, len(runs), ", ".join(filter(None, (said, _WIDTHS[stride])))
+                    )
+
+    def _search_runs(self, buffer: bytes | bytearray, start: int, end: int, strides: tuple[int, ...]) -> None:
+        """The printable runs of the bytes ``buffer[start:end]``, as text."""
+        for stride, runs in text_runs(buffer, start, end, strides):
+            self._search_text(runs, 0, len(runs), self._runs, _WIDTHS[stride])
 
     def _outside_numbers(self, start: int, first: int, n: int) -> list[tuple[int, int]]:
         """The parts of ``buffer[first:n]`` outside floating-point tensors, for a buffer that
@@ -248,6 +303,14 @@ class FileScan:
         if at < n:
             parts.append((at, n))
         return parts
+
+
+def _kept(tail: bytes, buffer: bytes | bytearray, n: int, keep: int) -> bytes:
+    """The last ``keep`` bytes of the stream so far: ``tail``, then ``buffer[:n]`` (reads
+    shorter than a seam keep the end of the ones before)."""
+    if n >= keep:
+        return bytes(buffer[n - keep : n])
+    return (tail + bytes(buffer[:n]))[-keep:]
 
 
 # The payload of a floating-point tensor is numbers: a token format there would be chance, and
@@ -290,22 +353,11 @@ def _machine_word(value: bytes, what: str):
     return search
 
 
-def _libc_memmem() -> Any:
-    """The C library's ``memmem`` (glibc, musl, the BSDs and macOS have it), or None."""
-    try:
-        memmem = ctypes.CDLL(None).memmem  # the symbols the interpreter is linked with: its C library
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows takes no None
-        return None
-    memmem.restype = ctypes.c_void_p
-    memmem.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
-    return memmem
+def _any_needle(needles: tuple[bytes, ...]) -> Search:
+    def search(buffer: bytes | bytearray, start: int, end: int) -> bool:
+        return any(buffer.find(needle, start, end) >= 0 for needle in needles)
 
-
-# A chunk of the weights is searched for each literal secret by ``memmem``, through ctypes, which
-# releases the GIL for the call: a third of bytes.find's time, and 06's audit hashes, reads and
-# loads the Hub client on other threads meanwhile. Smaller buffers (seams, text) keep bytes.find.
-_MEMMEM = _libc_memmem()
-_MEMMEM_MIN = 1 << 20
+    return search
 
 
 def _literal(value: bytes):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import binascii
 import re
 
+from .encodings import SEPARATOR, marked_runs
+
 __all__ = ["encoded_runs", "reader_view"]
 
 _URL = re.compile(rb"%([0-9A-Fa-f]{2})")
@@ -34,16 +36,20 @@ _INVISIBLE = re.compile(
     ).encode("utf-8")
 )
 _MARKERS = re.compile(rb"%[0-9A-Fa-f]{2}|\\[ux\\/\"'nrt]|&#|" + _INVISIBLE.pattern)
-# Runs long enough to hold the shortest credential (or a token value of this machine).
-_BASE64_RUN = re.compile(rb"[A-Za-z0-9+/_-]{20,}")
-_HEX_RUN = re.compile(rb"[0-9A-Fa-f]{32,}")
+# Runs long enough to hold the shortest credential (12 bytes: 16 base64 or 24 hex characters); a
+# value of this machine is searched as its own encodings (encodings.literal_forms), whatever its length.
+_BASE64_RUN = 16
+_HEX_RUN = 24
+_BASE64_MARKS = bytes(
+    ord("a") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "+/_-") else ord(".") for c in range(256)
+)
+_HEX_MARKS = bytes(ord("a") if chr(c) in "0123456789abcdefABCDEF" else ord(".") for c in range(256))
+_RUN_EXTENT = re.compile(b"a*")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
-# A run is decoded from each of its first characters (a credential's encoding may be glued to
-# other text of the alphabet, "token_aGZf…"); a longer one, a blob such as an embedded image,
-# from its start only: decoding it four times would cost more than the rest of the scan.
-_SHIFTED_RUN = 1024
-# Between decoded runs: no pattern may join the end of one with the start of the next.
-_SEPARATOR = b"\n\0\n"
+# Between the runs of an encoding: a whole base64 group (3 NUL bytes, 2 at least whatever the
+# alignment), a whole hex byte (NUL), so each run keeps its place in a group.
+_BASE64_GAP = b"AAAA"
+_HEX_GAP = b"00"
 
 
 def _character(code: int) -> bytes:
@@ -83,22 +89,29 @@ def reader_view(data: bytes) -> tuple[bytes, tuple[str, ...]]:
     return data, tuple(changed)
 
 
+def _runs(data: bytes, marks: bytes, minimum: int) -> list[bytes]:
+    """The distinct runs of ``minimum`` characters or more marked ``a`` (code and JSON repeat
+    the same identifiers and keys many times)."""
+    found = marked_runs(data.translate(marks), b"a" * minimum, _RUN_EXTENT)
+    return list(dict.fromkeys(data[first:last] for first, last in found))
+
+
 def encoded_runs(data: bytes) -> tuple[bytes, bytes]:
-    """(base64, hex): every long run of ``data`` decoded (at each alignment, if not a blob),
-    the decodings joined by a separator no pattern crosses. Standard and URL-safe base64,
-    padded or not."""
-    base64 = []
-    # Each distinct run once: code and JSON repeat the same identifiers and keys many times.
-    for run in dict.fromkeys(_BASE64_RUN.findall(data)):
-        run = run.translate(_URL_SAFE)
-        for shift in range(4) if len(run) <= _SHIFTED_RUN else (0,):
-            part = run[shift:]
-            # The last group, padded back ("=" ends no run); a lone last character holds no byte.
-            part = part[: len(part) - (len(part) % 4 == 1)]
-            part += b"=" * (-len(part) % 4)
-            base64.append(binascii.a2b_base64(part))
-    hexes = []
-    for run in dict.fromkeys(_HEX_RUN.findall(data)):
-        for shift in range(2) if len(run) <= _SHIFTED_RUN else (0,):
-            hexes.append(bytes.fromhex(run[shift : shift + (len(run) - shift) // 2 * 2].decode("ascii")))
-    return _SEPARATOR.join(base64), _SEPARATOR.join(hexes)
+    """(base64, hex): every long run of ``data`` decoded at each of its alignments (4 for
+    base64, standard or URL-safe, padded or not; 2 for hex), so an encoding glued to other
+    characters of its alphabet (``blob_aGZf…``, ``a6866…``) or cut by a read's seam decodes
+    right at one of them. The bytes decoded next to a credential are noise from the glued
+    characters: they are searched with patterns without word boundaries (``LeakKind.decoded``)."""
+    # Each run completed to whole groups (its last bytes come out; a lone last character makes
+    # one byte of noise) and all joined by whole groups: one decoding per alignment, the runs
+    # moved to it together by the characters put in front.
+    base64 = _runs(data, _BASE64_MARKS, _BASE64_RUN)
+    joined = _BASE64_GAP.join(run + b"A" * (-len(run) % 4) for run in base64).translate(_URL_SAFE)
+    decoded = [binascii.a2b_base64(b"A" * lead + joined + b"A" * (-lead % 4)) for lead in range(4)]
+    hexes = _runs(data, _HEX_MARKS, _HEX_RUN)
+    joined = _HEX_GAP.join(run + b"0" * (len(run) % 2) for run in hexes)
+    decoded_hex = [binascii.a2b_hex(b"0" * lead + joined + b"0" * lead) for lead in range(2)]
+    return (
+        SEPARATOR.join(decoded) if base64 else b"",
+        SEPARATOR.join(decoded_hex) if hexes else b"",
+    )

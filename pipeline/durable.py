@@ -15,6 +15,9 @@ Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the
 6. ``fsync_parent`` so the rename survives a power cut;
 7. ``remove_old``  the moved-aside folder.
 
+A SIGTERM or SIGINT that a script turns into an exception (:mod:`pipeline.stops`) waits from
+step 4 to step 7: it is raised once the new folder is in place and the old one gone, saying so.
+
 Each OS call goes through :func:`step` under one of the names in :data:`STEPS`, so a
 crash-point test can fail the protocol at each named step. :func:`recover` undoes what a
 crash between steps left behind.
@@ -43,6 +46,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from . import stops
 from .errors import InternalError, LockRefused, naming, shown
 from .hashing import HashingWriter
 
@@ -156,26 +160,32 @@ def atomic_folder(
             elif entry.is_dir():
                 step("fsync_temp", fsync_dir, entry)
         step("fsync_temp", fsync_dir, temporary)
-        previous = None
-        if os.path.lexists(dest):
-            if owned is None or not owned(dest):
-                raise FileExistsError(errno.EEXIST, "exists and was not built by this pipeline", str(dest))
-            previous = _sibling(dest, OLD_PREFIX)
-            step("move_aside", os.rename, dest, previous)
-        try:
-            step("rename", os.rename, temporary, dest)
-        except BaseException:
+        # From the move aside to the old folder's removal, a stop waits (stops.held): cut in
+        # between, it would leave the old folder beside the new one, or put it back over it.
+        with stops.held() as hold:
+            previous = None
+            if os.path.lexists(dest):
+                if owned is None or not owned(dest):
+                    raise FileExistsError(
+                        errno.EEXIST, "exists and was not built by this pipeline", str(dest)
+                    )
+                previous = _sibling(dest, OLD_PREFIX)
+                step("move_aside", os.rename, dest, previous)
+            try:
+                step("rename", os.rename, temporary, dest)
+            except BaseException:
+                if previous is not None:
+                    os.rename(previous, dest)
+                raise
+            hold.committed = True
+            step("fsync_parent", fsync_dir, dest.parent)
             if previous is not None:
-                os.rename(previous, dest)
-            raise
-        step("fsync_parent", fsync_dir, dest.parent)
+                step("remove_old", shutil.rmtree, previous)
     except BaseException as exc:
         shutil.rmtree(temporary, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno is not None and not exc.filename:
             exc.filename = str(temporary)  # a write through a descriptor names no path: name the folder
         raise
-    if previous is not None:
-        step("remove_old", shutil.rmtree, previous)
 
 
 def recover(dest: str | Path) -> list[Path]:

@@ -18,7 +18,7 @@ import yaml
 from test_hostile_folders import leftovers, stage, tiny_folder
 
 import pipeline.stage.from_folder as from_folder
-from pipeline.durable import fsync_tree
+from pipeline.durable import fsync_tree, remove_tree
 from pipeline.errors import FolderTooDeep, UnsealedCheckpoint
 from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
 from pipeline.stage.card_parts import card_data
@@ -26,7 +26,7 @@ from pipeline.stage.card_parts import card_data
 from support import PYTHON, REPO, one_line_error, run_script, script_env
 
 
-def nest(root: Path, depth: int) -> None:
+def make_nest(root: Path, depth: int) -> None:
     """``root/d/d/.../d``, ``depth`` folders deep, made through folder descriptors (a path
     that long, or os.makedirs's own recursion, would fail first)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -43,10 +43,18 @@ def nest(root: Path, depth: int) -> None:
         os.close(fd)
 
 
+@pytest.fixture
+def nest(tmp_path):
+    """:func:`make_nest`; the test's folder is removed after it, without recursion: pytest's own
+    removal of old temporary folders recurses once per level and would fail on these."""
+    yield make_nest
+    remove_tree(tmp_path)
+
+
 # -- a thousand folders deep --------------------------------------------------------------------------
 
 
-def test_05_refuses_a_folder_nested_a_thousand_deep_in_one_line(tmp_path):
+def test_05_refuses_a_folder_nested_a_thousand_deep_in_one_line(tmp_path, nest):
     """A left-out runs/ folder nested 1000 deep ended 05 in a 31-line RecursionError traceback."""
     folder = tiny_folder(tmp_path / "model")
     nest(folder / "runs", 1000)
@@ -65,7 +73,7 @@ def test_05_refuses_a_folder_nested_a_thousand_deep_in_one_line(tmp_path):
 
 
 def test_verified_checkpoint_and_the_seal_refuse_a_deep_folder_and_never_raise_out_of_a_trainer_run(
-    tmp_path, capsys
+    tmp_path, capsys, nest
 ):
     """verified_checkpoint raised RecursionError out of trainer.train(resume_from_checkpoint=...),
     seal_checkpoint too, and SealedCheckpoints.on_save ended the training run with it."""
@@ -96,7 +104,7 @@ def test_verified_checkpoint_and_the_seal_refuse_a_deep_folder_and_never_raise_o
     assert verified_checkpoint(output) == output / "checkpoint-1"
 
 
-def test_pruning_removes_an_old_checkpoint_nested_a_thousand_deep(tmp_path):
+def test_pruning_removes_an_old_checkpoint_nested_a_thousand_deep(tmp_path, nest):
     """shutil.rmtree recursed once per level (Python 3.11): the prune raised RecursionError."""
     output = tmp_path / "output"
     for step in (1, 2):

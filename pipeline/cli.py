@@ -85,6 +85,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     asking for more memory than there is) says so, exit 2. Whatever was being written is
     removed by the atomic writers before the error gets here. A traceback captured in another
     process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
+    A SIGTERM or SIGINT from the first line of ``main`` to the exit is one line saying what it
+    left, exit 128+N (:mod:`pipeline.stops`).
     """
     debug = DEBUG_FLAG in sys.argv[1:]
     stops.install()  # takes over from scripts/_bootstrap.py's handler (pipeline/stops.py)
@@ -93,7 +95,7 @@ def run_main(main: Callable[[], int | None]) -> None:
     except BaseException as exc:
         stops.finishing()
         _end(exc, debug)
-        raise  # not an expected failure: the interpreter prints its traceback
+        raise  # argparse's SystemExit, or an unexpected error: as it is
     stops.finishing()
     sys.exit(code or 0)
 

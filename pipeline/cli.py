@@ -5,21 +5,20 @@ The commands the pipeline prints (each repeats the config it was given) are
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from . import stops
 from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
 from .errors import CapturedTraceback, PipelineError, Preempted, Stopped, describe_os_error
+from .stops import stopping
 
 __all__ = [
     "add_config_arguments",
@@ -74,31 +73,6 @@ def config_from_args(args: argparse.Namespace, flag_overrides: dict[str, Any] | 
     return load_config(args.config, overrides)
 
 
-@contextlib.contextmanager
-def stopping(outcome: str) -> Iterator[None]:
-    """While in this block, SIGTERM and SIGINT raise :class:`~pipeline.errors.Stopped` in the
-    main thread, once: every ``finally`` and atomic writer on the way out runs, so a scratch
-    copy or a half-built folder is removed rather than left behind by a process killed
-    outright; a second signal during that clean-up is ignored. ``outcome`` ends the line
-    ``run_main`` prints (``error: stopped by SIGTERM; <outcome>``, exit 128 + N)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:
-        if not stops:
-            stops.append(signum)
-            raise Stopped(signum, outcome)
-
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's ``main``; expected failures print one line and exit non-zero, no traceback.
 
@@ -111,18 +85,32 @@ def run_main(main: Callable[[], int | None]) -> None:
     asking for more memory than there is) says so, exit 2. Whatever was being written is
     removed by the atomic writers before the error gets here. A traceback captured in another
     process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
+    A SIGTERM or SIGINT from the first line of ``main`` to the exit is one line saying what it
+    left, exit 128+N (:mod:`pipeline.stops`).
     """
     debug = DEBUG_FLAG in sys.argv[1:]
+    stops.install()  # takes over from scripts/_bootstrap.py's handler (pipeline/stops.py)
     try:
         code = main()
-    except Preempted as exc:
+    except BaseException as exc:
+        stops.finishing()
+        _end(exc, debug)
+        raise  # argparse's SystemExit, or an unexpected error: as it is
+    stops.finishing()
+    sys.exit(code or 0)
+
+
+def _end(exc: BaseException, debug: bool) -> None:
+    """Print ``exc`` as one line and exit with its code; return for anything else (SystemExit
+    from argparse, an unexpected exception: the caller re-raises it as it is)."""
+    if isinstance(exc, Preempted):
         # A requested stop that saved its checkpoint: reported as what it is, not as an error.
         line = str(exc).replace("\n", " ")
         if not exc.quiet:
             print(line, file=sys.stderr, flush=True)
         _tell_launcher(line)
         sys.exit(exc.exit_code)
-    except PipelineError as exc:
+    if isinstance(exc, PipelineError):
         if debug and isinstance(exc.__cause__, CapturedTraceback):
             print(exc.__cause__.text.rstrip("\n"), file=sys.stderr)
         elif debug and exc.__cause__ is not None:
@@ -132,22 +120,21 @@ def run_main(main: Callable[[], int | None]) -> None:
         else:  # another rank printed it; torchrun's report names it for this rank too
             _tell_launcher(_ERROR + str(exc).replace("\n", " "))
         sys.exit(getattr(exc, "exit_code", 2))
-    except OSError as exc:
+    if isinstance(exc, OSError):
         _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
         sys.exit(2)
-    except MemoryError as exc:
+    if isinstance(exc, MemoryError):
         _error(
             f"out of memory ({str(exc).strip() or 'an allocation failed'}): check the sizes in the config's "
             "data/model params"
         )
         sys.exit(2)
-    except Stopped as exc:
+    if isinstance(exc, Stopped):
         _error(str(exc))
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    if isinstance(exc, KeyboardInterrupt):
         _error("interrupted")
         sys.exit(130)
-    sys.exit(code or 0)
 
 
 _ERROR = "error: "

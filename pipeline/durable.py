@@ -15,6 +15,9 @@ Every folder the pipeline publishes to the user (a checkpoint ``step-…/``, the
 6. ``fsync_parent`` so the rename survives a power cut;
 7. ``remove_old``  the moved-aside folder.
 
+A SIGTERM or SIGINT that a script turns into an exception (:mod:`pipeline.stops`) waits from
+step 4 to step 7: it is raised once the new folder is in place and the old one gone, saying so.
+
 Each OS call goes through :func:`step` under one of the names in :data:`STEPS`, so a
 crash-point test can fail the protocol at each named step. :func:`recover` undoes what a
 crash between steps left behind.
@@ -43,8 +46,10 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import InternalError, LockRefused, naming, shown
+from . import stops
+from .errors import FileChanged, InternalError, LockRefused, naming, shown
 from .hashing import HashingWriter
+from .safe_read import HandedFolder
 
 __all__ = [
     "STEPS",
@@ -52,6 +57,7 @@ __all__ = [
     "naming",
     "fsync_dir",
     "fsync_tree",
+    "remove_tree",
     "atomic_folder",
     "recover",
     "scratch_folder",
@@ -101,27 +107,76 @@ def _fsync_file(path: Path) -> None:
 def fsync_tree(folder: Path) -> None:
     """Make a folder another tool wrote durable, as it is: every regular file under it, then
     every folder deepest first, then ``folder`` itself and its parent. Links and special
-    files are not followed nor synced (each file is opened ``O_NOFOLLOW|O_NONBLOCK``)."""
+    files are not followed nor synced (each file is opened ``O_NOFOLLOW|O_NONBLOCK``). The
+    folder is walked as handed over (:meth:`~pipeline.safe_read.HandedFolder.walk`: no link
+    entered, no recursion; one nested deeper than any model folder raises FolderTooDeep)."""
     folder = Path(folder)
-    for parent, dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            try:
-                fd = os.open(Path(parent) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENXIO):
-                    continue  # a link or a socket: nothing of ours to sync
-                raise
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    with naming(Path(parent) / name):
-                        os.fsync(fd)
-            finally:
-                os.close(fd)
-        for name in dirs:
-            if not os.path.islink(Path(parent) / name):
-                fsync_dir(Path(parent) / name)
+    with HandedFolder(folder) as handed:
+        entries = list(handed.walk())
+    for name, info in reversed(entries):  # every entry before the folder that holds it
+        path = folder / name
+        if stat.S_ISDIR(info.st_mode):
+            fsync_dir(path)
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
+                continue  # a link or a socket: nothing of ours to sync
+            raise
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                with naming(path):
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
     fsync_dir(folder)
     fsync_dir(folder.parent)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: Path) -> None:
+    """Remove the folder ``path`` and everything under it, as ``shutil.rmtree`` does, without
+    recursion (Python 3.11's recurses once per level: a folder nested a thousand deep raised
+    RecursionError) and on one descriptor: it goes down into each folder, never through a
+    link, and back up through ``..``, checked to be the folder it came from (else
+    :class:`~pipeline.errors.FileChanged`, and nothing outside is touched)."""
+    path = Path(path)
+    fd = os.open(path, _DIR_FLAGS)
+    way: list[tuple[str, tuple[int, int]]] = []  # each folder entered: its name, its parent's identity
+    try:
+        while True:
+            inner = None
+            for name in os.listdir(fd):
+                try:
+                    if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        inner = inner or name
+                    else:
+                        os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    continue  # gone meanwhile
+            if inner is not None:
+                here = os.fstat(fd)
+                child = os.open(inner, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                way.append((inner, (here.st_dev, here.st_ino)))
+                continue
+            if not way:
+                break
+            name, identity = way.pop()
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) != identity:
+                raise FileChanged(path, "moved while it was removed")
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
 
 
 def _sibling(dest: Path, prefix: str) -> Path:
@@ -156,26 +211,32 @@ def atomic_folder(
             elif entry.is_dir():
                 step("fsync_temp", fsync_dir, entry)
         step("fsync_temp", fsync_dir, temporary)
-        previous = None
-        if os.path.lexists(dest):
-            if owned is None or not owned(dest):
-                raise FileExistsError(errno.EEXIST, "exists and was not built by this pipeline", str(dest))
-            previous = _sibling(dest, OLD_PREFIX)
-            step("move_aside", os.rename, dest, previous)
-        try:
-            step("rename", os.rename, temporary, dest)
-        except BaseException:
+        # From the move aside to the old folder's removal, a stop waits (stops.held): cut in
+        # between, it would leave the old folder beside the new one, or put it back over it.
+        with stops.held() as hold:
+            previous = None
+            if os.path.lexists(dest):
+                if owned is None or not owned(dest):
+                    raise FileExistsError(
+                        errno.EEXIST, "exists and was not built by this pipeline", str(dest)
+                    )
+                previous = _sibling(dest, OLD_PREFIX)
+                step("move_aside", os.rename, dest, previous)
+            try:
+                step("rename", os.rename, temporary, dest)
+            except BaseException:
+                if previous is not None:
+                    os.rename(previous, dest)
+                raise
+            hold.committed = True
+            step("fsync_parent", fsync_dir, dest.parent)
             if previous is not None:
-                os.rename(previous, dest)
-            raise
-        step("fsync_parent", fsync_dir, dest.parent)
+                step("remove_old", shutil.rmtree, previous)
     except BaseException as exc:
         shutil.rmtree(temporary, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno is not None and not exc.filename:
             exc.filename = str(temporary)  # a write through a descriptor names no path: name the folder
         raise
-    if previous is not None:
-        step("remove_old", shutil.rmtree, previous)
 
 
 def recover(dest: str | Path) -> list[Path]:
@@ -209,7 +270,7 @@ _SCRATCH_ATTEMPTS = 5
 
 @contextlib.contextmanager
 def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
-    """A private working folder ``parent/.scratch-<role>-<hex>``, removed on exit, and locked
+    """A private working folder ``parent/.scratch-<role>-<hex>`` (mode 0700), removed on exit, and locked
     (``flock``) while it is in use. The scratch folders of ``role`` that a killed process left
     behind (nobody holds their lock) are removed first, so a SIGKILL never leaves a copy of
     the weights behind for good; those of a run still going are left alone."""
@@ -229,7 +290,7 @@ def scratch_folder(parent: str | Path, role: str) -> Iterator[Path]:
     # dead one and remove it: keep a folder only if it is still there, locked by us.
     for _ in range(_SCRATCH_ATTEMPTS):
         folder = parent / f"{SCRATCH_PREFIX}{role}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
-        step("mkdir", os.mkdir, folder)
+        step("mkdir", os.mkdir, folder, 0o700)  # its owner's alone: it holds copies of private weights
         fd = lock_folder(folder)
         if fd is not None:
             break

@@ -35,6 +35,7 @@ __all__ = [
     "NoCheckpoint",
     "UnsealedCheckpoint",
     "FileChanged",
+    "FolderTooDeep",
     "LockRefused",
     "Stopped",
     "LaunchMismatch",
@@ -245,6 +246,11 @@ class FileChanged(PipelineError):
         super().__init__(f"{shown(path)} changed while it was read ({reason})")
         self.path = Path(path)
         self.reason = reason
+
+
+class FolderTooDeep(PipelineError):
+    """A folder someone handed over nests folders deeper than any model or checkpoint folder
+    does (:data:`pipeline.safe_read.MAX_DEPTH`): refused rather than walked without bound."""
 
 
 class LockRefused(PipelineError):

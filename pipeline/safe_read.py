@@ -30,16 +30,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .errors import FileChanged, InternalError
+from .errors import FileChanged, FolderTooDeep, InternalError, shown
 from .hashing import CHUNK
 
-__all__ = ["HandedFile", "HandedFolder", "Seen", "read_regular"]
+__all__ = ["MAX_DEPTH", "HandedFile", "HandedFolder", "Seen", "read_regular"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # An open that meets a link: ELOOP for the last component, ENOTDIR for a link (or a file)
 # where a folder was expected.
 _LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
+# The deepest a handed-over folder may nest folders: a model or checkpoint folder nests a few.
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,32 +219,53 @@ class HandedFolder:
     def walk(self) -> Iterator[tuple[str, os.stat_result]]:
         """Every entry under the folder, depth first in name order: (relative POSIX path,
         ``lstat``). Folders are entered through descriptors opened without following a
-        link and checked to be the folder listed; links and other entries are not entered."""
-        yield from self._walk(self.fd, "")
+        link and checked to be the folder listed; links and other entries are not entered.
+        A folder nested more than :data:`MAX_DEPTH` deep raises :class:`FolderTooDeep`. The
+        walk keeps a stack, not the interpreter's (a thousand levels raised RecursionError),
+        and holds one descriptor per level it is in."""
+        stack: list[tuple[int, str, Iterator[str]]] = [(self.fd, "", iter(sorted(os.listdir(self.fd))))]
+        try:
+            while stack:
+                fd, prefix, names = stack[-1]
+                name = next(names, None)
+                if name is None:
+                    stack.pop()
+                    if fd != self.fd:
+                        os.close(fd)
+                    continue
+                try:
+                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone since it was listed: as if never there
+                relative = f"{prefix}{name}"
+                yield relative, info
+                if stat.S_ISDIR(info.st_mode):
+                    if len(stack) > MAX_DEPTH:
+                        raise FolderTooDeep(
+                            f"{shown(self.path)} nests folders more than {MAX_DEPTH} deep ({shown(relative)}): no "
+                            "model or checkpoint folder does"
+                        )
+                    child = self._enter(fd, name, relative, info)
+                    stack.append((child, f"{relative}/", iter(())))  # on the stack: closed if listing fails
+                    stack[-1] = (child, f"{relative}/", iter(sorted(os.listdir(child))))
+        finally:
+            for fd, _, _ in stack:
+                if fd != self.fd:
+                    os.close(fd)
 
-    def _walk(self, fd: int, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
-        names = sorted(os.listdir(fd))
-        for name in names:
-            try:
-                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # gone since it was listed: as if never there
-            relative = f"{prefix}{name}"
-            yield relative, info
-            if stat.S_ISDIR(info.st_mode):
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in _LINK_ERRNOS:
-                        raise FileChanged(self.path / relative, "now a link or not a folder") from None
-                    raise
-                try:
-                    entered = os.fstat(child)
-                    if (entered.st_dev, entered.st_ino) != (info.st_dev, info.st_ino):
-                        raise FileChanged(self.path / relative, "now another folder")
-                    yield from self._walk(child, f"{relative}/")
-                finally:
-                    os.close(child)
+    def _enter(self, fd: int, name: str, relative: str, info: os.stat_result) -> int:
+        """The descriptor of folder ``name`` of ``fd``, checked to be the folder listed."""
+        try:
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno in _LINK_ERRNOS:
+                raise FileChanged(self.path / relative, "now a link or not a folder") from None
+            raise
+        entered = os.fstat(child)
+        if (entered.st_dev, entered.st_ino) != (info.st_dev, info.st_ino):
+            os.close(child)
+            raise FileChanged(self.path / relative, "now another folder")
+        return child
 
 
 def read_regular(path: str | Path, limit: int) -> bytes:

@@ -166,9 +166,20 @@ def main() -> int:
         )
     elif args.sign_sigstore:
         signer = sigstore_signer()
-    with stopping("what was being staged was removed; an earlier stage is as it was"):
+    # A stop before the stage is in place undoes it; one as it is committed or after is told so.
+    built = (
+        f"the stage was built into {stage}/ before the stop; check it with: "
+        f"cd {stage} && sha256sum -c MANIFEST.sha256"
+    )
+    with stopping("what was being staged was removed; an earlier stage is as it was", committed=built):
         result = _stage(args, config, stage, signer)
-    record_stage_command(stage, sys.argv, result.files[MANIFEST_FILE].sha256)
+    with stopping(built):
+        _report(result, signer)
+    return 0
+
+
+def _report(result: StageResult, signer: StageSigner | None) -> None:
+    record_stage_command(result.stage, sys.argv, result.files[MANIFEST_FILE].sha256)
     for change in result.code_changes:
         print(
             f"warning: {change.describe()}; staged anyway, since this stage ships no code and the weights "
@@ -193,7 +204,6 @@ def main() -> int:
         print(
             f"signed: {result.stage}/model.sig, key fingerprint {signer.fingerprint or 'Sigstore identity'}"
         )
-    return 0
 
 
 def _stage(args: argparse.Namespace, config: Config, stage: Path, signer: StageSigner | None) -> StageResult:

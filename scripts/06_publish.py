@@ -39,7 +39,7 @@ from pathlib import Path
 from _bootstrap import project_imports
 
 with project_imports():
-    from pipeline.cli import run_main, script_command
+    from pipeline.cli import run_main, script_command, stopping
     from pipeline.config import DEFAULT_CONFIG_PATH, Config, load_config
     from pipeline.errors import PipelineError
     from pipeline.layout import RECEIPT_DIR, STAGE_DIR
@@ -200,7 +200,12 @@ def main() -> int:
         tag=args.tag,
         restage=args.restage,
     )
-    result = publish(publication, say=say)
+    # The one commit is atomic on the Hub: sent or not, a rerun finds out and never sends a second.
+    with stopping(
+        "anything half-written was removed; if the commit was sent, the same command run again finds it "
+        "on the branch and commits nothing twice"
+    ):
+        result = publish(publication, say=say)
     if result.status == "dry run":
         print(format_plan(result.plan))
         print("dry run: no write request was sent")

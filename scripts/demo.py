@@ -35,7 +35,7 @@ from pathlib import Path
 
 from _bootstrap import project_imports
 
-with project_imports():
+with project_imports(until_run_main=False):
     from localhub import LocalHubProcess
     from pipeline.checkpoint import LoadMode, load_checkpoint
     from pipeline.config import Config, load_config

@@ -230,7 +230,10 @@ def test_a_hostile_name_in_the_folder_is_inert_text_in_the_card_and_messages(tmp
     assert "<img" not in html and "Verified by Hugging Face</h2>" not in html
     assert not any(line.startswith("## Verified") for line in body.splitlines())
     shown_name = "`x\\x0a\\x0a## Verified by Hugging Face <img src=x onerror=alert(1)>`"
-    assert body.startswith(f"\n# {shown_name}\n")
+    # Its title and front matter name the model as a repository would be named; the folder's own
+    # name is shown as it is, inert, where the card says where the files came from.
+    assert body.startswith("\n# x-Verified-by-Hugging-Face-img-src-x-onerror-alert-1\n")
+    assert f"Staged from the folder {shown_name}." in body
     # A table bar or a backtick cannot end a table cell or a code span either.
     assert f"Left out, never opened: `a\\x7cb\\x60c.txt`, {shown_name}. " in body
     assert "`## Verified \\x60<img src=x onerror=alert(3)>\\x60\\x7cx`" in body  # the NaN tensor's warning

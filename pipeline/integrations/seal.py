@@ -29,15 +29,14 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..durable import fsync_dir, fsync_tree, json_loads_strict, write_json_atomic
-from ..errors import FileChanged, UnsealedCheckpoint, describe_os_error, shown
+from ..durable import fsync_dir, fsync_tree, json_loads_strict, remove_tree, write_json_atomic
+from ..errors import FileChanged, FolderTooDeep, PipelineError, UnsealedCheckpoint, describe_os_error, shown
 from ..layout import META_FILE
 from ..safe_read import HandedFolder, Seen
 
@@ -76,16 +75,19 @@ def _listing(handed: HandedFolder) -> dict[str, os.stat_result]:
     """Every file under the folder but its top-level meta.json: relative POSIX path -> its
     ``lstat``; a link or special file anywhere is refused (it could point outside the folder)."""
     files = {}
-    for name, info in handed.walk():
-        if stat.S_ISDIR(info.st_mode):
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsealedCheckpoint(
-                f"{shown(handed.path / name)} is a link or special file: a sealed folder holds plain files "
-                "and folders only"
-            )
-        if name != META_FILE:
-            files[name] = info
+    try:
+        for name, info in handed.walk():
+            if stat.S_ISDIR(info.st_mode):
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                raise UnsealedCheckpoint(
+                    f"{shown(handed.path / name)} is a link or special file: a sealed folder holds plain files "
+                    "and folders only"
+                )
+            if name != META_FILE:
+                files[name] = info
+    except FolderTooDeep as exc:
+        raise UnsealedCheckpoint(str(exc)) from None
     return files
 
 
@@ -173,7 +175,7 @@ def _parse_seal(handed: HandedFolder) -> dict[str, Any]:
     for name, entry in files.items():
         problem = _name_problem(name)
         if problem is not None:
-            raise UnsealedCheckpoint(f"{shown(path)} lists {shown(repr(name))}, which {problem}")
+            raise UnsealedCheckpoint(f"{shown(path)} lists '{shown(name)}', which {problem}")
         if not (
             isinstance(entry, dict)
             and set(entry) == _ENTRY_KEYS
@@ -297,9 +299,10 @@ def prune_checkpoints(newest: str | Path, keep_last: int, *, protect: str | Path
     folders beside it beyond the ``keep_last`` newest sealed ones up to ``newest`` (folders
     numbered above it, left by a run that was rolled back, are not counted nor touched; nor is
     ``protect``, e.g. the Trainer's best model). So an old checkpoint goes only after a new one
-    is complete, and durable: before anything is deleted, every file and folder of ``newest``
-    is fsynced (:func:`~pipeline.durable.fsync_tree`), so a power cut that keeps the deletion
-    keeps a checkpoint that verifies, even with ``keep_last=1``. Each is renamed to a hidden
+    is complete, verified and durable: before anything is deleted, ``newest`` must verify against
+    its seal (else :class:`~pipeline.errors.UnsealedCheckpoint`, nothing deleted) and every file
+    and folder of it is fsynced (:func:`~pipeline.durable.fsync_tree`), so a power cut that keeps
+    the deletion keeps a checkpoint that verifies, even with ``keep_last=1``. Each is renamed to a hidden
     name (the rename made durable), then removed: a crash midway never leaves a half-deleted
     ``checkpoint-N``, and what a crash left hidden is removed first. A folder without a seal
     (not sealed here) is never touched. Returns the names removed."""
@@ -312,7 +315,7 @@ def prune_checkpoints(newest: str | Path, keep_last: int, *, protect: str | Path
     parent = newest.parent
     for entry in sorted(parent.iterdir()):
         if _PRUNED.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+            remove_tree(entry)
     kept = {Path(os.path.abspath(protect)).name} if protect is not None else set()
     sealed = [
         name
@@ -321,15 +324,21 @@ def prune_checkpoints(newest: str | Path, keep_last: int, *, protect: str | Path
     ]
     victims = [name for name in sealed[keep_last:] if name not in kept]
     if victims:
-        # The tool did not fsync its files, nor did the seal: with keep_last=1 a power cut after
-        # a durable prune could leave no checkpoint at all. So the new one is made durable first.
+        # Counted as sealed by its seal's schema alone: a file changed after the seal (a late
+        # writer, another rank) would leave no checkpoint that verifies. So the new one is checked
+        # in full first; and made durable, as the tool did not fsync its files, nor did the seal
+        # (with keep_last=1, a power cut after a durable prune could leave none at all).
+        try:
+            check_seal(newest)
+        except UnsealedCheckpoint as exc:
+            raise UnsealedCheckpoint(f"{exc}; nothing was pruned: the older checkpoints stay") from None
         fsync_tree(newest)
     removed = []
     for name in victims:
         hidden = parent / f".pruned-{name}-{secrets.token_hex(4)}"
         os.rename(parent / name, hidden)
         fsync_dir(parent)
-        shutil.rmtree(hidden)
+        remove_tree(hidden)
         removed.append(name)
     return removed
 
@@ -352,9 +361,10 @@ def verified_checkpoint(output_dir: str | Path) -> Path | None:
     for _, name in _newest_first(parent):
         try:
             check_seal(parent / name)
-        except (UnsealedCheckpoint, OSError) as exc:
-            reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-            print(f"verified_checkpoint: skipping {name}: {shown(reason)}", file=sys.stderr, flush=True)
+        except (PipelineError, OSError) as exc:
+            # A refusal's message shows each name already; an OS error's path is shown here, once.
+            reason = shown(describe_os_error(exc)) if isinstance(exc, OSError) else str(exc)
+            print(f"verified_checkpoint: skipping {name}: {reason}", file=sys.stderr, flush=True)
             skipped.append((name, reason, not os.path.lexists(parent / name / META_FILE)))
             continue
         return parent / name
@@ -365,10 +375,10 @@ def verified_checkpoint(output_dir: str | Path) -> Path | None:
         raise UnsealedCheckpoint(
             f"no checkpoint in {shown(parent)} is sealed (the newest is {newest}): written before "
             "SealedCheckpoints, or every save was cut short; nothing was resumed. If you trust one, seal it "
-            f"and resume from it: pipeline.integrations.seal.seal_checkpoint({shown(repr(str(parent / newest)))}) "
+            f"and resume from it: pipeline.integrations.seal.seal_checkpoint({str(parent / newest)!r}) "
             "(docs/other-trainers.md); otherwise move the folders away to start from scratch"
         )
     raise UnsealedCheckpoint(
-        f"no checkpoint in {shown(parent)} has a seal that verifies (newest {newest}: {shown(reason)}); nothing was "
+        f"no checkpoint in {shown(parent)} has a seal that verifies (newest {newest}: {reason}); nothing was "
         "resumed: move those folders away to start from scratch"
     )

@@ -26,7 +26,9 @@ A staged file is refused when it holds:
   encoding, its home folder, working folder or checkout path, and its host name. Text is a
   text file (UTF-8 whatever NUL bytes it holds, UTF-16 or UTF-32 with or without a byte order
   mark: :func:`.encodings.text_encoding`) and the JSON header of a safetensors file (its
-  ``__metadata__`` and tensor names, which any reader prints).
+  ``__metadata__`` and tensor names, which any reader prints). Where a UTF-16 or UTF-32
+  file's decoder reads out of step (after a stray byte, in the other byte order), its
+  characters are searched as printable runs of its width, like binary bytes.
 
 Paths and host names match only as whole words, so ``/root`` does not match ``/rootfs``.
 A file is streamed chunk by chunk (the audit feeds the scan the chunks it hashes); a secret

@@ -179,12 +179,19 @@ def _between_zeros(marks: bytes | bytearray) -> list[tuple[int, int]]:
 
 
 def text_runs(
-    data: bytes | bytearray, start: int, end: int, strides: tuple[int, ...]
+    data: bytes | bytearray,
+    start: int,
+    end: int,
+    strides: tuple[int, ...],
+    decoded: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """For each stride of ``strides`` that finds any: ``(stride, text)``, the printable ASCII
     runs of ``data[start:end]`` with one character every ``stride`` bytes and NUL bytes
     between (UTF-16/UTF-32 of either byte order, integer tensors of character codes),
-    joined by :data:`SEPARATOR`."""
+    joined by :data:`SEPARATOR`. ``decoded``: ``(width, phase)``, a UTF-16 or UTF-32 file's
+    decoder reads the characters that lie at offsets of ``data`` equal to ``phase`` modulo
+    ``width``: runs of that width there are text it searched, left out; the others (after a
+    stray byte, in the other byte order) are text it read as garbage, and are searched here."""
     if start >= end:
         return
     # A whole buffer is translated as it is (no copy); a part, from a copy of it.
@@ -201,6 +208,8 @@ def text_runs(
             run for a, b in parts for run in marked_runs(marks, _NEEDLES[stride], _EXTENTS[stride], a, b)
         )
         for first, last in found:
+            if decoded is not None and (stride, (offset + first) % stride) == decoded:
+                continue
             # Big-endian: the NULs come first, so the run found starts at the first character
             # and its last character has no NULs after it.
             if stride > 1 and _BIG_ENDIAN_LAST.match(marks, last) is not None:

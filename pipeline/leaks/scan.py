@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, InternalError, SecretInStage
 from ..hashing import CHUNK
+from ..safe_read import read_regular
 from ..safetensors_header import DTYPE_SIZES, header_span, parse_header
 from .encodings import MEMMEM as _MEMMEM
 from .encodings import MEMMEM_MIN as _MEMMEM_MIN
@@ -52,6 +53,8 @@ SECRET_VARIABLES = (
 )
 # Shorter values would match by chance inside binary weights.
 _MIN_LITERAL_SECRET = 8
+# The saved login's files hold a token or a few named ones: anything larger is not one.
+_MAX_SAVED_LOGIN = 64 * 1024
 # How much of a file tells its text encoding (git reads as much to tell text from binary).
 _TEXT_PROBE = 8000
 _CONTEXT = 16  # bytes before the seam that look-behinds may read
@@ -81,21 +84,31 @@ class LeakRules:
     """Absolute paths and the host name, each with its description; refused in text files."""
 
 
+def _saved_text(path: str) -> str | None:
+    """A saved-login file's text, or None: missing, unreadable, not a regular file (a FIFO
+    would block the read for ever, a device such as /dev/zero never end), over the bound."""
+    try:
+        return read_regular(path, _MAX_SAVED_LOGIN).decode("utf-8")
+    except (OSError, ValueError):  # ValueError: refused by read_regular, or not UTF-8
+        return None
+
+
 def _saved_tokens() -> list[str]:
     """The token `hf auth login` saved and every named one it stored, read from the files
-    the client documents (HF_TOKEN_PATH, HF_STORED_TOKENS_PATH). Read directly: the client's
-    get_token() may refresh an OAuth token over the network. Never raises."""
+    the client documents (HF_TOKEN_PATH, HF_STORED_TOKENS_PATH), each through the safe reader.
+    Read directly: the client's get_token() may refresh an OAuth token over the network.
+    Never raises."""
     from huggingface_hub import constants
 
     values: list[str] = []
-    try:
-        values.append(Path(constants.HF_TOKEN_PATH).read_text())
-    except (OSError, UnicodeDecodeError):
-        pass
+    token = _saved_text(constants.HF_TOKEN_PATH)
+    if token is not None:
+        values.append(token)
+    text = _saved_text(constants.HF_STORED_TOKENS_PATH)
     stored = configparser.ConfigParser(interpolation=None)
     try:
-        stored.read(constants.HF_STORED_TOKENS_PATH, encoding="utf-8")
-    except (configparser.Error, UnicodeDecodeError):
+        stored.read_string(text or "")
+    except configparser.Error:
         return values
     values += [stored[name].get("hf_token", "") for name in stored.sections()]
     return values
@@ -184,6 +197,8 @@ class FileScan:
         self._text_end: int | None = None  # file offset where the UTF-8 text ends (0: no text)
         self._strides: tuple[int, ...] = STRIDES  # of the runs searched outside the text
         self._decoder: codecs.IncrementalDecoder | None = None  # a UTF-16 or UTF-32 file's text
+        # (width, phase): a file offset equal to phase modulo width holds a character the decoder reads.
+        self._read_by_decoder: tuple[int, int] | None = None
         self._how = ""  # how the file's text is encoded, in words ("" for UTF-8)
         self._header: bytearray | None = None  # a safetensors header, while it is read
         self._numbers: list[tuple[int, int]] = []  # floating-point tensors: this machine's values only
@@ -210,12 +225,12 @@ class FileScan:
             context = max(0, len(self._tail) - self._overlap)
             self._search(self._literals, seam, context, len(seam))
             for a, b in self._outside_numbers(start - len(self._tail), context, len(seam)):
-                self._search_runs(seam, a, b, self._strides)
+                self._search_runs(seam, a, b, self._strides, start - len(self._tail))
         self._search(self._literals, buffer, 0, n)
         # Plain runs of the text are the text itself, searched below; wide runs are not.
-        self._search_runs(buffer, 0, text, tuple(stride for stride in self._strides if stride > 1))
+        self._search_runs(buffer, 0, text, tuple(stride for stride in self._strides if stride > 1), start)
         for a, b in self._outside_numbers(start, text, n):
-            self._search_runs(buffer, a, b, self._strides)
+            self._search_runs(buffer, a, b, self._strides, start)
         if text:
             self._search_text_stream(buffer, text)
         elif self._decoder is not None:
@@ -231,14 +246,20 @@ class FileScan:
             self._header = bytearray()
             self._text_end = end
             return
-        encoding = text_encoding(bytes(buffer[: min(n, _TEXT_PROBE)]))
+        probe = bytes(buffer[: min(n, _TEXT_PROBE)])
+        encoding = text_encoding(probe)
         self._text_end = _ALL_OF_IT if encoding == "utf-8" else 0
-        if encoding is not None and encoding != "utf-8":
+        if encoding == "utf-8":  # plain runs of UTF-8 text are the text itself (UTF-8 resynchronises)
+            self._strides = tuple(stride for stride in STRIDES if stride != 1)
+        elif encoding is not None:
             self._decoder = codecs.getincrementaldecoder(encoding)("replace")
             self._how = encoding[:6].upper()  # "UTF-16", "UTF-32"
-        # A run of the file's own width is its text, searched decoded.
-        width = {"utf-8": 1, "utf-16": 2, "utf-32": 4}.get((encoding or "")[:6])
-        self._strides = tuple(stride for stride in STRIDES if stride != width)
+            # The decoder reads every character from the start, never resynchronising: after a
+            # stray byte, or a part in the other byte order (two files joined), it reads garbage.
+            # The runs of its width are searched but where it reads ASCII right.
+            width = 2 if encoding.startswith("utf-16") else 4
+            big = encoding.endswith("-be") or probe.startswith((b"\xfe\xff", b"\0\0\xfe\xff"))
+            self._read_by_decoder = (width, width - 1 if big else 0)
 
     def _read_header(self, buffer: bytes | bytearray, n: int) -> None:
         """Collect the safetensors header (it starts the file); once whole, learn where the
@@ -285,9 +306,16 @@ class FileScan:
                         self._decoded, runs, 0, len(runs), ", ".join(filter(None, (said, _WIDTHS[stride])))
                     )
 
-    def _search_runs(self, buffer: bytes | bytearray, start: int, end: int, strides: tuple[int, ...]) -> None:
-        """The printable runs of the bytes ``buffer[start:end]``, as text."""
-        for stride, runs in text_runs(buffer, start, end, strides):
+    def _search_runs(
+        self, buffer: bytes | bytearray, start: int, end: int, strides: tuple[int, ...], at: int
+    ) -> None:
+        """The printable runs of the bytes ``buffer[start:end]``, as text; ``buffer`` holds the
+        file from offset ``at``."""
+        decoded = None
+        if self._read_by_decoder is not None:
+            width, phase = self._read_by_decoder
+            decoded = (width, (phase - at) % width)
+        for stride, runs in text_runs(buffer, start, end, strides, decoded):
             self._search_text(runs, 0, len(runs), self._runs, _WIDTHS[stride])
 
     def _outside_numbers(self, start: int, first: int, n: int) -> list[tuple[int, int]]:

@@ -1,9 +1,10 @@
 """Text as its reader sees it: what the leak scan searches besides the bytes themselves.
 
-A JSON parser turns ``\\u0068f_…`` into ``hf_…``, a browser turns ``hf%5F…`` and
-``&#104;f_…`` into it, and a zero-width space inside a token is invisible on the page but
-breaks a byte pattern. :func:`reader_view` undoes these; :func:`encoded_runs` decodes the
-long base64 and hex runs of a text, whose contents are one call away for any reader.
+A JSON parser turns ``\\u0068f_…`` into ``hf_…``, a browser turns ``hf%5F…``, ``&#104f_…``
+and ``hf&lowbar;…`` into it, and a zero-width space or a variation selector inside a token is
+invisible on the page but breaks a byte pattern. :func:`reader_view` undoes these;
+:func:`encoded_runs` decodes the long base64 and hex runs of a text, whose contents are one
+call away for any reader.
 
 Only local transformations, so a chunk of a file can be viewed on its own (the scan
 streams files). What no view undoes (see docs/publishing.md): encryption, compression,
@@ -14,28 +15,90 @@ from __future__ import annotations
 
 import binascii
 import re
+from html.entities import html5
 
 from .encodings import SEPARATOR, marked_runs
 
-__all__ = ["encoded_runs", "reader_view"]
+__all__ = ["DEFAULT_IGNORABLE", "encoded_runs", "reader_view", "utf8_ranges"]
 
 _URL = re.compile(rb"%([0-9A-Fa-f]{2})")
-# JSON and Python string escapes (one pass, so an escaped backslash stays one backslash) and
-# the numeric character references of HTML (a model card is rendered as HTML).
+# The string escapes of JSON, Python, C and JavaScript (one pass, so an escaped backslash stays
+# one backslash): \uXXXX, \UXXXXXXXX, \u{X...}, \xXX, octal \NNN, \\ \/ \" \' \n \r \t; and the
+# character references of HTML (a model card is rendered as HTML): numeric, decimal or hex, with
+# or without their ";" (browsers read both), and named ones (&lowbar;), with their ";".
 _ESCAPE = re.compile(
-    rb"\\(?:u([0-9A-Fa-f]{4})|x([0-9A-Fa-f]{2})|([\\/\"'nrt]))|&#(?:[xX]([0-9A-Fa-f]{1,6})|([0-9]{1,7}));"
+    rb"\\(?:u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|u\{([0-9A-Fa-f]{1,6})\}|x([0-9A-Fa-f]{2})|([0-7]{1,3})"
+    rb"|([\\/\"'nrt]))"
+    rb"|&#(?:[xX]([0-9A-Fa-f]{1,16})|([0-9]{1,16}));?"
+    rb"|&([A-Za-z][A-Za-z0-9]{1,31};)"
 )
 _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t"}
-# Characters that render as nothing: soft hyphen, zero-width and joiner characters,
-# direction marks and isolates, word joiners, invisible operators, the byte order mark.
-_INVISIBLE = re.compile(
-    "|".join(
-        re.escape(chr(code))
-        for code in (0x00AD, 0x034F, 0x061C, 0x180E, *range(0x200B, 0x2010), *range(0x202A, 0x202F))
-        + (*range(0x2060, 0x2065), *range(0x2066, 0x206A), 0xFEFF)
-    ).encode("utf-8")
+# Characters that render as nothing, removed: Unicode's Default_Ignorable_Code_Point property
+# (DerivedCoreProperties.txt; a test checks this table against the `regex` package's): the soft
+# hyphen, zero-width and joiner characters, direction marks and isolates, invisible operators,
+# variation selectors (VS16 follows emoji everywhere), the Hangul fillers, the tag characters
+# ("ASCII smuggling"), the byte order mark, and the unassigned code points kept for more.
+DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
 )
-_MARKERS = re.compile(rb"%[0-9A-Fa-f]{2}|\\[ux\\/\"'nrt]|&#|" + _INVISIBLE.pattern)
+
+
+def utf8_ranges(first: int, last: int) -> list[tuple[tuple[int, int], ...]]:
+    """The UTF-8 encodings of the code points ``first`` to ``last`` (no surrogate in between) as
+    sequences of byte ranges, one range per byte: split where the encoded length changes, then
+    where a continuation byte would not span its whole range. A regular expression over bytes
+    matches them without decoding the text (which may not be UTF-8)."""
+    for edge in (0x7F, 0x7FF, 0xFFFF):
+        if first <= edge < last:
+            return utf8_ranges(first, edge) + utf8_ranges(edge + 1, last)
+    low, high = chr(first).encode(), chr(last).encode()
+    for tail in range(1, len(low)):
+        mask = (1 << 6 * tail) - 1
+        if first & ~mask != last & ~mask:
+            if first & mask:
+                return utf8_ranges(first, first | mask) + utf8_ranges((first | mask) + 1, last)
+            if last & mask != mask:
+                return utf8_ranges(first, (last & ~mask) - 1) + utf8_ranges(last & ~mask, last)
+    return [tuple(zip(low, high))]
+
+
+def _alternatives(sequences: list[tuple[tuple[int, int], ...]]) -> bytes:
+    """One pattern for ``sequences`` of byte ranges, those sharing a first range under it
+    (``\\xe2(?:\\x80[…]|\\x81[…])``): a lead byte is tried once, not once per sequence."""
+    groups: dict[tuple[int, int], list[tuple[tuple[int, int], ...]]] = {}
+    for sequence in sequences:
+        groups.setdefault(sequence[0], []).append(sequence[1:])
+    pieces = []
+    for (low, high), tails in groups.items():
+        one = re.escape(bytes([low]))
+        head = one if low == high else b"[" + one + b"-" + re.escape(bytes([high])) + b"]"
+        tails = [tail for tail in tails if tail]
+        pieces.append(head + (b"(?:" + _alternatives(tails) + b")" if tails else b""))
+    return b"|".join(pieces)
+
+
+_INVISIBLE = re.compile(
+    _alternatives([sequence for first, last in DEFAULT_IGNORABLE for sequence in utf8_ranges(first, last)])
+)
+_MARKERS = re.compile(
+    rb"%[0-9A-Fa-f]{2}|\\[uUx0-7\\/\"'nrt]|&(?:#|[A-Za-z][A-Za-z0-9]{1,31};)|" + _INVISIBLE.pattern
+)
 # Runs long enough to hold the shortest credential (12 bytes: 16 base64 or 24 hex characters); a
 # value of this machine is searched as its own encodings (encodings.literal_forms), whatever its length.
 _BASE64_RUN = 16
@@ -60,14 +123,21 @@ def _character(code: int) -> bytes:
 
 
 def _unescape(match: re.Match[bytes]) -> bytes:
-    unicode, byte, simple, hex_entity, decimal_entity = match.groups()
-    if unicode is not None:
-        return _character(int(unicode, 16))
+    unicode, long, braced, byte, octal, simple, hex_entity, decimal_entity, named = match.groups()
+    for digits in (unicode, long, braced, hex_entity):
+        if digits is not None:
+            return _character(int(digits, 16))
     if byte is not None:
         return bytes([int(byte, 16)])
+    if octal is not None:  # a byte, as \x writes it (C, bytes literals); above \377 a character
+        value = int(octal, 8)
+        return bytes([value]) if value < 0x100 else _character(value)
     if simple is not None:
         return _SIMPLE.get(simple, simple)
-    return _character(int(hex_entity, 16) if hex_entity is not None else int(decimal_entity))
+    if decimal_entity is not None:
+        return _character(int(decimal_entity))
+    name = named.decode("ascii")
+    return html5[name].encode("utf-8") if name in html5 else match.group(0)
 
 
 def reader_view(data: bytes) -> tuple[bytes, tuple[str, ...]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from ..layout import (
     CODE_DIR,
     CONFIG_FILE,
     CURVE_FILE,
+    DIST_MODEL_DIR,
     GENERATION_CONFIG_FILE,
     INDEX_FILE,
     MANIFEST_FILE,
@@ -67,7 +69,15 @@ from ..sources import shipped_sources
 from ..traces import trace_bytes
 from .card import build_model_card, read_user_sections, render_curve
 from .card_parts import LOADER_MODULE
-from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
+from .files import (
+    build_privately,
+    built_by_us,
+    check_file_sizes,
+    check_replaceable,
+    manifest_bytes,
+    modes_from_sources,
+    write_file,
+)
 from .hf_export import hub_files, inspect_model
 from .proof_report import PROOF_FILE, read_proof
 from .record import Sources, proof_verdict, public_config, read_progress, staged_meta
@@ -224,8 +234,22 @@ def _write_traces(
     return name, entry
 
 
-def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
-    """Write every stage file into ``built``; returns the non-finite tensor names."""
+def _weights_mode(folder: Path, meta: dict[str, Any]) -> int:
+    """The permissions the checkpoint's stored weights grant (the least of its weights files')."""
+    paths = (
+        sorted(path for path in (folder / DIST_MODEL_DIR).iterdir() if path.is_file())
+        if is_distributed(meta)
+        else [folder / MODEL_FILE]
+    )
+    allowed = 0o777
+    for path in paths:
+        allowed &= stat.S_IMODE(os.lstat(path).st_mode)
+    return allowed
+
+
+def _build_into(built: Path, src: Sources, build: StageBuild) -> tuple[list[str], tuple[str, ...]]:
+    """Write every stage file into ``built``; returns the non-finite tensor names and the
+    staged weights files."""
     export = inspect_model(src.model, src.model_config, public_config(src.meta, src.config))
     plan = plan_weights(src.weights.specs, export.renames, parse_size(build.max_shard_size))
     files, nonfinite = write_weights(built, src.weights, plan)
@@ -298,7 +322,7 @@ def _build_into(built: Path, src: Sources, build: StageBuild) -> list[str]:
     write_file(built / MANIFEST_FILE, manifest_bytes(listed))
     check_file_sizes(built)
     fsync_dir(built)
-    return nonfinite
+    return nonfinite, plan.files
 
 
 def _report(
@@ -418,7 +442,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             selected_as_best=loaded.best,
         )
         with atomic_folder(stage, owned=built_by_us) as built:
-            nonfinite = _build_into(built, src, build)
+            mode = build_privately(built)
+            nonfinite, weights_files = _build_into(built, src, build)
             signer = build.signer
             if signer is not None:
                 sign_stage(built, signer)
@@ -427,6 +452,8 @@ def build_stage(config: Config, build: StageBuild | None = None, /, **options: A
             # A certificate signature needs the consumer's trusted root to verify; 06 checks it.
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
+            allowed = _weights_mode(folder, meta)
+            modes_from_sources(built, mode, {name: allowed for name in weights_files})
         report, staged = _report(src, audited)
     return StageResult(
         stage=Path(stage_dir),

@@ -80,7 +80,7 @@ def card_data(meta: Mapping[str, Any]) -> ModelCardData:
     metrics = meta["metrics"]
     eval_results = None
     if metrics is not None:
-        dataset_name, dataset_type = _eval_dataset(card, config["model"]["name"])
+        dataset_name, dataset_type = _eval_dataset(card, shown(config["model"]["name"]))
         eval_results = [
             EvalResult(
                 task_type=card["pipeline_tag"] or "other",
@@ -103,7 +103,7 @@ def card_data(meta: Mapping[str, Any]) -> ModelCardData:
         base_model=card["base_model"] or None,
         license=card["license"],
         tags=list(card["tags"]),
-        model_name=config["model"]["name"],
+        model_name=shown(config["model"]["name"]),  # the config's own name: inert text too
         metrics=sorted(metrics["values"]) if metrics is not None else None,
         eval_results=eval_results,
     )

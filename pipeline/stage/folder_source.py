@@ -38,11 +38,12 @@ import torch
 
 from ..checkpoint import CheckpointWeights, MappedTensors
 from ..durable import json_loads_strict
-from ..errors import FileChanged, SchemaMismatch, StageError, UnsealedCheckpoint, shown
+from ..errors import FileChanged, FolderTooDeep, SchemaMismatch, StageError, UnsealedCheckpoint, shown
 from ..hashing import HashingWriter, sha256_bytes, sha256_file
 from ..integrations.seal import check_seal_in, checkpoint_number
 from ..layout import CONFIG_FILE, GENERATION_CONFIG_FILE, HUB_MODEL_FILE, INDEX_FILE, META_FILE
 from ..safe_read import HandedFile, HandedFolder, Seen
+from ..safetensors_header import MAX_HEADER, parse_header
 
 __all__ = ["CARRIED_FILES", "FolderInventory", "FolderSource", "json_object", "read_folder", "survey_folder"]
 
@@ -136,7 +137,7 @@ def survey_folder(folder: Path) -> FolderInventory:
         with HandedFolder(folder) as handed:
             itself = Seen.of(handed.info)
             listing = dict(handed.walk())
-    except FileChanged as exc:
+    except (FileChanged, FolderTooDeep) as exc:
         raise StageError(f"{exc}; nothing was staged") from None
     top = {name: info for name, info in listing.items() if "/" not in name}
     if not top:
@@ -226,6 +227,7 @@ class _Reader:
         self.handed, self.inventory = handed, inventory
         self.seal: dict[str, Any] | None = None
         self.sources: dict[str, dict[str, Any]] = {}
+        self.modes: dict[str, int] = {}
         self.warnings: list[str] = []
 
     def open(self, name: str) -> HandedFile:
@@ -235,7 +237,9 @@ class _Reader:
                 f"{shown(self.handed.path / name)} has {seen.links} hard links: the same bytes have another name, "
                 "maybe outside the folder; it was staged as read (check it is the file you meant)"
             )
-        return self.handed.open(name, seen=seen)
+        file = self.handed.open(name, seen=seen)
+        self.modes[name] = stat.S_IMODE(file.info.st_mode)
+        return file
 
     def small(self, name: str) -> bytes:
         path = self.handed.path / name
@@ -252,11 +256,15 @@ class _Reader:
 
     def copy_weights(self, name: str, target: Path) -> MappedTensors:
         """Copy one weights file privately, hashing while copying; re-hash the copy from disk;
-        parse it with the strict parser. Every later read is of this copy."""
+        parse it with the strict parser. Every later read is of this copy. Its header is parsed
+        first, from the open descriptor: a file that is not safetensors, or whose tensors do not
+        end where the file does (a sparse tail of garbage), is refused before a byte is copied."""
         source = self.handed.path / name
-        with self.open(name) as src, HashingWriter(target) as out:
-            for chunk in src.chunks():
-                out.write(chunk)
+        with self.open(name) as src:
+            _check_header(src, source)
+            with HashingWriter(target) as out:
+                for chunk in src.chunks():
+                    out.write(chunk)
         self.sources[name] = _checked_entry(source, {"sha256": out.sha256, "size": out.size}, self.seal)
         if sha256_file(target) != out.sha256:
             raise StageError(f"the copy of {shown(source)} reads back with another SHA-256: check the disk")
@@ -267,6 +275,19 @@ class _Reader:
             raise StageError(
                 f"{shown(source)} is not a valid safetensors file ({rule}); nothing was staged"
             ) from None
+
+
+def _check_header(src: HandedFile, source: Path) -> None:
+    """The strict parser's refusal of ``src``'s header, read with ``pread`` (the copy still reads
+    from the start): its length, then the header itself, within the parser's bound."""
+    length = int.from_bytes(os.pread(src.fd, 8, 0), "little") if src.size >= 8 else 0
+    head = os.pread(src.fd, 8 + min(length, MAX_HEADER, max(0, src.size - 8)), 0)
+    try:
+        parse_header(head, size=src.size)
+    except ValueError as exc:
+        raise StageError(
+            f"{shown(source)} is not a valid safetensors file ({str(exc).splitlines()[0]}); nothing was staged"
+        ) from None
 
 
 def json_object(data: bytes, path: Path) -> dict[str, Any]:
@@ -294,7 +315,7 @@ def _shard_names(
     for shard in shards:
         if not _WEIGHTS_NAME.fullmatch(shard):
             raise StageError(
-                f"{shown(path)} names {shown(repr(shard))}, not a .safetensors file of the folder; nothing was staged"
+                f"{shown(path)} names '{shown(shard)}', not a .safetensors file of the folder; nothing was staged"
             )
         if shard not in inventory.seen:
             raise StageError(
@@ -408,6 +429,8 @@ class FolderSource:
     """``config.json``, tokenizer and generation files: name -> bytes, staged as they are."""
     sources: dict[str, dict[str, Any]]
     """Every file read: name -> its ``sha256`` and ``size`` as read."""
+    modes: dict[str, int]
+    """Every file read: name -> its permission bits (a staged file grants no more)."""
     transformers: bool
     """``config.json`` names a transformers model (``model_type`` and ``architectures``)."""
     architecture: str | None
@@ -457,6 +480,7 @@ def read_folder(inventory: FolderInventory, scratch: Path) -> FolderSource:
         weights=weights,
         small=small,
         sources=reader.sources,
+        modes=reader.modes,
         transformers=transformers,
         architecture=architecture,
         warnings=tuple(warnings),

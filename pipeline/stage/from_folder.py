@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,15 @@ from ..safe_read import read_regular
 from ..signing import ExpectedSigner, StageSigner, card_section, sign_stage, verify_stage
 from .build import StageResult
 from .card import read_user_sections
-from .files import built_by_us, check_file_sizes, check_replaceable, manifest_bytes, write_file
+from .files import (
+    build_privately,
+    built_by_us,
+    check_file_sizes,
+    check_replaceable,
+    manifest_bytes,
+    modes_from_sources,
+    write_file,
+)
 from .folder_card import build_folder_card
 from .folder_source import FolderSource, json_object, read_folder, survey_folder
 from .redact import public_paths
@@ -49,6 +58,7 @@ from .weights import DEFAULT_MAX_SHARD_SIZE, WeightsPlan, index_bytes, parse_siz
 __all__ = ["FolderStage", "folder_config", "stage_folder"]
 
 _MAX_METRICS = 1024 * 1024
+_NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,10 +94,18 @@ def _supplied_metrics(path: Path) -> dict[str, float]:
     for name, value in values.items():
         if not (name and name.isprintable() and len(name) <= 100) or type(value) not in (int, float):
             raise StageError(
-                f"--metrics {shown(path)}: {shown(repr(name))} must be a short metric name with a number, as "
+                f"--metrics {shown(path)}: '{shown(name)}' must be a short metric name with a number, as "
                 "Trainer.evaluate() returns them"
             )
     return dict(sorted(values.items()))
+
+
+def model_name(folder: str) -> str:
+    """The model's name in the card's title and front matter (the Hub shows it in its widgets)
+    when no --repo-id names it: the folder's name as a repository's name is written, every run
+    of other characters a hyphen. The folder's name as it is may hold anything (a line break, a
+    bidi override, HTML); the card shows it only as inert text, in its Source section."""
+    return _NOT_IN_A_NAME.sub("-", folder).strip("-.") or "model"
 
 
 def _hub_names(plan: WeightsPlan) -> WeightsPlan:
@@ -116,7 +134,7 @@ def _staged_meta(
     nonfinite: list[str],
 ) -> dict[str, Any]:
     inventory = read.inventory
-    name = build.repo_id.rpartition("/")[2] if build.repo_id else inventory.folder.name
+    name = build.repo_id.rpartition("/")[2] if build.repo_id else model_name(inventory.folder.name)
     metrics = None
     if build.metrics is not None:
         metrics = {
@@ -154,7 +172,7 @@ def _staged_meta(
 
 def _build_into(
     built: Path, read: FolderSource, config: Config, build: FolderStage, user_sections: str | None
-) -> list[str]:
+) -> tuple[list[str], dict[str, int]]:
     plan = _hub_names(plan_weights(read.weights.specs, {}, parse_size(build.max_shard_size)))
     files, nonfinite = write_weights(built, read.weights, plan)
     if nonfinite and not build.allow_nonfinite:
@@ -182,7 +200,17 @@ def _build_into(
     write_file(built / MANIFEST_FILE, manifest_bytes(listed))
     check_file_sizes(built)
     fsync_dir(built)
-    return nonfinite
+    return nonfinite, _source_modes(read, plan)
+
+
+def _source_modes(read: FolderSource, plan: WeightsPlan) -> dict[str, int]:
+    """Staged name -> the permissions of what it was made from: the weights files, all of
+    their sources' (the least of them); each carried file, its own."""
+    weights = 0o777
+    for name in read.sources:
+        if name.endswith(".safetensors"):
+            weights &= read.modes[name]
+    return {**{file: weights for file in plan.files}, **{name: read.modes[name] for name in read.small}}
 
 
 def _report(read: FolderSource, audited: dict[str, AuditedFile]) -> list[AuditedFile]:
@@ -240,7 +268,8 @@ def stage_folder(config: Config, build: FolderStage) -> StageResult:
         read = read_folder(inventory, scratch.enter_context(scratch_folder(stage.parent, "stage-weights")))
         scratch.callback(read.weights.close)
         with atomic_folder(stage, owned=built_by_us) as built:
-            nonfinite = _build_into(built, read, config, build, user_sections)
+            mode = build_privately(built)
+            nonfinite, sources = _build_into(built, read, config, build, user_sections)
             signer = build.signer
             if signer is not None:
                 sign_stage(built, signer)
@@ -248,6 +277,7 @@ def stage_folder(config: Config, build: FolderStage) -> StageResult:
             scan_secrets(built, allow=config.card.allow_leaks)
             if signer is not None and signer.key_path is not None and not signer.certificate:
                 verify_stage(built, ExpectedSigner(sign_key=signer.key_path))
+            modes_from_sources(built, mode, sources)
     return StageResult(
         stage=Path(stage_dir),
         step=read.seal["step"] if read.seal is not None else None,

@@ -1,0 +1,311 @@
+"""Folders handed over, at their edges: nested a thousand deep, a newest checkpoint changed after
+its seal, weights whose header is garbage or whose tail is a sparse hole, a folder's name in the
+card's front matter, weights only their owner may read, and names shown once, never twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from test_hostile_folders import leftovers, stage, tiny_folder
+
+import pipeline.stage.from_folder as from_folder
+from pipeline.durable import fsync_tree, remove_tree
+from pipeline.errors import FolderTooDeep, UnsealedCheckpoint
+from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
+from pipeline.stage.card_parts import card_data
+
+from support import PYTHON, REPO, one_line_error, run_script, script_env
+
+
+def make_nest(root: Path, depth: int) -> None:
+    """``root/d/d/.../d``, ``depth`` folders deep, made through folder descriptors (a path
+    that long, or os.makedirs's own recursion, would fail first)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        with open(os.open("x.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as out:
+            out.write("deep")
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def nest(tmp_path):
+    """:func:`make_nest`; the test's folder is removed after it, without recursion: pytest's own
+    removal of old temporary folders recurses once per level and would fail on these."""
+    yield make_nest
+    remove_tree(tmp_path)
+
+
+# -- a thousand folders deep --------------------------------------------------------------------------
+
+
+def test_05_refuses_a_folder_nested_a_thousand_deep_in_one_line(tmp_path, nest):
+    """A left-out runs/ folder nested 1000 deep ended 05 in a 31-line RecursionError traceback."""
+    folder = tiny_folder(tmp_path / "model")
+    nest(folder / "runs", 1000)
+    target = tmp_path / "stage"
+    result = run_script("05_stage.py", "--from-folder", str(folder), "--stage", str(target), cwd=tmp_path)
+    line = one_line_error(result)
+    assert result.returncode == 2 and line.startswith(
+        f"error: {folder} nests folders more than 64 deep (runs/d/d/"
+    ), line
+    assert line.endswith("no model or checkpoint folder does; nothing was staged"), line
+    assert not target.exists() and leftovers(tmp_path) == []
+    # As deep as real folders go, and well beyond: staged.
+    (folder / "runs").rename(tmp_path / "deep-runs")
+    nest(folder / "runs", 60)
+    assert stage(folder, target).stage == target
+
+
+def test_verified_checkpoint_and_the_seal_refuse_a_deep_folder_and_never_raise_out_of_a_trainer_run(
+    tmp_path, capsys, nest
+):
+    """verified_checkpoint raised RecursionError out of trainer.train(resume_from_checkpoint=...),
+    seal_checkpoint too, and SealedCheckpoints.on_save ended the training run with it."""
+    output = tmp_path / "output"
+    for step in (1, 2):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([step]) * 64)
+        seal_checkpoint(folder, step=step)
+    nest(output / "checkpoint-2" / "runs", 1000)
+    assert verified_checkpoint(output) == output / "checkpoint-1"
+    skipped = capsys.readouterr().err
+    assert (
+        "verified_checkpoint: skipping checkpoint-2:" in skipped
+        and "nests folders more than 64 deep" in skipped
+    )
+    with pytest.raises(UnsealedCheckpoint, match="nests folders more than 64 deep"):
+        seal_checkpoint(output / "checkpoint-2", step=2)
+    with pytest.raises(FolderTooDeep):
+        fsync_tree(output / "checkpoint-2")
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    args = SimpleNamespace(should_save=True, output_dir=str(output))
+    control = object()
+    state = SimpleNamespace(global_step=2, best_model_checkpoint=None)
+    assert SealedCheckpoints(keep_last=1).on_save(args, state, control) is control
+    assert "checkpoint-2 was not sealed" in capsys.readouterr().err
+    assert verified_checkpoint(output) == output / "checkpoint-1"
+
+
+def test_pruning_removes_an_old_checkpoint_nested_a_thousand_deep(tmp_path, nest):
+    """shutil.rmtree recursed once per level (Python 3.11): the prune raised RecursionError."""
+    output = tmp_path / "output"
+    for step in (1, 2):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+        seal_checkpoint(folder, step=step)
+    nest(output / "checkpoint-1" / "logs", 1000)  # after its seal: still counted as sealed
+    assert prune_checkpoints(output / "checkpoint-2", 1) == ["checkpoint-1"]
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint-2"]
+
+
+# -- prune beside a newest checkpoint that does not verify ---------------------------------------------
+
+
+def test_pruning_keeps_the_older_checkpoints_when_the_newest_does_not_verify(tmp_path, capsys, monkeypatch):
+    """keep_last=1 deleted every older checkpoint although the newest one's files had changed
+    after its seal (a late writer, another rank): verified_checkpoint then found none."""
+    output = tmp_path / "output"
+    for step in (1, 2, 3):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+        seal_checkpoint(folder, step=step)
+    (output / "checkpoint-3" / "weights.bin").write_bytes(b"\xff" * 64)  # same size, other bytes
+    with pytest.raises(UnsealedCheckpoint, match="SHA-256 differs from its seal.*; nothing was pruned"):
+        prune_checkpoints(output / "checkpoint-3", 1)
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert verified_checkpoint(output) == output / "checkpoint-2"
+    capsys.readouterr()
+    import pipeline.integrations.transformers as callback
+
+    SealedCheckpoints = callback.SealedCheckpoints
+    args = SimpleNamespace(should_save=True, output_dir=str(output))
+    (output / "checkpoint-4").mkdir()
+    (output / "checkpoint-4" / "weights.bin").write_bytes(b"\x04" * 64)
+    real_seal = callback.seal_checkpoint
+
+    def seal_then_change(folder, step):  # a late writer: the file changes between the seal and the prune
+        sealed = real_seal(folder, step=step)
+        (Path(folder) / "weights.bin").write_bytes(b"\x00" * 64)
+        return sealed
+
+    monkeypatch.setattr(callback, "seal_checkpoint", seal_then_change)
+    state = SimpleNamespace(global_step=4, best_model_checkpoint=None)
+    SealedCheckpoints(keep_last=1).on_save(args, state, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint-4 was not pruned after it" in err[0], err
+    assert verified_checkpoint(output) == output / "checkpoint-2"
+    assert (output / "checkpoint-1").is_dir()
+
+
+# -- weights whose header is checked before a byte is copied -------------------------------------------
+
+
+def garbage_weights(folder: Path, size: int, *, valid_header: bool) -> Path:
+    """``size`` bytes, a sparse hole after the header: garbage, or a valid header whose one
+    small tensor ends long before the file does."""
+    folder.mkdir()
+    if valid_header:
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+        head = struct.pack("<Q", len(header)) + header + bytes(8)
+    else:
+        head = struct.pack("<Q", 40) + b"this is no JSON at all, just a bad file!"
+    with open(folder / "model.safetensors", "wb") as out:
+        out.write(head)
+        out.truncate(size)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("valid_header", "rule"),
+    [
+        (False, "the header does not start with '{'"),
+        (True, "trailing bytes after the last tensor (tensors end at data byte 8, the file holds"),
+    ],
+    ids=["garbage-header", "sparse-tail"],
+)
+def test_weights_with_a_bad_header_are_refused_before_they_are_copied(tmp_path, valid_header, rule):
+    """A 6 GiB sparse file with a 40-byte garbage header was refused after 45 s, once 6 GiB
+    had been copied into the scratch folder; a 1 TiB one would fill the disk first. Here 05
+    may write no file larger than 1 MiB (prlimit): it must refuse before copying a byte."""
+    folder = garbage_weights(tmp_path / "model", 256 * 1024 * 1024, valid_header=valid_header)
+    target = tmp_path / "stage"
+    result = subprocess.run(
+        ["prlimit", "--fsize=1048576", PYTHON, "-B", str(REPO / "scripts" / "05_stage.py")]
+        + ["--from-folder", str(folder), "--stage", str(target)],
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = one_line_error(result)
+    assert result.returncode == 2, line
+    assert line.startswith(
+        f"error: {folder / 'model.safetensors'} is not a valid safetensors file ({rule}"
+    ), line
+    assert line.endswith("; nothing was staged"), line
+    assert not target.exists() and leftovers(tmp_path) == []
+
+
+# -- the card's front matter --------------------------------------------------------------------------
+
+HOSTILE_NAMES = ["<script>alert(1)<_script>", "x\nlicense: evil\ntags: [pwn]", "evil\u202egnp.exe\u2028`x`|y"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=["html", "yaml-keys", "bidi-separator-code"])
+def test_a_folders_name_reaches_the_front_matter_as_a_plain_model_name(tmp_path, name):
+    """Without --repo-id the front matter's model_name (which the Hub shows in its evaluation
+    widget, and builds the eval dataset's name from) was the folder's name as it was."""
+    folder = tiny_folder(tmp_path / name)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"eval_loss": 0.5}))
+    target = tmp_path / "stage"
+    stage(folder, target, metrics=metrics)
+    card = (target / "README.md").read_text(encoding="utf-8")
+    front = card.split("\n---\n", 1)[0]
+    plain = from_folder.model_name(name)
+    assert plain and set(plain) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+    data = yaml.safe_load(front.removeprefix("---\n"))
+    (index,) = data["model-index"]  # model_name, as the Hub's evaluation widget shows it
+    assert index["name"] == plain and index["results"][0]["dataset"]["name"] == f"{plain} held-out data"
+    assert set(data) == {"library_name", "license", "tags", "metrics", "model-index"}, data
+    assert not any(char in front for char in "<>`|\u202e\u2028"), front
+    assert card.split("\n---\n", 1)[1].startswith(f"\n# {plain}\n")
+
+
+def test_the_configs_model_name_is_inert_text_in_the_front_matter(tmp_path):
+    folder = tiny_folder(tmp_path / "model")
+    stage(folder, tmp_path / "stage")
+    meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
+    meta["config"]["model"]["name"] = "mine\u202e\nlicense: evil"
+    assert card_data(meta).model_name == "mine\\u202e\\x0alicense: evil"
+
+
+# -- weights only their owner may read -----------------------------------------------------------------
+
+
+def test_private_weights_stay_private_while_staged_and_once_staged(tmp_path, monkeypatch):
+    """A 0600 model.safetensors was copied into a 0755 scratch folder as a 0644 file and staged
+    0644: any local user could read the weights during and after staging."""
+    folder = tiny_folder(tmp_path / "model")
+    os.chmod(folder / "model.safetensors", 0o600)
+    os.chmod(folder / "tokenizer.json", 0o640)
+    target = tmp_path / "stage"
+    seen = {}
+    real_audit = from_folder.audit_stage
+
+    def audit_and_look(built):  # while the stage is built: what could another user open?
+        seen["built"] = stat.S_IMODE(built.stat().st_mode)
+        seen["scratch"] = [stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob(".scratch-stage-weights-*")]
+        return real_audit(built)
+
+    monkeypatch.setattr(from_folder, "audit_stage", audit_and_look)
+    umask = os.umask(0o022)
+    try:
+        stage(folder, target)
+    finally:
+        os.umask(umask)
+    assert seen == {"built": 0o700, "scratch": [0o700]}
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert modes["model.safetensors"] == 0o600 and modes["tokenizer.json"] == 0o640, modes
+    assert modes["config.json"] == modes["README.md"] == modes["meta.json"] == 0o644, modes
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
+def test_a_checkpoints_private_weights_are_staged_private(trained_run, run_copy):
+    run = run_copy(trained_run)
+    os.chmod(run.checkpoint / "modelo.safetensors", 0o600)
+    run.ok("05_stage.py", "--no-metrics")
+    assert stat.S_IMODE((run.stage / "modelo.safetensors").stat().st_mode) == 0o600
+    assert stat.S_IMODE((run.stage / "README.md").stat().st_mode) & 0o044 == 0o044
+
+
+# -- names shown once ----------------------------------------------------------------------------------
+
+
+def test_a_name_is_shown_once_never_escaped_twice(tmp_path, capsys):
+    """A file x<newline>y read as x\\x5cx5cny: shown() of a message built from shown names, or of
+    a repr."""
+    output = tmp_path / "output"
+    folder = output / "checkpoint-1"
+    folder.mkdir(parents=True)
+    (folder / "x`y").write_bytes(b"a" * 8)
+    seal_checkpoint(folder, step=1)
+    (folder / "x`y").write_bytes(b"b" * 8)
+    with pytest.raises(UnsealedCheckpoint) as refused:
+        verified_checkpoint(output)
+    err = capsys.readouterr().err
+    assert "x\\x60y: SHA-256 differs from its seal" in err and "x5c" not in err, err
+    assert "x\\x60y: SHA-256 differs" in str(refused.value) and "x5c" not in str(refused.value)
+    seal = json.loads((folder / "meta.json").read_text())
+    seal["files"]["x\ny"] = seal["files"].pop("x`y")
+    (folder / "meta.json").write_text(json.dumps(seal))
+    with pytest.raises(UnsealedCheckpoint):
+        verified_checkpoint(output)
+    err = capsys.readouterr().err
+    assert "lists 'x\\x0ay', which is not a printable relative path" in err and "x5c" not in err, err
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"a\nb": "not a number"}))
+    with pytest.raises(Exception, match=r"--metrics .*: 'a\\x0ab' must be a short metric name"):
+        stage(tiny_folder(tmp_path / "model"), tmp_path / "stage", metrics=metrics)

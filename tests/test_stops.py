@@ -1,0 +1,166 @@
+"""SIGTERM and SIGINT at every phase of a numbered script: one line that tells the truth,
+exit 128 + N, nothing left behind (pipeline/stops.py, scripts/_bootstrap.py, pipeline.cli.run_main).
+
+The signal lands where the test wants it: ``tests/helpers/signalled_script.py`` runs the real
+script and has it signal itself right before a chosen call (an atomic-folder step, a function,
+the exit); the import phase is caught by a real exec whose handlers are read from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_hostile_folders import leftovers, tiny_folder
+
+from support import HELPERS, PYTHON, REPO, one_line_error, run_python, run_script, script_env
+
+STOPS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
+UNDONE = "what was being staged was removed; an earlier stage is as it was"
+
+
+def built(target: Path) -> str:
+    return (
+        f"the stage was built into {target}/ before the stop; check it with: "
+        f"cd {target} && sha256sum -c MANIFEST.sha256"
+    )
+
+
+def signalled(signum: int, when: str, script: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    return run_python(
+        [HELPERS / "signalled_script.py", signal.Signals(signum).name, when, script, *map(str, args)],
+        cwd=cwd,
+        env=script_env(),
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def restaged(tmp_path):
+    """A folder staged once, then changed: the next stage replaces the first."""
+    folder = tiny_folder(tmp_path / "model")
+    target = tmp_path / "stage"
+    first = run_script("05_stage.py", "--from-folder", str(folder), "--stage", str(target), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (folder / "tokenizer.json").write_text(json.dumps({"vocab": {"hello": 0, "again": 1}}))
+    return folder, target
+
+
+@pytest.mark.parametrize("signum", STOPS)
+@pytest.mark.parametrize("step", ["move_aside", "rename", "fsync_parent", "remove_old"])
+def test_a_stop_as_the_new_stage_is_committed_waits_for_it_and_says_it_is_in_place(
+    tmp_path, restaged, signum, step
+):
+    """Cut between the move aside and the old stage's removal, 05 said the new stage was removed
+    and the old one as it was, while the new one was in place and the old one left beside it."""
+    folder, target = restaged
+    result = signalled(
+        signum, f"step:{step}", "05_stage.py", "--from-folder", folder, "--stage", target, cwd=tmp_path
+    )
+    assert result.returncode == 128 + signum, result.stdout + result.stderr
+    assert one_line_error(result) == f"error: stopped by {signal.Signals(signum).name}; {built(target)}"
+    assert leftovers(tmp_path) == []
+    assert json.loads((target / "tokenizer.json").read_text())["vocab"] == {"hello": 0, "again": 1}
+    checked = subprocess.run(["sha256sum", "-c", "MANIFEST.sha256"], cwd=target, capture_output=True)
+    assert checked.returncode == 0, checked.stdout
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_a_stop_before_the_commit_still_undoes_the_stage_and_keeps_the_earlier_one(
+    tmp_path, restaged, signum
+):
+    folder, target = restaged
+    result = signalled(
+        signum, "step:fsync_temp", "05_stage.py", "--from-folder", folder, "--stage", target, cwd=tmp_path
+    )
+    assert result.returncode == 128 + signum, result.stdout + result.stderr
+    assert one_line_error(result) == f"error: stopped by {signal.Signals(signum).name}; {UNDONE}"
+    assert leftovers(tmp_path) == []
+    assert json.loads((target / "tokenizer.json").read_text())["vocab"] == {"hello": 0, "world": 1}
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_a_stop_after_the_stage_is_built_says_it_was_built(tmp_path, signum):
+    """While 05 records its command and prints its table: SIGTERM killed it without a word,
+    SIGINT said "interrupted" of a stage fully built."""
+    folder = tiny_folder(tmp_path / "model")
+    target = tmp_path / "stage"
+    when = "call:pipeline.commands:record_stage_command"
+    result = signalled(signum, when, "05_stage.py", "--from-folder", folder, "--stage", target, cwd=tmp_path)
+    assert result.returncode == 128 + signum, result.stdout + result.stderr
+    assert one_line_error(result) == f"error: stopped by {signal.Signals(signum).name}; {built(target)}"
+    assert (target / "MANIFEST.sha256").is_file() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_a_stop_as_a_script_exits_ends_it_in_one_line_after_what_it_printed(tmp_path, signum):
+    folder = tiny_folder(tmp_path / "model")
+    target = tmp_path / "stage"
+    result = signalled(
+        signum, "exit", "05_stage.py", "--from-folder", folder, "--stage", target, cwd=tmp_path
+    )
+    assert result.returncode == 128 + signum, result.stdout + result.stderr
+    name = signal.Signals(signum).name
+    assert one_line_error(result) == f"error: stopped by {name} as it exited; what it printed above stands"
+    assert f"into {target}/ (without metrics)" in result.stdout  # its report, printed in full before
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_a_stop_before_a_script_runs_its_work_says_what_it_left(tmp_path, signum):
+    """Outside any block of its own (01 reading its config): no silent death, no traceback."""
+    config = tmp_path / "config.yaml"
+    config.write_text((REPO / "config.yaml").read_text())
+    result = signalled(
+        signum, "call:pipeline.cli:config_from_args", "01_prepare_data.py", "--config", config, cwd=tmp_path
+    )
+    assert result.returncode == 128 + signum, result.stdout + result.stderr
+    name = signal.Signals(signum).name
+    assert one_line_error(result) == f"error: stopped by {name}; anything half-written was removed"
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (/proc/PID/status SigCgt)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", STOPS)
+@pytest.mark.parametrize("script", ["02_train.py", "05_stage.py"])
+def test_a_stop_while_a_script_imports_ends_it_in_one_line_with_nothing_done(tmp_path, signum, script):
+    """A real start (no fork server: the imports are the point): SIGTERM killed the script without
+    a word, SIGINT printed a KeyboardInterrupt traceback, or was swallowed by torch's import and
+    the script ran on. The project's imports (torch) take a second or more; the signal is sent
+    as soon as the script's first handler is in place."""
+    env = script_env()
+    process = subprocess.Popen(
+        [PYTHON, "-B", str(REPO / "scripts" / script), "--help"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while (
+        not _catches(process.pid, signal.SIGTERM) and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.001)
+    os.kill(process.pid, signum)
+    out, err = process.communicate(timeout=120)
+    result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    assert result.returncode == 128 + signum, out + err
+    assert (
+        one_line_error(result)
+        == f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done"
+    )
+    assert out == ""  # --help was never printed: it never got that far

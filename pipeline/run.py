@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from .callbacks import Callbacks, build_callbacks
 from .config import Config
 from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
 from .factories import factory_errors, resolve
@@ -54,6 +55,8 @@ class TrainingRun:
     evaluations: dict[str, list] = field(default_factory=lambda: {"step": []})
     """``training.eval_every``'s results: the evaluated steps, and one list per metric the task's
     ``evaluate`` returns, in step order (:mod:`pipeline.evaluating`)."""
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    """The run's callbacks, their state and a stop's record (:mod:`pipeline.callbacks`)."""
 
 
 def configure_determinism(config: Config) -> None:
@@ -126,7 +129,7 @@ def build_run(
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     world: World | None = None,
 ) -> TrainingRun:
-    """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
+    """Seed, then construct model, optimizer, scheduler, data, sampler and callbacks, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
@@ -161,6 +164,7 @@ def build_run(
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
+    callbacks = build_callbacks(config)
     return TrainingRun(
         config=config,
         device=device,
@@ -174,4 +178,5 @@ def build_run(
         scaler=scaler,
         autocast_dtype=autocast_dtype,
         fresh_buffers=fresh,
+        callbacks=callbacks,
     )

@@ -152,6 +152,13 @@ class Traces:
         self._evaluations = 0
         self._flushed = time.monotonic()
 
+    # The callback's events (pipeline.callbacks): what the run added, appended.
+    def on_step_end(self, run: Any, control: Any) -> None:
+        self.update(run)
+
+    def on_evaluate(self, run: Any, metrics: Mapping[str, float], control: Any) -> None:
+        self.update(run)
+
     def update(self, run: Any) -> None:
         """Append the steps and evaluations ``run`` added since the last call."""
         if self._file is None:

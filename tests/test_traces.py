@@ -32,6 +32,8 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 TRACE = "events.out.tfevents.pipeline"
 STAGED_TRACE = f"runs/{TRACE}"
 STEPS = list(range(1, 11))
+# A run's own traces: traces/<name of its checkpoint folder> beside that folder.
+RUN_TRACES = Path("traces") / "estados_local"
 
 
 def events(folder: Path) -> list[tuple[str, int, float]]:
@@ -89,7 +91,7 @@ def fresh_run(trained_run: RunFolder, folder: Path) -> RunFolder:
 
 
 def test_training_writes_loss_and_lr_at_every_step_in_a_file_that_names_no_host(trained_run):
-    traces = trained_run.root / "traces"
+    traces = trained_run.root / RUN_TRACES
     assert sorted(p.name for p in traces.iterdir()) == [".pipeline-traces", TRACE]
     points = events(traces)
     assert_each_step_once(points)
@@ -107,12 +109,12 @@ def test_traces_of_a_run_resumed_from_an_earlier_checkpoint_equal_the_uninterrup
     run = fresh_run(trained_run, tmp_path / "cut")
     run.ok("02_train.py", "--quiet", "--stop-at", "7", "--set", "checkpoint.keep_last=2")
     shutil.rmtree(run.checkpoint_dir / "step-00000007")
-    assert [step for tag, step, _ in events(run.root / "traces") if tag == "train/loss"] == STEPS[:7]
+    assert [step for tag, step, _ in events(run.root / RUN_TRACES) if tag == "train/loss"] == STEPS[:7]
     run.ok("02_train.py", "--quiet", "--resume", "latest")
-    points = events(run.root / "traces")
+    points = events(run.root / RUN_TRACES)
     assert_each_step_once(points)
-    assert sorted(points) == sorted(events(trained_run.root / "traces"))
-    assert scalars(run.root / "traces") == scalars(trained_run.root / "traces")
+    assert sorted(points) == sorted(events(trained_run.root / RUN_TRACES))
+    assert scalars(run.root / RUN_TRACES) == scalars(trained_run.root / RUN_TRACES)
 
 
 def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir, tmp_path):
@@ -136,13 +138,13 @@ def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir
     assert straight.returncode == 0, straight.stderr
     killed = child("killed", 250)
     assert killed.returncode == -9, killed.stderr
-    traced = [step for tag, step, _ in events(tmp_path / "killed" / "traces") if tag == "train/loss"]
+    traced = [step for tag, step, _ in events(tmp_path / "killed" / RUN_TRACES) if tag == "train/loss"]
     assert traced == list(range(1, len(traced) + 1)) and 200 < len(traced) <= 250, traced[-3:]
     finished = child("killed", 0)
     assert finished.returncode == 0, finished.stderr
-    points = events(tmp_path / "killed" / "traces")
+    points = events(tmp_path / "killed" / RUN_TRACES)
     assert_each_step_once(points)
-    assert sorted(points) == sorted(events(tmp_path / "straight" / "traces"))
+    assert sorted(points) == sorted(events(tmp_path / "straight" / RUN_TRACES))
     assert len(points) == 2 * 300
 
 
@@ -152,17 +154,18 @@ def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_
     assert result.returncode == 0, result.stderr
     said = [line for line in (result.stdout + result.stderr).splitlines() if "traces" in line.lower()]
     assert len(said) == 1 and "TensorBoard traces are off" in said[0] and INSTALL_HINT in said[0], said
-    assert not (run.root / "traces").exists()
+    assert not (run.root / RUN_TRACES).exists()
     assert (run.checkpoint_dir / "step-00000010" / "meta.json").is_file()
 
 
 @pytest.mark.parametrize("kind", ["folder", "unmarked-events", "marked", "file"])
 def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_path, kind):
     run = fresh_run(trained_run, tmp_path / "theirs")
-    theirs = run.root / "traces"
+    theirs = run.root / RUN_TRACES
     # unmarked-events: a copy of training's file kept by the user; marked: training's own folder,
     # with a file of the user's added since.
     kept = {"folder": ["notes.txt"], "unmarked-events": [TRACE_FILE], "marked": [TRACES_MARKER, "notes.txt"]}
+    theirs.parent.mkdir()
     if kind == "file":
         theirs.write_text("mine\n")
     else:

@@ -66,6 +66,8 @@ def validated_state(
     saved one must have its structure and types (default: torch's ``state_dict`` form)."""
     table = components()
     names = [component.name for component in table]
+    if isinstance(state, dict):  # a checkpoint written before a built-in component existed
+        state = {**{c.name: c.absent() for c in table if c.absent and c.name not in state}, **state}
     if not isinstance(state, dict) or set(state) != {*names, "progress"}:
         raise fail("", f"does not hold exactly {', '.join([*names, 'progress'])}")
     used: set[str] = set()

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR, TRACES_DIR
+from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR
 from .sections import Config, config_from_dict
 from .values import load_yaml as _load_yaml
 
@@ -110,18 +110,15 @@ def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return merged
 
 
-def _with_traces_beside_checkpoints(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with ``outputs.traces``, if neither the file nor an override names it, in the
-    folder that holds ``checkpoint.dir`` (``traces/`` beside ``estados_local/``,
-    ``runs/charlm/traces/`` beside ``runs/charlm/estados_local/``): training writes them, so
-    they follow its checkpoints wherever a config or a command line puts those."""
-    outputs, checkpoint = raw.get("outputs"), raw.get("checkpoint")
-    if not isinstance(outputs, dict) or "traces" in outputs or not isinstance(checkpoint, dict):
-        return raw
-    folder = checkpoint.get("dir")
-    if not isinstance(folder, str) or not folder:
-        return raw
-    return {**raw, "outputs": {**outputs, "traces": str(Path(folder).parent / TRACES_DIR)}}
+def _refuse_two_lengths(raw: dict[str, Any], source: str) -> None:
+    """``training.max_steps`` and ``training.epochs`` are two ways to say how long a run is: a
+    file or a ``--set`` may give one (a checkpoint records both, the steps counted)."""
+    training = raw.get("training")
+    if isinstance(training, dict) and training.get("epochs") and training.get("max_steps") is not None:
+        raise ConfigError(
+            f"{source}: training.max_steps ({training['max_steps']}) and training.epochs ({training['epochs']}) are both "
+            "given: keep one (--max-steps sets training.max_steps)"
+        )
 
 
 def _flow(value: Any) -> str:
@@ -158,5 +155,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key, value in overrides.items():
             if value is not None:
                 args += ["--set", f"{key}={_flow(value)}"]
-    config = config_from_dict(_with_traces_beside_checkpoints(raw), source=source)
+    _refuse_two_lengths(raw, source)
+    config = config_from_dict(raw, source=source)
     return dataclasses.replace(config, command_args=tuple(args))

@@ -14,7 +14,8 @@ import torch
 
 from .callbacks import Callbacks, build_callbacks
 from .config import Config
-from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
+from .data import Feed, Sampler, TaskData, batches_per_epoch, load_task_data, make_feed, make_sampler
+from .errors import ConfigError
 from .factories import factory_errors, resolve
 from .rng import seed_everything
 from .world import World, resolve_device
@@ -27,6 +28,8 @@ __all__ = [
     "build_model",
     "make_sampler",
     "fresh_buffers",
+    "with_counted_length",
+    "counted_length",
 ]
 
 
@@ -129,7 +132,9 @@ def build_run(
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     world: World | None = None,
 ) -> TrainingRun:
-    """Seed, then construct model, optimizer, scheduler, data, sampler and callbacks, in that order.
+    """Seed, then construct model, optimizer, data and sampler, then the scheduler (which may
+    need the run's length counted from the sampler: ``training.epochs``), the feed and the
+    callbacks, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
@@ -147,6 +152,9 @@ def build_run(
     optimizer = resolve(config.optimizer.factory, "optimizer.factory", returns=torch.optim.Optimizer)(
         model, config
     )
+    data = load_task_data(config)
+    sampler = make_sampler(data, generator, config)
+    config = with_counted_length(config, sampler)
     schedule_config = (
         config
         if schedule_steps is None
@@ -157,8 +165,6 @@ def build_run(
     scheduler = resolve(
         config.scheduler.factory, "scheduler.factory", returns=torch.optim.lr_scheduler.LRScheduler
     )(optimizer, schedule_config)
-    data = load_task_data(config)
-    sampler = make_sampler(data, generator, config)
     feed = make_feed(data, sampler, generator, config, device, world)
     configure_determinism(config)
     amp = config.training.amp
@@ -180,3 +186,37 @@ def build_run(
         fresh_buffers=fresh,
         callbacks=callbacks,
     )
+
+
+def with_counted_length(config: Config, sampler: Sampler | None) -> Config:
+    """``config`` with ``training.max_steps`` counted from ``training.epochs`` when that is how its
+    length is given: the batches of ``epochs`` passes (:func:`~pipeline.data.batches_per_epoch`)
+    over ``grad_accum_steps``, rounded up, so every batch of those epochs is trained. A length in
+    steps, or one counted before (a checkpoint records both keys), is kept as it is."""
+    training = config.training
+    if training.max_steps is not None:
+        return config
+    if sampler is None:
+        raise ConfigError(
+            f"{config.source}: training.epochs is {training.epochs}, but the task's training inputs are a "
+            "stream, whose length is not known: give the run's length as training.max_steps"
+        )
+    batches = batches_per_epoch(sampler)
+    if batches is None:
+        raise ConfigError(
+            f"{config.source}: training.epochs is {training.epochs}, but the task's sampler "
+            f"({type(sampler).__name__}) does not say how many batches an epoch has (its __len__): give "
+            "the run's length as training.max_steps, or give the sampler a __len__"
+        )
+    steps = -(-training.epochs * batches // training.grad_accum_steps)
+    return dataclasses.replace(config, training=dataclasses.replace(training, max_steps=steps))
+
+
+def counted_length(config: Config) -> Config:
+    """``config`` with its length in steps, counted from the task's data if ``training.epochs``
+    gives it (a throwaway sampler: nothing of a run is built): for tools that plan a run before
+    it trains (script 03)."""
+    if config.training.max_steps is not None:
+        return config
+    data = load_task_data(config)
+    return with_counted_length(config, make_sampler(data, np.random.Generator(np.random.PCG64(0)), config))

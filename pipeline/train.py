@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import signal
 import threading
@@ -541,7 +542,7 @@ def _step(
     refused = evaluation is not None and evaluation.refusal is not None
     stopping = control.should_training_stop and run.step < run.config.training.max_steps
     if stopping:
-        control.say(_stopped_line(run.callbacks.record_stop(run.step, control)))
+        control.say(_stopped_line(_record_stop(run, world, control)))
     if control.should_save or stopping or refused or run.step == end:
         saves.save()
     control.step_done()
@@ -550,6 +551,17 @@ def _step(
         resume = resume_hint if evaluation.fix is None else with_set(resume_hint, evaluation.fix)
         raise ConfigError(f"{evaluation.refusal}; step {run.step} is committed: resume with {resume}")
     return stopping
+
+
+def _record_stop(run: TrainingRun, world: World, control: Control) -> dict[str, Any]:
+    """Record the stop a callback asked for at this step. Under torchrun a callback of the user's
+    may have asked on one rank only (its flag was agreed): the first rank that asked names it."""
+    said = [control.stopped_by, control.stop_reason]
+    if control.agree is not None:
+        asked = [json.loads(text) for text in world.gather_text(json.dumps(said))]
+        said = next((entry for entry in asked if entry[0]), said)
+    control.stopped_by, control.stop_reason = said
+    return run.callbacks.record_stop(run.step, control)
 
 
 def _preempted(

@@ -110,9 +110,23 @@ def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return merged
 
 
+_LENGTHS = ("training.max_steps", "training.epochs")
+
+
+def _length_overridden(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without its length when the command line gives the run's length the other way
+    (``--set training.epochs=3`` over a file's ``max_steps: 10``): the command line's wins."""
+    given = [key for key in _LENGTHS if overrides.get(key)]
+    training = raw.get("training")
+    if len(given) != 1 or not isinstance(training, dict):
+        return raw
+    other = next(key for key in _LENGTHS if key not in given).partition(".")[2]
+    return {**raw, "training": {key: value for key, value in training.items() if key != other}}
+
+
 def _refuse_two_lengths(raw: dict[str, Any], source: str) -> None:
     """``training.max_steps`` and ``training.epochs`` are two ways to say how long a run is: a
-    file or a ``--set`` may give one (a checkpoint records both, the steps counted)."""
+    file, or the command line, gives one (a checkpoint records both, the steps counted)."""
     training = raw.get("training")
     if isinstance(training, dict) and training.get("epochs") and training.get("max_steps") is not None:
         raise ConfigError(
@@ -149,8 +163,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     source = str(path)
     default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
     args: list[str] = [] if default else ["--config", str(path)]
+    _refuse_two_lengths(raw, str(path))
     if overrides:
-        raw = apply_overrides(raw, overrides)
+        raw = apply_overrides(_length_overridden(raw, overrides), overrides)
         source = f"{path} (with command-line overrides)"
         for key, value in overrides.items():
             if value is not None:

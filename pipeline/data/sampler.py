@@ -13,7 +13,15 @@ import numpy as np
 from ..config import Config
 from ..errors import DataError, first_line
 
-__all__ = ["Sampler", "EpochSampler", "make_sampler", "clone_sampler", "batch_epoch", "dataset_length"]
+__all__ = [
+    "Sampler",
+    "EpochSampler",
+    "make_sampler",
+    "clone_sampler",
+    "batch_epoch",
+    "batches_per_epoch",
+    "dataset_length",
+]
 
 
 def dataset_length(source: Any, what: str) -> int:
@@ -90,6 +98,10 @@ class EpochSampler:
         self.cursor = 0
         self.samples_seen = 0
         self.permutation: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        """Batches in one epoch: the last short one counts, unless ``drop_last``."""
+        return self.num_rows // self.batch_size if self.drop_last else -(-self.num_rows // self.batch_size)
 
     def _epoch_exhausted(self) -> bool:
         remaining = self.num_rows - self.cursor
@@ -184,6 +196,16 @@ def clone_sampler(sampler: Sampler, data: Any, generator: np.random.Generator, c
         raise DataError("a stream has no sampler to copy")
     clone.load_state_dict(sampler.state_dict())
     return clone
+
+
+def batches_per_epoch(sampler: Sampler) -> int | None:
+    """How many batches one epoch of ``sampler`` has (its ``__len__``); ``None`` when it does not
+    say, or says something that is not a count >= 1."""
+    try:
+        count = len(sampler)  # type: ignore[arg-type]
+    except Exception:  # no __len__, or one that fails: not a count
+        return None
+    return count if type(count) is int and count >= 1 else None
 
 
 def batch_epoch(sampler: Sampler) -> int:

@@ -54,7 +54,12 @@ class TrainingRun:
     """The persistent buffers as built, before any training or loading (see
     ``pipeline.checkpoint.weights.model_summary``)."""
     step: int = 0
-    history: dict[str, list] = field(default_factory=lambda: {"step": [], "loss": [], "lr": []})
+    history: dict[str, list] = field(
+        default_factory=lambda: {"step": [], "loss": [], "lr": [], "grad_norm": [], "epoch": []}
+    )
+    """One value per optimizer step: ``step``, ``loss``, ``lr``, ``grad_norm`` (before clipping, at
+    the steps ``training.log_every`` logs; NaN at the others) and ``epoch`` (epochs done,
+    fractional; NaN for a stream). Saved in every checkpoint (``history/*``)."""
     evaluations: dict[str, list] = field(default_factory=lambda: {"step": []})
     """``training.eval_every``'s results: the evaluated steps, and one list per metric the task's
     ``evaluate`` returns, in step order (:mod:`pipeline.evaluating`)."""

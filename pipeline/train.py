@@ -32,7 +32,7 @@ from .checkpoint import (
 )
 from .commands import with_set
 from .config import Config, traces_folder
-from .data import load_manifest
+from .data import epochs_done, load_manifest
 from .distributed.launch import joined
 from .environment import current_environment, pin_threads
 from .errors import (
@@ -125,16 +125,11 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     world = world or World(device=run.device)
     run.model.train()
     loss = accumulate_gradients(run, world)
-    clip = run.config.training.grad_clip
+    norm = _clip_gradients(run, logged=(run.step + 1) % run.config.training.log_every == 0)
     if run.scaler is not None:
-        if clip:
-            run.scaler.unscale_(run.optimizer)
-            torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
         run.scaler.step(run.optimizer)
         run.scaler.update()
     else:
-        if clip:
-            torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
         run.optimizer.step()
     lr = float(run.optimizer.param_groups[0]["lr"])
     with warnings.catch_warnings():
@@ -147,7 +142,30 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     run.history["step"].append(run.step)
     run.history["loss"].append(value)
     run.history["lr"].append(lr)
+    run.history["grad_norm"].append(norm)
+    run.history["epoch"].append(epochs_done(run.sampler))
     return value, lr
+
+
+def _clip_gradients(run: TrainingRun, *, logged: bool) -> float:
+    """Clip the gradients to ``training.grad_clip`` (if set); return their norm before clipping at
+    a step ``training.log_every`` logs, NaN at the others. Clipping computes the norm anyway;
+    without it the norm costs one pass over the gradients, made at logged steps only, which
+    reads them and changes nothing the step computes. Under fp16 AMP the norm is of the
+    unscaled gradients."""
+    clip = run.config.training.grad_clip
+    if clip:
+        if run.scaler is not None:
+            run.scaler.unscale_(run.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+    elif logged:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
+        if run.scaler is not None:  # still scaled: the GradScaler unscales them in its step
+            norm = norm / run.scaler.get_scale()
+    if not logged:
+        return math.nan
+    full = getattr(norm, "full_tensor", None)  # FSDP2's sharded gradients give a DTensor
+    return float(full() if full is not None else norm)
 
 
 def final_checkpoint(saved: SavedCheckpoint | None, store: CheckpointStore, step: int) -> Path | None:

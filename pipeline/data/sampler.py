@@ -5,6 +5,7 @@ replaying batches. Loaders that run ahead (DataLoader workers) read a copy of it
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ __all__ = [
     "clone_sampler",
     "batch_epoch",
     "batches_per_epoch",
+    "epochs_done",
     "dataset_length",
 ]
 
@@ -206,6 +208,17 @@ def batches_per_epoch(sampler: Sampler) -> int | None:
     except Exception:  # no __len__, or one that fails: not a count
         return None
     return count if type(count) is int and count >= 1 else None
+
+
+def epochs_done(sampler: Sampler | None) -> float:
+    """Passes over the training set so far, fractional (2.5: half of the third epoch trained):
+    an :class:`EpochSampler`'s epoch and cursor, another sampler's integer ``epoch``; NaN when
+    there is none (a stream)."""
+    if isinstance(sampler, EpochSampler):
+        rows = len(sampler) * sampler.batch_size if sampler.drop_last else sampler.num_rows
+        return sampler.epoch + sampler.cursor / rows
+    epoch = getattr(sampler, "epoch", None)
+    return float(epoch) if type(epoch) is int and epoch >= 0 else math.nan
 
 
 def batch_epoch(sampler: Sampler) -> int:

@@ -159,7 +159,7 @@ def build_run(
     )
     data = load_task_data(config)
     sampler = make_sampler(data, generator, config)
-    config = with_counted_length(config, sampler)
+    config = with_counted_length(config, sampler, schedule_steps)
     schedule_config = (
         config
         if schedule_steps is None
@@ -193,13 +193,15 @@ def build_run(
     )
 
 
-def with_counted_length(config: Config, sampler: Sampler | None) -> Config:
+def with_counted_length(config: Config, sampler: Sampler | None, first_length: int | None = None) -> Config:
     """``config`` with ``training.max_steps`` counted from ``training.epochs`` when that is how its
     length is given: the batches of ``epochs`` passes (:func:`~pipeline.data.batches_per_epoch`)
     over ``grad_accum_steps``, rounded up, so every batch of those epochs is trained. A length in
-    steps, or one counted before (a checkpoint records both keys), is kept as it is."""
+    steps is kept as it is. Both keys (a checkpoint records both; a file made from its
+    ``meta.json`` holds both): the run's first length (``first_length``, an extended run's; else
+    ``max_steps``) must be the count, or the pair is refused in one line."""
     training = config.training
-    if training.max_steps is not None:
+    if not training.epochs:
         return config
     if sampler is None:
         raise ConfigError(
@@ -214,14 +216,22 @@ def with_counted_length(config: Config, sampler: Sampler | None) -> Config:
             "the run's length as training.max_steps, or give the sampler a __len__"
         )
     steps = -(-training.epochs * batches // training.grad_accum_steps)
-    return dataclasses.replace(config, training=dataclasses.replace(training, max_steps=steps))
+    if training.max_steps is None:
+        return dataclasses.replace(config, training=dataclasses.replace(training, max_steps=steps))
+    if (first_length or training.max_steps) != steps:
+        raise ConfigError(
+            f"{config.source}: training.max_steps is {first_length or training.max_steps}, but training.epochs "
+            f"{training.epochs} counts {steps} steps ({batches} batches an epoch, {training.grad_accum_steps} a "
+            "step): give one of the two"
+        )
+    return config
 
 
 def counted_length(config: Config) -> Config:
     """``config`` with its length in steps, counted from the task's data if ``training.epochs``
     gives it (a throwaway sampler: nothing of a run is built): for tools that plan a run before
     it trains (script 03)."""
-    if config.training.max_steps is not None:
+    if not config.training.epochs:
         return config
     data = load_task_data(config)
     return with_counted_length(config, make_sampler(data, np.random.Generator(np.random.PCG64(0)), config))

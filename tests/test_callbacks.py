@@ -6,6 +6,7 @@ such a callback, exact across a cut."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,28 @@ def test_early_stopping_is_exact_across_a_cut_between_evaluations(data_dir, tmp_
     assert again.step == expected and again.checkpoint == resumed.checkpoint
     extended = train(cut_config, resume="latest", extend_to=60, progress=False)
     assert extended.step == expected + 2 and extended.stopped["step"] == expected + 2
+
+
+def test_an_early_stopped_run_is_staged_with_its_stop_on_the_card(trained_run, tmp_path):
+    run = RunFolder(tmp_path)
+    shutil.copytree(trained_run.root / "data", run.root / "data")
+    sets = [item for key, value in EARLY.items() for item in ("--set", f"{key}={value}")]
+    trained = run.ok("02_train.py", "--quiet", "--max-steps", "40", *sets)
+    assert "trained to step" in trained.stdout
+    stopped = read_meta_json(run.checkpoint)["training_state"]["callbacks"]["stopped"]
+    assert stopped is not None and stopped["by"] == "early_stopping"
+    resumed = run.script("02_train.py", "--max-steps", "40", *sets, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"stopped early at step {stopped['step']}: {stopped['reason']}" in resumed.stderr
+    assert not [line for line in resumed.stderr.splitlines() if line.startswith("step ")]  # nothing trained
+    run.ok("05_stage.py", "--no-metrics")
+    card = (run.stage / "README.md").read_text()
+    assert f"This is step **{stopped['step']}**, the last step of its run" in card
+    assert (
+        f"It stopped early at step {stopped['step']}: mse did not improve by more than 0.005 for 2 "
+        "evaluations (early\\_stopping)."
+    ) in card
+    assert json.loads((run.stage / "meta.json").read_text())["training"]["stopped"] == stopped
 
 
 def test_early_stopping_without_a_metric_to_watch_is_refused_in_one_line(data_dir, tmp_path):

@@ -4,11 +4,13 @@ the same under torchrun (whose launch also holds a callback asking to stop on on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from test_distributed import torchrun
 
 from pipeline.config import load_config
@@ -77,8 +79,34 @@ def test_an_epochs_run_resumes_to_its_length_and_extends(data_dir, tmp_path):
 
 def test_epochs_and_max_steps_together_are_refused_in_one_line(trained_run):
     line = trained_run.refused("02_train.py", "--set", "training.epochs=2", "--max-steps", "7")
-    assert "training.max_steps (7) and training.epochs (2) are both given: keep one" in line, line
-    assert "config.yaml" in line
+    assert "the command line gives both training.max_steps (7) and training.epochs (2): keep one" in line, (
+        line
+    )
+
+
+def test_a_config_made_from_a_checkpoints_record_trains_again_and_a_pair_that_disagrees_is_refused(
+    data_dir, tmp_path
+):
+    """A checkpoint records both keys (the steps counted): its config as a file (what a model
+    card's recipe does) trains the same run; a file whose two lengths disagree is refused."""
+    counted = train(_config(data_dir, tmp_path / "first", **{"training.epochs": 2}), progress=False)
+    recorded = read_meta_json(counted.checkpoint)["config"]
+    assert (recorded["training"]["epochs"], recorded["training"]["max_steps"]) == (2, 12)
+    again = tmp_path / "again.yaml"
+    again.write_text(
+        yaml.safe_dump({**recorded, "checkpoint": {**recorded["checkpoint"], "dir": str(tmp_path / "again")}})
+    )
+    assert_checkpoints_bitwise_equal(counted.checkpoint, train(load_config(again), progress=False).checkpoint)
+    recorded["training"]["max_steps"] = 11
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(
+        yaml.safe_dump({**recorded, "checkpoint": {**recorded["checkpoint"], "dir": str(tmp_path / "w")}})
+    )
+    with pytest.raises(
+        ConfigError, match=r"training\.max_steps is 11, but training\.epochs 2 counts 12 steps"
+    ):
+        train(load_config(wrong), progress=False)
+    assert not list((tmp_path / "w").glob("step-*"))
 
 
 def test_a_length_no_one_can_count_is_refused_in_one_line(data_dir, tmp_path):
@@ -96,9 +124,14 @@ def test_a_length_no_one_can_count_is_refused_in_one_line(data_dir, tmp_path):
         with_counted_length(config, Endless())
     sampler = EpochSampler(24, 5, np.random.Generator(np.random.PCG64(0)), drop_last=True)
     assert batches_per_epoch(sampler) == 4 and with_counted_length(config, sampler).training.max_steps == 8
-    assert (
-        with_counted_length(_config(data_dir, tmp_path), None).training.max_steps == 10
-    )  # a length in steps
+    in_steps = _config(data_dir, tmp_path)
+    assert with_counted_length(in_steps, None).training.max_steps == 10
+    # Both, as a checkpoint records them: an extended run's first length is the count.
+    both = load_config(CONFIG, {"training.epochs": 2, "data.batch_size": 5, "data.drop_last": True})
+    recorded = dataclasses.replace(both, training=dataclasses.replace(both.training, max_steps=20))
+    assert with_counted_length(recorded, sampler, first_length=8).training.max_steps == 20
+    with pytest.raises(ConfigError, match="counts 8 steps"):
+        with_counted_length(recorded, sampler)
 
 
 @pytest.mark.heavy

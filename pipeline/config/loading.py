@@ -124,14 +124,14 @@ def _length_overridden(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     return {**raw, "training": {key: value for key, value in training.items() if key != other}}
 
 
-def _refuse_two_lengths(raw: dict[str, Any], source: str) -> None:
-    """``training.max_steps`` and ``training.epochs`` are two ways to say how long a run is: a
-    file, or the command line, gives one (a checkpoint records both, the steps counted)."""
-    training = raw.get("training")
-    if isinstance(training, dict) and training.get("epochs") and training.get("max_steps") is not None:
+def _refuse_two_lengths(overrides: dict[str, Any]) -> None:
+    """``training.max_steps`` and ``training.epochs`` are two ways to say how long a run is: the
+    command line gives one. (A file may hold both only as a checkpoint records them, the steps
+    counted from the epochs: :func:`pipeline.run.with_counted_length` checks that they agree.)"""
+    if all(overrides.get(key) for key in _LENGTHS):
         raise ConfigError(
-            f"{source}: training.max_steps ({training['max_steps']}) and training.epochs ({training['epochs']}) are both "
-            "given: keep one (--max-steps sets training.max_steps)"
+            f"the command line gives both training.max_steps ({overrides['training.max_steps']}) and "
+            f"training.epochs ({overrides['training.epochs']}): keep one (--max-steps sets training.max_steps)"
         )
 
 
@@ -163,13 +163,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     source = str(path)
     default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
     args: list[str] = [] if default else ["--config", str(path)]
-    _refuse_two_lengths(raw, str(path))
     if overrides:
+        _refuse_two_lengths(overrides)
         raw = apply_overrides(_length_overridden(raw, overrides), overrides)
         source = f"{path} (with command-line overrides)"
         for key, value in overrides.items():
             if value is not None:
                 args += ["--set", f"{key}={_flow(value)}"]
-    _refuse_two_lengths(raw, source)
     config = config_from_dict(raw, source=source)
     return dataclasses.replace(config, command_args=tuple(args))

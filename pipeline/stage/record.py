@@ -107,6 +107,8 @@ def staged_meta(
             "launch": Launch.of_checkpoint(meta).to_dict(),
             "changes": meta["environment"]["changes"],
             "traces": traces,
+            # A stop a callback asked for (early stopping): {step, by, reason}, or None.
+            "stopped": (meta["training_state"].get("callbacks") or {}).get("stopped"),
         },
         "metrics": None
         if record is None

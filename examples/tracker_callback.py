@@ -9,8 +9,8 @@ append to cannot be, so this callback sends only what a committed checkpoint hol
 57 with its last checkpoint at step 50 resumes from 50: steps 51-57 were never sent, and are
 sent once, when the resumed run commits them. Nothing of it is saved in the checkpoint: a
 start knows that everything up to the step it resumes from was sent by the process that
-committed it. (A kill between a commit and its ``on_save`` leaves those steps unsent, never
-sent twice.)
+committed it. (A kill between a commit and its ``on_save``, which for a background save comes
+at the end of the step that finds it committed, leaves those steps unsent, never sent twice.)
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ A callback is any object with some of these methods, a subset of transformers'
 ``on_evaluate(run, metrics, control)``  after an evaluation: ``{name: float}``, also in
                                         ``run.evaluations`` (several sets: ``"set/metric"``)
 ``on_save(run, checkpoint, control)``   once a checkpoint is committed (``checkpoint.step``,
-                                        ``checkpoint.path``); a background save's when the next
-                                        save or the run's end waits for it
+                                        ``checkpoint.path``); a background save's at the end of
+                                        the first step that finds it committed
 
 ``control`` (:class:`Control`) carries what the callbacks ask of the loop after the step:
 stop, save, evaluate. A callback with ``state_dict()`` / ``load_state_dict(state)`` has its
@@ -108,6 +108,10 @@ class Callbacks:
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return ((entry.name, entry.callback) for entry in self._entries)
+
+    def listen(self, event: str) -> bool:
+        """Whether any callback has ``event``."""
+        return bool(self._events[event])
 
     @property
     def of_user(self) -> bool:

@@ -471,7 +471,9 @@ def _where_to_go_on(store: CheckpointStore, resume_hint: str | None) -> str:
 
 class _Saves:
     """The run's checkpoint saves, and each one's ``on_save`` once it is committed: at once for
-    a synchronous save, for a background one when the next save or the end waits for it."""
+    a synchronous save; for a background one at the end of the first step that finds it
+    committed (on every rank: under torchrun the ranks agree it is), or when the next save or
+    the end waits for it. Nothing is asked of the save in flight when no callback listens."""
 
     def __init__(
         self, run: TrainingRun, checkpointer: Checkpointer, control: Control, last: int | None
@@ -479,18 +481,32 @@ class _Saves:
         self.run, self.checkpointer, self.control = run, checkpointer, control
         self.last_step = last
         self.saved: SavedCheckpoint | Any = None
+        self._pending = False
+        self._listening = run.callbacks.listen("on_save")
 
     def save(self) -> None:
         self._heard(self.checkpointer.wait())
         self.saved, self.last_step = self.checkpointer.save(self.run), self.run.step
-        if isinstance(self.saved, SavedCheckpoint):
+        self._pending = not isinstance(self.saved, SavedCheckpoint)
+        if not self._pending:
             self._heard(self.saved)
+
+    def poll(self) -> None:
+        """Hear a background save that committed meanwhile."""
+        if not (self._pending and self._listening):
+            return
+        committed = self.saved.done()
+        if self.control.agree is not None:  # every rank hears it at the same step, or none
+            committed = not self.control.agree([int(not committed)])[0]
+        if committed:
+            self._heard(self.checkpointer.wait())
 
     def finish(self) -> None:
         """The save in flight committed (its error raised here), and heard."""
         self._heard(self.checkpointer.wait())
 
     def _heard(self, saved: SavedCheckpoint | None) -> None:
+        self._pending = False
         if saved is not None:
             self.run.callbacks.on_save(self.run, saved, self.control)
 
@@ -564,6 +580,7 @@ def _step(
     if control.should_save or stopping or refused or run.step == end:
         saves.save()
     control.step_done()
+    saves.poll()
     if refused:
         saves.finish()
         resume = resume_hint if evaluation.fix is None else with_set(resume_hint, evaluation.fix)

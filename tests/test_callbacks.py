@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,16 @@ from pipeline.errors import CheckpointError, ConfigError, StateMismatch
 from pipeline.proof.plan import controls
 from pipeline.train import TrainingHooks, train
 
-from support import REPO, assert_checkpoints_bitwise_equal, read_meta_json, reseal, verify_checkpoint
+from support import (
+    HELPERS,
+    REPO,
+    assert_checkpoints_bitwise_equal,
+    read_meta_json,
+    reseal,
+    run_python,
+    script_env,
+    verify_checkpoint,
+)
 
 CONFIG = REPO / "config.yaml"
 LOSS_SUM = "callback_factories:loss_sum"
@@ -148,6 +158,38 @@ def test_a_callback_state_that_is_not_plain_json_is_refused_before_the_first_ste
     with pytest.raises(CheckpointError, match=r"callback_factories:tuple_state holds a tuple"):
         train(config, progress=False)
     assert not list(tmp_path.glob("step-*"))
+
+
+def test_the_tracker_example_logs_each_step_once_across_a_kill(data_dir, tmp_path):
+    """examples/tracker_callback.py sends each committed step once: a run SIGKILLed after step 25
+    (its checkpoint at 20) and resumed has sent exactly what the run never killed sent."""
+
+    def child(name: str, kill_at: int) -> subprocess.CompletedProcess:
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / name / "estados_local"),
+            "checkpoint.every": 10,
+            "checkpoint.async": False,
+            "training.max_steps": 30,
+            "training.eval_every": 5,
+            "training.callbacks": ["examples.tracker_callback:jsonl"],
+        }
+        command = [HELPERS / "traces_child.py", CONFIG, json.dumps(overrides), str(kill_at)]
+        return run_python(command, cwd=tmp_path, env=script_env())
+
+    def sent(name: str) -> list[dict]:
+        path = tmp_path / name / "estados_local-tracker.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    assert child("straight", 0).returncode == 0
+    assert child("killed", 25).returncode == -9
+    assert [line["step"] for line in sent("killed")] == list(range(1, 21))
+    finished = child("killed", 0)
+    assert finished.returncode == 0, finished.stderr
+    straight = sent("straight")
+    assert [line["step"] for line in straight] == list(range(1, 31))
+    assert sent("killed") == straight
+    assert straight[4]["eval/mse"] > 0 and "eval/mse" not in straight[3]
 
 
 def test_callbacks_are_a_component_script_03_leaves_out(data_dir, tmp_path):

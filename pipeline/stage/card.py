@@ -187,8 +187,9 @@ def _traces_line(meta: Mapping[str, Any]) -> str:
             f"({INSTALL_HINT})."
         )
     return (
-        f"\n\nTensorBoard traces of the same history (`train/loss`, `train/lr` and each evaluation as "
-        f"`eval/<metric>`): [`{traces}`]({traces}), shown on the Hub's *Training metrics* tab, or locally "
+        f"\n\nTensorBoard traces of the same history (`train/loss`, `train/lr`, `train/grad_norm`, "
+        f"`train/epoch` and each evaluation as `eval/<metric>`): [`{traces}`]({traces}), shown on the Hub's "
+        "*Training metrics* tab, or locally "
         "with `tensorboard --logdir runs`."
     )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -98,13 +99,14 @@ class Callbacks:
         """What the last :meth:`load` has to say (a callback without saved state, a saved state
         no callback claims)."""
 
-    def add(self, name: str, callback: Any, *, user: bool = False) -> None:
+    def add(self, name: str, callback: Any, *, user: bool = False, first: bool = False) -> None:
+        """``callback`` hears each event after those added before it (``first``: before them)."""
         entry = _Entry(name, callback, user)
-        self._entries.append(entry)
+        self._entries.insert(0 if first else len(self._entries), entry)
         for event in EVENTS:
             method = getattr(callback, event, None)
             if callable(method):
-                self._events[event].append((entry, method))
+                self._events[event].insert(0 if first else len(self._events[event]), (entry, method))
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return ((entry.name, entry.callback) for entry in self._entries)
@@ -142,8 +144,19 @@ class Callbacks:
                 control.stopped_by = control.stopped_by or entry.name
         control.agreed()
 
-    def record_stop(self, step: int, control: Control) -> dict[str, Any]:
-        """The record of a stop asked at ``step``, kept in every later checkpoint."""
+    def record_stop(
+        self, step: int, control: Control, gather: Callable[[str], list[str]] | None = None
+    ) -> dict[str, Any]:
+        """The record of a stop asked at ``step``, kept in every later checkpoint. ``gather``
+        (under torchrun with callbacks of the user's, whose stop may have been asked on one rank
+        only, its flag agreed): every rank's text, so that the first rank that asked names it."""
+        if gather is not None:
+            asked = [
+                json.loads(text) for text in gather(json.dumps([control.stopped_by, control.stop_reason]))
+            ]
+            control.stopped_by, control.stop_reason = next(
+                (entry for entry in asked if entry[0]), [control.stopped_by, control.stop_reason]
+            )
         by = control.stopped_by or "a callback"
         self.stopped = {"step": step, "by": by, "reason": control.stop_reason or f"{by} asked to stop"}
         return self.stopped
@@ -303,12 +316,19 @@ class EarlyStopping:
         self.waiting = state["waiting"]
 
 
-def build_callbacks(config: Config) -> Callbacks:
-    """The callbacks a run of ``config`` has from its start: the built-in ``schedule`` and
+def build_callbacks(config: Config, data: Any = None) -> Callbacks:
+    """The callbacks a run of ``config`` has from its start: the built-in ``schedule`` (its
+    evaluations refused before the first step for a task ``data`` without ``evaluate``) and
     ``early_stopping``, then each of ``training.callbacks`` from its factory (``factory(config)``)."""
+    training = config.training
+    if training.eval_every and data is not None and not callable(getattr(data, "evaluate", None)):
+        raise ConfigError(
+            f"{config.source}: training.eval_every is {training.eval_every}, but the task "
+            f"({config.data.factory}) has no evaluate(model, device): set training.eval_every: 0, or give "
+            "the task an evaluate method"
+        )
     callbacks = Callbacks()
     callbacks.add("schedule", Schedule())
-    training = config.training
     if training.early_stopping_patience:
         callbacks.add(
             "early_stopping",

@@ -31,18 +31,7 @@ from .rng import capture_rng, restore_rng
 from .run import TrainingRun
 from .world import World
 
-__all__ = ["check_evaluable", "evaluate_step", "Evaluation", "BestMark"]
-
-
-def check_evaluable(run: TrainingRun) -> None:
-    """Refuse ``training.eval_every`` for a task without ``evaluate`` before the first step."""
-    config = run.config
-    if config.training.eval_every and not callable(getattr(run.data, "evaluate", None)):
-        raise ConfigError(
-            f"{config.source}: training.eval_every is {config.training.eval_every}, but the task "
-            f"({config.data.factory}) has no evaluate(model, device): set training.eval_every: 0, or give "
-            "the task an evaluate method"
-        )
+__all__ = ["evaluate_step", "Evaluation", "BestMark"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,7 +175,7 @@ def build_run(
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
-    callbacks = build_callbacks(config)
+    callbacks = build_callbacks(config, data)
     return TrainingRun(
         config=config,
         device=device,

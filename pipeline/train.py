@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import signal
 import threading
@@ -19,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .accumulation import accumulate_gradients, effective_batch
+from .accumulation import accumulate_gradients, clip_gradients, effective_batch
 from .callbacks import Control
 from .checkpoint import (
     Checkpointer,
@@ -44,7 +43,7 @@ from .errors import (
     TrainingDiverged,
     UserCodeExited,
 )
-from .evaluating import BestMark, check_evaluable, evaluate_step
+from .evaluating import BestMark, evaluate_step
 from .progress import Progress
 from .provenance import code_fingerprint, counted_sources, factories_fingerprint, library_versions
 from .run import TrainingRun, build_run, configure_determinism, fresh_buffers
@@ -125,7 +124,7 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     world = world or World(device=run.device)
     run.model.train()
     loss = accumulate_gradients(run, world)
-    norm = _clip_gradients(run, logged=(run.step + 1) % run.config.training.log_every == 0)
+    norm = clip_gradients(run, logged=(run.step + 1) % run.config.training.log_every == 0)
     if run.scaler is not None:
         run.scaler.step(run.optimizer)
         run.scaler.update()
@@ -145,27 +144,6 @@ def train_step(run: TrainingRun, world: World | None = None) -> tuple[float, flo
     run.history["grad_norm"].append(norm)
     run.history["epoch"].append(epochs_done(run.sampler))
     return value, lr
-
-
-def _clip_gradients(run: TrainingRun, *, logged: bool) -> float:
-    """Clip the gradients to ``training.grad_clip`` (if set); return their norm before clipping at
-    a step ``training.log_every`` logs, NaN at the others. Clipping computes the norm anyway;
-    without it the norm costs one pass over the gradients, made at logged steps only, which
-    reads them and changes nothing the step computes. Under fp16 AMP the norm is of the
-    unscaled gradients."""
-    clip = run.config.training.grad_clip
-    if clip:
-        if run.scaler is not None:
-            run.scaler.unscale_(run.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
-    elif logged:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
-        if run.scaler is not None:  # still scaled: the GradScaler unscales them in its step
-            norm = norm / run.scaler.get_scale()
-    if not logged:
-        return math.nan
-    full = getattr(norm, "full_tensor", None)  # FSDP2's sharded gradients give a DTensor
-    return float(full() if full is not None else norm)
 
 
 def final_checkpoint(saved: SavedCheckpoint | None, store: CheckpointStore, step: int) -> Path | None:
@@ -299,7 +277,6 @@ def _train(
                 world,
                 checkpointer,
                 control,
-                report,
                 end=_end(run, request.stop_at),
                 resumed=start.step is not None,
                 resume_hint=hint,
@@ -384,7 +361,6 @@ def _build(
             run.callbacks.stopped = None
         if launch.parallel == "none":  # a launch's state is captured together (a stream's positions)
             check_capturable(run)
-        check_evaluable(run)
         if hooks.on_start is not None:
             hooks.on_start(run)
         if world.rank == 0:  # the run continues: a stop's note would name a launch of the past
@@ -414,9 +390,11 @@ def _report(
 def _session_callbacks(
     run: TrainingRun, world: World, report: Progress, hooks: TrainingHooks
 ) -> Traces | None:
-    """The callbacks of this start, after those restored: the best mark's save, the traces (the
-    first process's, rebuilt from the restored history: :mod:`pipeline.traces`), a tool's hook."""
+    """The callbacks of this start, after those restored: the progress report, the best mark's
+    save, the traces (the first process's, rebuilt from the restored history:
+    :mod:`pipeline.traces`), a tool's hook."""
     config = run.config
+    run.callbacks.add("progress", report, first=True)
     if config.checkpoint.best_metric:
         run.callbacks.add("best", BestMark(config.checkpoint.best_metric, config.checkpoint.best_mode))
     traces = None
@@ -516,7 +494,6 @@ def _loop(
     world: World,
     checkpointer: Checkpointer,
     control: Control,
-    report: Progress,
     *,
     end: int,
     resumed: bool,
@@ -540,7 +517,7 @@ def _loop(
 
         stopped, stop = False, None
         while run.step < end and not stopped and (stop := stop_requested()) is None:
-            stopped = _step(run, world, control, report, saves, end, resume_hint)
+            stopped = _step(run, world, control, saves, end, resume_hint)
         stop = stop_requested()
         if stop is not None and saves.last_step != run.step:
             saves.save()
@@ -556,27 +533,26 @@ def _step(
     run: TrainingRun,
     world: World,
     control: Control,
-    report: Progress,
     saves: _Saves,
     end: int,
     resume_hint: str,
 ) -> bool:
     """One optimizer step and what the callbacks ask of it: an evaluation, a save, a stop
     (``True``: the run ends after this step)."""
-    loss, lr = train_step(run, world)
+    loss, _ = train_step(run, world)
     # With fp16 AMP too: the GradScaler skips steps whose gradients overflow, but a
     # non-finite loss is a diverged model, not an overflow to wait out.
     if not math.isfinite(loss):
         raise TrainingDiverged(
             f"loss is {loss} at step {run.step}, nothing was saved for it: lower optimizer.lr or check the data"
         )
-    report.update(run.step, loss, lr)
     run.callbacks.on_step_end(run, control)
     evaluation = evaluate_step(run, world, run.callbacks, control) if control.should_evaluate else None
     refused = evaluation is not None and evaluation.refusal is not None
     stopping = control.should_training_stop and run.step < run.config.training.max_steps
     if stopping:
-        control.say(_stopped_line(_record_stop(run, world, control)))
+        gather = world.gather_text if control.agree is not None else None
+        control.say(_stopped_line(run.callbacks.record_stop(run.step, control, gather)))
     if control.should_save or stopping or refused or run.step == end:
         saves.save()
     control.step_done()
@@ -586,17 +562,6 @@ def _step(
         resume = resume_hint if evaluation.fix is None else with_set(resume_hint, evaluation.fix)
         raise ConfigError(f"{evaluation.refusal}; step {run.step} is committed: resume with {resume}")
     return stopping
-
-
-def _record_stop(run: TrainingRun, world: World, control: Control) -> dict[str, Any]:
-    """Record the stop a callback asked for at this step. Under torchrun a callback of the user's
-    may have asked on one rank only (its flag was agreed): the first rank that asked names it."""
-    said = [control.stopped_by, control.stop_reason]
-    if control.agree is not None:
-        asked = [json.loads(text) for text in world.gather_text(json.dumps(said))]
-        said = next((entry for entry in asked if entry[0]), said)
-    control.stopped_by, control.stop_reason = said
-    return run.callbacks.record_stop(run.step, control)
 
 
 def _preempted(

@@ -6,6 +6,7 @@ such a callback, exact across a cut."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,8 +15,10 @@ import pytest
 from conftest import RunFolder
 
 from pipeline.checkpoint import CheckpointStore
+from pipeline.checkpoint.meta import entry_of
 from pipeline.config import load_config
 from pipeline.errors import CheckpointError, ConfigError, StateMismatch
+from pipeline.proof import verify_resume
 from pipeline.proof.plan import controls
 from pipeline.train import TrainingHooks, train
 
@@ -74,6 +77,45 @@ def test_a_callback_with_state_is_saved_in_every_checkpoint_and_resumed_bitwise(
     assert state["evaluated"] == [["mse", "rmse"]] * 3  # steps 4, 8, 10
     # Each committed checkpoint heard once it was committed (background saves: at the next save).
     assert state["saved"] == [3, 6, 9]
+
+
+def test_a_background_save_is_heard_once_committed_not_at_the_next_save(data_dir, tmp_path):
+    """checkpoint.async: the save of step 5 commits on its thread while steps go on; its on_save
+    comes at the end of the first step that finds it committed (each step here lasts 0.1 s, the
+    commit of this tiny checkpoint a few milliseconds), long before the save of step 10."""
+    overrides = {"training.callbacks": ["callback_factories:listener"], "checkpoint.every": 5}
+    result = train(_config(data_dir, tmp_path, **{"training.max_steps": 11, **overrides}), progress=False)
+    heard = _callbacks(result.checkpoint)["states"]["callback_factories:listener"]["heard"]
+    assert [saved for _, saved in heard] == [5, 10], heard
+    assert 5 <= heard[0][0] < 10, heard  # not when the save of step 10 waits for it
+
+
+def test_a_checkpoint_written_before_callbacks_and_the_new_history_resumes(data_dir, tmp_path):
+    """A checkpoint of the version before: no callbacks component, no history/grad_norm or
+    history/epoch. It resumes; the history it lacks reads as NaN (traced as nothing)."""
+    from safetensors.torch import load_file, save_file
+
+    config = _config(data_dir, tmp_path)
+    train(config, stop_at=5, progress=False)
+    folder = tmp_path / "step-00000005"
+    state = load_file(folder / "estado_treino.safetensors")
+    save_file(
+        {k: v for k, v in state.items() if k not in ("history/grad_norm", "history/epoch")},
+        folder / "estado_treino.safetensors",
+        metadata={"format": "pt", "step": "5"},
+    )
+
+    def older(meta: dict) -> None:
+        del meta["training_state"]["callbacks"]
+        meta["files"]["estado_treino.safetensors"] = entry_of(
+            (folder / "estado_treino.safetensors").read_bytes(), None
+        )
+
+    reseal(folder, older)
+    resumed = train(config, resume="latest", progress=False)
+    assert resumed.step == 10
+    assert all(math.isnan(value) for value in resumed.history["grad_norm"][:5] + resumed.history["epoch"][:5])
+    assert resumed.history["grad_norm"][5] > 0 and resumed.history["epoch"][5] > 0
 
 
 def test_a_saved_callback_state_is_checked_before_anything_is_set(data_dir, tmp_path):
@@ -190,6 +232,17 @@ def test_the_tracker_example_logs_each_step_once_across_a_kill(data_dir, tmp_pat
     assert [line["step"] for line in straight] == list(range(1, 31))
     assert sent("killed") == straight
     assert straight[4]["eval/mse"] > 0 and "eval/mse" not in straight[3]
+
+
+@pytest.mark.heavy
+def test_script_03_proves_a_callbacks_state_and_detects_it_left_out(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path / "ck", **{"training.callbacks": [LOSS_SUM]})
+    report = verify_resume(config, output=tmp_path / "proof", steps=6, cut=3, echo=lambda line: None)
+    assert report["all_checks_passed"], report["failed_components"]
+    control = report["components"]["negative"]["callbacks"]
+    assert control["result"] == "detected" and "final.callbacks" in control["diverged_checks"], control
+    checks = {check["name"]: check for check in report["checks"]["positive"]}
+    assert checks["final.callbacks"]["passed"] and checks["final.callbacks"]["max_abs_diff"] == 0.0
 
 
 def test_callbacks_are_a_component_script_03_leaves_out(data_dir, tmp_path):

@@ -267,8 +267,9 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
     elsewhere.mkdir()
     (elsewhere / "private.txt").write_text("mine\n")
     (elsewhere / TRACES_MARKER).write_text(MARKER_TEXT)
-    if kind == "folder-link":
-        theirs.symlink_to(elsewhere, target_is_directory=True)
+    if kind == "folder-link":  # to a folder that looks like training's own: never followed
+        _ours(elsewhere / "linked")
+        theirs.symlink_to(elsewhere / "linked", target_is_directory=True)
     else:
         _ours(theirs)
         if kind == "nested-folder":

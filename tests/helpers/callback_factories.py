@@ -5,6 +5,7 @@ sees the config only): ``STOP_AT`` (and ``STOP_RANK``), ``FAIL_IN``."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,31 @@ class SavesOnly:
 
 def saves_only(config: Config) -> SavesOnly:
     return SavesOnly()
+
+
+class Listener:
+    """Hears each committed checkpoint: ``heard`` holds [the step it was heard at, its step]. Each
+    step takes a tenth of a second (work of its own), so a background commit has time to end
+    between two saves."""
+
+    def __init__(self) -> None:
+        self.heard: list[list[int]] = []
+
+    def on_step_end(self, run: Any, control: Any) -> None:
+        time.sleep(0.1)
+
+    def on_save(self, run: Any, checkpoint: Any, control: Any) -> None:
+        self.heard.append([run.step, checkpoint.step])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"heard": self.heard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.heard = state["heard"]
+
+
+def listener(config: Config) -> Listener:
+    return Listener()
 
 
 def nothing(config: Config) -> None:

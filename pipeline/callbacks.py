@@ -16,12 +16,13 @@ state, plain JSON, saved in every checkpoint under its name and restored on resu
 ``check_state(state)`` may refuse a saved one before anything is set); one without is built
 afresh by every start. Its name is its import path in ``training.callbacks``.
 
-The built-ins are callbacks of this same interface, first in this order: ``schedule`` (the
-steps ``checkpoint.every`` saves and ``training.eval_every`` evaluates), ``early_stopping``
-(:class:`EarlyStopping`), then the trainer's ``best`` (the best mark's save,
-:mod:`pipeline.evaluating`), ``traces`` (:mod:`pipeline.traces`), then the user's. The list,
-its state and a stop's record are :class:`Callbacks` (``run.callbacks``); the training state
-component ``callbacks`` (:mod:`pipeline.checkpoint.components`) saves, checks and restores it.
+The built-ins are callbacks of this same interface, heard in this order: ``progress`` (the
+report, :mod:`pipeline.progress`), ``schedule`` (the steps ``checkpoint.every`` saves and
+``training.eval_every`` evaluates), ``early_stopping`` (:class:`EarlyStopping`), the user's,
+then ``best`` (the best mark's save, :mod:`pipeline.evaluating`) and ``traces``
+(:mod:`pipeline.traces`). The list, its state and a stop's record are :class:`Callbacks`
+(``run.callbacks``); the training state component ``callbacks``
+(:mod:`pipeline.checkpoint.components`) saves, checks and restores it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ pipeline needs editing. Signatures:
 - ``data.factory(config, data_dir: Path) -> TaskData`` (see :mod:`pipeline.data`);
 - ``model.factory(config) -> torch.nn.Module``;
 - ``optimizer.factory(model, config) -> torch.optim.Optimizer``;
-- ``scheduler.factory(optimizer, config) -> torch.optim.lr_scheduler.LRScheduler``.
+- ``scheduler.factory(optimizer, config) -> torch.optim.lr_scheduler.LRScheduler``;
+- each of ``training.callbacks``: ``factory(config) -> callback`` (see :mod:`pipeline.callbacks`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class TrainingHooks:
     on_start: Callable[[TrainingRun], None] | None = None
     """Called once the run is built and restored, before the first step."""
     on_step: Callable[[TrainingRun], None] | None = None
-    """Called after every optimizer step, before that step's checkpoint is saved."""
+    """Called after every optimizer step, before that step's evaluation and checkpoint (the last
+    callback to hear ``on_step_end``)."""
     swap_rng: bool = False
     """Under torchrun: ranks 0 and 1 restore each other's RNG streams (the proof's control
     for per-rank RNG state)."""

@@ -1,4 +1,4 @@
-"""One optimizer step's gradients from ``training.grad_accum_steps`` micro-batches.
+"""One optimizer step's gradients from ``training.grad_accum_steps`` micro-batches, clipped.
 
 The step's micro-batches are read first, so each can be weighed by its rows before any
 backward: micro-batch ``i`` of ``n_i`` rows (the global micro-batch's, whatever this rank's
@@ -11,6 +11,7 @@ global micro-batch's), and the micro-batches before the last skip the gradient r
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from .run import TrainingRun
 from .world import World
 
-__all__ = ["accumulate_gradients", "effective_batch"]
+__all__ = ["accumulate_gradients", "clip_gradients", "effective_batch"]
 
 
 def effective_batch(run: TrainingRun, world: World) -> str | None:
@@ -62,6 +63,27 @@ def accumulate_gradients(run: TrainingRun, world: World) -> torch.Tensor:
     for loss in losses[1:]:
         summed = summed + loss
     return summed
+
+
+def clip_gradients(run: TrainingRun, *, logged: bool) -> float:
+    """Clip the gradients to ``training.grad_clip`` (if set); return their norm before clipping at
+    a step ``training.log_every`` logs, NaN at the others. Clipping computes the norm anyway;
+    without it the norm costs one pass over the gradients, made at logged steps only, which
+    reads them and changes nothing the step computes. Under fp16 AMP the norm is of the
+    unscaled gradients."""
+    clip = run.config.training.grad_clip
+    if clip:
+        if run.scaler is not None:
+            run.scaler.unscale_(run.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+    elif logged:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
+        if run.scaler is not None:  # still scaled: the GradScaler unscales them in its step
+            norm = norm / run.scaler.get_scale()
+    if not logged:
+        return math.nan
+    full = getattr(norm, "full_tensor", None)  # FSDP2's sharded gradients give a DTensor
+    return float(full() if full is not None else norm)
 
 
 @contextlib.contextmanager

@@ -147,6 +147,11 @@ class FactoryFailed(ConfigError):
     (scripts print its traceback with ``--debug``)."""
 
 
+class CallbackFailed(FactoryFailed):
+    """A callback of ``training.callbacks`` raised during the run; the message names it and the
+    event, and where the run can go on from."""
+
+
 class OutOfMemory(PipelineError):
     """An allocation failed (``MemoryError``, or torch's allocator refusing): the sizes in the
     config ask for more memory than there is."""

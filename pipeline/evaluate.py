@@ -127,17 +127,35 @@ def _note_unused_overrides(saved: dict[str, Any], config: Config, source: str) -
 
 
 def check_metrics(metrics: Any, where: str) -> dict[str, float]:
-    """``{name: finite float}`` or an error naming ``where`` the metrics came from."""
+    """``{name: finite float}`` or an error naming ``where`` the metrics came from. Several
+    evaluation sets, ``{set: {metric: number}}``, come out as ``{"set/metric": float}``."""
     if not isinstance(metrics, dict) or not metrics:
         raise MetricsError(f"{where}: metrics must be a non-empty mapping of name to number")
     out: dict[str, float] = {}
     for name, value in metrics.items():
-        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MetricsError(f"{where}: metric {name!r} is {value!r}; metrics must map str to a number")
-        if not math.isfinite(value):
-            # JSON has no NaN, and a card must not advertise one: the model is broken.
-            raise MetricsError(f"held-out metric {name} is {value}: the checkpoint's weights are not usable")
-        out[name] = float(value)
+        if isinstance(name, str) and isinstance(value, dict):  # one of several evaluation sets
+            if not value:
+                raise MetricsError(f"{where}: evaluation set {name!r} holds no metric")
+            named = [
+                (f"{name}/{metric}" if isinstance(metric, str) else metric, number)
+                for metric, number in value.items()
+            ]
+        else:
+            named = [(name, value)]
+        for flat, number in named:
+            if not isinstance(flat, str) or isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise MetricsError(
+                    f"{where}: metric {flat!r} is {number!r}; metrics must map str to a number (or a set's "
+                    "name to such a mapping)"
+                )
+            if not math.isfinite(number):
+                # JSON has no NaN, and a card must not advertise one: the model is broken.
+                raise MetricsError(
+                    f"held-out metric {flat} is {number}: the checkpoint's weights are not usable"
+                )
+            if flat in out:
+                raise MetricsError(f"{where}: metric {flat!r} is named twice")
+            out[flat] = float(number)
     return out
 
 

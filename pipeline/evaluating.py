@@ -1,7 +1,11 @@
-"""Evaluation during training (``training.eval_every``): the task's ``evaluate`` on the live
-model, its values in ``run.evaluations``, and whether the step must be saved as the new best.
+"""Evaluation during training: the task's ``evaluate`` on the live model when the callbacks
+ask for it (``training.eval_every``'s steps: the built-in ``schedule``), its values in
+``run.evaluations`` and heard by every callback's ``on_evaluate``; and :class:`BestMark`, the
+callback that saves a new best step of ``checkpoint.best_metric``.
 
-``evaluate(model, device)`` is the function script 04 calls on a checkpoint. Here it sees the
+``evaluate(model, device)`` is the function script 04 calls on a checkpoint; it returns
+``{metric: value}``, or ``{set: {metric: value}}`` for several evaluation sets (named
+``"set/metric"`` from then on). Here it sees the
 live model in eval mode under ``torch.no_grad`` (train mode restored after), with every RNG
 family the training draws from saved before and restored after: an evaluation that draws
 (a sampling metric, say) changes nothing the training computes, so a resume stays bitwise
@@ -14,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from difflib import get_close_matches
-from typing import Callable
 
 import torch
 
+from .callbacks import Callbacks, Control
 from .checkpoint import best_record
 from .config import METRIC_NAME
 from .errors import ConfigError, MetricsError
@@ -27,55 +31,62 @@ from .rng import capture_rng, restore_rng
 from .run import TrainingRun
 from .world import World
 
-__all__ = ["check_evaluable", "evaluate_if_due", "Evaluated"]
-
-
-def check_evaluable(run: TrainingRun) -> None:
-    """Refuse ``training.eval_every`` for a task without ``evaluate`` before the first step."""
-    config = run.config
-    if config.training.eval_every and not callable(getattr(run.data, "evaluate", None)):
-        raise ConfigError(
-            f"{config.source}: training.eval_every is {config.training.eval_every}, but the task "
-            f"({config.data.factory}) has no evaluate(model, device): set training.eval_every: 0, or give "
-            "the task an evaluate method"
-        )
+__all__ = ["evaluate_step", "Evaluation", "BestMark"]
 
 
 @dataclass(frozen=True, slots=True)
-class Evaluated:
-    """What an evaluation asks of the loop after a step."""
+class Evaluation:
+    """One evaluation during training, and what it asks of the loop."""
 
-    save: bool = False
-    """Save this step even off ``checkpoint.every``: it is the new best."""
+    metrics: dict[str, float]
     refusal: str | None = None
     """``checkpoint.best_metric`` is not among the values: save this step, then stop with this."""
     fix: str | None = None
     """With ``refusal``: the ``--set`` item (``key=value``) the printed resume command carries."""
 
 
-def evaluate_if_due(run: TrainingRun, world: World, say: Callable[[str], None]) -> Evaluated:
-    """After an optimizer step: evaluate when ``run.step`` is a multiple of ``training.eval_every``
-    or ``training.max_steps``, record the values, and say them (``say``: the first rank's
-    report)."""
-    every, step = run.config.training.eval_every, run.step
-    if not every or (step % every and step != run.config.training.max_steps):
-        return Evaluated()
+def evaluate_step(run: TrainingRun, world: World, callbacks: Callbacks, control: Control) -> Evaluation:
+    """Evaluate the step just trained, record the values (their names checked against every
+    earlier evaluation's first: nothing is recorded or written for an evaluation refused), say
+    them, and let every callback hear them."""
+    step = run.step
+    if not callable(getattr(run.data, "evaluate", None)):
+        raise ConfigError(
+            f"a callback asked for an evaluation of step {step} (control.should_evaluate), but the task "
+            f"({run.config.data.factory}) has no evaluate(model, device)"
+        )
     metrics = _evaluate(run, world)
     _record(run.evaluations, step, metrics, run.config.data.factory)
-    say(f"step {step} evaluation: " + ", ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
+    control.say(
+        f"step {step} evaluation: " + ", ".join(f"{name} {value:.6g}" for name, value in metrics.items())
+    )
+    callbacks.on_evaluate(run, metrics, control)
     checkpoint = run.config.checkpoint
     if checkpoint.best_metric and checkpoint.best_metric not in metrics:
         names = sorted(metrics)
         # The printed resume command sets the name closest to the misspelt one (else the first).
         instead = (get_close_matches(checkpoint.best_metric, names, n=1) or names)[0]
-        return Evaluated(
-            save=True,
+        return Evaluation(
+            metrics,
             refusal=f"{run.config.source}: checkpoint.best_metric is {checkpoint.best_metric!r}, but the task's "
             f"evaluate returned {', '.join(names)}: set checkpoint.best_metric to one of them",
             fix=f"checkpoint.best_metric={instead}",
         )
-    best = best_record(run.evaluations, checkpoint.best_metric, checkpoint.best_mode)
-    return Evaluated(save=best is not None and best["step"] == step)
+    return Evaluation(metrics)
+
+
+class BestMark:
+    """``checkpoint.best_metric``: an evaluation that is the run's new best asks for its step to
+    be saved, on the save interval or not. The mark itself (``BEST.json``, and the order that
+    keeps the best checkpoint) is the store's (:mod:`pipeline.checkpoint.best`)."""
+
+    def __init__(self, metric: str, mode: str) -> None:
+        self.metric, self.mode = metric, mode
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, float], control: Control) -> None:
+        best = best_record(run.evaluations, self.metric, self.mode)
+        if best is not None and best["step"] == run.step:
+            control.should_save = True
 
 
 def _evaluate(run: TrainingRun, world: World) -> dict[str, float]:
@@ -94,17 +105,30 @@ def _evaluate(run: TrainingRun, world: World) -> dict[str, float]:
 
 
 def _record(evaluations: dict[str, list], step: int, metrics: dict[str, float], factory: str) -> None:
+    """Append one evaluation to ``evaluations``, after checking its names: each a tensor name of
+    the checkpoint, and the same as at the run's earlier evaluations (a name added or gone
+    would leave the saved lists of unequal lengths, which no load accepts)."""
     for name in metrics:
         if name == "step" or not METRIC_NAME.match(name):
             raise MetricsError(
-                f"{factory} evaluate() returned a metric named {name!r}: during training a metric's name must "
-                f"match {METRIC_NAME.pattern} and not be 'step' (it names a tensor of the checkpoint)"
+                f"{factory} evaluate() returned a metric named {name!r}: during training a metric is named "
+                "like a Python variable (letters, digits, '_', '.', '-'; up to 64), or 'set/metric' for one of "
+                "several evaluation sets, and not 'step' (it names a tensor of the checkpoint)"
             )
     names = set(evaluations) - {"step"}
     if evaluations["step"] and names != set(metrics):
+        added, gone = sorted(set(metrics) - names), sorted(names - set(metrics))
+        change = "; ".join(
+            part
+            for part in (
+                f"new: {', '.join(added)}" if added else "",
+                f"missing: {', '.join(gone)}" if gone else "",
+            )
+            if part
+        )
         raise MetricsError(
-            f"{factory} evaluate() returned {', '.join(sorted(metrics))} at step {step}, "
-            f"{', '.join(sorted(names))} before: it must return the same metrics every time"
+            f"{factory} evaluate() returned other metrics at step {step} than at the run's earlier evaluations "
+            f"({change}): a run's evaluations keep the same names; nothing of step {step} was recorded"
         )
     evaluations["step"].append(step)
     for name, value in metrics.items():

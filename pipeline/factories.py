@@ -7,7 +7,8 @@ pipeline needs editing. Signatures:
 - ``data.factory(config, data_dir: Path) -> TaskData`` (see :mod:`pipeline.data`);
 - ``model.factory(config) -> torch.nn.Module``;
 - ``optimizer.factory(model, config) -> torch.optim.Optimizer``;
-- ``scheduler.factory(optimizer, config) -> torch.optim.lr_scheduler.LRScheduler``.
+- ``scheduler.factory(optimizer, config) -> torch.optim.lr_scheduler.LRScheduler``;
+- each of ``training.callbacks``: ``factory(config) -> callback`` (see :mod:`pipeline.callbacks`).
 """
 
 from __future__ import annotations
@@ -78,12 +79,15 @@ def _size(text: str) -> str:
 
 
 @contextlib.contextmanager
-def factory_errors(key: str, path: str) -> Iterator[None]:
+def factory_errors(
+    key: str, path: str, *, hint: str | None = None, error: type[FactoryFailed] = FactoryFailed
+) -> Iterator[None]:
     """What the block raises becomes one line naming the config ``key`` and the factory
-    ``path``: a failed allocation :class:`OutOfMemory`, anything else :class:`FactoryFailed`
-    (the original exception as its ``__cause__``), and so does a ``SystemExit`` or another
-    ``BaseException`` (never a Ctrl-C). The pipeline's own errors and OS errors (which name
-    their path) pass through."""
+    ``path``: a failed allocation :class:`OutOfMemory`, anything else ``error``
+    (:class:`FactoryFailed`; the original exception as its ``__cause__``; ``hint`` ends the line,
+    by default a pointer to the key's section's ``params``), and so does a ``SystemExit`` or
+    another ``BaseException`` (never a Ctrl-C). The pipeline's own errors and OS errors (which
+    name their path) pass through."""
     try:
         yield
     except (PipelineError, OSError, KeyboardInterrupt):
@@ -98,9 +102,8 @@ def factory_errors(key: str, path: str) -> Iterator[None]:
                 f"out of memory in {key} {path}{_size(text)}: check the sizes in {params} "
                 "(and data.batch_size)"
             ) from exc
-        raise FactoryFailed(
-            f"{key} {path} failed: {first_line(exc, named=True)} (check {params}; --debug prints the traceback)"
-        ) from exc
+        hint = hint or f"check {params}; --debug prints the traceback"
+        raise error(f"{key} {path} failed: {first_line(exc, named=True)} ({hint})") from exc
 
 
 # How each configured factory is called, for the refusal of one that cannot be.
@@ -110,6 +113,7 @@ _CALLS = {
     "model.factory": "config",
     "optimizer.factory": "model, config",
     "scheduler.factory": "optimizer, config",
+    "training.callbacks": "config",
 }
 _TYPE_NAMES = {
     torch.nn.Module: "torch.nn.Module",

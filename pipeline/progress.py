@@ -1,9 +1,10 @@
-"""Training progress: a tqdm bar on a terminal, plain log lines otherwise (CI, files, pipes)."""
+"""Training progress: a tqdm bar on a terminal, plain log lines otherwise (CI, files, pipes); a
+callback of the loop, first to hear each step."""
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["Progress", "quiet_hub_progress_unless_terminal"]
 
@@ -36,6 +37,10 @@ class Progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def on_step_end(self, run: Any, control: Any) -> None:
+        """The loop's callback event (:mod:`pipeline.callbacks`): the step just trained."""
+        self.update(run.step, run.history["loss"][-1], run.history["lr"][-1])
 
     def update(self, step: int, loss: float, lr: float) -> None:
         if not self.enabled:

@@ -12,8 +12,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from .callbacks import Callbacks, build_callbacks
 from .config import Config
-from .data import Feed, Sampler, TaskData, load_task_data, make_feed, make_sampler
+from .data import Feed, Sampler, TaskData, batches_per_epoch, load_task_data, make_feed, make_sampler
+from .errors import ConfigError
 from .factories import factory_errors, resolve
 from .rng import seed_everything
 from .world import World, resolve_device
@@ -26,6 +28,8 @@ __all__ = [
     "build_model",
     "make_sampler",
     "fresh_buffers",
+    "with_counted_length",
+    "counted_length",
 ]
 
 
@@ -50,10 +54,17 @@ class TrainingRun:
     """The persistent buffers as built, before any training or loading (see
     ``pipeline.checkpoint.weights.model_summary``)."""
     step: int = 0
-    history: dict[str, list] = field(default_factory=lambda: {"step": [], "loss": [], "lr": []})
+    history: dict[str, list] = field(
+        default_factory=lambda: {"step": [], "loss": [], "lr": [], "grad_norm": [], "epoch": []}
+    )
+    """One value per optimizer step: ``step``, ``loss``, ``lr``, ``grad_norm`` (before clipping, at
+    the steps ``training.log_every`` logs; NaN at the others) and ``epoch`` (epochs done,
+    fractional; NaN for a stream). Saved in every checkpoint (``history/*``)."""
     evaluations: dict[str, list] = field(default_factory=lambda: {"step": []})
     """``training.eval_every``'s results: the evaluated steps, and one list per metric the task's
     ``evaluate`` returns, in step order (:mod:`pipeline.evaluating`)."""
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    """The run's callbacks, their state and a stop's record (:mod:`pipeline.callbacks`)."""
 
 
 def configure_determinism(config: Config) -> None:
@@ -126,7 +137,9 @@ def build_run(
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     world: World | None = None,
 ) -> TrainingRun:
-    """Seed, then construct model, optimizer, scheduler, data and sampler, in that order.
+    """Seed, then construct model, optimizer, data and sampler, then the scheduler (which may
+    need the run's length counted from the sampler: ``training.epochs``), the feed and the
+    callbacks, in that order.
 
     Construction consumes randomness (weight init); on resume the saved RNG states are
     restored after this, so the order here only has to be the same in every process.
@@ -144,6 +157,9 @@ def build_run(
     optimizer = resolve(config.optimizer.factory, "optimizer.factory", returns=torch.optim.Optimizer)(
         model, config
     )
+    data = load_task_data(config)
+    sampler = make_sampler(data, generator, config)
+    config = with_counted_length(config, sampler, schedule_steps)
     schedule_config = (
         config
         if schedule_steps is None
@@ -154,13 +170,12 @@ def build_run(
     scheduler = resolve(
         config.scheduler.factory, "scheduler.factory", returns=torch.optim.lr_scheduler.LRScheduler
     )(optimizer, schedule_config)
-    data = load_task_data(config)
-    sampler = make_sampler(data, generator, config)
     feed = make_feed(data, sampler, generator, config, device, world)
     configure_determinism(config)
     amp = config.training.amp
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
+    callbacks = build_callbacks(config, data)
     return TrainingRun(
         config=config,
         device=device,
@@ -174,4 +189,49 @@ def build_run(
         scaler=scaler,
         autocast_dtype=autocast_dtype,
         fresh_buffers=fresh,
+        callbacks=callbacks,
     )
+
+
+def with_counted_length(config: Config, sampler: Sampler | None, first_length: int | None = None) -> Config:
+    """``config`` with ``training.max_steps`` counted from ``training.epochs`` when that is how its
+    length is given: the batches of ``epochs`` passes (:func:`~pipeline.data.batches_per_epoch`)
+    over ``grad_accum_steps``, rounded up, so every batch of those epochs is trained. A length in
+    steps is kept as it is. Both keys (a checkpoint records both; a file made from its
+    ``meta.json`` holds both): the run's first length (``first_length``, an extended run's; else
+    ``max_steps``) must be the count, or the pair is refused in one line."""
+    training = config.training
+    if not training.epochs:
+        return config
+    if sampler is None:
+        raise ConfigError(
+            f"{config.source}: training.epochs is {training.epochs}, but the task's training inputs are a "
+            "stream, whose length is not known: give the run's length as training.max_steps"
+        )
+    batches = batches_per_epoch(sampler)
+    if batches is None:
+        raise ConfigError(
+            f"{config.source}: training.epochs is {training.epochs}, but the task's sampler "
+            f"({type(sampler).__name__}) does not say how many batches an epoch has (its __len__): give "
+            "the run's length as training.max_steps, or give the sampler a __len__"
+        )
+    steps = -(-training.epochs * batches // training.grad_accum_steps)
+    if training.max_steps is None:
+        return dataclasses.replace(config, training=dataclasses.replace(training, max_steps=steps))
+    if (first_length or training.max_steps) != steps:
+        raise ConfigError(
+            f"{config.source}: training.max_steps is {first_length or training.max_steps}, but training.epochs "
+            f"{training.epochs} counts {steps} steps ({batches} batches an epoch, {training.grad_accum_steps} a "
+            "step): give one of the two"
+        )
+    return config
+
+
+def counted_length(config: Config) -> Config:
+    """``config`` with its length in steps, counted from the task's data if ``training.epochs``
+    gives it (a throwaway sampler: nothing of a run is built): for tools that plan a run before
+    it trains (script 03)."""
+    if not config.training.epochs:
+        return config
+    data = load_task_data(config)
+    return with_counted_length(config, make_sampler(data, np.random.Generator(np.random.PCG64(0)), config))

@@ -100,6 +100,10 @@ class World:
         """A stop signal received by any rank, known to all (each step, so all stop together)."""
         return signum
 
+    def agree_flags(self, flags: list[int]) -> list[int]:
+        """Each flag raised on any rank, raised on all (what the callbacks asked of this step)."""
+        return [int(flag) for flag in flags]
+
     @contextlib.contextmanager
     def together(self, what: str) -> Iterator[None]:
         """Run a block on every rank; if it fails on any, it fails on all (one rank: as is)."""

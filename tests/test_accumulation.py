@@ -150,7 +150,8 @@ def test_the_run_object_holds_the_evaluations(data_dir, tmp_path):
         (["checkpoint.best_metric=mse"], "checkpoint.best_metric needs evaluations"),
         (
             ["training.eval_every=2", "data.factory=trainer_factories:build_data_without_evaluate"],
-            "has no evaluate(model, device)",
+            # before the first step: named for the key, not found at the first evaluation
+            "training.eval_every is 2, but the task (trainer_factories:build_data_without_evaluate) has no evaluate",
         ),
         (["training.eval_every=2", "checkpoint.best_metric=accuracy"], "evaluate returned mse, rmse"),
     ],

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import resource
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,13 +21,18 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from conftest import RunFolder
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
+import pipeline.traces as traces_module
 from pipeline.checkpoint import read_tensors
+from pipeline.config import load_config
 from pipeline.layout import TRACE_FILE, TRACES_MARKER
-from pipeline.traces import INSTALL_HINT, open_traces, trace_bytes
+from pipeline.traces import INSTALL_HINT, SPEED_TAG, open_traces, trace_bytes
+from pipeline.train import train
 
 from support import REPO, run_python, script_env
 
@@ -32,24 +41,31 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 TRACE = "events.out.tfevents.pipeline"
 STAGED_TRACE = f"runs/{TRACE}"
 STEPS = list(range(1, 11))
+HISTORY = ("step", "loss", "lr", "grad_norm", "epoch")
+# A run's own traces: traces/<name of its checkpoint folder> beside that folder.
+RUN_TRACES = Path("traces") / "estados_local"
 
 
-def events(folder: Path) -> list[tuple[str, int, float]]:
+def events(folder: Path, *, measured: bool = False) -> list[tuple[str, int, float]]:
     """Every scalar of every event file in ``folder`` as written, in file order (no purge, no
-    sampling: a step written twice shows twice)."""
+    sampling: a step written twice shows twice); ``train/samples_per_second``, a wall-clock
+    measure part of no bitwise claim, only if ``measured``."""
     out = []
     for path in sorted(folder.glob("*tfevents*")):
         for event in LegacyEventFileLoader(str(path)).Load():
             out += [(value.tag, event.step, value.simple_value) for value in event.summary.value]
-    return out
+    return [point for point in out if measured or point[0] != SPEED_TAG]
 
 
 def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """What TensorBoard shows: each tag's (step, value) points, all of them kept."""
+    """What TensorBoard shows: each tag's (step, value) points, all of them kept (but the
+    wall-clock ``train/samples_per_second``)."""
     accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     accumulator.Reload()
     return {
-        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+        if tag != SPEED_TAG
     }
 
 
@@ -58,16 +74,31 @@ def assert_each_step_once(points: list[tuple[str, int, float]]) -> None:
     assert len(keys) == len(set(keys)), f"a step was written twice: {sorted(keys)}"
 
 
+def weights(checkpoint: Path) -> list:
+    tensors = read_tensors(checkpoint / "modelo.safetensors")
+    return [tensors[name] for name in sorted(tensors)]
+
+
 def history_of(checkpoint: Path) -> dict[str, list]:
     tensors = read_tensors(checkpoint / "estado_treino.safetensors")
-    return {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
+    return {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
 
 
 def as_traced(history: dict[str, list]) -> dict[str, list[tuple[int, float]]]:
-    """The history as TensorBoard holds it (float32 values)."""
+    """The history as TensorBoard holds it (float32 values; a value not there, NaN, left out)."""
+    tags = (
+        ("train/loss", "loss"),
+        ("train/lr", "lr"),
+        ("train/grad_norm", "grad_norm"),
+        ("train/epoch", "epoch"),
+    )
     return {
-        tag: [(step, float(np.float32(value))) for step, value in zip(history["step"], history[key])]
-        for tag, key in (("train/loss", "loss"), ("train/lr", "lr"))
+        tag: [
+            (step, float(np.float32(value)))
+            for step, value in zip(history["step"], history[key])
+            if not math.isnan(value)
+        ]
+        for tag, key in tags
     }
 
 
@@ -88,12 +119,20 @@ def fresh_run(trained_run: RunFolder, folder: Path) -> RunFolder:
 # -- while training -----------------------------------------------------------------------
 
 
-def test_training_writes_loss_and_lr_at_every_step_in_a_file_that_names_no_host(trained_run):
-    traces = trained_run.root / "traces"
+def test_training_writes_its_history_at_every_step_in_a_file_that_names_no_host(trained_run):
+    traces = trained_run.root / RUN_TRACES
     assert sorted(p.name for p in traces.iterdir()) == [".pipeline-traces", TRACE]
-    points = events(traces)
+    points = events(traces, measured=True)
     assert_each_step_once(points)
-    assert scalars(traces) == as_traced(history_of(trained_run.checkpoint))
+    history = history_of(trained_run.checkpoint)
+    assert scalars(traces) == as_traced(history)
+    assert sorted(scalars(traces)) == ["train/epoch", "train/grad_norm", "train/loss", "train/lr"]
+    # 24 rows in batches of 4: an epoch every 6 steps; a gradient norm at every logged step.
+    assert history["epoch"][5] == 1.0 and history["epoch"][6] == 1 + 4 / 24
+    assert all(norm > 0 for norm in history["grad_norm"])
+    # Measured from the second step on, this process's: not in the checkpoint.
+    speeds = [(step, value) for tag, step, value in points if tag == SPEED_TAG]
+    assert [step for step, _ in speeds] == STEPS[1:] and all(value > 0 for _, value in speeds)
     assert socket.gethostname().encode() not in (traces / TRACE).read_bytes()
 
 
@@ -107,12 +146,12 @@ def test_traces_of_a_run_resumed_from_an_earlier_checkpoint_equal_the_uninterrup
     run = fresh_run(trained_run, tmp_path / "cut")
     run.ok("02_train.py", "--quiet", "--stop-at", "7", "--set", "checkpoint.keep_last=2")
     shutil.rmtree(run.checkpoint_dir / "step-00000007")
-    assert [step for tag, step, _ in events(run.root / "traces") if tag == "train/loss"] == STEPS[:7]
+    assert [step for tag, step, _ in events(run.root / RUN_TRACES) if tag == "train/loss"] == STEPS[:7]
     run.ok("02_train.py", "--quiet", "--resume", "latest")
-    points = events(run.root / "traces")
+    points = events(run.root / RUN_TRACES)
     assert_each_step_once(points)
-    assert sorted(points) == sorted(events(trained_run.root / "traces"))
-    assert scalars(run.root / "traces") == scalars(trained_run.root / "traces")
+    assert sorted(points) == sorted(events(trained_run.root / RUN_TRACES))
+    assert scalars(run.root / RUN_TRACES) == scalars(trained_run.root / RUN_TRACES)
 
 
 def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir, tmp_path):
@@ -136,14 +175,14 @@ def test_traces_of_a_run_killed_and_resumed_equal_the_uninterrupted_run(data_dir
     assert straight.returncode == 0, straight.stderr
     killed = child("killed", 250)
     assert killed.returncode == -9, killed.stderr
-    traced = [step for tag, step, _ in events(tmp_path / "killed" / "traces") if tag == "train/loss"]
+    traced = [step for tag, step, _ in events(tmp_path / "killed" / RUN_TRACES) if tag == "train/loss"]
     assert traced == list(range(1, len(traced) + 1)) and 200 < len(traced) <= 250, traced[-3:]
     finished = child("killed", 0)
     assert finished.returncode == 0, finished.stderr
-    points = events(tmp_path / "killed" / "traces")
+    points = events(tmp_path / "killed" / RUN_TRACES)
     assert_each_step_once(points)
-    assert sorted(points) == sorted(events(tmp_path / "straight" / "traces"))
-    assert len(points) == 2 * 300
+    assert sorted(points) == sorted(events(tmp_path / "straight" / RUN_TRACES))
+    assert len(points) == 4 * 300  # loss, lr, gradient norm and epoch at every step
 
 
 def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_on(trained_run, tmp_path):
@@ -152,17 +191,18 @@ def test_without_tensorboard_training_runs_and_one_line_says_how_to_turn_traces_
     assert result.returncode == 0, result.stderr
     said = [line for line in (result.stdout + result.stderr).splitlines() if "traces" in line.lower()]
     assert len(said) == 1 and "TensorBoard traces are off" in said[0] and INSTALL_HINT in said[0], said
-    assert not (run.root / "traces").exists()
+    assert not (run.root / RUN_TRACES).exists()
     assert (run.checkpoint_dir / "step-00000010" / "meta.json").is_file()
 
 
 @pytest.mark.parametrize("kind", ["folder", "unmarked-events", "marked", "file"])
 def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_path, kind):
     run = fresh_run(trained_run, tmp_path / "theirs")
-    theirs = run.root / "traces"
+    theirs = run.root / RUN_TRACES
     # unmarked-events: a copy of training's file kept by the user; marked: training's own folder,
     # with a file of the user's added since.
     kept = {"folder": ["notes.txt"], "unmarked-events": [TRACE_FILE], "marked": [TRACES_MARKER, "notes.txt"]}
+    theirs.parent.mkdir()
     if kind == "file":
         theirs.write_text("mine\n")
     else:
@@ -178,6 +218,178 @@ def test_a_traces_folder_training_did_not_write_is_left_alone(trained_run, tmp_p
     else:
         assert sorted(p.name for p in theirs.iterdir()) == sorted(kept[kind])
         assert all((theirs / name).read_text() == "mine\n" for name in kept[kind])
+
+
+MARKER_TEXT = "Written by training, and rebuilt from the checkpoint's history at every start.\n"
+
+
+def _snapshot(folder: Path) -> dict[str, tuple]:
+    """Every entry under ``folder`` (links not followed): its kind and its bytes or target."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            out[str(path.relative_to(folder))] = ("link", os.readlink(path))
+        elif path.is_dir():
+            out[str(path.relative_to(folder))] = ("dir",)
+        elif path.is_fifo():
+            out[str(path.relative_to(folder))] = ("fifo",)
+        else:
+            out[str(path.relative_to(folder))] = ("file", path.read_bytes())
+    return out
+
+
+def _ours(folder: Path) -> None:
+    """What training leaves: its marker and an event file of its own."""
+    run = SimpleNamespace(history={"step": [1], "loss": [1.0], "lr": [0.1]})
+    traces = open_traces(folder, run, log_every=1, say=print, data_dir=folder.parent / "data")
+    traces.close(run)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "nested-folder",
+        "empty-marker",
+        "marker-link",
+        "events-link",
+        "folder-link",
+        "foreign-events",
+        "fifo",
+        "unmarked-events",
+    ],
+)
+def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_deleted(tmp_path, kind):
+    """Only a folder holding exactly training's marker (its text, a regular file) and its event
+    file (a regular file starting with training's header) is replaced: a folder named like the
+    event file holding the user's notes, an empty marker, links, a file of the user's under the
+    event file's name, a FIFO (never opened to block): the traces are off, nothing deleted."""
+    theirs, elsewhere = tmp_path / "traces", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "private.txt").write_text("mine\n")
+    (elsewhere / TRACES_MARKER).write_text(MARKER_TEXT)
+    if kind == "folder-link":  # to a folder that looks like training's own: never followed
+        _ours(elsewhere / "linked")
+        theirs.symlink_to(elsewhere / "linked", target_is_directory=True)
+    else:
+        _ours(theirs)
+        if kind == "nested-folder":
+            (theirs / TRACE).unlink()
+            (theirs / TRACE).mkdir()
+            (theirs / TRACE / "notes.txt").write_text("mine\n")
+        elif kind == "empty-marker":
+            (theirs / TRACES_MARKER).write_text("")
+        elif kind == "marker-link":
+            (theirs / TRACES_MARKER).unlink()
+            (theirs / TRACES_MARKER).symlink_to(elsewhere / TRACES_MARKER)
+        elif kind == "events-link":
+            (theirs / TRACE).unlink()
+            (theirs / TRACE).symlink_to(elsewhere / "private.txt")
+        elif kind == "foreign-events":
+            (theirs / TRACE).write_text("my own notes, under that name\n")
+        elif kind == "fifo":
+            (theirs / TRACE).unlink()
+            os.mkfifo(theirs / TRACE)
+        elif kind == "unmarked-events":  # a training's event file the user kept, without the marker
+            (theirs / TRACES_MARKER).unlink()
+    before, outside = _snapshot(theirs) if kind != "folder-link" else {}, _snapshot(elsewhere)
+    said: list[str] = []
+    run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
+    assert open_traces(theirs, run, log_every=1, say=said.append, data_dir=tmp_path / "data") is None
+    assert len(said) == 1 and "TensorBoard traces are off" in said[0] and "outputs.traces" in said[0], said
+    if kind != "folder-link":
+        assert _snapshot(theirs) == before
+    assert _snapshot(elsewhere) == outside
+
+
+@pytest.mark.parametrize("kind", ["ours", "empty-events", "marker-only", "absent", "empty"])
+def test_what_training_wrote_is_replaced(tmp_path, kind):
+    folder = tmp_path / "traces"
+    if kind != "absent":
+        folder.mkdir()
+    if kind in ("ours", "empty-events", "marker-only"):
+        _ours(folder)
+    if kind == "empty-events":  # killed before its first flush
+        (folder / TRACE).write_bytes(b"")
+    if kind == "marker-only":
+        (folder / TRACE).unlink()
+    run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
+    said: list[str] = []
+    traces = open_traces(folder, run, log_every=1, say=said.append, data_dir=tmp_path / "data")
+    assert traces is not None and not said
+    traces.close(run)
+    assert (folder / TRACES_MARKER).read_text() == MARKER_TEXT
+    assert [step for tag, step, _ in events(folder) if tag == "train/loss"] == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["periodic-flush", "write", "close"])
+def test_a_disk_that_refuses_the_events_turns_the_traces_off_in_one_line(tmp_path, monkeypatch, where):
+    """A real EFBIG (the process's file-size limit, as a full quota would be): at the periodic
+    flush, at a write that spills the buffer, at the close. Training's call returns; one line."""
+    run = SimpleNamespace(history={"step": [1], "loss": [1.0], "lr": [0.1]})
+    said: list[str] = []
+    traces = open_traces(tmp_path / "traces", run, log_every=1, say=said.append, data_dir=tmp_path / "data")
+    assert traces is not None and not said
+    monkeypatch.setattr(traces_module, "FLUSH_SECONDS", 0.0 if where == "periodic-flush" else 1e9)
+    more = 3000 if where == "write" else 1  # a few dozen bytes an event: past the 8 KiB buffer
+    for step in range(2, 2 + more):
+        for key, value in (("step", step), ("loss", 1.0 / step), ("lr", 0.1)):
+            run.history[key].append(value)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        if where == "close":
+            traces.close(run)
+        else:
+            traces.update(run)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert len(said) == 1 and "TensorBoard traces are off from here" in said[0], said
+    assert "File too large" in said[0] and "the next start writes them again" in said[0]
+    run.history["step"].append(run.history["step"][-1] + 1)
+    traces.update(run)  # off: nothing more, no second line
+    traces.close(run)
+    assert len(said) == 1
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_the_gradient_norm_is_measured_at_logged_steps_and_changes_no_bit_of_training(
+    data_dir, tmp_path, clip
+):
+    def run(log_every: int):
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / f"every{log_every}"),
+            "training.log_every": log_every,
+            "training.grad_clip": clip,
+        }
+        return train(load_config(CONFIG, overrides), progress=False)
+
+    every, some = run(1), run(4)
+    assert all(torch.equal(a, b) for a, b in zip(weights(every.checkpoint), weights(some.checkpoint)))
+    norms = every.history["grad_norm"]
+    assert all(norm > 0 for norm in norms)
+    assert [n for n in some.history["grad_norm"] if not math.isnan(n)] == [norms[3], norms[7]]
+    if clip:  # before clipping: the clipped steps' norms are above the bound
+        assert max(norms) > clip
+
+
+def test_two_runs_whose_checkpoints_share_a_parent_keep_both_traces(trained_run, tmp_path):
+    """The docs' own pattern: a run, then a fine-tune of it --init-from in a folder beside it;
+    each run's traces in its own folder, named after its checkpoints, listed by TensorBoard."""
+    run = fresh_run(trained_run, tmp_path / "two")
+    run.ok("02_train.py", "--quiet", "--checkpoint-dir", "runs/base")
+    run.ok(
+        "02_train.py", "--quiet", "--checkpoint-dir", "runs/ft", "--init-from", "runs/base/step-00000010",
+        "--max-steps", "4",
+    )  # fmt: skip
+    traces = run.root / "runs" / "traces"
+    base, tuned = events(traces / "base"), events(traces / "ft")
+    assert [step for tag, step, _ in base if tag == "train/loss"] == STEPS
+    assert [step for tag, step, _ in tuned if tag == "train/loss"] == [1, 2, 3, 4]
+    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(traces))
+    assert sorted(multiplexer.Runs()) == ["base", "ft"]
 
 
 def test_traces_inside_the_data_folder_are_off_and_the_run_resumes(trained_run, tmp_path):

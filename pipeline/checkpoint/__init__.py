@@ -55,6 +55,7 @@ from .tensorfile import (
     write_safetensors,
     write_safetensors_streamed,
 )
+from .validate import history_lists
 from .weights import (
     check_derived_buffers,
     check_weights_fit,
@@ -81,6 +82,7 @@ __all__ = [
     "best_record",
     "read_best",
     "evaluations_from",
+    "history_lists",
     "CheckpointStore",
     "CheckpointWeights",
     "ConsolidatedTensors",

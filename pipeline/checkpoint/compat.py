@@ -45,16 +45,20 @@ def continued_config(
 
     Once a run was extended, its length is recorded state: ``config``'s ``training.max_steps``
     may be any length the run has had (the config file usually keeps the first one), and the
-    run continues to the checkpoint's. ``extend_to`` raises it further: it must exceed the
-    checkpoint's step and max_steps, and adds an entry to the lineage; ``config``'s length is
-    then not compared, since the extension names the length. Every other key is compared.
+    run continues to the checkpoint's. A config whose length is ``training.epochs`` (max_steps
+    not given) continues to the checkpoint's length, its epochs compared like every key.
+    ``extend_to`` raises it further: it must exceed the checkpoint's step and max_steps, and
+    adds an entry to the lineage; ``config``'s length is then not compared, since the
+    extension names the length. Every other key is compared.
     """
     recorded, step, lineage = _saved_config(meta).training.max_steps, meta["step"], list(meta["lineage"])
     lengths = [entry["from_max_steps"] for entry in lineage] + [recorded]
     # A plain resume refuses another length rather than ignore it. With --extend-to the
     # config's length is replaced either way (the schedule keeps the lineage's first), so
     # asking for it again, say the --max-steps a run was started with, would guard nothing.
-    if extend_to is None and config.training.max_steps not in lengths:
+    # A length in training.epochs was counted when the run started: its epochs are compared.
+    given = config.training.max_steps
+    if extend_to is None and given is not None and given not in lengths:
         history = f" (extended from {lengths[0]})" if lineage else ""
         raise ConfigMismatch(
             f"training.max_steps is {config.training.max_steps}, but the checkpoint's run is "

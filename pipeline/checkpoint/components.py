@@ -10,9 +10,11 @@ the validator checks, and the resume proof (script 03) runs a negative control f
 ``data``        the sampler's position, the task data's own state, and the feed's
                 ``source`` record (its size and fingerprint, or a stream's positions)
 ``scaler``      the AMP GradScaler (``training.amp`` fp16 only; else ``None``)
+``callbacks``   each callback's own state (``state_dict``, plain JSON) and the record of a
+                stop a callback asked for (:mod:`pipeline.callbacks`)
 ==============  =========================================================================
 
-A component more (the state of a callback, an EMA of the weights...) is one
+A component more (an EMA of the weights, a state of the task's own...) is one
 :class:`Component` given to :func:`register_component`: it is then saved in every checkpoint (under
 torchrun once, by rank 0, with the state every rank shares), checked against the freshly
 built run before anything is set, restored on resume, left out by
@@ -88,6 +90,9 @@ class Component:
     per_rank: bool = False
     """Under torchrun each rank saves its own (the optimizer's shard, the RNGs), by the
     distributed checkpointer's own means; the others are saved once, by rank 0."""
+    absent: Callable[[], Any] | None = None
+    """A built-in component added after checkpoints without it were written: the saved state
+    such a checkpoint stands for (``None``: a checkpoint without it is refused)."""
 
     def captured(self, run: TrainingRun, tensors: dict[str, torch.Tensor]) -> Any:
         if self.capture is not None:
@@ -269,6 +274,10 @@ def _data(run: TrainingRun, joined: dict[str, Any], step: int) -> None:
         raise fail("data.sampler", f"does not fit this data ({first_line(exc, limit=None)})") from None
 
 
+def _no_callbacks() -> dict[str, Any]:
+    return {"stopped": None, "states": {}}
+
+
 def _restore_scaler(run: TrainingRun, saved: Any) -> None:
     if run.scaler is not None:
         run.scaler.load_state_dict(saved)
@@ -311,6 +320,17 @@ _TABLE: list[Component] = [
         restore=_restore_scaler,
         check=_scaler,
         proved=lambda config: config.training.amp == "fp16",
+    ),
+    Component(
+        name="callbacks",
+        live=lambda run: run.callbacks.state(),
+        restore=lambda run, saved: run.callbacks.load(saved),
+        check=lambda run, saved, step: run.callbacks.check(saved, step),
+        # Plain JSON, in meta.json: no tensor is ever looked up for it.
+        capture=lambda run, tensors: run.callbacks.state(),
+        join=lambda tree, tensors, used: tree,
+        proved=lambda config: bool(config.training.early_stopping_patience or config.training.callbacks),
+        absent=_no_callbacks,
     ),
 ]
 _BUILT_IN = frozenset(component.name for component in _TABLE)

@@ -36,7 +36,7 @@ from .load import LoadedCheckpoint, load_checkpoint
 from .shards import consolidate, shard_tensors, tensor_specs
 from .state import checked_omit, restore_components
 from .tensorfile import map_file, parse_header, read_tensors, tensors_from_map
-from .validate import HISTORY, validated_state
+from .validate import validated_state
 from .verified_dcp import SealedReads
 from .weights import check_derived_buffers
 
@@ -190,7 +190,7 @@ def restore_distributed(
         set_model_state_dict(run.model, model, options=StateDictOptions(strict=False))
         if "optimizer" not in omit:
             _set_optimizer(run, joined["optimizer"], _FLAT)
-        _restore_rest(run, joined, omit, rank, resharded, history=shared)
+        _restore_rest(run, joined, omit, rank, resharded)
 
 
 def restore_from_single(
@@ -222,7 +222,7 @@ def restore_from_single(
                 ],
             }
             _set_optimizer(run, by_name, StateDictOptions(full_state_dict=True))
-        _restore_rest(run, joined, omit, world.rank, True, history=tensors)
+        _restore_rest(run, joined, omit, world.rank, True)
 
 
 def _set_optimizer(run: TrainingRun, state: dict[str, Any], options: StateDictOptions) -> None:
@@ -255,14 +255,12 @@ def _restore_rest(
     omit: frozenset[str],
     rank: int,
     resharded: bool,
-    *,
-    history: dict[str, torch.Tensor],
 ) -> None:
     """The components the ranks share, step, history, and this rank's RNGs last (see
     :func:`restore_distributed`)."""
     restore_components(run, joined, omit, shared_only=True)
     run.step = joined["step"]
-    run.history = {key: history[f"history/{key}"].tolist() for key in HISTORY}
+    run.history = joined["history"]
     run.evaluations = joined["evaluations"]
     if "rng" in omit:
         derive_rank_rng(run.config.training.seed, 0, rank)

@@ -43,7 +43,7 @@ def capture_state(
 
 
 def capture_history(run: TrainingRun, tensors: dict[str, torch.Tensor]) -> None:
-    """The loss, learning-rate and step history, as tensors ``history/KEY`` of ``tensors``, and the
+    """The history (step, loss, learning rate, gradient norm, epoch), as tensors ``history/KEY`` of ``tensors``, and the
     evaluations (``evaluation/*``, :mod:`.evaluations`)."""
     for key in HISTORY:
         dtype = torch.int64 if key == "step" else torch.float64
@@ -92,7 +92,7 @@ def restore_state(
         load_model_weights(run.model, model_tensors, derived=derived, record=record)
         restore_components(run, joined, omit)
         run.step = joined["step"]
-        run.history = {key: tensors[f"history/{key}"].tolist() for key in HISTORY}
+        run.history = joined["history"]
         run.evaluations = joined["evaluations"]
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):

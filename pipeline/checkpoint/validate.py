@@ -12,6 +12,7 @@ Any failure is one :class:`~pipeline.errors.StateMismatch` (a source that change
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -21,9 +22,27 @@ from ..run import TrainingRun
 from .components import components, fail, like
 from .evaluations import PREFIX, evaluations_from
 
-__all__ = ["HISTORY", "validated_state"]
+__all__ = ["HISTORY", "history_lists", "validated_state"]
 
-HISTORY = ("step", "loss", "lr")
+HISTORY = ("step", "loss", "lr", "grad_norm", "epoch")
+"""``run.history``'s lists, stored as ``history/KEY``: one value per step (``grad_norm`` at the
+logged steps only, NaN elsewhere; ``epoch`` NaN for a stream)."""
+# Keys a checkpoint written before they were recorded lacks: read as NaN at every step.
+_ADDED = frozenset({"grad_norm", "epoch"})
+_DTYPES = {"step": torch.int64}
+
+
+def history_lists(tensors: Mapping[str, torch.Tensor], step: int) -> dict[str, list]:
+    """``run.history`` from a checkpoint's ``history/*`` tensors (:func:`validated_state` checks
+    their types too): each of ``step`` values, or ``ValueError`` naming it."""
+    history = {
+        key: tensors[f"history/{key}"].tolist() if f"history/{key}" in tensors else [math.nan] * step
+        for key in HISTORY
+    }
+    for key, values in history.items():
+        if len(values) != step:
+            raise ValueError(f"history/{key} holds {len(values)} values, the history {step} steps")
+    return history
 
 
 def _progress(
@@ -40,10 +59,12 @@ def _progress(
     if value > run.config.training.max_steps:
         raise fail("progress.step", f"is {value}, past training.max_steps {run.config.training.max_steps}")
     history = {key: tensors.get(f"history/{key}") for key in HISTORY}
-    expected = {"step": torch.int64, "loss": torch.float64, "lr": torch.float64}
     for key, tensor in history.items():
-        if tensor is None or tensor.dtype != expected[key] or tensor.shape != (value,):
-            raise fail(f"history/{key}", f"is not {value} {expected[key]} values")
+        dtype = _DTYPES.get(key, torch.float64)
+        if tensor is None and key in _ADDED:
+            continue
+        if tensor is None or tensor.dtype != dtype or tensor.shape != (value,):
+            raise fail(f"history/{key}", f"is not {value} {dtype} values")
     if not torch.equal(history["step"], torch.arange(1, value + 1, dtype=torch.int64)):
         raise fail("history/step", "does not count 1, 2, ... step")
     return value
@@ -66,6 +87,8 @@ def validated_state(
     saved one must have its structure and types (default: torch's ``state_dict`` form)."""
     table = components()
     names = [component.name for component in table]
+    if isinstance(state, dict):  # a checkpoint written before a built-in component existed
+        state = {**{c.name: c.absent() for c in table if c.absent and c.name not in state}, **state}
     if not isinstance(state, dict) or set(state) != {*names, "progress"}:
         raise fail("", f"does not hold exactly {', '.join([*names, 'progress'])}")
     used: set[str] = set()
@@ -90,6 +113,7 @@ def validated_state(
     if unused:
         raise fail("", f"does not reference tensor {unused[0]!r} of the state file")
     joined["step"] = _progress(state, tensors, run, step)
+    joined["history"] = history_lists(tensors, joined["step"])
     joined["evaluations"] = evaluations_from(tensors, joined["step"])
     for component in table:
         if component.name == "optimizer" and optimizer is not None:

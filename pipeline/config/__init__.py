@@ -21,7 +21,7 @@ see :func:`derived_outputs` and docs/configuration.md.
 """
 
 from .loading import DEFAULT_CONFIG_PATH, apply_overrides, derived_outputs, load_config, parse_set_overrides
-from .outputs import CardConfig, OutputsConfig
+from .outputs import CardConfig, OutputsConfig, traces_folder
 from .sections import RESUME_IRRELEVANT_KEYS, Config, config_from_dict, launch_mode, launched_as
 from .training import (
     METRIC_NAME,
@@ -53,4 +53,5 @@ __all__ = [
     "launched_as",
     "RESUME_IRRELEVANT_KEYS",
     "METRIC_NAME",
+    "traces_folder",
 ]

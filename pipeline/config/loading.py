@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR, TRACES_DIR
+from ..layout import CHECKPOINT_DIR, METRICS_FILE, STAGE_DIR
 from .sections import Config, config_from_dict
 from .values import load_yaml as _load_yaml
 
@@ -110,18 +110,29 @@ def _with_derived_outputs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return merged
 
 
-def _with_traces_beside_checkpoints(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with ``outputs.traces``, if neither the file nor an override names it, in the
-    folder that holds ``checkpoint.dir`` (``traces/`` beside ``estados_local/``,
-    ``runs/charlm/traces/`` beside ``runs/charlm/estados_local/``): training writes them, so
-    they follow its checkpoints wherever a config or a command line puts those."""
-    outputs, checkpoint = raw.get("outputs"), raw.get("checkpoint")
-    if not isinstance(outputs, dict) or "traces" in outputs or not isinstance(checkpoint, dict):
+_LENGTHS = ("training.max_steps", "training.epochs")
+
+
+def _length_overridden(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without its length when the command line gives the run's length the other way
+    (``--set training.epochs=3`` over a file's ``max_steps: 10``): the command line's wins."""
+    given = [key for key in _LENGTHS if overrides.get(key)]
+    training = raw.get("training")
+    if len(given) != 1 or not isinstance(training, dict):
         return raw
-    folder = checkpoint.get("dir")
-    if not isinstance(folder, str) or not folder:
-        return raw
-    return {**raw, "outputs": {**outputs, "traces": str(Path(folder).parent / TRACES_DIR)}}
+    other = next(key for key in _LENGTHS if key not in given).partition(".")[2]
+    return {**raw, "training": {key: value for key, value in training.items() if key != other}}
+
+
+def _refuse_two_lengths(overrides: dict[str, Any]) -> None:
+    """``training.max_steps`` and ``training.epochs`` are two ways to say how long a run is: the
+    command line gives one. (A file may hold both only as a checkpoint records them, the steps
+    counted from the epochs: :func:`pipeline.run.with_counted_length` checks that they agree.)"""
+    if all(overrides.get(key) for key in _LENGTHS):
+        raise ConfigError(
+            f"the command line gives both training.max_steps ({overrides['training.max_steps']}) and "
+            f"training.epochs ({overrides['training.epochs']}): keep one (--max-steps sets training.max_steps)"
+        )
 
 
 def _flow(value: Any) -> str:
@@ -153,10 +164,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)
     args: list[str] = [] if default else ["--config", str(path)]
     if overrides:
-        raw = apply_overrides(raw, overrides)
+        _refuse_two_lengths(overrides)
+        raw = apply_overrides(_length_overridden(raw, overrides), overrides)
         source = f"{path} (with command-line overrides)"
         for key, value in overrides.items():
             if value is not None:
                 args += ["--set", f"{key}={_flow(value)}"]
-    config = config_from_dict(_with_traces_beside_checkpoints(raw), source=source)
+    config = config_from_dict(raw, source=source)
     return dataclasses.replace(config, command_args=tuple(args))

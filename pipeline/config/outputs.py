@@ -4,14 +4,16 @@
 is built, the key named in the one-line refusal.
 """
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..layout import METRICS_FILE, STAGE_DIR, TRACES_DIR
 from .values import require as _require
 
-__all__ = ["CardConfig", "OutputsConfig"]
+__all__ = ["CardConfig", "OutputsConfig", "traces_folder"]
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -105,12 +107,25 @@ class OutputsConfig:
     """The evaluation record script 04 writes and script 05 reads."""
     stage: str = STAGE_DIR
     """The folder script 05 builds and script 06 publishes."""
-    traces: str = TRACES_DIR
-    """The TensorBoard traces training writes (with the optional ``tensorboard``); left out, the
-    folder ``traces`` beside ``checkpoint.dir``. Training rebuilds it from the restored history at
-    every start, so it replaces only a folder it made itself."""
+    traces: str = ""
+    """The TensorBoard traces training writes (with the optional ``tensorboard``); empty (the
+    default): ``traces/<name>`` beside ``checkpoint.dir``, named after it (:func:`traces_folder`),
+    so each run has its own and TensorBoard lists them by name. Training rebuilds it from the
+    restored history at every start, so it replaces only a folder it made itself."""
 
     def __post_init__(self) -> None:
         _require(bool(self.metrics), "outputs.metrics", "must not be empty")
         _require(bool(self.stage), "outputs.stage", "must not be empty")
-        _require(bool(self.traces), "outputs.traces", "must not be empty")
+
+
+def traces_folder(traces: str, checkpoint_dir: str) -> Path:
+    """Where a run writes its traces: ``outputs.traces`` as given, or, empty, the run's own folder
+    ``<parent>/traces/<name>`` of its ``checkpoint.dir`` ``<parent>/<name>`` (``estados_local`` ->
+    ``traces/estados_local``, ``runs/ft`` -> ``runs/traces/ft``): two runs, two folders, whatever
+    parent they share; ``tensorboard --logdir <parent>/traces`` shows each run by its name."""
+    if traces:
+        return Path(traces)
+    folder = Path(os.path.normpath(checkpoint_dir))
+    if folder.name in ("", ".", ".."):  # "." or "..": named after the folder it is
+        folder = Path(os.path.abspath(checkpoint_dir))
+    return folder.parent / TRACES_DIR / (folder.name or "run")

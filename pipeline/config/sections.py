@@ -50,6 +50,11 @@ RESUME_IRRELEVANT_KEYS = frozenset(
         "training.eval_every",
         "checkpoint.best_metric",
         "checkpoint.best_mode",
+        # When a run stops early, and what callbacks see: the steps trained are the same. A
+        # callback's saved state follows it by name (pipeline.callbacks).
+        "training.early_stopping_patience",
+        "training.early_stopping_threshold",
+        "training.callbacks",
         # A resume restores the thread count its checkpoint recorded (pipeline.environment).
         "training.threads",
         "card",
@@ -125,6 +130,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Check ``value`` against a field annotation; ints are accepted where floats are."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
+        options = [option for option in typing.get_args(annotation) if option is not type(None)]
+        if len(options) == 1 and value is not None:  # an optional value: refused as its type would be
+            return _coerce(value, options[0], key)
         for option in typing.get_args(annotation):
             try:
                 return _coerce(value, option, key)
@@ -184,6 +192,12 @@ def config_from_dict(raw: Any, *, source: str = "<dict>") -> Config:
             not sections["checkpoint"].best_metric or sections["training"].eval_every > 0,
             "checkpoint.best_metric",
             "needs evaluations: set training.eval_every to a number of steps > 0",
+        )
+        _require(
+            not sections["training"].early_stopping_patience or bool(sections["checkpoint"].best_metric),
+            "training.early_stopping_patience",
+            "counts evaluations of checkpoint.best_metric without an improvement: set checkpoint.best_metric "
+            "(and training.eval_every), or early_stopping_patience: 0",
         )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None

@@ -23,6 +23,7 @@ __all__ = [
     "TrainingConfig",
     "CheckpointConfig",
     "METRIC_NAME",
+    "DEFAULT_MAX_STEPS",
 ]
 
 
@@ -143,6 +144,7 @@ Parallel = Literal["auto", "none", "ddp", "fsdp2"]
 
 
 _CHOICES = {"device": Device, "dtype": DType, "amp": Amp, "parallel": Parallel}
+DEFAULT_MAX_STEPS = 10
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,10 +153,17 @@ class TrainingConfig:
 
     seed: int = 0
     """Seed of every training RNG: Python, NumPy (Generator and legacy) and torch."""
-    max_steps: int = 10
-    """Total optimizer steps of the run; the schedule depends on it. ``--extend-to`` raises
-    it for a run that exists; the schedule then keeps the run's first length (a schedule
-    over max_steps holds its final value instead of jumping back up)."""
+    max_steps: int | None = None
+    """Total optimizer steps of the run (10 when neither it nor ``epochs`` is given); the
+    schedule depends on it. ``--extend-to`` raises it for a run that exists; the schedule then
+    keeps the run's first length (a schedule over max_steps holds its final value instead of
+    jumping back up)."""
+    epochs: int = 0
+    """The run's length in passes over the training set instead of ``max_steps`` (0: off;
+    giving both is refused): max_steps becomes epochs x the batches of one epoch (with
+    ``data.drop_last``) / ``grad_accum_steps``, rounded up, counted when the run starts and
+    recorded in its checkpoints. The number of processes does not change it: ``data.batch_size``
+    is the global batch. A stream has no length to count: give max_steps."""
     device: Device = "cpu"
     """'cpu', 'cuda', or 'auto' (cuda when available)."""
     dtype: DType = "float32"
@@ -178,6 +187,15 @@ class TrainingConfig:
     eval_every: int = 0
     """Run the task's ``evaluate(model, device)`` every this many optimizer steps and at
     ``training.max_steps`` (0: never); the values go into ``run.evaluations`` and every checkpoint."""
+    early_stopping_patience: int = 0
+    """Stop after this many evaluations in a row without an improvement of
+    ``checkpoint.best_metric`` (0: never stop early); the stop commits its step's checkpoint and
+    is recorded in meta.json, and ``--resume latest`` trains no further (``--extend-to`` does)."""
+    early_stopping_threshold: float = 0.0
+    """What counts as an improvement: beating the best value so far by more than this."""
+    callbacks: list = field(default_factory=list)
+    """Import paths ``module:factory`` of your own callbacks, each ``factory(config)`` returning an
+    object with any of ``on_step_end``, ``on_evaluate``, ``on_save`` (docs/training.md#callbacks)."""
     parallel: Parallel = "auto"
     """'auto': 'ddp' under ``torchrun --nproc-per-node N scripts/02_train.py`` with N > 1, 'none'
     (one process) otherwise. 'none', 'ddp' or 'fsdp2' explicitly: checked against the launch
@@ -190,7 +208,25 @@ class TrainingConfig:
     first batch before it steps (``World.settle_buckets``). Changed only with ``--reshard``."""
 
     def __post_init__(self) -> None:
-        _require_int(self.max_steps, "training.max_steps", 1)
+        if self.max_steps is None and not self.epochs:
+            self.max_steps = DEFAULT_MAX_STEPS
+        if self.max_steps is not None:
+            _require_int(self.max_steps, "training.max_steps", 1)
+        _require_int(self.epochs, "training.epochs", 0)
+        _require_int(self.early_stopping_patience, "training.early_stopping_patience", 0)
+        _require(
+            math.isfinite(self.early_stopping_threshold) and self.early_stopping_threshold >= 0,
+            "training.early_stopping_threshold",
+            f"must be a finite number >= 0 (got {self.early_stopping_threshold})",
+        )
+        _require(
+            isinstance(self.callbacks, list)
+            and all(isinstance(path, str) and ":" in path for path in self.callbacks),
+            "training.callbacks",
+            "must be a list of import paths such as 'my_callbacks:make'",
+        )
+        twice = sorted({path for path in self.callbacks if self.callbacks.count(path) > 1})
+        _require(not twice, "training.callbacks", f"names {twice[0] if twice else ''} twice")
         for name in ("device", "dtype", "amp", "parallel"):
             _require_choice(getattr(self, name), _CHOICES[name], f"training.{name}")
         _require(
@@ -208,8 +244,9 @@ class TrainingConfig:
 
 BestMode = Literal["min", "max"]
 # What evaluate() may name a metric kept in a run's history: it becomes a tensor name in the
-# training state (pipeline.checkpoint.evaluations).
-METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+# training state (pipeline.checkpoint.evaluations). A metric of one of several evaluation sets
+# is named "set/metric" (evaluate returned {set: {metric: value}}), each part a plain name.
+METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}(/[A-Za-z_][A-Za-z0-9_.-]{0,63})?$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,9 +262,10 @@ class CheckpointConfig:
     async_: bool = field(default=True, metadata={"key": "async"})
     """Write in a background thread after a fast copy of the state to CPU memory."""
     best_metric: str = ""
-    """A metric the task's ``evaluate`` returns (needs ``training.eval_every``): the checkpoint
-    of its best evaluated step is kept besides the last ``keep_last`` and is ``--checkpoint best``.
-    A new best at a step that is not a save step is saved. Empty: no best is kept."""
+    """A metric the task's ``evaluate`` returns (needs ``training.eval_every``; ``set/metric`` for
+    one of several evaluation sets): the checkpoint of its best evaluated step is kept besides the
+    last ``keep_last`` and is ``--checkpoint best``. A new best at a step that is not a save step is
+    saved. Empty: no best is kept."""
     best_mode: BestMode = "min"
     """Whether the best ``best_metric`` is the 'min' (a loss) or the 'max' (an accuracy)."""
 
@@ -239,5 +277,5 @@ class CheckpointConfig:
         _require(
             not self.best_metric or bool(METRIC_NAME.match(self.best_metric)),
             "checkpoint.best_metric",
-            f"must be a metric name such as 'mse' (got {self.best_metric!r})",
+            f"must be a metric name such as 'mse' or 'validation/mse' (got {self.best_metric!r})",
         )

@@ -17,7 +17,7 @@ The user's guide is docs/data.md.
 from .feed import make_feed
 from .feed_base import Feed, to_device
 from .prepared import load_manifest, load_task_data, prepare_data
-from .sampler import EpochSampler, Sampler, clone_sampler, make_sampler
+from .sampler import EpochSampler, Sampler, batches_per_epoch, clone_sampler, epochs_done, make_sampler
 from .seeding import isolated_rng, seed_sample
 from .task import BATCHES, DATASET, STREAM, InputForm, TaskData, describe_inputs, input_mode
 
@@ -34,6 +34,8 @@ __all__ = [
     "load_manifest",
     "load_task_data",
     "make_sampler",
+    "batches_per_epoch",
+    "epochs_done",
     "clone_sampler",
     "make_feed",
     "to_device",

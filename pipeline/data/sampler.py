@@ -5,6 +5,7 @@ replaying batches. Loaders that run ahead (DataLoader workers) read a copy of it
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -13,7 +14,16 @@ import numpy as np
 from ..config import Config
 from ..errors import DataError, first_line
 
-__all__ = ["Sampler", "EpochSampler", "make_sampler", "clone_sampler", "batch_epoch", "dataset_length"]
+__all__ = [
+    "Sampler",
+    "EpochSampler",
+    "make_sampler",
+    "clone_sampler",
+    "batch_epoch",
+    "batches_per_epoch",
+    "epochs_done",
+    "dataset_length",
+]
 
 
 def dataset_length(source: Any, what: str) -> int:
@@ -90,6 +100,10 @@ class EpochSampler:
         self.cursor = 0
         self.samples_seen = 0
         self.permutation: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        """Batches in one epoch: the last short one counts, unless ``drop_last``."""
+        return self.num_rows // self.batch_size if self.drop_last else -(-self.num_rows // self.batch_size)
 
     def _epoch_exhausted(self) -> bool:
         remaining = self.num_rows - self.cursor
@@ -184,6 +198,27 @@ def clone_sampler(sampler: Sampler, data: Any, generator: np.random.Generator, c
         raise DataError("a stream has no sampler to copy")
     clone.load_state_dict(sampler.state_dict())
     return clone
+
+
+def batches_per_epoch(sampler: Sampler) -> int | None:
+    """How many batches one epoch of ``sampler`` has (its ``__len__``); ``None`` when it does not
+    say, or says something that is not a count >= 1."""
+    try:
+        count = len(sampler)  # type: ignore[arg-type]
+    except Exception:  # no __len__, or one that fails: not a count
+        return None
+    return count if type(count) is int and count >= 1 else None
+
+
+def epochs_done(sampler: Sampler | None) -> float:
+    """Passes over the training set so far, fractional (2.5: half of the third epoch trained):
+    an :class:`EpochSampler`'s epoch and cursor, another sampler's integer ``epoch``; NaN when
+    there is none (a stream)."""
+    if isinstance(sampler, EpochSampler):
+        rows = len(sampler) * sampler.batch_size if sampler.drop_last else sampler.num_rows
+        return sampler.epoch + sampler.cursor / rows
+    epoch = getattr(sampler, "epoch", None)
+    return float(epoch) if type(epoch) is int and epoch >= 0 else math.nan
 
 
 def batch_epoch(sampler: Sampler) -> int:

@@ -239,6 +239,10 @@ class LaunchWorld(World):
             _stop_agreed.set()
         return agreed or None
 
+    def agree_flags(self, flags: list[int]) -> list[int]:
+        """Each flag raised on any rank, raised on all (what the callbacks asked of this step)."""
+        return self._max([int(flag) for flag in flags])
+
     @contextlib.contextmanager
     def together(self, what: str) -> Iterator[None]:
         """Run a block on every rank; if it fails on any, it fails on all, and its message is

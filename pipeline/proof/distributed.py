@@ -47,7 +47,7 @@ from ..config import Config, launch_mode, launched_as
 from ..data import load_manifest
 from ..durable import utc_now, write_json_atomic
 from ..errors import ConfigError, PipelineError, ProofIncomplete
-from ..run import resolve_device
+from ..run import counted_length, resolve_device
 from .checks import control_verdict, first_divergent_step, judge, state_checks
 from .compare import Bundle, Check
 from .layout import CHECKPOINTS_DIR, LOG_FILE, REPORT_FILE, REPORT_SCHEMA, SPEC_FILE
@@ -91,6 +91,7 @@ def verify_resume_distributed(
     if config.training.amp == "fp16":
         raise ConfigError(f"{config.source}: training.amp 'fp16' is not supported under torchrun")
     load_manifest(config)  # unprepared or altered data stops here, before any folder exists
+    config = counted_length(config)  # a length in epochs, in steps: what the cut is planned in
     plan = plan_cut(config, steps, cut)
     n, k = plan.steps, plan.cut
     create_output(output)

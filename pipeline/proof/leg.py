@@ -32,6 +32,7 @@ from ..cli import run_main
 from ..config import config_from_dict
 from ..durable import write_json_atomic
 from ..errors import InternalError
+from ..evaluate import check_metrics
 from ..layout import MODEL_FILE, STATE_FILE
 from ..rng import peek_next_draws
 from ..run import TrainingRun
@@ -102,7 +103,9 @@ class LegRecorder:
             raise InternalError("train() never called on_start")
         # Peek before evaluating: evaluation is the user's code and may draw.
         end_draws = peek_next_draws(run.generator)
-        metric = {key: float(value) for key, value in run.data.evaluate(run.model, run.device).items()}
+        metric = check_metrics(
+            run.data.evaluate(run.model, run.device), "evaluate()"
+        )  # several sets flattened
         return {
             "step": step,
             "resumed_from": resumed_from,

@@ -26,7 +26,7 @@ from ..environment import current_environment
 from ..errors import ConfigError, PipelineError, ProofIncomplete, describe_os_error
 from ..hashing import sha256_bytes, sha256_file
 from ..provenance import PACKAGE_ROOT, code_fingerprint, factory_sources, library_versions
-from ..run import resolve_device
+from ..run import counted_length, resolve_device
 from .checks import (
     after_cut_checks,
     boundary_checks,
@@ -76,6 +76,7 @@ def verify_resume(
         raise ConfigError(f"--atol must be a finite number >= 0 (got {atol})")
     manifest = load_manifest(config)  # unprepared or altered data stops here, before any folder exists
     device = resolve_device(config)
+    config = counted_length(config)  # a length in epochs, in steps: what the cut is planned in
     plan = plan_cut(config, steps, cut)
     legs = make_legs(plan, config)
     jobs = jobs or (1 if device.type == "cuda" else len(legs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -151,9 +152,10 @@ def _describe(meta: Mapping[str, Any]) -> str:
 def _progress_line(meta: Mapping[str, Any]) -> str:
     """What the staged checkpoint is, from the record: never the configured run length alone."""
     step, planned = meta["step"], meta["config"]["training"]["max_steps"]
+    stopped = meta["training"].get("stopped")
     run = selection_phrase(meta) or (
         "the last step of its run"
-        if step >= planned
+        if step >= planned or (stopped is not None and stopped["step"] == step)
         else f"an intermediate checkpoint of a run configured for {planned:,} steps"
     )
     extended = "".join(
@@ -164,8 +166,21 @@ def _progress_line(meta: Mapping[str, Any]) -> str:
     )
     return (
         f"This is step **{step:,}**, {run}; {meta['model']['num_parameters']:,} parameters in "
-        f"{_weights_phrase(meta)}.{extended}"
+        f"{_weights_phrase(meta)}.{extended}{_stopped_early(stopped)}"
     )
+
+
+def _stopped_early(stopped: Mapping[str, Any] | None) -> str:
+    """The sentence of a run a callback stopped (early stopping): where, and why, as meta.json
+    records it (``training_state.callbacks.stopped``)."""
+    if stopped is None:
+        return ""
+    # A callback's words, shown as text: one line, no Markdown or HTML of theirs.
+    reason, by = (
+        re.sub(r"([\\`*_{}\[\]()#+!<>|~])", r"\\\1", " ".join(printable(str(stopped[key])).split()))
+        for key in ("reason", "by")
+    )
+    return f" It stopped early at step {stopped['step']:,}: {reason} ({by})."
 
 
 def _traces_line(meta: Mapping[str, Any]) -> str:
@@ -176,8 +191,9 @@ def _traces_line(meta: Mapping[str, Any]) -> str:
             f"({INSTALL_HINT})."
         )
     return (
-        f"\n\nTensorBoard traces of the same history (`train/loss`, `train/lr` and each evaluation as "
-        f"`eval/<metric>`): [`{traces}`]({traces}), shown on the Hub's *Training metrics* tab, or locally "
+        f"\n\nTensorBoard traces of the same history (`train/loss`, `train/lr`, `train/grad_norm`, "
+        f"`train/epoch` and each evaluation as `eval/<metric>`): [`{traces}`]({traces}), shown on the Hub's "
+        "*Training metrics* tab, or locally "
         "with `tensorboard --logdir runs`."
     )
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..audit import STAGE_SCHEMA
-from ..checkpoint import CheckpointWeights, evaluations_from, read_tensors
+from ..checkpoint import CheckpointWeights, evaluations_from, history_lists, read_tensors
 from ..config import Config
 from ..errors import StageError, StateMismatch
 from ..provenance import CodeChange
@@ -59,7 +59,8 @@ def read_progress(path: Path) -> tuple[dict[str, list], dict[str, list]]:
     checkpoint's training state ``path``."""
     try:
         tensors = read_tensors(path)
-        history = {key: tensors[f"history/{key}"].tolist() for key in ("step", "loss", "lr")}
+        steps = tensors["history/step"].tolist()
+        history = history_lists(tensors, len(steps))
     except (KeyError, ValueError) as exc:  # SchemaMismatch is a ValueError
         raise StageError(f"{path} has no readable training history (history/step, loss, lr): {exc}") from None
     last = int(history["step"][-1]) if history["step"] else 0
@@ -109,6 +110,8 @@ def staged_meta(
             "launch": Launch.of_checkpoint(meta).to_dict(),
             "changes": meta["environment"]["changes"],
             "traces": traces,
+            # A stop a callback asked for (early stopping): {step, by, reason}, or None.
+            "stopped": (meta["training_state"].get("callbacks") or {}).get("stopped"),
         },
         "metrics": None
         if record is None

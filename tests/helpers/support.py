@@ -302,6 +302,16 @@ def train(
     )
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, a NaN where the other has one included (the history marks what was not measured,
+    a gradient norm at a step that was not logged, with NaN; ``torch.equal`` holds NaN != NaN)."""
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or a.shape != b.shape:
+        return False
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 def assert_checkpoints_bitwise_equal(a: Path, b: Path) -> None:
     """Every tensor of both safetensors files equal in name, dtype, shape and bits."""
     for name in ("modelo.safetensors", "estado_treino.safetensors"):
@@ -309,7 +319,9 @@ def assert_checkpoints_bitwise_equal(a: Path, b: Path) -> None:
         assert left.keys() == right.keys(), (
             f"{name}: tensor names differ: {sorted(left.keys() ^ right.keys())}"
         )
-        differing = [k for k in left if left[k].dtype != right[k].dtype or not torch.equal(left[k], right[k])]
+        differing = [
+            k for k in left if left[k].dtype != right[k].dtype or not _same_values(left[k], right[k])
+        ]
         assert not differing, f"{name}: tensors differ: {differing[:5]}"
 
 

@@ -1,0 +1,360 @@
+"""Callbacks, the loop's one extension point (pipeline.callbacks): a user's callback with state is
+saved in every checkpoint and resumed bitwise, one may stop the run (committed, recorded,
+trained no further on resume unless extended), what one raises is one line; early stopping is
+such a callback, exact across a cut."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import RunFolder
+
+from pipeline.checkpoint import CheckpointStore
+from pipeline.checkpoint.meta import entry_of
+from pipeline.config import load_config
+from pipeline.errors import CheckpointError, ConfigError, StateMismatch
+from pipeline.proof import verify_resume
+from pipeline.proof.plan import controls
+from pipeline.train import TrainingHooks, train
+
+from support import (
+    HELPERS,
+    REPO,
+    assert_checkpoints_bitwise_equal,
+    read_meta_json,
+    reseal,
+    run_python,
+    script_env,
+    verify_checkpoint,
+)
+
+CONFIG = REPO / "config.yaml"
+LOSS_SUM = "callback_factories:loss_sum"
+STOP_AT = "callback_factories:stop_at"
+EVAL = {"training.eval_every": 2, "checkpoint.best_metric": "mse"}
+# mse falls ever more slowly as the schedule halves the rate: improvements of more than 0.005
+# stop after about 25 steps.
+EARLY = {**EVAL, "training.early_stopping_patience": 2, "training.early_stopping_threshold": 0.005}
+
+
+def _config(data_dir: Path, folder: Path, **overrides):
+    return load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(folder),
+            "training.max_steps": 10,
+            "checkpoint.every": 3,
+            **overrides,
+        },
+    )
+
+
+def _callbacks(folder: Path) -> dict:
+    return read_meta_json(folder)["training_state"]["callbacks"]
+
+
+# -- a callback of the user's ---------------------------------------------------------------
+
+
+def test_a_callback_with_state_is_saved_in_every_checkpoint_and_resumed_bitwise(data_dir, tmp_path):
+    sets = {"training.callbacks": [LOSS_SUM], "training.eval_every": 4}
+    straight = train(_config(data_dir, tmp_path / "straight", **sets), progress=False)
+    train(_config(data_dir, tmp_path / "cut", **sets), stop_at=5, progress=False)
+    state = _callbacks(tmp_path / "cut" / "step-00000005")["states"][LOSS_SUM]
+    assert state["steps"] == 5 and state["evaluated"] == [["mse", "rmse"]]
+    resumed = train(_config(data_dir, tmp_path / "cut", **sets), resume="latest", progress=False)
+    assert_checkpoints_bitwise_equal(straight.checkpoint, resumed.checkpoint)
+    assert _callbacks(resumed.checkpoint) == _callbacks(straight.checkpoint)
+    state = _callbacks(resumed.checkpoint)["states"][LOSS_SUM]
+    # Every step heard once, the losses added in the same order: the same float64 bits.
+    assert state["steps"] == 10 and state["total"] == sum(straight.history["loss"])
+    assert state["evaluated"] == [["mse", "rmse"]] * 3  # steps 4, 8, 10
+    # Each committed checkpoint heard once it was committed (background saves: at the next save).
+    assert state["saved"] == [3, 6, 9]
+
+
+def test_a_background_save_is_heard_once_committed_not_at_the_next_save(data_dir, tmp_path):
+    """checkpoint.async: the save of step 5 commits on its thread while steps go on; its on_save
+    comes at the end of the first step that finds it committed (each step here lasts 0.1 s, the
+    commit of this tiny checkpoint a few milliseconds), long before the save of step 10."""
+    overrides = {"training.callbacks": ["callback_factories:listener"], "checkpoint.every": 5}
+    result = train(_config(data_dir, tmp_path, **{"training.max_steps": 11, **overrides}), progress=False)
+    heard = _callbacks(result.checkpoint)["states"]["callback_factories:listener"]["heard"]
+    assert [saved for _, saved in heard] == [5, 10], heard
+    assert 5 <= heard[0][0] < 10, heard  # not when the save of step 10 waits for it
+
+
+def test_a_checkpoint_written_before_callbacks_and_the_new_history_resumes(data_dir, tmp_path):
+    """A checkpoint of the version before: no callbacks component, no history/grad_norm or
+    history/epoch. It resumes; the history it lacks reads as NaN (traced as nothing)."""
+    from safetensors.torch import load_file, save_file
+
+    config = _config(data_dir, tmp_path)
+    train(config, stop_at=5, progress=False)
+    folder = tmp_path / "step-00000005"
+    state = load_file(folder / "estado_treino.safetensors")
+    save_file(
+        {k: v for k, v in state.items() if k not in ("history/grad_norm", "history/epoch")},
+        folder / "estado_treino.safetensors",
+        metadata={"format": "pt", "step": "5"},
+    )
+
+    def older(meta: dict) -> None:
+        del meta["training_state"]["callbacks"]
+        meta["files"]["estado_treino.safetensors"] = entry_of(
+            (folder / "estado_treino.safetensors").read_bytes(), None
+        )
+
+    reseal(folder, older)
+    resumed = train(config, resume="latest", progress=False)
+    assert resumed.step == 10
+    assert all(math.isnan(value) for value in resumed.history["grad_norm"][:5] + resumed.history["epoch"][:5])
+    assert resumed.history["grad_norm"][5] > 0 and resumed.history["epoch"][5] > 0
+
+
+def test_a_saved_callback_state_is_checked_before_anything_is_set(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path, **EARLY, **{"training.max_steps": 6})
+    train(config, stop_at=5, progress=False)
+    reseal(
+        tmp_path / "step-00000005",
+        lambda m: m["training_state"]["callbacks"]["states"].update(early_stopping={"waiting": -1}),
+    )
+    with pytest.raises(
+        StateMismatch, match=r"training_state\.callbacks\.states\.early_stopping waiting is -1"
+    ):
+        train(config, resume="latest", progress=False)
+    reseal(
+        tmp_path / "step-00000005",
+        lambda m: m["training_state"]["callbacks"].update(
+            stopped={"step": 3, "by": "x", "reason": "y"}, states={"early_stopping": {"waiting": 0}}
+        ),
+    )
+    with pytest.raises(StateMismatch, match=r"callbacks\.stopped is not the record of a stop at step 5"):
+        train(config, resume="latest", progress=False)
+
+
+def test_a_callback_asking_to_stop_ends_the_run_committed_recorded_and_trained_no_further(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("STOP_AT", "4")
+    config = _config(data_dir, tmp_path, **{"training.callbacks": [STOP_AT]})
+    result = train(config, progress=False)
+    record = {"step": 4, "by": STOP_AT, "reason": "asked to stop at step 4"}
+    assert result.step == 4 and result.stopped == record
+    assert result.checkpoint == tmp_path / "step-00000004"
+    assert verify_checkpoint(result.checkpoint)["training_state"]["callbacks"]["stopped"] == record
+    again = train(config, resume="latest", progress=True)
+    assert again.step == 4 and again.stopped == record and again.checkpoint == result.checkpoint
+    assert CheckpointStore(tmp_path).committed_steps() == [4]
+    said = capsys.readouterr().err
+    assert "stopped early at step 4: asked to stop at step 4" in said and "--extend-to" in said, said
+    extended = train(config, resume="latest", extend_to=12, progress=False)
+    assert extended.step == 12 and extended.stopped is None
+    assert _callbacks(extended.checkpoint)["stopped"] is None
+
+
+def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, tmp_path, monkeypatch):
+    run = RunFolder(tmp_path)
+    sets = (
+        "--quiet",
+        "--set",
+        f"data.dir={data_dir}",
+        "--set",
+        "training.callbacks=[callback_factories:failing]",
+    )
+    line = run.refused("02_train.py", *sets)
+    assert (
+        "training.callbacks callback_factories:failing on_step_end() failed: RuntimeError: the callback's own bug"
+        in line
+    )
+    assert "the last committed checkpoint" not in line and "no checkpoint was committed yet" in line
+    line = run.refused("02_train.py", *sets, env={"FAIL_IN": "on_save"})
+    assert "on_save() failed" in line and "the last committed checkpoint (step 5) is intact" in line, line
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        (
+            "callback_factories:nothing",
+            "returned NoneType, which has none of on_step_end, on_evaluate, on_save",
+        ),
+        ("callback_factories:saves_only", "has state_dict but no load_state_dict"),
+        ("callback_factories:no_such", "has no attribute 'no_such'"),
+    ],
+)
+def test_a_callback_that_is_not_one_is_refused_at_the_start(data_dir, tmp_path, path, says):
+    with pytest.raises(ConfigError, match=says):
+        train(_config(data_dir, tmp_path, **{"training.callbacks": [path]}), progress=False)
+    assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
+
+
+def test_a_callback_state_that_is_not_plain_json_is_refused_before_the_first_step(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path, **{"training.callbacks": ["callback_factories:tuple_state"]})
+    with pytest.raises(CheckpointError, match=r"callback_factories:tuple_state holds a tuple"):
+        train(config, progress=False)
+    assert not list(tmp_path.glob("step-*"))
+
+
+def test_the_tracker_example_logs_each_step_once_across_a_kill(data_dir, tmp_path):
+    """examples/tracker_callback.py sends each committed step once: a run SIGKILLed after step 25
+    (its checkpoint at 20) and resumed has sent exactly what the run never killed sent."""
+
+    def child(name: str, kill_at: int) -> subprocess.CompletedProcess:
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / name / "estados_local"),
+            "checkpoint.every": 10,
+            "checkpoint.async": False,
+            "training.max_steps": 30,
+            "training.eval_every": 5,
+            "training.callbacks": ["examples.tracker_callback:jsonl"],
+        }
+        command = [HELPERS / "traces_child.py", CONFIG, json.dumps(overrides), str(kill_at)]
+        return run_python(command, cwd=tmp_path, env=script_env())
+
+    def sent(name: str) -> list[dict]:
+        path = tmp_path / name / "estados_local-tracker.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    assert child("straight", 0).returncode == 0
+    assert child("killed", 25).returncode == -9
+    assert [line["step"] for line in sent("killed")] == list(range(1, 21))
+    finished = child("killed", 0)
+    assert finished.returncode == 0, finished.stderr
+    straight = sent("straight")
+    assert [line["step"] for line in straight] == list(range(1, 31))
+    assert sent("killed") == straight
+    assert straight[4]["eval/mse"] > 0 and "eval/mse" not in straight[3]
+
+
+@pytest.mark.heavy
+def test_script_03_proves_a_callbacks_state_and_detects_it_left_out(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path / "ck", **{"training.callbacks": [LOSS_SUM]})
+    report = verify_resume(config, output=tmp_path / "proof", steps=6, cut=3, echo=lambda line: None)
+    assert report["all_checks_passed"], report["failed_components"]
+    control = report["components"]["negative"]["callbacks"]
+    assert control["result"] == "detected" and "final.callbacks" in control["diverged_checks"], control
+    checks = {check["name"]: check for check in report["checks"]["positive"]}
+    assert checks["final.callbacks"]["passed"] and checks["final.callbacks"]["max_abs_diff"] == 0.0
+
+
+def test_callbacks_are_a_component_script_03_leaves_out(data_dir, tmp_path):
+    assert "callbacks" in controls(_config(data_dir, tmp_path, **EARLY))
+    assert "callbacks" in controls(_config(data_dir, tmp_path, **{"training.callbacks": [LOSS_SUM]}))
+    assert "callbacks" not in controls(_config(data_dir, tmp_path))
+
+
+# -- early stopping ------------------------------------------------------------------------
+
+
+def _expected_stop(evaluations: dict, metric: str, patience: int, threshold: float) -> int | None:
+    """transformers' EarlyStoppingCallback rule, applied to a run's evaluations (mode min)."""
+    waiting, best = 0, None
+    for step, value in zip(evaluations["step"], evaluations[metric]):
+        if best is None or (value < best and abs(value - best) > threshold):
+            waiting = 0
+        else:
+            waiting += 1
+        best = value if best is None else min(best, value)
+        if waiting >= patience:
+            return step
+    return None
+
+
+@pytest.fixture(scope="module")
+def without_early_stopping(data_dir, tmp_path_factory):
+    """The run early stopping would stop, trained to 40 steps without it (its evaluations)."""
+    folder = tmp_path_factory.mktemp("plain")
+    return train(_config(data_dir, folder, **EVAL, **{"training.max_steps": 40}), progress=False)
+
+
+def test_early_stopping_stops_at_the_step_its_rule_gives(data_dir, tmp_path, without_early_stopping):
+    expected = _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.005)
+    assert expected is not None and 10 < expected < 40
+    assert _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.0) is None  # the threshold counts
+    config = _config(data_dir, tmp_path, **EARLY, **{"training.max_steps": 40})
+    result = train(config, progress=False)
+    reason = "mse did not improve by more than 0.005 for 2 evaluations"
+    assert result.step == expected
+    assert result.stopped == {"step": expected, "by": "early_stopping", "reason": reason}
+    assert _callbacks(result.checkpoint) == {
+        "stopped": result.stopped,
+        "states": {"early_stopping": {"waiting": 2}},
+    }
+    # Early stopping changes where the run ends, not what it trains.
+    assert result.history["loss"] == without_early_stopping.history["loss"][:expected]
+
+
+def test_early_stopping_is_exact_across_a_cut_between_evaluations(data_dir, tmp_path, without_early_stopping):
+    expected = _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.005)
+    straight = train(
+        _config(data_dir, tmp_path / "straight", **EARLY, **{"training.max_steps": 40}), progress=False
+    )
+    # Cut right after the first evaluation that did not improve: the count (1) is state.
+    cut_config = _config(data_dir, tmp_path / "cut", **EARLY, **{"training.max_steps": 40})
+    cut = train(cut_config, stop_at=expected - 1, progress=False)
+    assert _callbacks(cut.checkpoint)["states"]["early_stopping"] == {"waiting": 1}
+    resumed = train(cut_config, resume="latest", progress=False)
+    assert resumed.step == straight.step == expected and resumed.stopped == straight.stopped
+    assert_checkpoints_bitwise_equal(straight.checkpoint, resumed.checkpoint)
+    # Resumed again: nothing more to train; extended: trains on, and the next evaluation that
+    # does not improve stops it again.
+    again = train(cut_config, resume="latest", progress=False)
+    assert again.step == expected and again.checkpoint == resumed.checkpoint
+    extended = train(cut_config, resume="latest", extend_to=60, progress=False)
+    assert extended.step == expected + 2 and extended.stopped["step"] == expected + 2
+
+
+def test_an_early_stopped_run_is_staged_with_its_stop_on_the_card(trained_run, tmp_path):
+    run = RunFolder(tmp_path)
+    shutil.copytree(trained_run.root / "data", run.root / "data")
+    sets = [item for key, value in EARLY.items() for item in ("--set", f"{key}={value}")]
+    trained = run.ok("02_train.py", "--quiet", "--max-steps", "40", *sets)
+    assert "trained to step" in trained.stdout
+    stopped = read_meta_json(run.checkpoint)["training_state"]["callbacks"]["stopped"]
+    assert stopped is not None and stopped["by"] == "early_stopping"
+    resumed = run.script("02_train.py", "--max-steps", "40", *sets, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"stopped early at step {stopped['step']}: {stopped['reason']}" in resumed.stderr
+    assert not [line for line in resumed.stderr.splitlines() if line.startswith("step ")]  # nothing trained
+    run.ok("05_stage.py", "--no-metrics")
+    card = (run.stage / "README.md").read_text()
+    assert f"This is step **{stopped['step']}**, the last step of its run" in card
+    assert (
+        f"It stopped early at step {stopped['step']}: mse did not improve by more than 0.005 for 2 "
+        "evaluations (early\\_stopping)."
+    ) in card
+    assert json.loads((run.stage / "meta.json").read_text())["training"]["stopped"] == stopped
+
+
+def test_early_stopping_without_a_metric_to_watch_is_refused_in_one_line(data_dir, tmp_path):
+    run = RunFolder(tmp_path)
+    line = run.refused(
+        "02_train.py", "--set", f"data.dir={data_dir}", "--set", "training.early_stopping_patience=3"
+    )
+    assert "training.early_stopping_patience counts evaluations of checkpoint.best_metric" in line, line
+    assert "config.yaml" in line
+
+
+def test_the_proof_hook_still_hears_every_step(data_dir, tmp_path):
+    heard = []
+    train(
+        _config(data_dir, tmp_path),
+        progress=False,
+        hooks=TrainingHooks(on_step=lambda run: heard.append(run.step)),
+    )
+    assert heard == list(range(1, 11))
+
+
+def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
+    """The component is plain JSON in meta.json: nothing of it in the state file."""
+    result = train(_config(data_dir, tmp_path, **{"training.callbacks": [LOSS_SUM]}), progress=False)
+    meta = json.loads((result.checkpoint / "meta.json").read_text())
+    assert set(meta["training_state"]["callbacks"]) == {"stopped", "states"}

@@ -1,0 +1,119 @@
+"""Several evaluation sets (evaluate returning {set: {metric: value}}), named set/metric in the
+run's evaluations, its checkpoints, its traces, 04's record and checkpoint.best_metric; and an
+evaluate whose names change, refused at the evaluation that shows it, before anything of that
+step is recorded or written (in one process, and across a resume)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pipeline.checkpoint import CheckpointStore, load_checkpoint, read_best, read_tensors
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, MetricsError
+from pipeline.evaluate import check_metrics, evaluate_checkpoint
+from pipeline.train import train
+
+from support import REPO
+
+CONFIG = REPO / "config.yaml"
+TWO_SETS = {"data.factory": "callback_factories:build_data_two_sets"}
+ADDED_LATER = {"data.factory": "callback_factories:build_data_metric_added_later"}
+
+
+def _config(data_dir: Path, folder: Path, **overrides):
+    return load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(folder / "ck"),
+            "outputs.metrics": str(folder / "metrics.json"),
+            "training.max_steps": 10,
+            "training.eval_every": 2,
+            **overrides,
+        },
+    )
+
+
+def test_several_sets_are_named_set_slash_metric_traced_and_used_for_the_best_mark(data_dir, tmp_path):
+    config = _config(
+        data_dir, tmp_path, **TWO_SETS, **{"checkpoint.best_metric": "test/mse", "checkpoint.every": 20}
+    )
+    result = train(config, progress=False)
+    assert sorted(result.evaluations) == ["step", "test/mse", "validation/mse"]
+    assert result.evaluations["step"] == [2, 4, 6, 8, 10]
+    # The best of test/mse is marked and kept (saved off the interval when it is a new best).
+    values = result.evaluations["test/mse"]
+    best_step = result.evaluations["step"][values.index(min(values))]
+    mark = read_best(tmp_path / "ck")
+    assert mark == {"step": best_step, "metric": "test/mse", "mode": "min", "value": min(values)}
+    assert best_step in CheckpointStore(tmp_path / "ck").committed_steps()
+    # In the checkpoint, read back through its check; in the traces, by set.
+    loaded = load_checkpoint(result.checkpoint)
+    assert (
+        read_tensors(result.checkpoint / "estado_treino.safetensors")["evaluation/test/mse"].tolist()
+        == values
+    )
+    assert loaded.meta["step"] == 10
+    traces = EventAccumulator(str(tmp_path / "traces" / "ck"), size_guidance={"scalars": 0})
+    traces.Reload()
+    tags = traces.Tags()["scalars"]
+    assert {"eval/validation/mse", "eval/test/mse"} <= set(tags), tags
+    assert [e.step for e in traces.Scalars("eval/test/mse")] == [2, 4, 6, 8, 10]
+    # Script 04 records the same names.
+    record = evaluate_checkpoint(config)
+    assert sorted(record["metrics"]) == ["test/mse", "validation/mse"]
+
+
+def test_metric_names_that_change_are_refused_before_anything_of_their_step_is_written(
+    data_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("EXTRA_FROM", "3")  # the third evaluation (step 6) adds validation/mae
+    config = _config(data_dir, tmp_path, **ADDED_LATER, **{"checkpoint.every": 2, "checkpoint.keep_last": 5})
+    with pytest.raises(MetricsError) as refused:
+        train(config, progress=False)
+    message = str(refused.value)
+    assert (
+        "returned other metrics at step 6 than at the run's earlier evaluations (new: validation/mae)"
+        in message
+    )
+    assert (
+        "nothing of step 6 was recorded" in message
+        and "the last committed checkpoint (step 4) is intact" in message
+    )
+    assert "\n" not in message
+    assert CheckpointStore(tmp_path / "ck").committed_steps() == [2, 4]
+    # What was committed loads whole, its evaluations checked.
+    assert load_checkpoint(tmp_path / "ck" / "step-00000004").meta["step"] == 4
+
+
+def test_metric_names_that_change_across_a_resume_are_refused_at_its_first_evaluation(
+    data_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("EXTRA_FROM", "99")
+    config = _config(data_dir, tmp_path, **ADDED_LATER, **{"checkpoint.every": 2, "checkpoint.keep_last": 5})
+    train(config, stop_at=5, progress=False)  # evaluated at 2 and 4 with two metrics
+    monkeypatch.setenv("EXTRA_FROM", "1")  # the resumed process's first evaluation adds one
+    with pytest.raises(
+        MetricsError, match=r"at step 6 than at the run's earlier evaluations \(new: validation/mae\)"
+    ):
+        train(config, resume="latest", progress=False)
+    assert CheckpointStore(tmp_path / "ck").committed_steps() == [2, 4, 5]
+    assert load_checkpoint(tmp_path / "ck" / "step-00000005").meta["step"] == 5
+
+
+def test_metric_names_are_checked_as_tensor_names():
+    assert check_metrics({"validation": {"mse": 1}, "loss": 2.0}, "x") == {"validation/mse": 1.0, "loss": 2.0}
+    with pytest.raises(MetricsError, match="named twice"):
+        check_metrics({"a/b": 1.0, "a": {"b": 2.0}}, "x")
+    with pytest.raises(MetricsError, match="evaluation set 'a' holds no metric"):
+        check_metrics({"a": {}}, "x")
+    with pytest.raises(MetricsError, match=r"metric 3 is 1"):
+        check_metrics({"a": {3: 1.0}}, "x")
+    for name in ("validation/mse", "mse"):
+        assert load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})
+    for name in ("validation/", "a/b/c", "/mse", "x y"):
+        with pytest.raises(ConfigError, match="checkpoint.best_metric must be a metric name"):
+            load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})

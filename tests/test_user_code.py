@@ -472,6 +472,42 @@ def test_data_prepared_with_another_seed_is_refused_by_01_to_04_naming_the_key_a
     )
 
 
+def test_data_params_changed_after_01_are_refused_by_02_and_01_each_value_its_own_folder(data_dir, tmp_path):
+    """data.params decide the data's content as much as data.seed does (here the label noise of
+    the rows 01 wrote): 02 with another value refuses the data in place naming the very param,
+    and trains nothing; 01 refuses to replace it and proposes a folder of its own, another one
+    for each value."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    base = ["--config", str(CONFIG), "--set", f"data.dir={data}"]
+    result = run_script(
+        "02_train.py",
+        *base,
+        "--set",
+        "data.params.noise=0.5",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--quiet",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert line.startswith(
+        f"error: {data}/ holds data prepared with data.params.noise 0.05, but this config has 0.5: "
+    ), line
+    assert not (tmp_path / "ck").exists()
+
+    points = []
+    for noise in ("0.5", "0.6"):
+        refused = run_script("01_prepare_data.py", *base, "--set", f"data.params.noise={noise}", cwd=tmp_path)
+        assert refused.returncode == 2
+        line = one_line_error(refused)
+        assert f"holds data prepared with data.params.noise 0.05, this config has {noise}; nothing" in line, line
+        points.append(re.search(r"give (--set data\.dir=\S+) to the other scripts", line)[1])
+    assert points[0] != points[1], points
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in data_dir.iterdir())
+
+
 def test_a_data_prepare_that_is_not_deterministic_keeps_the_data_in_place(tmp_path):
     """Run again with the same config, a non-deterministic data.prepare (a tokenizer trained on
     threads) writes other bytes: 01 says so and keeps the data checkpoints were trained on."""

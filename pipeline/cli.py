@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
-from .errors import CapturedTraceback, PipelineError, Preempted, describe_os_error
+from .errors import CapturedTraceback, PipelineError, Preempted, describe_os_error, out_of_tasks
 
 __all__ = [
     "add_config_arguments",
@@ -79,7 +79,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     Besides :class:`PipelineError`: an operating-system error (full disk, read-only file
     system, permissions; also from the background checkpoint writer, re-raised in the
     training thread) names the path and the cause, exit 2; ``MemoryError`` (a task's params
-    asking for more memory than there is) says so, exit 2. Whatever was being written is
+    asking for more memory than there is) says so, exit 2; so does a thread or process that
+    could not start because the machine is out of them (:func:`~pipeline.errors.out_of_tasks`). Whatever was being written is
     removed by the atomic writers before the error gets here. A traceback captured in another
     process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
     """
@@ -104,7 +105,13 @@ def run_main(main: Callable[[], int | None]) -> None:
             _tell_launcher(_ERROR + str(exc).replace("\n", " "))
         sys.exit(getattr(exc, "exit_code", 2))
     except OSError as exc:
-        _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
+        _error(out_of_tasks(exc) or describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
+        sys.exit(2)
+    except RuntimeError as exc:
+        line = out_of_tasks(exc)  # Python's threads: any other RuntimeError is a bug, with its traceback
+        if line is None:
+            raise
+        _error(line)
         sys.exit(2)
     except MemoryError as exc:
         _error(

@@ -502,7 +502,9 @@ def test_data_params_changed_after_01_are_refused_by_02_and_01_each_value_its_ow
         refused = run_script("01_prepare_data.py", *base, "--set", f"data.params.noise={noise}", cwd=tmp_path)
         assert refused.returncode == 2
         line = one_line_error(refused)
-        assert f"holds data prepared with data.params.noise 0.05, this config has {noise}; nothing" in line, line
+        assert f"holds data prepared with data.params.noise 0.05, this config has {noise}; nothing" in line, (
+            line
+        )
         points.append(re.search(r"give (--set data\.dir=\S+) to the other scripts", line)[1])
     assert points[0] != points[1], points
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in data_dir.iterdir())

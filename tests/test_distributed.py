@@ -953,7 +953,7 @@ def _launch(
     )
 
 
-def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 120) -> None:
+def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert launcher.poll() is None, f"the launch ended before {what}"
@@ -978,7 +978,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     try:
         _wait_for(lambda: "step 2/" in log.read_text(), launcher, "step 2")
         os.kill(_ranks(launcher)[1], signal.SIGTERM)
-        launcher.wait(timeout=120)
+        launcher.wait(timeout=600)
     finally:
         launcher.kill()
     text = log.read_text()
@@ -1027,7 +1027,7 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
             "a save in progress",
         )
         os.kill(_ranks(launcher)[1], signal.SIGKILL)
-        launcher.wait(timeout=120)
+        launcher.wait(timeout=600)
     finally:
         launcher.kill()
     assert launcher.returncode != 0

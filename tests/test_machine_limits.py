@@ -161,7 +161,7 @@ def test_counts_that_do_not_fit_the_room_left_are_refused_naming_the_limit(limit
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("leave", [0, 1, 2])
+@pytest.mark.parametrize("leave", [0, 1, 2, 3])
 def test_workers_that_cannot_start_after_the_check_end_the_run_in_one_line(limited, data_dir, leave):
     """Another program takes the room once the counts were checked (the task's data leaves
     ``leave`` threads free): the DataLoader's fork or its queue's thread fails while its workers

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from . import stops
 from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
-from .errors import CapturedTraceback, PipelineError, Preempted, Stopped, describe_os_error
+from .errors import CapturedTraceback, PipelineError, Preempted, Stopped, describe_os_error, out_of_tasks
 from .stops import stopping
 
 __all__ = [
@@ -82,7 +82,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     Besides :class:`PipelineError`: an operating-system error (full disk, read-only file
     system, permissions; also from the background checkpoint writer, re-raised in the
     training thread) names the path and the cause, exit 2; ``MemoryError`` (a task's params
-    asking for more memory than there is) says so, exit 2. Whatever was being written is
+    asking for more memory than there is) says so, exit 2; so does a thread or process that
+    could not start because the machine is out of them (:func:`~pipeline.errors.out_of_tasks`). Whatever was being written is
     removed by the atomic writers before the error gets here. A traceback captured in another
     process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
     A SIGTERM or SIGINT from the first line of ``main`` to the exit is one line saying what it
@@ -121,7 +122,13 @@ def _end(exc: BaseException, debug: bool) -> None:
             _tell_launcher(_ERROR + str(exc).replace("\n", " "))
         sys.exit(getattr(exc, "exit_code", 2))
     if isinstance(exc, OSError):
-        _error(describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
+        _error(out_of_tasks(exc) or describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
+        sys.exit(2)
+    if isinstance(exc, RuntimeError):
+        line = out_of_tasks(exc)  # Python's threads: any other RuntimeError is a bug, with its traceback
+        if line is None:
+            return
+        _error(line)
         sys.exit(2)
     if isinstance(exc, MemoryError):
         _error(

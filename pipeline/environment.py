@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from .config import Config
-from .errors import SEALED_BUT_UNFIT, EnvironmentMismatch
+from .errors import SEALED_BUT_UNFIT, EnvironmentMismatch, MachineLimit
+from .limits import check_counts
 
 __all__ = ["ENVIRONMENT_ITEMS", "pin_threads", "current_environment", "reproduce_environment"]
 
@@ -34,7 +35,9 @@ ENVIRONMENT_ITEMS = (
 
 def pin_threads(config: Config) -> None:
     """A fresh run uses exactly ``training.threads`` intra-op threads, whatever
-    ``OMP_NUM_THREADS`` or the core count say."""
+    ``OMP_NUM_THREADS`` or the core count say; a count this machine cannot honour, with
+    ``data.num_workers``, is refused first (:func:`pipeline.limits.check_counts`)."""
+    check_counts(config.training.threads, config.data.num_workers)
     torch.set_num_threads(config.training.threads)
 
 
@@ -72,6 +75,15 @@ def reproduce_environment(
         wanted = recorded[item]
         getter = torch.get_num_threads if item == "intra_op_threads" else torch.get_num_interop_threads
         if type(wanted) is int and wanted >= 1 and getter() != wanted:
+            try:
+                check_counts(wanted, key=f"the checkpoint's {item}")
+            except MachineLimit as refused:
+                if allow_change:
+                    continue  # the change is recorded below, like any other
+                raise EnvironmentMismatch(
+                    f"{refused}; or pass --allow-environment-change to resume with this process's "
+                    f"{getter()} (the resume is then not bitwise exact, and meta.json records it)"
+                ) from None
             try:
                 setter(wanted)
             except RuntimeError:  # inter-op threads are fixed once parallel work started

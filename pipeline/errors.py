@@ -18,6 +18,8 @@ __all__ = [
     "ConfigError",
     "FactoryFailed",
     "OutOfMemory",
+    "MachineLimit",
+    "out_of_tasks",
     "CodeChanged",
     "DataError",
     "InputFailed",
@@ -155,6 +157,28 @@ class CallbackFailed(FactoryFailed):
 class OutOfMemory(PipelineError):
     """An allocation failed (``MemoryError``, or torch's allocator refusing): the sizes in the
     config ask for more memory than there is."""
+
+
+class MachineLimit(ConfigError):
+    """A count of the config that becomes threads or processes (``training.threads``,
+    ``data.num_workers``) is more than this machine can start or run usefully
+    (:mod:`pipeline.limits`); refused before any of them starts."""
+
+
+def out_of_tasks(exc: BaseException) -> str | None:
+    """The one line for a thread or process that could not start because the machine is out
+    of them (``RuntimeError: can't start new thread``, a fork's ``EAGAIN``); else ``None``."""
+    if isinstance(exc, RuntimeError) and str(exc).startswith("can't start new thread"):
+        what = "a thread could not start"
+    elif isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
+        what = f"a process or thread could not start ({exc.strerror or 'Resource temporarily unavailable'})"
+    else:
+        return None
+    return (
+        f"{what}: this machine is out of processes and threads (this user's limit, ulimit -u, or a "
+        "container's pids.max): stop other processes, lower data.num_workers or training.threads, or "
+        "raise the limit"
+    )
 
 
 class DataError(PipelineError, ValueError):

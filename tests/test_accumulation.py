@@ -265,10 +265,11 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         folder = tmp_path / f"trial-{trial}"
         child = _kill_child(data_dir, folder)
         # Strike at a random instant after the first commit: a clock alone would strike before
-        # it on a loaded machine, or after the end on a fast one.
-        deadline = time.monotonic() + 120
+        # it on a loaded machine, or after the end on a fast one. The deadlines are for a run
+        # that never gets there; on a machine busy with other work it may take minutes.
+        deadline = time.monotonic() + 600
         while not CheckpointStore(folder).committed_steps() and child.poll() is None:
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.0))
         if child.poll() is not None:
@@ -287,7 +288,7 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         assert _best_steps(folder / f"step-{steps[-1]:08d}", "max") in steps
         # And the run goes on from there.
         child = _kill_child(data_dir, folder)
-        assert child.wait(timeout=300) == 0, child.stderr.read()
+        assert child.wait(timeout=900) == 0, child.stderr.read()
         assert read_best(folder)["step"] in CheckpointStore(folder).committed_steps()
     assert killed, "no trial was killed after its first checkpoint"
 

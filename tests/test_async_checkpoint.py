@@ -203,7 +203,7 @@ def test_sigterm_during_async_training_waits_for_the_save_in_flight_which_verifi
         if line.startswith("step 3/"):
             break
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    _, stderr = process.communicate(timeout=600)
     assert process.returncode == 128 + signal.SIGTERM, stderr
     steps = CheckpointStore(tmp_path).committed_steps()
     assert len(steps) == 1 and steps[0] >= 3

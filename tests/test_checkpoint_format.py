@@ -203,7 +203,7 @@ class _SideBySide:
     other never gets past its first chunk (the barrier breaks)."""
 
     def __init__(self) -> None:
-        self.meeting = threading.Barrier(2, timeout=10)
+        self.meeting = threading.Barrier(2, timeout=60)
         self.threads: set[int] = set()
 
     def sha256(self, *args):

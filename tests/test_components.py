@@ -68,6 +68,28 @@ def test_a_registered_component_round_trips_through_a_single_process_checkpoint(
     assert load_checkpoint(resumed.checkpoint).meta["training_state"][dummy.NAME]["step"] == 6
 
 
+def test_the_tasks_own_state_is_saved_with_the_data_and_given_back_on_resume(data_dir, tmp_path):
+    """A task data object with a ``state_dict`` of its own (a loss weight that grows with every
+    loss computed): a checkpoint holds it, a resume gives it back, and the resumed run trains on
+    the losses of the uninterrupted one, bit for bit."""
+    stateful = {"data.factory": "component_factories:build_stateful_data"}
+    full = train(_config(data_dir, tmp_path / "full", **stateful), progress=False)
+    config = _config(data_dir, tmp_path / "cut", **stateful)
+    cut = train(config, stop_at=4, progress=False)
+    saved = json.loads((cut.checkpoint / "meta.json").read_text())["training_state"]["data"]["task"]
+    assert saved["calls"] == 4, saved
+    weight = read_tensors(cut.checkpoint / STATE_FILE)["data/task/weight"]
+    assert weight.tolist() == [1.0625**4]
+    resumed = train(config, resume="latest", progress=False)
+    assert resumed.step == 6 and resumed.history["loss"] == full.history["loss"]
+    final = read_tensors(resumed.checkpoint / STATE_FILE)["data/task/weight"]
+    assert (
+        final.tolist()
+        == [1.0625**6]
+        == read_tensors(full.checkpoint / STATE_FILE)["data/task/weight"].tolist()
+    )
+
+
 def test_a_registered_component_is_left_out_by_name_and_refused_when_it_does_not_fit(
     registered, data_dir, tmp_path
 ):

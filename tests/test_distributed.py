@@ -818,6 +818,42 @@ def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_
 
 
 @pytest.mark.heavy
+def test_a_one_process_launch_of_ddp_and_fsdp2_resumes_bitwise_and_trains_as_one_process_does(
+    data_dir, tmp_path
+):
+    """torchrun --nproc-per-node 1 with training.parallel ddp, then fsdp2 (one launch): each a
+    launch of one process, its checkpoints distributed ones that record the mode and world size
+    1; cut at 6 and resumed, it ends where one plain process ends, bit for bit (one rank's
+    reductions are the identity; dropout off, its streams are per rank in a launch)."""
+    runs = []
+    for mode in ("ddp", "fsdp2"):
+        base = {"data.dir": str(data_dir), "training.parallel": mode, **QUIET_RNG}
+        folder = str(tmp_path / mode)
+        runs += [
+            {"overrides": {**base, "checkpoint.dir": folder}, "stop_at": 6},
+            {"overrides": {**base, "checkpoint.dir": folder}, "resume": "latest"},
+        ]
+    results = launch_plan(1, tmp_path, "one", runs)
+    alone = train(
+        load_config(
+            CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "alone"), **QUIET_RNG}
+        ),
+        progress=False,
+    )
+    for offset, mode in ((0, "ddp"), (2, "fsdp2")):
+        cut, resumed = results[offset : offset + 2]
+        assert (cut.get("step"), resumed.get("step")) == (6, 10), (mode, cut, resumed)
+        assert resumed["loss"] == alone.history["loss"] and cut["loss"] == alone.history["loss"][:6], mode
+        meta = verify_distributed(tmp_path / mode / "step-00000010")
+        assert meta["parallel"] == {"mode": mode, "world_size": 1, "ddp_find_unused_parameters": False}
+        assert (tmp_path / mode / "step-00000010" / DIST_MODEL_DIR).is_dir(), mode
+        staged = load_file(stage(tmp_path / mode / "step-00000010", tmp_path / f"staged-{mode}"))
+        assert staged.keys() == read_tensors(alone.checkpoint / "modelo.safetensors").keys()
+        want = read_tensors(alone.checkpoint / "modelo.safetensors")
+        assert all(torch.equal(staged[name], want[name]) for name in want), mode
+
+
+@pytest.mark.heavy
 def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(data_dir, tmp_path):
     """scripts/03 with --nproc-per-node 2: two launches (reference with the cut; resume and
     the five controls, swap of two ranks' RNG streams included), compared bit for bit."""
@@ -917,7 +953,7 @@ def _launch(
     )
 
 
-def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 120) -> None:
+def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert launcher.poll() is None, f"the launch ended before {what}"
@@ -942,7 +978,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step(data_dir, tmp_path):
     try:
         _wait_for(lambda: "step 2/" in log.read_text(), launcher, "step 2")
         os.kill(_ranks(launcher)[1], signal.SIGTERM)
-        launcher.wait(timeout=120)
+        launcher.wait(timeout=600)
     finally:
         launcher.kill()
     text = log.read_text()
@@ -991,7 +1027,7 @@ def test_killing_one_rank_during_a_save_leaves_the_previous_checkpoint(data_dir,
             "a save in progress",
         )
         os.kill(_ranks(launcher)[1], signal.SIGKILL)
-        launcher.wait(timeout=120)
+        launcher.wait(timeout=600)
     finally:
         launcher.kill()
     assert launcher.returncode != 0

@@ -342,7 +342,7 @@ def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_d
     )
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600
         while "step 4/" not in log.read_text():
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
@@ -350,10 +350,12 @@ def test_ranks_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(data_d
         assert len(ranks) == 2
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 30
+        # Each rank ends on its own within a second or so (its watchdog polls its parent); the
+        # deadline is only for one that never does, generous for a machine busy with other work.
+        deadline = time.monotonic() + 180
         while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in ranks), "a rank outlived its agent by 30 s"
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its agent by 180 s"
     finally:
         for pid in ranks:
             if _alive(pid):
@@ -421,7 +423,7 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
         "time.sleep(120)\n"
     )
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
-        assert _ends_within(pid, 30), "the rank outlived its launcher"
+        assert _ends_within(pid, 180), "the rank outlived its launcher"
     assert "error: the torchrun agent" in (tmp_path / "err.txt").read_text()
 
 
@@ -441,7 +443,7 @@ def test_a_rank_whose_agent_died_before_its_watchdog_started_is_ended(tmp_path):
         "print('still running', flush=True)\n"
     )
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
-        assert _ends_within(pid, 20), "a rank whose agent died before its watchdog started was never stopped"
+        assert _ends_within(pid, 180), "a rank whose agent died before its watchdog started was never stopped"
     errors = [line for line in (tmp_path / "err.txt").read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "gone before this rank started training" in errors[0], errors
 

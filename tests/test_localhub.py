@@ -452,7 +452,7 @@ def test_non_loopback_host_is_refused(tmp_path):
             capture_output=True,
             text=True,
             env=env,
-            timeout=15,
+            timeout=120,
         )
         assert result.returncode == 2 and result.stdout == ""
         assert len(result.stderr.strip().splitlines()) == 1 and "loopback" in result.stderr

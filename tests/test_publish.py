@@ -918,6 +918,40 @@ def test_a_xet_file_the_hub_holds_other_bytes_for_is_repaired_by_a_rerun_in_one_
     assert again.status == "already published" and len(commit_titles(hub, "alice/repaired")) == 3
 
 
+def test_a_xet_file_under_path_in_repo_is_repaired_by_a_rerun_in_one_commit(
+    staged_run, hub, tmp_path, token_env, xet
+):
+    """The repair of a Xet-stored file, with the stage published into a folder of the repo: the
+    rerun compares model/modelo.safetensors (not modelo.safetensors at the root) by its Xet hash,
+    deletes and uploads it again there in one commit, and nothing lands at the root."""
+    hub.store_other_xet_file()
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/repaired-in-folder", tmp_path, path_in_repo="model")
+    assert "model/modelo.safetensors: the Hub lists Xet hash" in str(failed.value), failed.value
+
+    result = publish_here(staged_run.stage, hub, "alice/repaired-in-folder", tmp_path, path_in_repo="model")
+    actions = {f.path_in_repo: f.action for f in result.plan.files}
+    assert actions.pop("model/modelo.safetensors") == "repair" and set(actions.values()) == {"unchanged"}, (
+        actions
+    )
+    assert result.status == "published" and all(f.ok for f in result.files)
+    assert len(commit_titles(hub, "alice/repaired-in-folder")) == 3
+    assert_holds_exactly_the_stage(hub, "alice/repaired-in-folder", staged_run.stage, prefix="model/")
+    listed = {
+        f.path: f
+        for f in api_for(hub).list_repo_tree("alice/repaired-in-folder", "model", recursive=True)
+        if hasattr(f, "blob_id")
+    }
+    audited = {entry.name: entry for entry in result.audited}
+    assert listed["model/modelo.safetensors"].xet_hash == audited["modelo.safetensors"].xet_hash
+    served = api_for(hub).hf_hub_download(
+        "alice/repaired-in-folder", "model/modelo.safetensors", cache_dir=tmp_path / "cache"
+    )
+    assert Path(served).read_bytes() == (staged_run.stage / "modelo.safetensors").read_bytes()
+    again = publish_here(staged_run.stage, hub, "alice/repaired-in-folder", tmp_path, path_in_repo="model")
+    assert again.status == "already published" and len(commit_titles(hub, "alice/repaired-in-folder")) == 3
+
+
 def test_a_xet_file_is_verified_by_its_own_bytes_when_the_audit_has_no_xet_hash(
     staged_run, hub, tmp_path, token_env, xet, monkeypatch
 ):

@@ -497,3 +497,92 @@ def test_accelerate_save_state_folders_are_sealed_pruned_and_verified_the_same_w
     assert verified_checkpoint(checkpoints) == saved[1]
     accelerator.load_state(str(saved[1]))  # accelerate reads its own files; the seal is not one of them
     assert torch.equal(model.weight, weights[1]) and not torch.equal(model.weight, weights[2])
+
+
+# -- the order of a sealed save: seal durable first, then prune; a crash at any call ----------------
+
+
+def _trainer_save(output: Path) -> None:
+    """checkpoint-2 and checkpoint-4 sealed, and checkpoint-6 just written by the Trainer."""
+    for step in (2, 4, 6):
+        folder = output / f"checkpoint-{step}"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([step]) * 4096)
+        (folder / "sub" / "optimizer.pt").write_bytes(bytes([step + 1]) * 512)
+        if step < 6:
+            seal_checkpoint(folder, step=step)
+
+
+def _on_save(output: Path, step: int) -> None:
+    from pipeline.integrations.transformers import SealedCheckpoints
+
+    args = SimpleNamespace(output_dir=str(output), should_save=True, save_total_limit=None)
+    state = SimpleNamespace(global_step=step, best_model_checkpoint=None)
+    SealedCheckpoints(keep_last=1).on_save(args, state, object())
+
+
+def test_the_callback_makes_the_seal_durable_before_it_prunes_and_a_crash_at_any_call_keeps_a_save(
+    tmp_path, capsys
+):
+    """SealedCheckpoints(keep_last=1) after the Trainer wrote checkpoint-6, its file-system calls
+    recorded (tests/helpers/oprecorder.py): the seal goes to a temporary file, fsynced, renamed
+    into place, its folder fsynced, all before an older checkpoint is touched; each older one is
+    renamed away, the rename made durable, then removed. Then the save is failed right before
+    each recorded call in turn, by a crash (a forked process ended there) and by an OSError
+    (which the callback reports): verified_checkpoint then returns checkpoint-6 or checkpoint-4,
+    no visible checkpoint folder is half deleted, and the next save leaves only itself."""
+    from oprecorder import CRASH_EXIT, Recorder, ordering_problems
+
+    pristine = tmp_path / "pristine"
+    _trainer_save(pristine)
+    recorded = tmp_path / "recorded"
+    shutil.copytree(pristine, recorded)
+    with Recorder(recorded) as recorder:
+        _on_save(recorded, 6)
+    ops = recorder.ops
+    assert ordering_problems(ops) == [], ops
+    assert sorted(p.name for p in recorded.iterdir()) == ["checkpoint-6"]
+    assert verified_checkpoint(recorded) == recorded / "checkpoint-6"
+    new = str(recorded / "checkpoint-6")
+    sealed = next(i for i, op in enumerate(ops) if op.kind == "rename" and op.target == f"{new}/meta.json")
+    durable = next(i for i, op in enumerate(ops) if i > sealed and op.kind == "fsync" and op.path == new)
+    touched = [i for i, op in enumerate(ops) if "checkpoint-2" in op.path or "checkpoint-4" in op.path]
+    assert len(touched) >= 4 and durable < min(touched), ops
+    for index, op in enumerate(ops):
+        if op.kind == "rename" and op.path != ops[sealed].path:
+            removed = next(i for i, o in enumerate(ops) if o.kind == "rmtree" and o.path == op.target)
+            assert any(
+                o.kind == "fsync" and o.is_dir and o.path == str(recorded) for o in ops[index + 1 : removed]
+            ), (op, ops)
+
+    for at, what in [(at, how) for at in range(len(ops)) for how in ("exit", "raise")]:
+        case = tmp_path / f"{what}-{at}"
+        shutil.copytree(pristine, case)
+        if what == "exit":
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    with Recorder(case, fail_at=at, how="exit"):
+                        _on_save(case, 6)
+                finally:
+                    os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == CRASH_EXIT, (at, ops[at])
+        else:
+            with Recorder(case, fail_at=at, how="raise"):
+                _on_save(case, 6)
+            assert "checkpoint-6 was not" in capsys.readouterr().err, (at, ops[at])
+        where = f"{what} before #{at} {ops[at]}"
+        resumed = verified_checkpoint(case)
+        assert resumed in (case / "checkpoint-6", case / "checkpoint-4"), where
+        for folder in case.glob("checkpoint-*"):
+            if (folder / "meta.json").exists():
+                check_seal(folder)  # a visible, sealed checkpoint is whole
+        # The run resumes there and saves its next checkpoint (step 6 again, over the unsealed one).
+        following = case / f"checkpoint-{int(resumed.name.split('-')[1]) + 2}"
+        following.mkdir(exist_ok=True)
+        (following / "model.safetensors").write_bytes(b"\x08" * 64)
+        _on_save(case, int(following.name.split("-")[1]))
+        assert sorted(p.name for p in case.iterdir()) == [following.name], where
+        assert verified_checkpoint(case) == following, where
+        capsys.readouterr()

@@ -156,6 +156,56 @@ def test_tied_weight_is_stored_once_and_loads_strictly_with_plain_safetensors(tm
         assert other.head.weight.data_ptr() == other.embed.weight.data_ptr(), "the tie was broken by loading"
 
 
+def test_parameters_that_are_not_contiguous_are_saved_and_restored_in_place(data_dir, tmp_path):
+    """A transposed parameter and one that is every other column of a larger buffer (their Adam
+    state laid out alike): each checkpoint, written in the background or not, holds the very
+    values of the live parameters in their logical order; a resume puts them back, and ends
+    where the uninterrupted run ends, bit for bit."""
+    from pipeline.config import load_config
+    from pipeline.train import TrainingHooks, train
+
+    from support import REPO
+
+    live: dict[int, dict[str, torch.Tensor]] = {}
+
+    def keep(run) -> None:
+        live[run.step] = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+
+    def config(folder: str, background: bool):
+        return load_config(
+            REPO / "config.yaml",
+            {
+                "data.dir": str(data_dir),
+                "checkpoint.dir": str(tmp_path / folder),
+                "model.factory": "layout_factories:build_model",
+                "training.max_steps": 6,
+                "checkpoint.every": 2,
+                "checkpoint.keep_last": 3,
+                "checkpoint.async": background,
+            },
+        )
+
+    full = train(config("full", True), progress=False, hooks=TrainingHooks(on_step=keep))
+    assert not live[6]["w1"].is_contiguous()  # clone() keeps a dense layout
+    for step in (2, 4, 6):
+        stored = load_file(tmp_path / "full" / f"step-{step:08d}" / "modelo.safetensors")
+        assert stored.keys() == live[step].keys()
+        assert all(torch.equal(stored[name], live[step][name]) for name in stored), step
+    cut = train(config("cut", False), stop_at=4, progress=False)
+    stored = load_file(cut.checkpoint / "modelo.safetensors")
+    assert all(torch.equal(stored[name], live[4][name]) for name in stored)
+    restored: dict[str, torch.Tensor] = {}
+
+    def look(run) -> None:
+        restored.update({name: p.detach().clone() for name, p in run.model.named_parameters()})
+
+    resumed = train(config("cut", False), resume="latest", progress=False, hooks=TrainingHooks(on_start=look))
+    assert all(torch.equal(restored[name], live[4][name]) for name in live[4])
+    assert resumed.history["loss"] == full.history["loss"]
+    final = load_file(resumed.checkpoint / "modelo.safetensors")
+    assert all(torch.equal(final[name], live[6][name]) for name in final)
+
+
 def test_strict_load_names_missing_and_misshapen_tensors():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(StateMismatch, match=r"missing 1 \(bias\)"):

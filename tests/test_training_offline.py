@@ -82,5 +82,5 @@ def test_the_recording_server_does_record(recording_server):
     import urllib.request
 
     with pytest.raises(Exception):
-        urllib.request.urlopen(f"{recording_server}/api/models/x", timeout=5)
+        urllib.request.urlopen(f"{recording_server}/api/models/x", timeout=60)
     assert Recorder.seen == ["GET /api/models/x"]

@@ -708,7 +708,7 @@ def test_the_resume_command_printed_on_sigterm_finishes_that_run_bitwise(data_di
         if line.startswith("step 2/"):
             break
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    _, stderr = process.communicate(timeout=600)
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr, stderr
     stopped = CheckpointStore(tmp_path / "runs/x").committed_steps()

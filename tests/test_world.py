@@ -9,12 +9,12 @@ import contextlib
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config import launch_mode, load_config
 from pipeline.distributed.launch import joined
 from pipeline.distributed.world import LaunchWorld
 from pipeline.errors import PipelineError
 from pipeline.run import build_run
-from pipeline.world import World
+from pipeline.world import World, joins_launch
 
 from support import REPO
 
@@ -36,6 +36,24 @@ def test_a_process_alone_is_rank_0_of_1_and_agrees_with_itself(monkeypatch):
         with pytest.raises(KeyError):
             with world.together("a step"):
                 raise KeyError("as raised")
+
+
+def test_a_one_process_launch_joins_as_a_launch_only_when_the_config_names_ddp_or_fsdp2(monkeypatch):
+    """torchrun --nproc-per-node 1: ``auto`` (and ``none``) train as a plain process, ``ddp`` and
+    ``fsdp2`` as a launch of one (the mode asked for, its checkpoints distributed ones); two
+    processes always join the launch (``none`` is then refused when it starts)."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    joins = {mode: joins_launch(load_config(CONFIG, {"training.parallel": mode})) for mode in PARALLEL}
+    assert joins == {"auto": False, "none": False, "ddp": True, "fsdp2": True}
+    assert [launch_mode(mode, 1) for mode in PARALLEL] == ["none", "none", "ddp", "fsdp2"]
+    assert [launch_mode(mode, None) for mode in PARALLEL] == ["none", "none", "ddp", "fsdp2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert all(joins_launch(load_config(CONFIG, {"training.parallel": mode})) for mode in PARALLEL)
+    assert [launch_mode(mode, 2) for mode in PARALLEL] == ["ddp", "none", "ddp", "fsdp2"]
+
+
+PARALLEL = ("auto", "none", "ddp", "fsdp2")
 
 
 def test_a_launch_given_to_train_must_run_the_mode_its_config_asks_for():

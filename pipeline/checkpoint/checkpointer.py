@@ -135,8 +135,10 @@ class Checkpointer(OneSaveInFlight):
             daemon=False,
         )
         pending._thread = thread
-        self._in_flight = pending
+        # In flight only once it runs: a thread that cannot start (the machine out of threads)
+        # raises here, and close() must not then wait for ever on a save that never began.
         thread.start()
+        self._in_flight = pending
         return pending
 
     def _write(

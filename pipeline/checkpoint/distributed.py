@@ -251,8 +251,8 @@ class DistributedCheckpointer(OneSaveInFlight):
                 copies["shared"],
             ),
         )
+        pending._thread.start()  # in flight only once it runs (see Checkpointer._start)
         self._in_flight = pending
-        pending._thread.start()
         return pending
 
     def _like(

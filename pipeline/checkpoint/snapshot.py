@@ -118,8 +118,9 @@ class _TwoHands:
 
     def copy(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
         if len(pieces) > 1 and self._helper is None:
-            self._helper = threading.Thread(target=self._serve, name="snapshot-copy", daemon=True)
-            self._helper.start()
+            helper = threading.Thread(target=self._serve, name="snapshot-copy", daemon=True)
+            helper.start()  # kept only once started: stop() joins it
+            self._helper = helper
         with self._lock:
             self._pieces = iter(pieces)
         if len(pieces) > 1:

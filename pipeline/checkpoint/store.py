@@ -265,10 +265,11 @@ class CheckpointStore:
             return  # the old mark stands, and so does every checkpoint: nothing is pruned
         # Not a daemon: an interpreter that exits mid-prune finishes it rather than leaving
         # a half-deleted folder for the next start to sweep.
-        self._pruning = threading.Thread(
+        pruning = threading.Thread(
             target=self._prune_logged, args=(step,), name=f"prune-after-step-{step}", daemon=False
         )
-        self._pruning.start()
+        pruning.start()  # kept only once started: wait_for_prune joins it
+        self._pruning = pruning
 
     def _mark_best(self, step: int) -> bool:
         """Mark the best committed step under :attr:`best` once ``step`` is committed: the run's

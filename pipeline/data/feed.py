@@ -19,6 +19,7 @@ rank's stream position. Three feeds, one per form of :class:`~pipeline.data.task
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import os
 import re
@@ -34,7 +35,15 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from ..config import Config
-from ..errors import SEALED_BUT_UNFIT, DataError, InputFailed, WorkerExited, first_line
+from ..errors import (
+    SEALED_BUT_UNFIT,
+    DataError,
+    InputFailed,
+    MachineLimit,
+    WorkerExited,
+    first_line,
+    out_of_tasks,
+)
 from ..world import World
 from .failures import catchable, collate_failure, sample_deadline, user_error
 from .feed_base import Feed, dataset_fingerprint, map_tensors, to_device
@@ -182,12 +191,34 @@ class LoaderFeed(_SamplerFeed):
                 self._sigchld = before
                 signal.signal(signal.SIGCHLD, self._note_exit)
         except Exception as exc:  # a worker that died while the iterator started its workers
+            out = out_of_tasks(exc)
+            if out is not None:
+                self._give_up_starting(exc, set(multiprocessing.active_children()) - running, before)
+                raise MachineLimit(f"the DataLoader's workers (data.num_workers={workers}): {out}") from None
             failure = self._loader_failure(exc)
             if failure is None:
                 raise
         if failure is not None:
             self._abandon()
             raise InputFailed(failure)
+
+    def _give_up_starting(self, exc: BaseException, started: set[Any], sigchld: Any) -> None:
+        """After torch's iterator failed to start a worker or a thread (the machine out of
+        them): end the workers it did start (torch's SIGCHLD handler, which would raise at
+        their end, replaced by ``sigchld``, the one before), and let the half-built iterator go
+        quietly (its ``__del__`` would fail on what it never set up, "Exception ignored")."""
+        if sigchld is not None:
+            signal.signal(signal.SIGCHLD, sigchld)
+        for process in started:
+            process.kill()
+        for process in started:
+            process.join(timeout=5)
+        quiet, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+        try:
+            exc.__traceback__ = None  # its frames held the iterator
+            gc.collect()
+        finally:
+            sys.unraisablehook = quiet
 
     def _note_exit(self, signum: int, frame: Any) -> None:
         ended = None

@@ -1,5 +1,6 @@
 """A training-state component of the tests' own (tests/test_components.py): registered
-through :func:`pipeline.checkpoint.register_component`, as a user's would be.
+through :func:`pipeline.checkpoint.register_component`, as a user's would be; and a task whose
+data object has state of its own (``build_stateful_data``), saved in the ``data`` component.
 
 Its state is the sum of the run's losses so far (a float64 tensor), the step it was taken
 at and a label: the same on every rank of a launch. Each restore writes what it was given
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint import Component, register_component, unregister_component
+from pipeline.tasks.regression import RegressionData, build_data
 
 NAME = "loss_sum"
 
@@ -49,3 +51,34 @@ def register() -> None:
 
 def unregister() -> None:
     unregister_component(NAME)
+
+
+class StatefulData:
+    """The default regression task, its loss weighed by a schedule of its own: the weight
+    grows by a sixteenth at every loss computed, so a resume that does not give the task back
+    its ``state_dict`` (the count and the weight, a float64 tensor) trains on other losses."""
+
+    def __init__(self, base: RegressionData) -> None:
+        self.base = base
+        self.train_dataset = base.train_dataset
+        self.calls = 0
+        self.weight = torch.ones(1, dtype=torch.float64)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = self.base.loss(model, batch) * self.weight
+        self.calls += 1
+        self.weight = self.weight * 1.0625
+        return loss.sum()
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        return self.base.evaluate(model, device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "weight": self.weight.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls, self.weight = state["calls"], state["weight"].clone()
+
+
+def build_stateful_data(config: Any, data_dir: Path) -> StatefulData:
+    return StatefulData(build_data(config, data_dir))

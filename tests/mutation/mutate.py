@@ -10,12 +10,19 @@ silent skip). Before any mutation, the tests named must pass on an unmutated cop
 that already fails would "kill" every mutation naming it. Two mutations run at a time, each
 pytest on one thread.
 
+With ``--whole-suite`` each mutation, one at a time, runs the WHOLE suite instead (``-x``, xdist
+workers under ``--dist loadgroup``), the tests it names and their files first (the plugin
+tests/mutation/suite_order.py), and the first failing test is reported, named or not: a kill by
+an unrelated (perhaps flaky) test is visible as such. A survivor has run the whole suite.
+
     python tests/mutation/mutate.py [--only NAME_SUBSTRING] [--files core,trainer] [--jobs 2] [--list]
+    python tests/mutation/mutate.py --whole-suite [--files X | --list-file PATH.toml] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -53,6 +60,8 @@ IGNORED = shutil.ignore_patterns(
     "metrics.json",
 )
 TIMEOUT_S = 900
+# One whole-suite run (`make test` takes about 4 minutes on 2 idle cores).
+SUITE_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -72,10 +81,14 @@ class Mutation:
     """The toml file it comes from, without ``.toml``."""
 
 
-def load(folder: Path = MUTATIONS) -> list[Mutation]:
+def load(folder: Path = MUTATIONS, files: list[Path] | None = None) -> list[Mutation]:
+    """The mutations of every *.toml of ``folder``, or of ``files`` only."""
     mutations = []
-    for path in sorted(folder.glob("*.toml")):
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    for path in sorted(folder.glob("*.toml")) if files is None else files:
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise SystemExit(f"error: cannot read the mutation list {path}: {error}") from None
         for entry in raw["mutation"]:
             edits = tuple(Edit(e["file"], e["search"], e["replace"]) for e in entry["edit"])
             mutations.append(Mutation(entry["name"], entry["area"], edits, tuple(entry["tests"]), path.stem))
@@ -124,12 +137,17 @@ def _scratch_tree(scratch_parent: Path) -> Path:
     return tree
 
 
-def _pytest(tree: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def _pytest(
+    tree: Path, *args: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests" / "helpers")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(tree), str(tree / "tests" / "helpers"), str(tree / "tests" / "mutation")]
+        ),
         "OMP_NUM_THREADS": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
+        **(env or {}),
     }
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
@@ -184,11 +202,73 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
         shutil.rmtree(tree.parent, ignore_errors=True)
 
 
+def run_whole_suite(mutation: Mutation, scratch_parent: Path, workers: int) -> tuple[str, str, float]:
+    """(status, detail, seconds) of the whole suite against one mutation, stopped at its first
+    failure; the detail names that test and whether the mutation names it."""
+    started = time.monotonic()
+    why = check_applies(mutation)
+    if why is not None:
+        return "error", why, 0.0
+    tree = _scratch_tree(scratch_parent)
+    record = tree.parent / "first-failure.json"
+    try:
+        apply(mutation, tree)
+        env = {"MUTATE_FIRST": json.dumps(list(mutation.tests)), "MUTATE_RECORD": str(record)}
+        args = (
+            "-x",
+            "-p",
+            "suite_order",
+            "-n",
+            str(workers),
+            "--dist",
+            "loadgroup",
+            "--no-loadscope-reorder",
+        )
+        try:
+            result = _pytest(tree, *args, timeout=SUITE_TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            return "killed", f"the suite ran past {SUITE_TIMEOUT_S}s", time.monotonic() - started
+        seconds = time.monotonic() - started
+        if record.is_file():
+            first = json.loads(record.read_text(encoding="utf-8"))
+            test = first["test"]
+            named = "a test it names" if _names(mutation, test) else "NOT a test it names"
+            where = "" if first["when"] == "call" else f" (in {first['when']})"
+            return "killed", f"first failure {test}{where}, {named}: {first['message']}", seconds
+        tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
+        if result.returncode == 0:
+            return "survived", f"the whole suite passed: {tail[0]}", seconds
+        detail = (result.stdout + result.stderr).strip().splitlines()[-3:]
+        return "error", f"pytest exit {result.returncode} with no failing test: {' | '.join(detail)}", seconds
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def _names(mutation: Mutation, test: str) -> bool:
+    return any(test == name or test.startswith((name + "[", name + "::")) for name in mutation.tests)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only mutations whose name contains this text")
     parser.add_argument("--files", help="run only the mutations of these toml files (comma-separated stems)")
-    parser.add_argument("--jobs", type=int, default=2, help="mutations run at the same time (default 2)")
+    parser.add_argument(
+        "--list-file",
+        type=Path,
+        action="append",
+        help="read the mutations from this toml file (same format; repeatable) instead of tests/mutation/*.toml",
+    )
+    parser.add_argument(
+        "--whole-suite",
+        action="store_true",
+        help="run the whole suite against each mutation, one at a time, with -x; report the first failing test",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="mutations run at the same time (default 2); with --whole-suite, the suite's xdist workers",
+    )
     parser.add_argument(
         "--list",
         action="store_true",
@@ -198,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     files = None if args.files is None else set(args.files.split(","))
     mutations = [
         m
-        for m in load()
+        for m in load(files=args.list_file)
         if (args.only is None or args.only in m.name) and (files is None or m.source in files)
     ]
     if not mutations:
@@ -212,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 + (f": {why}" if why else "")
             )
         return 1 if any(why for _, why in errors) else 0
+    if args.whole_suite:
+        return whole_suite(mutations, max(1, args.jobs))
     print(f"{len(mutations)} mutations, {args.jobs} at a time, each in a scratch copy of {REPO}", flush=True)
     results: dict[str, tuple[str, str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="mutate-") as scratch:
@@ -228,13 +310,46 @@ def main(argv: list[str] | None = None) -> int:
         for mutation in mutations:
             status, detail, seconds = results[mutation.name] = futures[mutation.name].result()
             print(f"{status:<8} {seconds:6.1f}s  [{mutation.area}] {mutation.name}: {detail}", flush=True)
+    return summarize(mutations, results)
+
+
+def whole_suite(mutations: list[Mutation], workers: int) -> int:
+    print(
+        f"{len(mutations)} mutations, one at a time, each against the whole suite (-x, {workers} workers) "
+        f"in a scratch copy of {REPO}",
+        flush=True,
+    )
+    results: dict[str, tuple[str, str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="mutate-") as scratch:
+        print("first, the tests they name, on the unmutated tree ...", flush=True)
+        applicable = [m for m in mutations if check_applies(m) is None]
+        why = baseline(applicable, Path(scratch), workers) if applicable else None
+        if why is not None:
+            print(f"error: {why}; a kill would prove nothing: fix the tests first", file=sys.stderr)
+            return 1
+        for mutation in mutations:
+            status, detail, seconds = results[mutation.name] = run_whole_suite(
+                mutation, Path(scratch), workers
+            )
+            print(f"{status:<8} {seconds:6.1f}s  [{mutation.area}] {mutation.name}: {detail}", flush=True)
+    return summarize(mutations, results)
+
+
+def summarize(mutations: list[Mutation], results: dict[str, tuple[str, str, float]]) -> int:
     killed = [n for n, r in results.items() if r[0] == "killed"]
     survived = [n for n, r in results.items() if r[0] == "survived"]
     errors = [n for n, r in results.items() if r[0] == "error"]
+    # --whole-suite only: killed, but first by a test the mutation does not name (flaky, or a real
+    # catch elsewhere: look before counting on it).
+    elsewhere = [n for n in killed if "NOT a test it names" in results[n][1]]
     print(f"\nkill rate: {len(killed)}/{len(mutations)} ({100.0 * len(killed) / len(mutations):.1f}%)")
     areas = sorted({m.area for m in mutations})
     print(f"areas covered: {', '.join(areas)}")
-    for title, names in (("survivors", survived), ("errors (not applied or not run)", errors)):
+    for title, names in (
+        ("survivors", survived),
+        ("killed first by a test they do not name", elsewhere),
+        ("errors (not applied or not run)", errors),
+    ):
         if names:
             print(f"{title}:")
             for name in names:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from pipeline.checkpoint import LoadMode, best_record, load_checkpoint, read_best
 from pipeline.errors import CheckpointError
 from pipeline.hashing import sha256_file
+from pipeline.layout import STATE_FILE
 from pipeline.stage.recipe import recipe_rows
 
 from support import REPO, one_line_error, run_python, script_env
@@ -217,8 +218,11 @@ def test_a_mark_moved_by_hand_is_refused_by_04_05_and_load_checkpoint(marked_run
             {"metric": "accuracy"},
             "recorded no evaluation of accuracy at its own step (it recorded mse, rmse)",
         ),
+        # Step 3's own value and the earliest step, but by min the later step 10 (committed)
+        # recorded a lower mse: read in step 10's own evaluations, as step 3 stopped at 3.
+        ({"mode": "min"}, "but the committed step 10 was evaluated better, at mse = "),
     ],
-    ids=["not-the-best-by-its-mode", "a-metric-never-evaluated"],
+    ids=["not-the-best-by-its-mode", "a-metric-never-evaluated", "a-later-step-better-by-its-mode"],
 )
 def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edit, says):
     if edit.get("value") == "own":
@@ -231,6 +235,23 @@ def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edi
     if "value" in edit:
         folder = _moved(marked_run, tmp_path / "min", **edit, mode="min")
         assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
+
+
+def test_a_mark_is_not_believed_when_the_newest_checkpoint_it_is_checked_against_is_damaged(
+    marked_run, tmp_path
+):
+    folder = _moved(marked_run, tmp_path)  # the mark as the run wrote it: step 3
+    state = folder / "estados_local" / "step-00000010" / STATE_FILE
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY)
+    says = str(refused.value)
+    assert says.startswith(f"{folder}/estados_local/BEST.json is not checked: the newest checkpoint")
+    assert f"{state} SHA-256 differs from meta.json" in says and says.endswith(": pass --checkpoint PATH")
+    marked = folder / "estados_local" / "step-00000003"
+    assert load_checkpoint(marked, folder / "estados_local", mode=LoadMode.VERIFY).folder == marked
 
 
 def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():

@@ -18,9 +18,12 @@ prune (a warning): nothing is deleted that might be the best. A resume that chan
 checkpoints under the new rule, and only then may the old best be pruned.
 
 Every reader checks the mark against the checkpoint it names (:func:`check_best`): that step
-evaluated itself, with the marked value, and no committed checkpoint before it recorded an
-evaluation that the mark's own rule ranks as good or better. A mark moved by hand, or left
-from another run, is refused in one line.
+evaluated itself, with the marked value, no committed checkpoint before it recorded an
+evaluation that the mark's own rule ranks as good or better, and none after it one ranked
+better (by the evaluations the newest committed checkpoint recorded: the marked one's stop at
+its own step). A mark moved by hand, or left from another run, is refused in one line; so is
+a mark one save behind (a run killed between a commit and the mark's move), which the card
+would otherwise present as the best it is not.
 """
 
 from __future__ import annotations
@@ -87,15 +90,26 @@ def _better_or_equal(value: float, than: float, mode: str) -> bool:
     return value <= than if mode == "min" else value >= than
 
 
+def _better(value: float, than: float, mode: str) -> bool:
+    return value < than if mode == "min" else value > than
+
+
 def check_best(
-    mark: Mapping[str, Any], evaluations: Mapping[str, list], committed: Collection[int], path: str | Path
+    mark: Mapping[str, Any],
+    evaluations: Mapping[str, list],
+    committed: Collection[int],
+    path: str | Path,
+    *,
+    newest: Mapping[str, list] | None = None,
 ) -> dict[str, Any]:
     """``mark`` (read from ``path``) checked against the evaluations that the checkpoint it
     names recorded (its own training state): the step evaluated itself, ``metric`` is one of
     its values and has exactly the marked value, and no committed step before it was
     evaluated as good or better under the mark's ``mode`` (the mark names the earliest best
-    of the kept checkpoints). Returns the mark with the record's value; a mark that fails
-    raises :class:`CheckpointError` naming ``path``."""
+    of the kept checkpoints). ``newest``: the evaluations of the newest committed checkpoint,
+    when that is a later one: no committed step after the mark was evaluated better there.
+    Returns the mark with the record's value; a mark that fails raises
+    :class:`CheckpointError` naming ``path``."""
     step, metric, mode = mark["step"], mark["metric"], mark["mode"]
     fix = "delete it (the next save marks the best again), or pass --checkpoint latest or PATH"
     steps = list(evaluations.get("step", []))
@@ -117,6 +131,14 @@ def check_best(
             raise CheckpointError(
                 f"{path} marks step {step} ({metric} = {value!r}) as the best ({mode}), but the committed "
                 f"step {earlier} was evaluated at {metric} = {earlier_value!r}, as good or better: {fix}"
+            )
+    later = newest or {}
+    for after, after_value in zip(later.get("step", []), later.get(metric, [])):
+        if after > step and after in committed and _better(after_value, value, mode):
+            raise CheckpointError(
+                f"{path} marks step {step} ({metric} = {value!r}) as the best ({mode}), but the committed "
+                f"step {after} was evaluated better, at {metric} = {after_value!r} (the mark was moved by "
+                f"hand, or a run stopped between that save and the mark's move): {fix}"
             )
     return {"step": step, "metric": metric, "mode": mode, "value": value}
 

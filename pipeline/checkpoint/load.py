@@ -229,7 +229,38 @@ def _load(
     except CheckpointError as exc:
         raise CheckpointError(f"{folder / STATE_FILE}: {exc}") from None
     committed = CheckpointStore(root).committed_steps()
-    return replace(loaded, best=check_best(mark, recorded, committed, best_path(root)))
+    newest = max(committed, default=meta["step"])
+    try:
+        later = _evaluations_of(CheckpointStore(root).path_for(newest)) if newest > meta["step"] else None
+    except (CheckpointError, OSError) as exc:
+        raise CheckpointError(
+            f"{best_path(root)} is not checked: the newest checkpoint, whose evaluations it is checked "
+            f"against, does not verify ({first_line(exc, limit=None)}): pass --checkpoint PATH"
+        ) from None
+    return replace(loaded, best=check_best(mark, recorded, committed, best_path(root), newest=later))
+
+
+def _evaluations_of(folder: Path) -> dict[str, list]:
+    """The evaluations ``folder`` recorded: its training state alone read and hashed against
+    its meta.json (only the evaluation tensors kept; the other files are not read)."""
+    meta = _meta(folder)
+    entry = meta["files"][STATE_FILE]
+    read = read_verified(
+        {STATE_FILE: folder / STATE_FILE},
+        {STATE_FILE: {}},
+        {STATE_FILE: entry.get("chunk_size")},
+        wanted={STATE_FILE: _evaluation_tensor},
+    )
+    digests, tensors = read[STATE_FILE]
+    _check_digests(folder / STATE_FILE, entry, digests)
+    if isinstance(tensors, ValueError):
+        raise SchemaMismatch(
+            f"{folder / STATE_FILE} is not a valid safetensors file: {first_line(tensors, limit=None)}"
+        )
+    try:
+        return evaluations_from(tensors, meta["step"])
+    except CheckpointError as exc:
+        raise CheckpointError(f"{folder / STATE_FILE}: {exc}") from None
 
 
 def _evaluation_tensor(name: str) -> bool:

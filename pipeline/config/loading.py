@@ -140,6 +140,17 @@ def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip().removesuffix("...").strip()
 
 
+def _refuse_empty_values(raw: dict[str, Any], path: Path) -> None:
+    """A key written without a value (``max_steps:``) is a slip, not a request for the default,
+    even where the default is "not given" (``training.max_steps`` beside ``epochs``)."""
+    for section, values in raw.items():
+        for key, value in (values.items() if isinstance(values, dict) else ()):
+            if value is None:
+                raise ConfigError(
+                    f"{path}: {section}.{key} has no value: give one, or delete the line to use the default"
+                )
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Read ``path`` (default ``config.yaml``) with a strict ``yaml.SafeLoader``, fill in the
     outputs it leaves out (:func:`derived_outputs`), and apply ``overrides``.
@@ -159,6 +170,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    _refuse_empty_values(raw or {}, path)
     raw = _with_derived_outputs(raw or {}, path)
     source = str(path)
     default = os.path.abspath(path) == os.path.abspath(DEFAULT_CONFIG_PATH)

@@ -108,8 +108,9 @@ class _TwoHands:
     That wait is for a thread the host may have descheduled mid-piece: on a busy host it
     lasts until the helper runs again, milliseconds whatever the piece. A snapshot under
     ``_SHARED_FROM`` bytes is therefore copied by the calling thread alone: there, half a
-    memcpy is less than that wait (10 MB on a 2-vCPU VM with no idle core: 3.8 ms alone
-    against 8.3 ms shared, medians; benchmarks/README.md, throughput).
+    memcpy saves less than that wait can cost (10 MB on a 2-vCPU VM with no idle core: 2.8
+    against 3.0 ms, and in another run 3.8 against 8.3 ms, alone against shared, medians;
+    benchmarks/README.md, throughput), and a small run keeps one thread fewer.
 
     One memcpy per piece (``np.copyto``, which releases the GIL), not ``Tensor.copy_``:
     that splits each tensor over OpenMP threads, and on a busy host every split waits for a

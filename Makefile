@@ -39,7 +39,8 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 # Side by side, ratios with targets (benchmarks/README.md): checkpoints at 0.06, 0.6 and 3 GB,
-# in one process and under torchrun (2 processes), publishing, staging memory, the input pipeline.
+# in one process and under torchrun (2 processes), publishing, staging memory, the input pipeline,
+# the training step against a plain loop and transformers' Trainer.
 bench: $(STAMP)
 	$(PY) -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/checkpoint.py --sizes 0.06,0.6,3 --reps 3
@@ -49,3 +50,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/stage_memory.py --nproc 2
 	$(PY) benchmarks/stage_memory.py --nproc 1
 	$(PY) benchmarks/dataloader.py
+	$(PY) benchmarks/throughput.py

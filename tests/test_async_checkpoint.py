@@ -8,6 +8,7 @@ import gc
 import json
 import signal
 import subprocess
+import threading
 import weakref
 from pathlib import Path
 
@@ -109,6 +110,38 @@ def test_snapshot_buffers_are_reused_from_save_to_save_and_freed_by_release(make
     buffers.release()
     gc.collect()
     assert held() is None, "release() keeps the buffers alive"
+
+
+def _copy_helpers() -> int:
+    return sum(thread.name == "snapshot-copy" for thread in threading.enumerate())
+
+
+def test_a_small_snapshot_is_copied_by_the_training_thread_alone():
+    # A helper descheduled mid-piece on a busy host makes the training thread wait for it,
+    # longer than the whole copy of a small state takes alone (benchmarks/README.md).
+    sources = {"a": torch.randn(2**20), "b": torch.randn(2**20 + 3), "c": torch.arange(5)}  # 8 MB, 3 pieces
+    buffers, before = SnapshotBuffers(), _copy_helpers()
+    copies = buffers.copy({"g": sources})["g"]
+    assert _copy_helpers() == before, "a helper thread was started for an 8 MB snapshot"
+    assert all(torch.equal(copies[name], sources[name]) for name in sources)
+    buffers.release()
+
+
+def test_a_large_snapshot_is_shared_with_a_helper_and_copied_exactly():
+    sources = {
+        "big": torch.randn(9 * 2**20 + 5),
+        "small": torch.randn(7),
+        "ints": torch.arange(1000),
+    }  # 36 MB
+    buffers, before = SnapshotBuffers(), _copy_helpers()
+    for shift in (0, 1):  # the second copy reuses the buffers, as a run's later saves do
+        for tensor in sources.values():
+            tensor.add_(shift)
+        copies = buffers.copy({"g": sources})["g"]
+        assert _copy_helpers() == before + 1, "no helper thread shared a 36 MB snapshot"
+        assert all(torch.equal(copies[name], sources[name]) for name in sources)
+    buffers.release()
+    assert _copy_helpers() == before, "release() leaves the helper thread running"
 
 
 def test_async_save_holds_the_state_of_its_own_step(make_run, tmp_path):

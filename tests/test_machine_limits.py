@@ -191,12 +191,15 @@ def test_a_background_save_whose_thread_cannot_start_ends_the_run_instead_of_wai
 ):
     """No room for the snapshot's copying helper (``leave`` 0), or for the writer's thread
     once the helper took the one left (1): one line, and the run does not wait for ever on a
-    save that never started."""
+    save that never started. The model is widened to a 47 MB state: the helper shares only
+    snapshots from 32 MiB on."""
     result = limited(
         ROOMY,
         "02_train.py",
         "--set",
         f"data.dir={data_dir}",
+        "--set",
+        "model.params.hidden=1400",
         "--set",
         "data.factory=limit_factories:build_crowded_data",
         "--set",

@@ -3,8 +3,8 @@ state while training moves on.
 
 One buffer per tensor name, kept from save to save: after the first save a snapshot is a
 plain memory copy with no allocation (fresh pages would be faulted in on every save, which
-costs more than the copy itself), shared by the calling thread and a helper thread
-(:class:`_TwoHands`). A buffer is reallocated only when its tensor's shape or dtype
+costs more than the copy itself), shared by the calling thread and a helper thread from
+32 MiB on (:class:`_TwoHands`). A buffer is reallocated only when its tensor's shape or dtype
 changes, and dropped when the name disappears, so the buffers never hold more than one
 copy of the state.
 """
@@ -84,6 +84,8 @@ class SnapshotBuffers:
 # Bytes per piece of a snapshot copy: small enough that the threads share the work evenly and
 # the calling thread never waits long for the helper's last piece.
 _PIECE = 4 * 1024 * 1024
+# Snapshots from this size on are shared with the helper thread (see :class:`_TwoHands`).
+_SHARED_FROM = 32 * 1024 * 1024
 
 
 def _plain_cpu(tensor: torch.Tensor) -> bool:
@@ -101,8 +103,14 @@ class _TwoHands:
     """Plain memory copies, split into pieces that the calling thread and one helper thread
     take in turn until none is left: on an idle second core a snapshot takes about half a
     memcpy. Only the calling thread is sure to run, so it waits at the end for the piece the
-    helper holds (one piece, at most), never for a helper that did not get a core: a busy
-    host costs one memcpy, as a single thread would.
+    helper holds (one piece, at most), never for a helper that did not get a core.
+
+    That wait is for a thread the host may have descheduled mid-piece: on a busy host it
+    lasts until the helper runs again, milliseconds whatever the piece. A snapshot under
+    ``_SHARED_FROM`` bytes is therefore copied by the calling thread alone: there, half a
+    memcpy saves less than that wait can cost (10 MB on a 2-vCPU VM with no idle core: 2.8
+    against 3.0 ms, and in another run 3.8 against 8.3 ms, alone against shared, medians;
+    benchmarks/README.md, throughput), and a small run keeps one thread fewer.
 
     One memcpy per piece (``np.copyto``, which releases the GIL), not ``Tensor.copy_``:
     that splits each tensor over OpenMP threads, and on a busy host every split waits for a
@@ -117,13 +125,14 @@ class _TwoHands:
         self._error: BaseException | None = None
 
     def copy(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        if len(pieces) > 1 and self._helper is None:
+        shared = len(pieces) > 1 and sum(target.nbytes for target, _ in pieces) >= _SHARED_FROM
+        if shared and self._helper is None:
             helper = threading.Thread(target=self._serve, name="snapshot-copy", daemon=True)
             helper.start()  # kept only once started: stop() joins it
             self._helper = helper
         with self._lock:
             self._pieces = iter(pieces)
-        if len(pieces) > 1:
+        if shared:
             self._work.put(True)
         while (piece := self._take(helper=False)) is not None:
             np.copyto(*piece)

@@ -150,9 +150,10 @@ def with_option(command: str, option: str, value: str) -> str:
 def record_stage_command(stage: str | Path, argv: Sequence[str], manifest_sha256: str) -> None:
     """Keep, beside ``stage`` (never in it: it is published), the command that built it:
     ``argv`` (``sys.argv`` of step 05, whose parser takes no abbreviations) under this
-    interpreter, in the form it was run in (:func:`invocation`), the folder it ran in, and the SHA-256 of the stage's ``MANIFEST.sha256``,
-    which binds the record to this very stage. A record that cannot be written is left
-    out: 06 then names the command from the config (:func:`staged_command`)."""
+    interpreter, in the form it was run in (:func:`invocation`), the folder it ran in, and
+    the SHA-256 of the stage's ``MANIFEST.sha256``, which binds the record to this very
+    stage. A record that cannot be written is left out: 06 then names the command from the
+    config (:func:`staged_command`)."""
     stage = Path(os.path.abspath(stage))
     invoked = invocation(argv)
     record = {

@@ -80,8 +80,7 @@ def starting(*, until_run_main: bool = True) -> Iterator[None]:
     Installed only for a signal nothing else handles yet (a second block keeps ``run_main``'s;
     one the parent ignores, as ``nohup`` does, stays ignored)."""
     defaults = (signal.SIG_DFL, signal.default_int_handler)
-    # SIGTERM's last: once it is caught (as /proc/PID/status shows a watcher), so is SIGINT.
-    previous = {signum: signal.getsignal(signum) for signum in reversed(SIGNALS)}
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
     previous = {signum: handler for signum, handler in previous.items() if handler in defaults}
     for signum in previous:
         signal.signal(signum, _stopped_while_starting)

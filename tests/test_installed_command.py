@@ -63,6 +63,7 @@ def test_the_command_lists_its_steps_shows_a_steps_flags_and_refuses_an_unknown_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.heavy  # five real starts that import torch
 def test_the_steps_run_from_an_empty_folder_into_its_folders_and_print_this_form(tmp_path):
     """Nothing of the clone in the working folder: --config names the repository's config by its
     absolute path, so every output lands in the working folder under the default names."""

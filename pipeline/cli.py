@@ -1,4 +1,5 @@
-"""Shared command-line plumbing for the numbered scripts: config flags and error handling.
+"""Shared command-line plumbing for the steps (the numbered scripts and ``python -m pipeline``):
+config flags and error handling.
 The commands the pipeline prints (each repeats the config it was given) are
 :mod:`pipeline.commands`'s, named here too for the scripts."""
 
@@ -17,7 +18,15 @@ from typing import Any, Callable
 from . import stops
 from .commands import python_command, resume_command, script_command, torchrun_launcher
 from .config import Config, load_config, parse_set_overrides
-from .errors import CapturedTraceback, PipelineError, Preempted, Stopped, describe_os_error, out_of_tasks
+from .errors import (
+    CapturedTraceback,
+    PipelineError,
+    Preempted,
+    Stopped,
+    describe_os_error,
+    missing_module,
+    out_of_tasks,
+)
 from .stops import stopping
 
 __all__ = [
@@ -83,7 +92,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     system, permissions; also from the background checkpoint writer, re-raised in the
     training thread) names the path and the cause, exit 2; ``MemoryError`` (a task's params
     asking for more memory than there is) says so, exit 2; so does a thread or process that
-    could not start because the machine is out of them (:func:`~pipeline.errors.out_of_tasks`). Whatever was being written is
+    could not start because the machine is out of them (:func:`~pipeline.errors.out_of_tasks`); so
+    does a library this Python cannot import (:func:`~pipeline.errors.missing_module`). Whatever was being written is
     removed by the atomic writers before the error gets here. A traceback captured in another
     process (a DataLoader worker's, :class:`CapturedTraceback`) is printed as it was captured.
     A SIGTERM or SIGINT from the first line of ``main`` to the exit is one line saying what it
@@ -123,6 +133,9 @@ def _end(exc: BaseException, debug: bool) -> None:
         sys.exit(getattr(exc, "exit_code", 2))
     if isinstance(exc, OSError):
         _error(out_of_tasks(exc) or describe_os_error(exc) + _OS_HINTS.get(exc.errno or 0, ""))
+        sys.exit(2)
+    if isinstance(exc, ModuleNotFoundError):  # a library imported on first use (06's Hub client)
+        _error(missing_module(exc))
         sys.exit(2)
     if isinstance(exc, RuntimeError):
         line = out_of_tasks(exc)  # Python's threads: any other RuntimeError is a bug, with its traceback

@@ -1,7 +1,9 @@
 """The command lines the pipeline prints in its hints and refusals: a script run again on the
 config it was given, a run resumed as it was launched, a torchrun launch under this
 interpreter, a stage rebuilt by the very command that built it. Every one repeats every flag
-the user gave (a hint that drops one gives a second error when followed). Torch-free and
+the user gave (a hint that drops one gives a second error when followed), in the form this
+process was started in (:func:`invocation`): ``python scripts/05_stage.py ...`` from a numbered
+script, ``python -m pipeline stage ...`` from the installed command. Torch-free and
 import-light, so any module can name a command without the scripts' plumbing
 (:mod:`pipeline.cli`)."""
 
@@ -14,6 +16,7 @@ import shlex
 import shutil
 import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
     from .config import Config
 
 __all__ = [
+    "STEPS",
+    "Invocation",
+    "invocation",
     "python_command",
     "record_stage_command",
     "resume_command",
@@ -35,6 +41,52 @@ __all__ = [
 ]
 
 _NUMBERED = re.compile(r"^0\d_\w+\.py$")
+
+# The steps as ``python -m pipeline STEP`` names them, each beside the numbered script that runs it.
+STEPS = {
+    "prepare": "01_prepare_data.py",
+    "train": "02_train.py",
+    "verify-resume": "03_verify_resume.py",
+    "evaluate": "04_evaluate.py",
+    "stage": "05_stage.py",
+    "publish": "06_publish.py",
+}
+_PACKAGE_MAIN = Path(__file__).resolve().with_name("__main__.py")
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """A command line split the way a printed command repeats it."""
+
+    program: tuple[str, ...]
+    """What follows the interpreter (or torchrun): ``("scripts/02_train.py",)`` or
+    ``("-m", "pipeline", "train")``."""
+    script: str | None
+    """The numbered script of the step it runs (``"02_train.py"``), ``None`` for another program."""
+    flags: tuple[str, ...]
+    """The arguments after the program: the flags as given."""
+
+    def of(self, script: str) -> tuple[str, ...]:
+        """The program that runs the numbered ``script`` in this same form: ``-m pipeline STEP``
+        after the installed command, the script beside this one after a numbered script, else
+        ``scripts/<script>`` (a library caller: the scripts' place in a clone)."""
+        if self.program[:2] == ("-m", "pipeline"):
+            return ("-m", "pipeline", next(step for step, name in STEPS.items() if name == script))
+        folder = Path(self.program[0]).parent if self.script is not None else Path("scripts")
+        return (str(folder / script),)
+
+
+def invocation(argv: Sequence[str]) -> Invocation:
+    """How ``argv`` (``sys.argv``) started this process: the installed command (``python -m
+    pipeline STEP``, whose ``sys.argv[0]`` is the package's ``__main__.py``, as the console
+    command's is made to be; under ``torchrun -m pipeline`` too), a numbered script, or another
+    program (its flags then are every argument)."""
+    first = argv[0] if argv else ""
+    if len(argv) > 1 and argv[1] in STEPS and first and Path(first).resolve() == _PACKAGE_MAIN:
+        return Invocation(("-m", "pipeline", argv[1]), STEPS[argv[1]], tuple(argv[2:]))
+    numbered = bool(first) and _NUMBERED.match(Path(first).name) is not None
+    return Invocation((first,), Path(first).name if numbered else None, tuple(argv[1:]))
+
 
 # Options that choose where a run starts, or extend it (the checkpoint then records the new
 # length); a resume replaces them with --resume latest.
@@ -55,16 +107,17 @@ def torchrun_launcher(nproc_per_node: int | str, nodes: int = 1) -> list[str]:
 def resume_command(argv: list[str], launcher: list[str] | None = None) -> str:
     """The command that continues the run started by ``argv`` (``sys.argv`` of a parser
     built with ``allow_abbrev=False``, so every option is spelled out): this interpreter
-    (or ``launcher``: a torchrun launch), the script path as invoked, every option as given
-    (config, checkpoint folder, each ``--set``) except where the run started from and
-    ``--extend-to``, then ``--resume latest``; shell-quoted."""
-    kept, rest = [], iter(argv[1:])
+    (or ``launcher``: a torchrun launch), the program as invoked (:func:`invocation`), every
+    option as given (config, checkpoint folder, each ``--set``) except where the run started
+    from and ``--extend-to``, then ``--resume latest``; shell-quoted."""
+    invoked = invocation(argv)
+    kept, rest = [], iter(invoked.flags)
     for token in rest:
         if token in _START_OPTIONS:
             next(rest, None)
         elif not token.startswith(tuple(f"{option}=" for option in _START_OPTIONS)):
             kept.append(token)
-    return shlex.join([*(launcher or [python_command()]), argv[0], *kept, "--resume", "latest"])
+    return shlex.join([*(launcher or [python_command()]), *invoked.program, *kept, "--resume", "latest"])
 
 
 def with_set(command: str, item: str) -> str:
@@ -96,13 +149,15 @@ def with_option(command: str, option: str, value: str) -> str:
 
 def record_stage_command(stage: str | Path, argv: Sequence[str], manifest_sha256: str) -> None:
     """Keep, beside ``stage`` (never in it: it is published), the command that built it:
-    ``argv`` (``sys.argv`` of script 05, whose parser takes no abbreviations) under this
-    interpreter, the folder it ran in, and the SHA-256 of the stage's ``MANIFEST.sha256``,
-    which binds the record to this very stage. A record that cannot be written is left
-    out: 06 then names the command from the config (:func:`staged_command`)."""
+    ``argv`` (``sys.argv`` of step 05, whose parser takes no abbreviations) under this
+    interpreter, in the form it was run in (:func:`invocation`), the folder it ran in, and
+    the SHA-256 of the stage's ``MANIFEST.sha256``, which binds the record to this very
+    stage. A record that cannot be written is left out: 06 then names the command from the
+    config (:func:`staged_command`)."""
     stage = Path(os.path.abspath(stage))
+    invoked = invocation(argv)
     record = {
-        "command": shlex.join([python_command(), *argv]),
+        "command": shlex.join([python_command(), *invoked.program, *invoked.flags]),
         "cwd": os.getcwd(),
         "manifest_sha256": manifest_sha256,
     }
@@ -165,20 +220,15 @@ def python_command() -> str:
 def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:
     """The command that runs the numbered ``script`` with ``args``, under this interpreter or
     ``launcher`` (a torchrun launch); shell-quoted, ready to paste in the folder it is printed
-    in. From ``script`` itself (a hint to run it again) it repeats every flag this
-    invocation was given (``sys.argv``; the scripts take no abbreviations); from another
-    script, the ``--config`` and ``--set`` arguments ``config`` was given. An option of
+    in. From ``script``'s own step (a hint to run it again) it repeats every flag this
+    invocation was given (``sys.argv``; the steps take no abbreviations); from another
+    step, the ``--config`` and ``--set`` arguments ``config`` was given. An option of
     ``args`` replaces the given one (a ``--set`` the given ``--set`` of its key): one
-    option, one value. The script's path is spelled as this one was invoked (from a
-    numbered script), else ``scripts/<script>``."""
-    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    numbered = invoked is not None and _NUMBERED.match(invoked.name) is not None
-    folder = invoked.parent if invoked is not None and numbered else Path("scripts")
-    again = numbered and invoked is not None and invoked.name == script
-    given = list(sys.argv[1:]) if again else list(config.command_args)
-    return shlex.join(
-        [*(launcher or [python_command()]), str(folder / script), *_without(given, args), *args]
-    )
+    option, one value. The step is named in the form this process was run in
+    (:meth:`Invocation.of`): ``-m pipeline STEP``, or the script's path as this one's."""
+    invoked = invocation(sys.argv)
+    given = list(invoked.flags) if invoked.script == script else list(config.command_args)
+    return shlex.join([*(launcher or [python_command()]), *invoked.of(script), *_without(given, args), *args])
 
 
 def _without(given: list[str], args: Sequence[str]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import unicodedata
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +21,7 @@ __all__ = [
     "OutOfMemory",
     "MachineLimit",
     "out_of_tasks",
+    "missing_module",
     "CodeChanged",
     "DataError",
     "InputFailed",
@@ -178,6 +180,16 @@ def out_of_tasks(exc: BaseException) -> str | None:
         f"{what}: this machine is out of processes and threads (this user's limit, ulimit -u, or a "
         "container's pids.max): stop other processes, lower data.num_workers or training.threads, or "
         "raise the limit"
+    )
+
+
+def missing_module(exc: ModuleNotFoundError) -> str:
+    """The one line for a library this interpreter cannot import (a Python without the
+    project's dependencies: the system's, or an environment not activated)."""
+    return (
+        f"this Python ({sys.executable}) cannot import {exc.name or 'a module'}, which the pipeline needs: "
+        "run the Python of the environment the project is installed in, or install it into this one "
+        "(pip install -e . in the project's folder)"
     )
 
 

@@ -2,8 +2,8 @@
 
 A script is stopped in one of four phases, each with its own way out:
 
-1. while it imports (``scripts/_bootstrap.py``, before anything of the project runs): the
-   line says nothing was done, and the process exits at once;
+1. while it imports (:func:`starting`, from ``scripts/_bootstrap.py`` or ``python -m pipeline``,
+   before anything of the step runs): the line says nothing was done, and the process exits at once;
 2. while its ``main`` runs (:func:`install`, from :func:`pipeline.cli.run_main`): the stop
    raises :class:`~pipeline.errors.Stopped` in the main thread, once, so every atomic writer
    and scratch folder cleans up on the way out; the line ends with what the innermost
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 from .errors import Stopped
 
-__all__ = ["DEFAULT_OUTCOME", "finishing", "held", "install", "is_installed", "stopping"]
+__all__ = ["DEFAULT_OUTCOME", "finishing", "held", "install", "is_installed", "starting", "stopping"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_OUTCOME = "anything half-written was removed"
@@ -62,6 +62,34 @@ def _stop(signum: int, frame: Any) -> None:
         return
     _state.raised = True
     raise Stopped(signum, _state.outcomes[-1][0])
+
+
+def _stopped_while_starting(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    os.write(2, f"error: stopped by {name} while starting; nothing was done\n".encode())
+    os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def starting(*, until_run_main: bool = True) -> Iterator[None]:
+    """Phase 1, around a step's imports (torch takes seconds): a stop ends the process at once in
+    one line, exit 128 + N; nothing has started, so nothing is left (a Ctrl-C is never a
+    traceback, nor swallowed by a library's import). The handler stays for ``run_main`` to
+    replace (``until_run_main``), so no instant is left without one; a caller that does not end
+    through ``run_main`` passes False, and the previous handlers come back after the block.
+    Installed only for a signal nothing else handles yet (a second block keeps ``run_main``'s;
+    one the parent ignores, as ``nohup`` does, stays ignored)."""
+    defaults = (signal.SIG_DFL, signal.default_int_handler)
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    previous = {signum: handler for signum, handler in previous.items() if handler in defaults}
+    for signum in previous:
+        signal.signal(signum, _stopped_while_starting)
+    try:
+        yield
+    finally:
+        if not until_run_main:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _exit_now(signum: int, frame: Any) -> None:

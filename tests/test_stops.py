@@ -134,15 +134,16 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", STOPS)
-@pytest.mark.parametrize("script", ["02_train.py", "05_stage.py"])
+@pytest.mark.parametrize("script", ["02_train.py", "05_stage.py", "-m pipeline train"])
 def test_a_stop_while_a_script_imports_ends_it_in_one_line_with_nothing_done(tmp_path, signum, script):
     """A real start (no fork server: the imports are the point): SIGTERM killed the script without
     a word, SIGINT printed a KeyboardInterrupt traceback, or was swallowed by torch's import and
     the script ran on. The project's imports (torch) take a second or more; the signal is sent
-    as soon as the script's first handler is in place."""
+    as soon as the script's first handler is in place. The installed command alike."""
     env = script_env()
+    program = script.split() if script.startswith("-m ") else [str(REPO / "scripts" / script)]
     process = subprocess.Popen(
-        [PYTHON, "-B", str(REPO / "scripts" / script), "--help"],
+        [PYTHON, "-B", *program, "--help"],
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,

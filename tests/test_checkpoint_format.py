@@ -228,11 +228,13 @@ def test_sha256_mapped_hashes_the_chunks_of_one_file_side_by_side(chunked, monke
     (the whole file's for no chunk size), whether the pages are owned or not."""
     path = chunked / "modelo.safetensors"
     raw = path.read_bytes()
-    side = _SideBySide()
-    monkeypatch.setattr(verified_read, "hashlib", side)
     for own in ((), ("m",)):
+        # A barrier of its own per read: a new pool's threads may reuse the identities of the
+        # last pool's, which would then skip the meeting and leave the other waiting alone.
+        side = _SideBySide()
+        monkeypatch.setattr(verified_read, "hashlib", side)
         assert sha256_mapped({"m": map_file(path)}, {"m": SMALL}, own=own) == {"m": _slices(raw, SMALL)}
-    assert len(side.threads) == 2
+        assert len(side.threads) == 2
     monkeypatch.undo()
     whole = hashlib.sha256(raw).hexdigest()
     assert sha256_mapped({"m": map_file(path), "e": b""}, {"e": SMALL}) == {"m": [whole], "e": []}

@@ -144,7 +144,7 @@ def _refuse_empty_values(raw: dict[str, Any], path: Path) -> None:
     """A key written without a value (``max_steps:``) is a slip, not a request for the default,
     even where the default is "not given" (``training.max_steps`` beside ``epochs``)."""
     for section, values in raw.items():
-        for key, value in (values.items() if isinstance(values, dict) else ()):
+        for key, value in values.items() if isinstance(values, dict) else ():
             if value is None:
                 raise ConfigError(
                     f"{path}: {section}.{key} has no value: give one, or delete the line to use the default"

@@ -118,6 +118,8 @@ def check_applies(mutation: Mutation, root: Path = REPO) -> str | None:
         source = root / path
         if not source.is_file():
             return f"it names a test in {path}, which does not exist"
+        if not name:
+            continue  # a whole file: every test of it runs
         if not re.search(rf"^def {re.escape(function)}\(", source.read_text(encoding="utf-8"), re.MULTILINE):
             return f"it names {function}, which {path} does not define: update the mutation"
     return None

@@ -358,3 +358,39 @@ def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
     result = train(_config(data_dir, tmp_path, **{"training.callbacks": [LOSS_SUM]}), progress=False)
     meta = json.loads((result.checkpoint / "meta.json").read_text())
     assert set(meta["training_state"]["callbacks"]) == {"stopped", "states"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "threshold", "values", "stops_at"),
+    [
+        # max: 2 and 3 improve; 1.5, 2.9, 2.8 do not: the second in a row stops the run.
+        ("max", 0.0, [1.0, 2.0, 1.5, 3.0, 2.9, 2.8, 2.7], 6),
+        # min: the evaluations without improvement are counted in a row, reset by each new best.
+        ("min", 0.0, [5.0, 6.0, 4.0, 7.0, 3.0, 8.0, 9.0, 1.0], 7),
+        # An improvement by no more than the threshold is none (4.6 and 4.5 beat the best by 0.4, 0.1).
+        ("min", 0.5, [5.0, 4.6, 4.5, 1.0], 3),
+        # max with a threshold: 3 beats 2 by 1; 3.4 beats 3 by 0.4 only.
+        ("max", 0.5, [2.0, 3.0, 3.4, 3.3, 9.0], 4),
+    ],
+    ids=["max-mode", "in-a-row", "min-threshold", "max-threshold"],
+)
+def test_early_stopping_counts_as_transformers_does(mode, threshold, values, stops_at):
+    """EarlyStopping alone, evaluation after evaluation, patience 2: the evaluation at which it
+    asks to stop, by Trainer's rule (an improvement beats the best earlier value by more than
+    the threshold; patience evaluations in a row without one stop the run)."""
+    from types import SimpleNamespace
+
+    from pipeline.callbacks import Control, EarlyStopping
+
+    stopping = EarlyStopping("loss", mode, 2, threshold)
+    run = SimpleNamespace(evaluations={"step": [], "loss": []})
+    asked = None
+    for index, value in enumerate(values, start=1):
+        run.evaluations["step"].append(index)
+        run.evaluations["loss"].append(value)
+        control = Control()
+        stopping.on_evaluate(run, {"loss": value}, control)
+        if control.should_training_stop:
+            asked = index
+            break
+    assert asked == stops_at

@@ -394,3 +394,18 @@ def test_early_stopping_counts_as_transformers_does(mode, threshold, values, sto
             asked = index
             break
     assert asked == stops_at
+
+
+def test_the_flags_every_rank_agrees_on_keep_their_meaning():
+    """Under torchrun, Control.agreed combines the ranks' flags (any rank asking counts): a save
+    asked on this rank and an evaluation asked on another come back as a save and an
+    evaluation on both; a save asked alone, as a save alone."""
+    from pipeline.callbacks import Control
+
+    other_rank = [0, 0, 1]  # the other rank asks only to evaluate
+    control = Control(should_save=True, agree=lambda flags: [max(a, b) for a, b in zip(flags, other_rank)])
+    control.agreed()
+    assert (control.should_training_stop, control.should_save, control.should_evaluate) == (False, True, True)
+    alone = Control(should_save=True, agree=lambda flags: list(flags))
+    alone.agreed()
+    assert (alone.should_training_stop, alone.should_save, alone.should_evaluate) == (False, True, False)

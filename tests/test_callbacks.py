@@ -186,6 +186,7 @@ def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, t
             "returned NoneType, which has none of on_step_end, on_evaluate, on_save",
         ),
         ("callback_factories:saves_only", "has state_dict but no load_state_dict"),
+        ("callback_factories:loads_only", "has load_state_dict but no state_dict"),
         ("callback_factories:no_such", "has no attribute 'no_such'"),
     ],
 )
@@ -409,3 +410,15 @@ def test_the_flags_every_rank_agrees_on_keep_their_meaning():
     alone = Control(should_save=True, agree=lambda flags: list(flags))
     alone.agreed()
     assert (alone.should_training_stop, alone.should_save, alone.should_evaluate) == (False, True, False)
+
+
+def test_early_stopping_without_a_best_metric_is_refused_in_one_line(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match="early_stopping_patience") as refused:
+        _config(data_dir, tmp_path, **{"training.early_stopping_patience": 2, "training.eval_every": 2})
+    assert "\n" not in str(refused.value)
+    config = _config(
+        data_dir,
+        tmp_path,
+        **{"training.early_stopping_patience": 2, "training.eval_every": 2, "checkpoint.best_metric": "mse"},
+    )
+    assert config.training.early_stopping_patience == 2

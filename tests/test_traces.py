@@ -370,6 +370,8 @@ def test_the_gradient_norm_is_measured_at_logged_steps_and_changes_no_bit_of_tra
     assert all(torch.equal(a, b) for a, b in zip(weights(every.checkpoint), weights(some.checkpoint)))
     norms = every.history["grad_norm"]
     assert all(norm > 0 for norm in norms)
+    # train/epoch counts the fraction of the epoch trained, not only whole epochs.
+    assert any(not float(epoch).is_integer() for epoch in every.history["epoch"]), every.history["epoch"]
     assert [n for n in some.history["grad_norm"] if not math.isnan(n)] == [norms[3], norms[7]]
     if clip:  # before clipping: the clipped steps' norms are above the bound
         assert max(norms) > clip

@@ -171,3 +171,15 @@ def build_data_two_sets(config: Config, data_dir: Path) -> _Sets:
 def build_data_metric_added_later(config: Config, data_dir: Path) -> _Sets:
     """Two sets; from its third evaluation in this process on, one metric more."""
     return _Sets(build_data(config, data_dir), extra_from=int(os.environ.get("EXTRA_FROM", "3")))
+
+
+class LoadsOnly:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def on_save(self, run: Any, checkpoint: Any, control: Any) -> None:
+        pass
+
+
+def loads_only(config: Config) -> LoadsOnly:
+    return LoadsOnly()

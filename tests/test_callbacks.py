@@ -159,6 +159,18 @@ def test_a_callback_asking_to_stop_ends_the_run_committed_recorded_and_trained_n
     assert _callbacks(extended.checkpoint)["stopped"] is None
 
 
+def test_a_stop_asked_on_the_last_step_is_a_complete_run_not_an_early_stop(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """The run ends at that step either way: meta.json, the card and the line must not claim it
+    was cut short, and --extend-to must not be offered as the way past a stop that never was."""
+    monkeypatch.setenv("STOP_AT", "10")
+    result = train(_config(data_dir, tmp_path, **{"training.callbacks": [STOP_AT]}), progress=False)
+    assert result.step == 10 and result.stopped is None
+    assert verify_checkpoint(result.checkpoint)["training_state"]["callbacks"]["stopped"] is None
+    assert "stopped early" not in capsys.readouterr().err
+
+
 def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, tmp_path, monkeypatch):
     run = RunFolder(tmp_path)
     sets = (

@@ -34,13 +34,14 @@ from .checkpoint import CheckpointWeights, LoadMode, open_weights, pinned_checkp
 from .config import RESUME_IRRELEVANT_KEYS, Config, config_from_dict
 from .data import load_manifest, load_task_data
 from .durable import scratch_folder, utc_now, write_json_atomic
-from .errors import ConfigError, ConfigMismatch, DataError, MetricsError
+from .errors import ConfigError, ConfigMismatch, DataError, FileChanged, MetricsError
 from .factories import factory_errors
 from .hashing import sha256_file
 from .layout import META_FILE, METRICS_FILE
 from .provenance import check_code_as_trained, code_fingerprint, counted_sources
 from .rng import seed_everything
 from .run import build_model, configure_determinism, resolve_device
+from .safe_read import read_regular
 
 __all__ = ["evaluation_config", "evaluate_checkpoint", "check_metrics", "write_metrics", "read_metrics"]
 
@@ -255,12 +256,21 @@ def read_metrics(path: str | Path, *, rerun: str = "python scripts/04_evaluate.p
     """Parse and check a ``metrics.json`` written by :func:`write_metrics`; a refusal tells to
     run ``rerun`` (the command that writes this record)."""
     path = Path(path)
-    if not path.is_file():
-        raise MetricsError(f"{path} not found: run {rerun} first")
-    if path.stat().st_size > _MAX_METRICS_BYTES:
-        raise MetricsError(f"{path} is over {_MAX_METRICS_BYTES} bytes: not a metrics file")
     try:
-        record = json.loads(path.read_bytes())
+        # Opened once: a FIFO or device swapped in is refused, not waited on or read forever.
+        data = read_regular(path, _MAX_METRICS_BYTES)
+    except FileNotFoundError:
+        raise MetricsError(f"{path} not found: run {rerun} first") from None
+    except ValueError as refusal:
+        raise MetricsError(f"{path} {refusal}: not a metrics file; rerun {rerun}") from None
+    except FileChanged as changed:
+        raise MetricsError(f"{path} changed while it was read ({changed.reason}): rerun {rerun}") from None
+    except OSError as failure:
+        raise MetricsError(
+            f"{path} could not be read ({failure.strerror or failure}): rerun {rerun}"
+        ) from None
+    try:
+        record = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise MetricsError(f"{path} is not valid JSON: rerun {rerun}") from None
     if not isinstance(record, dict) or record.get("schema") != METRICS_SCHEMA or set(record) != METRICS_KEYS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,36 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
     with pytest.raises(MetricsError, match=r"metrics\.json (is not a pipeline\.metrics/2 record|has malformed "
                        r"fingerprints or config): rerun python scripts/04_evaluate\.py$"):  # fmt: skip
         read_metrics(tmp_path / "metrics.json")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing"])
+def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(tmp_path, kind):
+    """--metrics names a file 05 reads: a FIFO (or a link to one) is refused at once, not
+    waited on; a folder or an endless file is not read."""
+    from pipeline.errors import MetricsError
+    from pipeline.evaluate import read_metrics
+
+    path = tmp_path / "metrics.json"
+    says = {
+        "fifo": "is a FIFO, not a regular file: not a metrics file; rerun",
+        "link-to-fifo": "is a FIFO, not a regular file: not a metrics file; rerun",
+        "folder": "is a folder, not a regular file: not a metrics file; rerun",
+        "oversized": "bytes, over the 16,777,216-byte limit: not a metrics file; rerun",
+        "missing": "not found: run python scripts/04_evaluate.py first",
+    }[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-fifo":
+        os.mkfifo(tmp_path / "pipe")
+        path.symlink_to(tmp_path / "pipe")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "oversized":
+        with open(path, "wb") as sparse:
+            sparse.truncate(1 << 40)  # a terabyte on paper, nothing on disk
+    with pytest.raises(MetricsError) as refused:
+        read_metrics(path)
+    assert str(refused.value).startswith(str(path)) and says in str(refused.value), refused.value
 
 
 def test_metric_is_the_error_on_the_heldout_rows_not_the_training_rows(evaluated_run):

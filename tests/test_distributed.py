@@ -33,7 +33,14 @@ from pipeline.cli import python_command, script_command
 from pipeline.config import load_config
 from pipeline.data import load_task_data, prepare_data
 from pipeline.distributed.world import LaunchWorld
-from pipeline.errors import ChecksumMismatch, DataError, LaunchMismatch, SchemaMismatch, StageError
+from pipeline.errors import (
+    CheckpointError,
+    ChecksumMismatch,
+    DataError,
+    LaunchMismatch,
+    SchemaMismatch,
+    StageError,
+)
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
 from pipeline.hashing import sha256_file
 from pipeline.layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
@@ -151,6 +158,19 @@ def legs(data_dir, tmp_path_factory):
         {"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
         {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
     ]
+    # Evaluated every 4 steps, the best mark kept: its value read from a sharded checkpoint.
+    runs.append(
+        {
+            "overrides": {
+                "data.dir": str(data_dir),
+                "training.parallel": "fsdp2",
+                "checkpoint.dir": str(root / "best_fsdp2"),
+                "training.eval_every": 4,
+                "checkpoint.best_metric": "mse",
+                "checkpoint.keep_last": 3,
+            }
+        }
+    )
     # fp16 AMP: float32 weights, the GradScaler's state saved and restored (the first steps
     # overflow at its initial scale, so steps are skipped, on every rank alike).
     for mode in ("fsdp2", "ddp"):
@@ -787,6 +807,28 @@ def test_evaluate_reads_a_distributed_checkpoint_as_its_staged_weights(legs, mod
     load_model_weights(model, read_tensors(staged))
     model.eval()
     assert load_task_data(eval_config).evaluate(model, torch.device("cpu")) == record["metrics"]
+
+
+@LEGS
+def test_the_best_mark_of_a_distributed_run_is_checked_against_its_own_evaluations(legs, tmp_path):
+    """04/05 --checkpoint best on an FSDP2 run: the mark is believed only as the sharded
+    checkpoint's own record gives it, and refused once moved by hand."""
+    root, _, _ = legs
+    run = root / "best_fsdp2"
+    mark = json.loads((run / "BEST.json").read_text())
+    loaded = load_checkpoint("best", run, mode=LoadMode.VERIFY)
+    assert loaded.best == mark and loaded.folder == run / f"step-{mark['step']:08d}"
+    assert loaded.meta["parallel"]["mode"] == "fsdp2"
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    steps = sorted(int(f.name[5:]) for f in moved.glob("step-*"))
+    # Another committed step that evaluated (every 4 steps, and the last), the value unchanged.
+    other = next(step for step in steps if step != mark["step"] and (step % 4 == 0 or step == 10))
+    (moved / "BEST.json").write_text(json.dumps({**mark, "step": other}))
+    with pytest.raises(
+        CheckpointError, match=f"BEST.json marks step {other} with mse = .* but that checkpoint recorded"
+    ):
+        load_checkpoint("best", moved, mode=LoadMode.VERIFY)
 
 
 @pytest.mark.heavy

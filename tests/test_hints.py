@@ -123,7 +123,7 @@ def test_02s_torchrun_hint_keeps_the_runs_own_flags(trained_run, run_copy):
     assert launch[6:] == ["--config", str(CONFIG), *asked], launch
 
 
-def test_04s_pointer_to_an_older_checkpoint_names_the_flag_04_takes(trained_run, run_copy):
+def test_04s_and_05s_pointer_to_an_older_checkpoint_names_the_flag_they_take(trained_run, run_copy):
     run = run_copy(trained_run)
     two = ("--checkpoint-dir", "two", "--set", "checkpoint.keep_last=2")
     run.ok("02_train.py", "--quiet", *two)
@@ -131,11 +131,12 @@ def test_04s_pointer_to_an_older_checkpoint_names_the_flag_04_takes(trained_run,
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    line = run.refused("04_evaluate.py", *two)
-    older = "two/step-00000005"  # as 04 was given the folder that holds it
-    assert line.endswith(
-        f"; the older checkpoint {older} verifies: evaluate or stage it with --checkpoint {older} (nothing was deleted)"
-    ), line
+    older = "two/step-00000005"  # as 04 and 05 were given the folder that holds it
+    for script in ("04_evaluate.py", "05_stage.py"):
+        line = run.refused(script, *two)
+        assert line.endswith(
+            f"; the older checkpoint {older} verifies: evaluate or stage it with --checkpoint {older} (nothing was deleted)"
+        ), (script, line)
     run.ok("04_evaluate.py", *two, "--checkpoint", older)
 
 

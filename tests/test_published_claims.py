@@ -237,6 +237,22 @@ def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edi
         assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
 
 
+def test_a_mark_on_a_committed_step_that_did_not_evaluate_is_refused_in_one_line():
+    """A save-only step (checkpoint.every, not eval_every) has no value of its own to mark."""
+    from pipeline.checkpoint.best import check_best
+
+    evaluations = {"step": [4, 8], "mse": [0.2, 0.1], "rmse": [0.44, 0.31]}
+    mark = {"step": 5, "metric": "mse", "mode": "min", "value": 0.1}
+    with pytest.raises(CheckpointError) as refused:
+        check_best(mark, evaluations, committed=[5, 8], path="run/BEST.json")
+    assert str(refused.value) == (
+        "run/BEST.json marks step 5 as the best by mse, but that checkpoint recorded no evaluation of mse at its "
+        "own step (it recorded mse, rmse): delete it (the next save marks the best again), or pass --checkpoint "
+        "latest or PATH"
+    )
+    assert check_best({**mark, "step": 8}, evaluations, committed=[5, 8], path="run/BEST.json")["step"] == 8
+
+
 def test_a_mark_is_not_believed_when_the_newest_checkpoint_it_is_checked_against_is_damaged(
     marked_run, tmp_path
 ):

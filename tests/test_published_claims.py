@@ -237,6 +237,20 @@ def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edi
         assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
 
 
+def test_a_best_that_is_also_the_last_step_is_carded_as_selected_not_as_the_runs_end(
+    marked_run, data_dir, tmp_path
+):
+    value = _evaluations(marked_run / "estados_local" / "step-00000010")["mse"][-1]
+    folder = _moved(marked_run, tmp_path, step=10, value=value, mode="min")  # by min, step 10 is the best
+    script = _scripts(folder, "--set", f"data.dir={data_dir}", "--set", "checkpoint.best_mode=min")
+    ran = script("05_stage.py", "--checkpoint", "best", "--no-metrics")
+    assert ran.returncode == 0, ran.stderr
+    card = (folder / "hub_stage" / "README.md").read_text()
+    assert (
+        f"This is step **10**, selected as the best by `mse` (min) = {value:.6g} at step 10 of 10;" in card
+    ), card
+
+
 def test_a_mark_on_a_committed_step_that_did_not_evaluate_is_refused_in_one_line():
     """A save-only step (checkpoint.every, not eval_every) has no value of its own to mark."""
     from pipeline.checkpoint.best import check_best

@@ -440,9 +440,12 @@ def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_p
     card = ModelCard.load(target / "README.md")
     assert "As supplied by the publisher in `eval.json`" in card.text and "| `eval_loss` | 2.5 |" in card.text
     assert card.data.eval_results[0].metric_value in (1, 2.5)
-    metrics.write_text(json.dumps({"eval_loss": "low"}))
-    with pytest.raises(StageError, match="eval_loss"):
-        stage(gpt2, tmp_path / "other", metrics=metrics)
+    # A flag is not a number the card may show as a score (JSON's true is Python's 1).
+    for value in ("low", True, False, None, [2.5], {"value": 2.5}):
+        metrics.write_text(json.dumps({"eval_loss": 2.5, "converged": value}))
+        with pytest.raises(StageError, match="'converged' must be a short metric name with a number"):
+            stage(gpt2, tmp_path / "other", metrics=metrics)
+    assert not (tmp_path / "other").exists()
 
 
 def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(folder, tmp_path):

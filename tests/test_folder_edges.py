@@ -19,7 +19,7 @@ from test_hostile_folders import leftovers, stage, tiny_folder
 
 import pipeline.stage.from_folder as from_folder
 from pipeline.durable import fsync_tree, remove_tree
-from pipeline.errors import FolderTooDeep, UnsealedCheckpoint
+from pipeline.errors import FolderTooDeep, StageError, UnsealedCheckpoint
 from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
 from pipeline.stage.card_parts import card_data
 
@@ -309,3 +309,28 @@ def test_a_name_is_shown_once_never_escaped_twice(tmp_path, capsys):
     metrics.write_text(json.dumps({"a\nb": "not a number"}))
     with pytest.raises(Exception, match=r"--metrics .*: 'a\\x0ab' must be a short metric name"):
         stage(tiny_folder(tmp_path / "model"), tmp_path / "stage", metrics=metrics)
+
+
+# -- a small file that is not small ----------------------------------------------------------------
+
+
+def test_a_tokenizer_or_config_over_its_limit_is_refused_before_it_is_read(tmp_path):
+    """tokenizer.json (a sparse hole one byte over 256 MiB): refused from its size alone, so
+    a file of any size costs no memory; peak allocations stay far below the file."""
+    import tracemalloc
+
+    folder = tiny_folder(tmp_path / "model")
+    with open(folder / "tokenizer.json", "r+b") as sparse:
+        sparse.truncate(256 * 1024 * 1024 + 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StageError) as refused:
+            stage(folder, tmp_path / "stage")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(refused.value) == (
+        f"{folder}/tokenizer.json is 268,435,457 bytes, over the 268,435,456-byte limit of such a file"
+    )
+    assert peak < 32 * 1024 * 1024, f"{peak:,} bytes allocated to refuse it"
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []

@@ -185,3 +185,24 @@ def test_a_signal_after_the_last_step_says_the_run_is_complete_and_after_any_oth
         assert str(stopped.value) == (
             f"stopped by SIGTERM after step 4; checkpoint {where} is committed. Resume with: {hint}"
         )
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        (["--checkpoint", "estados_local/step-00000005", "--repo-id", "me/x"], ["--repo-id", "me/x"]),
+        (["--checkpoint=estados_local/step-00000005", "--no-metrics"], ["--no-metrics"]),
+        (["--no-metrics", "--checkpoint", "latest"], ["--no-metrics"]),
+    ],
+)
+def test_a_hint_that_sets_an_option_again_drops_the_given_one_with_its_value(monkeypatch, given, kept):
+    """One option, one value: the replaced option's value is not left behind as a stray
+    argument (which the step would refuse), and the flag after it is kept."""
+    import sys
+
+    from pipeline.commands import script_command
+    from pipeline.config import load_config
+
+    monkeypatch.setattr(sys, "argv", ["scripts/05_stage.py", *given])
+    command = shlex.split(script_command(load_config(CONFIG), "05_stage.py", "--checkpoint", "best"))
+    assert command[1:] == ["scripts/05_stage.py", *kept, "--checkpoint", "best"], command

@@ -165,3 +165,25 @@ def test_a_stop_while_a_script_imports_ends_it_in_one_line_with_nothing_done(tmp
         == f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done"
     )
     assert out == ""  # --help was never printed: it never got that far
+
+
+@pytest.mark.parametrize("signum", STOPS)
+def test_a_second_signal_during_the_clean_up_of_a_stop_is_ignored(signum):
+    """A user who presses Ctrl-C twice, or a supervisor that sends SIGTERM again, must not cut
+    short the removal of what the first stop left half-written."""
+    from pipeline.errors import Stopped
+    from pipeline.stops import stopping
+
+    cleaned = []
+    before = [signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)]
+    with stopping("the scratch copy was removed"):
+        with pytest.raises(Stopped) as stopped:
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(5)  # the handler raises at once; never slept through
+            finally:
+                os.kill(os.getpid(), signum)  # the second one, while cleaning up
+                cleaned.append("the scratch copy")
+    assert cleaned == ["the scratch copy"]
+    assert str(stopped.value) == f"stopped by {signal.Signals(signum).name}; the scratch copy was removed"
+    assert [signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)] == before  # put back

@@ -334,3 +334,32 @@ def test_a_tokenizer_or_config_over_its_limit_is_refused_before_it_is_read(tmp_p
     )
     assert peak < 32 * 1024 * 1024, f"{peak:,} bytes allocated to refuse it"
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "char",
+    [
+        "\u202e",
+        "\u2066",
+        "\u200b",
+        "\u200d",
+        "\u200f",
+        "\ufeff",
+        "\u2028",
+        "\u2029",
+        "\x00",
+        "\x1b",
+        "\n",
+        "\ud800",
+    ],
+    ids=["RLO", "LRI", "ZWSP", "ZWJ", "RLM", "BOM", "LS", "PS", "NUL", "ESC", "LF", "surrogate"],
+)
+def test_a_bidi_override_or_invisible_character_in_a_name_is_shown_as_an_escape(char):
+    """A name such as evil<RLO>gnp.exe reads as evilexe.png in a terminal or on a Hub page:
+    every format, control or separator character is written out, so what is shown is what
+    the name holds."""
+    from pipeline.errors import shown
+
+    escaped = shown(f"evil{char}gnp.exe")
+    assert char not in escaped and escaped.startswith("evil\\") and escaped.endswith("gnp.exe"), escaped
+    assert escaped.isprintable() and shown("a-plain_name.v2.txt") == "a-plain_name.v2.txt"

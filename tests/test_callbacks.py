@@ -288,6 +288,24 @@ def without_early_stopping(data_dir, tmp_path_factory):
     return train(_config(data_dir, folder, **EVAL, **{"training.max_steps": 40}), progress=False)
 
 
+def test_the_best_mark_moves_to_each_new_best_as_the_run_trains(data_dir, tmp_path):
+    """The best mark is a callback too: after each save it names the committed step that its
+    rule gives, not the first step it ever marked."""
+    from pipeline.checkpoint import read_best
+
+    marks = []
+    hooks = TrainingHooks(
+        on_step=lambda run: marks.append((run.step, (read_best(tmp_path) or {}).get("step")))
+    )
+    sets = {**EVAL, "training.eval_every": 3, "checkpoint.every": 3, "checkpoint.keep_last": 2}
+    result = train(_config(data_dir, tmp_path, **sets), hooks=hooks, progress=False)
+    evaluated = dict(zip(result.evaluations["step"], result.evaluations["mse"]))
+    committed = CheckpointStore(tmp_path).committed_steps()
+    best = min((step for step in committed if step in evaluated), key=lambda step: (evaluated[step], step))
+    assert read_best(tmp_path)["step"] == best and best != 3, (committed, evaluated)
+    assert len({step for _, step in marks if step is not None}) >= 2, marks  # it moved during the run
+
+
 def test_early_stopping_stops_at_the_step_its_rule_gives(data_dir, tmp_path, without_early_stopping):
     expected = _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.005)
     assert expected is not None and 10 < expected < 40

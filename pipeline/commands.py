@@ -14,14 +14,15 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .durable import write_json_atomic
+from .errors import FileChanged
 from .layout import staged_by_file
+from .safe_read import read_regular
 
 if TYPE_CHECKING:
     from .config import Config
@@ -174,24 +175,15 @@ _MAX_RECORD_BYTES = 64 * 1024
 def staged_command(stage: str | Path, manifest_sha256: str) -> str | None:
     """The command that built ``stage`` as :func:`record_stage_command` kept it, if it built
     exactly this stage (``manifest_sha256``, from the audit) and ran in this working folder
-    (its paths are relative to it); else ``None``. Read once, from a descriptor opened
-    without following a link or waiting on a pipe."""
+    (its paths are relative to it); else ``None``. A link, a pipe or an oversized file in its
+    place is not the record."""
     stage = Path(os.path.abspath(stage))
     try:
-        fd = os.open(
-            stage.parent / staged_by_file(stage.name),
-            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        record = json.loads(
+            read_regular(stage.parent / staged_by_file(stage.name), _MAX_RECORD_BYTES, follow=False)
         )
-    except OSError:
+    except (OSError, ValueError, FileChanged):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        record = json.loads(os.read(fd, _MAX_RECORD_BYTES + 1))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
     if (
         not isinstance(record, dict)
         or record.get("manifest_sha256") != manifest_sha256

@@ -268,13 +268,14 @@ class HandedFolder:
         return child
 
 
-def read_regular(path: str | Path, limit: int) -> bytes:
-    """A file a user named on the command line (links followed: they named it), opened
-    ``O_NONBLOCK`` and refused unless regular (a FIFO or device would block or never end),
-    read within ``limit`` bytes. A refusal is a ``ValueError`` saying why, without the path
-    (the caller names the option); a file that changes while read, :class:`FileChanged`."""
+def read_regular(path: str | Path, limit: int, *, follow: bool = True) -> bytes:
+    """A file a user named on the command line (links followed: they named it; ``follow=False``
+    for a file the pipeline itself wrote, which a link then is not), opened ``O_NONBLOCK`` and
+    refused unless regular (a FIFO or device would block or never end), read within ``limit``
+    bytes. A refusal is a ``ValueError`` saying why, without the path (the caller names the
+    option); a file that changes while read, :class:`FileChanged`."""
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

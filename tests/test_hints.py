@@ -84,6 +84,22 @@ def test_a_record_of_another_stage_or_folder_is_not_repeated(staged_run, run_cop
     with contextlib.chdir(run.root):
         assert "--no-metrics" in staged_command(run.stage, manifest)
         assert staged_command(run.stage, "0" * 64) is None
+        # Only the file 05 wrote is its record: not a link to one, a pipe (no wait), nor a
+        # file too large to be one.
+        written = record.read_bytes()
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_bytes(written)
+        record.unlink()
+        record.symlink_to(elsewhere)
+        assert staged_command(run.stage, manifest) is None
+        record.unlink()
+        os.mkfifo(record)
+        assert staged_command(run.stage, manifest) is None
+        record.unlink()
+        record.write_bytes(written[:-1] + b" " * 70_000 + b"}")
+        assert staged_command(run.stage, manifest) is None
+        record.write_bytes(written)
+        assert "--no-metrics" in staged_command(run.stage, manifest)
     assert staged_command(run.stage, manifest) is None  # another working folder: its paths mean other things
     with LocalHub(tmp_path / "hub", token="t") as hub:
         publish = ("06_publish.py", "--repo-id", "me/second", "--dry-run", "--endpoint", hub.url)

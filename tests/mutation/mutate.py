@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -277,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         help="check that every mutation applies and names tests that exist; run nothing",
     )
     args = parser.parse_args(argv)
+    # The suite sends SIGINT to the scripts it starts, as a Ctrl-C would. A runner started in
+    # the background (a shell's `&`) is handed SIGINT ignored, which its pytest and every script
+    # would inherit (they would keep on, and those tests fail on the unmutated tree); a handled
+    # signal is reset to its default across exec, so they start as from a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     files = None if args.files is None else set(args.files.split(","))
     mutations = [
         m

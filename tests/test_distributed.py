@@ -112,7 +112,8 @@ def legs(data_dir, tmp_path_factory):
     step 5, saved in the background while steps 6 to 10 trained; a background save on a full
     disk; a datasets stream split over the ranks, uninterrupted, and cut at 7 + resumed;
     without dropout (the per-rank streams a reshard re-derives), uninterrupted and cut; and
-    per mode, fp16 AMP cut at 2 + resume, and uninterrupted."""
+    per mode, fp16 AMP cut at 2 + resume, and uninterrupted; FSDP2 resumes of step 5 (its reads
+    recorded, a shard damaged, an older seal); and FSDP2 evaluated with the best mark kept."""
     root = tmp_path_factory.mktemp("dist")
     runs = []
     for mode, background in (("ddp", False), ("fsdp2", True)):
@@ -158,19 +159,6 @@ def legs(data_dir, tmp_path_factory):
         {"overrides": {**base, "checkpoint.dir": str(root / "quiet_full")}},
         {"overrides": {**base, "checkpoint.dir": str(root / "quiet_cut")}, "stop_at": 6},
     ]
-    # Evaluated every 4 steps, the best mark kept: its value read from a sharded checkpoint.
-    runs.append(
-        {
-            "overrides": {
-                "data.dir": str(data_dir),
-                "training.parallel": "fsdp2",
-                "checkpoint.dir": str(root / "best_fsdp2"),
-                "training.eval_every": 4,
-                "checkpoint.best_metric": "mse",
-                "checkpoint.keep_last": 3,
-            }
-        }
-    )
     # fp16 AMP: float32 weights, the GradScaler's state saved and restored (the first steps
     # overflow at its initial scale, so steps are skipped, on every rank alike).
     for mode in ("fsdp2", "ddp"):
@@ -219,6 +207,19 @@ def legs(data_dir, tmp_path_factory):
                 ),
             }
         )
+    # Evaluated every 4 steps, the best mark kept: its value read from a sharded checkpoint.
+    runs.append(
+        {
+            "overrides": {
+                "data.dir": str(data_dir),
+                "training.parallel": "fsdp2",
+                "checkpoint.dir": str(root / "best_fsdp2"),
+                "training.eval_every": 4,
+                "checkpoint.best_metric": "mse",
+                "checkpoint.keep_last": 3,
+            }
+        }
+    )
     try:
         return root, launch_plan(2, root, "legs", runs), mounted
     finally:

@@ -208,6 +208,16 @@ def test_a_callback_that_is_not_one_is_refused_at_the_start(data_dir, tmp_path, 
     assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
 
 
+def test_a_callback_listed_twice_is_refused_at_the_start(data_dir, tmp_path):
+    """Its two states would be saved under one name, one overwriting the other."""
+    with pytest.raises(ConfigError, match=f"training.callbacks names {LOSS_SUM} twice"):
+        train(
+            _config(data_dir, tmp_path, **{"training.callbacks": [LOSS_SUM, STOP_AT, LOSS_SUM]}),
+            progress=False,
+        )
+    assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
+
+
 def test_a_callback_state_that_is_not_plain_json_is_refused_before_the_first_step(data_dir, tmp_path):
     config = _config(data_dir, tmp_path, **{"training.callbacks": ["callback_factories:tuple_state"]})
     with pytest.raises(CheckpointError, match=r"callback_factories:tuple_state holds a tuple"):
@@ -402,8 +412,10 @@ def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
         ("min", 0.5, [5.0, 4.6, 4.5, 1.0], 3),
         # max with a threshold: 3 beats 2 by 1; 3.4 beats 3 by 0.4 only.
         ("max", 0.5, [2.0, 3.0, 3.4, 3.3, 9.0], 4),
+        # Compared with the best so far, not the evaluation before: 3.5 beats 4.0, not 3.0.
+        ("min", 0.0, [5.0, 3.0, 4.0, 3.5, 9.0], 4),
     ],
-    ids=["max-mode", "in-a-row", "min-threshold", "max-threshold"],
+    ids=["max-mode", "in-a-row", "min-threshold", "max-threshold", "against-the-best"],
 )
 def test_early_stopping_counts_as_transformers_does(mode, threshold, values, stops_at):
     """EarlyStopping alone, evaluation after evaluation, patience 2: the evaluation at which it

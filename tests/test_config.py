@@ -72,6 +72,14 @@ def test_malformed_set_override_is_a_config_error():
         parse_set_overrides(["max_steps"])
 
 
+@pytest.mark.parametrize("item", ["training.max_steps=", "training.max_steps= ", "training.max_steps=null"])
+def test_a_set_override_with_no_value_is_refused_not_ignored(item):
+    """Ignored, a run would train its file's or the default length without a word."""
+    with pytest.raises(ConfigError, match=r"no value given: write one after '='"):
+        parse_set_overrides([item])
+    assert parse_set_overrides(['training.device=""']) == {"training.device": ""}
+
+
 def test_factory_params_are_validated_by_the_factory(tmp_path):
     from pipeline.run import build_model
 

@@ -237,6 +237,59 @@ def test_a_mark_that_its_rule_does_not_give_is_refused(marked_run, tmp_path, edi
         assert load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY).best["step"] == 10
 
 
+def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(marked_run, tmp_path):
+    """A metric read from the mark is printed in the refusal: one that is no metric name (a line
+    break, a terminal escape) is refused as such, so no line of the mark's reaches the terminal."""
+    for metric in ("mse\nerror: a second line", "\x1b[2J\x1b[31mmse", "mse\rok"):
+        folder = _moved(marked_run, tmp_path / str(len(metric)), metric=metric)
+        with pytest.raises(CheckpointError) as refused:
+            load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY)
+        assert str(refused.value) == (
+            f"{folder}/estados_local/BEST.json does not hold exactly step, a metric name, mode and a finite "
+            "value: delete it; the next save writes it again"
+        )
+
+
+def test_a_mark_swapped_for_a_fifo_or_a_link_after_a_look_at_its_name_is_refused_without_blocking(
+    marked_run, tmp_path, monkeypatch
+):
+    """The mark is read from the descriptor it was opened as: renamed over it between a look at
+    its name and the open, a FIFO would block the reader for ever, a link would be followed to a
+    file outside the folder. Every look at the name here sees the regular mark the run wrote."""
+    import pathlib
+    import threading
+
+    from pipeline.checkpoint.best import read_best as read_mark
+
+    folder = _moved(marked_run, tmp_path)
+    mark = folder / "estados_local" / "BEST.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(mark.read_bytes())
+    is_file, is_symlink = pathlib.Path.is_file, pathlib.Path.is_symlink
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda path: path == mark or is_file(path))
+    monkeypatch.setattr(pathlib.Path, "is_symlink", lambda path: path != mark and is_symlink(path))
+    for swap in (os.mkfifo, lambda path: os.symlink(outside, path)):
+        mark.unlink()
+        swap(mark)
+        outcome: list[BaseException | dict | None] = []
+
+        def read() -> None:
+            try:
+                outcome.append(read_mark(mark.parent))
+            except BaseException as exc:  # noqa: BLE001 (the outcome is asserted below)
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "read_best blocked on a FIFO renamed over the mark"
+        assert isinstance(outcome[0], CheckpointError), outcome
+        assert (
+            str(outcome[0])
+            == f"{mark} is not a best-checkpoint mark: delete it; the next save writes it again"
+        )
+
+
 def test_a_mark_is_not_believed_when_the_newest_checkpoint_it_is_checked_against_is_damaged(
     marked_run, tmp_path
 ):

@@ -35,6 +35,7 @@ __all__ = [
     "resume_command",
     "script_command",
     "staged_command",
+    "step_command",
     "torchrun_launcher",
     "with_option",
     "with_set",
@@ -215,6 +216,14 @@ def python_command() -> str:
         )
     except (OSError, ValueError):
         return sys.executable
+
+
+def step_command(script: str) -> str:
+    """The command that runs the numbered ``script``'s step, in the form this process was run in
+    (:meth:`Invocation.of`: ``python -m pipeline STEP`` after the installed command, ``python
+    scripts/0N_*.py`` after a numbered script), without flags: for a refusal raised where no
+    config is at hand (nothing trained yet, no stage); shell-quoted."""
+    return shlex.join([python_command(), *invocation(sys.argv).of(script)])
 
 
 def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..commands import step_command
 from ..durable import (
     FolderLock,
     atomic_folder,
@@ -439,7 +440,7 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
             else "point --checkpoint-dir at the folder that holds them"
         )
         raise NoCheckpoint(
-            f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, or {where}"
+            f"no committed checkpoint in {Path(root)}/: train first with {step_command('02_train.py')}, or {where}"
         )
     _refuse_symlink(store.path_for(steps[-1]))
     older = [store.path_for(step) for step in reversed(steps[:-1])]

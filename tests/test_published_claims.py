@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -327,6 +328,27 @@ def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marke
     loaded = load_checkpoint("best", marked_run / "estados_local", mode=LoadMode.WEIGHTS)
     assert loaded.folder.name == "step-00000003" and loaded.state_tensors == {}
     assert loaded.best == read_best(marked_run / "estados_local")
+
+
+def test_a_resume_from_the_best_beside_later_checkpoints_names_a_fork_that_runs_as_printed(
+    marked_run, data_dir, tmp_path
+):
+    """``02 --resume best`` in the run's own folder is refused (later checkpoints are there). Its
+    fix names the marked step's folder: ``--resume best`` with another ``--checkpoint-dir``
+    would look for a mark in that new, empty folder and fail a second time."""
+    folder = tmp_path / "run"
+    shutil.copytree(marked_run, folder)
+    script = _scripts(folder, "--set", f"data.dir={data_dir}", "--set", "training.eval_every=3",
+                      "--set", "checkpoint.best_metric=mse", "--set", "checkpoint.best_mode=max")  # fmt: skip
+    line = one_line_error(script("02_train.py", "--resume", "best", "--quiet"))
+    assert line == (
+        "error: estados_local/ holds step 10, newer than the resume point 3: resume from latest, or continue "
+        "step 3 in a new folder with --resume estados_local/step-00000003 --checkpoint-dir DIR"
+    )
+    fork = shlex.split(line.split(" in a new folder with ", 1)[1].replace("DIR", "runs/fork"))
+    ran = script("02_train.py", *fork, "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    assert "trained to step 10/10" in ran.stdout and "checkpoint runs/fork/step-00000010" in ran.stdout
 
 
 # -- a resume that changes the rule ---------------------------------------------------------------

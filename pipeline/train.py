@@ -257,6 +257,9 @@ def _train(
             start = _plan(store, config, manifest, request, launch, world)
         start = share_start(world, start, config, manifest["fingerprint"], request, launch)
         run, summary, changes, new = _build(start, store, world, hooks, allow_environment_change, launch)
+        if world.rank == 0 and start.step is not None:
+            best = run.config.checkpoint
+            store.mark_best_again(run.evaluations, best.best_metric, best.best_mode)
         report = _report(run, start, world, launch, new, progress)
         hint = resume_hint or world.resume_command(run.config)
         traces = _session_callbacks(run, world, report, hooks)

@@ -351,6 +351,42 @@ def test_a_resume_from_the_best_beside_later_checkpoints_names_a_fork_that_runs_
     assert "trained to step 10/10" in ran.stdout and "checkpoint runs/fork/step-00000010" in ran.stdout
 
 
+def test_a_run_stopped_between_its_last_commit_and_the_marks_move_is_marked_again_by_its_resume(
+    data_dir, tmp_path
+):
+    """A stop between a save's commit and the mark's move leaves the old best marked (crash
+    safety), and ``--checkpoint best`` refuses the mark one save behind. On the run's last save
+    no next save moves it: ``--resume latest`` of the finished run, which trains nothing, marks
+    the best again (pruning nothing). Resumed under another rule, the mark stays for the first
+    save to move."""
+    script = _scripts(tmp_path, "--set", f"data.dir={data_dir}", "--set", "training.eval_every=3",
+                      "--set", "checkpoint.best_metric=mse", "--set", "checkpoint.keep_last=2")  # fmt: skip
+    assert script("02_train.py", "--quiet").returncode == 0
+    root = tmp_path / "estados_local"
+    marked = read_best(root)
+    assert _committed(root) == [9, 10] and marked["step"] == 10  # mse falls: by min, the last is the best
+    # The stop between step 10's commit and the mark's move: step 9's mark, written at its save.
+    evaluations = _evaluations(root / "step-00000010")
+    behind = {
+        "step": 9,
+        "metric": "mse",
+        "mode": "min",
+        "value": evaluations["mse"][evaluations["step"].index(9)],
+    }
+    (root / "BEST.json").write_text(json.dumps(behind))
+    assert "but the committed step 10 was evaluated better" in one_line_error(
+        script("04_evaluate.py", "--checkpoint", "best")
+    )
+    other_rule = script("02_train.py", "--quiet", "--resume", "latest", "--set", "checkpoint.best_mode=max")
+    assert other_rule.returncode == 0, other_rule.stderr
+    assert read_best(root) == behind
+    resumed = script("02_train.py", "--quiet", "--resume", "latest")
+    assert resumed.returncode == 0 and "trained to step 10/10" in resumed.stdout, resumed.stderr
+    assert read_best(root) == marked and _committed(root) == [9, 10]
+    evaluated = script("04_evaluate.py", "--checkpoint", "best")
+    assert evaluated.returncode == 0 and "evaluated estados_local/step-00000010 (step 10)" in evaluated.stdout
+
+
 # -- a resume that changes the rule ---------------------------------------------------------------
 
 

@@ -12,10 +12,12 @@ best and the last verifiable whatever instant a kill strikes (:meth:`CheckpointS
 3. only then the prune runs, sparing the marked step besides the last ``keep_last``.
 
 A kill between 1 and 2 leaves the old best marked and kept; the next save marks the new one
-(it is recomputed from the evaluations at every save). A mark that cannot be read stops every
-prune (a warning): nothing is deleted that might be the best. A resume that changes
-``best_metric`` or ``best_mode`` moves the mark at its first save to the best of the kept
-checkpoints under the new rule, and only then may the old best be pruned.
+(it is recomputed from the evaluations at every save), and so does the next resume before it
+trains (:meth:`CheckpointStore.mark_best_again`): after a run's last save there is no next save.
+A mark that cannot be read stops every prune (a warning): nothing is deleted that might be
+the best. A resume that changes ``best_metric`` or ``best_mode`` moves the mark at its first
+save to the best of the kept checkpoints under the new rule, and only then may the old best be
+pruned.
 
 Every reader checks the mark against the checkpoint it names (:func:`check_best`): that step
 evaluated itself, with the marked value, no committed checkpoint before it recorded an
@@ -142,7 +144,8 @@ def check_best(
             raise CheckpointError(
                 f"{path} marks step {step} ({metric} = {value!r}) as the best ({mode}), but the committed "
                 f"step {after} was evaluated better, at {metric} = {after_value!r} (the mark was moved by "
-                f"hand, or a run stopped between that save and the mark's move): {fix}"
+                f"hand, or a run stopped between that save and the mark's move): resume the run with "
+                "--resume latest (it marks the best again before it trains), or pass --checkpoint latest or PATH"
             )
     return {"step": step, "metric": metric, "mode": mode, "value": value}
 

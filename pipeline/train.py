@@ -386,8 +386,11 @@ def _report(
         report.message(line)
     if (batch := effective_batch(run, world)) is not None:
         report.message(batch)
-    if run.callbacks.stopped is not None:
-        report.message(_stopped_line(run.callbacks.stopped) + "; --extend-to N trains it further")
+    if run.callbacks.stopped is not None:  # N past the run's length, which a stop may be short of
+        further = max(run.step, run.config.training.max_steps)
+        report.message(
+            _stopped_line(run.callbacks.stopped) + f"; --extend-to N (N > {further}) trains it further"
+        )
     return report
 
 

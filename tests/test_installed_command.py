@@ -172,7 +172,8 @@ def test_printed_commands_name_the_form_the_step_was_run_in(monkeypatch, tmp_pat
 def test_refusals_that_point_at_another_step_name_it_in_the_form_the_step_was_run_in(monkeypatch, tmp_path):
     """``python -m pipeline evaluate`` from an empty folder before any training, ``publish`` before
     any stage, a damaged data manifest: the step each refusal names is the one this form runs
-    (``-m pipeline train``), never a ``scripts/02_train.py`` that folder does not hold."""
+    (``-m pipeline train``), never a ``scripts/02_train.py`` that folder does not hold, with the
+    config's options it was given, so that it runs as printed."""
     from pipeline.audit import audit_stage
     from pipeline.checkpoint import resolve
     from pipeline.config import load_config
@@ -184,22 +185,24 @@ def test_refusals_that_point_at_another_step_name_it_in_the_form_the_step_was_ru
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "manifest.json").write_text("{")
     (tmp_path / "bare_stage").mkdir()
+    given = ["--config", str(CONFIG), "--set=training.seed=3", "--set", "card.license=mit"]
     for argv, named in (
-        ([str(MAIN), "evaluate", "--config", str(CONFIG)], "-m pipeline {step}"),
-        (["scripts/04_evaluate.py", "--config", str(CONFIG)], "scripts/{script}"),
+        ([str(MAIN), "evaluate", "--checkpoint", "latest", *given], "-m pipeline {step}"),
+        (["scripts/04_evaluate.py", "--checkpoint", "latest", *given], "scripts/{script}"),
     ):
         monkeypatch.setattr("sys.argv", argv)
         with pytest.raises(NoCheckpoint) as refused:
             resolve("latest", tmp_path / "estados_local", committed=True)
-        train = named.format(step="train", script="02_train.py")
-        assert f"/: train first with {python_command()} {train}, or pass --checkpoint PATH" in str(
-            refused.value
-        )
-        stage = named.format(step="stage", script="05_stage.py")
-        with pytest.raises(StageAuditError, match=f"hub_stage is not a stage folder: run .* {stage}$"):
+        # The config's options repeated (every step takes them), not 04's own --checkpoint.
+        train = f"{python_command()} {named.format(step='train', script='02_train.py')} {shlex.join(given)}"
+        assert f"/: train first with {train}, or pass --checkpoint PATH" in str(refused.value)
+        stage = f"{python_command()} {named.format(step='stage', script='05_stage.py')} {shlex.join(given)}"
+        with pytest.raises(StageAuditError) as missing:
             audit_stage(tmp_path / "hub_stage")
-        with pytest.raises(StageAuditError, match=f"is not a stage built by .* {stage}$"):
+        assert str(missing.value) == f"{tmp_path / 'hub_stage'} is not a stage folder: run {stage}"
+        with pytest.raises(StageAuditError) as bare:
             audit_stage(tmp_path / "bare_stage")
+        assert str(bare.value).endswith(f"is not a stage built by {stage}")
         prepare = named.format(step="prepare", script="01_prepare_data.py")
         with pytest.raises(DataError) as damaged:
             load_manifest(config)

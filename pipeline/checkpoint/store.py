@@ -309,10 +309,10 @@ class CheckpointStore:
         unreadable or of this same rule. A stop between a save's commit and the mark's move
         leaves the old best marked, and after the run's last save no next save moves it. A mark
         of another rule stays until the first save moves it. Nothing is pruned. Requires the lock."""
-        self._require_lock("mark the best")
         rule = BestRule.of(evaluations, metric, mode)
         if rule is None:
             return
+        self._require_lock("mark the best")
         try:
             mark = read_best(self.root)
         except CheckpointError:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
+from .commands import step_command
 from .durable import FolderLock
 from .errors import StageAuditError, StageError
 from .hashing import CHUNK, sha256_bytes, sha256_file
@@ -281,11 +282,11 @@ def audit_stage(
     """
     stage = Path(stage_dir)
     if stage.is_symlink() or not stage.is_dir():
-        raise StageAuditError(f"{stage} is not a stage folder: run scripts/05_stage.py")
+        raise StageAuditError(f"{stage} is not a stage folder: run {step_command('05_stage.py')}")
     manifest_path = stage / MANIFEST_FILE
     if not manifest_path.exists():
         raise StageAuditError(
-            f"{manifest_path} is missing: {stage}/ is not a stage built by scripts/05_stage.py"
+            f"{manifest_path} is missing: {stage}/ is not a stage built by {step_command('05_stage.py')}"
         )
     raw = _read_small(manifest_path)
     expected = parse_manifest(raw, where=str(manifest_path))

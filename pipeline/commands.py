@@ -36,6 +36,7 @@ __all__ = [
     "resume_command",
     "script_command",
     "staged_command",
+    "step_command",
     "torchrun_launcher",
     "with_option",
     "with_set",
@@ -207,6 +208,27 @@ def python_command() -> str:
         )
     except (OSError, ValueError):
         return sys.executable
+
+
+# The options every step takes with one meaning: a command for another step repeats them.
+_CONFIG_OPTIONS = ("--config", "--set")
+
+
+def step_command(script: str) -> str:
+    """The command that runs the numbered ``script``'s step, in the form this process was run in
+    (:meth:`Invocation.of`: ``python -m pipeline STEP`` after the installed command, ``python
+    scripts/0N_*.py`` after a numbered script), with the ``--config`` and each ``--set`` this
+    invocation was given: for a refusal raised where no config is at hand (nothing trained yet,
+    no stage); shell-quoted."""
+    invoked = invocation(sys.argv)
+    flags, kept = list(invoked.flags), []
+    while flags:
+        token = flags.pop(0)
+        if token in _CONFIG_OPTIONS and flags:
+            kept += [token, flags.pop(0)]
+        elif token.startswith(tuple(f"{option}=" for option in _CONFIG_OPTIONS)):
+            kept.append(token)
+    return shlex.join([python_command(), *invoked.of(script), *kept])
 
 
 def script_command(config: Config, script: str, *args: str, launcher: list[str] | None = None) -> str:

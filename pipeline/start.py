@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -366,8 +367,9 @@ def plan_start(
         in_store = Path(start.folder).resolve().parent == store.root.resolve()
         if newer and in_store:
             raise CheckpointError(
-                f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: "
-                "resume from latest, or use another --checkpoint-dir"
+                f"{store.root}/ holds step {newer[-1]}, newer than the resume point {step}: resume from "
+                f"latest, or continue step {step} in a new folder with --resume {shlex.quote(str(start.folder))} "
+                "--checkpoint-dir DIR"
             )
         _continue(start, data_fingerprint, request, launch, "latest" if in_store else str(start.folder))
         if request.stop_at is not None and request.stop_at <= step:

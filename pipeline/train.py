@@ -257,6 +257,9 @@ def _train(
             start = _plan(store, config, manifest, request, launch, world)
         start = share_start(world, start, config, manifest["fingerprint"], request, launch)
         run, summary, changes, new = _build(start, store, world, hooks, allow_environment_change, launch)
+        if world.rank == 0 and start.step is not None:
+            best = run.config.checkpoint
+            store.mark_best_again(run.evaluations, best.best_metric, best.best_mode)
         report = _report(run, start, world, launch, new, progress)
         hint = resume_hint or world.resume_command(run.config)
         traces = _session_callbacks(run, world, report, hooks)
@@ -383,8 +386,11 @@ def _report(
         report.message(line)
     if (batch := effective_batch(run, world)) is not None:
         report.message(batch)
-    if run.callbacks.stopped is not None:
-        report.message(_stopped_line(run.callbacks.stopped) + "; --extend-to N trains it further")
+    if run.callbacks.stopped is not None:  # N past the run's length, which a stop may be short of
+        further = max(run.step, run.config.training.max_steps)
+        report.message(
+            _stopped_line(run.callbacks.stopped) + f"; --extend-to N (N > {further}) trains it further"
+        )
     return report
 
 

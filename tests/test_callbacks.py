@@ -153,7 +153,9 @@ def test_a_callback_asking_to_stop_ends_the_run_committed_recorded_and_trained_n
     assert again.step == 4 and again.stopped == record and again.checkpoint == result.checkpoint
     assert CheckpointStore(tmp_path).committed_steps() == [4]
     said = capsys.readouterr().err
-    assert "stopped early at step 4: asked to stop at step 4" in said and "--extend-to" in said, said
+    assert "stopped early at step 4: asked to stop at step 4" in said, said
+    # The run is 10 steps: --extend-to must exceed its length, not only the step it stopped at.
+    assert "; --extend-to N (N > 10) trains it further" in said, said
     extended = train(config, resume="latest", extend_to=12, progress=False)
     assert extended.step == 12 and extended.stopped is None
     assert _callbacks(extended.checkpoint)["stopped"] is None

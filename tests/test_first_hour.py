@@ -61,6 +61,10 @@ def test_bad_values_are_refused_naming_the_key(items, expected):
         ("training:\n  max_steps: 3\n  max_steps: 4\n", r"at line 3: the key 'max_steps' is given twice"),
         ("training:\n  max_steps:\n", r"training\.max_steps has no value"),
         ("base: &b {hidden: 8}\nmodel:\n  params:\n    <<: *b\n    hidden: 4\n", r"unknown section 'base'"),
+        (
+            "training:\n  <<: {max_steps: 3}\n  <<: {max_steps: 5}\n",
+            r"at line 3: the key '<<' is given twice",
+        ),
     ],
 )
 def test_duplicate_keys_and_empty_values_in_a_file_are_refused(tmp_path, text, expected):
@@ -74,6 +78,16 @@ def test_a_yaml_merge_key_may_be_overridden_key_by_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  params:\n    <<: {hidden: 8, dropout: 0.0}\n    hidden: 4\n")
     assert load_config(path).model.params == {"hidden": 4, "dropout": 0.0}
+
+
+def test_a_section_written_without_a_key_under_it_takes_the_command_lines_keys(tmp_path):
+    """``training:`` with its keys commented out is the section's defaults, as a section left out
+    is: an override of one of its keys (``--max-steps 3``) fills it, never 'not a mapping'."""
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  # max_steps: 10\ncheckpoint:\n  every: 5\n")
+    assert load_config(path).training.max_steps == 10
+    config = load_config(path, {"training.max_steps": 3, "card.license": "mit"})
+    assert config.training.max_steps == 3 and config.card.license == "mit" and config.checkpoint.every == 5
 
 
 def test_factories_are_checked_for_their_signature_result_and_failures():

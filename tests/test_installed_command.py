@@ -16,6 +16,7 @@ from pipeline.commands import (
     STEPS,
     Invocation,
     invocation,
+    python_command,
     record_stage_command,
     resume_command,
     script_command,
@@ -166,6 +167,49 @@ def test_printed_commands_name_the_form_the_step_was_run_in(monkeypatch, tmp_pat
     ]  # fmt: skip
     # A step's name after another program (python some_tool.py train) is that program's argument.
     assert invocation(["tool.py", "train"]) == Invocation(("tool.py",), None, ("train",))
+
+
+def test_refusals_that_point_at_another_step_name_it_in_the_form_the_step_was_run_in(monkeypatch, tmp_path):
+    """``python -m pipeline evaluate`` from an empty folder before any training, ``publish`` before
+    any stage, a damaged data manifest: the step each refusal names is the one this form runs
+    (``-m pipeline train``), never a ``scripts/02_train.py`` that folder does not hold, with the
+    config's options it was given, so that it runs as printed."""
+    from pipeline.audit import audit_stage
+    from pipeline.checkpoint import resolve
+    from pipeline.config import load_config
+    from pipeline.data import load_manifest
+    from pipeline.errors import DataError, NoCheckpoint, StageAuditError
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(CONFIG, {"data.dir": "data"})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{")
+    (tmp_path / "bare_stage").mkdir()
+    given = ["--config", str(CONFIG), "--set=training.seed=3", "--set", "card.license=mit"]
+    for argv, named in (
+        ([str(MAIN), "evaluate", "--checkpoint", "latest", *given], "-m pipeline {step}"),
+        (["scripts/04_evaluate.py", "--checkpoint", "latest", *given], "scripts/{script}"),
+    ):
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(NoCheckpoint) as refused:
+            resolve("latest", tmp_path / "estados_local", committed=True)
+        # The config's options repeated (every step takes them), not 04's own --checkpoint.
+        train = f"{python_command()} {named.format(step='train', script='02_train.py')} {shlex.join(given)}"
+        assert f"/: train first with {train}, or pass --checkpoint PATH" in str(refused.value)
+        stage = f"{python_command()} {named.format(step='stage', script='05_stage.py')} {shlex.join(given)}"
+        with pytest.raises(StageAuditError) as missing:
+            audit_stage(tmp_path / "hub_stage")
+        assert str(missing.value) == f"{tmp_path / 'hub_stage'} is not a stage folder: run {stage}"
+        with pytest.raises(StageAuditError) as bare:
+            audit_stage(tmp_path / "bare_stage")
+        assert str(bare.value).endswith(f"is not a stage built by {stage}")
+        prepare = named.format(step="prepare", script="01_prepare_data.py")
+        with pytest.raises(DataError) as damaged:
+            load_manifest(config)
+        assert str(damaged.value).startswith(
+            f"data/manifest.json is damaged: rerun {python_command()} {prepare} --config {CONFIG} --set "
+            "data.dir=data into an empty data.dir"
+        ), damaged.value
 
 
 def test_the_console_command_is_declared_and_runs_the_steps_in_the_python_m_form(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -267,6 +268,59 @@ def test_a_mark_on_a_committed_step_that_did_not_evaluate_is_refused_in_one_line
     assert check_best({**mark, "step": 8}, evaluations, committed=[5, 8], path="run/BEST.json")["step"] == 8
 
 
+def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(marked_run, tmp_path):
+    """A metric read from the mark is printed in the refusal: one that is no metric name (a line
+    break, a terminal escape) is refused as such, so no line of the mark's reaches the terminal."""
+    for metric in ("mse\nerror: a second line", "\x1b[2J\x1b[31mmse", "mse\rok"):
+        folder = _moved(marked_run, tmp_path / str(len(metric)), metric=metric)
+        with pytest.raises(CheckpointError) as refused:
+            load_checkpoint("best", folder / "estados_local", mode=LoadMode.VERIFY)
+        assert str(refused.value) == (
+            f"{folder}/estados_local/BEST.json does not hold exactly step, a metric name, mode and a finite "
+            "value: delete it; the next save writes it again"
+        )
+
+
+def test_a_mark_swapped_for_a_fifo_or_a_link_after_a_look_at_its_name_is_refused_without_blocking(
+    marked_run, tmp_path, monkeypatch
+):
+    """The mark is read from the descriptor it was opened as: renamed over it between a look at
+    its name and the open, a FIFO would block the reader for ever, a link would be followed to a
+    file outside the folder. Every look at the name here sees the regular mark the run wrote."""
+    import pathlib
+    import threading
+
+    from pipeline.checkpoint.best import read_best as read_mark
+
+    folder = _moved(marked_run, tmp_path)
+    mark = folder / "estados_local" / "BEST.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(mark.read_bytes())
+    is_file, is_symlink = pathlib.Path.is_file, pathlib.Path.is_symlink
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda path: path == mark or is_file(path))
+    monkeypatch.setattr(pathlib.Path, "is_symlink", lambda path: path != mark and is_symlink(path))
+    for swap in (os.mkfifo, lambda path: os.symlink(outside, path)):
+        mark.unlink()
+        swap(mark)
+        outcome: list[BaseException | dict | None] = []
+
+        def read() -> None:
+            try:
+                outcome.append(read_mark(mark.parent))
+            except BaseException as exc:  # noqa: BLE001 (the outcome is asserted below)
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "read_best blocked on a FIFO renamed over the mark"
+        assert isinstance(outcome[0], CheckpointError), outcome
+        assert (
+            str(outcome[0])
+            == f"{mark} is not a best-checkpoint mark: delete it; the next save writes it again"
+        )
+
+
 def test_a_mark_is_not_believed_when_the_newest_checkpoint_it_is_checked_against_is_damaged(
     marked_run, tmp_path
 ):
@@ -304,6 +358,63 @@ def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marke
     loaded = load_checkpoint("best", marked_run / "estados_local", mode=LoadMode.WEIGHTS)
     assert loaded.folder.name == "step-00000003" and loaded.state_tensors == {}
     assert loaded.best == read_best(marked_run / "estados_local")
+
+
+def test_a_resume_from_the_best_beside_later_checkpoints_names_a_fork_that_runs_as_printed(
+    marked_run, data_dir, tmp_path
+):
+    """``02 --resume best`` in the run's own folder is refused (later checkpoints are there). Its
+    fix names the marked step's folder: ``--resume best`` with another ``--checkpoint-dir``
+    would look for a mark in that new, empty folder and fail a second time."""
+    folder = tmp_path / "run"
+    shutil.copytree(marked_run, folder)
+    script = _scripts(folder, "--set", f"data.dir={data_dir}", "--set", "training.eval_every=3",
+                      "--set", "checkpoint.best_metric=mse", "--set", "checkpoint.best_mode=max")  # fmt: skip
+    line = one_line_error(script("02_train.py", "--resume", "best", "--quiet"))
+    assert line == (
+        "error: estados_local/ holds step 10, newer than the resume point 3: resume from latest, or continue "
+        "step 3 in a new folder with --resume estados_local/step-00000003 --checkpoint-dir DIR"
+    )
+    fork = shlex.split(line.split(" in a new folder with ", 1)[1].replace("DIR", "runs/fork"))
+    ran = script("02_train.py", *fork, "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    assert "trained to step 10/10" in ran.stdout and "checkpoint runs/fork/step-00000010" in ran.stdout
+
+
+def test_a_run_stopped_between_its_last_commit_and_the_marks_move_is_marked_again_by_its_resume(
+    data_dir, tmp_path
+):
+    """A stop between a save's commit and the mark's move leaves the old best marked (crash
+    safety), and ``--checkpoint best`` refuses the mark one save behind. On the run's last save
+    no next save moves it: ``--resume latest`` of the finished run, which trains nothing, marks
+    the best again (pruning nothing). Resumed under another rule, the mark stays for the first
+    save to move."""
+    script = _scripts(tmp_path, "--set", f"data.dir={data_dir}", "--set", "training.eval_every=3",
+                      "--set", "checkpoint.best_metric=mse", "--set", "checkpoint.keep_last=2")  # fmt: skip
+    assert script("02_train.py", "--quiet").returncode == 0
+    root = tmp_path / "estados_local"
+    marked = read_best(root)
+    assert _committed(root) == [9, 10] and marked["step"] == 10  # mse falls: by min, the last is the best
+    # The stop between step 10's commit and the mark's move: step 9's mark, written at its save.
+    evaluations = _evaluations(root / "step-00000010")
+    behind = {
+        "step": 9,
+        "metric": "mse",
+        "mode": "min",
+        "value": evaluations["mse"][evaluations["step"].index(9)],
+    }
+    (root / "BEST.json").write_text(json.dumps(behind))
+    assert "but the committed step 10 was evaluated better" in one_line_error(
+        script("04_evaluate.py", "--checkpoint", "best")
+    )
+    other_rule = script("02_train.py", "--quiet", "--resume", "latest", "--set", "checkpoint.best_mode=max")
+    assert other_rule.returncode == 0, other_rule.stderr
+    assert read_best(root) == behind
+    resumed = script("02_train.py", "--quiet", "--resume", "latest")
+    assert resumed.returncode == 0 and "trained to step 10/10" in resumed.stdout, resumed.stderr
+    assert read_best(root) == marked and _committed(root) == [9, 10]
+    evaluated = script("04_evaluate.py", "--checkpoint", "best")
+    assert evaluated.returncode == 0 and "evaluated estados_local/step-00000010 (step 10)" in evaluated.stdout
 
 
 # -- a resume that changes the rule ---------------------------------------------------------------

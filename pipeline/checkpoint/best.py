@@ -12,10 +12,12 @@ best and the last verifiable whatever instant a kill strikes (:meth:`CheckpointS
 3. only then the prune runs, sparing the marked step besides the last ``keep_last``.
 
 A kill between 1 and 2 leaves the old best marked and kept; the next save marks the new one
-(it is recomputed from the evaluations at every save). A mark that cannot be read stops every
-prune (a warning): nothing is deleted that might be the best. A resume that changes
-``best_metric`` or ``best_mode`` moves the mark at its first save to the best of the kept
-checkpoints under the new rule, and only then may the old best be pruned.
+(it is recomputed from the evaluations at every save), and so does the next resume before it
+trains (:meth:`CheckpointStore.mark_best_again`): after a run's last save there is no next save.
+A mark that cannot be read stops every prune (a warning): nothing is deleted that might be
+the best. A resume that changes ``best_metric`` or ``best_mode`` moves the mark at its first
+save to the best of the kept checkpoints under the new rule, and only then may the old best be
+pruned.
 
 Every reader checks the mark against the checkpoint it names (:func:`check_best`): that step
 evaluated itself, with the marked value, no committed checkpoint before it recorded an
@@ -28,11 +30,15 @@ would otherwise present as the best it is not.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
+from ..config import METRIC_NAME
 from ..durable import json_loads_strict, write_json_atomic
 from ..errors import CheckpointError
 from ..layout import BEST_FILE
@@ -138,7 +144,8 @@ def check_best(
             raise CheckpointError(
                 f"{path} marks step {step} ({metric} = {value!r}) as the best ({mode}), but the committed "
                 f"step {after} was evaluated better, at {metric} = {after_value!r} (the mark was moved by "
-                f"hand, or a run stopped between that save and the mark's move): {fix}"
+                f"hand, or a run stopped between that save and the mark's move): resume the run with "
+                "--resume latest (it marks the best again before it trains), or pass --checkpoint latest or PATH"
             )
     return {"step": step, "metric": metric, "mode": mode, "value": value}
 
@@ -149,16 +156,31 @@ def best_path(root: str | Path) -> Path:
 
 def read_best(root: str | Path) -> dict[str, Any] | None:
     """The mark in ``root``, checked (``None``: there is none); a mark that is not one raises
-    :class:`CheckpointError` naming the file."""
+    :class:`CheckpointError` naming the file. Opened once, without following a link or waiting
+    on a FIFO, and read from what was opened: a file swapped in after a look at its name would
+    be read (or block the reader) otherwise."""
     path = best_path(root)
-    if not path.exists() and not path.is_symlink():
-        return None
-    if path.is_symlink() or not path.is_file() or path.stat().st_size > _MAX_BYTES:
-        raise CheckpointError(
-            f"{path} is not a best-checkpoint mark: delete it; the next save writes it again"
-        )
+    not_a_mark = CheckpointError(
+        f"{path} is not a best-checkpoint mark: delete it; the next save writes it again"
+    )
     try:
-        record = json_loads_strict(path.read_bytes())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link, a socket
+            raise not_a_mark from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_a_mark
+        data = os.read(fd, _MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_BYTES:
+        raise not_a_mark
+    try:
+        record = json_loads_strict(data)
     except ValueError as exc:
         raise CheckpointError(
             f"{path} is not valid JSON ({exc}): delete it; the next save writes it again"
@@ -169,14 +191,15 @@ def read_best(root: str | Path) -> dict[str, Any] | None:
         or type(record["step"]) is not int
         or record["step"] < 1
         or not isinstance(record["metric"], str)
+        or not METRIC_NAME.match(record["metric"])
         or record["mode"] not in ("min", "max")
         or isinstance(record["value"], bool)
         or not isinstance(record["value"], (int, float))
         or not math.isfinite(record["value"])
     ):
         raise CheckpointError(
-            f"{path} does not hold exactly step, metric, mode and a finite value: delete it; the next "
-            "save writes it again"
+            f"{path} does not hold exactly step, a metric name, mode and a finite value: delete it; the "
+            "next save writes it again"
         )
     return record
 

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..commands import step_command
 from ..durable import (
     FolderLock,
     atomic_folder,
@@ -302,6 +303,24 @@ class CheckpointStore:
             return False
         return True
 
+    def mark_best_again(self, evaluations: Mapping[str, list], metric: str, mode: str) -> None:
+        """At a resume, before anything is trained or saved: mark the best committed step under
+        this rule (``metric``, ``mode``; none without ``metric``) where the mark is missing,
+        unreadable or of this same rule. A stop between a save's commit and the mark's move
+        leaves the old best marked, and after the run's last save no next save moves it. A mark
+        of another rule stays until the first save moves it. Nothing is pruned. Requires the lock."""
+        rule = BestRule.of(evaluations, metric, mode)
+        if rule is None:
+            return
+        self._require_lock("mark the best")
+        try:
+            mark = read_best(self.root)
+        except CheckpointError:
+            mark = None
+        if mark is None or (mark["metric"], mark["mode"]) == (metric, mode):
+            self.best = rule
+            self._mark_best(max(self._listed_steps(), default=0))
+
     def wait_for_prune(self) -> None:
         """Wait for the prune :meth:`prune_after_commit` started, if any; raise here what it
         raised other than an OS error (those were logged as warnings)."""
@@ -439,7 +458,7 @@ def resolve(spec: str | Path, root: str | Path, *, committed: bool = False) -> t
             else "point --checkpoint-dir at the folder that holds them"
         )
         raise NoCheckpoint(
-            f"no committed checkpoint in {Path(root)}/: train first with scripts/02_train.py, or {where}"
+            f"no committed checkpoint in {Path(root)}/: train first with {step_command('02_train.py')}, or {where}"
         )
     _refuse_symlink(store.path_for(steps[-1]))
     older = [store.path_for(step) for step in reversed(steps[:-1])]

@@ -57,7 +57,9 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         if value is None:
             continue
         section, _, key = dotted.partition(".")
-        target = merged.setdefault(section, {})
+        if merged.get(section) is None:  # left out, or written without a key under it (``training:``)
+            merged[section] = {}
+        target = merged[section]
         if not isinstance(target, dict):
             raise ConfigError(f"cannot override {dotted}: section {section!r} is not a mapping")
         parts = key.split(".")

@@ -120,8 +120,14 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: set[Any] = set()
+        merges = 0
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden key by key
+                merges += 1
+                if merges > 1:  # PyYAML would merge both, one's keys silently over the other's
+                    raise yaml.constructor.ConstructorError(
+                        None, None, "the key '<<' is given twice", key_node.start_mark
+                    )
                 continue
             key = self.construct_object(key_node, deep=True)
             try:

@@ -108,7 +108,7 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
     _check_target(target)
-    existing = _read_manifest(target) if (target / DATA_MANIFEST_FILE).is_file() else None
+    existing = _read_manifest(target, config) if (target / DATA_MANIFEST_FILE).is_file() else None
     if existing is not None:
         difference = _recipe_difference(existing, config)
         if difference is not None:
@@ -157,8 +157,9 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     return target, manifest, True
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    """``folder/manifest.json``, parsed, with the fields every check uses."""
+def _read_manifest(folder: Path, config: Config) -> dict[str, Any]:
+    """``folder/manifest.json``, parsed, with the fields every check uses; a damaged one names
+    the prepare step of ``config`` to run again."""
     path = folder / DATA_MANIFEST_FILE
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -167,7 +168,7 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         manifest["fingerprint"]
     except (ValueError, KeyError, TypeError):
         raise DataError(
-            f"{path} is damaged: rerun scripts/01_prepare_data.py into an empty data.dir"
+            f"{path} is damaged: rerun {script_command(config, '01_prepare_data.py')} into an empty data.dir"
         ) from None
     return manifest
 
@@ -198,7 +199,7 @@ def load_manifest(config: Config, *, verify: bool = True, trained: str | None = 
         raise DataError(
             f"no prepared data in {folder}/: run {script_command(config, '01_prepare_data.py')} first"
         )
-    manifest = _read_manifest(folder)
+    manifest = _read_manifest(folder, config)
     difference = _recipe_difference(manifest, config)
     if difference is not None and trained is not None:
         key, there, here = difference

@@ -377,6 +377,25 @@ def test_an_early_stopped_run_is_staged_with_its_stop_on_the_card(trained_run, t
     assert json.loads((run.stage / "meta.json").read_text())["training"]["stopped"] == stopped
 
 
+def test_early_stopping_settings_may_change_on_resume(data_dir, tmp_path):
+    """Patience and threshold are the user's to retune mid-run (as for Trainer, a resume with
+    another EarlyStoppingCallback): not a changed config that refuses the resume."""
+    sets = {**EARLY, "training.max_steps": 8}
+    train(_config(data_dir, tmp_path, **sets), stop_at=4, progress=False)
+    retuned = {**sets, "training.early_stopping_patience": 3, "training.early_stopping_threshold": 0.001}
+    assert train(_config(data_dir, tmp_path, **retuned), resume="latest", progress=False).step == 8
+
+
+def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(data_dir, tmp_path):
+    """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
+    the first in order), so following it runs."""
+    with pytest.raises(ConfigError) as refused:
+        train(_config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"}), progress=False)
+    message = str(refused.value)
+    assert "checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse" in message, message
+    assert "checkpoint.best_metric=rmse" in message and "checkpoint.best_metric=mse" not in message, message
+
+
 def test_early_stopping_without_a_metric_to_watch_is_refused_in_one_line(data_dir, tmp_path):
     run = RunFolder(tmp_path)
     line = run.refused(

@@ -17,7 +17,7 @@ from conftest import RunFolder
 from pipeline.checkpoint import CheckpointStore
 from pipeline.checkpoint.meta import entry_of
 from pipeline.config import load_config
-from pipeline.errors import CheckpointError, ConfigError, StateMismatch
+from pipeline.errors import CheckpointError, ConfigError, MetricsError, StateMismatch
 from pipeline.proof import verify_resume
 from pipeline.proof.plan import controls
 from pipeline.train import TrainingHooks, train
@@ -36,6 +36,7 @@ from support import (
 CONFIG = REPO / "config.yaml"
 LOSS_SUM = "callback_factories:loss_sum"
 STOP_AT = "callback_factories:stop_at"
+NAMED_STEP = "callback_factories:build_data_metric_named_step"
 EVAL = {"training.eval_every": 2, "checkpoint.best_metric": "mse"}
 # mse falls ever more slowly as the schedule halves the rate: improvements of more than 0.005
 # stop after about 25 steps.
@@ -375,6 +376,14 @@ def test_an_early_stopped_run_is_staged_with_its_stop_on_the_card(trained_run, t
         "evaluations (early\\_stopping)."
     ) in card
     assert json.loads((run.stage / "meta.json").read_text())["training"]["stopped"] == stopped
+
+
+def test_an_evaluate_returning_a_metric_named_step_is_refused_before_anything_is_recorded(data_dir, tmp_path):
+    """ "step" names the evaluated steps' own tensor: its values would be mixed into them."""
+    config = _config(data_dir, tmp_path, **{"training.eval_every": 2, "data.factory": NAMED_STEP})
+    with pytest.raises(MetricsError, match=r"evaluate\(\) returned a metric named 'step'"):
+        train(config, progress=False)
+    assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
 
 
 def test_early_stopping_settings_may_change_on_resume(data_dir, tmp_path):

@@ -221,6 +221,25 @@ def test_a_callback_listed_twice_is_refused_at_the_start(data_dir, tmp_path):
     assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
 
 
+def test_a_callback_state_comes_back_with_its_json_types():
+    """A flag stays a flag: ``True`` saved is ``True`` resumed, not ``1`` (nor ``1.0``)."""
+    from pipeline.callbacks import plain_json
+
+    state = {
+        "done": True,
+        "off": False,
+        "count": 3,
+        "rate": 0.5,
+        "name": "x",
+        "none": None,
+        "seen": [True, 2],
+    }
+    copied = plain_json(state, "state")
+    assert copied == state
+    assert [type(copied[key]) for key in state] == [bool, bool, int, float, str, type(None), list]
+    assert [type(item) for item in copied["seen"]] == [bool, int]
+
+
 def test_a_callback_state_that_is_not_plain_json_is_refused_before_the_first_step(data_dir, tmp_path):
     config = _config(data_dir, tmp_path, **{"training.callbacks": ["callback_factories:tuple_state"]})
     with pytest.raises(CheckpointError, match=r"callback_factories:tuple_state holds a tuple"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .commands import step_command
 from .errors import SigningError
 from .layout import PUBLIC_KEY_FILE, SIGNATURE_FILE
 
@@ -311,7 +312,7 @@ def verify_stage(stage: Path, expected: ExpectedSigner | None = None) -> Signatu
         if expected.given:
             raise SigningError(
                 f"{stage}/ is not signed ({SIGNATURE_FILE} missing) but a key or identity was "
-                "given to check it: stage with scripts/05_stage.py --sign-key"
+                f"given to check it: stage with {step_command('05_stage.py')} --sign-key"
             )
         return None
     ms = _model_signing()

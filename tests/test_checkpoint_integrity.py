@@ -4,6 +4,7 @@ nothing on disk changes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -115,6 +116,29 @@ def test_garbled_meta_json_is_refused(data_dir, checkpoints):
     meta = checkpoints / "step-00000006" / "meta.json"
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
     refusal(data_dir, checkpoints, snapshot(checkpoints), "meta.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("swap", ["fifo", "link"])
+def test_a_meta_json_swapped_for_a_fifo_or_a_link_is_refused_without_being_read(
+    data_dir, checkpoints, tmp_path, swap
+):
+    """meta.json is opened once, not following a link: a FIFO would hang the reader, and a link
+    (here to a byte-identical copy, which a reader following it would accept) is not ours."""
+    meta = checkpoints / "step-00000006" / "meta.json"
+    copy = tmp_path / "elsewhere.json"
+    copy.write_bytes(meta.read_bytes())
+    meta.unlink()
+    if swap == "fifo":
+        os.mkfifo(meta)
+    else:
+        meta.symlink_to(copy)
+    expected = "FIFO" if swap == "fifo" else "symbolic link"
+    # Named as a path: a listing passes over a step whose meta.json is not a regular file
+    # (not committed), but a path given, or a swap after the listing, reaches the reader.
+    before = snapshot(checkpoints)
+    refusal(
+        data_dir, checkpoints, before, "meta.json", expected, "not a meta.json", resume_from=str(meta.parent)
+    )
 
 
 def test_wrong_schema_version_is_refused(data_dir, checkpoints):

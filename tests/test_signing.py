@@ -262,15 +262,19 @@ def test_signed_publish_verifies_with_the_cards_own_recipe_in_a_new_virtualenv_a
 
 
 def regenerate_manifest(stage: Path) -> None:
-    """What someone editing the stage by hand would do: `sha256sum` over the listed files again."""
-    names = sorted(parse_manifest((stage / "MANIFEST.sha256").read_bytes()))
+    """What someone editing the stage by hand would do: `sha256sum` over the listed files still there."""
+    names = sorted(
+        n for n in parse_manifest((stage / "MANIFEST.sha256").read_bytes()) if (stage / n).exists()
+    )
     (stage / "MANIFEST.sha256").write_text(
         "".join(f"{hashlib.sha256((stage / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
     )
 
 
 @SIGNED_RUN
-@pytest.mark.parametrize("case", ["edited_after_signing", "another_key_given_to_06", "signature_removed"])
+@pytest.mark.parametrize(
+    "case", ["edited_after_signing", "another_key_given_to_06", "signature_removed", "unsigned_but_key_given"]
+)
 def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
     signed_run, keys, run_copy, hub, tmp_path, case
 ):
@@ -282,13 +286,19 @@ def test_06_refuses_a_stage_whose_signature_does_not_verify_and_commits_nothing(
         regenerate_manifest(run.stage)
     elif case == "another_key_given_to_06":
         args = ["--verify-key", str(keys["other_public"])]
-    else:
+    elif case == "signature_removed":
         (run.stage / "model.sig").unlink()
+    else:  # the stage as an unsigned 05 writes it, checked against a key
+        (run.stage / "model.sig").unlink()
+        (run.stage / "signing_key.pub").unlink(missing_ok=True)
+        regenerate_manifest(run.stage)
+        args = ["--verify-key", str(keys["public"])]
     line = one_error_line(run_publish(run.stage, hub, "alice/signed", tmp_path / "receipts", *args))
     expected = {
         "edited_after_signing": "does not verify with --sign-key",
         "another_key_given_to_06": "signed with another key",
         "signature_removed": "no model.sig",
+        "unsigned_but_key_given": "05_stage.py --sign-key",
     }[case]
     assert expected in line, line
     assert write_requests(hub) == 0 and hub.count() == 0

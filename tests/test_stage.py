@@ -522,6 +522,17 @@ def test_a_proof_report_of_another_schema_or_unfinished_is_refused_in_one_line(t
         with pytest.raises(ProofMismatch) as refused:
             read_proof(tmp_path, {}, tmp_path)
         assert f"{report} is not a completed pipeline.resume-proof/1 report" in str(refused.value)
+        assert "03_verify_resume.py finish?" in str(refused.value)  # names the step to run
+    # A FIFO or a folder in its place is one line, not a hang or a traceback.
+    report.unlink()
+    os.mkfifo(report)
+    with pytest.raises(ProofMismatch, match="is a FIFO, not a regular file: not a proof report"):
+        read_proof(tmp_path, {}, tmp_path)
+    report.unlink()
+    report.mkdir()
+    with pytest.raises(ProofMismatch, match="is a folder, not a regular file: not a proof report"):
+        read_proof(tmp_path, {}, tmp_path)
+    report.rmdir()
     # What 03 writes passes this check and is held to the next one: the sources it proves.
     report.write_text(json.dumps({"schema": REPORT_SCHEMA, "completed": True}))
     with pytest.raises(ProofMismatch, match="lacks the sources a proof records"):

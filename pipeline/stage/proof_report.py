@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..commands import step_command
 from ..config import RESUME_IRRELEVANT_KEYS, config_from_dict
-from ..errors import ConfigError, ProofMismatch
+from ..errors import ConfigError, FileChanged, ProofMismatch
 from ..proof import REPORT_SCHEMA
 from ..proof.layout import REPORT_FILE
 from ..provenance import sources_fingerprint
+from ..safe_read import read_regular
 from .redact import public_paths
 
 __all__ = ["PROOF_FILE", "read_proof"]
@@ -35,17 +37,23 @@ def _computed(flat: dict[str, Any]) -> dict[str, Any]:
 
 def _load(folder: Path) -> dict[str, Any]:
     path = folder / REPORT_FILE
+    # Opened once and read from what was opened: a FIFO in its place would hang 05.
     try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise ProofMismatch(f"{path} is larger than {_MAX_BYTES} bytes: not a proof report")
-        report = json.loads(path.read_bytes())
+        raw = read_regular(path, _MAX_BYTES)
     except OSError as exc:
         raise ProofMismatch(f"cannot read the proof {path}: {exc.strerror or exc}") from None
+    except FileChanged as changed:
+        raise ProofMismatch(f"{path} {changed.reason}: not a proof report") from None
+    except ValueError as refusal:
+        raise ProofMismatch(f"{path} {refusal}: not a proof report") from None
+    try:
+        report = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise ProofMismatch(f"{path} is not valid JSON") from None
     if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA or not report.get("completed"):
         raise ProofMismatch(
-            f"{path} is not a completed {REPORT_SCHEMA} report (did scripts/03_verify_resume.py finish?)"
+            f"{path} is not a completed {REPORT_SCHEMA} report (did "
+            f"{step_command('03_verify_resume.py')} finish?)"
         )
     return report
 
@@ -77,7 +85,7 @@ def read_proof(folder: str | Path, meta: dict[str, Any], root: str | Path) -> di
             raise ProofMismatch(
                 f"{where} proves other {kind} than step {meta['step']} was trained with "
                 f"({kind} fingerprint {str(proven[kind])[:12]}, checkpoint "
-                f"{str(fingerprints.get(kind))[:12]}); rerun scripts/03_verify_resume.py"
+                f"{str(fingerprints.get(kind))[:12]}); rerun {step_command('03_verify_resume.py')}"
             )
     proof_flat, saved_flat = _computed(proof_config.flat()), _computed(saved_config.flat())
     differing = sorted(
@@ -88,6 +96,6 @@ def read_proof(folder: str | Path, meta: dict[str, Any], root: str | Path) -> di
         raise ProofMismatch(
             f"{where} proves another config than step {meta['step']} was trained with: {key} is "
             f"{proof_flat.get(key)!r} there, {saved_flat.get(key)!r} in the checkpoint; rerun "
-            "scripts/03_verify_resume.py with the training config"
+            f"{step_command('03_verify_resume.py')} with the training config"
         )
     return public_paths(report, root)

@@ -283,3 +283,35 @@ def test_the_card_names_the_launch_and_the_runs_moves_extensions_and_changes_in_
         "from 1 to 2 after step 4; extended from 10 to 20 steps after step 10; moved to 4 processes (FSDP2) "
         "after step 12 |"
     ) in card
+
+
+def test_a_one_process_torchrun_launch_is_named_and_reproduced_under_torchrun(staged_run):
+    """A DDP or FSDP2 run of one process is not a plain one-process run: the card says which,
+    and its Reproduce command launches torchrun (02 refuses a DDP record in a plain process)."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    for parallel in ("ddp", "fsdp2"):
+        launch = {"parallel": parallel, "world_size": 1, "ddp_find_unused_parameters": None}
+        meta["training"].update(launch=launch, changes=[], lineage=[])
+        card = str(build_model_card(meta, meta["files"]))
+        assert f"| launch | one process ({parallel.upper()}) on cpu |" in card, card
+        assert (
+            "python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/02_train.py "
+            "--config config.yaml"
+        ) in card, card
+
+
+def test_the_card_states_the_last_step_the_epochs_and_a_sample_with_backtick_runs_whole(staged_run):
+    """Rendered from the staged record: a checkpoint at the run's planned last step is that, not
+    an intermediate one; training.epochs is a row of the training table; a sample holding runs
+    of backticks stays inside its code block (the fence is longer than any run in it)."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    planned = meta["config"]["training"]["max_steps"]
+    meta["step"] = planned
+    meta["training"]["stopped"] = None
+    meta["config"]["training"]["epochs"] = 3
+    sample = "print('```')\n```\n````python\nthe end"
+    card = str(build_model_card(meta, meta["files"], sample=sample))
+    assert f"This is step **{planned:,}**, the last step of its run;" in card, card
+    assert "intermediate checkpoint" not in card, card
+    assert "| epochs | 3 (`training.epochs`) |" in card, card
+    assert f"`````text\n{sample}\n`````\n" in card, card

@@ -14,12 +14,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 from test_hostile_folders import leftovers, stage, tiny_folder
 
 import pipeline.stage.from_folder as from_folder
 from pipeline.durable import fsync_tree, remove_tree
-from pipeline.errors import FolderTooDeep, StageError, UnsealedCheckpoint
+from pipeline.errors import FolderTooDeep, RepoIdError, StageError, UnsealedCheckpoint
 from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
 from pipeline.stage.card_parts import card_data
 
@@ -279,6 +281,63 @@ def test_a_checkpoints_private_weights_are_staged_private(trained_run, run_copy)
     run.ok("05_stage.py", "--no-metrics")
     assert stat.S_IMODE((run.stage / "modelo.safetensors").stat().st_mode) == 0o600
     assert stat.S_IMODE((run.stage / "README.md").stat().st_mode) & 0o044 == 0o044
+
+
+def sharded_tiny_folder(root: Path, modes: tuple[int, int] = (0o644, 0o644)) -> Path:
+    """A tiny folder whose weights are two shards and their index, each shard with its mode."""
+    folder = tiny_folder(root)
+    (folder / "model.safetensors").unlink()
+    shards = {
+        "model-00001-of-00002.safetensors": "layer.weight",
+        "model-00002-of-00002.safetensors": "layer.bias",
+    }
+    for (shard, tensor), mode in zip(shards.items(), modes):
+        save_file({tensor: torch.ones(4, 4) if tensor == "layer.weight" else torch.zeros(4)}, folder / shard)
+        os.chmod(folder / shard, mode)
+    weight_map = {tensor: shard for shard, tensor in shards.items()}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def test_sharded_weights_are_staged_with_the_least_permissions_of_their_shards(tmp_path):
+    """Two shards another user may read only one of each (0640, 0604): the staged weights,
+    made from both, may be read by neither group nor others."""
+    folder = sharded_tiny_folder(tmp_path / "model", modes=(0o640, 0o604))
+    umask = os.umask(0o022)
+    try:
+        stage(folder, tmp_path / "stage")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "stage" / "model.safetensors").stat().st_mode) == 0o600
+
+
+def test_an_index_mapping_a_tensor_to_a_shard_that_does_not_hold_it_is_refused(tmp_path):
+    """Staged, such a folder would lack a tensor its own index promises (what from_pretrained expects)."""
+    folder = sharded_tiny_folder(tmp_path / "model")
+    index = folder / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    listed["weight_map"]["layer.scale"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(listed))
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage")
+    message = str(refused.value)
+    assert (
+        "model.safetensors.index.json maps tensor layer.scale to model-00002-of-00002.safetensors, which does "
+        "not hold it; nothing was staged"
+    ) in message, message
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+def test_a_repo_id_without_a_namespace_is_refused_before_anything_is_staged(tmp_path):
+    """The card's snippets download from --repo-id: a bare name is a repo of the Hub's own."""
+    folder = tiny_folder(tmp_path / "model")
+    with pytest.raises(RepoIdError, match="--repo-id 'tiny-net' names no namespace: use 'namespace/name'"):
+        stage(folder, tmp_path / "stage", repo_id="tiny-net")
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+    stage(folder, tmp_path / "stage", repo_id="you/tiny-net")
+    assert "you/tiny-net" in (tmp_path / "stage" / "README.md").read_text()
 
 
 # -- names shown once ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ publish() in this process where only our own retry waits are at stake (recorded,
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -19,8 +20,15 @@ from huggingface_hub import get_session
 from test_publish import assert_holds_exactly_the_stage, commit_titles, publish_here, run_publish, stored
 from test_publish_safety import error_line_after_uploads
 
-from pipeline.errors import PublishError, PublishTimedOut, UploadInterrupted, VerificationFailed
+from pipeline.errors import (
+    DeadlinePassed,
+    PublishError,
+    PublishTimedOut,
+    UploadInterrupted,
+    VerificationFailed,
+)
 from pipeline.publishing import deadline
+from pipeline.publishing import xet as xet_side
 
 from support import XET_FAST_RETRIES
 
@@ -289,3 +297,74 @@ def test_after_the_first_cut_the_settled_deadline_still_cuts_a_verification_that
     assert hub.count("GET", r"/resolve/") >= 1 and hub.count("POST", r"/commit/") == 1
     # Cut at the settled deadline, 3 + 3 s: well before the release would end the trickle.
     assert elapsed < 3 + 3 + 2, elapsed
+
+
+# -- the deadline's own rules, on a real clock (the time left, not the --timeout, is what counts) --
+
+
+def test_a_retry_that_would_wait_past_the_time_left_stops_at_once(waits):
+    limit = deadline.Deadline(1.0)
+    limit.wait(0.1, "reading the branch head")  # within the time left: waited
+    time.sleep(0.5)
+    with pytest.raises(DeadlinePassed, match="no time left to retry the commit"):
+        limit.wait(0.6, "the commit")  # shorter than the --timeout, longer than what is left
+    assert waits == [0.1]
+
+
+def test_a_retry_after_longer_than_the_time_left_ends_the_request_at_once(hub):
+    path = r"/api/models/alice/asked$"
+    hub.rate_limit_next(times=2, retry_after=1, method="GET", path=path)
+    url = f"{hub.url}/api/models/alice/asked"
+    with deadline.Deadline(10).installed():  # a 1 s wait fits: the answer is the client's to retry
+        assert get_session().get(url).status_code == 429
+    limit = deadline.Deadline(1.5)
+    time.sleep(0.6)  # 0.9 s left, less than the 1 s asked (though the --timeout is longer)
+    with limit.installed(), pytest.raises(DeadlinePassed, match="asks to wait 1s before retrying") as asked:
+        get_session().get(url)
+    assert asked.value.asked == 1
+
+
+def test_settling_after_the_commit_never_runs_past_the_timeout_and_one_settling_time():
+    started = time.monotonic()
+    limit = deadline.Deadline(0.2)
+    made = time.monotonic()
+    time.sleep(0.3)  # past the deadline: the commit was sent, its outcome is being found out
+    limit.settle()
+    assert started + 0.3 < limit.end <= made + 0.2 + 0.2, (limit.end - started, made - started)
+    time.sleep(max(0.0, limit.end - time.monotonic()) + 0.05)
+    limit.settle()  # a second settle (the verification) gets no more time
+    assert limit.expired(), limit.remaining()
+
+
+XET_SETTINGS = (
+    "HF_XET_CLIENT_RETRY_MAX_DURATION",
+    "HF_XET_CLIENT_RETRY_BASE_DELAY",
+    "HF_XET_CLIENT_READ_TIMEOUT",
+    "HF_XET_CLIENT_CONNECT_TIMEOUT",
+)
+
+
+def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_restored_after(monkeypatch):
+    """hf_xet's documented settings during an upload: the smaller of the user's value (else
+    hf_xet's default: 360 s budget, 3 s base delay, 300 s read, 60 s connect) and the deadline's
+    share; afterwards exactly what the process had, unset ones unset."""
+    for name in XET_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_XET_CLIENT_RETRY_MAX_DURATION", "10s")
+    before = {name: os.environ.get(name) for name in XET_SETTINGS}
+    with xet_side.capped(600):  # a long deadline: the user's and hf_xet's own values stand (timeouts: 60 s)
+        assert {name: os.environ[name] for name in XET_SETTINGS} == {
+            "HF_XET_CLIENT_RETRY_MAX_DURATION": "10000ms",
+            "HF_XET_CLIENT_RETRY_BASE_DELAY": "3000ms",
+            "HF_XET_CLIENT_READ_TIMEOUT": "60000ms",
+            "HF_XET_CLIENT_CONNECT_TIMEOUT": "60000ms",
+        }
+    assert {name: os.environ.get(name) for name in XET_SETTINGS} == before
+    with xet_side.capped(3):  # 3 s left: a third for the retries, a thirtieth for the first delay
+        assert {name: os.environ[name] for name in XET_SETTINGS} == {
+            "HF_XET_CLIENT_RETRY_MAX_DURATION": "1000ms",
+            "HF_XET_CLIENT_RETRY_BASE_DELAY": "100ms",
+            "HF_XET_CLIENT_READ_TIMEOUT": "3000ms",
+            "HF_XET_CLIENT_CONNECT_TIMEOUT": "3000ms",
+        }
+    assert {name: os.environ.get(name) for name in XET_SETTINGS} == before

@@ -344,7 +344,18 @@ XET_SETTINGS = (
 )
 
 
-def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_restored_after(monkeypatch):
+@pytest.mark.parametrize(
+    ("seconds_left", "during"),
+    [
+        # a long deadline: the user's 10 s budget and hf_xet's own values stand (timeouts capped at 60 s)
+        pytest.param(600, ("10000ms", "3000ms", "60000ms", "60000ms"), id="long-deadline"),
+        # 3 s left: a third for the retries, a thirtieth for the first delay
+        pytest.param(3, ("1000ms", "100ms", "3000ms", "3000ms"), id="3s-left"),
+    ],
+)
+def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_restored_after(
+    monkeypatch, seconds_left, during
+):
     """hf_xet's documented settings during an upload: the smaller of the user's value (else
     hf_xet's default: 360 s budget, 3 s base delay, 300 s read, 60 s connect) and the deadline's
     share; afterwards exactly what the process had, unset ones unset."""
@@ -352,19 +363,6 @@ def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_rest
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_XET_CLIENT_RETRY_MAX_DURATION", "10s")
     before = {name: os.environ.get(name) for name in XET_SETTINGS}
-    with xet_side.capped(600):  # a long deadline: the user's and hf_xet's own values stand (timeouts: 60 s)
-        assert {name: os.environ[name] for name in XET_SETTINGS} == {
-            "HF_XET_CLIENT_RETRY_MAX_DURATION": "10000ms",
-            "HF_XET_CLIENT_RETRY_BASE_DELAY": "3000ms",
-            "HF_XET_CLIENT_READ_TIMEOUT": "60000ms",
-            "HF_XET_CLIENT_CONNECT_TIMEOUT": "60000ms",
-        }
-    assert {name: os.environ.get(name) for name in XET_SETTINGS} == before
-    with xet_side.capped(3):  # 3 s left: a third for the retries, a thirtieth for the first delay
-        assert {name: os.environ[name] for name in XET_SETTINGS} == {
-            "HF_XET_CLIENT_RETRY_MAX_DURATION": "1000ms",
-            "HF_XET_CLIENT_RETRY_BASE_DELAY": "100ms",
-            "HF_XET_CLIENT_READ_TIMEOUT": "3000ms",
-            "HF_XET_CLIENT_CONNECT_TIMEOUT": "3000ms",
-        }
+    with xet_side.capped(seconds_left):
+        assert tuple(os.environ[name] for name in XET_SETTINGS) == during
     assert {name: os.environ.get(name) for name in XET_SETTINGS} == before

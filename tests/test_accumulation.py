@@ -231,7 +231,7 @@ def test_the_best_survives_keep_last_1_and_is_selected_by_checkpoint_best(data_d
 
 
 def test_a_mark_that_cannot_be_read_prunes_nothing_and_best_is_refused(data_dir, tmp_path):
-    ran = train(data_dir, tmp_path, "--max-steps", "4", "--checkpoint-every", "1",
+    ran = train(data_dir, tmp_path, "--max-steps", "4", "--checkpoint-every", "1", "--keep-last", "4",
                 "--set", "training.eval_every=2", "--set", "checkpoint.best_metric=mse",
                 "--set", "checkpoint.best_mode=max")  # fmt: skip
     assert ran.returncode == 0, ran.stderr
@@ -239,11 +239,23 @@ def test_a_mark_that_cannot_be_read_prunes_nothing_and_best_is_refused(data_dir,
     store = CheckpointStore(tmp_path, keep_last=1)
     with store:
         assert store.prune() == []
+        assert store.committed_steps() == [1, 2, 3, 4]
     from pipeline.checkpoint import load_checkpoint
     from pipeline.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="BEST.json is not valid JSON"):
         load_checkpoint("best", tmp_path)
+    # The resume marks the best again over the damaged mark, and the prunes run again.
+    evaluations = {
+        key.removeprefix("evaluation/"): t.tolist()
+        for key, t in _state(tmp_path / "step-00000004").items()
+        if key.startswith("evaluation/")
+    }
+    with store:
+        store.mark_best_again(evaluations, "mse", "max")
+        assert read_best(tmp_path)["step"] == _best_steps(tmp_path / "step-00000004", "max") == 2
+        assert store.prune() == [1, 3]
+    assert load_checkpoint("best", tmp_path).folder.name == "step-00000002"
     (tmp_path / "BEST.json").unlink()
     with pytest.raises(CheckpointError, match="no best checkpoint is marked"):
         load_checkpoint("best", tmp_path)

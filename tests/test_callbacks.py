@@ -338,6 +338,21 @@ def test_the_best_mark_moves_to_each_new_best_as_the_run_trains(data_dir, tmp_pa
     assert len({step for _, step in marks if step is not None}) >= 2, marks  # it moved during the run
 
 
+def test_with_best_mode_max_the_steps_saved_as_new_bests_are_the_new_highest_values(data_dir, tmp_path):
+    """A metric that jumps about (``wobble``), evaluated at every step, saved only as new bests
+    (and the last step): the steps saved are exactly those whose value is higher than every
+    earlier evaluation's, not the new lowest ones."""
+    sets = {"data.factory": "trainer_factories:build_data_wobbling_evaluate", "training.eval_every": 1,
+            "checkpoint.best_metric": "wobble", "checkpoint.best_mode": "max", "checkpoint.every": 100,
+            "checkpoint.keep_last": 100}  # fmt: skip
+    result = train(_config(data_dir, tmp_path, **sets), progress=False)
+    steps, values = result.evaluations["step"], result.evaluations["wobble"]
+    highs = {step for i, step in enumerate(steps) if all(values[i] > v for v in values[:i])}
+    lows = {step for i, step in enumerate(steps) if all(values[i] < v for v in values[:i])}
+    assert lows - highs - {10}, (steps, values)  # not vacuous: a new lowest value that is no new best
+    assert CheckpointStore(tmp_path).committed_steps() == sorted(highs | {10})
+
+
 def test_early_stopping_stops_at_the_step_its_rule_gives(data_dir, tmp_path, without_early_stopping):
     expected = _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.005)
     assert expected is not None and 10 < expected < 40

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -830,6 +831,42 @@ def test_the_best_mark_of_a_distributed_run_is_checked_against_its_own_evaluatio
         CheckpointError, match=f"BEST.json marks step {other} with mse = .* but that checkpoint recorded"
     ):
         load_checkpoint("best", moved, mode=LoadMode.VERIFY)
+
+
+@LEGS
+def test_a_run_moved_to_one_process_keeps_its_evaluations_and_derives_its_rng_from_the_resumed_step(
+    legs, data_dir, tmp_path
+):
+    """The FSDP2 run evaluated every 4 steps, its step 8 resumed in one process (--reshard): the
+    evaluations of steps 4 and 8 carry over (the best mark and the traces are made from them),
+    and the process's RNG streams are derived from (seed, 8, rank 0), not a fresh run's."""
+    from pipeline.checkpoint import best_record, evaluations_from, read_best
+    from pipeline.checkpoint.dist_restore import read_full_state
+    from pipeline.rng import capture_rng, derive_rank_rng
+    from pipeline.train import TrainingHooks
+
+    folder = legs[0] / "best_fsdp2" / "step-00000008"
+    before = evaluations_from(read_full_state(folder)[2], 8)
+    assert before["step"] == [4, 8], before
+    shutil.copytree(folder, tmp_path / "step-00000008")
+    sets = {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path), "training.eval_every": 4,
+            "checkpoint.best_metric": "mse", "checkpoint.keep_last": 3}  # fmt: skip
+    config = load_config(CONFIG, sets)
+    started = {}
+
+    def look(run) -> None:
+        started["evaluations"] = {name: list(values) for name, values in run.evaluations.items()}
+        started["rng"] = capture_rng(run.generator)
+
+    result = train(config, resume="latest", reshard=True, progress=False, hooks=TrainingHooks(on_start=look))
+    assert started["evaluations"] == before
+    assert result.evaluations["step"] == [4, 8, 10]
+    committed = sorted(int(f.name[5:]) for f in tmp_path.glob("step-*"))
+    assert read_best(tmp_path) == best_record(result.evaluations, "mse", "min", among=committed)
+    derive_rank_rng(config.training.seed, 8, 0)
+    derived = capture_rng(np.random.Generator(np.random.PCG64(0)))
+    assert started["rng"]["python"] == derived["python"]
+    assert torch.equal(started["rng"]["torch_cpu"], derived["torch_cpu"])
 
 
 @pytest.mark.heavy

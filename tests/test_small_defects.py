@@ -1,6 +1,8 @@
 """Small defects, one test each: the NaN check under fp16 AMP, prepared
-data fsynced (files, every folder, the parent), ``factories.resolve`` leaving ``sys.path``
-as it was, an oversize staged meta.json named as such, and 01 naming what is in its way."""
+data fsynced (files, every folder, the parent) and refused once changed since (a forged
+manifest fingerprint, a damaged file under 01 run again), ``factories.resolve`` leaving
+``sys.path`` as it was, an oversize staged meta.json named as such, and 01 naming what is in
+its way."""
 
 from __future__ import annotations
 
@@ -127,6 +129,30 @@ def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_th
         for p in tmp_path.rglob("*")
     )
     assert after == before
+
+
+def test_prepared_data_changed_since_is_refused_by_01_run_again_and_by_every_reader(tmp_path):
+    """A manifest whose fingerprint (what checkpoints are pinned to) was edited while every file
+    still matches its table is refused; so is a file damaged since, by 01 run again over it,
+    which keeps nothing damaged without a word and touches nothing."""
+    target = tmp_path / "data"
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    prepare_data(config)
+    manifest_file = target / "manifest.json"
+    original = manifest_file.read_bytes()
+    forged = {**json.loads(original), "fingerprint": hashlib.sha256(b"other data").hexdigest()}
+    manifest_file.write_text(json.dumps(forged))
+    for reader in (load_manifest, prepare_data):
+        with pytest.raises(DataError, match="manifest.json fingerprint does not match its file table"):
+            reader(config)
+    manifest_file.write_bytes(original)
+    name = sorted(forged["files"])[0]
+    damaged = bytearray((target / name).read_bytes())
+    damaged[-1] ^= 0x01
+    (target / name).write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=f"{name} changed since it was prepared"):
+        prepare_data(config)
+    assert (target / name).read_bytes() == damaged and manifest_file.read_bytes() == original
 
 
 def test_01_prepares_into_an_empty_folder(tmp_path):

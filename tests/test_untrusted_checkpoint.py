@@ -446,6 +446,13 @@ def _swap_refs(meta: dict) -> None:
     first["exp_avg"], second["exp_avg"] = second["exp_avg"], first["exp_avg"]
 
 
+def _one_parameter_past_the_model(meta: dict) -> None:
+    """Parameter 0's Adam state filed under the index one past the model's last parameter
+    (every parameter has a state, so their count is the model's)."""
+    pairs = meta["training_state"]["optimizer"]["state"]["__dict__"]
+    pairs[0][0] = len(pairs)
+
+
 def _alias(meta: dict) -> None:
     entry = meta["training_state"]["optimizer"]["state"]["__dict__"][0][1]
     entry["exp_avg_sq"] = dict(entry["exp_avg"])
@@ -475,6 +482,10 @@ STATE_EDITS = {
     ),
     "one tensor referenced twice": (_alias, "referenced twice"),
     "moments of another parameter's shape": (_swap_refs, "optimizer.state[0].exp_avg"),
+    "a state for one parameter more than the model has": (
+        _one_parameter_past_the_model,
+        "optimizer.state names parameter",
+    ),
     "cursor past the data": (lambda m: _set(m, "training_state.data.sampler.cursor", 10**6), "data.sampler"),
     "negative epoch": (lambda m: _set(m, "training_state.data.sampler.epoch", -1), "data.sampler"),
     "scheduler position off the step": (

@@ -33,7 +33,7 @@ from typing import Iterator
 from .errors import FileChanged, FolderTooDeep, InternalError, shown
 from .hashing import CHUNK
 
-__all__ = ["MAX_DEPTH", "HandedFile", "HandedFolder", "Seen", "read_regular"]
+__all__ = ["MAX_DEPTH", "HandedFile", "HandedFolder", "Seen", "read_own", "read_regular"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -285,3 +285,19 @@ def read_regular(path: str | Path, limit: int, *, follow: bool = True) -> bytes:
         return b"".join(HandedFile(fd, path, info).chunks())
     finally:
         os.close(fd)
+
+
+def read_own(path: str | Path, limit: int) -> bytes:
+    """A file the pipeline itself wrote (a checkpoint's ``meta.json``, a data manifest), read
+    as :func:`read_regular` reads it with ``follow=False``: a link, a FIFO, a device, a
+    folder, a file over ``limit`` bytes or one that changes while read is a ``ValueError``
+    saying what it is (without the path: the caller names the file and the fix); a missing
+    one, ``FileNotFoundError``."""
+    try:
+        return read_regular(path, limit, follow=False)
+    except FileChanged as changed:
+        raise ValueError(changed.reason) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("is a symbolic link") from None
+        raise

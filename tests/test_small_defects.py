@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -153,6 +154,31 @@ def test_prepared_data_changed_since_is_refused_by_01_run_again_and_by_every_rea
     with pytest.raises(DataError, match=f"{name} changed since it was prepared"):
         prepare_data(config)
     assert (target / name).read_bytes() == damaged and manifest_file.read_bytes() == original
+
+
+@pytest.mark.parametrize("swap", ["fifo", "link", "folder"])
+def test_a_data_manifest_that_is_not_the_file_01_wrote_is_refused_without_being_read(tmp_path, swap):
+    """manifest.json is opened once, not following a link: a FIFO would hang 02, 03 and 04, and a
+    link (here to a byte-identical copy, which a reader following it would accept) would make
+    another file the data's record."""
+    target = tmp_path / "data"
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    prepare_data(config)
+    manifest_file = target / "manifest.json"
+    copy = tmp_path / "elsewhere.json"
+    copy.write_bytes(manifest_file.read_bytes())
+    manifest_file.unlink()
+    {"fifo": os.mkfifo, "link": lambda path: path.symlink_to(copy), "folder": os.mkdir}[swap](manifest_file)
+    what = {
+        "fifo": "a FIFO, not a regular file",
+        "link": "a symbolic link",
+        "folder": "a folder, not a regular file",
+    }
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    message = str(refused.value)
+    assert message.startswith(f"{manifest_file} is {what[swap]}: not the manifest script 01 writes; rerun ")
+    assert message.endswith("01_prepare_data.py --set data.dir=" + str(target) + " into an empty data.dir")
 
 
 def test_01_prepares_into_an_empty_folder(tmp_path):

@@ -14,7 +14,6 @@ file, :func:`~pipeline.hashing.chunk_size_for`), which a load verifies on every 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import re
@@ -22,10 +21,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..durable import json_bytes, json_loads_strict
-from ..errors import SEALED_BUT_UNFIT, ChecksumMismatch, FileChanged, InternalError, SchemaMismatch
+from ..errors import SEALED_BUT_UNFIT, ChecksumMismatch, InternalError, SchemaMismatch
 from ..hashing import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, ChunkDigests, HashingWriter, chunk_size_for
 from ..layout import META_FILE, MODEL_FILE, STATE_FILE, parse_step_dir
-from ..safe_read import read_regular
+from ..safe_read import read_own
 from .shards import check_launch_record
 
 __all__ = [
@@ -250,16 +249,11 @@ def read_meta(folder: Path) -> dict[str, Any]:
     # Opened once, not following a link, and read from what was opened: a FIFO or a link
     # swapped in after a look at the name would hang the reader or be read in its place.
     try:
-        raw = read_regular(path, MAX_META_BYTES, follow=False)
+        raw = read_own(path, MAX_META_BYTES)
     except FileNotFoundError:
         raise SchemaMismatch(f"{path} is missing: not a committed checkpoint") from None
-    except (ValueError, FileChanged) as refusal:
-        reason = refusal.reason if isinstance(refusal, FileChanged) else refusal
-        raise SchemaMismatch(f"{path} {reason}: not a meta.json the pipeline wrote") from None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise SchemaMismatch(f"{path} is a symbolic link: not a meta.json the pipeline wrote") from None
+    except ValueError as what:
+        raise SchemaMismatch(f"{path} {what}: not a meta.json the pipeline wrote") from None
     if raw in _SEALED_BYTES:
         meta = json.loads(raw)  # these very bytes passed the byte-level checks before
     else:

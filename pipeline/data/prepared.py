@@ -11,17 +11,20 @@ from typing import Any
 
 from ..commands import script_command
 from ..config import Config
-from ..durable import atomic_folder, json_bytes, recover
+from ..durable import atomic_folder, json_bytes, json_loads_strict, recover
 from ..errors import DataError
 from ..factories import resolve
 from ..hashing import fingerprint_table, sha256_bytes, sha256_file
 from ..layout import DATA_MANIFEST_FILE
+from ..safe_read import read_own
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST_SCHEMA", "prepare_data", "load_manifest", "load_task_data"]
 
 MANIFEST_SCHEMA = "pipeline.data/1"
+# Far above any real table (a million files take about 150 MB), far below what would exhaust memory.
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -108,7 +111,7 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     prepare = resolve(config.data.prepare, "data.prepare")
     target = Path(config.data.dir)
     _check_target(target)
-    existing = _read_manifest(target, config) if (target / DATA_MANIFEST_FILE).is_file() else None
+    existing = _read_manifest(target, config)
     if existing is not None:
         difference = _recipe_difference(existing, config)
         if difference is not None:
@@ -157,19 +160,26 @@ def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:
     return target, manifest, True
 
 
-def _read_manifest(folder: Path, config: Config) -> dict[str, Any]:
-    """``folder/manifest.json``, parsed, with the fields every check uses; a damaged one names
-    the prepare step of ``config`` to run again."""
+def _read_manifest(folder: Path, config: Config) -> dict[str, Any] | None:
+    """``folder/manifest.json``, parsed, with the fields every check uses, or ``None`` when
+    there is none; a damaged one names the prepare step of ``config`` to run again. Opened once
+    (:func:`~pipeline.safe_read.read_own`): a FIFO there would hang the reader, a link would
+    make another file the data's record."""
     path = folder / DATA_MANIFEST_FILE
+    rerun = f"rerun {script_command(config, '01_prepare_data.py')} into an empty data.dir"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_own(path, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except ValueError as what:
+        raise DataError(f"{path} {what}: not the manifest script 01 writes; {rerun}") from None
+    try:
+        manifest = json_loads_strict(raw)
         if not isinstance(manifest, dict) or not isinstance(manifest["files"], dict):
             raise TypeError
         manifest["fingerprint"]
     except (ValueError, KeyError, TypeError):
-        raise DataError(
-            f"{path} is damaged: rerun {script_command(config, '01_prepare_data.py')} into an empty data.dir"
-        ) from None
+        raise DataError(f"{path} is damaged: {rerun}") from None
     return manifest
 
 
@@ -189,17 +199,17 @@ def _verify_files(folder: Path, manifest: dict[str, Any]) -> None:
         raise DataError(f"{folder / DATA_MANIFEST_FILE} fingerprint does not match its file table")
 
 
-def load_manifest(config: Config, *, verify: bool = True, trained: str | None = None) -> dict[str, Any]:
+def load_manifest(config: Config, *, trained: str | None = None) -> dict[str, Any]:
     """Read ``data/manifest.json``, refuse data prepared with another recipe than the config's
-    (``data.prepare``, ``data.seed``, ``data.params``), and (by default) check every file
+    (``data.prepare``, ``data.seed``, ``data.params``), and check every file
     against the manifest. ``trained``: the checkpoint whose own config ``config`` is (04, 05),
     named by the refusal."""
     folder = Path(config.data.dir)
-    if not (folder / DATA_MANIFEST_FILE).is_file():
+    manifest = _read_manifest(folder, config)
+    if manifest is None:
         raise DataError(
             f"no prepared data in {folder}/: run {script_command(config, '01_prepare_data.py')} first"
         )
-    manifest = _read_manifest(folder, config)
     difference = _recipe_difference(manifest, config)
     if difference is not None and trained is not None:
         key, there, here = difference
@@ -215,8 +225,7 @@ def load_manifest(config: Config, *, verify: bool = True, trained: str | None = 
             f"prepare this config's data into a folder of its own with {command}, then add {point} here "
             "(the data in place stays: checkpoints may be trained on it)"
         )
-    if verify:
-        _verify_files(folder, manifest)
+    _verify_files(folder, manifest)
     return manifest
 
 

@@ -31,7 +31,7 @@ from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, h
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from localhub import LocalHub, LocalHubProcess
-from pipeline.audit import parse_manifest
+from pipeline.audit import AuditedFile, parse_manifest
 from pipeline.checkpoint import load_model_weights, read_tensors
 from pipeline.config import load_config
 from pipeline.data import load_task_data
@@ -45,7 +45,9 @@ from pipeline.errors import (
 )
 from pipeline.evaluate import evaluation_config
 from pipeline.publishing import COMMIT_ATTEMPTS, Publication, format_plan, publish
+from pipeline.publishing.client import RemoteFile
 from pipeline.publishing.deadline import Deadline
+from pipeline.publishing.xet import check_landed
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
@@ -968,6 +970,25 @@ def test_a_xet_file_is_verified_by_its_own_bytes_when_the_audit_has_no_xet_hash(
     [receipt] = list((tmp_path / "receipts").glob("*.json"))
     weights = json.loads(receipt.read_text())["files"]["modelo.safetensors"]
     assert weights["storage"] == "xet" and not weights["ok"]
+
+
+def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_audits_sha256():
+    """With no hf_xet here a Xet-stored file is checked by downloading it: bytes that hash to
+    anything but the audit's SHA-256 are a problem naming both hashes; the audited bytes are not.
+    (The loopback Hub cannot serve other bytes for a Xet file: huggingface_hub's download refuses
+    them first, so the check itself is called here with the hash a download gave.)"""
+    audited, other = "a" * 64, "d" * 64
+    expected = AuditedFile(name="modelo.safetensors", size=4, sha256=audited, verified_against="meta.json")
+    remote = RemoteFile(
+        path="modelo.safetensors", size=4, blob_id="b" * 40, sha256=audited, xet_hash="c" * 64
+    )
+    damaged = check_landed("modelo.safetensors", expected, remote, None, lambda: other)
+    assert (damaged.found, damaged.checked_by) == (other, "downloaded bytes (Xet)")
+    assert damaged.problem == (
+        f"modelo.safetensors: the Hub holds SHA-256 {other} (downloaded bytes (Xet)), the audit {audited}"
+    )
+    intact = check_landed("modelo.safetensors", expected, remote, None, lambda: audited)
+    assert (intact.found, intact.problem) == (audited, None)
 
 
 def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(

@@ -244,7 +244,8 @@ def stop() -> None:
 @dataclass(frozen=True, slots=True)
 class XetCheck:
     """A Xet-stored file checked: ``found`` is the audit's SHA-256 when the Hub holds the audited
-    bytes (None when it differs), ``checked_by`` how that was established."""
+    bytes (else the downloaded bytes' SHA-256, or None when no hash of them is known),
+    ``checked_by`` how that was established."""
 
     found: str | None
     checked_by: str

@@ -429,6 +429,34 @@ def test_early_stopping_settings_may_change_on_resume(data_dir, tmp_path):
     assert train(_config(data_dir, tmp_path, **retuned), resume="latest", progress=False).step == 8
 
 
+def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir, tmp_path, capsys):
+    """What callbacks run changes what they see, not what is trained: a resume that adds one
+    (it starts afresh, and says so) or drops one (its saved state is left out, and it says so)
+    trains on to the end, bitwise the run that never changed them."""
+    straight = train(_config(data_dir, tmp_path / "straight"), progress=False)
+    train(_config(data_dir, tmp_path / "added"), stop_at=4, progress=False)
+    capsys.readouterr()
+    added = train(
+        _config(data_dir, tmp_path / "added", **{"training.callbacks": [LOSS_SUM]}), resume="latest"
+    )
+    assert f"callback {LOSS_SUM} has no state in the checkpoint: it starts afresh" in capsys.readouterr().err
+    assert added.step == 10 and added.history["loss"] == straight.history["loss"]
+    assert _callbacks(added.checkpoint)["states"][LOSS_SUM]["steps"] == 6  # heard from step 5 on
+    assert_checkpoints_bitwise_equal(straight.checkpoint, added.checkpoint)
+
+    train(
+        _config(data_dir, tmp_path / "removed", **{"training.callbacks": [LOSS_SUM]}),
+        stop_at=4,
+        progress=False,
+    )
+    capsys.readouterr()
+    removed = train(_config(data_dir, tmp_path / "removed"), resume="latest")
+    note = f"the checkpoint's state of callback {LOSS_SUM} is left out: no such callback runs"
+    assert note in capsys.readouterr().err
+    assert removed.step == 10 and removed.history["loss"] == straight.history["loss"]
+    assert _callbacks(removed.checkpoint)["states"] == {}
+
+
 def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(data_dir, tmp_path):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
     the first in order), so following it runs."""

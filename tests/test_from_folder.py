@@ -448,6 +448,17 @@ def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_p
     assert not (tmp_path / "other").exists()
 
 
+def test_the_configs_card_sections_are_on_the_card_of_a_staged_folder(gpt2, tmp_path, monkeypatch):
+    """card.sections (a path relative to the folder 05 runs in) goes on the card of a folder
+    staged with --from-folder as on a checkpoint's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "card.md").write_text("## Intended use\n\nTeaching tokenizers to a tiny GPT-2.\n")
+    target = tmp_path / "stage"
+    stage_folder(folder_config({"card.sections": "card.md"}), FolderStage(folder=gpt2, stage_dir=target))
+    card = ModelCard.load(target / "README.md").text
+    assert "## Intended use\n\nTeaching tokenizers to a tiny GPT-2." in card, card
+
+
 def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(folder, tmp_path):
     tensors = load_file(folder / "model.safetensors")
     tensors["transformer.ln_f.bias"][0] = float("nan")

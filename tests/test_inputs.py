@@ -13,10 +13,11 @@ from typing import get_args
 import pytest
 from safetensors.torch import load_file
 
-from pipeline.checkpoint import LoadMode, load_checkpoint
+from pipeline.checkpoint import LoadMode, load_checkpoint, read_tensors
 from pipeline.config import load_config
 from pipeline.data import InputForm, input_mode, prepare_data
 from pipeline.errors import DataError
+from pipeline.layout import STATE_FILE
 from pipeline.train import train
 
 from support import REPO, assert_checkpoints_bitwise_equal, reseal, run_script, script_env
@@ -218,6 +219,24 @@ def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_f
     assert not list(tmp_path.glob("step-*"))
     with pytest.raises(DataError, match="a stream is read in the training process"):
         train(_config(stream_dir, tmp_path, **STREAM, **{"data.num_workers": 2}), progress=False)
+
+
+def test_a_stream_tasks_own_state_is_given_back_on_resume(stream_dir, tmp_path):
+    """A stream task with a ``state_dict`` of its own (a loss weight that grows with every loss
+    computed): a stream run resumed from step 4 gets it back and trains on the losses of the
+    uninterrupted run, bit for bit (a stream has no sampler: its task's state is restored all the
+    same)."""
+    stateful = {**STREAM, "data.factory": "inputs_factories:build_stateful_stream", "training.max_steps": 6}
+    full = train(_config(stream_dir, tmp_path / "full", **stateful), progress=False)
+    config = _config(stream_dir, tmp_path / "cut", **stateful)
+    cut = train(config, stop_at=4, progress=False)
+    assert (
+        json.loads((cut.checkpoint / "meta.json").read_text())["training_state"]["data"]["task"]["calls"] == 4
+    )
+    resumed = train(config, resume="latest", progress=False)
+    assert resumed.step == 6 and resumed.history["loss"] == full.history["loss"]
+    assert_checkpoints_bitwise_equal(full.checkpoint, resumed.checkpoint)
+    assert read_tensors(resumed.checkpoint / STATE_FILE)["data/task/weight"].tolist() == [1.0625**6]
 
 
 def test_a_stream_checkpoint_is_refused_by_a_map_style_run_and_back(stream_dir, tmp_path):

@@ -56,6 +56,11 @@ def test_the_command_lists_its_steps_shows_a_steps_flags_and_refuses_an_unknown_
     # Its examples in the form it was run in, a torchrun launch with torchrun's -m.
     assert "    python -m pipeline train --resume latest " in flags.stdout, flags.stdout
     assert "-nproc-per-node 2 -m pipeline train " in flags.stdout and "scripts/" not in flags.stdout
+    # A dashed step runs its module (pipeline/entry/verify_resume.py), listed with its summary.
+    assert "\n  verify-resume  Prove that resuming from a checkpoint" in listed.stdout, listed.stdout
+    proof = command("verify-resume", "--help", cwd=tmp_path)
+    assert proof.returncode == 0, proof.stderr
+    assert proof.stdout.startswith("usage: python -m pipeline verify-resume [-h]"), proof.stdout
     for wrong in (["trian", "--config", "x.yaml"], []):
         refused = command(*wrong, cwd=tmp_path)
         assert refused.returncode == 2 and refused.stdout == ""

@@ -27,8 +27,10 @@ import pytest
 import torch
 
 from pipeline.checkpoint import LoadMode, load_checkpoint
+from pipeline.checkpoint.dist_restore import read_rank_rng
 from pipeline.config import load_config
 from pipeline.errors import LaunchMismatch, NoCheckpoint, StateMismatch
+from pipeline.layout import rank_rng_file
 from pipeline.stage import build_stage
 from pipeline.train import train
 
@@ -233,6 +235,15 @@ def test_a_single_process_run_continues_under_torchrun_only_with_reshard(moves):
         }
     ]
     assert "moved from one process (training.parallel none) to 2 processes (training.parallel ddp" in output
+    # Each rank drew from streams of its own after the move (derived from seed, step and rank),
+    # not both from the one process's: only the data order's Generator is shared.
+    (first, first_tensors), (second, second_tensors) = (
+        read_rank_rng(root / "up" / "step-00000010" / rank_rng_file(rank)) for rank in (0, 1)
+    )
+    assert first["numpy_generator"] == second["numpy_generator"]
+    assert first["python"] != second["python"]
+    for name in ("rng/torch_cpu", "rng/numpy_legacy/state/key"):
+        assert not torch.equal(first_tensors[name], second_tensors[name]), name
 
 
 @LAUNCHES

@@ -496,6 +496,18 @@ STATE_EDITS = {
         lambda m: _set(m, "training_state.scheduler.base_lrs", 0.01),
         "scheduler.base_lrs",
     ),
+    "a scheduler list one item longer": (
+        lambda m: _set(m, "training_state.scheduler.base_lrs", [0.01, 0.01]),
+        "scheduler.base_lrs is not a list of 1 items",
+    ),
+    "a scheduler list one item shorter": (
+        lambda m: _set(m, "training_state.scheduler.base_lrs", []),
+        "scheduler.base_lrs is not a list of 1 items",
+    ),
+    "Adam betas of three items": (
+        lambda m: _set(m, "training_state.optimizer.param_groups.0.betas", {"__tuple__": [0.9, 0.999, 0.5]}),
+        "param_groups[0].betas is not a tuple of 2 items",
+    ),
     "broken python RNG state": (
         lambda m: _set(m, "training_state.rng.python", {"__tuple__": [3, [1, 2], None]}),
         "rng.python",

@@ -518,6 +518,31 @@ def test_data_params_changed_after_01_are_refused_by_02_and_01_each_value_its_ow
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in data_dir.iterdir())
 
 
+def test_a_manifest_that_does_not_record_a_recipe_key_is_refused_naming_the_key(data_dir, tmp_path):
+    """A manifest.json without data.params (written by an older 01, or edited by hand) cannot
+    show the data was made with the config's params: 02 refuses it in one line naming the key,
+    trains nothing, and 01 leaves the data in place."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["params"]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    base = ["--config", str(CONFIG), "--set", f"data.dir={data}"]
+    result = run_script(
+        "02_train.py", *base, "--checkpoint-dir", str(tmp_path / "ck"), "--quiet", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert line.startswith(
+        f"error: {data}/ holds data prepared with data.params (not recorded), but this config has {{"
+    ), line
+    assert not (tmp_path / "ck").exists()
+    refused = run_script("01_prepare_data.py", *base, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "holds data prepared with data.params (not recorded), this config has {" in one_line_error(refused)
+    assert json.loads((data / "manifest.json").read_text()) == manifest
+
+
 def test_a_data_prepare_that_is_not_deterministic_keeps_the_data_in_place(tmp_path):
     """Run again with the same config, a non-deterministic data.prepare (a tokenizer trained on
     threads) writes other bytes: 01 says so and keeps the data checkpoints were trained on."""

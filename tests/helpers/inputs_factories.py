@@ -9,7 +9,8 @@
 - ``prepare_stream`` / ``build_stream``: the same rows as JSON-lines files read back as a
   ``datasets.IterableDataset`` (two shards), per-sample noise added by a ``map``;
   ``build_buffered_stream`` adds a shuffle buffer (refused), ``build_mapped_stream`` another
-  map (another source, for a foreign saved state).
+  map (another source, for a foreign saved state), ``build_stateful_stream`` a task with a
+  ``state_dict`` of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "build_stream",
     "build_buffered_stream",
     "build_mapped_stream",
+    "build_stateful_stream",
 ]
 
 
@@ -138,3 +140,30 @@ def build_buffered_stream(config: Config, data_dir: Path) -> StreamTask:
 
 def build_mapped_stream(config: Config, data_dir: Path) -> StreamTask:
     return StreamTask(build_data(config, data_dir), _stream(data_dir).map(lambda example: example))
+
+
+class StatefulStream(StreamTask):
+    """The stream task, its loss weighed by a schedule of its own: the weight grows by a
+    sixteenth at every loss computed, so a resume that does not give the task back its
+    ``state_dict`` (the count and the weight, a float64 tensor) trains on other losses."""
+
+    def __init__(self, base: RegressionData, stream: Any) -> None:
+        super().__init__(base, stream)
+        self.calls = 0
+        self.weight = torch.ones(1, dtype=torch.float64)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = super().loss(model, batch) * self.weight
+        self.calls += 1
+        self.weight = self.weight * 1.0625
+        return loss.sum()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "weight": self.weight.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls, self.weight = state["calls"], state["weight"].clone()
+
+
+def build_stateful_stream(config: Config, data_dir: Path) -> StatefulStream:
+    return StatefulStream(build_data(config, data_dir), _stream(data_dir))

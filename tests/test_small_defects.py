@@ -190,3 +190,95 @@ def test_01_prepares_into_an_empty_folder(tmp_path):
         and (target / "manifest.json").is_file()
         and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     )
+
+
+# --- attack-m: defects found attacking read_own and the data manifest's readers (these FAIL until fixed) ---
+
+
+def _prepared_with_socket_at(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
+    import socket
+
+    target = tmp_path / "data"
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    prepare_data(config)
+    where = target / name
+    where.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX)
+    monkeypatch.chdir(target)  # bound by its short name: a long tmp path would pass AF_UNIX's 107 bytes
+    server.bind(name)
+    server.close()  # the socket file stays
+    return target, where
+
+
+def test_attack_m_a_socket_as_manifest_json_is_refused_like_a_fifo(tmp_path, monkeypatch):
+    """read_own: a socket fails the open with ENXIO, which it passes on as a bare OSError, so
+    02/03/04 end with "manifest.json: No such device or address" (no fix); read_meta has the
+    same hole. HandedFolder.open already maps ENXIO to "now a socket"."""
+    target, manifest_file = _prepared_with_socket_at(tmp_path, "manifest.json", monkeypatch)
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert str(refused.value).startswith(f"{manifest_file} is a socket, not a regular file: not the manifest")
+
+
+def test_attack_m_read_own_calls_a_socket_a_socket(tmp_path, monkeypatch):
+    from pipeline.safe_read import read_own
+
+    _, where = _prepared_with_socket_at(tmp_path, "meta.json", monkeypatch)
+    with pytest.raises(ValueError, match="is a socket"):
+        read_own(where, 1024)
+
+
+@pytest.mark.parametrize("swap", ["fifo", "dangling link", "folder"])
+def test_attack_m_01_does_not_say_manifest_json_is_there_and_not_there(tmp_path, swap):
+    """01's _check_target asks ``is_file()`` (links followed, non-regular False), so a FIFO,
+    a folder or a dangling link named manifest.json reads "already holds ..., manifest.json,
+    ... but no manifest.json"; 02/04 (read_own) say what it is. 01 should say the same."""
+    target = tmp_path / "data"
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    prepare_data(config)
+    manifest_file = target / "manifest.json"
+    manifest_file.unlink()
+    {"fifo": os.mkfifo, "dangling link": lambda p: p.symlink_to(tmp_path / "nowhere"), "folder": os.mkdir}[
+        swap
+    ](manifest_file)
+    with pytest.raises(DataError) as refused:
+        prepare_data(config)
+    message = str(refused.value)
+    holds, _, lacks = message.partition(" but no ")
+    assert not ("manifest.json" in holds and lacks.startswith("manifest.json")), message
+
+
+def _manifest_edited(tmp_path: Path, edit) -> tuple[Path, object]:
+    target = tmp_path / "data"
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    prepare_data(config)
+    manifest_file = target / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    edit(manifest)
+    manifest_file.write_text(json.dumps(manifest))
+    return target, config
+
+
+def test_attack_m_a_huge_recorded_value_does_not_become_a_huge_error_line(tmp_path):
+    """_recipe_difference/_show echo the manifest's recorded value whole: a manifest recording
+    a 20 MB data.prepare made 01, 02 and 04 print one 20 MB line."""
+    _, config = _manifest_edited(tmp_path, lambda m: m.__setitem__("prepare", "x" * 1_000_000))
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert len(str(refused.value)) < 2_000
+    with pytest.raises(DataError) as refused:
+        prepare_data(config)
+    assert len(str(refused.value)) < 2_000
+
+
+def test_attack_m_a_params_key_from_the_manifest_is_shown_inert(tmp_path):
+    """A params key recorded in manifest.json reaches the refusal as ``data.params.<key>``
+    raw: terminal escapes in it (here a title change and a screen clear) reach stderr.
+    errors.shown() exists for exactly this."""
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+    _, config = _manifest_edited(tmp_path, lambda m: m["params"].__setitem__(evil, 1))
+    for call in (load_manifest, prepare_data):
+        with pytest.raises(DataError) as refused:
+            call(config)
+        assert "\x1b" not in str(refused.value) and "\x07" not in str(refused.value)

@@ -275,7 +275,9 @@ def read_regular(path: str | Path, limit: int, *, follow: bool = True) -> bytes:
     bytes. A refusal is a ``ValueError`` saying why, without the path (the caller names the
     option); a file that changes while read, :class:`FileChanged`."""
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    fd = os.open(
+        path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    )
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -300,4 +302,6 @@ def read_own(path: str | Path, limit: int) -> bytes:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ValueError("is a symbolic link") from None
+        if exc.errno == errno.ENXIO:  # a socket cannot be opened as a file
+            raise ValueError("is a socket, not a regular file") from None
         raise

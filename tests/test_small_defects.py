@@ -192,9 +192,6 @@ def test_01_prepares_into_an_empty_folder(tmp_path):
     )
 
 
-# --- attack-m: defects found attacking read_own and the data manifest's readers (these FAIL until fixed) ---
-
-
 def _prepared_with_socket_at(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
     import socket
 
@@ -210,7 +207,7 @@ def _prepared_with_socket_at(tmp_path: Path, name: str, monkeypatch) -> tuple[Pa
     return target, where
 
 
-def test_attack_m_a_socket_as_manifest_json_is_refused_like_a_fifo(tmp_path, monkeypatch):
+def test_a_socket_as_manifest_json_is_refused_like_a_fifo(tmp_path, monkeypatch):
     """read_own: a socket fails the open with ENXIO, which it passes on as a bare OSError, so
     02/03/04 end with "manifest.json: No such device or address" (no fix); read_meta has the
     same hole. HandedFolder.open already maps ENXIO to "now a socket"."""
@@ -221,7 +218,7 @@ def test_attack_m_a_socket_as_manifest_json_is_refused_like_a_fifo(tmp_path, mon
     assert str(refused.value).startswith(f"{manifest_file} is a socket, not a regular file: not the manifest")
 
 
-def test_attack_m_read_own_calls_a_socket_a_socket(tmp_path, monkeypatch):
+def test_read_own_calls_a_socket_a_socket(tmp_path, monkeypatch):
     from pipeline.safe_read import read_own
 
     _, where = _prepared_with_socket_at(tmp_path, "meta.json", monkeypatch)
@@ -230,7 +227,7 @@ def test_attack_m_read_own_calls_a_socket_a_socket(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("swap", ["fifo", "dangling link", "folder"])
-def test_attack_m_01_does_not_say_manifest_json_is_there_and_not_there(tmp_path, swap):
+def test_01_does_not_say_manifest_json_is_there_and_not_there(tmp_path, swap):
     """01's _check_target asks ``is_file()`` (links followed, non-regular False), so a FIFO,
     a folder or a dangling link named manifest.json reads "already holds ..., manifest.json,
     ... but no manifest.json"; 02/04 (read_own) say what it is. 01 should say the same."""
@@ -260,7 +257,7 @@ def _manifest_edited(tmp_path: Path, edit) -> tuple[Path, object]:
     return target, config
 
 
-def test_attack_m_a_huge_recorded_value_does_not_become_a_huge_error_line(tmp_path):
+def test_a_huge_recorded_value_does_not_become_a_huge_error_line(tmp_path):
     """_recipe_difference/_show echo the manifest's recorded value whole: a manifest recording
     a 20 MB data.prepare made 01, 02 and 04 print one 20 MB line."""
     _, config = _manifest_edited(tmp_path, lambda m: m.__setitem__("prepare", "x" * 1_000_000))
@@ -272,7 +269,7 @@ def test_attack_m_a_huge_recorded_value_does_not_become_a_huge_error_line(tmp_pa
     assert len(str(refused.value)) < 2_000
 
 
-def test_attack_m_a_params_key_from_the_manifest_is_shown_inert(tmp_path):
+def test_a_params_key_from_the_manifest_is_shown_inert(tmp_path):
     """A params key recorded in manifest.json reaches the refusal as ``data.params.<key>``
     raw: terminal escapes in it (here a title change and a screen clear) reach stderr.
     errors.shown() exists for exactly this."""

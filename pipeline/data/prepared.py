@@ -12,7 +12,7 @@ from typing import Any
 from ..commands import script_command
 from ..config import Config
 from ..durable import atomic_folder, json_bytes, json_loads_strict, recover
-from ..errors import DataError
+from ..errors import DataError, shown
 from ..factories import resolve
 from ..hashing import fingerprint_table, sha256_bytes, sha256_file
 from ..layout import DATA_MANIFEST_FILE
@@ -23,8 +23,12 @@ _log = logging.getLogger(__name__)
 __all__ = ["MANIFEST_SCHEMA", "prepare_data", "load_manifest", "load_task_data"]
 
 MANIFEST_SCHEMA = "pipeline.data/1"
-# Far above any real table (a million files take about 150 MB), far below what would exhaust memory.
-MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+# Above any real table (a million files take about 150 MB); parsed, it takes several times that.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# How a refusal names a recipe value a manifest does not record, or a config does not set.
+_NOT_THERE = ("(not recorded)", "(not set)")
+# The most characters a refusal shows of one value or key read from a manifest.
+_SHOWN_AT_MOST = 200
 
 
 def _files_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -53,11 +57,12 @@ def _check_target(target: Path) -> None:
     hint = "move it away or point data.dir elsewhere (--set data.dir=PATH)"
     if target.is_symlink() or not target.is_dir():
         raise DataError(f"data.dir {target} exists and is not a folder: {hint}")
-    if not (target / DATA_MANIFEST_FILE).is_file():
+    # A FIFO or a link there is not "no manifest": _read_manifest says what it is.
+    if not os.path.lexists(target / DATA_MANIFEST_FILE):
         names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise DataError(
-            f"data.dir {target}/ already holds {shown} but no {DATA_MANIFEST_FILE}, so it is not "
+            f"data.dir {target}/ already holds {listed} but no {DATA_MANIFEST_FILE}, so it is not "
             f"data prepared by scripts/01_prepare_data.py; nothing was touched: {hint}"
         )
 
@@ -72,7 +77,7 @@ def _recipe(config: Config) -> dict[str, Any]:
 def _recipe_difference(manifest: dict[str, Any], config: Config) -> tuple[str, Any, Any] | None:
     """The first key of ``data`` whose value the prepared data was made with differs from the
     config's: ``(key, there, here)``, a params entry named by its own key; else ``None``."""
-    missing = "(not recorded)"
+    missing = _NOT_THERE[0]
     for key, here in _recipe(config).items():
         there = manifest.get(key, missing)
         if there == here:
@@ -80,7 +85,8 @@ def _recipe_difference(manifest: dict[str, Any], config: Config) -> tuple[str, A
         if key == "params" and isinstance(there, dict):
             for name in sorted(set(there) | set(here), key=str):
                 if there.get(name, missing) != here.get(name, missing):
-                    return f"data.params.{name}", there.get(name, missing), here.get(name, "(not set)")
+                    key_shown = f"data.params.{_cut(shown(name))}"
+                    return key_shown, there.get(name, missing), here.get(name, _NOT_THERE[1])
         return f"data.{key}", there, here
     return None
 
@@ -95,7 +101,14 @@ def _own_folder_command(config: Config) -> tuple[str, str]:
 
 
 def _show(value: Any) -> str:
-    return value if isinstance(value, str) and value.startswith("(not ") else json.dumps(value)
+    """A recorded or configured value as a refusal shows it: JSON (so control characters are
+    escaped), or the words for a value not there, cut to a line's worth: a manifest is data
+    someone may have written."""
+    return _cut(value if value in _NOT_THERE else json.dumps(value))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _SHOWN_AT_MOST else f"{text[:_SHOWN_AT_MOST]}... ({len(text):,} characters)"
 
 
 def prepare_data(config: Config) -> tuple[Path, dict[str, Any], bool]:

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .durable import write_json_atomic
-from .errors import FileChanged
 from .layout import staged_by_file
-from .safe_read import read_regular
+from .safe_read import read_own
 
 if TYPE_CHECKING:
     from .config import Config
@@ -180,10 +179,8 @@ def staged_command(stage: str | Path, manifest_sha256: str) -> str | None:
     place is not the record."""
     stage = Path(os.path.abspath(stage))
     try:
-        record = json.loads(
-            read_regular(stage.parent / staged_by_file(stage.name), _MAX_RECORD_BYTES, follow=False)
-        )
-    except (OSError, ValueError, FileChanged):
+        record = json.loads(read_own(stage.parent / staged_by_file(stage.name), _MAX_RECORD_BYTES))
+    except (OSError, ValueError):
         return None
     if (
         not isinstance(record, dict)

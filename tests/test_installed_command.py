@@ -212,8 +212,8 @@ def test_refusals_that_point_at_another_step_name_it_in_the_form_the_step_was_ru
         with pytest.raises(DataError) as damaged:
             load_manifest(config)
         assert str(damaged.value).startswith(
-            f"data/manifest.json is damaged: rerun {python_command()} {prepare} --config {CONFIG} --set "
-            "data.dir=data into an empty data.dir"
+            f"data/manifest.json is damaged: move data/ aside (nothing in it is deleted) and rerun "
+            f"{python_command()} {prepare} --config {CONFIG} --set data.dir=data"
         ), damaged.value
 
 

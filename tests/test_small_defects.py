@@ -112,6 +112,8 @@ def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged
     ],
 )
 def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_the_way, expected):
+    """02, 03 and 04 reading that data.dir give 01's refusal, not "run 01 first", which 01 would
+    refuse."""
     target = tmp_path / "data"
     if isinstance(in_the_way, dict):
         target.mkdir()
@@ -123,13 +125,27 @@ def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_th
         (p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
         for p in tmp_path.rglob("*")
     )
+    config = load_config(CONFIG, {"data.dir": str(target)})
     with pytest.raises(DataError, match=expected):
-        prepare_data(load_config(CONFIG, {"data.dir": str(target)}))
+        prepare_data(config)
+    with pytest.raises(DataError, match=expected):
+        load_manifest(config)
     after = sorted(
         (p.relative_to(tmp_path).as_posix(), p.read_bytes() if p.is_file() else None)
         for p in tmp_path.rglob("*")
     )
     assert after == before
+
+
+@pytest.mark.parametrize("made", ["absent", "empty folder"])
+def test_a_data_dir_01_would_prepare_into_is_named_with_01s_command(tmp_path, made):
+    target = tmp_path / "data"
+    if made == "empty folder":
+        target.mkdir()
+    with pytest.raises(DataError) as refused:
+        load_manifest(load_config(CONFIG, {"data.dir": str(target)}))
+    assert str(refused.value).startswith(f"no prepared data in {target}/: run ")
+    assert str(refused.value).endswith(f"01_prepare_data.py --set data.dir={target} first")
 
 
 def test_prepared_data_changed_since_is_refused_by_01_run_again_and_by_every_reader(tmp_path):
@@ -177,8 +193,12 @@ def test_a_data_manifest_that_is_not_the_file_01_wrote_is_refused_without_being_
     with pytest.raises(DataError) as refused:
         load_manifest(config)
     message = str(refused.value)
-    assert message.startswith(f"{manifest_file} is {what[swap]}: not the manifest script 01 writes; rerun ")
-    assert message.endswith("01_prepare_data.py --set data.dir=" + str(target) + " into an empty data.dir")
+    assert message.startswith(f"{manifest_file} is {what[swap]}: not the manifest script 01 writes; move ")
+    assert (
+        f"is {what[swap]}: not the manifest script 01 writes; move {target}/ aside (nothing in it is deleted) and rerun "
+        in message
+    )
+    assert message.endswith("01_prepare_data.py --set data.dir=" + str(target))
 
 
 def test_01_prepares_into_an_empty_folder(tmp_path):

@@ -179,7 +179,8 @@ def _read_manifest(folder: Path, config: Config) -> dict[str, Any] | None:
     (:func:`~pipeline.safe_read.read_own`): a FIFO there would hang the reader, a link would
     make another file the data's record."""
     path = folder / DATA_MANIFEST_FILE
-    rerun = f"rerun {script_command(config, '01_prepare_data.py')} into an empty data.dir"
+    prepare = script_command(config, "01_prepare_data.py")
+    rerun = f"move {folder}/ aside (nothing in it is deleted) and rerun {prepare}"
     try:
         raw = read_own(path, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
@@ -220,6 +221,7 @@ def load_manifest(config: Config, *, trained: str | None = None) -> dict[str, An
     folder = Path(config.data.dir)
     manifest = _read_manifest(folder, config)
     if manifest is None:
+        _check_target(folder)  # a file, or a folder of something else: 01 would refuse it too
         raise DataError(
             f"no prepared data in {folder}/: run {script_command(config, '01_prepare_data.py')} first"
         )

@@ -86,6 +86,35 @@ def test_the_effective_batch_is_printed(data_dir, tmp_path):
     assert "effective batch: 12 rows per optimizer step (3 micro-batches of 4)" in ran.stderr + ran.stdout
 
 
+def test_the_effective_batch_line_says_how_a_step_is_made_in_every_shape():
+    """One process without accumulation says nothing; a launch says how each batch is split,
+    with or without accumulation (one micro-batch is not "micro-batches")."""
+    from types import SimpleNamespace
+
+    from pipeline.accumulation import effective_batch
+    from pipeline.world import World
+
+    def line(steps: int, processes: int) -> str | None:
+        config = SimpleNamespace(
+            data=SimpleNamespace(batch_size=4), training=SimpleNamespace(grad_accum_steps=steps)
+        )
+        world = World(
+            device=torch.device("cpu"), world_size=processes, mode="none" if processes == 1 else "ddp"
+        )
+        return effective_batch(SimpleNamespace(config=config), world)
+
+    assert line(1, 1) is None
+    assert line(3, 1) == "effective batch: 12 rows per optimizer step (3 micro-batches of 4)"
+    assert (
+        line(1, 2)
+        == "effective batch: 4 rows per optimizer step (1 micro-batch of 4, each split over 2 processes)"
+    )
+    assert (
+        line(2, 2)
+        == "effective batch: 8 rows per optimizer step (2 micro-batches of 4, each split over 2 processes)"
+    )
+
+
 @pytest.fixture(scope="module")
 def accumulated_reference(data_dir, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("accumulated")
@@ -420,8 +449,17 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
          "evaluation/mse holds a value that is not finite"),
         ({"evaluation/mse": torch.tensor([1.0], dtype=torch.float64)}, "evaluation/step is not a list"),
         ({"evaluation/step": torch.tensor([2])}, "has no metric beside it"),
+        ({"evaluation/step": torch.tensor([0, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+         "evaluation/step does not count up"),
+        ({"evaluation/step": torch.tensor([2.0]), "evaluation/mse": torch.tensor([1.0], dtype=torch.float64)},
+         "evaluation/step is not a list of int64"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([1.0], dtype=torch.float32)},
+         "evaluation/mse is not 1 float64 values"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/a b": torch.tensor([1.0], dtype=torch.float64)},
+         "evaluation/a b is not a metric name"),
     ],
-    ids=["repeated-step", "past-the-run", "short", "nan", "no-steps", "no-metric"],
+    ids=["repeated-step", "past-the-run", "short", "nan", "no-steps", "no-metric", "step-0", "float-steps",
+         "float32-values", "no-metric-name"],
 )  # fmt: skip
 def test_saved_evaluations_are_checked_before_use(tensors, says):
     from pipeline.checkpoint.evaluations import evaluations_from

@@ -582,6 +582,16 @@ def test_meta_is_sealed_and_the_folder_listed_like_a_single_process_checkpoint(l
     reseal(folder, lambda meta: meta["parallel"].update(mode="tp"))
     with pytest.raises(SchemaMismatch, match="malformed parallel record"):
         verify_distributed(folder)
+    for resharded in (0, -2, 2.0, True):  # a world size it was resharded from: a whole number from 1
+        reseal(
+            folder,
+            lambda meta, r=resharded: meta.update(
+                parallel={**meta["parallel"], "mode": "fsdp2"}, resharded_from=r
+            ),
+        )
+        with pytest.raises(SchemaMismatch, match="malformed resharded_from"):
+            verify_distributed(folder)
+    reseal(folder, lambda meta: meta.update(resharded_from=None))
     reseal(
         folder,
         lambda meta: (meta["parallel"].update(mode="fsdp2"), meta["files"].pop("rng/rank-00001.safetensors")),

@@ -60,7 +60,7 @@ def test_metrics_json_names_every_code_file_and_the_config_it_evaluated_under(ev
     assert record["config"]["training"]["device"] == config.training.device
 
 
-@pytest.mark.parametrize("edit", ["first-schema", "old-key", "no-sources"])
+@pytest.mark.parametrize("edit", ["first-schema", "old-key", "no-sources", "a-key-more", "step-as-text"])
 def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_that_rewrites_it(
     evaluated_run, tmp_path, edit
 ):
@@ -74,11 +74,18 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         del record["fingerprints"]["sources"]
     elif edit == "old-key":
         record["meta_sha256"] = record.pop("meta_file_sha256")
+    elif edit == "a-key-more":  # a record of another writer: not the schema's exact keys
+        record["metrics_of"] = "another run"
+    elif edit == "step-as-text":
+        record["step"] = str(record["step"])
     else:
         del record["fingerprints"]["sources"]
     (tmp_path / "metrics.json").write_text(json.dumps(record))
-    with pytest.raises(MetricsError, match=r"metrics\.json (is not a pipeline\.metrics/2 record|has malformed "
-                       r"fingerprints or config): rerun python scripts/04_evaluate\.py$"):  # fmt: skip
+    refused = (
+        r"metrics\.json (is not a pipeline\.metrics/2 record|has (a )?malformed "
+        r"(fingerprints or config|step or modelo_sha256)): rerun python scripts/04_evaluate\.py$"
+    )
+    with pytest.raises(MetricsError, match=refused):
         read_metrics(tmp_path / "metrics.json")
 
 

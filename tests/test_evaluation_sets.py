@@ -112,6 +112,11 @@ def test_metric_names_are_checked_as_tensor_names():
         check_metrics({"a": {}}, "x")
     with pytest.raises(MetricsError, match=r"metric 3 is 1"):
         check_metrics({"a": {3: 1.0}}, "x")
+    for flag in (True, False):  # a bool is an int to Python, not a metric
+        with pytest.raises(MetricsError, match=f"metric 'converged' is {flag}"):
+            check_metrics({"converged": flag, "loss": 2.0}, "x")
+        with pytest.raises(MetricsError, match=f"metric 'val/converged' is {flag}"):
+            check_metrics({"val": {"converged": flag}}, "x")
     for name in ("validation/mse", "mse"):
         assert load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})
     for name in ("validation/", "a/b/c", "/mse", "x y"):

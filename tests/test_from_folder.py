@@ -240,6 +240,21 @@ def weights_without_tensors(folder: Path) -> None:
     save_file({}, folder / "model.safetensors")
 
 
+def a_stale_single_file_beside_shards(folder: Path) -> None:
+    stale = (folder / "model.safetensors").read_bytes()
+    resave_sharded(folder)
+    (folder / "model.safetensors").write_bytes(stale)
+
+
+def index_maps_a_tensor_to_a_shard_that_does_not_hold_it(folder: Path) -> None:
+    first, second = resave_sharded(folder)[:2]
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    moved = sorted(load_file(folder / first))[0]
+    index["weight_map"][moved] = second
+    path.write_text(json.dumps(index))
+
+
 BAD = {
     empty: "is empty",
     several_safetensors_without_an_index: ".safetensors files (model-00001-of-0000",
@@ -254,6 +269,8 @@ BAD = {
     seal_that_does_not_match: "model.safetensors: SHA-256 differs from its seal",
     checkpoint_of_this_pipeline: "a checkpoint of this pipeline (the scripts read it with --checkpoint)",
     code_as_architecture: "architectures must be a list of Python class names",
+    a_stale_single_file_beside_shards: "holds both model.safetensors and model.safetensors.index.json",
+    index_maps_a_tensor_to_a_shard_that_does_not_hold_it: "model.safetensors.index.json does not map tensor",
 }
 
 
@@ -311,6 +328,19 @@ def test_05_warns_of_an_unsealed_checkpoint_and_a_hard_linked_file_and_stages_th
         "05_stage.py", "--from-folder", str(checkpoint), "--stage", str(tmp_path / "stage"), cwd=tmp_path
     )
     assert again.returncode == 0 and "warning:" not in again.stderr, again.stderr
+
+
+@pytest.mark.parametrize("state", ["optimizer.pt", "scheduler.pt", "rng_state_1.pth", "trainer_state.json"])
+def test_a_folder_holding_a_trainers_state_under_any_name_looks_like_a_checkpoint(gpt2, tmp_path, state):
+    """The folder's name is one sign (checkpoint-500), the trainer's state beside the weights
+    another: either makes an unsealed folder worth the warning that it may be half-written."""
+    from pipeline.stage.folder_source import survey_folder
+
+    folder = Path(shutil.copytree(gpt2, tmp_path / "my-model"))
+    assert survey_folder(folder).checkpoint_like is None
+    (folder / state).write_bytes(b"{}")
+    inventory = survey_folder(folder)
+    assert inventory.checkpoint_like == f"it holds {state}" and state in inventory.left_out
 
 
 def test_supplied_metrics_that_are_a_fifo_are_refused_without_waiting(gpt2, tmp_path):
@@ -404,7 +434,13 @@ def test_sharded_weights_are_read_through_their_index_and_resharded_as_asked(fol
     stage(folder, split, max_shard_size="3KB")
     weight_map = json.loads((split / "model.safetensors.index.json").read_text())["weight_map"]
     files = sorted(set(weight_map.values()))
-    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    card = ModelCard.load(split / "README.md").text
+    assert (
+        f"in {len(files)} shards (`{files[0]}` … `{files[-1]}`, listed in `model.safetensors.index.json`)."
+        in card
+    ), card
+    assert "parameters in `model.safetensors`." in ModelCard.load(whole / "README.md").text
     model = transformers.GPT2LMHeadModel.from_pretrained(split)
     assert all(torch.equal(model.state_dict()[k], source[k]) for k in source)
 
@@ -428,6 +464,8 @@ def test_a_pytorch_model_hub_mixin_folder_keeps_the_name_its_from_pretrained_loa
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), net.state_dict().values()))
     card = ModelCard.load(target / "README.md")
     assert card.data.library_name == "pytorch" and "from safetensors.torch import load_file" in card.text
+    # Named as the repository its snippets download from, not as its namespace.
+    assert card.text.startswith("\n# tiny-net\n") and card.data.model_name == "tiny-net", card.text[:200]
 
 
 def test_supplied_metrics_are_shown_as_supplied_and_bad_ones_refused(gpt2, tmp_path):

@@ -163,6 +163,11 @@ def test_the_card_states_the_recipe_as_trained_and_why_a_best_stage_was_chosen(d
     )
     staged["training"]["launch"]["world_size"] = 2
     assert dict(recipe_rows(staged))["effective batch"].endswith("split over 2 processes, 8 rows each")
+    # A run that evaluated nothing says so; fp16 AMP is named with its GradScaler.
+    staged["config"]["training"].update(eval_every=0, amp="fp16")
+    rows = dict(recipe_rows(staged))
+    assert rows["evaluation"] == "none during training"
+    assert rows["precision"] == "float32 parameters, autocast to float16, losses scaled by a GradScaler"
 
 
 # -- the best mark, checked wherever it is read ------------------------------------------------
@@ -279,6 +284,49 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
             f"{folder}/estados_local/BEST.json does not hold exactly step, a metric name, mode and a finite "
             "value: delete it; the next save writes it again"
         )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"step": 0, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": 3.0, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": 3, "metric": "mse", "mode": "best", "value": 0.5}',
+        '{"step": 3, "metric": "mse", "mode": "max", "value": true}',
+        '{"step": 3, "metric": "mse", "mode": "max", "value": 1e999}',
+        '{"step": 3, "metric": "mse", "mode": "max", "value": "0.5"}',
+        '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5, "note": "x"}',
+        '{"step": 3, "metric": "mse", "mode": "max"}',
+    ],
+    ids=["step-0", "float-step", "unknown-mode", "bool-value", "overflowing-value", "text-value", "a-key-more",
+         "no-value"],
+)  # fmt: skip
+def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refused(tmp_path, text):
+    """BEST.json is read by 04, 05 and every load of --checkpoint best: anything but the four
+    fields the store writes, each of its type, is refused in one line naming the file."""
+    (tmp_path / "BEST.json").write_text('{"step": 3, "metric": "mse", "mode": "max", "value": 0.5}')
+    assert read_best(tmp_path) == {"step": 3, "metric": "mse", "mode": "max", "value": 0.5}
+    (tmp_path / "BEST.json").write_text(text)
+    with pytest.raises(CheckpointError) as refused:
+        read_best(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/BEST.json does not hold exactly step, a metric name, mode and a finite value: delete it; "
+        "the next save writes it again"
+    )
+
+
+def test_a_later_committed_step_that_only_ties_the_earliest_best_leaves_the_mark_believed():
+    """The mark names the earliest of equal values: a later committed step evaluated at the
+    same value is not better, and the mark stands (by min and by max)."""
+    from pipeline.checkpoint.best import check_best
+
+    for mode, values in (("min", [0.5, 0.25, 0.25]), ("max", [0.25, 0.5, 0.5])):
+        evaluations = {"step": [2, 4, 6], "loss": values}
+        mark = {"step": 4, "metric": "loss", "mode": mode, "value": values[1]}
+        assert check_best(mark, evaluations, [2, 4, 6], "BEST.json", newest=evaluations) == mark
+        better = {**evaluations, "loss": [*values[:2], 0.125 if mode == "min" else 0.75]}
+        with pytest.raises(CheckpointError, match="the committed step 6 was evaluated better"):
+            check_best(mark, evaluations, [2, 4, 6], "BEST.json", newest=better)
 
 
 def test_a_mark_swapped_for_a_fifo_or_a_link_after_a_look_at_its_name_is_refused_without_blocking(

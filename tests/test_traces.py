@@ -466,6 +466,24 @@ def test_log_every_keeps_the_logged_steps_only(tmp_path):
     assert scalars(tmp_path)["train/loss"] == [(5, 5.0), (10, 10.0)]
 
 
+def test_a_value_the_history_does_not_hold_is_left_out_of_the_traces_not_drawn_as_nan(tmp_path):
+    """NaN in the history means "not there": a gradient norm not measured (a checkpoint of
+    the version before), the epoch of a stream. Such a value is no point; the others of the
+    same step are."""
+    nan = float("nan")
+    history = {
+        "step": [1, 2, 3],
+        "loss": [1.0, 0.5, 0.25],
+        "lr": [0.1, 0.1, 0.1],
+        "grad_norm": [nan, 2.0, nan],
+        "epoch": [nan, nan, nan],
+    }
+    (tmp_path / TRACE).write_bytes(trace_bytes(history, {}, 1))
+    shown = scalars(tmp_path)
+    assert sorted(shown) == ["train/grad_norm", "train/loss", "train/lr"]
+    assert shown["train/grad_norm"] == [(2, 2.0)] and shown["train/loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+
+
 # -- staged and reproducible ----------------------------------------------------------------
 
 

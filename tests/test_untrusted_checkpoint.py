@@ -486,6 +486,18 @@ STATE_EDITS = {
         _one_parameter_past_the_model,
         "optimizer.state names parameter",
     ),
+    "param groups naming the parameters in another order": (
+        lambda m: _set(
+            m,
+            "training_state.optimizer.param_groups.0.params",
+            m["training_state"]["optimizer"]["param_groups"][0]["params"][::-1],
+        ),
+        "optimizer.param_groups[0].params differ from this model's parameters",
+    ),
+    "a scheduler field more than the scheduler has": (
+        lambda m: _set(m, "training_state.scheduler.warmup", 3),
+        "scheduler does not have the expected fields (differs at ['warmup'])",
+    ),
     "cursor past the data": (lambda m: _set(m, "training_state.data.sampler.cursor", 10**6), "data.sampler"),
     "negative epoch": (lambda m: _set(m, "training_state.data.sampler.epoch", -1), "data.sampler"),
     "scheduler position off the step": (

@@ -38,6 +38,33 @@ def test_a_process_alone_is_rank_0_of_1_and_agrees_with_itself(monkeypatch):
                 raise KeyError("as raised")
 
 
+def test_a_process_with_only_some_launch_variables_trains_alone(monkeypatch):
+    """A cluster may set RANK or LOCAL_RANK for its own reasons: only torchrun's three together
+    make a launch, and without WORLD_SIZE there would be no size to join with."""
+    from pipeline.world import launch_size, launched_by_torchrun
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+        assert not launched_by_torchrun() and launch_size() is None
+        assert not joins_launch(load_config(CONFIG, {"training.parallel": "ddp"}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_by_torchrun() and launch_size() == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_training_device_cuda_without_cuda_is_refused_in_one_line_naming_the_fix():
+    from pipeline.errors import ConfigError
+    from pipeline.world import resolve_device
+
+    with pytest.raises(
+        ConfigError, match="training.device is 'cuda' but no CUDA device is available; set it to"
+    ):
+        resolve_device(load_config(CONFIG, {"training.device": "cuda"}))
+    assert resolve_device(load_config(CONFIG, {"training.device": "auto"})) == torch.device("cpu")
+
+
 def test_a_one_process_launch_joins_as_a_launch_only_when_the_config_names_ddp_or_fsdp2(monkeypatch):
     """torchrun --nproc-per-node 1: ``auto`` (and ``none``) train as a plain process, ``ddp`` and
     ``fsdp2`` as a launch of one (the mode asked for, its checkpoints distributed ones); two

@@ -14,6 +14,7 @@ from huggingface_hub import HfApi, ModelCard
 from localhub import LocalHub
 from pipeline.errors import StageError
 from pipeline.stage.card import MAX_SECTIONS, build_model_card, read_user_sections
+from pipeline.stage.record import proof_verdict
 
 from support import publish_stage
 
@@ -315,3 +316,40 @@ def test_the_card_states_the_last_step_the_epochs_and_a_sample_with_backtick_run
     assert "intermediate checkpoint" not in card, card
     assert "| epochs | 3 (`training.epochs`) |" in card, card
     assert f"`````text\n{sample}\n`````\n" in card, card
+
+
+def _proof_report(passed: list[bool], all_passed: bool) -> dict:
+    """A completed report of script 03 (the fields the staged verdict reads)."""
+    return {
+        "all_checks_passed": all_passed,
+        "positive": all(passed),
+        "negative_divergence_detected": True,
+        "checks": {"positive": [{"name": f"check {i}", "passed": ok} for i, ok in enumerate(passed)]},
+        "protocol": {"tolerance": {"atol": 0, "rtol": 0}},
+        "boundary": {"steps": 8, "cut": 4},
+        "components": {"negative": {"rng": {"result": "detected"}, "optimizer": {"result": "detected"}}},
+    }
+
+
+def test_a_resume_proof_that_failed_a_check_is_carded_as_not_proven(staged_run):
+    """The card's verdict is the report's all_checks_passed: 3 of 4 checks passed is not proven."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["proof"] = proof_verdict(_proof_report([True, True, False, True], all_passed=False))
+    card = str(build_model_card(meta, meta["files"]))
+    assert "Resuming this training run is **not proven**:" in card, card
+    assert "in 3 of 4 checks, bitwise (tolerance 0)" in card, card
+    meta["proof"] = proof_verdict(_proof_report([True] * 4, all_passed=True))
+    assert "Resuming this training run is **proven**:" in str(build_model_card(meta, meta["files"]))
+
+
+def test_the_reproduce_command_of_an_extended_run_trains_its_first_length_then_extends(staged_run):
+    """The schedule depends on max_steps and an extended run's kept its first length: training
+    again starts at the planned length, 10, and extends (--extend-to) at the steps listed."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["step"] = 20
+    meta["config"]["training"]["max_steps"] = 20
+    meta["training"]["lineage"] = [{"from_max_steps": 10, "at_step": 10, "to_max_steps": 20}]
+    card = str(build_model_card(meta, meta["files"]))
+    assert "\npython scripts/02_train.py --config config.yaml --set training.max_steps=10\n" in card, card
+    assert "training.max_steps=20" not in card, card
+    assert "continue it with `--resume latest --extend-to N` at each step the lineage lists" in card, card

@@ -451,6 +451,26 @@ class TinyNet(torch.nn.Module, PyTorchModelHubMixin):
         self.layer = torch.nn.Linear(width, width)
 
 
+def test_a_sentencepiece_tokenizer_model_is_staged_byte_for_byte(folder, tmp_path):
+    """docs/other-trainers.md: tokenizer files, ``*.model`` among them, are staged byte for byte:
+    a Llama or T5 folder's tokenizer does not load without its SentencePiece model."""
+    # A SentencePiece model is a protobuf: pieces with their scores and types.
+    pieces = b"".join(
+        b"\n" + bytes([len(p) + 7, 10, len(p)]) + p + b"\x15\x00\x00\x80\xbf\x18\x01"
+        for p in (b"<unk>", b"\xe2\x96\x81hello", b"world")
+    )
+    (folder / "tokenizer.model").write_bytes(pieces)
+    (folder / "spiece.model").write_bytes(pieces[::-1])
+    target = tmp_path / "stage"
+    stage(folder, target)
+    assert (target / "tokenizer.model").read_bytes() == pieces
+    assert (target / "spiece.model").read_bytes() == pieces[::-1]
+    meta = json.loads((target / "meta.json").read_text())
+    assert {"tokenizer.model", "spiece.model"} <= set(meta["source_checkpoint"]["files"]), meta[
+        "source_checkpoint"
+    ]
+
+
 def test_a_pytorch_model_hub_mixin_folder_keeps_the_name_its_from_pretrained_loads(tmp_path):
     torch.manual_seed(1)
     net = TinyNet(width=3)

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as safetensors_save
-from test_leaks import HARMLESS, SAMPLES, rules, scan_bytes
+from test_leaks import HARMLESS, SAMPLES, refused, rules, scan_bytes
 
-from pipeline.leaks import KINDS, FileScan
+from pipeline.leaks import KINDS, FileScan, scan_secrets
 
 from support import one_line_error, run_script, script_env
 
@@ -174,6 +174,24 @@ def test_a_text_file_holding_a_nul_byte_is_still_scanned_as_text(where):
         "path": "the home folder's path"
     }
     assert "hf-token" in scan_bytes(head + b"\nhf%5f" + SAMPLES["hf-token"][1][3:].encode(), machine_rules)
+
+
+def test_a_training_log_in_ansi_colours_is_text_and_its_paths_and_host_name_are_refused(tmp_path):
+    """A log written to a terminal holds an ESC every few dozen bytes (colour codes): still text,
+    so this machine's host name and paths in it are found, as in any text file."""
+    colours = "".join(
+        f"\x1b[32m{step:>5}\x1b[0m loss \x1b[1;33m{2.5 - step / 1000:.4f}\x1b[0m lr \x1b[36m3e-4\x1b[0m\n"
+        for step in range(200)
+    )
+    machine_rules = rules(home="/home/alice", cwd="/srv/runs/alice", hostname="builder-17")
+    for line, words in (
+        ("\x1b[2mtraining on builder-17\x1b[0m\n", "the host name"),
+        ("\x1b[2msaved /home/alice/ckpt/step-200\x1b[0m\n", "the home folder's path"),
+    ):
+        (tmp_path / "train.log").write_text(colours + line + colours)
+        assert refused(tmp_path, machine_rules).startswith(f"train.log holds {words}; nothing was published")
+    (tmp_path / "train.log").write_text(colours)
+    scan_secrets(tmp_path, machine_rules)  # the colours alone are no leak
 
 
 # -- this machine's values, from 8 bytes on --------------------------------------------------------

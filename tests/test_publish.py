@@ -920,6 +920,31 @@ def test_a_xet_file_the_hub_holds_other_bytes_for_is_repaired_by_a_rerun_in_one_
     assert again.status == "already published" and len(commit_titles(hub, "alice/repaired")) == 3
 
 
+def test_a_file_the_audit_did_not_xet_hash_is_repaired_when_the_hub_stores_other_bytes_by_xet(tmp_path):
+    """An audit that computed no Xet hash (an LFS publish keeping a file the branch stores over
+    Xet) leaves the plan to hash the staged file: a Xet entry listing the staged SHA-256 but the
+    Xet hash of other bytes is a repair, the one listing our bytes' Xet hash unchanged."""
+    hf_xet = pytest.importorskip("hf_xet")
+    from pipeline.publishing.plan import compare
+    from pipeline.publishing.xet import StagedXetHashes
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    ours, other = b"weights " * 4096, b"WEIGHTS " * 4096  # same size, other bytes
+    (stage / "modelo.safetensors").write_bytes(ours)
+    (tmp_path / "other").write_bytes(other)
+    their_xet, our_xet = (
+        info.hash for info in hf_xet.hash_files([str(tmp_path / "other"), str(stage / "modelo.safetensors")])
+    )
+    sha = hashlib.sha256(ours).hexdigest()
+    audited = {"modelo.safetensors": AuditedFile("modelo.safetensors", len(ours), sha, "MANIFEST.sha256")}
+    assert audited["modelo.safetensors"].xet_hash is None
+    for listed, action in ((their_xet, "repair"), (our_xet, "unchanged")):
+        remote = {"modelo.safetensors": RemoteFile("modelo.safetensors", len(ours), "0" * 40, sha, listed)}
+        files, _ = compare(stage, audited, remote, "", StagedXetHashes(stage, audited))
+        assert [(f.name, f.action) for f in files] == [("modelo.safetensors", action)], (listed, files)
+
+
 def test_a_xet_file_under_path_in_repo_is_repaired_by_a_rerun_in_one_commit(
     staged_run, hub, tmp_path, token_env, xet
 ):

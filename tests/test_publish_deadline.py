@@ -336,12 +336,42 @@ def test_settling_after_the_commit_never_runs_past_the_timeout_and_one_settling_
     assert limit.expired(), limit.remaining()
 
 
+def test_settling_keeps_the_time_a_publish_still_has_when_that_is_more_than_the_settling_time():
+    """--timeout bounds the whole publish (docs/publishing.md): settling only grants min(S, 30) s
+    more when less is left. A commit answered with ten minutes left keeps them to verify."""
+    limit = deadline.Deadline(600)
+    limit.settle()
+    assert limit.remaining() > 590, limit.remaining()
+
+
+def test_the_default_timeout_is_five_minutes_plus_one_second_per_mb_staged():
+    """docs/publishing.md: "5 minutes plus 1 second per MB staged, e.g. about 22 minutes for a
+    1 GB stage"."""
+    assert deadline.default_timeout(0) == 5 * 60
+    assert deadline.default_timeout(10**9) == 5 * 60 + 1000
+    assert round(deadline.default_timeout(10**9) / 60) == 22
+    assert deadline.default_timeout(20 * 10**9) == 5 * 60 + 20_000  # 20 GB: 20,000 MB at 1 s each
+
+
 XET_SETTINGS = (
     "HF_XET_CLIENT_RETRY_MAX_DURATION",
     "HF_XET_CLIENT_RETRY_BASE_DELAY",
     "HF_XET_CLIENT_READ_TIMEOUT",
     "HF_XET_CLIENT_CONNECT_TIMEOUT",
 )
+
+
+def test_an_xet_upload_after_a_slow_start_has_hf_xets_settings_capped_by_the_time_left(xet, monkeypatch):
+    """upload_within caps hf_xet's retry budget and timeouts by what the deadline has left
+    (docs/publishing.md), not by the whole --timeout: 3 s left of 600 s."""
+    for name in XET_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    limit = deadline.Deadline(600)
+    limit.end -= 597  # as if the audit and the preupload had taken 597 s
+    with xet_side.upload_within(limit):
+        during = {name: os.environ[name] for name in XET_SETTINGS}
+    assert all(value.endswith("ms") for value in during.values()), during
+    assert all(int(value[:-2]) <= 3000 for value in during.values()), during
 
 
 @pytest.mark.parametrize(

@@ -277,6 +277,18 @@ def _manifest_edited(tmp_path: Path, edit) -> tuple[Path, object]:
     return target, config
 
 
+def test_a_data_manifest_without_its_fingerprint_is_refused_as_damaged_in_one_line(tmp_path):
+    """The fingerprint is what checkpoints are pinned to: a manifest without it is damaged (one
+    line naming it and the fix), never a KeyError traceback in 02, 03 or 04."""
+    target, config = _manifest_edited(tmp_path, lambda m: m.pop("fingerprint"))
+    for call in (load_manifest, prepare_data):
+        with pytest.raises(DataError) as refused:
+            call(config)
+        message = str(refused.value)
+        assert message.startswith(f"{target / 'manifest.json'} is damaged: move {target}/ aside"), message
+        assert "\n" not in message
+
+
 def test_a_huge_recorded_value_does_not_become_a_huge_error_line(tmp_path):
     """_recipe_difference/_show echo the manifest's recorded value whole: a manifest recording
     a 20 MB data.prepare made 01, 02 and 04 print one 20 MB line."""

@@ -635,6 +635,65 @@ def test_shard_coverage_is_checked_even_when_meta_agrees(legs, tmp_path):
         verify_distributed(folder)
 
 
+def _sharded_by_hand(folder: Path) -> dict[str, torch.Tensor]:
+    """A model part as FSDP2 shards it, written with the project's writer: ``w`` (4x3) split by
+    rows over two shard files (DCP's offsets in each header), ``b`` whole in the first; the
+    full tensors."""
+    from pipeline.checkpoint.tensorfile import write_safetensors
+
+    full = {"b": torch.arange(3.0), "w": torch.arange(12.0).reshape(4, 3)}
+    (folder / DIST_MODEL_DIR).mkdir(parents=True)
+    for index, rows, extra in ((1, slice(0, 2), {"b": full["b"]}), (2, slice(2, 4), {})):
+        offsets = {"w": {"saved_offsets": [rows.start, 0]}, **{n: {"saved_offsets": [0]} for n in extra}}
+        write_safetensors(
+            folder / DIST_MODEL_DIR / _shard(index),
+            {"w": full["w"][rows].clone(), **extra},
+            {"DCP_SHARDING_INFO": json.dumps(offsets)},
+        )
+    return full
+
+
+def test_shard_coverage_refuses_a_tensor_meta_json_does_not_list_and_one_no_shard_holds(tmp_path):
+    """Coverage looks both ways: a shard holding a tensor meta.json's ``tensors`` does not list
+    is refused naming it (not consolidated without a word), and so is a listed tensor no shard
+    holds; the shards as listed consolidate to the full tensors."""
+    from pipeline.checkpoint.shards import consolidate, shard_tensors, tensor_specs
+    from pipeline.checkpoint.tensorfile import map_file
+
+    full = _sharded_by_hand(tmp_path)
+    maps = {f"{DIST_MODEL_DIR}/{p.name}": map_file(p) for p in (tmp_path / DIST_MODEL_DIR).iterdir()}
+    listed = tensor_specs(full)
+    joined = consolidate(shard_tensors(tmp_path, DIST_MODEL_DIR, listed, maps), listed)
+    assert all(torch.equal(joined[name], full[name]) for name in full) and sorted(joined) == ["b", "w"]
+    without_b = tensor_specs({"w": full["w"]})
+    with pytest.raises(ChecksumMismatch, match="holds tensor b that meta.json does not list"):
+        shard_tensors(tmp_path, DIST_MODEL_DIR, without_b, maps)
+    with_c = tensor_specs({**full, "c": torch.zeros(2)})
+    with pytest.raises(ChecksumMismatch, match="holds no shard of tensor c: a shard file is missing"):
+        shard_tensors(tmp_path, DIST_MODEL_DIR, with_c, maps)
+
+
+def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_path):
+    """A rank's read of a sealed file (SealedReads, as a torchrun resume reads): the sealed
+    bytes pass; the same file with bytes appended since is refused, although every chunk the
+    rank reads still matches its digest; so is one cut short."""
+    _sharded_by_hand(tmp_path)
+    name = f"{DIST_MODEL_DIR}/{_shard(1)}"
+    path = tmp_path / name
+    data = path.read_bytes()
+    meta = {"files": {name: entry_of(data, 64)}}
+    assert len(data) > 2 * 64
+    reads = SealedReads(tmp_path, meta)
+    assert bytes(reads.read(name)) == data and bytes(reads.read(name, [(0, 10)])[:64]) == data[:64]
+    assert not reads.refusals
+    with open(path, "ab") as grown:
+        grown.write(b"\0" * 64)
+    assert reads.read(name, [(0, 10)]) is None
+    assert f"{path} SHA-256 differs from meta.json (chunk 0: bytes 0-64)" in str(reads.refusals[0])
+    path.write_bytes(data[:-8])
+    assert reads.read(name) is None and len(reads.refusals) == 2
+
+
 def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
     """Run ``runs`` in one launch of tests/helpers/dist_leg.py; their results (rank 0's)."""
     plan = root / f"{name}.json"
@@ -877,6 +936,34 @@ def test_a_run_moved_to_one_process_keeps_its_evaluations_and_derives_its_rng_fr
     derived = capture_rng(np.random.Generator(np.random.PCG64(0)))
     assert started["rng"]["python"] == derived["python"]
     assert torch.equal(started["rng"]["torch_cpu"], derived["torch_cpu"])
+
+
+@LEGS
+def test_a_rank_the_checkpoint_has_no_rng_file_for_derives_its_streams_from_the_resumed_step(legs, data_dir):
+    """A 2-process checkpoint resumed on more processes (docs/distributed.md, --reshard): rank 2
+    has no RNG file in it; it continues the data order's Generator (rank 0's, the same on
+    every rank) and derives its own streams from (seed, step, rank). Restored here in this
+    process as rank 2 of 3, DCP reading every shard whole as a move to one process does."""
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.checkpoint.dist_restore import read_rank_rng
+    from pipeline.rng import capture_rng
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    folder = legs[0] / "quiet_full" / "step-00000010"
+    meta = verify_distributed(folder)
+    assert meta["parallel"]["world_size"] == 2 and rank_rng_file(2) not in meta["files"]
+    config = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET_RNG})
+    world = World(device=torch.device("cpu"), rank=2, world_size=3)
+    run = build_run(config, world.device, world=world)
+    restore_distributed(run, world, folder, meta)
+    assert run.step == 10
+    saved, _ = read_rank_rng(folder / rank_rng_file(0))
+    assert run.generator.bit_generator.state == saved["numpy_generator"]
+    restored = capture_rng(run.generator)
+    words = np.random.SeedSequence([config.training.seed, 10, 2]).generate_state(4, dtype=np.uint64)
+    torch.manual_seed(int(words[2]))
+    assert torch.equal(restored["torch_cpu"], torch.get_rng_state())
 
 
 @pytest.mark.heavy

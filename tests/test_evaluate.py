@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,31 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         r"(fingerprints or config|step or modelo_sha256)): rerun python scripts/04_evaluate\.py$"
     )
     with pytest.raises(MetricsError, match=refused):
+        read_metrics(tmp_path / "metrics.json")
+
+
+@pytest.mark.parametrize(
+    "metrics, says",
+    [
+        ({"mse": float("nan"), "rmse": 0.5}, "held-out metric mse is nan"),
+        ({"mse": "0.01", "rmse": 0.5}, "metric 'mse' is '0.01'; metrics must map str to a number"),
+        ({}, "metrics must be a non-empty mapping of name to number"),
+        ({"heldout": {}}, "evaluation set 'heldout' holds no metric"),
+    ],
+)
+def test_a_metrics_record_whose_metrics_are_not_finite_numbers_is_refused(
+    evaluated_run, tmp_path, metrics, says
+):
+    """What 05 puts on the card comes through read_metrics: a record 04 could not have written
+    (a NaN, which Python's json writes and reads; a number as text; no metric at all) is
+    refused in one line, as 04 refuses such values from a task's evaluate()."""
+    from pipeline.errors import MetricsError
+    from pipeline.evaluate import read_metrics
+
+    record = json.loads(evaluated_run.metrics.read_text())
+    assert read_metrics(evaluated_run.metrics)["metrics"] == record["metrics"]
+    (tmp_path / "metrics.json").write_text(json.dumps({**record, "metrics": metrics}))
+    with pytest.raises(MetricsError, match=re.escape(says)):
         read_metrics(tmp_path / "metrics.json")
 
 

@@ -256,13 +256,17 @@ def _ours(folder: Path) -> None:
         "foreign-events",
         "fifo",
         "unmarked-events",
+        "empty-user-file",
+        "another-writers-events",
     ],
 )
 def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_deleted(tmp_path, kind):
     """Only a folder holding exactly training's marker (its text, a regular file) and its event
     file (a regular file starting with training's header) is replaced: a folder named like the
     event file holding the user's notes, an empty marker, links, a file of the user's under the
-    event file's name, a FIFO (never opened to block): the traces are off, nothing deleted."""
+    event file's name, a FIFO (never opened to block), an empty file of the user's beside them,
+    another writer's event file (a SummaryWriter of the user's pointed at the folder): the
+    traces are off, nothing deleted."""
     theirs, elsewhere = tmp_path / "traces", tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "private.txt").write_text("mine\n")
@@ -291,6 +295,13 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
             os.mkfifo(theirs / TRACE)
         elif kind == "unmarked-events":  # a training's event file the user kept, without the marker
             (theirs / TRACES_MARKER).unlink()
+        elif kind == "empty-user-file":
+            (theirs / "notes.txt").touch()
+        elif kind == "another-writers-events":
+            from torch.utils.tensorboard import SummaryWriter
+
+            with SummaryWriter(str(theirs)) as writer:
+                writer.add_scalar("my/metric", 1.0, 1)
     before, outside = _snapshot(theirs) if kind != "folder-link" else {}, _snapshot(elsewhere)
     said: list[str] = []
     run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
@@ -344,6 +355,34 @@ def test_samples_per_second_counts_the_rows_of_each_interval_over_its_own_time(t
         (step, value) for tag, step, value in events(tmp_path / "traces", measured=True) if tag == SPEED_TAG
     ]
     assert speeds == [(6, 4.0), (8, 2.0)]
+
+
+def test_a_streamed_runs_samples_per_second_counts_every_micro_batch_of_a_step(tmp_path, monkeypatch):
+    """A stream has no sampler counting rows: a step trains ``data.batch_size`` rows in each of
+    its ``training.grad_accum_steps`` micro-batches, so 4 rows x 3 micro-batches a step, steps
+    of 1, 1, 2 and 2 seconds logged every 2: 12 then 6 rows a second."""
+    clock = [100.0]
+    monkeypatch.setattr(traces_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 0.0))
+    run = SimpleNamespace(
+        step=4,
+        history={"step": [1, 2, 3, 4], "loss": [1.0, 0.9, 0.8, 0.7], "lr": [0.1] * 4},
+        sampler=None,
+        config=SimpleNamespace(
+            data=SimpleNamespace(batch_size=4), training=SimpleNamespace(grad_accum_steps=3)
+        ),
+    )
+    traces = open_traces(tmp_path / "traces", run, log_every=2, say=print, data_dir=tmp_path / "data")
+    for step, seconds in zip(range(5, 9), (1.0, 1.0, 2.0, 2.0)):
+        clock[0] += seconds
+        run.step = step
+        for key, value in (("step", step), ("loss", 1.0 / step), ("lr", 0.1)):
+            run.history[key].append(value)
+        traces.on_step_end(run, None)
+    traces.close(run)
+    speeds = [
+        (step, value) for tag, step, value in events(tmp_path / "traces", measured=True) if tag == SPEED_TAG
+    ]
+    assert speeds == [(6, 12.0), (8, 6.0)]
 
 
 @pytest.mark.parametrize("where", ["periodic-flush", "write", "close"])
@@ -400,6 +439,31 @@ def test_the_gradient_norm_is_measured_at_logged_steps_and_changes_no_bit_of_tra
     assert [n for n in some.history["grad_norm"] if not math.isnan(n)] == [norms[3], norms[7]]
     if clip:  # before clipping: the clipped steps' norms are above the bound
         assert max(norms) > clip
+
+
+def test_under_fp16_amp_the_gradient_norm_is_of_the_unscaled_gradients(data_dir, tmp_path):
+    """fp16 AMP scales the loss (a GradScaler, 65536 at first) before the gradients are taken:
+    the norm traced is the gradients' once unscaled, with clipping (which unscales them first)
+    or without it (measured on the scaled ones and divided back). A bound no norm reaches
+    changes no step, so both runs trace the same norms; the steps the scaler skips (an
+    overflow: an infinite norm) alike."""
+
+    def norms(clip: float) -> list[float]:
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / f"clip{clip}"),
+            "training.amp": "fp16",
+            "training.dtype": "float32",
+            "training.grad_clip": clip,
+        }
+        return train(load_config(CONFIG, overrides), progress=False).history["grad_norm"]
+
+    unclipped, bounded = norms(0.0), norms(1e30)
+    finite = [(a, b) for a, b in zip(unclipped, bounded) if math.isfinite(b)]
+    assert len(finite) >= 3, bounded
+    assert [math.isfinite(n) for n in unclipped] == [math.isfinite(n) for n in bounded]
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in finite), (unclipped, bounded)
+    assert all(0 < b < 1e3 for _, b in finite), bounded  # a regression's gradients, not 65536 times them
 
 
 def test_two_runs_whose_checkpoints_share_a_parent_keep_both_traces(trained_run, tmp_path):

@@ -405,6 +405,19 @@ def test_04_says_in_one_line_when_the_tasks_evaluate_raises(data_dir, tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
+def test_02_says_in_one_line_when_the_tasks_evaluate_raises_during_training(data_dir, tmp_path):
+    """The same task's evaluate() raising at training.eval_every's first step: 02 ends with
+    the one line that names data.factory, exit 2, no traceback."""
+    checkpoints = tmp_path / "ck"
+    args = _set(data_dir, checkpoints, "training.eval_every=2")
+    result = run_script("02_train.py", *args, cwd=tmp_path, env=script_env(HOSTILE="evaluate"))
+    assert result.returncode == 2, result.stderr
+    assert one_line_error(result) == (
+        f"error: data.factory {ROWS} evaluate() failed: RuntimeError: the held-out file is unreadable (check "
+        "data.params; --debug prints the traceback)"
+    )
+
+
 # -- data prepared for another config --------------------------------------------------------
 
 

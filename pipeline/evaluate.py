@@ -152,7 +152,7 @@ def check_metrics(metrics: Any, where: str) -> dict[str, float]:
             if not math.isfinite(number):
                 # JSON has no NaN, and a card must not advertise one: the model is broken.
                 raise MetricsError(
-                    f"held-out metric {flat} is {number}: the checkpoint's weights are not usable"
+                    f"{where}: held-out metric {flat} is {number}: the checkpoint's weights are not usable"
                 )
             if flat in out:
                 raise MetricsError(f"{where}: metric {flat!r} is named twice")
@@ -287,5 +287,8 @@ def read_metrics(path: str | Path, *, rerun: str = "python scripts/04_evaluate.p
         or not isinstance(record["config"], dict)
     ):
         raise MetricsError(f"{path} has malformed fingerprints or config: rerun {rerun}")
-    check_metrics(record["metrics"], str(path))
+    try:
+        check_metrics(record["metrics"], str(path))
+    except MetricsError as refusal:  # 04 refuses such values: the record was written or edited elsewhere
+        raise MetricsError(f"{refusal}; rerun {rerun}") from None
     return record

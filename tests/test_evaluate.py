@@ -111,8 +111,11 @@ def test_a_metrics_record_whose_metrics_are_not_finite_numbers_is_refused(
     record = json.loads(evaluated_run.metrics.read_text())
     assert read_metrics(evaluated_run.metrics)["metrics"] == record["metrics"]
     (tmp_path / "metrics.json").write_text(json.dumps({**record, "metrics": metrics}))
-    with pytest.raises(MetricsError, match=re.escape(says)):
+    with pytest.raises(MetricsError, match=re.escape(says)) as refused:
         read_metrics(tmp_path / "metrics.json")
+    # Which file, and the command that writes a good one.
+    assert str(refused.value).startswith(f"{tmp_path / 'metrics.json'}: ")
+    assert str(refused.value).endswith("; rerun python scripts/04_evaluate.py")
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import unicodedata
 
@@ -284,6 +285,42 @@ def test_the_card_names_the_launch_and_the_runs_moves_extensions_and_changes_in_
         "from 1 to 2 after step 4; extended from 10 to 20 steps after step 10; moved to 4 processes (FSDP2) "
         "after step 12 |"
     ) in card
+
+
+def test_the_launch_row_says_when_ddp_ran_with_find_unused_parameters(staged_run):
+    """The launch record's ddp_find_unused_parameters (docs/format.md) changes DDP's reduction
+    order: a run with it true is not the same launch as one without, and the row says which."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["training"].update(changes=[], lineage=[])
+    rows = {}
+    for unused in (True, False):
+        meta["training"]["launch"] = {
+            "parallel": "ddp",
+            "world_size": 2,
+            "ddp_find_unused_parameters": unused,
+        }
+        card = str(build_model_card(meta, meta["files"]))
+        (rows[unused],) = [line for line in card.splitlines() if line.startswith("| launch |")]
+    assert rows[False] == "| launch | 2 processes (DDP) on cpu |", rows
+    assert rows[True].startswith("| launch | 2 processes (DDP"), rows
+    assert "find_unused_parameters" in rows[True], rows
+
+
+def test_a_callbacks_stop_reason_is_text_on_the_card_never_html_or_markdown(staged_run):
+    """A callback's stop_reason and import path are its words (docs/training.md): on the card they
+    are one sentence of text, no tag, comment or link of theirs (a <!-- would hide the rest)."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["training"]["stopped"] = {
+        "step": 4,
+        "by": "mycallbacks:make <script>alert(1)</script>",
+        "reason": "loss <img src=x onerror=alert(1)> diverged\n## Pwned <!-- [link](http://x)",
+    }
+    card = str(build_model_card(meta, meta["files"]))
+    (line,) = [line for line in card.splitlines() if "It stopped early at step 4:" in line]
+    sentence = line[line.index("It stopped early at step 4:") :]
+    assert "diverged" in sentence and "Pwned" in sentence and "mycallbacks:make" in sentence, sentence
+    assert re.search(r"(?<!\\)[<>]", sentence) is None, sentence  # every < and > escaped
+    assert re.search(r"(?<!\\)<(img|script|!--)", card) is None and "\n## Pwned" not in card
 
 
 def test_a_one_process_torchrun_launch_is_named_and_reproduced_under_torchrun(staged_run):

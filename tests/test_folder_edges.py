@@ -330,6 +330,36 @@ def test_an_index_mapping_a_tensor_to_a_shard_that_does_not_hold_it_is_refused(t
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 
+def test_an_index_whose_weight_map_is_empty_is_refused_not_staged_as_a_model_without_tensors(tmp_path):
+    """An index mapping no tensor to any file names no weights: staged, the model would hold none."""
+    folder = sharded_tiny_folder(tmp_path / "model")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage")
+    message = str(refused.value)
+    assert message.startswith(f"{index} ") and message.endswith("; nothing was staged"), message
+    assert "weight_map" in message and "\n" not in message, message
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+def test_a_config_naming_architectures_without_model_type_gets_the_plain_pytorch_loading_snippet(tmp_path):
+    """architectures and model_type make a transformers model; architectures alone do not. Such a
+    model's card loads the weights with its own class: the folder stage ships no code/hub_loader.py
+    for a snippet to import."""
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps({"width": 4, "architectures": ["TinyNet"]}))
+    stage(folder, tmp_path / "stage")
+    meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
+    assert meta["export"]["transformers"] is False and meta["export"]["architecture"] == "TinyNet"
+    assert not (tmp_path / "stage" / "code").exists()
+    card = (tmp_path / "stage" / "README.md").read_text(encoding="utf-8")
+    load = card.split("## How to load it", 1)[1].split("\n## ", 1)[0]
+    assert "is a PyTorch model" in card and "this repository holds no code" in load, load
+    assert "load_state_dict(state_dict)" in load, load
+    assert "hub_loader" not in card and "code/" not in load and "from_pretrained(folder" not in load, load
+
+
 def test_a_repo_id_without_a_namespace_is_refused_before_anything_is_staged(tmp_path):
     """The card's snippets download from --repo-id: a bare name is a repo of the Hub's own."""
     folder = tiny_folder(tmp_path / "model")

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from localhub import LocalHub
 from pipeline.hashing import sha256_file
+from pipeline.stage.card import build_model_card
 
 from support import (
     REPO,
@@ -134,6 +135,19 @@ def test_card_front_matter_names_transformers_and_the_configured_task(published)
     assert "AutoModelForCausalLM.from_pretrained(folder" in card.text
     assert "AutoTokenizer.from_pretrained(folder)" in card.text and 'pipeline("text-generation"' in card.text
     assert "step **8**, the last step of its run" in card.text
+
+
+def test_a_causal_lm_with_only_a_slow_tokenizers_files_still_gets_the_tokenizer_and_generation_snippet(
+    published,
+):
+    """A slow tokenizer is tokenizer_config.json and its vocabulary files, no tokenizer.json:
+    AutoTokenizer loads it all the same (docs/stage.md: a causal LM with a tokenizer)."""
+    meta = json.loads((published["stage"] / "meta.json").read_text())
+    files = {name: entry for name, entry in meta["files"].items() if name != "tokenizer.json"}
+    assert "tokenizer_config.json" in files
+    card = str(build_model_card(meta, files, repo_id=REPO_ID))
+    assert "AutoTokenizer.from_pretrained(folder)" in card, card
+    assert 'pipeline("text-generation", model=model, tokenizer=tokenizer)' in card, card
 
 
 def test_no_staged_file_carries_a_machine_path_user_or_host_name(published):

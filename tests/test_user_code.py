@@ -7,6 +7,7 @@ too), or resumes cleanly; nothing is lost. The task is tests/helpers/hostile_fac
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import random
@@ -581,6 +582,12 @@ def test_a_data_prepare_that_is_not_deterministic_keeps_the_data_in_place(tmp_pa
         (tmp_path / "data" / "manifest.json").read_bytes(),
     ) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing left beside it
+    # What 01 prints is the data kept, which checkpoints train on, not the bytes it discarded.
+    kept = json.loads(before[1])
+    assert f"fingerprint {kept['fingerprint']}\n" in again.stdout, again.stdout
+    digest = hashlib.sha256(before[0]).hexdigest()
+    assert kept["files"]["vocabulary.bin"]["sha256"] == digest
+    assert f"  {digest}  " in again.stdout and again.stdout.count("fingerprint ") == 1, again.stdout
 
 
 def test_04_and_05_say_which_set_values_the_checkpoints_own_config_overrules(evaluated_run, run_copy):

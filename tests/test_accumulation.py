@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import shlex
@@ -168,6 +169,36 @@ def test_the_run_object_holds_the_evaluations(data_dir, tmp_path):
     assert set(result.evaluations) == {"step", "mse", "rmse"}
     assert all(len(v) == 3 for v in result.evaluations.values())
     assert result.evaluations["rmse"][0] == pytest.approx(result.evaluations["mse"][0] ** 0.5)
+
+
+def test_under_fp16_amp_grad_clip_bounds_the_unscaled_gradients(data_dir, tmp_path):
+    """``training.grad_clip`` bounds the gradient norm, the one traced as ``train/grad_norm``:
+    under fp16 AMP that is the norm of the gradients once unscaled, never of the ones the
+    GradScaler multiplied (65536 at first). A bound ten times the largest norm the run
+    traces is never reached: it trains the very weights of the run without clipping. A bound
+    below every norm does clip (it is on)."""
+    from pipeline.config import load_config
+    from pipeline.train import train as train_in_process
+
+    def run(clip: float):
+        overrides = {
+            "data.dir": str(data_dir),
+            "checkpoint.dir": str(tmp_path / f"clip{clip}"),
+            "training.amp": "fp16",
+            "training.dtype": "float32",
+            "training.grad_clip": clip,
+        }
+        result = train_in_process(load_config(REPO / "config.yaml", overrides), progress=False)
+        return result.history["grad_norm"], _weights(result.checkpoint)
+
+    norms, unclipped = run(0.0)
+    finite = [n for n in norms if math.isfinite(n)]
+    assert len(finite) >= 3, norms
+    _, unreached = run(10 * max(finite))
+    _, clipped = run(min(finite) / 2)
+    for name, tensor in unclipped.items():
+        assert torch.equal(unreached[name], tensor), name
+    assert any(not torch.equal(clipped[name], tensor) for name, tensor in unclipped.items())
 
 
 @pytest.mark.parametrize(

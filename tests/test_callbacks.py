@@ -353,6 +353,25 @@ def test_with_best_mode_max_the_steps_saved_as_new_bests_are_the_new_highest_val
     assert CheckpointStore(tmp_path).committed_steps() == sorted(highs | {10})
 
 
+def test_an_evaluation_that_only_ties_the_best_is_not_saved(data_dir, tmp_path):
+    """A plateaued metric (an ``accuracy`` that reaches 1.0 and stays), evaluated at every
+    step, saved only as new bests (and the last step): an evaluation equal to the best is no
+    new best (the earliest of equal values stays the best), so it is not saved off the save
+    interval."""
+    sets = {"data.factory": "trainer_factories:build_data_plateau_evaluate", "training.eval_every": 1,
+            "checkpoint.best_metric": "accuracy", "checkpoint.best_mode": "max", "checkpoint.every": 100,
+            "checkpoint.keep_last": 100}  # fmt: skip
+    result = train(_config(data_dir, tmp_path, **sets), progress=False)
+    steps, values = result.evaluations["step"], result.evaluations["accuracy"]
+    highs = [step for i, step in enumerate(steps) if all(values[i] > v for v in values[:i])]
+    ties = [step for i, step in enumerate(steps) if values[i] == max(values[:i], default=None)]
+    assert len(ties) >= 3 and 10 not in highs, (steps, values)  # not vacuous: evaluations that only tie
+    assert CheckpointStore(tmp_path).committed_steps() == sorted({*highs, 10})
+    from pipeline.checkpoint import read_best
+
+    assert read_best(tmp_path)["step"] == highs[-1]
+
+
 def test_early_stopping_stops_at_the_step_its_rule_gives(data_dir, tmp_path, without_early_stopping):
     expected = _expected_stop(without_early_stopping.evaluations, "mse", 2, 0.005)
     assert expected is not None and 10 < expected < 40

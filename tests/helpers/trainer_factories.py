@@ -1,4 +1,4 @@
-"""Tasks for the accumulation/evaluation tests: the regression task without evaluate(), or with one that draws."""
+"""Tasks for the accumulation/evaluation tests: the regression task without evaluate(), or with an odd one."""
 
 from __future__ import annotations
 
@@ -68,3 +68,23 @@ class _WobblingEvaluate:
 
 def build_data_wobbling_evaluate(config: Config, data_dir: Path) -> _WobblingEvaluate:
     return _WobblingEvaluate(build_data(config, data_dir))
+
+
+class _PlateauEvaluate:
+    """The regression task's data, whose evaluate adds ``accuracy``: 1/3, 2/3, then 1.0 at
+    every later evaluation, an accuracy that saturates: most evaluations only tie the best."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        self._calls += 1
+        return {**self._inner.evaluate(model, device), "accuracy": min(self._calls, 3) / 3}
+
+
+def build_data_plateau_evaluate(config: Config, data_dir: Path) -> _PlateauEvaluate:
+    return _PlateauEvaluate(build_data(config, data_dir))

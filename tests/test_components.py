@@ -114,6 +114,24 @@ def test_a_registered_component_is_left_out_by_name_and_refused_when_it_does_not
         train(_config(data_dir, tmp_path / "without"), resume="latest", progress=False)
 
 
+def test_a_registered_components_tensor_saved_in_another_dtype_is_refused_before_anything_is_set(
+    registered, data_dir, tmp_path
+):
+    """The component now computes its sum in float32; the checkpoint holds it in float64. A
+    resume that took it would train on in the wrong dtype: refused in one line naming the
+    field and the dtype this run expects, and the component is given nothing."""
+    config = _config(data_dir, tmp_path)
+    train(config, stop_at=4, progress=False)
+    dummy.unregister()
+    register_component(dummy.component(live=lambda run: {**dummy.live(run), "total": torch.zeros(1)}))
+    with pytest.raises(
+        StateMismatch,
+        match=rf"training_state\.{dummy.NAME}\.total is not a torch\.float32 tensor of shape \(1,\)",
+    ):
+        train(config, resume="latest", progress=False)
+    assert not dummy.restored_path(tmp_path / "ck", 0).exists()
+
+
 def test_registering_refuses_a_name_taken_a_reserved_one_and_per_rank_state(registered):
     for name in ("rng", "progress", dummy.NAME):
         with pytest.raises(ValueError, match="exists already"):

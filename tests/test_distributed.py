@@ -694,6 +694,66 @@ def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_pa
     assert reads.read(name) is None and len(reads.refusals) == 2
 
 
+def test_a_resume_refuses_a_shard_stored_in_another_dtype_than_meta_json_lists(tmp_path):
+    """meta.json's ``tensors`` lists each tensor's dtype: a torchrun resume plans its reads
+    from the shards' headers (VerifiedShardReader, no launch), and a sealed shard holding its
+    rows of ``w`` in float64 where meta.json lists float32 is refused naming the file, not cast
+    into the parameters; the shards as listed plan."""
+    from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.checkpoint.tensorfile import write_safetensors
+    from pipeline.checkpoint.verified_dcp import VerifiedShardReader
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+
+    def planned() -> object:
+        files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+        meta = {"files": files, "tensors": {"model": tensor_specs(full)}}
+        return VerifiedShardReader(SealedReads(tmp_path, meta), "model").read_metadata()
+
+    assert sorted(planned().state_dict_metadata) == ["b", "w"]
+    (tmp_path / names[1]).unlink()
+    write_safetensors(
+        tmp_path / names[1],
+        {"w": full["w"][2:4].to(torch.float64)},
+        {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [2, 0]}})},
+    )
+    with pytest.raises(ChecksumMismatch, match=rf"{_shard(2)}: a shard of w does not fit its F32 tensor"):
+        planned()
+
+
+def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoint_that_does_not_fit(
+    tmp_path, monkeypatch
+):
+    """A torchrun resume's load through DCP, in-process (one process reading every shard): the
+    sealed shards load whole; a read that fails with EIO (a failing disk, a shard file gone) is
+    reported as that OS error, which the command prints with its fix, not as "saved training
+    state does not fit this run", which would send the user to their config."""
+    import errno
+    from types import SimpleNamespace
+
+    import pipeline.checkpoint.verified_dcp as verified_dcp
+    from pipeline.checkpoint.dist_restore import _dcp_load
+    from pipeline.checkpoint.shards import tensor_specs
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+    meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
+    alone = SimpleNamespace(launched=False)
+    template = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
+    assert all(torch.equal(template[name], full[name]) for name in full)
+
+    def failing_disk(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(verified_dcp, "read_and_hash", failing_disk)
+    with pytest.raises(OSError) as failed:
+        _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
+    assert failed.value.errno == errno.EIO, failed.value
+
+
 def launch_plan(nproc: int, root: Path, name: str, runs: list[dict]) -> list[dict]:
     """Run ``runs`` in one launch of tests/helpers/dist_leg.py; their results (rank 0's)."""
     plan = root / f"{name}.json"

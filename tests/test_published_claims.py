@@ -329,6 +329,22 @@ def test_a_later_committed_step_that_only_ties_the_earliest_best_leaves_the_mark
             check_best(mark, evaluations, [2, 4, 6], "BEST.json", newest=better)
 
 
+def test_a_mark_one_save_behind_is_refused_with_the_resume_that_marks_the_best_again():
+    """A later committed step evaluated better: the mark is one save behind (a run stopped
+    between that save and the mark's move). On a run's last save no next save moves it, so the
+    refusal names the fix that does: ``--resume latest`` (or the step folder), not "delete it,
+    the next save marks it again"."""
+    from pipeline.checkpoint.best import check_best
+
+    evaluations = {"step": [2, 4], "loss": [0.5, 0.25]}
+    mark = {"step": 2, "metric": "loss", "mode": "min", "value": 0.5}
+    with pytest.raises(CheckpointError) as refused:
+        check_best(mark, evaluations, [2, 4], "BEST.json", newest=evaluations)
+    message = str(refused.value)
+    assert "the committed step 4 was evaluated better" in message, message
+    assert "resume the run with --resume latest" in message and "the next save marks" not in message, message
+
+
 def test_a_mark_swapped_for_a_fifo_or_a_link_after_a_look_at_its_name_is_refused_without_blocking(
     marked_run, tmp_path, monkeypatch
 ):

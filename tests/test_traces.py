@@ -516,6 +516,8 @@ def test_evaluations_become_eval_traces_in_step_order(tmp_path):
     assert [step for _, step, _ in points] == sorted(step for _, step, _ in points)
     shown = scalars(tmp_path / "traces")
     assert shown["eval/mse"] == [(2, 0.75), (3, 0.125)] and shown["eval/acc"] == [(2, 0.5), (3, 0.625)]
+    # One curve per metric (`eval/<metric>`): the evaluated step is the x axis, not a curve of its own.
+    assert sorted(tag for tag in shown if tag.startswith("eval/")) == ["eval/acc", "eval/mse"], sorted(shown)
     assert shown["train/loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
     # The published form of the same history and evaluations: the same points.
     published = tmp_path / "published"

@@ -112,3 +112,39 @@ def test_a_run_built_for_a_rank_of_a_launch_reads_that_ranks_part_of_each_batch(
         with contextlib.closing(run.feed):
             (part, _), _ = run.feed.next_batch()
         assert torch.equal(part, whole[(total * rank) // 2 : (total * (rank + 1)) // 2]), rank
+
+
+def test_ddps_bucket_settling_pass_puts_back_the_buffers_and_rng_its_forward_moved(tmp_path):
+    """One process of DDP on gloo, in-process, around a model with BatchNorm: the discarded
+    forward and backward that settles DDP's buckets moves the running statistics and draws
+    from the RNG; both are put back (docs/distributed.md), so the first real step counts its
+    batch once, as an uninterrupted run's does, and no gradient is left behind."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        launch = LaunchWorld(
+            rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), mode="ddp"
+        )
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+        ddp = launch.wrap(model, None)
+        assert not launch.buckets_settled
+        run = SimpleNamespace(
+            model=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1), generator=np.random.default_rng(0)
+        )
+        before = {name: buffer.clone() for name, buffer in ddp.named_buffers()}
+        draw = torch.get_rng_state()
+        launch.settle_buckets(run, lambda: ddp(torch.randn(8, 3) + 5.0).pow(2).mean())
+        assert launch.buckets_settled
+        assert all(torch.equal(buffer, before[name]) for name, buffer in ddp.named_buffers()), dict(
+            ddp.named_buffers()
+        )
+        assert torch.equal(torch.get_rng_state(), draw)
+        assert all(p.grad is None for p in ddp.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -478,6 +478,8 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
          "evaluation/mse is not 1 float64 values"),
         ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([float("nan")], dtype=torch.float64)},
          "evaluation/mse holds a value that is not finite"),
+        ({"evaluation/step": torch.tensor([2, 4]), "evaluation/mse": torch.tensor([1.0, float("inf")], dtype=torch.float64)},
+         "evaluation/mse holds a value that is not finite"),
         ({"evaluation/mse": torch.tensor([1.0], dtype=torch.float64)}, "evaluation/step is not a list"),
         ({"evaluation/step": torch.tensor([2])}, "has no metric beside it"),
         ({"evaluation/step": torch.tensor([0, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
@@ -489,8 +491,8 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
         ({"evaluation/step": torch.tensor([2]), "evaluation/a b": torch.tensor([1.0], dtype=torch.float64)},
          "evaluation/a b is not a metric name"),
     ],
-    ids=["repeated-step", "past-the-run", "short", "nan", "no-steps", "no-metric", "step-0", "float-steps",
-         "float32-values", "no-metric-name"],
+    ids=["repeated-step", "past-the-run", "short", "nan", "inf-beside-finite", "no-steps", "no-metric", "step-0",
+         "float-steps", "float32-values", "no-metric-name"],
 )  # fmt: skip
 def test_saved_evaluations_are_checked_before_use(tensors, says):
     from pipeline.checkpoint.evaluations import evaluations_from

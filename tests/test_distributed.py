@@ -41,6 +41,7 @@ from pipeline.errors import (
     LaunchMismatch,
     SchemaMismatch,
     StageError,
+    StateMismatch,
 )
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
 from pipeline.hashing import sha256_file
@@ -671,6 +672,28 @@ def test_shard_coverage_refuses_a_tensor_meta_json_does_not_list_and_one_no_shar
     with_c = tensor_specs({**full, "c": torch.zeros(2)})
     with pytest.raises(ChecksumMismatch, match="holds no shard of tensor c: a shard file is missing"):
         shard_tensors(tmp_path, DIST_MODEL_DIR, with_c, maps)
+
+
+def test_a_rank_rng_file_without_a_readable_rng_record_is_one_line_naming_it(tmp_path):
+    """A rank's RNG file (sealed, so its hash passes) is read by a torchrun resume or a reshard
+    through read_rank_rng: one whose header metadata lacks the ``rng`` record, or holds one
+    that is not JSON, is refused naming the file, not a KeyError or a parser's traceback."""
+    from pipeline.checkpoint.dist_restore import read_rank_rng
+    from pipeline.checkpoint.tensorfile import write_safetensors
+
+    path = tmp_path / rank_rng_file(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"rng/torch_cpu": torch.get_rng_state()}
+    write_safetensors(path, state, {"format": "pt", "rng": json.dumps({"python": 1})})
+    tree, tensors = read_rank_rng(path)
+    assert tree == {"python": 1} and torch.equal(tensors["rng/torch_cpu"], state["rng/torch_cpu"])
+    for metadata in ({"format": "pt"}, {"format": "pt", "rng": "{not json"}):
+        path.unlink()
+        write_safetensors(path, state, metadata)
+        with pytest.raises(StateMismatch) as caught:
+            read_rank_rng(path)
+        message = str(caught.value)
+        assert f"{path} holds no readable RNG record" in message and "\n" not in message, message
 
 
 def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_path):

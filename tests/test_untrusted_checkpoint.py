@@ -360,6 +360,35 @@ def test_resume_hashes_the_weights_where_it_copied_them_into_the_model(tmp_path)
             load_checkpoint(folder, into=Model())
 
 
+def test_weights_stored_in_another_dtype_of_the_same_size_are_not_read_into_the_parameter(tmp_path):
+    """A checkpoint whose ``w`` is bfloat16 where the model's parameter is float16 (same
+    size, same shape): resume's read into the model must not pour the bf16 bytes into the
+    fp16 parameter (the bits reinterpreted); the tensor comes as its own bf16 copy, the
+    parameter is untouched, and the strict load refuses it in one line naming it."""
+    import torch
+
+    from pipeline.checkpoint import CheckpointStore, load_model_weights
+    from pipeline.errors import StateMismatch
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+
+    saved = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    with CheckpointStore(tmp_path) as store:
+        folder = store.save(1, {"w": saved}, {"s": torch.zeros(1)}, save_parts()).path
+    model = Model()
+    loaded = load_checkpoint(folder, into=model)
+    assert loaded.model_tensors["w"].dtype == torch.bfloat16 and torch.equal(loaded.model_tensors["w"], saved)
+    assert not model.w.any()
+    with pytest.raises(StateMismatch) as caught:
+        load_model_weights(model, loaded.model_tensors)
+    message = str(caught.value)
+    assert "tensor w is torch.bfloat16" in message and "\n" not in message, message
+    assert not model.w.any()
+
+
 def install_hostile(folder: Path, name: str, raw: bytes) -> None:
     """Replace one file of a checkpoint and rewrite its hash, size and the seal to match."""
     (folder / name).write_bytes(raw)
@@ -559,26 +588,51 @@ def test_every_malformed_state_field_is_refused_naming_it_before_anything_is_loa
     assert train(config, resume="latest", progress=False).step == 10  # the unedited state passes
 
 
-def test_a_permutation_index_outside_the_data_is_refused(trained_run, run_copy):
-    import torch
-
+def _resealed_state_tensor(run, name: str, edit) -> None:
+    """``edit`` one tensor of the run's training-state file in place (same dtype and shape),
+    then rewrite the file and re-seal meta.json: only validation stands between it and a resume."""
     from pipeline.checkpoint import read_tensors, write_safetensors
-    from pipeline.config import load_config
-    from pipeline.errors import StateMismatch
-    from pipeline.train import train
 
-    run = run_copy(trained_run)
     path = run.checkpoint / "estado_treino.safetensors"
     tensors = {k: v.clone() for k, v in read_tensors(path).items()}
-    permutation = tensors["data/sampler/permutation"].view(torch.int64)
-    permutation[0] = 10**6
+    edit(tensors[name])
     path.unlink()
     write_safetensors(path, tensors)
     meta = read_meta_json(run.checkpoint)
     meta["files"]["estado_treino.safetensors"] = entry_of(path.read_bytes())
     write_sealed(run.checkpoint, meta)
+
+
+def test_a_permutation_index_outside_the_data_is_refused(trained_run, run_copy):
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.errors import StateMismatch
+    from pipeline.train import train
+
+    def out_of_range(permutation: torch.Tensor) -> None:
+        permutation.view(torch.int64)[0] = 10**6
+
+    run = run_copy(trained_run)
+    _resealed_state_tensor(run, "data/sampler/permutation", out_of_range)
     with pytest.raises(StateMismatch, match="permutation"):
         train(load_config(REPO / "config.yaml", run.overrides), resume="latest", progress=False)
+
+
+def test_a_torch_rng_state_torch_cannot_load_is_one_line_naming_it(trained_run, run_copy):
+    """A sealed torch CPU generator state of the right size whose bytes are no valid
+    mt19937 state (all zero): torch's set_state raises RuntimeError; the resume refuses it
+    in one line naming rng.torch_cpu, before anything is loaded."""
+    from pipeline.config import load_config
+    from pipeline.errors import StateMismatch
+    from pipeline.train import train
+
+    run = run_copy(trained_run)
+    _resealed_state_tensor(run, "rng/torch_cpu", lambda t: t.zero_())
+    with pytest.raises(StateMismatch) as caught:
+        train(load_config(REPO / "config.yaml", run.overrides), resume="latest", progress=False)
+    message = str(caught.value)
+    assert "rng.torch_cpu is not a valid state (RuntimeError)" in message and "\n" not in message, message
 
 
 def test_split_state_refuses_two_entries_with_one_name_for_every_leaf_type():

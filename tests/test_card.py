@@ -355,14 +355,14 @@ def test_the_card_states_the_last_step_the_epochs_and_a_sample_with_backtick_run
     assert f"`````text\n{sample}\n`````\n" in card, card
 
 
-def _proof_report(passed: list[bool], all_passed: bool) -> dict:
+def _proof_report(passed: list[bool], all_passed: bool, atol: float = 0) -> dict:
     """A completed report of script 03 (the fields the staged verdict reads)."""
     return {
         "all_checks_passed": all_passed,
         "positive": all(passed),
         "negative_divergence_detected": True,
         "checks": {"positive": [{"name": f"check {i}", "passed": ok} for i, ok in enumerate(passed)]},
-        "protocol": {"tolerance": {"atol": 0, "rtol": 0}},
+        "protocol": {"tolerance": {"atol": atol, "rtol": 0}},
         "boundary": {"steps": 8, "cut": 4},
         "components": {"negative": {"rng": {"result": "detected"}, "optimizer": {"result": "detected"}}},
     }
@@ -377,6 +377,16 @@ def test_a_resume_proof_that_failed_a_check_is_carded_as_not_proven(staged_run):
     assert "in 3 of 4 checks, bitwise (tolerance 0)" in card, card
     meta["proof"] = proof_verdict(_proof_report([True] * 4, all_passed=True))
     assert "Resuming this training run is **proven**:" in str(build_model_card(meta, meta["files"]))
+
+
+def test_a_resume_proof_made_with_an_atol_is_carded_with_that_tolerance_not_as_bitwise(staged_run):
+    """`03 --atol X` proves a resume within an absolute tolerance X (rtol is always 0): the card
+    says so, and never calls such a proof bitwise."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["proof"] = proof_verdict(_proof_report([True] * 4, all_passed=True, atol=1e-6))
+    card = str(build_model_card(meta, meta["files"]))
+    assert "in 4 of 4 checks, absolute tolerance 1e-06." in card, card
+    assert "bitwise" not in card.split("## Resume proof", 1)[1].split("\n## ", 1)[0], card
 
 
 def test_the_reproduce_command_of_an_extended_run_trains_its_first_length_then_extends(staged_run):

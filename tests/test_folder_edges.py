@@ -330,6 +330,27 @@ def test_an_index_mapping_a_tensor_to_a_shard_that_does_not_hold_it_is_refused(t
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "name, text, why",
+    [
+        ("tokenizer_config.json", '{"model_max_length": 512', "is not valid JSON"),
+        ("tokenizer_config.json", '["not", "an", "object"]', "must hold a JSON object"),
+        ("generation_config.json", '{"max_new_tokens": NaN}', "is not valid JSON"),
+    ],
+    ids=["tokenizer-config-cut", "tokenizer-config-a-list", "generation-config-nan"],
+)
+def test_a_carried_json_file_that_is_not_a_strict_json_object_is_refused_naming_it(tmp_path, name, text, why):
+    """Every carried JSON file is parsed strictly, not only config.json: staged, a broken
+    tokenizer_config.json or generation_config.json would be published and fail to load."""
+    folder = tiny_folder(tmp_path / "model")
+    (folder / name).write_text(text)
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage")
+    message = str(refused.value)
+    assert message.startswith(f"{folder / name} {why}") and message.endswith("; nothing was staged"), message
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
 def test_an_index_whose_weight_map_is_empty_is_refused_not_staged_as_a_model_without_tensors(tmp_path):
     """An index mapping no tensor to any file names no weights: staged, the model would hold none."""
     folder = sharded_tiny_folder(tmp_path / "model")

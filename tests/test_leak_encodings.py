@@ -79,6 +79,23 @@ def test_a_long_hex_run_glued_to_a_prefix_is_decoded_at_its_alignment(prefix):
         assert scan_bytes(text, rules()) == {"slack-token": "a Slack token (hex-encoded)"}, prefix
 
 
+@pytest.mark.parametrize(
+    "lead, last, after", [(0, "C", b"\xff"), (1, "O", b"\xbf")], ids=["then-0xff", "then-0xbf"]
+)
+def test_a_base64url_run_holding_dash_or_underscore_where_a_token_ends_is_decoded_whole(lead, last, after):
+    """URL-safe base64 writes 62 and 63 as '-' and '_': a token followed by a high byte
+    (binary data, UTF-8) shares its last group with it, so a '-' or '_' stands right after the
+    token's last character. It is one run: a token of fixed length (ghp_ and 36 characters)
+    whose last character is cut off by reading '-' or '_' as the end of a run is not found."""
+    _, github = SAMPLES["github-token"]
+    token = (github[:-1] + last).encode()
+    blob = NOISE[:lead] + token + after + NOISE[600:1200]
+    encoded = base64.urlsafe_b64encode(blob).decode()
+    ends = len(base64.urlsafe_b64encode(NOISE[:lead] + token)) - 4  # the group of its last character
+    assert set(encoded[ends : ends + 4]) & {"-", "_"}, encoded[ends : ends + 4]
+    assert scan_bytes(f"blob: {encoded}\n", rules()) == {"github-token": "a GitHub token (base64-encoded)"}
+
+
 @pytest.mark.parametrize("glued", ["data", "token", "xyzAB", "ZZZ"])
 def test_a_decoded_credential_is_found_whatever_bytes_the_glued_characters_decode_to(glued):
     """``data`` + base64 decodes ``data`` to ``u\\xabZ`` right before the key: that noise

@@ -324,6 +324,22 @@ def test_a_retry_after_longer_than_the_time_left_ends_the_request_at_once(hub):
     assert asked.value.asked == 1
 
 
+def test_a_negative_or_nan_retry_after_is_a_retry_at_once_not_a_negative_sleep(hub, waits):
+    # Retry-After is a number of seconds to wait (or a date); a server sending "-5" or "nan"
+    # asks for no wait at all: the retry goes at once (time.sleep(-5) would raise ValueError).
+    path = r"/api/models/alice/negative$"
+    hub.rate_limit_next(times=1, retry_after=-5, method="GET", path=path)
+    answer = get_session().get(f"{hub.url}/api/models/alice/negative")
+    assert answer.status_code == 429 and answer.headers["Retry-After"] == "-5"
+    asked = [deadline.retry_after_s(answer.headers)]
+    asked += [deadline.retry_after_s(type(answer.headers)({"Retry-After": raw})) for raw in ("nan", "-inf")]
+    assert asked == [0.0, 0.0, 0.0]
+    limit = deadline.Deadline(10)
+    for wait in asked:
+        limit.wait(wait, "the commit")
+    assert waits == [0.0, 0.0, 0.0]
+
+
 def test_settling_after_the_commit_never_runs_past_the_timeout_and_one_settling_time():
     started = time.monotonic()
     limit = deadline.Deadline(0.2)

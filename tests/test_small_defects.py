@@ -137,6 +137,20 @@ def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_th
     assert after == before
 
 
+def test_01_refuses_a_dangling_link_at_data_dir_and_leaves_it_and_its_target_alone(tmp_path):
+    """A link at data.dir is "in the way" even when what it names does not exist: 01 says so in
+    one line before preparing anything, and creates nothing through it."""
+    target, nowhere = tmp_path / "data", tmp_path / "gone"
+    target.symlink_to(nowhere)
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    with pytest.raises(DataError, match=r"exists and is not a folder"):
+        prepare_data(config)
+    with pytest.raises(DataError, match=r"exists and is not a folder"):
+        load_manifest(config)
+    assert target.is_symlink() and os.readlink(target) == str(nowhere) and not os.path.lexists(nowhere)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 @pytest.mark.parametrize("made", ["absent", "empty folder"])
 def test_a_data_dir_01_would_prepare_into_is_named_with_01s_command(tmp_path, made):
     target = tmp_path / "data"

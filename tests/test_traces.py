@@ -332,37 +332,43 @@ def test_what_training_wrote_is_replaced(tmp_path, kind):
     assert [step for tag, step, _ in events(folder) if tag == "train/loss"] == [1, 2]
 
 
-def test_samples_per_second_counts_the_rows_of_each_interval_over_its_own_time(tmp_path, monkeypatch):
-    """A run resumed at step 4 (16 rows drawn before), 4 rows a step, steps of 1, 1, 2 and 2
-    seconds on the traces' clock, logged every 2 steps: 4 then 2 rows a second, each over the
-    steps since the last logged one, not the rows since the run began, nor since it resumed."""
+def _traced_speeds(tmp_path, monkeypatch, run) -> list[tuple[int, float]]:
+    """``run`` resumed at step 4 trains steps 5 to 8, of 1, 1, 2 and 2 seconds on the traces'
+    clock, logged every 2 steps (its sampler, if any, drawing 4 rows a step): the traced
+    samples-per-second points."""
     clock = [100.0]
     monkeypatch.setattr(traces_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 0.0))
+    traces = open_traces(tmp_path / "traces", run, log_every=2, say=print, data_dir=tmp_path / "data")
+    for step, seconds in zip(range(5, 9), (1.0, 1.0, 2.0, 2.0)):
+        clock[0] += seconds
+        run.step = step
+        if run.sampler is not None:
+            run.sampler.samples_seen += 4
+        for key, value in (("step", step), ("loss", 1.0 / step), ("lr", 0.1)):
+            run.history[key].append(value)
+        traces.on_step_end(run, None)
+    traces.close(run)
+    return [
+        (step, value) for tag, step, value in events(tmp_path / "traces", measured=True) if tag == SPEED_TAG
+    ]
+
+
+def test_samples_per_second_counts_the_rows_of_each_interval_over_its_own_time(tmp_path, monkeypatch):
+    """A run resumed at step 4 (16 rows drawn before), 4 rows a step, steps of 1, 1, 2 and 2
+    seconds, logged every 2 steps: 4 then 2 rows a second, each over the steps since the last
+    logged one, not the rows since the run began, nor since it resumed."""
     run = SimpleNamespace(
         step=4,
         history={"step": [1, 2, 3, 4], "loss": [1.0, 0.9, 0.8, 0.7], "lr": [0.1] * 4},
         sampler=SimpleNamespace(samples_seen=16),
     )
-    traces = open_traces(tmp_path / "traces", run, log_every=2, say=print, data_dir=tmp_path / "data")
-    for step, seconds in zip(range(5, 9), (1.0, 1.0, 2.0, 2.0)):
-        clock[0] += seconds
-        run.step, run.sampler.samples_seen = step, run.sampler.samples_seen + 4
-        for key, value in (("step", step), ("loss", 1.0 / step), ("lr", 0.1)):
-            run.history[key].append(value)
-        traces.on_step_end(run, None)
-    traces.close(run)
-    speeds = [
-        (step, value) for tag, step, value in events(tmp_path / "traces", measured=True) if tag == SPEED_TAG
-    ]
-    assert speeds == [(6, 4.0), (8, 2.0)]
+    assert _traced_speeds(tmp_path, monkeypatch, run) == [(6, 4.0), (8, 2.0)]
 
 
 def test_a_streamed_runs_samples_per_second_counts_every_micro_batch_of_a_step(tmp_path, monkeypatch):
     """A stream has no sampler counting rows: a step trains ``data.batch_size`` rows in each of
     its ``training.grad_accum_steps`` micro-batches, so 4 rows x 3 micro-batches a step, steps
     of 1, 1, 2 and 2 seconds logged every 2: 12 then 6 rows a second."""
-    clock = [100.0]
-    monkeypatch.setattr(traces_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 0.0))
     run = SimpleNamespace(
         step=4,
         history={"step": [1, 2, 3, 4], "loss": [1.0, 0.9, 0.8, 0.7], "lr": [0.1] * 4},
@@ -371,18 +377,7 @@ def test_a_streamed_runs_samples_per_second_counts_every_micro_batch_of_a_step(t
             data=SimpleNamespace(batch_size=4), training=SimpleNamespace(grad_accum_steps=3)
         ),
     )
-    traces = open_traces(tmp_path / "traces", run, log_every=2, say=print, data_dir=tmp_path / "data")
-    for step, seconds in zip(range(5, 9), (1.0, 1.0, 2.0, 2.0)):
-        clock[0] += seconds
-        run.step = step
-        for key, value in (("step", step), ("loss", 1.0 / step), ("lr", 0.1)):
-            run.history[key].append(value)
-        traces.on_step_end(run, None)
-    traces.close(run)
-    speeds = [
-        (step, value) for tag, step, value in events(tmp_path / "traces", measured=True) if tag == SPEED_TAG
-    ]
-    assert speeds == [(6, 12.0), (8, 6.0)]
+    assert _traced_speeds(tmp_path, monkeypatch, run) == [(6, 12.0), (8, 6.0)]
 
 
 @pytest.mark.parametrize("where", ["periodic-flush", "write", "close"])

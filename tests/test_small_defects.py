@@ -109,6 +109,7 @@ def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged
             r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json",
         ),
         ("a file", r"exists and is not a folder"),
+        ({"\x1b[31mred": "x"}, r"already holds \\x1b\[31mred but no manifest.json"),
     ],
 )
 def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_the_way, expected):

@@ -59,7 +59,7 @@ def _check_target(target: Path) -> None:
         raise DataError(f"data.dir {target} exists and is not a folder: {hint}")
     # A FIFO or a link there is not "no manifest": _read_manifest says what it is.
     if not os.path.lexists(target / DATA_MANIFEST_FILE):
-        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
+        names = sorted(shown(entry.name) + ("/" if entry.is_dir() else "") for entry in target.iterdir())
         listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise DataError(
             f"data.dir {target}/ already holds {listed} but no {DATA_MANIFEST_FILE}, so it is not "

@@ -322,3 +322,121 @@ def test_a_card_with_every_part_states_each_fact_of_its_record_in_order(staged_r
         user_sections="\n## Intended use\n\nTeaching.\n\n",
     )
     assert str(card) == EVERY_PART_CARD
+
+
+def _paragraphs(card) -> list[str]:
+    return str(card).split("\n\n")
+
+
+def test_an_unevaluated_intermediate_checkpoint_is_carded_and_reproduced_as_one(staged_run):
+    """The other side of each branch the card above took: a description of the config's own,
+    a step short of the run's length (and --stop-at there), no metrics and no proof, a curve
+    and traces staged, no --repo-id (the snippet reads a downloaded folder), no code change."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta.update(step=4, metrics=None)
+    meta["config"]["card"]["description"] = "  A tiny regression model.\n"
+    card = build_model_card(meta, {"modelo.safetensors": {"sha256": A, "size": 3296}})
+    assert card.data.eval_results is None and card.data.metrics is None
+    paragraphs = _paragraphs(card)
+    assert paragraphs[1:4] == [
+        "# regression-mlp",
+        "A tiny regression model.",
+        "This is step **4**, an intermediate checkpoint of a run configured for 10 steps; 353 parameters in "
+        "`modelo.safetensors`.",
+    ]
+    for paragraph in (
+        "This needs only `torch`, `safetensors` and `huggingface_hub`. **Loading runs this repository's Python "
+        "code**: the model's own modules are under `code/` (listed with their SHA-256 below) with "
+        "`code/hub_loader.py`, which rebuilds the model with the factory and config that `config.json` names "
+        "and loads the weights strictly. The snippet checks every file against this card before importing "
+        "anything. Download this repository first (`hf download <its id> --local-dir model`, its id shown at "
+        "the top of its page), then run this beside the `model` folder.",
+        "```python\nimport hashlib\nimport sys\nfrom pathlib import Path",
+        'folder = Path("model")  # this repository, downloaded: hf download <its id> --local-dir model\n'
+        f'expected = {{  # SHA-256 of every file, as listed on this card\n    "modelo.safetensors": "{A}",\n}}\n'
+        "for name, sha256 in expected.items():\n"
+        '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs from '
+        'the card"',
+        "![Training loss and learning rate](training_curve.png)",
+        "TensorBoard traces of the same history (`train/loss`, `train/lr`, `train/grad_norm`, `train/epoch` "
+        "and each evaluation as `eval/<metric>`): [`runs/events.out.tfevents.pipeline`]"
+        "(runs/events.out.tfevents.pipeline), shown on the Hub's *Training metrics* tab, or locally with "
+        "`tensorboard --logdir runs`.",
+        "## Metrics",
+        "This checkpoint was staged without an evaluation (`scripts/05_stage.py --no-metrics`).",
+        "No resume proof was staged with this checkpoint (`scripts/05_stage.py --proof DIR` stages the report "
+        "of `scripts/03_verify_resume.py`).",
+        "```sh\npython -c \"import json, yaml; yaml.safe_dump(json.load(open('meta.json'))['config'], "
+        "open('config.yaml', 'w'))\"\npython scripts/01_prepare_data.py --config config.yaml\n"
+        "python scripts/02_train.py --config config.yaml --stop-at 4\n```",
+        "Fingerprints are SHA-256 over the package's Python sources and over the prepared data files.\n",
+    ):
+        assert paragraph in paragraphs, paragraph
+    assert (
+        "nothing staged holds a wall-clock time, a host name or a machine path, and the TensorBoard traces' "
+        "events carry wall time 0. Another"
+    ) in str(card)
+    assert "code changed since training" not in str(card) and "## Sample" not in str(card)
+    assert "## Warning" not in str(card) and "## Signature" not in str(card)
+
+
+def test_the_loading_snippet_of_a_transformers_model_fits_its_architecture_and_tokenizer():
+    """A causal LM with a tokenizer file gets a generation example; one without, the model alone;
+    any other architecture is loaded by its own class, named without its module."""
+    from pipeline.stage.card_parts import load_section
+
+    strict = (
+        "# Strict: every tensor of the model came from the files, and every file tensor was used.\n"
+        'assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info\n'
+    )
+    config = {"config.json": {"sha256": A, "size": 1}}
+    cases = [
+        (
+            "LlamaForCausalLM",
+            {"tokenizer_config.json": {"sha256": B, "size": 2}},
+            "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+            "tokenizer = AutoTokenizer.from_pretrained(folder)\n"
+            "model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n"
+            + strict
+            + 'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)\n'
+            'print(generator("Hello", max_new_tokens=20)[0]["generated_text"])\n```',
+        ),
+        (
+            "LlamaForCausalLM",
+            {"tokenizer.json": {"sha256": B, "size": 2}},
+            "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+            None,
+        ),
+        (
+            "LlamaForCausalLM",
+            {},
+            "from transformers import AutoModelForCausalLM",
+            "model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)\n"
+            + strict
+            + "```",
+        ),
+        (
+            "transformers.GPT2LMHeadModel",
+            {},
+            "from transformers import GPT2LMHeadModel",
+            "model, info = GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)\n"
+            + strict
+            + "model.eval()\n```",
+        ),
+    ]
+    for architecture, tokenizer, imports, body in cases:
+        meta = {"export": {"transformers": True, "architecture": architecture}}
+        section = load_section(meta, {**config, **tokenizer}, "you/lm").split("\n\n")
+        assert section[1] == (
+            "A transformers model: `config.json` is the model's own config and `model.safetensors.index.json` "
+            "maps every tensor to its file, so `from_pretrained` loads it with no code from this repository. The "
+            "snippet first checks every file against this card. Pin `revision=` to a commit id (or a tag) so that "
+            "what you load cannot change under you."
+        )
+        assert section[3] == "from huggingface_hub import snapshot_download\n" + imports, section
+        assert section[4].startswith(
+            'repo_id = "you/lm"\nrevision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for '
+            "a reproducible download\nfolder = Path(snapshot_download(repo_id, revision=revision))\n"
+        ), section
+        if body is not None:
+            assert section[5] == body, section

@@ -379,6 +379,31 @@ def test_an_unevaluated_intermediate_checkpoint_is_carded_and_reproduced_as_one(
     ) in str(card)
     assert "code changed since training" not in str(card) and "## Sample" not in str(card)
     assert "## Warning" not in str(card) and "## Signature" not in str(card)
+    table = str(card).split("## Training\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table == [
+        "| | |",
+        "| --- | --- |",
+        "| steps | 4 |",
+        f"| final training loss | {meta['training']['final_loss']:.6g} |",
+        "| effective batch | 4 rows per optimizer step |",
+        "| gradient clipping | none |",
+        "| precision | float64 parameters, no mixed precision |",
+        "| optimizer | `pipeline.factories:adam`, lr 0.01, weight decay 0.0, betas [0.9, 0.999], eps 1e-08 |",
+        "| schedule | `pipeline.factories:step_lr` gamma 0.5, step_size 4, stepped once per optimizer step |",
+        "| evaluation | none during training |",
+        "| seed | 0 |",
+        "| launch | one process on cpu |",
+        "| parameters | 353 |",
+    ]
+    # Taken as --checkpoint best: how it was chosen, with its value as the card shows numbers.
+    meta["selected_as_best"] = {"metric": "mse", "mode": "max", "value": 0.123456789}
+    assert _paragraphs(build_model_card(meta, {}))[3] == (
+        "This is step **4**, selected as the best by `mse` (max) = 0.123457 at step 4 of 10; 353 parameters "
+        "in `modelo.safetensors`."
+    )
+    # At the run's last step, the command trains the whole run: no --stop-at.
+    meta["step"] = 10
+    assert "\npython scripts/02_train.py --config config.yaml\n```" in str(build_model_card(meta, {}))
 
 
 def test_the_loading_snippet_of_a_transformers_model_fits_its_architecture_and_tokenizer():

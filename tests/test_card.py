@@ -179,8 +179,14 @@ def test_card_sections_outside_the_run_folder_are_refused_before_anything_is_rea
         assert "is outside the folder the scripts run in" in refused_sections(name, run)
     (run / "linked.md").symlink_to(secret)
     (run / "docs" / "up").symlink_to(tmp_path)
+    fix = 'put your sections in a Markdown file inside it and name that file, or set card.sections to ""'
     for name in ("linked.md", "docs/up/secret.md"):
-        assert "is a link to a file outside the folder the scripts run in" in refused_sections(name, run)
+        assert refused_sections(name, run) == (
+            f"card.sections: {name} is a link to a file outside the folder the scripts run in ({run}); {fix}"
+        )
+    assert refused_sections("../../../secret.md", run) == (
+        f"card.sections: ../../../secret.md is outside the folder the scripts run in ({run}); {fix}"
+    )
     message = refused_sections("/dev/zero", run)
     assert "is outside" in message and 'set card.sections to ""' in message
 
@@ -189,17 +195,24 @@ def test_card_sections_must_be_a_regular_file_of_bounded_size(tmp_path):
     os.mkfifo(tmp_path / "pipe.md")  # opening it to read would wait for a writer forever
     (tmp_path / "folder.md").mkdir()
     (tmp_path / "zero.md").symlink_to("/dev/zero")  # a link inside, to a device outside
-    for name in ("pipe.md", "folder.md"):
-        assert "is not a regular file (a folder, device or pipe)" in refused_sections(name, tmp_path)
+    fix = 'put your sections in a Markdown file inside it and name that file, or set card.sections to ""'
+    for name in ("pipe.md", "folder.md", ".", "sub/.."):
+        assert refused_sections(name, tmp_path) == (
+            f"card.sections: {name} is not a regular file (a folder, device or pipe); {fix}"
+        )
     assert "is a link to a file outside" in refused_sections("zero.md", tmp_path)
     (tmp_path / "big.md").write_bytes(b"# x\n" * (MAX_SECTIONS // 4) + b"!")
-    assert f"is {MAX_SECTIONS + 1:,} bytes, over the 256 KiB" in refused_sections("big.md", tmp_path)
+    assert refused_sections("big.md", tmp_path) == (
+        f"card.sections: big.md is {MAX_SECTIONS + 1:,} bytes, over the 256 KiB a card's own sections may "
+        "have (a card is read by people): shorten it"
+    )
     (tmp_path / "big.md").write_bytes(b"# x\n" * (MAX_SECTIONS // 4))  # exactly the limit
     assert len(read_user_sections("big.md", tmp_path)) == MAX_SECTIONS
     (tmp_path / "latin1.md").write_bytes("## Über\n".encode("latin-1"))
-    assert "is not UTF-8 text" in refused_sections("latin1.md", tmp_path)
-    assert "not found (paths are relative to the folder the scripts run in)" in refused_sections(
-        "missing.md", tmp_path
+    assert refused_sections("latin1.md", tmp_path) == "card.sections: latin1.md is not UTF-8 text"
+    assert refused_sections("missing.md", tmp_path) == (
+        "card.sections: missing.md not found (paths are relative to the folder the scripts run in); fix the "
+        'path or set card.sections to ""'
     )
 
 

@@ -1,0 +1,212 @@
+"""The card of a folder another tool wrote (05 --from-folder), whole: what is known of the
+folder (its seal, its files as read and as staged, what was left out, the publisher's own
+metrics) and nothing more, compared sentence by sentence with a record it was rendered from."""
+
+from __future__ import annotations
+
+import json
+
+from test_card_text import A, B, C, digests
+from test_hostile_folders import stage, tiny_folder
+
+from pipeline.stage.folder_card import build_folder_card
+
+
+def _staged_folder(tmp_path) -> dict:
+    target = tmp_path / "stage"
+    stage(tiny_folder(tmp_path / "model"), target)
+    return json.loads((target / "meta.json").read_text())
+
+
+EVERY_PART_FOLDER_CARD = digests(
+    "---\n"
+    "library_name: pytorch\n"
+    "license: apache-2.0\n"
+    "metrics:\n"
+    "- accuracy\n"
+    "- eval_loss\n"
+    "tags:\n"
+    "- pytorch\n"
+    "- safetensors\n"
+    "model-index:\n"
+    "- name: my model\n"
+    "  results:\n"
+    "  - task:\n"
+    "      type: other\n"
+    "      name: held-out evaluation\n"
+    "    dataset:\n"
+    "      name: my model held-out data\n"
+    "      type: custom\n"
+    "    metrics:\n"
+    "    - type: eval_loss\n"
+    "      value: 2.5\n"
+    "      name: eval_loss\n"
+    "    - type: accuracy\n"
+    "      value: 0.75\n"
+    "      name: accuracy\n"
+    "---\n"
+    "\n"
+    "# `my model`\n"
+    "\n"
+    "`my model` is a PyTorch model with 20,480 parameters in 2 shards "
+    "(`model-00001-of-00002.safetensors` … `model-00002-of-00002.safetensors`, listed in "
+    "`model.safetensors.index.json`). It was trained with another tool; its files were checked and "
+    "staged by `scripts/05_stage.py --from-folder`, which knows what they hold, not how they were "
+    "made.\n"
+    "\n"
+    "## Intended use\n"
+    "\n"
+    "Teaching.\n"
+    "\n"
+    "## How to load it\n"
+    "\n"
+    "The weights and `config.json` of a PyTorch model; this repository holds no code, so the model "
+    "is built with its own class. The snippet first checks every file against this card.\n"
+    "\n"
+    "```python\n"
+    "import hashlib\n"
+    "import json\n"
+    "from pathlib import Path\n"
+    "\n"
+    "from huggingface_hub import snapshot_download\n"
+    "from safetensors.torch import load_file\n"
+    "\n"
+    'repo_id = "you/net"\n'
+    'revision = "main"  # pin a commit id or tag, e.g. revision="<commit sha>", for a reproducible '
+    "download\n"
+    "folder = Path(snapshot_download(repo_id, revision=revision))\n"
+    "expected = {  # SHA-256 of every file, as listed on this card\n"
+    '    "config.json": "<A>",\n'
+    '    "model-00001-of-00002.safetensors": "<C>",\n'
+    "}\n"
+    "for name, sha256 in expected.items():\n"
+    '    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha256, f"{name} differs '
+    'from the card"\n'
+    "\n"
+    'config = json.loads((folder / "config.json").read_text())\n'
+    "state_dict = {}\n"
+    "for name in sorted(set(json.loads((folder / "
+    '"model.safetensors.index.json").read_text())["weight_map"].values())):\n'
+    "    state_dict.update(load_file(folder / name))\n"
+    "# With your model's class: a PyTorchModelHubMixin one loads with "
+    "YourModel.from_pretrained(repo_id);\n"
+    "# otherwise model = YourModel(**config); model.load_state_dict(state_dict)\n"
+    "```\n"
+    "\n"
+    "## Metrics\n"
+    "\n"
+    "As supplied by the publisher in `eval.json`, for these weights; this pipeline did not compute "
+    "them.\n"
+    "\n"
+    "| metric | value |\n"
+    "| --- | --- |\n"
+    "| `eval_loss` | 2.5 |\n"
+    "| `accuracy` | 0.75 |\n"
+    "\n"
+    "## Warning\n"
+    "\n"
+    "These tensors hold NaN or infinite values: `layer.weight`.\n"
+    "\n"
+    "## Signature\n"
+    "\n"
+    "Signed.\n"
+    "\n"
+    "## Source\n"
+    "\n"
+    "Staged from the folder `checkpoint-1200`. It holds training step 1,200. Its seal (`meta.json`, "
+    "written by `SealedCheckpoints` or `seal_checkpoint`) verified: every file the trainer wrote was "
+    "there, byte for byte. The weights were parsed strictly as safetensors and scanned for NaN and "
+    "infinite values. Files read from it:\n"
+    "\n"
+    "| file | bytes | SHA-256 |\n"
+    "| --- | ---: | --- |\n"
+    "| `model-00002-of-00002.safetensors` | 4,096 | `<B>` |\n"
+    "| `config.json` | 12 | `<A>` |\n"
+    "\n"
+    "Left out, never opened: `optimizer.pt`, `a\\x7cb\\x60c`. No resume proof goes with these weights: "
+    "how they were trained was not checked.\n"
+    "\n"
+    "## Files and SHA-256\n"
+    "\n"
+    "| file | bytes | SHA-256 |\n"
+    "| --- | ---: | --- |\n"
+    "| `config.json` | 12 | `<A>` |\n"
+    "| `model-00001-of-00002.safetensors` | 40,960 | `<C>` |\n"
+    "\n"
+    "`MANIFEST.sha256` lists every file of this repository except itself (this card included).\n"
+    "\n"
+    "## Verify\n"
+    "\n"
+    "```sh\n"
+    "sha256sum -c MANIFEST.sha256\n"
+    "```\n"
+    "\n"
+    "A matching hash shows the files were not modified after staging. It does not show who published "
+    "them: compare the hashes with ones you obtained through a channel you trust, and pin a "
+    "revision.\n"
+)
+
+
+def test_a_folder_card_with_every_part_states_each_fact_of_its_record_in_order(tmp_path):
+    """A sealed checkpoint's folder: its step, its seal, its files as read (in their order) and as
+    staged (sorted), what was left out (inert), the publisher's metrics marked as theirs."""
+    meta = _staged_folder(tmp_path)
+    meta["config"]["model"]["name"] = "my model"
+    meta.update(
+        step=1200,
+        metrics={"split": None, "supplied": "eval.json", "values": {"eval_loss": 2.5, "accuracy": 0.75}},
+    )
+    meta["model"]["num_parameters"] = 20480
+    meta["export"]["weights"] = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    meta["checks"]["nonfinite_tensors"] = ["layer.weight"]
+    meta["source_checkpoint"].update(
+        folder="checkpoint-1200",
+        sealed=True,
+        left_out=["optimizer.pt", "a|b`c"],
+        files={
+            "model-00002-of-00002.safetensors": {"sha256": B, "size": 4096},
+            "config.json": {"sha256": A, "size": 12},
+        },
+    )
+    files = {
+        "model-00001-of-00002.safetensors": {"sha256": C, "size": 40960},
+        "config.json": {"sha256": A, "size": 12},
+    }
+    card = build_folder_card(
+        meta,
+        files,
+        repo_id="you/net",
+        signature_section="## Signature\n\nSigned.",
+        user_sections="## Intended use\n\nTeaching.\n",
+    )
+    assert str(card) == EVERY_PART_FOLDER_CARD
+
+
+def test_an_unsealed_folder_without_metrics_is_carded_as_what_is_known_and_no_more(tmp_path):
+    meta = _staged_folder(tmp_path)
+    meta["config"]["card"]["description"] = "\n A tiny net.  "
+    card = str(build_folder_card(meta, meta["files"]))
+    paragraphs = card.split("\n\n")
+    assert paragraphs[1:3] == ["# model", "A tiny net."], paragraphs
+    for paragraph in (
+        "## Metrics\n\nNone were supplied with these weights, and none were computed when they were staged.",
+        "## Source\n\nStaged from the folder `model`. It carried no seal, so nothing shows the folder was "
+        "complete beyond what was checked here. The weights were parsed strictly as safetensors and scanned "
+        "for NaN and infinite values. Files read from it:",
+        "Left out, never opened: nothing. No resume proof goes with these weights: how they were trained was "
+        "not checked.",
+    ):
+        assert paragraph in card, paragraph
+    assert "## Warning" not in card and "## Signature" not in card and "training step" not in card
+    meta["config"]["card"]["description"] = ""
+    described = str(build_folder_card(meta, meta["files"])).split("\n\n")[2]
+    assert described == (
+        "`model` is a PyTorch model with 20 parameters in `model.safetensors`. It was trained with another tool; "
+        "its files were checked and staged by `scripts/05_stage.py --from-folder`, which knows what they hold, "
+        "not how they were made."
+    )
+    meta["export"].update(transformers=True, architecture="GPT2LMHeadModel")
+    described = str(build_folder_card(meta, meta["files"])).split("\n\n")[2]
+    assert described.startswith("`model` is a transformers `GPT2LMHeadModel` model with 20 parameters"), (
+        described
+    )

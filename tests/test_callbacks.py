@@ -193,6 +193,23 @@ def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, t
     assert "on_save() failed" in line and "the last committed checkpoint (step 5) is intact" in line, line
 
 
+def test_a_callback_asking_to_evaluate_a_task_without_evaluate_is_one_line(data_dir, tmp_path):
+    config = _config(
+        data_dir,
+        tmp_path,
+        **{
+            "training.callbacks": ["callback_factories:asks_evaluation"],
+            "data.factory": "trainer_factories:build_data_without_evaluate",
+        },
+    )
+    with pytest.raises(ConfigError) as refused:
+        train(config, progress=False)
+    assert str(refused.value) == (
+        "a callback asked for an evaluation of step 2 (control.should_evaluate), but the task "
+        "(trainer_factories:build_data_without_evaluate) has no evaluate(model, device)"
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "says"),
     [

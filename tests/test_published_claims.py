@@ -291,6 +291,8 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
     [
         '{"step": 0, "metric": "mse", "mode": "max", "value": 0.5}',
         '{"step": 3.0, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": true, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": 3, "metric": 3, "mode": "max", "value": 0.5}',
         '{"step": 3, "metric": "mse", "mode": "best", "value": 0.5}',
         '{"step": 3, "metric": "mse", "mode": "max", "value": true}',
         '{"step": 3, "metric": "mse", "mode": "max", "value": 1e999}',
@@ -298,7 +300,7 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
         '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5, "note": "x"}',
         '{"step": 3, "metric": "mse", "mode": "max"}',
     ],
-    ids=["step-0", "float-step", "unknown-mode", "bool-value", "overflowing-value", "text-value", "a-key-more",
+    ids=["step-0", "float-step", "bool-step", "number-metric", "unknown-mode", "bool-value", "overflowing-value", "text-value", "a-key-more",
          "no-value"],
 )  # fmt: skip
 def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refused(tmp_path, text):

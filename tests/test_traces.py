@@ -258,6 +258,7 @@ def _ours(folder: Path) -> None:
         "unmarked-events",
         "empty-user-file",
         "another-writers-events",
+        "garbled-events",
     ],
 )
 def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_deleted(tmp_path, kind):
@@ -297,6 +298,8 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
             (theirs / TRACES_MARKER).unlink()
         elif kind == "empty-user-file":
             (theirs / "notes.txt").touch()
+        elif kind == "garbled-events":  # a record's frame around bytes that are no event
+            (theirs / TRACE).write_bytes((3).to_bytes(8, "little") + bytes(4) + b"\xff\xff\xff" + bytes(4))
         elif kind == "another-writers-events":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -310,6 +313,15 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
     if kind != "folder-link":
         assert _snapshot(theirs) == before
     assert _snapshot(elsewhere) == outside
+
+
+def test_a_traces_folder_that_cannot_be_made_turns_the_traces_off_in_one_line(tmp_path):
+    folder = tmp_path / ("t" * 300)  # longer than a file name may be
+    said: list[str] = []
+    run = SimpleNamespace(history={"step": [1], "loss": [1.0], "lr": [0.1]})
+    assert open_traces(folder, run, log_every=1, say=said.append, data_dir=tmp_path / "data") is None
+    assert said == [f"TensorBoard traces are off: {folder} cannot be written (File name too long)"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", ["ours", "empty-events", "marker-only", "absent", "empty"])

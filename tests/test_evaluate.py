@@ -260,6 +260,29 @@ def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_
     )
 
 
+def test_a_sample_that_is_not_text_is_refused_in_one_line(data_dir, tmp_path):
+    """04 writes a task's sample() into metrics.json and 05 onto the card: it must be text. The
+    record's folder is made as needed (the weights' scratch copy goes beside it)."""
+    from pipeline.errors import MetricsError
+    from pipeline.train import train
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "data.factory": "trainer_factories:build_data_bytes_sample",
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "outputs.metrics": str(tmp_path / "not" / "yet" / "metrics.json"),
+        "training.max_steps": 2,
+    }
+    train(load_config(CONFIG, overrides), progress=False)
+    with pytest.raises(MetricsError) as refused:
+        evaluate_checkpoint(load_config(CONFIG, overrides))
+    assert (
+        str(refused.value)
+        == "trainer_factories:build_data_bytes_sample: sample() must return a str, got bytes"
+    )
+    assert list((tmp_path / "not" / "yet").iterdir()) == []
+
+
 def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_copy):
     run = run_copy(trained_run)
     weights = run.checkpoint / "modelo.safetensors"

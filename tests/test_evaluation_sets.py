@@ -119,6 +119,8 @@ def test_metric_names_are_checked_as_tensor_names():
         check_metrics({"a": {}}, "x")
     with pytest.raises(MetricsError, match=r"metric 3 is 1"):
         check_metrics({"a": {3: 1.0}}, "x")
+    with pytest.raises(MetricsError, match=r"metric 3 is \{'mse': 1.0\}"):  # a set is named by a str too
+        check_metrics({3: {"mse": 1.0}}, "x")
     for flag in (True, False):  # a bool is an int to Python, not a metric
         with pytest.raises(MetricsError, match=f"metric 'converged' is {flag}"):
             check_metrics({"converged": flag, "loss": 2.0}, "x")

@@ -317,6 +317,19 @@ def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refus
     )
 
 
+def test_a_mark_larger_than_any_mark_is_not_read(tmp_path):
+    """The store writes a few dozen bytes: a larger BEST.json is no mark, even one whose first
+    4 KiB are a valid mark followed by blanks."""
+    (tmp_path / "BEST.json").write_text(
+        '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5}' + " " * 4096
+    )
+    with pytest.raises(CheckpointError) as refused:
+        read_best(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/BEST.json is not a best-checkpoint mark: delete it; the next save writes it again"
+    )
+
+
 def test_a_later_committed_step_that_only_ties_the_earliest_best_leaves_the_mark_believed():
     """The mark names the earliest of equal values: a later committed step evaluated at the
     same value is not better, and the mark stands (by min and by max)."""

@@ -300,8 +300,8 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
         '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5, "note": "x"}',
         '{"step": 3, "metric": "mse", "mode": "max"}',
     ],
-    ids=["step-0", "float-step", "bool-step", "number-metric", "unknown-mode", "bool-value", "overflowing-value", "text-value", "a-key-more",
-         "no-value"],
+    ids=["step-0", "float-step", "bool-step", "number-metric", "unknown-mode", "bool-value", "overflowing-value",
+         "text-value", "a-key-more", "no-value"],
 )  # fmt: skip
 def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refused(tmp_path, text):
     """BEST.json is read by 04, 05 and every load of --checkpoint best: anything but the four

@@ -496,10 +496,14 @@ def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir,
 def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(data_dir, tmp_path):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
     the first in order), so following it runs."""
+    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"})
     with pytest.raises(ConfigError) as refused:
-        train(_config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"}), progress=False)
+        train(config, progress=False)
     message = str(refused.value)
-    assert "checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse" in message, message
+    assert message.startswith(
+        f"{config.source}: checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse: set "
+        "checkpoint.best_metric to one of them; "
+    ), message
     assert "checkpoint.best_metric=rmse" in message and "checkpoint.best_metric=mse" not in message, message
 
 

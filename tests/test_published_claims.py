@@ -431,6 +431,11 @@ def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
     assert best_record(evaluations, "loss", "min", among={2, 6})["step"] == 6
     assert best_record(evaluations, "loss", "max", among={4, 6})["step"] == 4
     assert best_record(evaluations, "loss", "min", among=set()) is None
+    # A later step evaluated better that has no checkpoint (never saved, or gone) is no better
+    # checkpoint: the mark on the best kept one stands.
+    evaluations = {"step": [2, 4, 6, 8], "loss": [0.5, 0.25, 0.125, 0.375]}
+    mark = {"step": 4, "metric": "loss", "mode": "min", "value": 0.25}
+    assert check_best(mark, evaluations, [2, 4, 8], "BEST.json", newest=evaluations) == mark
 
 
 def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marked_run):

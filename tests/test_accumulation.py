@@ -495,12 +495,16 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
          "float-steps", "float32-values", "no-metric-name"],
 )  # fmt: skip
 def test_saved_evaluations_are_checked_before_use(tensors, says):
-    from pipeline.checkpoint.evaluations import evaluations_from
+    from pipeline.checkpoint.evaluations import evaluation_tensors, evaluations_from
     from pipeline.errors import StateMismatch
 
     with pytest.raises(StateMismatch, match=says):
         evaluations_from(tensors, step=5)
     assert evaluations_from({}, step=5) == {"step": []}
+    # What a checkpoint stores comes back as it was; a run that evaluated nothing stores nothing.
+    evaluations = {"step": [2, 4], "mse": [0.5, 0.25], "validation/mse": [1.5, 1.25]}
+    assert evaluations_from(evaluation_tensors(evaluations), step=5) == evaluations
+    assert evaluation_tensors({"step": []}) == {}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

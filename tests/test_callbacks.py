@@ -193,6 +193,23 @@ def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, t
     assert "on_save() failed" in line and "the last committed checkpoint (step 5) is intact" in line, line
 
 
+def test_a_callback_asking_to_evaluate_a_task_without_evaluate_is_one_line(data_dir, tmp_path):
+    config = _config(
+        data_dir,
+        tmp_path,
+        **{
+            "training.callbacks": ["callback_factories:asks_evaluation"],
+            "data.factory": "trainer_factories:build_data_without_evaluate",
+        },
+    )
+    with pytest.raises(ConfigError) as refused:
+        train(config, progress=False)
+    assert str(refused.value) == (
+        "a callback asked for an evaluation of step 2 (control.should_evaluate), but the task "
+        "(trainer_factories:build_data_without_evaluate) has no evaluate(model, device)"
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "says"),
     [
@@ -479,10 +496,14 @@ def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir,
 def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(data_dir, tmp_path):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
     the first in order), so following it runs."""
+    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"})
     with pytest.raises(ConfigError) as refused:
-        train(_config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"}), progress=False)
+        train(config, progress=False)
     message = str(refused.value)
-    assert "checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse" in message, message
+    assert message.startswith(
+        f"{config.source}: checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse: set "
+        "checkpoint.best_metric to one of them; "
+    ), message
     assert "checkpoint.best_metric=rmse" in message and "checkpoint.best_metric=mse" not in message, message
 
 

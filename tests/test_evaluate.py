@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -61,7 +63,11 @@ def test_metrics_json_names_every_code_file_and_the_config_it_evaluated_under(ev
     assert record["config"]["training"]["device"] == config.training.device
 
 
-@pytest.mark.parametrize("edit", ["first-schema", "old-key", "no-sources", "a-key-more", "step-as-text"])
+@pytest.mark.parametrize(
+    "edit",
+    ["first-schema", "old-key", "no-sources", "a-key-more", "step-as-text", "sha-not-text", "code-not-text",
+     "config-not-a-mapping"],
+)  # fmt: skip
 def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_that_rewrites_it(
     evaluated_run, tmp_path, edit
 ):
@@ -79,6 +85,12 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         record["metrics_of"] = "another run"
     elif edit == "step-as-text":
         record["step"] = str(record["step"])
+    elif edit == "sha-not-text":
+        record["modelo_sha256"] = None
+    elif edit == "code-not-text":
+        record["fingerprints"]["code"] = 1
+    elif edit == "config-not-a-mapping":
+        record["config"] = "config.yaml"
     else:
         del record["fingerprints"]["sources"]
     (tmp_path / "metrics.json").write_text(json.dumps(record))
@@ -118,7 +130,9 @@ def test_a_metrics_record_whose_metrics_are_not_finite_numbers_is_refused(
     assert str(refused.value).endswith("; rerun python scripts/04_evaluate.py")
 
 
-@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing"])
+@pytest.mark.parametrize(
+    "kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing", "not-json", "not-utf8"]
+)
 def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(tmp_path, kind):
     """--metrics names a file 05 reads: a FIFO (or a link to one) is refused at once, not
     waited on; a folder or an endless file is not read."""
@@ -132,6 +146,8 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
         "folder": "is a folder, not a regular file: not a metrics file; rerun",
         "oversized": "bytes, over the 16,777,216-byte limit: not a metrics file; rerun",
         "missing": "not found: run python scripts/04_evaluate.py first",
+        "not-json": "is not valid JSON: rerun python scripts/04_evaluate.py",
+        "not-utf8": "is not valid JSON: rerun python scripts/04_evaluate.py",
     }[kind]
     if kind == "fifo":
         os.mkfifo(path)
@@ -143,9 +159,76 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
     elif kind == "oversized":
         with open(path, "wb") as sparse:
             sparse.truncate(1 << 40)  # a terabyte on paper, nothing on disk
+    elif kind == "not-json":
+        path.write_text('{"schema": "pipeline.metrics/2", ')  # cut short
+    elif kind == "not-utf8":
+        path.write_bytes(b'{"schema": "\xff"}')
     with pytest.raises(MetricsError) as refused:
         read_metrics(path)
     assert str(refused.value).startswith(str(path)) and says in str(refused.value), refused.value
+
+
+def test_metrics_are_written_where_asked_and_a_folder_given_as_the_file_is_refused(evaluated_run, tmp_path):
+    from pipeline.errors import MetricsError
+    from pipeline.evaluate import read_metrics, write_metrics
+
+    record = json.loads(evaluated_run.metrics.read_text())
+    config = load_config(CONFIG, evaluated_run.overrides)
+    nested = tmp_path / "runs" / "a" / "metrics.json"  # its folders made as needed
+    assert write_metrics(record, config, nested) == nested
+    assert read_metrics(nested) == record
+    with pytest.raises(MetricsError) as refused:
+        write_metrics(record, config, tmp_path)
+    assert str(refused.value) == (
+        f"--output {tmp_path} is a folder; give a file path such as {tmp_path / 'metrics.json'}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_the_checkpoints_config_is_evaluated_with_only_the_data_folder_and_device_of_the_command_line(
+    caplog,
+):
+    """04 takes the architecture and recipe from the checkpoint's meta.json, where things are from
+    the command line (a --set of those is used, and not warned about; a --set of the recipe is
+    named in one warning); a saved config this version cannot use is one line, not a traceback."""
+    from pipeline.errors import ConfigMismatch
+    from pipeline.evaluate import evaluation_config
+
+    saved = load_config(CONFIG, {"data.dir": "/trained/here", "training.device": "auto"}).to_dict()
+    sets = {
+        "data.dir": "/evaluated/here",
+        "training.device": "cpu",
+        "outputs.metrics": "m.json",
+        "model.params.hidden": 32,
+    }
+    given = load_config(CONFIG, sets)
+    args = (
+        "--config",
+        "mine.yaml",
+        *(arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")),
+    )
+    given = dataclasses.replace(given, command_args=args)
+    with caplog.at_level(logging.WARNING, logger="pipeline.evaluate"):
+        config = evaluation_config({"config": saved}, given, source="ck/meta.json")
+    assert [record.getMessage() for record in caplog.records] == [
+        "warning: not used: --set model.params.hidden=32 (it has 16): a checkpoint is evaluated and staged with "
+        "the config it was trained with (ck/meta.json)"
+    ]
+    assert (config.data.dir, config.training.device, config.command_args) == ("/evaluated/here", "cpu", args)
+    assert config.to_dict() == {
+        **saved,
+        "data": {**saved["data"], "dir": "/evaluated/here"},
+        "training": {**saved["training"], "device": "cpu"},
+    }
+    for unusable in ({**saved, "training": None}, {"data": saved["data"]}, {**saved, "data": []}, "a config"):
+        with pytest.raises(ConfigMismatch) as refused:
+            evaluation_config({"config": unusable}, given, source="ck/meta.json")
+        assert str(refused.value) == "ck/meta.json has no usable config section"
+    invalid = {**saved, "training": {**saved["training"], "max_steps": -1}}
+    with pytest.raises(ConfigMismatch) as refused:
+        evaluation_config({"config": invalid}, given, source="ck/meta.json")
+    assert str(refused.value).startswith("the checkpoint's config is not valid for this version: ")
+    assert "training.max_steps" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_metric_is_the_error_on_the_heldout_rows_not_the_training_rows(evaluated_run):
@@ -169,8 +252,35 @@ def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_
         load_manifest(load_config(CONFIG, {"data.dir": str(other), "data.seed": 99}))["fingerprint"]
         != load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
     )
-    with pytest.raises(DataError, match="step-00000010 was trained on"):
+    with pytest.raises(DataError) as refused:
         evaluate_checkpoint(config)
+    assert str(refused.value) == (
+        f"{other}/ holds data prepared with data.seed 99, but step-00000010 was trained on data prepared with "
+        "1234: point data.dir at the data it was trained on"
+    )
+
+
+def test_a_sample_that_is_not_text_is_refused_in_one_line(data_dir, tmp_path):
+    """04 writes a task's sample() into metrics.json and 05 onto the card: it must be text. The
+    record's folder is made as needed (the weights' scratch copy goes beside it)."""
+    from pipeline.errors import MetricsError
+    from pipeline.train import train
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "data.factory": "trainer_factories:build_data_bytes_sample",
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "outputs.metrics": str(tmp_path / "not" / "yet" / "metrics.json"),
+        "training.max_steps": 2,
+    }
+    train(load_config(CONFIG, overrides), progress=False)
+    with pytest.raises(MetricsError) as refused:
+        evaluate_checkpoint(load_config(CONFIG, overrides))
+    assert (
+        str(refused.value)
+        == "trainer_factories:build_data_bytes_sample: sample() must return a str, got bytes"
+    )
+    assert list((tmp_path / "not" / "yet").iterdir()) == []
 
 
 def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_copy):

@@ -5,6 +5,7 @@ step is recorded or written (in one process, and across a resume)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -92,26 +93,34 @@ def test_metric_names_that_change_are_refused_before_anything_of_their_step_is_w
 def test_metric_names_that_change_across_a_resume_are_refused_at_its_first_evaluation(
     data_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("EXTRA_FROM", "99")
+    monkeypatch.setenv("EXTRA_FROM", "1")
     config = _config(data_dir, tmp_path, **ADDED_LATER, **{"checkpoint.every": 2, "checkpoint.keep_last": 5})
-    train(config, stop_at=5, progress=False)  # evaluated at 2 and 4 with two metrics
-    monkeypatch.setenv("EXTRA_FROM", "1")  # the resumed process's first evaluation adds one
-    with pytest.raises(
-        MetricsError, match=r"at step 6 than at the run's earlier evaluations \(new: validation/mae\)"
-    ):
+    train(config, stop_at=5, progress=False)  # evaluated at 2 and 4 with three metrics
+    monkeypatch.setenv("EXTRA_FROM", "99")  # the resumed process's evaluations leave one out
+    with pytest.raises(MetricsError) as refused:
         train(config, resume="latest", progress=False)
+    assert (
+        "callback_factories:build_data_metric_added_later evaluate() returned other metrics at step 6 than at "
+        "the run's earlier evaluations (missing: validation/mae): a run's evaluations keep the same names; "
+        "nothing of step 6 was recorded"
+    ) in str(refused.value)
     assert CheckpointStore(tmp_path / "ck").committed_steps() == [2, 4, 5]
     assert load_checkpoint(tmp_path / "ck" / "step-00000005").meta["step"] == 5
 
 
 def test_metric_names_are_checked_as_tensor_names():
-    assert check_metrics({"validation": {"mse": 1}, "loss": 2.0}, "x") == {"validation/mse": 1.0, "loss": 2.0}
+    # Every value a float (metrics.json writes 1.0, not 1), named set/metric.
+    assert json.dumps(check_metrics({"validation": {"mse": 1}, "loss": 2}, "x")) == (
+        '{"validation/mse": 1.0, "loss": 2.0}'
+    )
     with pytest.raises(MetricsError, match="named twice"):
         check_metrics({"a/b": 1.0, "a": {"b": 2.0}}, "x")
     with pytest.raises(MetricsError, match="evaluation set 'a' holds no metric"):
         check_metrics({"a": {}}, "x")
     with pytest.raises(MetricsError, match=r"metric 3 is 1"):
         check_metrics({"a": {3: 1.0}}, "x")
+    with pytest.raises(MetricsError, match=r"metric 3 is \{'mse': 1.0\}"):  # a set is named by a str too
+        check_metrics({3: {"mse": 1.0}}, "x")
     for flag in (True, False):  # a bool is an int to Python, not a metric
         with pytest.raises(MetricsError, match=f"metric 'converged' is {flag}"):
             check_metrics({"converged": flag, "loss": 2.0}, "x")

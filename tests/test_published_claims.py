@@ -291,6 +291,8 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
     [
         '{"step": 0, "metric": "mse", "mode": "max", "value": 0.5}',
         '{"step": 3.0, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": true, "metric": "mse", "mode": "max", "value": 0.5}',
+        '{"step": 3, "metric": 3, "mode": "max", "value": 0.5}',
         '{"step": 3, "metric": "mse", "mode": "best", "value": 0.5}',
         '{"step": 3, "metric": "mse", "mode": "max", "value": true}',
         '{"step": 3, "metric": "mse", "mode": "max", "value": 1e999}',
@@ -298,8 +300,8 @@ def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(mark
         '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5, "note": "x"}',
         '{"step": 3, "metric": "mse", "mode": "max"}',
     ],
-    ids=["step-0", "float-step", "unknown-mode", "bool-value", "overflowing-value", "text-value", "a-key-more",
-         "no-value"],
+    ids=["step-0", "float-step", "bool-step", "number-metric", "unknown-mode", "bool-value", "overflowing-value",
+         "text-value", "a-key-more", "no-value"],
 )  # fmt: skip
 def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refused(tmp_path, text):
     """BEST.json is read by 04, 05 and every load of --checkpoint best: anything but the four
@@ -312,6 +314,19 @@ def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refus
     assert str(refused.value) == (
         f"{tmp_path}/BEST.json does not hold exactly step, a metric name, mode and a finite value: delete it; "
         "the next save writes it again"
+    )
+
+
+def test_a_mark_larger_than_any_mark_is_not_read(tmp_path):
+    """The store writes a few dozen bytes: a larger BEST.json is no mark, even one whose first
+    4 KiB are a valid mark followed by blanks."""
+    (tmp_path / "BEST.json").write_text(
+        '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5}' + " " * 4096
+    )
+    with pytest.raises(CheckpointError) as refused:
+        read_best(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/BEST.json is not a best-checkpoint mark: delete it; the next save writes it again"
     )
 
 
@@ -416,6 +431,11 @@ def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
     assert best_record(evaluations, "loss", "min", among={2, 6})["step"] == 6
     assert best_record(evaluations, "loss", "max", among={4, 6})["step"] == 4
     assert best_record(evaluations, "loss", "min", among=set()) is None
+    # A later step evaluated better that has no checkpoint (never saved, or gone) is no better
+    # checkpoint: the mark on the best kept one stands.
+    evaluations = {"step": [2, 4, 6, 8], "loss": [0.5, 0.25, 0.125, 0.375]}
+    mark = {"step": 4, "metric": "loss", "mode": "min", "value": 0.25}
+    assert check_best(mark, evaluations, [2, 4, 8], "BEST.json", newest=evaluations) == mark
 
 
 def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marked_run):

@@ -258,6 +258,7 @@ def _ours(folder: Path) -> None:
         "unmarked-events",
         "empty-user-file",
         "another-writers-events",
+        "garbled-events",
     ],
 )
 def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_deleted(tmp_path, kind):
@@ -297,6 +298,8 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
             (theirs / TRACES_MARKER).unlink()
         elif kind == "empty-user-file":
             (theirs / "notes.txt").touch()
+        elif kind == "garbled-events":  # a record's frame around bytes that are no event
+            (theirs / TRACE).write_bytes((3).to_bytes(8, "little") + bytes(4) + b"\xff\xff\xff" + bytes(4))
         elif kind == "another-writers-events":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -306,10 +309,31 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
     said: list[str] = []
     run = SimpleNamespace(history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]})
     assert open_traces(theirs, run, log_every=1, say=said.append, data_dir=tmp_path / "data") is None
-    assert len(said) == 1 and "TensorBoard traces are off" in said[0] and "outputs.traces" in said[0], said
+    # What is wrong, named (the first entry not training's), and the two ways out.
+    problem = {
+        "folder-link": "is not a folder",
+        "unmarked-events": f"holds files training did not write (no {TRACES_MARKER})",
+        "empty-marker": f"holds files training did not write ({TRACES_MARKER})",
+        "marker-link": f"holds files training did not write ({TRACES_MARKER})",
+        "empty-user-file": "holds files training did not write (notes.txt)",
+        "another-writers-events": "holds files training did not write (events.out.tfevents.",
+    }.get(kind, f"holds files training did not write ({TRACE})")
+    assert len(said) == 1 and said[0].startswith(f"TensorBoard traces are off: {theirs} {problem}"), said
+    assert said[0].endswith(
+        ", and training only replaces a traces folder it wrote; move it away or set outputs.traces to another folder"
+    ), said
     if kind != "folder-link":
         assert _snapshot(theirs) == before
     assert _snapshot(elsewhere) == outside
+
+
+def test_a_traces_folder_that_cannot_be_made_turns_the_traces_off_in_one_line(tmp_path):
+    folder = tmp_path / ("t" * 300)  # longer than a file name may be
+    said: list[str] = []
+    run = SimpleNamespace(history={"step": [1], "loss": [1.0], "lr": [0.1]})
+    assert open_traces(folder, run, log_every=1, say=said.append, data_dir=tmp_path / "data") is None
+    assert said == [f"TensorBoard traces are off: {folder} cannot be written (File name too long)"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", ["ours", "empty-events", "marker-only", "absent", "empty"])
@@ -332,14 +356,14 @@ def test_what_training_wrote_is_replaced(tmp_path, kind):
     assert [step for tag, step, _ in events(folder) if tag == "train/loss"] == [1, 2]
 
 
-def _traced_speeds(tmp_path, monkeypatch, run) -> list[tuple[int, float]]:
-    """``run`` resumed at step 4 trains steps 5 to 8, of 1, 1, 2 and 2 seconds on the traces'
-    clock, logged every 2 steps (its sampler, if any, drawing 4 rows a step): the traced
+def _traced_speeds(tmp_path, monkeypatch, run, times=(1.0, 1.0, 2.0, 2.0)) -> list[tuple[int, float]]:
+    """``run`` resumed at step 4 trains steps 5 to 8, of ``times`` seconds (1, 1, 2 and 2) on the
+    traces' clock, logged every 2 steps (its sampler, if any, drawing 4 rows a step): the traced
     samples-per-second points."""
     clock = [100.0]
     monkeypatch.setattr(traces_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 0.0))
     traces = open_traces(tmp_path / "traces", run, log_every=2, say=print, data_dir=tmp_path / "data")
-    for step, seconds in zip(range(5, 9), (1.0, 1.0, 2.0, 2.0)):
+    for step, seconds in zip(range(5, 9), times):
         clock[0] += seconds
         run.step = step
         if run.sampler is not None:
@@ -363,6 +387,11 @@ def test_samples_per_second_counts_the_rows_of_each_interval_over_its_own_time(t
         sampler=SimpleNamespace(samples_seen=16),
     )
     assert _traced_speeds(tmp_path, monkeypatch, run) == [(6, 4.0), (8, 2.0)]
+    # An interval the clock did not see pass (a coarse clock) has no speed; the next one counts
+    # from its end: 8 rows over 4 seconds.
+    run.step, run.sampler.samples_seen = 4, 16
+    run.history = {key: values[:4] for key, values in run.history.items()}
+    assert _traced_speeds(tmp_path / "coarse", monkeypatch, run, times=(0.0, 0.0, 2.0, 2.0)) == [(8, 2.0)]
 
 
 def test_a_streamed_runs_samples_per_second_counts_every_micro_batch_of_a_step(tmp_path, monkeypatch):

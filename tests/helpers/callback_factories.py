@@ -140,6 +140,17 @@ def nothing(config: Config) -> None:
     return None
 
 
+class AsksEvaluation:
+    """Asks for an evaluation of step 2 (a user's own schedule, not training.eval_every)."""
+
+    def on_step_end(self, run: Any, control: Any) -> None:
+        control.should_evaluate = run.step == 2
+
+
+def asks_evaluation(config: Config) -> AsksEvaluation:
+    return AsksEvaluation()
+
+
 class _Sets:
     """The regression task, evaluated on two sets (its held-out rows, split in halves)."""
 

@@ -88,3 +88,20 @@ class _PlateauEvaluate:
 
 def build_data_plateau_evaluate(config: Config, data_dir: Path) -> _PlateauEvaluate:
     return _PlateauEvaluate(build_data(config, data_dir))
+
+
+class _BytesSample:
+    """The regression task's data, with a sample() that returns bytes, not text."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def sample(self, model: Any, device: Any) -> bytes:
+        return b"not text"
+
+
+def build_data_bytes_sample(config: Config, data_dir: Path) -> _BytesSample:
+    return _BytesSample(build_data(config, data_dir))

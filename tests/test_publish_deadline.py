@@ -14,6 +14,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx2
 import pytest
 import test_publish
 from huggingface_hub import get_session
@@ -412,3 +413,100 @@ def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_rest
     with xet_side.capped(seconds_left):
         assert tuple(os.environ[name] for name in XET_SETTINGS) == during
     assert {name: os.environ.get(name) for name in XET_SETTINGS} == before
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "words"),
+    [
+        ("POST", "https://cas.example/v1/shards", "the Xet shard upload"),
+        ("POST", "https://cas.example/v1/xorbs/default/ab12", "the Xet xorb upload"),
+        ("GET", "https://cas.example/v1/xorb-grants/ab12", "the Xet xorb upload"),
+        ("GET", "https://cas.example/v1/reconstructions/ab12", "a Xet download"),
+        ("POST", "https://hub.example/api/models/a/b/preupload/main", "the preupload request"),
+        ("POST", "https://hub.example/a/b.git/info/lfs/objects/batch", "the LFS batch request"),
+        ("POST", "https://hub.example/api/models/a/b/commit/main", "the commit"),
+        ("GET", "https://hub.example/api/models/a/b/xet-write-token/main", "the Xet token request"),
+        ("POST", "https://hub.example/api/repos/create", "the repo creation"),
+        ("POST", "https://hub.example/api/models/a/b/branch/dev", "the branch creation"),
+        ("POST", "https://hub.example/api/models/a/b/tag/main", "tagging"),
+        ("GET", "https://hub.example/api/models/a/b/tree/main/sub", "the file listing"),
+        ("POST", "https://hub.example/api/models/a/b/paths-info/main", "the file listing"),
+        ("GET", "https://hub.example/api/models/a/b/refs", "reading the refs"),
+        ("GET", "https://hub.example/a/b/resolve/main/README.md", "a download"),
+        ("GET", "https://hub.example/api/models/a/b/revision/main", "reading the branch head"),
+        ("PUT", "https://s3.example/bucket/part-1?sig=x", "an upload"),
+        ("POST", "https://hub.example/api/models/a/b/settings", "a POST request to hub.example"),
+        ("GET", "https://s3.example/other", "a GET request to s3.example"),
+    ],
+)
+def test_each_request_is_named_in_words_in_the_line_that_says_why_a_publish_stopped(method, url, words):
+    """The one line after a timeout names what was running ("the Xet shard upload sent 6
+    times"): each request by what it does, the rest by method and host."""
+    assert deadline.describe_request(method, url) == words
+
+
+def test_a_retry_after_in_seconds_is_waited_and_a_date_or_none_falls_back_to_our_backoff():
+    def asked(value):
+        headers = {} if value is None else {"Retry-After": value}
+        return deadline.retry_after_s(httpx2.Headers(headers))
+
+    assert [asked("2.5"), asked("0"), asked("30")] == [2.5, 0.0, 30.0]
+    assert asked("Wed, 21 Oct 2015 07:28:00 GMT") is None  # an HTTP date: our own 1, 2, 4 s
+    assert asked(None) is None
+
+
+def test_why_a_publish_stopped_names_its_timeout_what_was_retried_and_the_last_error_in_one_line():
+    limit = deadline.Deadline(45)
+    passed = DeadlinePassed("no time left to retry the commit")
+    assert limit.why("uploading and committing", passed) == (
+        "publishing ran out of its 45s --timeout while uploading and committing"
+    )
+    limit.sent.update({"the commit": 1, "the Xet shard upload": 6, "the preupload request": 2})
+    limit.note("HTTP 503\n  to   the Xet shard upload ")
+    assert limit.retried() == "the Xet shard upload sent 6 times, the preupload request sent 2 times"
+    assert limit.why("uploading and committing", passed) == (
+        "publishing ran out of its 45s --timeout while uploading and committing (the Xet shard upload "
+        "sent 6 times, the preupload request sent 2 times); last error: HTTP 503 to the Xet shard upload"
+    )
+    asked = DeadlinePassed("the Hub asks to wait 3600s before retrying the commit", 3600.0)
+    assert limit.why("committing", asked) == (
+        "publishing cannot finish within its 45s --timeout while committing: "
+        "the Hub asks to wait 3600s before retrying the commit"
+    )
+    limit.note("x" * 299 + "yz")  # one line, at most 300 characters
+    assert limit.last_error == "x" * 299 + "y"
+
+
+@pytest.mark.parametrize(
+    ("seconds_left", "users", "during"),
+    [
+        # hours left: hf_xet's own defaults stand (a 360 s budget, 3 s first delay; timeouts at most 60 s)
+        pytest.param(7200, {}, ("360000ms", "3000ms", "60000ms", "60000ms"), id="hf-xet-defaults"),
+        # a user's values in hf_xet's units (h, m, ms, s, bare seconds); one it cannot read: its default
+        pytest.param(
+            12000,
+            {"HF_XET_CLIENT_RETRY_MAX_DURATION": "1h", "HF_XET_CLIENT_RETRY_BASE_DELAY": "2m",
+             "HF_XET_CLIENT_READ_TIMEOUT": "1500ms", "HF_XET_CLIENT_CONNECT_TIMEOUT": " 7.5 s "},
+            ("3600000ms", "120000ms", "1500ms", "7500ms"),
+            id="users-units",
+        ),  # fmt: skip
+        pytest.param(
+            12000,
+            {"HF_XET_CLIENT_RETRY_MAX_DURATION": "90", "HF_XET_CLIENT_RETRY_BASE_DELAY": "soon"},
+            ("90000ms", "3000ms", "60000ms", "60000ms"),
+            id="bare-seconds-and-unreadable",
+        ),
+        # no time left at all: still one second to work with, not a zero budget hf_xet would refuse
+        pytest.param(0.2, {}, ("333ms", "33ms", "1000ms", "1000ms"), id="no-time-left"),
+    ],
+)
+def test_hf_xets_settings_during_an_upload_read_a_users_units_and_keep_its_defaults_when_time_allows(
+    monkeypatch, seconds_left, users, during
+):
+    for name in XET_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
+    with xet_side.capped(seconds_left):
+        assert tuple(os.environ[name] for name in XET_SETTINGS) == during
+    assert {name: os.environ.get(name) for name in XET_SETTINGS} == {name: users.get(name) for name in XET_SETTINGS}

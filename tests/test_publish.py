@@ -479,12 +479,22 @@ def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, t
 
 
 def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
-    staged_run, hub, tmp_path, token_env
+    staged_run, hub, tmp_path, token_env, waits
 ):
     hub.fail_next_commit(times=COMMIT_ATTEMPTS, status=500)
+    said: list[str] = []
     with pytest.raises(HubUnavailable) as refused:
-        publish_here(staged_run.stage, hub, "alice/flaky", tmp_path)
-    assert refused.value.exit_code == 2 and "nothing was committed" in str(refused.value)
+        publish_here(staged_run.stage, hub, "alice/flaky", tmp_path, say=said.append)
+    assert refused.value.exit_code == 2
+    assert str(refused.value) == (
+        "the Hub answered HTTP 500 to the commit on alice/flaky 4 times; nothing was committed; "
+        "rerun later (uploaded blobs are kept)"
+    )
+    assert waits == [1.0, 2.0, 4.0]  # no Retry-After: 1, 2, 4 s between the four attempts
+    assert [line for line in said if "retrying" in line] == [
+        f"the commit got HTTP 500; retrying the commit in {wait}s (attempt {attempt} of 4)"
+        for wait, attempt in ((1, 2), (2, 3), (4, 4))
+    ]
     assert commit_titles(hub, "alice/flaky") == ["initial commit"]
     assert api_for(hub).list_repo_files("alice/flaky") == [".gitattributes"]
 
@@ -501,9 +511,11 @@ def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_pa
     assert len(commit_titles(hub, "alice/retried")) == 2
 
 
+@pytest.mark.parametrize("earlier_500s", [0, COMMIT_ATTEMPTS - 1], ids=["first-attempt", "last-attempt"])
 def test_commit_that_landed_but_answered_500_is_not_made_twice(
-    staged_run, hub, tmp_path, token_env, monkeypatch
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits, earlier_500s
 ):
+    hub.fail_next_commit(times=earlier_500s, status=500)  # answered 500 without landing
     real_create_commit = HfApi.create_commit
 
     def lands_then_answers_500(self, *args, **kwargs):
@@ -523,7 +535,10 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(
     result = publish_here(staged_run.stage, hub, "alice/lost-answer", tmp_path, say=said.append)
     assert result.status == "published" and result.commit == api_for(hub).repo_info("alice/lost-answer").sha
     assert len(commit_titles(hub, "alice/lost-answer")) == 2
-    assert any("had landed" in line for line in said), said
+    assert [line for line in said if "landed" in line] == [
+        f"the commit had landed despite the error answer: {result.commit}"
+    ], said
+    assert waits == [1.0, 2.0, 4.0][: max(1, earlier_500s)]  # the last attempt's answer: no wait after it
 
 
 def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(

@@ -541,6 +541,28 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(
     assert waits == [1.0, 2.0, 4.0][: max(1, earlier_500s)]  # the last attempt's answer: no wait after it
 
 
+def test_a_lost_commit_answer_and_a_branch_head_that_cannot_be_read_say_the_commit_may_have_landed(
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits
+):
+    def connection_lost(self, repo_id, *args, **kwargs):
+        # The commit's connection breaks; from then on the Hub answers every read of the head 503.
+        hub.rate_limit_next(times=1000, retry_after=None, method="GET", path=r"/revision/main$", status=503)
+        raise httpx2.ConnectError("connection reset by peer")
+
+    monkeypatch.setattr(HfApi, "create_commit", connection_lost)
+    with pytest.raises(UploadInterrupted) as interrupted:
+        publish_here(staged_run.stage, hub, "alice/unknowable", tmp_path)
+    message = str(interrupted.value)
+    assert interrupted.value.exit_code == 2
+    assert message.startswith(
+        f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and "
+        "committing, and the branch head could not be read afterwards (the Hub answered HTTP 503 "
+    ), message
+    assert message.endswith(
+        "the commit may or may not have landed; rerun: it finds a landed commit and never makes a second one"
+    ), message
+
+
 def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(
     staged_run, hub, tmp_path, token_env, no_client_sleep
 ):
@@ -1047,15 +1069,19 @@ def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_veri
     assert listed["modelo.safetensors"].size == weights["size"]  # same size, other bytes
 
 
-@pytest.mark.parametrize("mtime_put_back", [False, True], ids=["plain", "mtime-put-back"])
+@pytest.mark.parametrize("edit", ["plain", "mtime-put-back", "removed"])
 def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
-    staged_run, run_copy, hub, tmp_path, token_env, mtime_put_back
+    staged_run, run_copy, hub, tmp_path, token_env, edit
 ):
     stage = run_copy(staged_run).stage
+    mtime_put_back = edit == "mtime-put-back"
 
     def edit_when_committing(line: str) -> None:
         if line.startswith("committing"):  # said after the audit and the plan, right before the commit
             card = stage / "README.md"
+            if edit == "removed":  # not an edit of the same size, but caught by the same check
+                card.unlink()
+                return
             before = card.stat()
             data = bytearray(card.read_bytes())
             data[-2] ^= 0x01
@@ -1063,7 +1089,11 @@ def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_
             if mtime_put_back:  # what a process hiding its edit does: only the ctime still tells
                 os.utime(card, ns=(before.st_atime_ns, before.st_mtime_ns))
 
-    with pytest.raises(StageChanged, match="README.md"):
+    with pytest.raises(StageChanged) as changed:
         publish_here(stage, hub, "alice/edited", tmp_path, say=edit_when_committing)
+    assert str(changed.value) == (
+        f"{stage / 'README.md'} changed on disk after it was audited; nothing was committed; "
+        "rebuild the stage with python scripts/05_stage.py, then rerun"
+    )
     assert not [title for title in commit_titles(hub, "alice/edited") if title.startswith("Publish")]
     assert hub.count("POST", r"/commit/") == 0

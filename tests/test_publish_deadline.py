@@ -510,3 +510,15 @@ def test_hf_xets_settings_during_an_upload_read_a_users_units_and_keep_its_defau
     with xet_side.capped(seconds_left):
         assert tuple(os.environ[name] for name in XET_SETTINGS) == during
     assert {name: os.environ.get(name) for name in XET_SETTINGS} == {name: users.get(name) for name in XET_SETTINGS}
+
+
+def test_a_requests_own_trace_still_sees_every_event_while_the_deadline_traces_it_too(hub):
+    """The deadline follows each connection through httpcore's ``trace`` extension; a trace
+    the request already had (a caller's own) is kept, not replaced."""
+    seen: list[str] = []
+    with deadline.Deadline(30).installed():
+        answer = get_session().get(
+            f"{hub.url}/api/models/alice/traced", extensions={"trace": lambda event, info: seen.append(event)}
+        )
+    assert answer.status_code == 404
+    assert "connection.connect_tcp.complete" in seen and "http11.receive_response_headers.complete" in seen, seen

@@ -107,7 +107,6 @@ def test_each_staged_file_is_added_updated_repaired_or_left_by_what_the_branch_l
         "model/config.json": RemoteFile("model/config.json", 3, blob(b"[]\n")),
         "model/a-old.txt": RemoteFile("model/a-old.txt", 1, "d" * 40),
         ".gitattributes": RemoteFile(".gitattributes", 10, "e" * 40),  # the Hub's: kept
-        "new.bin": RemoteFile("new.bin", 3, blob(b"new")),  # outside the folder (not the staged path)
     }
     files, deletions = compare(tmp_path, audited, remote, "model/", StagedXetHashes(tmp_path, audited))
     actions = {
@@ -124,7 +123,7 @@ def test_each_staged_file_is_added_updated_repaired_or_left_by_what_the_branch_l
         PlannedFile(name, f"model/{name}", audited[name].size, audited[name].sha256, action)
         for name, action in actions.items()
     )
-    assert deletions == ("model/a-old.txt", "model/zz-old.txt", "new.bin")
+    assert deletions == ("model/a-old.txt", "model/zz-old.txt")
 
 
 # -- the plan as 06 prints it ---------------------------------------------------------------------
@@ -173,8 +172,14 @@ def test_the_printed_plan_of_a_branch_holding_exactly_the_stage_ends_saying_ther
     assert format_plan(planned("c0ffee", True, unchanged)).splitlines()[-1] == (
         "nothing to publish: alice/m@main already holds exactly this stage"
     )
-    for not_yet in (planned(None, True, unchanged), planned("c0ffee", True, unchanged, ("model/old.bin",))):
-        assert "nothing to publish" not in format_plan(not_yet)
+    changed = (*unchanged, PlannedFile("README.md", "model/README.md", 9, "d" * 64, "update"))
+    not_yet = (
+        planned(None, True, unchanged),  # a new branch: its creation is the commit
+        planned("c0ffee", True, unchanged, ("model/old.bin",)),
+        planned("c0ffee", True, changed),
+    )
+    for plan in not_yet:
+        assert "nothing to publish" not in format_plan(plan)
 
 
 def test_a_dry_run_to_a_new_branch_plans_it_from_main_and_names_the_step_and_weights(

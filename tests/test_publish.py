@@ -301,7 +301,14 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
     titles = commit_titles(hub, published.repo_id)
     assert len(titles) == 2 and titles[1] == "initial commit"
     sha = json.loads((stage / "meta.json").read_text())["files"]["modelo.safetensors"]["sha256"]
-    assert "step 10" in titles[0] and sha in titles[0]
+    assert titles[0] == f"Publish step 10: modelo.safetensors sha256 {sha}"
+    [description] = [c.message for c in api_for(hub).list_repo_commits(published.repo_id)][:1]
+    table = {name: hashlib.sha256((stage / name).read_bytes()).hexdigest() for name in stage_files(stage)}
+    assert description.startswith(
+        f"Step 10. modelo.safetensors SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n"
+    ), description
+    rows = [line.split("  ") for line in description.splitlines()[3:]]
+    assert {row[-1]: row[0] for row in rows} == table and len(rows) == len(table), description
     assert_holds_exactly_the_stage(hub, published.repo_id, stage)
     head = api_for(hub).repo_info(published.repo_id).sha
     assert published.first.stdout.splitlines()[-1] == f"commit {hub.url}/{published.repo_id}/commit/{head}"

@@ -200,7 +200,10 @@ def test_a_dry_run_to_a_new_branch_plans_it_from_main_and_names_the_step_and_wei
     weights = next(f for f in plan.files if f.name.endswith(".safetensors"))
     assert plan.model_sha256 == weights.sha256
     assert plan.title == f"Publish step {plan.step}: {weights.name} sha256 {weights.sha256}"
-    assert plan.description.startswith(f"Step {plan.step}. {weights.name} SHA-256 {weights.sha256}.\n\n")
+    table = "".join(f"{f.sha256}  {f.size:>12}  {f.name}\n" for f in plan.files)
+    assert plan.description == (
+        f"Step {plan.step}. {weights.name} SHA-256 {weights.sha256}.\n\nStaged files (SHA-256, bytes, name):\n{table}"
+    )
     assert write_requests(hub) == writes
 
 

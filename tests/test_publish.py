@@ -510,8 +510,9 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
     assert_holds_exactly_the_stage(hub, "alice/flaky", staged_run.stage)
 
 
-def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits):
-    hub.fail_next_commit(times=1, status=503)
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits, status):
+    hub.fail_next_commit(times=1, status=status)
     result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
     assert result.status == "published" and waits == [1.0]
     assert hub.count("POST", r"/commit/main$") == 2

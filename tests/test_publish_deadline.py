@@ -361,6 +361,16 @@ def test_settling_keeps_the_time_a_publish_still_has_when_that_is_more_than_the_
     assert limit.remaining() > 590, limit.remaining()
 
 
+def test_a_publish_past_its_deadline_gets_thirty_seconds_to_settle_or_its_whole_timeout_when_shorter():
+    """docs/publishing.md: once the commit was sent, min(--timeout, 30 s) more to find out whether
+    it landed and verify it."""
+    for timeout, settling in ((100, 30), (5, 5)):
+        limit = deadline.Deadline(timeout)
+        limit.end -= timeout  # the whole --timeout spent uploading
+        limit.settle()
+        assert settling - 1 < limit.remaining() <= settling, (timeout, limit.remaining())
+
+
 def test_the_default_timeout_is_five_minutes_plus_one_second_per_mb_staged():
     """docs/publishing.md: "5 minutes plus 1 second per MB staged, e.g. about 22 minutes for a
     1 GB stage"."""

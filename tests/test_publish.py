@@ -514,7 +514,7 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
 def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits, status):
     hub.fail_next_commit(times=1, status=status)
     result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
-    assert result.status == "published" and waits == [1.0]
+    assert result.status == "published" and waits == [1.0] and not result.answer_lost
     assert hub.count("POST", r"/commit/main$") == 2
     assert len(commit_titles(hub, "alice/retried")) == 2
 
@@ -542,6 +542,7 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(
     said: list[str] = []
     result = publish_here(staged_run.stage, hub, "alice/lost-answer", tmp_path, say=said.append)
     assert result.status == "published" and result.commit == api_for(hub).repo_info("alice/lost-answer").sha
+    assert result.answer_lost  # 06 says the commit was found on the branch
     assert len(commit_titles(hub, "alice/lost-answer")) == 2
     assert [line for line in said if "landed" in line] == [
         f"the commit had landed despite the error answer: {result.commit}"

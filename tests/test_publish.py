@@ -513,10 +513,12 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
 @pytest.mark.parametrize("status", [502, 503, 504])
 def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits, status):
     hub.fail_next_commit(times=1, status=status)
-    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
+    unmade = tmp_path / "not" / "made"  # the receipt folder is created with its parents
+    result = publish_here(staged_run.stage, hub, "alice/retried", unmade)
     assert result.status == "published" and waits == [1.0] and not result.answer_lost
     assert hub.count("POST", r"/commit/main$") == 2
     assert len(commit_titles(hub, "alice/retried")) == 2
+    assert len(list((unmade / "receipts").glob("alice--retried-*.json"))) == 1
 
 
 @pytest.mark.parametrize("earlier_500s", [0, COMMIT_ATTEMPTS - 1], ids=["first-attempt", "last-attempt"])

@@ -495,11 +495,15 @@ def test_why_a_publish_stopped_names_its_timeout_what_was_retried_and_the_last_e
         # a user's values in hf_xet's units (h, m, ms, s, bare seconds); one it cannot read: its default
         pytest.param(
             12000,
-            {"HF_XET_CLIENT_RETRY_MAX_DURATION": "1h", "HF_XET_CLIENT_RETRY_BASE_DELAY": "2m",
-             "HF_XET_CLIENT_READ_TIMEOUT": "1500ms", "HF_XET_CLIENT_CONNECT_TIMEOUT": " 7.5 s "},
+            {
+                "HF_XET_CLIENT_RETRY_MAX_DURATION": "1h",
+                "HF_XET_CLIENT_RETRY_BASE_DELAY": "2m",
+                "HF_XET_CLIENT_READ_TIMEOUT": "1500ms",
+                "HF_XET_CLIENT_CONNECT_TIMEOUT": " 7.5 s ",
+            },
             ("3600000ms", "120000ms", "1500ms", "7500ms"),
             id="users-units",
-        ),  # fmt: skip
+        ),
         pytest.param(
             12000,
             {"HF_XET_CLIENT_RETRY_MAX_DURATION": "90", "HF_XET_CLIENT_RETRY_BASE_DELAY": "soon"},
@@ -519,7 +523,9 @@ def test_hf_xets_settings_during_an_upload_read_a_users_units_and_keep_its_defau
         monkeypatch.setenv(name, value)
     with xet_side.capped(seconds_left):
         assert tuple(os.environ[name] for name in XET_SETTINGS) == during
-    assert {name: os.environ.get(name) for name in XET_SETTINGS} == {name: users.get(name) for name in XET_SETTINGS}
+    assert {name: os.environ.get(name) for name in XET_SETTINGS} == {
+        name: users.get(name) for name in XET_SETTINGS
+    }
 
 
 def test_a_requests_own_trace_still_sees_every_event_while_the_deadline_traces_it_too(hub):
@@ -531,4 +537,6 @@ def test_a_requests_own_trace_still_sees_every_event_while_the_deadline_traces_i
             f"{hub.url}/api/models/alice/traced", extensions={"trace": lambda event, info: seen.append(event)}
         )
     assert answer.status_code == 404
-    assert "connection.connect_tcp.complete" in seen and "http11.receive_response_headers.complete" in seen, seen
+    assert "connection.connect_tcp.complete" in seen and "http11.receive_response_headers.complete" in seen, (
+        seen
+    )

@@ -26,7 +26,12 @@ from pipeline.publishing.plan import (
 )
 from pipeline.publishing.xet import StagedXetHashes, check_landed
 
-hf_env, hub, token_env, waits = test_publish.hf_env, test_publish.hub, test_publish.token_env, test_publish.waits
+hf_env, hub, token_env, waits = (
+    test_publish.hf_env,
+    test_publish.hub,
+    test_publish.token_env,
+    test_publish.waits,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
@@ -35,7 +40,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 
 
 def test_path_in_repo_is_a_plain_folder_ending_in_a_slash_and_anything_else_is_refused_naming_it():
-    assert [clean_prefix(p) for p in (None, "", "/", "model", "/v1/model/")] == ["", "", "", "model/", "v1/model/"]
+    prefixes = {None: "", "": "", "/": "", "model": "model/", "/v1/model/": "v1/model/"}
+    assert {given: clean_prefix(given) for given in prefixes} == prefixes
     for bad in ("a/../b", "./model", "v1//model", ".."):
         with pytest.raises(PublishError) as refused:
             clean_prefix(bad)
@@ -54,7 +60,9 @@ def test_the_endpoint_is_the_flag_else_hf_endpoint_else_the_clients_default_with
     assert resolve_endpoint(None) == constants.ENDPOINT.rstrip("/")
 
 
-def test_a_receipt_folder_inside_the_stage_is_refused_naming_both_and_the_default_is_beside_the_stage(tmp_path):
+def test_a_receipt_folder_inside_the_stage_is_refused_naming_both_and_the_default_is_beside_the_stage(
+    tmp_path,
+):
     stage = tmp_path / "outputs" / "hub_stage"
     stage.mkdir(parents=True)
     assert check_receipt_dir(None, stage) == tmp_path / "outputs" / "hub_receipts"
@@ -85,7 +93,9 @@ def test_each_staged_file_is_added_updated_repaired_or_left_by_what_the_branch_l
     for name, content in data.items():
         (tmp_path / name).write_bytes(content)
         xet_hash = {"xet-ok.bin": "1" * 64, "xet-other.bin": "2" * 64}.get(name)
-        audited[name] = AuditedFile(name, len(content), hashlib.sha256(content).hexdigest(), "meta.json", xet_hash)
+        audited[name] = AuditedFile(
+            name, len(content), hashlib.sha256(content).hexdigest(), "meta.json", xet_hash
+        )
 
     def lfs(name, size=None, sha256=None, xet_hash=None):
         entry = audited[name]
@@ -215,7 +225,13 @@ def test_a_xet_stored_file_lands_only_with_the_audits_xet_hash_sha256_and_size()
     expected = AuditedFile(name="w.safetensors", size=4, sha256=audited, verified_against="meta.json")
 
     def listed(**changes):
-        fields = {"path": "w.safetensors", "size": 4, "blob_id": "b" * 40, "sha256": audited, "xet_hash": "c" * 64}
+        fields = {
+            "path": "w.safetensors",
+            "size": 4,
+            "blob_id": "b" * 40,
+            "sha256": audited,
+            "xet_hash": "c" * 64,
+        }
         return RemoteFile(**{**fields, **changes})
 
     def check(remote):

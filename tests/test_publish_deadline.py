@@ -528,15 +528,14 @@ def test_hf_xets_settings_during_an_upload_read_a_users_units_and_keep_its_defau
     }
 
 
-def test_a_requests_own_trace_still_sees_every_event_while_the_deadline_traces_it_too(hub):
-    """The deadline follows each connection through httpcore's ``trace`` extension; a trace
-    the request already had (a caller's own) is kept, not replaced."""
+def test_under_the_deadline_a_request_keeps_the_clients_own_hooks_and_a_callers_own_trace(hub):
+    """The deadline adds its hooks to the client's session and follows each connection through
+    httpcore's ``trace`` extension: the client's own request hook (its request id, its offline
+    mode) still runs, and a trace the request already had (a caller's own) is kept, not replaced."""
     seen: list[str] = []
     with deadline.Deadline(30).installed():
         answer = get_session().get(
             f"{hub.url}/api/models/alice/traced", extensions={"trace": lambda event, info: seen.append(event)}
         )
-    assert answer.status_code == 404
-    assert "connection.connect_tcp.complete" in seen and "http11.receive_response_headers.complete" in seen, (
-        seen
-    )
+    assert answer.status_code == 404 and answer.request.headers.get("X-Amzn-Trace-Id"), answer.request.headers
+    assert {"connection.connect_tcp.complete", "http11.receive_response_headers.complete"} <= set(seen), seen

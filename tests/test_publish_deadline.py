@@ -361,14 +361,39 @@ def test_settling_keeps_the_time_a_publish_still_has_when_that_is_more_than_the_
     assert limit.remaining() > 590, limit.remaining()
 
 
-def test_a_publish_past_its_deadline_gets_thirty_seconds_to_settle_or_its_whole_timeout_when_shorter():
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The deadline's clock, set by the test: ``clock[0]`` is now, in seconds."""
+    now = [1000.0]
+    monkeypatch.setattr(deadline, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_a_publish_past_its_deadline_gets_thirty_seconds_to_settle_or_its_whole_timeout_when_shorter(clock):
     """docs/publishing.md: once the commit was sent, min(--timeout, 30 s) more to find out whether
-    it landed and verify it."""
-    for timeout, settling in ((100, 30), (5, 5)):
+    it landed and verify it, never past --timeout + min(--timeout, 30 s)."""
+    for timeout, settling in ((100, 30), (30, 30), (5, 5)):
+        clock[0] = 1000.0
         limit = deadline.Deadline(timeout)
-        limit.end -= timeout  # the whole --timeout spent uploading
+        clock[0] += timeout  # the whole --timeout spent uploading
+        assert limit.expired()
         limit.settle()
-        assert settling - 1 < limit.remaining() <= settling, (timeout, limit.remaining())
+        assert limit.remaining() == settling, timeout
+        clock[0] += settling / 2
+        limit.settle()  # settling again (the verification) grants nothing more
+        assert limit.remaining() == settling / 2, timeout
+
+
+def test_a_retry_is_waited_only_while_it_ends_before_the_deadline(clock, waits):
+    limit = deadline.Deadline(10)
+    clock[0] += 9.5
+    assert not limit.expired() and limit.remaining() == 0.5
+    limit.wait(0.25, "the commit")
+    with pytest.raises(DeadlinePassed, match="no time left to retry the commit"):
+        limit.wait(0.5, "the commit")  # it would end exactly at the deadline: no time left to send it
+    assert waits == [0.25]
+    clock[0] += 0.5
+    assert limit.expired() and limit.remaining() == 0
 
 
 def test_the_default_timeout_is_five_minutes_plus_one_second_per_mb_staged():

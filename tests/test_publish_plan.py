@@ -108,7 +108,7 @@ def test_each_staged_file_is_added_updated_repaired_or_left_by_what_the_branch_l
 
     remote = {
         "model/zz-old.txt": RemoteFile("model/zz-old.txt", 1, "c" * 40),
-        "model/longer.bin": lfs("longer.bin", size=3),
+        "model/longer.bin": lfs("longer.bin", size=3, sha256="0" * 64),
         "model/same-size.bin": lfs("same-size.bin", sha256="f" * 64),  # same size, other bytes
         "model/lfs.bin": lfs("lfs.bin"),
         "model/xet-ok.bin": lfs("xet-ok.bin", xet_hash="1" * 64),

@@ -564,3 +564,18 @@ def test_under_the_deadline_a_request_keeps_the_clients_own_hooks_and_a_callers_
         )
     assert answer.status_code == 404 and answer.request.headers.get("X-Amzn-Trace-Id"), answer.request.headers
     assert {"connection.connect_tcp.complete", "http11.receive_response_headers.complete"} <= set(seen), seen
+
+
+def test_a_retry_after_ending_exactly_at_the_deadline_ends_the_request_and_one_before_it_is_the_clients(
+    hub, clock
+):
+    path, url = r"/api/models/alice/boundary$", f"{hub.url}/api/models/alice/boundary"
+    hub.rate_limit_next(times=2, retry_after=1, method="GET", path=path)
+    limit = deadline.Deadline(10)
+    with limit.installed():
+        clock[0] += 8.75  # 1.25 s left: a 1 s wait fits
+        assert get_session().get(url).status_code == 429
+        clock[0] += 0.25  # 1 s left: the retry could not start before the deadline
+        with pytest.raises(DeadlinePassed, match="asks to wait 1s before retrying") as asked:
+            get_session().get(url)
+    assert asked.value.asked == 1

@@ -580,7 +580,12 @@ def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(
     hub.drop_next_upload(times=100)  # every LFS file (weights, curve, traces): each try and retry
     with pytest.raises(UploadInterrupted) as refused:
         publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
-    assert refused.value.exit_code == 2 and "rerun" in str(refused.value)
+    message = str(refused.value)
+    assert refused.value.exit_code == 2 and message.startswith(f"connection to {hub.url} lost ("), message
+    assert message.endswith(
+        " while uploading and committing, and the head of main did not move: nothing was committed; "
+        "rerun: it skips blobs already uploaded and never makes a second commit"
+    ), message
     assert hub.count("POST", r"/commit/") == 0
     assert commit_titles(hub, "alice/dropped") == ["initial commit"]
 

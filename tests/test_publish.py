@@ -301,7 +301,14 @@ def test_first_publish_creates_exactly_one_commit_holding_the_whole_stage(publis
     titles = commit_titles(hub, published.repo_id)
     assert len(titles) == 2 and titles[1] == "initial commit"
     sha = json.loads((stage / "meta.json").read_text())["files"]["modelo.safetensors"]["sha256"]
-    assert "step 10" in titles[0] and sha in titles[0]
+    assert titles[0] == f"Publish step 10: modelo.safetensors sha256 {sha}"
+    [description] = [c.message for c in api_for(hub).list_repo_commits(published.repo_id)][:1]
+    table = {name: hashlib.sha256((stage / name).read_bytes()).hexdigest() for name in stage_files(stage)}
+    assert description.startswith(
+        f"Step 10. modelo.safetensors SHA-256 {sha}.\n\nStaged files (SHA-256, bytes, name):\n"
+    ), description
+    rows = [line.split("  ") for line in description.splitlines()[3:]]
+    assert {row[-1]: row[0] for row in rows} == table and len(rows) == len(table), description
     assert_holds_exactly_the_stage(hub, published.repo_id, stage)
     head = api_for(hub).repo_info(published.repo_id).sha
     assert published.first.stdout.splitlines()[-1] == f"commit {hub.url}/{published.repo_id}/commit/{head}"
@@ -479,12 +486,22 @@ def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, t
 
 
 def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
-    staged_run, hub, tmp_path, token_env
+    staged_run, hub, tmp_path, token_env, waits
 ):
     hub.fail_next_commit(times=COMMIT_ATTEMPTS, status=500)
+    said: list[str] = []
     with pytest.raises(HubUnavailable) as refused:
-        publish_here(staged_run.stage, hub, "alice/flaky", tmp_path)
-    assert refused.value.exit_code == 2 and "nothing was committed" in str(refused.value)
+        publish_here(staged_run.stage, hub, "alice/flaky", tmp_path, say=said.append)
+    assert refused.value.exit_code == 2
+    assert str(refused.value) == (
+        "the Hub answered HTTP 500 to the commit on alice/flaky 4 times; nothing was committed; "
+        "rerun later (uploaded blobs are kept)"
+    )
+    assert waits == [1.0, 2.0, 4.0]  # no Retry-After: 1, 2, 4 s between the four attempts
+    assert [line for line in said if "retrying" in line] == [
+        f"the commit got HTTP 500; retrying the commit in {wait}s (attempt {attempt} of 4)"
+        for wait, attempt in ((1, 2), (2, 3), (4, 4))
+    ]
     assert commit_titles(hub, "alice/flaky") == ["initial commit"]
     assert api_for(hub).list_repo_files("alice/flaky") == [".gitattributes"]
 
@@ -493,17 +510,22 @@ def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
     assert_holds_exactly_the_stage(hub, "alice/flaky", staged_run.stage)
 
 
-def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits):
-    hub.fail_next_commit(times=1, status=503)
-    result = publish_here(staged_run.stage, hub, "alice/retried", tmp_path)
-    assert result.status == "published" and waits == [1.0]
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_path, token_env, waits, status):
+    hub.fail_next_commit(times=1, status=status)
+    unmade = tmp_path / "not" / "made"  # the receipt folder is created with its parents
+    result = publish_here(staged_run.stage, hub, "alice/retried", unmade)
+    assert result.status == "published" and waits == [1.0] and not result.answer_lost
     assert hub.count("POST", r"/commit/main$") == 2
     assert len(commit_titles(hub, "alice/retried")) == 2
+    assert len(list((unmade / "receipts").glob("alice--retried-*.json"))) == 1
 
 
+@pytest.mark.parametrize("earlier_500s", [0, COMMIT_ATTEMPTS - 1], ids=["first-attempt", "last-attempt"])
 def test_commit_that_landed_but_answered_500_is_not_made_twice(
-    staged_run, hub, tmp_path, token_env, monkeypatch
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits, earlier_500s
 ):
+    hub.fail_next_commit(times=earlier_500s, status=500)  # answered 500 without landing
     real_create_commit = HfApi.create_commit
 
     def lands_then_answers_500(self, *args, **kwargs):
@@ -522,8 +544,34 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(
     said: list[str] = []
     result = publish_here(staged_run.stage, hub, "alice/lost-answer", tmp_path, say=said.append)
     assert result.status == "published" and result.commit == api_for(hub).repo_info("alice/lost-answer").sha
+    assert result.answer_lost  # 06 says the commit was found on the branch
     assert len(commit_titles(hub, "alice/lost-answer")) == 2
-    assert any("had landed" in line for line in said), said
+    assert [line for line in said if "landed" in line] == [
+        f"the commit had landed despite the error answer: {result.commit}"
+    ], said
+    assert waits == [1.0, 2.0, 4.0][: max(1, earlier_500s)]  # the last attempt's answer: no wait after it
+
+
+def test_a_lost_commit_answer_and_a_branch_head_that_cannot_be_read_say_the_commit_may_have_landed(
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits
+):
+    def connection_lost(self, repo_id, *args, **kwargs):
+        # The commit's connection breaks; from then on the Hub answers every read of the head 503.
+        hub.rate_limit_next(times=1000, retry_after=None, method="GET", path=r"/revision/main$", status=503)
+        raise httpx2.ConnectError("connection reset by peer")
+
+    monkeypatch.setattr(HfApi, "create_commit", connection_lost)
+    with pytest.raises(UploadInterrupted) as interrupted:
+        publish_here(staged_run.stage, hub, "alice/unknowable", tmp_path)
+    message = str(interrupted.value)
+    assert interrupted.value.exit_code == 2
+    assert message.startswith(
+        f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and "
+        "committing, and the branch head could not be read afterwards (the Hub answered HTTP 503 "
+    ), message
+    assert message.endswith(
+        "the commit may or may not have landed; rerun: it finds a landed commit and never makes a second one"
+    ), message
 
 
 def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(
@@ -532,7 +580,12 @@ def test_dropped_uploads_leave_no_commit_and_a_rerun_lands_exactly_one(
     hub.drop_next_upload(times=100)  # every LFS file (weights, curve, traces): each try and retry
     with pytest.raises(UploadInterrupted) as refused:
         publish_here(staged_run.stage, hub, "alice/dropped", tmp_path)
-    assert refused.value.exit_code == 2 and "rerun" in str(refused.value)
+    message = str(refused.value)
+    assert refused.value.exit_code == 2 and message.startswith(f"connection to {hub.url} lost ("), message
+    assert message.endswith(
+        " while uploading and committing, and the head of main did not move: nothing was committed; "
+        "rerun: it skips blobs already uploaded and never makes a second commit"
+    ), message
     assert hub.count("POST", r"/commit/") == 0
     assert commit_titles(hub, "alice/dropped") == ["initial commit"]
 
@@ -1032,15 +1085,19 @@ def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_veri
     assert listed["modelo.safetensors"].size == weights["size"]  # same size, other bytes
 
 
-@pytest.mark.parametrize("mtime_put_back", [False, True], ids=["plain", "mtime-put-back"])
+@pytest.mark.parametrize("edit", ["plain", "mtime-put-back", "removed"])
 def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
-    staged_run, run_copy, hub, tmp_path, token_env, mtime_put_back
+    staged_run, run_copy, hub, tmp_path, token_env, edit
 ):
     stage = run_copy(staged_run).stage
+    mtime_put_back = edit == "mtime-put-back"
 
     def edit_when_committing(line: str) -> None:
         if line.startswith("committing"):  # said after the audit and the plan, right before the commit
             card = stage / "README.md"
+            if edit == "removed":  # not an edit of the same size, but caught by the same check
+                card.unlink()
+                return
             before = card.stat()
             data = bytearray(card.read_bytes())
             data[-2] ^= 0x01
@@ -1048,7 +1105,11 @@ def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_
             if mtime_put_back:  # what a process hiding its edit does: only the ctime still tells
                 os.utime(card, ns=(before.st_atime_ns, before.st_mtime_ns))
 
-    with pytest.raises(StageChanged, match="README.md"):
+    with pytest.raises(StageChanged) as changed:
         publish_here(stage, hub, "alice/edited", tmp_path, say=edit_when_committing)
+    assert str(changed.value) == (
+        f"{stage / 'README.md'} changed on disk after it was audited; nothing was committed; "
+        "rebuild the stage with python scripts/05_stage.py, then rerun"
+    )
     assert not [title for title in commit_titles(hub, "alice/edited") if title.startswith("Publish")]
     assert hub.count("POST", r"/commit/") == 0

@@ -14,6 +14,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx2
 import pytest
 import test_publish
 from huggingface_hub import get_session
@@ -360,6 +361,41 @@ def test_settling_keeps_the_time_a_publish_still_has_when_that_is_more_than_the_
     assert limit.remaining() > 590, limit.remaining()
 
 
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The deadline's clock, set by the test: ``clock[0]`` is now, in seconds."""
+    now = [1000.0]
+    monkeypatch.setattr(deadline, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_a_publish_past_its_deadline_gets_thirty_seconds_to_settle_or_its_whole_timeout_when_shorter(clock):
+    """docs/publishing.md: once the commit was sent, min(--timeout, 30 s) more to find out whether
+    it landed and verify it, never past --timeout + min(--timeout, 30 s)."""
+    for timeout, settling in ((100, 30), (30, 30), (5, 5)):
+        clock[0] = 1000.0
+        limit = deadline.Deadline(timeout)
+        clock[0] += timeout  # the whole --timeout spent uploading
+        assert limit.expired()
+        limit.settle()
+        assert limit.remaining() == settling, timeout
+        clock[0] += settling / 2
+        limit.settle()  # settling again (the verification) grants nothing more
+        assert limit.remaining() == settling / 2, timeout
+
+
+def test_a_retry_is_waited_only_while_it_ends_before_the_deadline(clock, waits):
+    limit = deadline.Deadline(10)
+    clock[0] += 9.5
+    assert not limit.expired() and limit.remaining() == 0.5
+    limit.wait(0.25, "the commit")
+    with pytest.raises(DeadlinePassed, match="no time left to retry the commit"):
+        limit.wait(0.5, "the commit")  # it would end exactly at the deadline: no time left to send it
+    assert waits == [0.25]
+    clock[0] += 0.5
+    assert limit.expired() and limit.remaining() == 0
+
+
 def test_the_default_timeout_is_five_minutes_plus_one_second_per_mb_staged():
     """docs/publishing.md: "5 minutes plus 1 second per MB staged, e.g. about 22 minutes for a
     1 GB stage"."""
@@ -412,3 +448,134 @@ def test_the_xet_clients_settings_are_capped_for_an_upload_never_raised_and_rest
     with xet_side.capped(seconds_left):
         assert tuple(os.environ[name] for name in XET_SETTINGS) == during
     assert {name: os.environ.get(name) for name in XET_SETTINGS} == before
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "words"),
+    [
+        ("POST", "https://cas.example/v1/shards", "the Xet shard upload"),
+        ("POST", "https://cas.example/v1/xorbs/default/ab12", "the Xet xorb upload"),
+        ("GET", "https://cas.example/v1/xorb-grants/ab12", "the Xet xorb upload"),
+        ("GET", "https://cas.example/v1/reconstructions/ab12", "a Xet download"),
+        ("POST", "https://hub.example/api/models/a/b/preupload/main", "the preupload request"),
+        ("POST", "https://hub.example/a/b.git/info/lfs/objects/batch", "the LFS batch request"),
+        ("POST", "https://hub.example/api/models/a/b/commit/main", "the commit"),
+        ("GET", "https://hub.example/api/models/a/b/xet-write-token/main", "the Xet token request"),
+        ("POST", "https://hub.example/api/repos/create", "the repo creation"),
+        ("POST", "https://hub.example/api/models/a/b/branch/dev", "the branch creation"),
+        ("POST", "https://hub.example/api/models/a/b/tag/main", "tagging"),
+        ("GET", "https://hub.example/api/models/a/b/tree/main/sub", "the file listing"),
+        ("POST", "https://hub.example/api/models/a/b/paths-info/main", "the file listing"),
+        ("GET", "https://hub.example/api/models/a/b/refs", "reading the refs"),
+        ("GET", "https://hub.example/a/b/resolve/main/README.md", "a download"),
+        ("GET", "https://hub.example/api/models/a/b/revision/main", "reading the branch head"),
+        ("PUT", "https://s3.example/bucket/part-1?sig=x", "an upload"),
+        ("POST", "https://hub.example/api/models/a/b/settings", "a POST request to hub.example"),
+        ("GET", "https://s3.example/other", "a GET request to s3.example"),
+    ],
+)
+def test_each_request_is_named_in_words_in_the_line_that_says_why_a_publish_stopped(method, url, words):
+    """The one line after a timeout names what was running ("the Xet shard upload sent 6
+    times"): each request by what it does, the rest by method and host."""
+    assert deadline.describe_request(method, url) == words
+
+
+def test_a_retry_after_in_seconds_is_waited_and_a_date_or_none_falls_back_to_our_backoff():
+    def asked(value):
+        headers = {} if value is None else {"Retry-After": value}
+        return deadline.retry_after_s(httpx2.Headers(headers))
+
+    assert [asked("2.5"), asked("0"), asked("30")] == [2.5, 0.0, 30.0]
+    assert asked("Wed, 21 Oct 2015 07:28:00 GMT") is None  # an HTTP date: our own 1, 2, 4 s
+    assert asked(None) is None
+
+
+def test_why_a_publish_stopped_names_its_timeout_what_was_retried_and_the_last_error_in_one_line():
+    limit = deadline.Deadline(45)
+    passed = DeadlinePassed("no time left to retry the commit")
+    assert limit.why("uploading and committing", passed) == (
+        "publishing ran out of its 45s --timeout while uploading and committing"
+    )
+    limit.sent.update({"the commit": 1, "the Xet shard upload": 6, "the preupload request": 2})
+    limit.note("HTTP 503\n  to   the Xet shard upload ")
+    assert limit.retried() == "the Xet shard upload sent 6 times, the preupload request sent 2 times"
+    assert limit.why("uploading and committing", passed) == (
+        "publishing ran out of its 45s --timeout while uploading and committing (the Xet shard upload "
+        "sent 6 times, the preupload request sent 2 times); last error: HTTP 503 to the Xet shard upload"
+    )
+    asked = DeadlinePassed("the Hub asks to wait 3600s before retrying the commit", 3600.0)
+    assert limit.why("committing", asked) == (
+        "publishing cannot finish within its 45s --timeout while committing: "
+        "the Hub asks to wait 3600s before retrying the commit"
+    )
+    limit.note("x" * 299 + "yz")  # one line, at most 300 characters
+    assert limit.last_error == "x" * 299 + "y"
+
+
+@pytest.mark.parametrize(
+    ("seconds_left", "users", "during"),
+    [
+        # hours left: hf_xet's own defaults stand (a 360 s budget, 3 s first delay; timeouts at most 60 s)
+        pytest.param(7200, {}, ("360000ms", "3000ms", "60000ms", "60000ms"), id="hf-xet-defaults"),
+        # a user's values in hf_xet's units (h, m, ms, s, bare seconds); one it cannot read: its default
+        pytest.param(
+            12000,
+            {
+                "HF_XET_CLIENT_RETRY_MAX_DURATION": "1h",
+                "HF_XET_CLIENT_RETRY_BASE_DELAY": "2m",
+                "HF_XET_CLIENT_READ_TIMEOUT": "1500ms",
+                "HF_XET_CLIENT_CONNECT_TIMEOUT": " 7.5 s ",
+            },
+            ("3600000ms", "120000ms", "1500ms", "7500ms"),
+            id="users-units",
+        ),
+        pytest.param(
+            12000,
+            {"HF_XET_CLIENT_RETRY_MAX_DURATION": "90", "HF_XET_CLIENT_RETRY_BASE_DELAY": "soon"},
+            ("90000ms", "3000ms", "60000ms", "60000ms"),
+            id="bare-seconds-and-unreadable",
+        ),
+        # no time left at all: still one second to work with, not a zero budget hf_xet would refuse
+        pytest.param(0.2, {}, ("333ms", "33ms", "1000ms", "1000ms"), id="no-time-left"),
+    ],
+)
+def test_hf_xets_settings_during_an_upload_read_a_users_units_and_keep_its_defaults_when_time_allows(
+    monkeypatch, seconds_left, users, during
+):
+    for name in XET_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
+    with xet_side.capped(seconds_left):
+        assert tuple(os.environ[name] for name in XET_SETTINGS) == during
+    assert {name: os.environ.get(name) for name in XET_SETTINGS} == {
+        name: users.get(name) for name in XET_SETTINGS
+    }
+
+
+def test_under_the_deadline_a_request_keeps_the_clients_own_hooks_and_a_callers_own_trace(hub):
+    """The deadline adds its hooks to the client's session and follows each connection through
+    httpcore's ``trace`` extension: the client's own request hook (its request id, its offline
+    mode) still runs, and a trace the request already had (a caller's own) is kept, not replaced."""
+    seen: list[str] = []
+    with deadline.Deadline(30).installed():
+        answer = get_session().get(
+            f"{hub.url}/api/models/alice/traced", extensions={"trace": lambda event, info: seen.append(event)}
+        )
+    assert answer.status_code == 404 and answer.request.headers.get("X-Amzn-Trace-Id"), answer.request.headers
+    assert {"connection.connect_tcp.complete", "http11.receive_response_headers.complete"} <= set(seen), seen
+
+
+def test_a_retry_after_ending_exactly_at_the_deadline_ends_the_request_and_one_before_it_is_the_clients(
+    hub, clock
+):
+    path, url = r"/api/models/alice/boundary$", f"{hub.url}/api/models/alice/boundary"
+    hub.rate_limit_next(times=2, retry_after=1, method="GET", path=path)
+    limit = deadline.Deadline(10)
+    with limit.installed():
+        clock[0] += 8.75  # 1.25 s left: a 1 s wait fits
+        assert get_session().get(url).status_code == 429
+        clock[0] += 0.25  # 1 s left: the retry could not start before the deadline
+        with pytest.raises(DeadlinePassed, match="asks to wait 1s before retrying") as asked:
+            get_session().get(url)
+    assert asked.value.asked == 1

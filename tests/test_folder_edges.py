@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import struct
 import subprocess
@@ -235,6 +236,12 @@ def test_a_folders_name_reaches_the_front_matter_as_a_plain_model_name(tmp_path,
     assert set(data) == {"library_name", "license", "tags", "metrics", "model-index"}, data
     assert not any(char in front for char in "<>`|\u202e\u2028"), front
     assert card.split("\n---\n", 1)[1].startswith(f"\n# {plain}\n")
+
+
+def test_a_folders_name_becomes_a_repository_name_never_an_empty_one():
+    assert from_folder.model_name("my model (v2)") == "my-model-v2"
+    assert from_folder.model_name(".hidden-model.") == "hidden-model"
+    assert from_folder.model_name("...") == from_folder.model_name("\u202e") == "model"
 
 
 def test_the_configs_model_name_is_inert_text_in_the_front_matter(tmp_path):
@@ -607,6 +614,12 @@ def _config(value: object) -> Callable[[Path], str]:
     return damage
 
 
+def a_file_not_a_folder(folder: Path) -> str:
+    shutil.rmtree(folder)
+    folder.write_text("{}")
+    return f"--from-folder {folder} is not a folder"
+
+
 def seal_not_an_object(folder: Path) -> str:
     (folder / "meta.json").write_text("[]")
     return f"{folder}/meta.json: not a pipeline.folder-seal/1 seal; nothing was staged"
@@ -631,6 +644,7 @@ REFUSED = [
     ),
     pytest.param(_config(["not", "an", "object"]), id="config-a-list"),
     pytest.param(seal_not_an_object, id="seal-a-list"),
+    pytest.param(a_file_not_a_folder, id="a-file-not-a-folder"),
 ]
 
 

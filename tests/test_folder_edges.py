@@ -640,7 +640,7 @@ REFUSED = [
     pytest.param(index_naming_a_missing_shard, id="index-naming-a-missing-shard"),
     pytest.param(_config({"architectures": []}), id="architectures-empty"),
     pytest.param(
-        _config({"architectures": "GPT2LMHeadModel", "model_type": "gpt2"}), id="architectures-a-string"
+        _config({"architectures": "LlamaForCausalLM", "model_type": "llama"}), id="architectures-a-string"
     ),
     pytest.param(_config(["not", "an", "object"]), id="config-a-list"),
     pytest.param(seal_not_an_object, id="seal-a-list"),
@@ -648,13 +648,20 @@ REFUSED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def earlier_stage(tmp_path_factory) -> Path:
+    """A stage 05 built from a folder, staged once: each test replaces a copy of it."""
+    parent = tmp_path_factory.mktemp("earlier")
+    stage(tiny_folder(parent / "model"), parent / "stage")
+    return parent / "stage"
+
+
 @pytest.mark.parametrize("damage", REFUSED)
 def test_each_refusal_of_a_folder_is_its_exact_line_and_leaves_folder_and_stage_as_they_were(
-    tmp_path, damage
+    tmp_path, earlier_stage, damage
 ):
     folder = tiny_folder(tmp_path / "model")
-    target = tmp_path / "stage"
-    stage(tiny_folder(tmp_path / "earlier"), target)
+    target = Path(shutil.copytree(earlier_stage, tmp_path / "stage"))
     staged_before = _tree(target)
     expected = damage(folder)
     folder_before = _tree(folder)
@@ -733,8 +740,20 @@ def test_the_record_and_report_of_a_staged_folder_say_exactly_what_was_read_and_
     metrics = tmp_path / "eval.json"
     long_name = "m" * 100  # as long as a metric name may be
     metrics.write_text(json.dumps({long_name: 2, "eval_loss": 0.5}))
+    os.chmod(folder / "model.safetensors", 0o644)  # safetensors writes 0600
+    os.chmod(folder / "tokenizer.json", 0o600)  # a private carried file: the weights stay as open as theirs
     target = tmp_path / "stage"
-    result = stage(folder, target, metrics=metrics, repo_id="you/tiny-net")
+    umask = os.umask(0o022)
+    try:
+        result = stage(folder, target, metrics=metrics, repo_id="you/tiny-net")
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert (modes["model.safetensors"], modes["tokenizer.json"], modes["config.json"]) == (
+        0o644,
+        0o600,
+        0o644,
+    )
     meta = json.loads((target / "meta.json").read_text())
     read = {
         name: {
@@ -766,8 +785,17 @@ def test_the_record_and_report_of_a_staged_folder_say_exactly_what_was_read_and_
         "checks": {"nonfinite_tensors": []},
         "proof": None,
     }
-    assert list(meta["metrics"]["values"]) == ["eval_loss", long_name]  # sorted, as the card lists them
+    assert list(meta["metrics"]["values"]) == ["eval_loss", long_name]
+    card = (target / "README.md").read_text(encoding="utf-8")
+    assert card.index("| `eval_loss` | 0.5 |") < card.index(f"| `{long_name}` | 2 |")  # sorted by name
     assert list(meta["source_checkpoint"]["files"]) == sorted(read)
+    table = "".join(
+        f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |\n" for name, entry in read.items()
+    )
+    assert (
+        f"| file | bytes | SHA-256 |\n| --- | ---: | --- |\n{table}\nLeft out, never opened: `notes.txt`, `runs/`."
+        in card
+    )
     assert meta["config"]["model"] == {"name": "tiny-net"}
     assert set(meta["files"]) == {
         "config.json",
@@ -817,18 +845,3 @@ def test_sharded_weights_holding_nan_are_refused_naming_the_index_the_first_tens
     assert result.nonfinite == ["layer.bias", "layer.weight"]
     meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
     assert meta["checks"]["nonfinite_tensors"] == ["layer.bias", "layer.weight"]
-
-
-def test_a_signed_folder_stage_carries_its_public_key_in_the_manifest_and_verifies(tmp_path):
-    from test_signing import write_key
-
-    from pipeline.audit import parse_manifest
-    from pipeline.signing import ExpectedSigner, key_signer, verify_stage
-
-    private, public = write_key(tmp_path, "release")
-    target = tmp_path / "stage"
-    stage(tiny_folder(tmp_path / "model"), target, signer=key_signer(private, target))
-    assert (target / "signing_key.pub").read_bytes() == public.read_bytes()
-    listed = parse_manifest((target / "MANIFEST.sha256").read_bytes())
-    assert "signing_key.pub" in listed and "model.sig" not in listed
-    assert verify_stage(target, ExpectedSigner(verify_key=public)) is not None

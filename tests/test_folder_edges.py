@@ -827,6 +827,22 @@ def test_the_record_and_report_of_a_staged_folder_say_exactly_what_was_read_and_
     assert {row.verified_against for row in unsealed.report[:3]} == {"hashed while copied (no seal)"}
 
 
+def test_a_staged_folders_record_names_its_card_sections_file_relative_never_by_its_local_path(
+    tmp_path, monkeypatch
+):
+    """meta.json is published: the config's card.sections, given as an absolute path, is
+    recorded relative to the folder 05 ran in."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "card.md").write_text("## Intended use\n\nTeaching.\n")
+    target = tmp_path / "stage"
+    config = from_folder.folder_config({"card.sections": str(tmp_path / "card.md")})
+    from_folder.stage_folder(
+        config, from_folder.FolderStage(folder=tiny_folder(tmp_path / "model"), stage_dir=target)
+    )
+    assert json.loads((target / "meta.json").read_text())["config"]["card"]["sections"] == "card.md"
+    assert str(tmp_path) not in (target / "meta.json").read_text()
+
+
 def test_sharded_weights_holding_nan_are_refused_naming_the_index_the_first_tensor_and_how_many_more(
     tmp_path,
 ):

@@ -707,7 +707,8 @@ def test_bad_metrics_are_refused_before_the_folder_is_even_surveyed(tmp_path, co
 
 
 @pytest.mark.parametrize(
-    "where", ["stage-inside-the-folder", "stage-is-the-folder", "folder-inside-the-stage"]
+    "where",
+    ["stage-inside-the-folder", "stage-is-the-folder", "folder-inside-the-stage", "stage-through-a-link"],
 )
 def test_a_stage_overlapping_its_folder_is_refused_and_nothing_is_written_into_either(tmp_path, where):
     """Not even the stage's lock file: nothing is ever written into the folder being staged."""
@@ -718,6 +719,9 @@ def test_a_stage_overlapping_its_folder_is_refused_and_nothing_is_written_into_e
     else:
         folder = tiny_folder(tmp_path / "model")
         target = folder / "stage" if where == "stage-inside-the-folder" else folder
+        if where == "stage-through-a-link":
+            (tmp_path / "link").symlink_to(folder)
+            target = tmp_path / "link" / "stage"
     before = _tree(tmp_path)
     with pytest.raises(StageError) as refused:
         stage(folder, target)
@@ -745,7 +749,8 @@ def test_the_record_and_report_of_a_staged_folder_say_exactly_what_was_read_and_
     target = tmp_path / "stage"
     umask = os.umask(0o022)
     try:
-        result = stage(folder, target, metrics=metrics, repo_id="you/tiny-net")
+        (tmp_path / "latest").symlink_to(folder)  # a folder given through a link is the folder it names
+        result = stage(tmp_path / "latest", target, metrics=metrics, repo_id="you/tiny-net")
     finally:
         os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}

@@ -706,6 +706,19 @@ def test_bad_metrics_are_refused_before_the_folder_is_even_surveyed(tmp_path, co
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 
+def test_a_bad_max_shard_size_is_refused_before_the_folder_is_even_surveyed(tmp_path):
+    from pipeline.errors import ConfigError
+
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "config.json").unlink()  # refused too, later
+    with pytest.raises(ConfigError) as refused:
+        stage(folder, tmp_path / "stage", max_shard_size="0GB")
+    assert (
+        str(refused.value) == "--max-shard-size '0GB': expected a positive size such as 5GB, 500MB or 1048576"
+    )
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     "where",
     ["stage-inside-the-folder", "stage-is-the-folder", "folder-inside-the-stage", "stage-through-a-link"],

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_hostile_folders import leftovers, stage, tiny_folder
 
 import pipeline.stage.from_folder as from_folder
@@ -234,6 +236,12 @@ def test_a_folders_name_reaches_the_front_matter_as_a_plain_model_name(tmp_path,
     assert set(data) == {"library_name", "license", "tags", "metrics", "model-index"}, data
     assert not any(char in front for char in "<>`|\u202e\u2028"), front
     assert card.split("\n---\n", 1)[1].startswith(f"\n# {plain}\n")
+
+
+def test_a_folders_name_becomes_a_repository_name_never_an_empty_one():
+    assert from_folder.model_name("my model (v2)") == "my-model-v2"
+    assert from_folder.model_name(".hidden-model.") == "hidden-model"
+    assert from_folder.model_name("...") == from_folder.model_name("\u202e") == "model"
 
 
 def test_the_configs_model_name_is_inert_text_in_the_front_matter(tmp_path):
@@ -473,3 +481,401 @@ def test_a_bidi_override_or_invisible_character_in_a_name_is_shown_as_an_escape(
     escaped = shown(f"evil{char}gnp.exe")
     assert char not in escaped and escaped.startswith("evil\\") and escaped.endswith("gnp.exe"), escaped
     assert escaped.isprintable() and shown("a-plain_name.v2.txt") == "a-plain_name.v2.txt"
+
+
+# -- every refusal of a folder: its exact line, nothing staged, the folder untouched ----------------
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """Every entry under ``root``: a file's bytes and mode, a link's target, a folder's or FIFO's mode."""
+    tree: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            tree[path.relative_to(root).as_posix()] = ("link", os.readlink(path))
+        elif stat.S_ISREG(info.st_mode):
+            tree[path.relative_to(root).as_posix()] = (path.read_bytes(), info.st_mode)
+        else:
+            tree[path.relative_to(root).as_posix()] = ("special", info.st_mode)
+    return tree
+
+
+def _index(folder: Path, weight_map: object) -> Path:
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def _safetensors_files(count: int) -> Callable[[Path], str]:
+    def damage(folder: Path) -> str:
+        for i in range(1, count):
+            save_file({"x": torch.zeros(1)}, folder / f"extra-{i}.safetensors")
+        names = sorted(p.name for p in folder.glob("*.safetensors"))
+        listed = ", ".join(names[:3]) + (", …" if count > 3 else "")
+        return (
+            f"{folder} holds {count} .safetensors files ({listed}) and no model.safetensors.index.json naming "
+            "them: which are the weights? Keep one, or the shards and their index; nothing was staged"
+        )
+
+    return damage
+
+
+def no_config(folder: Path) -> str:
+    (folder / "config.json").unlink()
+    return (
+        f"{folder} has no config.json: the Hub's tools need one beside the weights (save_pretrained writes it); "
+        "nothing was staged"
+    )
+
+
+def fifos_at_the_top(folder: Path) -> str:
+    os.mkfifo(folder / "b-pipe")
+    os.mkfifo(folder / "a-pipe")
+    return f"{folder}/a-pipe is not a plain file or folder; nothing was staged"
+
+
+def link_in_a_left_out_folder(folder: Path) -> str:
+    (folder / "runs").mkdir()
+    (folder / "runs" / "latest").symlink_to("../../elsewhere")
+    return (
+        f"{folder}/runs/latest is a link to ../../elsewhere: 05 reads the folder's plain files only, never "
+        "through a link; copy the files into a folder (cp -rL) and stage the copy; nothing was staged"
+    )
+
+
+def only_a_pickle(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    (folder / "optimizer.pt").write_bytes(b"\x80\x04N.")  # sorted first: training state, never named
+    return (
+        f"{folder}/pytorch_model.bin is a pickle, and pickles are never loaded here (loading one runs code): "
+        "convert the model where you trust it, e.g. AutoModel.from_pretrained(DIR).save_pretrained(NEW_DIR) "
+        "writes model.safetensors, then stage NEW_DIR; nothing was staged"
+    )
+
+
+def only_training_state(folder: Path) -> str:
+    (folder / "model.safetensors").unlink()
+    (folder / "optimizer.pt").write_bytes(b"\x80\x04N.")
+    return (
+        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
+        "nothing was staged"
+    )
+
+
+def weights_and_an_index(folder: Path) -> str:
+    _index(folder, {"layer.weight": "model.safetensors"})
+    return (
+        f"{folder} holds both model.safetensors and model.safetensors.index.json: which are the weights? "
+        "Remove the one that is stale; nothing was staged"
+    )
+
+
+def weight_map_not_strings(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = _index(folder, {"layer.weight": "model-00001-of-00001.safetensors", "layer.bias": 1})
+    return f"{index} has no weight_map of tensor names to files; nothing was staged"
+
+
+def weight_map_a_list(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = _index(folder, ["model-00001-of-00001.safetensors"])
+    return f"{index} has no weight_map of tensor names to files; nothing was staged"
+
+
+def index_naming_a_file_outside(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder.parent / "outside.safetensors")
+    index = _index(folder, {"layer.weight": "../outside.safetensors", "layer.bias": "../outside.safetensors"})
+    return (
+        f"{index} names '../outside.safetensors', not a .safetensors file of the folder; nothing was staged"
+    )
+
+
+def index_naming_a_missing_shard(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = _index(
+        folder,
+        {
+            "layer.weight": "model-00001-of-00002.safetensors",
+            "layer.bias": "model-00002-of-00002.safetensors",
+        },
+    )
+    return (
+        f"{index} names model-00002-of-00002.safetensors, which is missing from {folder}; nothing was staged"
+    )
+
+
+def _config(value: object) -> Callable[[Path], str]:
+    def damage(folder: Path) -> str:
+        (folder / "config.json").write_text(json.dumps(value))
+        if isinstance(value, dict):
+            return f"{folder}/config.json: architectures must be a list of Python class names; nothing was staged"
+        return f"{folder}/config.json must hold a JSON object; nothing was staged"
+
+    return damage
+
+
+def a_file_not_a_folder(folder: Path) -> str:
+    shutil.rmtree(folder)
+    folder.write_text("{}")
+    return f"--from-folder {folder} is not a folder"
+
+
+def seal_not_an_object(folder: Path) -> str:
+    (folder / "meta.json").write_text("[]")
+    return f"{folder}/meta.json: not a pipeline.folder-seal/1 seal; nothing was staged"
+
+
+REFUSED = [
+    pytest.param(no_config, id="no-config"),
+    pytest.param(fifos_at_the_top, id="fifos-at-the-top"),
+    pytest.param(link_in_a_left_out_folder, id="link-in-a-left-out-folder"),
+    pytest.param(only_a_pickle, id="only-a-pickle"),
+    pytest.param(only_training_state, id="only-training-state"),
+    pytest.param(weights_and_an_index, id="weights-and-an-index"),
+    pytest.param(_safetensors_files(3), id="three-safetensors"),
+    pytest.param(_safetensors_files(4), id="four-safetensors"),
+    pytest.param(weight_map_not_strings, id="weight-map-not-strings"),
+    pytest.param(weight_map_a_list, id="weight-map-a-list"),
+    pytest.param(index_naming_a_file_outside, id="index-naming-a-file-outside"),
+    pytest.param(index_naming_a_missing_shard, id="index-naming-a-missing-shard"),
+    pytest.param(_config({"architectures": []}), id="architectures-empty"),
+    pytest.param(
+        _config({"architectures": "LlamaForCausalLM", "model_type": "llama"}), id="architectures-a-string"
+    ),
+    pytest.param(_config(["not", "an", "object"]), id="config-a-list"),
+    pytest.param(seal_not_an_object, id="seal-a-list"),
+    pytest.param(a_file_not_a_folder, id="a-file-not-a-folder"),
+]
+
+
+@pytest.fixture(scope="module")
+def earlier_stage(tmp_path_factory) -> Path:
+    """A stage 05 built from a folder, staged once: each test replaces a copy of it."""
+    parent = tmp_path_factory.mktemp("earlier")
+    stage(tiny_folder(parent / "model"), parent / "stage")
+    return parent / "stage"
+
+
+@pytest.mark.parametrize("damage", REFUSED)
+def test_each_refusal_of_a_folder_is_its_exact_line_and_leaves_folder_and_stage_as_they_were(
+    tmp_path, earlier_stage, damage
+):
+    folder = tiny_folder(tmp_path / "model")
+    target = Path(shutil.copytree(earlier_stage, tmp_path / "stage"))
+    staged_before = _tree(target)
+    expected = damage(folder)
+    folder_before = _tree(folder)
+    with pytest.raises(StageError) as refused:
+        stage(folder, target)
+    assert str(refused.value) == expected
+    assert _tree(folder) == folder_before and _tree(target) == staged_before
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (None, "{path} not found"),
+        ("[1, 2]", "{path} must hold a JSON object; nothing was staged"),
+        (
+            '{"": 1.0}',
+            "{path}: '' must be a short metric name with a number, as Trainer.evaluate() returns them",
+        ),
+        ('{"eval_\\tloss": 1.0}', "{path}: 'eval_\\x09loss' must be a short metric name with a number, as "),
+        (
+            '{"' + "m" * 101 + '": 1.0}',
+            "{path}: '" + "m" * 101 + "' must be a short metric name with a number",
+        ),
+    ],
+    ids=["missing", "a-list", "empty-name", "tab-in-name", "name-of-101"],
+)
+def test_bad_metrics_are_refused_before_the_folder_is_even_surveyed(tmp_path, content, why):
+    """--metrics is read first: a typo in its path costs no copy of the weights (here the folder,
+    with no config.json, would be refused too, later)."""
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "config.json").unlink()
+    metrics = tmp_path / "eval.json"
+    if content is not None:
+        metrics.write_text(content)
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage", metrics=metrics)
+    message = str(refused.value)
+    expected = why.format(path=metrics)
+    assert message.startswith(expected if content and content.startswith("[") else f"--metrics {expected}")
+    assert message.endswith(("returns them", "not found", "nothing was staged")), message
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+def test_a_bad_max_shard_size_is_refused_before_the_folder_is_even_surveyed(tmp_path):
+    from pipeline.errors import ConfigError
+
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "config.json").unlink()  # refused too, later
+    with pytest.raises(ConfigError) as refused:
+        stage(folder, tmp_path / "stage", max_shard_size="0GB")
+    assert (
+        str(refused.value) == "--max-shard-size '0GB': expected a positive size such as 5GB, 500MB or 1048576"
+    )
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["stage-inside-the-folder", "stage-is-the-folder", "folder-inside-the-stage", "stage-through-a-link"],
+)
+def test_a_stage_overlapping_its_folder_is_refused_and_nothing_is_written_into_either(tmp_path, where):
+    """Not even the stage's lock file: nothing is ever written into the folder being staged."""
+    target = tmp_path / "stage"
+    if where == "folder-inside-the-stage":
+        stage(tiny_folder(tmp_path / "earlier"), target)
+        folder = tiny_folder(target / "model")
+    else:
+        folder = tiny_folder(tmp_path / "model")
+        target = folder / "stage" if where == "stage-inside-the-folder" else folder
+        if where == "stage-through-a-link":
+            (tmp_path / "link").symlink_to(folder)
+            target = tmp_path / "link" / "stage"
+    before = _tree(tmp_path)
+    with pytest.raises(StageError) as refused:
+        stage(folder, target)
+    assert str(refused.value) == (
+        f"the stage {target} and the folder {folder} overlap: pass a --stage outside it; nothing was staged"
+    )
+    assert _tree(tmp_path) == before
+
+
+def test_the_record_and_report_of_a_staged_folder_say_exactly_what_was_read_and_how(tmp_path):
+    import hashlib
+
+    from pipeline.audit import STAGE_SCHEMA
+
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "runs").mkdir()
+    (folder / "runs" / "log.txt").write_text("left out")
+    (folder / "notes.txt").write_text("left out")
+    seal_checkpoint(folder, step=7)
+    metrics = tmp_path / "eval.json"
+    long_name = "m" * 100  # as long as a metric name may be
+    metrics.write_text(json.dumps({long_name: 2, "eval_loss": 0.5}))
+    os.chmod(folder / "model.safetensors", 0o644)  # safetensors writes 0600
+    os.chmod(folder / "tokenizer.json", 0o600)  # a private carried file: the weights stay as open as theirs
+    target = tmp_path / "stage"
+    umask = os.umask(0o022)
+    try:
+        (tmp_path / "latest").symlink_to(folder)  # a folder given through a link is the folder it names
+        result = stage(tmp_path / "latest", target, metrics=metrics, repo_id="you/tiny-net")
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert (modes["model.safetensors"], modes["tokenizer.json"], modes["config.json"]) == (
+        0o644,
+        0o600,
+        0o644,
+    )
+    meta = json.loads((target / "meta.json").read_text())
+    read = {
+        name: {
+            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+            "size": (folder / name).stat().st_size,
+        }
+        for name in ("config.json", "model.safetensors", "tokenizer.json")
+    }
+    assert {key: meta[key] for key in meta if key not in ("config", "files")} == {
+        "schema": STAGE_SCHEMA,
+        "step": 7,
+        "model": {"num_parameters": 20},
+        "export": {
+            "transformers": False,
+            "architecture": None,
+            "weights": ["model.safetensors"],
+            "renamed": {},
+            "total_size": 80,
+        },
+        "repo_id": "you/tiny-net",
+        "metrics": {"split": None, "values": {"eval_loss": 0.5, long_name: 2}, "supplied": "eval.json"},
+        "source_checkpoint": {
+            "folder": "model",
+            "kind": "folder",
+            "sealed": True,
+            "files": read,
+            "left_out": ["notes.txt", "runs/"],
+        },
+        "checks": {"nonfinite_tensors": []},
+        "proof": None,
+    }
+    assert list(meta["metrics"]["values"]) == ["eval_loss", long_name]
+    card = (target / "README.md").read_text(encoding="utf-8")
+    assert card.index("| `eval_loss` | 0.5 |") < card.index(f"| `{long_name}` | 2 |")  # sorted by name
+    assert list(meta["source_checkpoint"]["files"]) == sorted(read)
+    table = "".join(
+        f"| `{name}` | {entry['size']:,} | `{entry['sha256']}` |\n" for name, entry in read.items()
+    )
+    assert (
+        f"| file | bytes | SHA-256 |\n| --- | ---: | --- |\n{table}\nLeft out, never opened: `notes.txt`, `runs/`."
+        in card
+    )
+    assert meta["config"]["model"] == {"name": "tiny-net"}
+    assert set(meta["files"]) == {
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    }
+    assert (result.step, result.source, result.with_metrics, result.nonfinite, result.warnings) == (
+        7,
+        folder,
+        True,
+        [],
+        [],
+    )
+    rows = [(row.name, row.size, row.sha256, row.verified_against) for row in result.report[:3]]
+    assert rows == [
+        (f"{folder}/{name}", entry["size"], entry["sha256"], "its seal, re-hashed while copied")
+        for name, entry in read.items()
+    ]
+    notes = {row.name: row.verified_against for row in result.report[3:]}
+    assert notes["meta.json"] == "MANIFEST.sha256, its own files table"
+    assert notes["MANIFEST.sha256"] == "lists every other staged file"
+    (folder / "meta.json").unlink()
+    unsealed = stage(folder, target)
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["step"] is None and unsealed.step is None and meta["source_checkpoint"]["sealed"] is False
+    assert meta["metrics"] is None and meta["repo_id"] is None and unsealed.with_metrics is False
+    assert meta["config"]["model"] == {"name": "model"}
+    assert {row.verified_against for row in unsealed.report[:3]} == {"hashed while copied (no seal)"}
+
+
+def test_a_staged_folders_record_names_its_card_sections_file_relative_never_by_its_local_path(
+    tmp_path, monkeypatch
+):
+    """meta.json is published: the config's card.sections, given as an absolute path, is
+    recorded relative to the folder 05 ran in."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "card.md").write_text("## Intended use\n\nTeaching.\n")
+    target = tmp_path / "stage"
+    config = from_folder.folder_config({"card.sections": str(tmp_path / "card.md")})
+    from_folder.stage_folder(
+        config, from_folder.FolderStage(folder=tiny_folder(tmp_path / "model"), stage_dir=target)
+    )
+    assert json.loads((target / "meta.json").read_text())["config"]["card"]["sections"] == "card.md"
+    assert str(tmp_path) not in (target / "meta.json").read_text()
+
+
+def test_sharded_weights_holding_nan_are_refused_naming_the_index_the_first_tensor_and_how_many_more(
+    tmp_path,
+):
+    folder = sharded_tiny_folder(tmp_path / "model")
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        tensors = {name: torch.full_like(t, float("nan")) for name, t in load_file(folder / shard).items()}
+        save_file(tensors, folder / shard)
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage")
+    assert str(refused.value) == (
+        f"{folder}/model.safetensors.index.json: tensor layer.bias (and 1 more) holds NaN or infinite values; "
+        "refusing to stage it (pass --allow-nonfinite to stage it anyway)"
+    )
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+    result = stage(folder, tmp_path / "stage", allow_nonfinite=True)
+    assert result.nonfinite == ["layer.bias", "layer.weight"]
+    meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
+    assert meta["checks"]["nonfinite_tensors"] == ["layer.bias", "layer.weight"]

@@ -95,7 +95,10 @@ def test_a_file_swapped_after_the_survey_is_refused_in_one_line_never_followed_o
     )
     assert result.returncode == 2, result.stdout + result.stderr
     line = one_line_error(result)
-    assert f"{folder / name} changed while it was staged ({reason})" in line, line
+    assert line == (
+        f"error: {folder / name} changed while it was staged ({reason}): is another program writing the "
+        "folder? Nothing was staged"
+    ), line
     assert not target.exists() and leftovers(tmp_path) == []
     assert private.read_text() == json.dumps({"note": PRIVATE_MARK})
     staged_nowhere = [

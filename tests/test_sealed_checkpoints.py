@@ -269,6 +269,51 @@ HOSTILE = [
         id="step_of_another_folder",
     ),
     pytest.param(rewrite_seal(lambda s: s.update(files={})), "lists no file", id="empty_seal"),
+    pytest.param(
+        lambda folder: (folder / "meta.json").write_text("[]"),
+        "meta.json: not a pipeline.folder-seal/1 seal",
+        id="seal_a_list",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(files=sorted(s["files"]))),
+        "meta.json: files must map each file to its sha256 and size",
+        id="files_a_list",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"].update({"meta.json": s["files"]["weights.bin"]})),
+        "lists 'meta.json', which is the seal itself",
+        id="lists_the_seal",
+    ),
+    pytest.param(
+        rewrite_seal(outside_name("sub\\weights.bin")),
+        "which is not a printable relative path",
+        id="backslash",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"]["weights.bin"].update(mtime=1)),
+        "the entry of weights.bin must be exactly a lowercase hex sha256 and a size in bytes",
+        id="entry_extra_key",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"]["weights.bin"].update(size=True)),
+        "the entry of weights.bin must be exactly",
+        id="size_a_bool",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s["files"]["weights.bin"].update(sha256=7)),
+        "the entry of weights.bin must be exactly",
+        id="sha256_a_number",
+    ),
+    pytest.param(
+        rewrite_seal(lambda s: s.update(step=-1)),
+        "meta.json: step must be a non-negative integer or null",
+        id="step_negative",
+    ),
+    pytest.param(
+        lambda folder: (folder / "meta.json").write_bytes(b" " * (16 * 1024 * 1024)),
+        "meta.json is not a valid seal",
+        id="seal_at_the_size_limit",
+    ),
 ]
 
 
@@ -351,9 +396,12 @@ def test_a_run_from_before_sealed_checkpoints_is_told_how_to_seal_one_it_trusts(
         (output / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w" * step)
     with pytest.raises(UnsealedCheckpoint) as refused:
         verified_checkpoint(output)
-    message = str(refused.value)
-    assert "no checkpoint in" in message and "is sealed (the newest is checkpoint-4)" in message
-    assert f"pipeline.integrations.seal.seal_checkpoint('{output / 'checkpoint-4'}')" in message
+    assert str(refused.value) == (
+        f"no checkpoint in {output} is sealed (the newest is checkpoint-4): written before SealedCheckpoints, or "
+        "every save was cut short; nothing was resumed. If you trust one, seal it and resume from it: "
+        f"pipeline.integrations.seal.seal_checkpoint('{output / 'checkpoint-4'}') (docs/other-trainers.md); "
+        "otherwise move the folders away to start from scratch"
+    )
     with pytest.raises(UnsealedCheckpoint) as unsealed:
         check_seal(output / "checkpoint-4")
     assert "has no meta.json" in str(unsealed.value) and "seal_checkpoint" in str(unsealed.value)
@@ -464,10 +512,17 @@ def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_pro
             seal_checkpoint(folder, step=step)
     leftover = output / ".pruned-checkpoint-9-0123abcd"  # what a prune killed midway leaves
     leftover.mkdir()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("a month of notes")
+    (output / ".pruned-checkpoint-8-0123abcd").symlink_to(
+        precious
+    )  # named as one, but a link: never followed
     removed = prune_checkpoints(output / "checkpoint-5", 2, protect=output / "checkpoint-2")
     assert removed == ["checkpoint-3", "checkpoint-1"]
     left = sorted(p.name for p in output.iterdir())
-    assert left == [f"checkpoint-{n}" for n in (0, 2, 4, 5, 6, 7)]
+    assert left == [".pruned-checkpoint-8-0123abcd"] + [f"checkpoint-{n}" for n in (0, 2, 4, 5, 6, 7)]
+    assert (precious / "notes.txt").read_text() == "a month of notes"
     with pytest.raises(ValueError):
         prune_checkpoints(output / "checkpoint-5", 0)
 
@@ -589,3 +644,83 @@ def test_the_callback_makes_the_seal_durable_before_it_prunes_and_a_crash_at_any
         assert sorted(p.name for p in case.iterdir()) == [following.name], where
         assert verified_checkpoint(case) == following, where
         capsys.readouterr()
+
+
+# -- seals at their edges: step 0, no step, an empty file, what is not a folder ----------------------
+
+
+def test_a_seal_of_step_0_or_of_no_step_lists_an_empty_file_and_a_nested_meta_json_and_verifies(tmp_path):
+    """Step 0 is a step; a seal need not know its step; a file may be empty; only the top-level
+    meta.json is the seal (a nested one is a file like any other, and checked)."""
+    first = tmp_path / "output" / "checkpoint-0"
+    (first / "sub").mkdir(parents=True)
+    (first / "weights.bin").write_bytes(b"w" * 64)
+    (first / "added_tokens.json").write_bytes(b"")
+    (first / "sub" / "meta.json").write_text('{"a": 1}')
+    sealed = seal_checkpoint(first, step=0)
+    assert sealed["step"] == 0 and sealed["files"]["added_tokens.json"]["size"] == 0
+    assert sorted(sealed["files"]) == ["added_tokens.json", "sub/meta.json", "weights.bin"]
+    assert check_seal(first) == sealed
+    later = tmp_path / "output" / "checkpoint-3"
+    shutil.copytree(first, later)
+    (later / "meta.json").unlink()
+    assert seal_checkpoint(later)["step"] is None and check_seal(later)["step"] is None
+    assert verified_checkpoint(tmp_path / "output") == later
+    (later / "sub" / "meta.json").write_text('{"a": 2}')  # same size, other bytes
+    with pytest.raises(UnsealedCheckpoint, match=r"sub/meta\.json: SHA-256 differs from its seal"):
+        check_seal(later)
+
+
+def test_what_is_not_a_folder_is_neither_checked_nor_sealed_and_nothing_is_written_through_a_link(
+    tmp_path, capsys
+):
+    output = tmp_path / "output"
+    real = output / "checkpoint-1"
+    real.mkdir(parents=True)
+    (real / "weights.bin").write_bytes(b"w" * 64)
+    seal_checkpoint(real, step=1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"x" * 64)
+    link = output / "checkpoint-5"
+    link.symlink_to(elsewhere)
+    missing = tmp_path / "missing"
+    for folder in (link, missing, real / "weights.bin"):
+        with pytest.raises(UnsealedCheckpoint) as refused:
+            check_seal(folder)
+        assert str(refused.value) == f"{folder} is not a folder"
+        with pytest.raises(UnsealedCheckpoint) as refused:
+            seal_checkpoint(folder)
+        assert str(refused.value) == f"{folder} is not a folder: nothing to seal"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["weights.bin"]
+    assert verified_checkpoint(output) == real
+    assert f"skipping checkpoint-5: {link} is not a folder" in capsys.readouterr().err
+    unsealed = output / "checkpoint-2"
+    unsealed.mkdir()
+    (unsealed / "weights.bin").write_bytes(b"w")
+    for step in (-1, True, 2.0):
+        with pytest.raises(ValueError) as refused:
+            seal_checkpoint(unsealed, step=step)
+        assert str(refused.value) == f"step must be a non-negative integer or None, got {step!r}"
+    assert not (unsealed / "meta.json").exists()
+
+
+def test_when_the_newest_is_unsealed_and_an_older_seal_fails_the_user_is_not_told_to_seal_one(tmp_path):
+    """Only when no checkpoint has a seal at all is sealing one the way out: here one seal
+    failed, so the folders are damaged, and sealing the newest (a save cut short) would vouch for it."""
+    output = tmp_path / "output"
+    older = output / "checkpoint-2"
+    older.mkdir(parents=True)
+    (older / "weights.bin").write_bytes(b"w" * 64)
+    seal_checkpoint(older, step=2)
+    _flip_middle_byte(older / "weights.bin")
+    (output / "checkpoint-4").mkdir()
+    (output / "checkpoint-4" / "weights.bin").write_bytes(b"w" * 32)
+    with pytest.raises(UnsealedCheckpoint) as refused:
+        verified_checkpoint(output)
+    assert str(refused.value) == (
+        f"no checkpoint in {output} has a seal that verifies (newest checkpoint-4: {output}/checkpoint-4 has no "
+        "meta.json: an unsealed folder (a save cut short, or one written before SealedCheckpoints; if you trust "
+        "it, seal it with pipeline.integrations.seal.seal_checkpoint)); nothing was resumed: move those folders "
+        "away to start from scratch"
+    )

@@ -141,6 +141,21 @@ def test_05_signs_the_stage_and_the_card_says_how_to_verify(signed_run, keys):
     assert fingerprint(keys["public"]) in result.stdout
 
 
+@SIGNED_RUN  # the worker that signs already: model_signing is imported there once
+def test_a_folder_staged_with_from_folder_is_signed_with_its_public_key_in_the_manifest(keys, tmp_path):
+    from test_hostile_folders import stage, tiny_folder
+
+    from pipeline.signing import ExpectedSigner, key_signer, verify_stage
+
+    target = tmp_path / "stage"
+    stage(tiny_folder(tmp_path / "model"), target, signer=key_signer(keys["private"], target))
+    assert (target / "signing_key.pub").read_bytes() == keys["public"].read_bytes()
+    listed = parse_manifest((target / "MANIFEST.sha256").read_bytes())
+    assert "signing_key.pub" in listed and "model.sig" not in listed
+    assert verify_stage(target, ExpectedSigner(verify_key=keys["public"])) is not None
+    assert "## Signature" in (target / "README.md").read_text(encoding="utf-8")
+
+
 @SIGNED_RUN
 def test_the_private_key_is_never_staged_or_printed(signed_run, keys):
     run, result = signed_run

@@ -427,7 +427,12 @@ def test_sharded_weights_are_read_through_their_index_and_resharded_as_asked(fol
     source = {name: tensor for shard in shards for name, tensor in load_file(folder / shard).items()}
     whole = tmp_path / "whole"
     stage(folder, whole)
-    assert json.loads((whole / "meta.json").read_text())["export"]["weights"] == ["model.safetensors"]
+    meta = json.loads((whole / "meta.json").read_text())
+    assert meta["export"]["weights"] == ["model.safetensors"]
+    # The shards were read through the index: neither the record nor the card calls them left out.
+    assert meta["source_checkpoint"]["left_out"] == []
+    assert set(shards) <= set(meta["source_checkpoint"]["files"])
+    assert "Left out, never opened: nothing." in ModelCard.load(whole / "README.md").text
     staged = load_file(whole / "model.safetensors")
     assert staged.keys() == source.keys() and all(torch.equal(staged[k], source[k]) for k in source)
     split = tmp_path / "split"

@@ -87,7 +87,8 @@ class FolderInventory:
     carried: tuple[str, ...]
     """``config.json`` and the tokenizer and generation files present, staged byte for byte."""
     left_out: tuple[str, ...]
-    """Everything else at the top of the folder (a folder's name ends in ``/``): never opened."""
+    """Everything else at the top of the folder (a folder's name ends in ``/``), the shards
+    included until the index naming them is read: see :attr:`FolderSource.left_out`."""
     seen: dict[str, Seen]
     """What the survey saw of the folder (under ``"."``) and of each regular file at its top."""
     checkpoint_like: str | None
@@ -437,6 +438,12 @@ class FolderSource:
     """Its first ``architectures`` class name, if any."""
     warnings: tuple[str, ...]
     """What the user should know, staged anyway: no seal on a checkpoint-like folder, hard links."""
+
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """What the folder holds and the stage was not built from: never opened. The survey
+        cannot tell a shard from a stray file before the index is read; this can."""
+        return tuple(name for name in self.inventory.left_out if name not in self.sources)
 
 
 def read_folder(inventory: FolderInventory, scratch: Path) -> FolderSource:

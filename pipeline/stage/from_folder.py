@@ -162,7 +162,7 @@ def _staged_meta(
             "kind": "folder",
             "sealed": read.seal is not None,
             "files": dict(sorted(read.sources.items())),
-            "left_out": list(inventory.left_out),
+            "left_out": list(read.left_out),
         },
         "checks": {"nonfinite_tensors": nonfinite},
         "files": files,

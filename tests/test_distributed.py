@@ -708,13 +708,45 @@ def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_pa
     assert len(data) > 2 * 64
     reads = SealedReads(tmp_path, meta)
     assert bytes(reads.read(name)) == data and bytes(reads.read(name, [(0, 10)])[:64]) == data[:64]
+    # A read ending at the file's last byte is inside it; one starting before it or past its end is not.
+    assert bytes(reads.read(name, [(len(data) - 1, len(data))])[-1:]) == data[-1:]
     assert not reads.refusals
+    for outside in ((-1, 10), (10, len(data) + 1)):
+        assert SealedReads(tmp_path, meta).read(name, [(0, 10), outside]) is None
+    outside = SealedReads(tmp_path, meta)
+    outside.read(name, [(-1, 10)])
+    assert [str(e) for e in outside.refusals] == [
+        f"{path}: a planned read falls outside the file: the file was modified"
+    ]
     with open(path, "ab") as grown:
         grown.write(b"\0" * 64)
     assert reads.read(name, [(0, 10)]) is None
-    assert f"{path} SHA-256 differs from meta.json (chunk 0: bytes 0-64)" in str(reads.refusals[0])
+    assert str(reads.refusals[0]) == (
+        f"{path} SHA-256 differs from meta.json (chunk 0: bytes 0-64): the file is damaged or was modified"
+    )
     path.write_bytes(data[:-8])
     assert reads.read(name) is None and len(reads.refusals) == 2
+
+
+def test_the_ranks_agree_on_the_first_refusal_a_rank_kept_of_the_kind_it_was():
+    """What a rank refused while DCP's collectives ran is raised at the agreement (here one
+    process, its own world): nothing when it refused nothing; else its first refusal, of its
+    own kind (a checkpoint that does not fit is not called damaged), with its whole line."""
+    from pipeline.world import World
+
+    alone = World(device=torch.device("cpu"))
+    reads = SealedReads(Path("ck"), {"files": {}})
+    reads.agree(alone)
+    for first in (
+        StateMismatch("ck/rng/x holds no readable RNG record"),
+        SchemaMismatch("ck/y is not valid"),
+    ):
+        reads = SealedReads(Path("ck"), {"files": {}})
+        reads.refuse(first)
+        reads.refuse(ChecksumMismatch("ck/z SHA-256 differs from meta.json"))
+        with pytest.raises(type(first)) as caught:
+            reads.agree(alone)
+        assert type(caught.value) is type(first) and str(caught.value) == str(first)
 
 
 def test_a_resume_refuses_a_shard_stored_in_another_dtype_than_meta_json_lists(tmp_path):
@@ -743,6 +775,115 @@ def test_a_resume_refuses_a_shard_stored_in_another_dtype_than_meta_json_lists(t
     )
     with pytest.raises(ChecksumMismatch, match=rf"{_shard(2)}: a shard of w does not fit its F32 tensor"):
         planned()
+
+
+def _rewrite_shard(folder: Path, index: int, tensors: dict, offsets: dict | str) -> None:
+    """Shard file ``index`` of the model part replaced by ``tensors`` at DCP ``offsets`` (a
+    dict per tensor, or the raw sharding text)."""
+    from pipeline.checkpoint.tensorfile import write_safetensors
+
+    path = folder / DIST_MODEL_DIR / _shard(index)
+    path.unlink(missing_ok=True)
+    info = offsets if isinstance(offsets, str) else json.dumps(offsets)
+    write_safetensors(path, tensors, {"DCP_SHARDING_INFO": info})
+
+
+def test_a_resume_plans_only_from_shards_that_tile_every_tensor_meta_json_lists(tmp_path):
+    """A torchrun resume plans its reads from the shards' headers (VerifiedShardReader, no
+    launch): the hand-made shards plan each tensor's chunks where they lie, one rank's rows
+    ending exactly at the tensor's end; a tensor a shard holds that meta.json does not list,
+    a listed one no shard holds, a shard past its tensor's rows or of another rank, two shards
+    overlapping, a shard struck from meta.json and unreadable sharding info are each refused
+    in one line naming the file or part and what is wrong."""
+    from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.checkpoint.verified_dcp import VerifiedShardReader
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    part = tmp_path / DIST_MODEL_DIR
+
+    def planned(specs=None, listed=names):
+        files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in listed}
+        meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full) if specs is None else specs}}
+        return VerifiedShardReader(SealedReads(tmp_path, meta), DIST_MODEL_DIR).read_metadata()
+
+    def refused(error, line, **kwargs):
+        with pytest.raises(error) as caught:
+            planned(**kwargs)
+        assert str(caught.value) == line
+
+    plan = planned()
+    chunks = {
+        name: [(list(c.offsets), list(c.sizes)) for c in tensor.chunks]
+        for name, tensor in plan.state_dict_metadata.items()
+    }
+    assert chunks == {"b": [([0], [3])], "w": [([0, 0], [2, 3]), ([2, 0], [2, 3])]}
+    assert all(t.properties.dtype == torch.float32 for t in plan.state_dict_metadata.values())
+    assert {(i.fqn, tuple(i.offset)): name for i, name in plan.storage_data.items()} == {
+        ("b", (0,)): names[0],
+        ("w", (0, 0)): names[0],
+        ("w", (2, 0)): names[1],
+    }
+    refused(
+        ChecksumMismatch,
+        f"{tmp_path / names[0]} holds tensor b that meta.json does not list",
+        specs=tensor_specs({"w": full["w"]}),
+    )
+    refused(
+        ChecksumMismatch,
+        f"{part}/ holds no shard of tensor c: a shard file is missing",
+        specs=tensor_specs({**full, "c": torch.zeros(2)}),
+    )
+    for shape in ((3, 3), (12,)):  # rows 2-3 past a 3-row w; a 2-D shard of a 1-D w
+        refused(
+            ChecksumMismatch,
+            f"{tmp_path / names[1 if shape == (3, 3) else 0]}: a shard of w does not fit its F32 tensor "
+            f"of shape {list(shape)}",
+            specs=tensor_specs({**full, "w": torch.zeros(shape)}),
+        )
+    refused(
+        ChecksumMismatch,
+        f"{part}/: the shards of w cover 6 of its 12 elements: a shard file is missing or damaged",
+        listed=names[:1],
+    )
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][1:3].clone()}, {"w": {"saved_offsets": [1, 0]}})
+    refused(ChecksumMismatch, f"{part}/: two shards of w overlap")
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][2:4].clone()}, "{not json")
+    with pytest.raises(SchemaMismatch) as caught:
+        planned()
+    assert str(caught.value).startswith(f"{tmp_path / names[1]} is not a valid shard file: ")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_resume_whose_built_tensors_differ_from_the_checkpoints_names_the_first_that_differs(tmp_path):
+    """Before DCP reads a byte, the run's tensors are compared with meta.json's list of the
+    part: a tensor the run has and the checkpoint lacks, one it lacks and the checkpoint has,
+    and one of another shape or dtype are each refused naming it (the first in name order)
+    and the part, as a checkpoint that does not fit the config."""
+    from types import SimpleNamespace
+
+    from pipeline.checkpoint.dist_restore import _dcp_load
+    from pipeline.checkpoint.shards import tensor_specs
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+    meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
+    alone = SimpleNamespace(launched=False)
+    fresh = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    for template, odd in (
+        ({**fresh, "a": torch.zeros(1)}, "a"),
+        ({"w": fresh["w"]}, "b"),
+        ({**fresh, "w": torch.zeros(4, 4)}, "w"),
+        ({**fresh, "b": torch.zeros(3, dtype=torch.float64)}, "b"),
+    ):
+        with pytest.raises(StateMismatch) as caught:
+            _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
+        assert str(caught.value) == (
+            f"{tmp_path / DIST_MODEL_DIR}: the checkpoint's model tensors differ from this run's at {odd}: "
+            "it does not fit the model or optimizer built from the config"
+        )
+        assert all(not tensor.any() for tensor in template.values()), "a refused load wrote into the run"
 
 
 def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoint_that_does_not_fit(

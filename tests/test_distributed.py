@@ -1475,8 +1475,12 @@ def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
         rows = [float(i * i) for i in batch]
         local = [(scale * sum(rows[batch.index(i)] for i in part) / len(part)) for part, scale in parts]
         assert sum(local) / size == pytest.approx(sum(rows) / total, rel=1e-15)
-    with pytest.raises(DataError, match="cannot be split over 3 processes"):
+    with pytest.raises(DataError) as refused:
         _world(0, 3).slice([1, 2])
+    assert str(refused.value) == (
+        "a batch of 2 rows cannot be split over 3 processes: raise data.batch_size, set data.drop_last, "
+        "or launch fewer processes"
+    )
 
 
 def test_resume_command_repeats_the_launch_with_resume_latest():
@@ -1504,3 +1508,122 @@ def test_a_printed_command_sets_each_key_once_with_the_value_it_names(tmp_path):
     assert command[command.index("--config") + 1] == str(mine)
     sets = [command[i + 1] for i, token in enumerate(command) if token == "--set"]
     assert sets == [f"checkpoint.dir={tmp_path / 'ck'}", "training.max_steps=12", "training.parallel=none"]
+
+
+def _two_ranks(tmp_path: Path, body) -> list:
+    """``body(world)`` on two ranks of a launch that are two threads of this process, on a
+    gloo process group of their own over a file store (real collectives, no launch); what
+    each returned or raised, by rank."""
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    results: list = [None, None]
+
+    def rank(index: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, 2)
+        world = dataclasses.replace(_world(index, 2), group=group)
+        try:
+            results[index] = body(world)
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_the_ranks_of_a_launch_agree_on_one_loss_one_signal_and_each_others_text(tmp_path, monkeypatch):
+    """Two ranks' collectives: the global loss is the mean of the ranks' scaled losses, a
+    signal or a flag raised on one rank or on both is raised on both, as it was raised, and
+    every rank gets every rank's text (of any length, in rank order)."""
+    import threading
+
+    import pipeline.distributed.world as launch_world
+
+    monkeypatch.setattr(launch_world, "_stop_agreed", threading.Event())  # this process agrees to stop
+
+    def body(world: LaunchWorld) -> tuple:
+        mine = world.rank
+        return (
+            world.global_loss(torch.tensor([0.5, 2.0][mine])),
+            world.agree_signal([None, signal.SIGTERM][mine]),
+            world.agree_signal(None),
+            world.agree_signal(signal.SIGINT),
+            world.agree_flags([[1, 0, 0, 1], [0, 0, 1, 1]][mine]),
+            world.gather_text(["", "ünï\tcode"][mine]),
+            world.gather_text(["a longer line of rank 0", "b"][mine]),
+        )
+
+    first, second = _two_ranks(tmp_path, body)
+    agreed = (1.25, signal.SIGTERM, None, signal.SIGINT, [1, 0, 1, 1])
+    assert first == second == (*agreed, ["", "ünï\tcode"], ["a longer line of rank 0", "b"])
+
+
+def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_worst_exit_code(tmp_path):
+    """World.together on two ranks: a refusal on one rank is raised there, and on the other as
+    a quiet PeerFailed carrying its one line (newlines joined) and exit code 2; a bug (any
+    other exception) as ``Type: message`` with exit code 1; a disk error as its described OS
+    error with code 2; the same refusal on both is printed by rank 0 only; a rank whose error
+    says nothing of its own leaves the other naming the block; ranks that fail differently
+    each raise their own."""
+    import errno
+
+    from pipeline.errors import PeerFailed, describe_os_error
+
+    disk = OSError(errno.ENOSPC, "No space left on device", "/ck/step-00000002")
+    cases = [
+        (DataError("a batch\nof 1 row"), None),
+        (None, KeyError("k")),
+        (disk, None),
+        (StateMismatch("does not fit"), StateMismatch("does not fit")),
+        (None, PeerFailed("a line a lower rank printed already", 3)),
+        (StateMismatch("one"), SchemaMismatch("two")),
+        (None, None),
+    ]
+
+    def body(world: LaunchWorld) -> list:
+        got = []
+        for case in cases:
+            try:
+                with world.together("the save"):
+                    if case[world.rank] is not None:
+                        raise case[world.rank]
+                got.append("ok")
+            except Exception as exc:
+                got.append(exc)
+        return got
+
+    def seen(error) -> tuple:
+        if error == "ok":
+            return ("ok",)
+        return (
+            type(error).__name__,
+            str(error),
+            getattr(error, "exit_code", None),
+            getattr(error, "quiet", False),
+        )
+
+    first, second = ([seen(error) for error in got] for got in _two_ranks(tmp_path, body))
+    assert first == [
+        ("DataError", "a batch\nof 1 row", 2, False),
+        ("PeerFailed", "KeyError: 'k'", 1, True),
+        ("OSError", str(disk), None, False),
+        ("StateMismatch", "does not fit", 2, False),
+        ("PeerFailed", "the save failed on another rank (its message is above)", 3, True),
+        ("StateMismatch", "one", 2, False),
+        ("ok",),
+    ]
+    assert second == [
+        ("PeerFailed", "a batch of 1 row", 2, True),
+        ("KeyError", "'k'", None, False),
+        ("PeerFailed", describe_os_error(disk), 2, True),
+        ("PeerFailed", "does not fit", 2, True),
+        ("PeerFailed", "a line a lower rank printed already", 3, True),
+        ("SchemaMismatch", "two", 2, False),
+        ("ok",),
+    ]

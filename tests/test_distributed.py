@@ -39,6 +39,7 @@ from pipeline.errors import (
     ChecksumMismatch,
     DataError,
     LaunchMismatch,
+    PipelineError,
     SchemaMismatch,
     StageError,
     StateMismatch,
@@ -1134,13 +1135,22 @@ def test_a_run_moved_to_one_process_keeps_its_evaluations_and_derives_its_rng_fr
     evaluations of steps 4 and 8 carry over (the best mark and the traces are made from them),
     and the process's RNG streams are derived from (seed, 8, rank 0), not a fresh run's."""
     from pipeline.checkpoint import best_record, evaluations_from, read_best
-    from pipeline.checkpoint.dist_restore import read_full_state
+    from pipeline.checkpoint.dist_restore import read_full_state, read_rank_rng
     from pipeline.rng import capture_rng, derive_rank_rng
     from pipeline.train import TrainingHooks
 
     folder = legs[0] / "best_fsdp2" / "step-00000008"
-    before = evaluations_from(read_full_state(folder)[2], 8)
+    _, whole, table = read_full_state(folder)
+    before = evaluations_from(table, 8)
     assert before["step"] == [4, 8], before
+    # The whole state (the resume proof's) holds every rank's own RNG states.
+    assert sorted(whole["rng"]) == ["rank-0", "rank-1"]
+    for rank in (0, 1):
+        tree, tensors = read_rank_rng(folder / rank_rng_file(rank))
+        held = whole["rng"][f"rank-{rank}"]
+        assert (held["python"], held["numpy_generator"]) == (tree["python"], tree["numpy_generator"])
+        assert torch.equal(table[f"rng/rank-{rank}/torch_cpu"], tensors["rng/torch_cpu"])
+    assert whole["rng"]["rank-0"]["python"] != whole["rng"]["rank-1"]["python"]
     shutil.copytree(folder, tmp_path / "step-00000008")
     sets = {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path), "training.eval_every": 4,
             "checkpoint.best_metric": "mse", "checkpoint.keep_last": 3}  # fmt: skip
@@ -1518,6 +1528,7 @@ def _two_ranks(tmp_path: Path, body) -> list:
 
     import torch.distributed as dist
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     store = dist.FileStore(str(tmp_path / "store"), 2)
     results: list = [None, None]
 
@@ -1627,3 +1638,31 @@ def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_wor
         ("SchemaMismatch", "two", 2, False),
         ("ok",),
     ]
+
+
+def test_a_rank_whose_failed_peer_is_gone_before_saying_why_says_what_it_knows(tmp_path):
+    """Rank 1 agrees that it failed (exit code 2), then its process is gone before the ranks
+    exchange their lines: rank 0 raises its own failure if it had one, else the lost contact
+    with the launch in one line naming the fix."""
+
+    def body(failing: bool):
+        def run(world: LaunchWorld):
+            if world.rank == 1:
+                world.agree_flags([2])  # what together() agrees first: this rank's exit code
+                world.group.abort()
+                return "gone"
+            with world.together("the save"):
+                if failing:
+                    raise DataError("rank 0's own refusal")
+            return "ok"
+
+        return run
+
+    own, gone = _two_ranks(tmp_path / "own", body(True))
+    assert gone == "gone" and type(own) is DataError and str(own) == "rank 0's own refusal"
+    lost, _ = _two_ranks(tmp_path / "lost", body(False))
+    assert type(lost) is PipelineError, lost
+    assert str(lost).startswith("lost contact with another process of the launch (") and str(lost).endswith(
+        "); the last committed checkpoint is intact: relaunch with --resume latest"
+    )
+    assert "\n" not in str(lost)

@@ -887,6 +887,39 @@ def test_a_resume_whose_built_tensors_differ_from_the_checkpoints_names_the_firs
         assert all(not tensor.any() for tensor in template.values()), "a refused load wrote into the run"
 
 
+def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_agree(tmp_path):
+    """A torchrun resume's load through DCP, in-process: a byte of one shard flipped after its
+    seal does not end the load in DCP's collectives (a rank raising there would leave its peers
+    waiting); the rank keeps the refusal naming the file and its chunk, reads the intact shard,
+    and raises that refusal at the ranks' agreement."""
+    from types import SimpleNamespace
+
+    from pipeline.checkpoint.dist_restore import _dcp_load
+    from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.world import World
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+    meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
+    damaged = bytearray((tmp_path / names[1]).read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / names[1]).write_bytes(bytes(damaged))
+    template = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    reads = SealedReads(tmp_path, meta)
+    _dcp_load(template, reads, DIST_MODEL_DIR, "model", SimpleNamespace(launched=False))
+    assert torch.equal(template["b"], full["b"]) and torch.equal(template["w"][:2], full["w"][:2])
+    last = (len(damaged) - 1) // 64
+    line = (
+        f"{tmp_path / names[1]} SHA-256 differs from meta.json (chunk {last}: bytes {last * 64}-{len(damaged)}): "
+        "the file is damaged or was modified"
+    )
+    assert [str(refusal) for refusal in reads.refusals] == [line]
+    with pytest.raises(ChecksumMismatch) as caught:
+        reads.agree(World(device=torch.device("cpu")))
+    assert str(caught.value) == line
+
+
 def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoint_that_does_not_fit(
     tmp_path, monkeypatch
 ):

@@ -1233,6 +1233,30 @@ def test_a_rank_the_checkpoint_has_no_rng_file_for_derives_its_streams_from_the_
     assert torch.equal(restored["torch_cpu"], torch.get_rng_state())
 
 
+@LEGS
+def test_a_distributed_resume_compares_a_derived_buffer_with_the_value_this_code_builds(legs, data_dir):
+    """A tensor meta.json records as derived (equal to its freshly built value when saved) must
+    equal what this code builds, as in one process, although DCP loads into the run's own
+    tensors (compared there, it would be compared with itself and a stale value put back).
+    Here the given meta.json lists the trained first layer as derived: a fresh build differs."""
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    folder = legs[0] / "quiet_full" / "step-00000010"
+    meta = verify_distributed(folder)
+    config = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET_RNG})
+    world = World(device=torch.device("cpu"), rank=0, world_size=2)
+    run = build_run(config, world.device, world=world)
+    listed = {**meta, "model": {**meta["model"], "derived_buffers": ["net.0.weight"]}}
+    with pytest.raises(StateMismatch) as caught:
+        restore_distributed(run, world, folder, listed)
+    assert str(caught.value) == (
+        f"{folder / DIST_MODEL_DIR}: buffer net.0.weight differs from the value this code builds (the code "
+        "or config that builds it changed since the checkpoint was saved); restore that code, or start a new run"
+    )
+
+
 @pytest.mark.heavy
 def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
     """At 4 processes the order of a reduction shows in the last bits. A model of several

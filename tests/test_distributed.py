@@ -1582,6 +1582,7 @@ def _two_ranks(tmp_path: Path, body) -> list:
     gloo process group of their own over a file store (real collectives, no launch); what
     each returned or raised, by rank."""
     import threading
+    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -1590,14 +1591,14 @@ def _two_ranks(tmp_path: Path, body) -> list:
     results: list = [None, None]
 
     def rank(index: int) -> None:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, 2)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, 2, timedelta(seconds=60))
         world = dataclasses.replace(_world(index, 2), group=group)
         try:
             results[index] = body(world)
         except Exception as exc:
             results[index] = exc
 
-    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(index,), daemon=True) for index in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -39,6 +39,7 @@ from pipeline.errors import (
     ChecksumMismatch,
     DataError,
     LaunchMismatch,
+    PipelineError,
     SchemaMismatch,
     StageError,
     StateMismatch,
@@ -708,13 +709,45 @@ def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_pa
     assert len(data) > 2 * 64
     reads = SealedReads(tmp_path, meta)
     assert bytes(reads.read(name)) == data and bytes(reads.read(name, [(0, 10)])[:64]) == data[:64]
+    # A read ending at the file's last byte is inside it; one starting before it or past its end is not.
+    assert bytes(reads.read(name, [(len(data) - 1, len(data))])[-1:]) == data[-1:]
     assert not reads.refusals
+    for outside in ((-1, 10), (10, len(data) + 1)):
+        assert SealedReads(tmp_path, meta).read(name, [(0, 10), outside]) is None
+    outside = SealedReads(tmp_path, meta)
+    outside.read(name, [(-1, 10)])
+    assert [str(e) for e in outside.refusals] == [
+        f"{path}: a planned read falls outside the file: the file was modified"
+    ]
     with open(path, "ab") as grown:
         grown.write(b"\0" * 64)
     assert reads.read(name, [(0, 10)]) is None
-    assert f"{path} SHA-256 differs from meta.json (chunk 0: bytes 0-64)" in str(reads.refusals[0])
+    assert str(reads.refusals[0]) == (
+        f"{path} SHA-256 differs from meta.json (chunk 0: bytes 0-64): the file is damaged or was modified"
+    )
     path.write_bytes(data[:-8])
     assert reads.read(name) is None and len(reads.refusals) == 2
+
+
+def test_the_ranks_agree_on_the_first_refusal_a_rank_kept_of_the_kind_it_was():
+    """What a rank refused while DCP's collectives ran is raised at the agreement (here one
+    process, its own world): nothing when it refused nothing; else its first refusal, of its
+    own kind (a checkpoint that does not fit is not called damaged), with its whole line."""
+    from pipeline.world import World
+
+    alone = World(device=torch.device("cpu"))
+    reads = SealedReads(Path("ck"), {"files": {}})
+    reads.agree(alone)
+    for first in (
+        StateMismatch("ck/rng/x holds no readable RNG record"),
+        SchemaMismatch("ck/y is not valid"),
+    ):
+        reads = SealedReads(Path("ck"), {"files": {}})
+        reads.refuse(first)
+        reads.refuse(ChecksumMismatch("ck/z SHA-256 differs from meta.json"))
+        with pytest.raises(type(first)) as caught:
+            reads.agree(alone)
+        assert type(caught.value) is type(first) and str(caught.value) == str(first)
 
 
 def test_a_resume_refuses_a_shard_stored_in_another_dtype_than_meta_json_lists(tmp_path):
@@ -743,6 +776,148 @@ def test_a_resume_refuses_a_shard_stored_in_another_dtype_than_meta_json_lists(t
     )
     with pytest.raises(ChecksumMismatch, match=rf"{_shard(2)}: a shard of w does not fit its F32 tensor"):
         planned()
+
+
+def _rewrite_shard(folder: Path, index: int, tensors: dict, offsets: dict | str) -> None:
+    """Shard file ``index`` of the model part replaced by ``tensors`` at DCP ``offsets`` (a
+    dict per tensor, or the raw sharding text)."""
+    from pipeline.checkpoint.tensorfile import write_safetensors
+
+    path = folder / DIST_MODEL_DIR / _shard(index)
+    path.unlink(missing_ok=True)
+    info = offsets if isinstance(offsets, str) else json.dumps(offsets)
+    write_safetensors(path, tensors, {"DCP_SHARDING_INFO": info})
+
+
+def test_a_resume_plans_only_from_shards_that_tile_every_tensor_meta_json_lists(tmp_path):
+    """A torchrun resume plans its reads from the shards' headers (VerifiedShardReader, no
+    launch): the hand-made shards plan each tensor's chunks where they lie, one rank's rows
+    ending exactly at the tensor's end; a tensor a shard holds that meta.json does not list,
+    a listed one no shard holds, a shard past its tensor's rows or of another rank, two shards
+    overlapping, a shard struck from meta.json and unreadable sharding info are each refused
+    in one line naming the file or part and what is wrong."""
+    from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.checkpoint.verified_dcp import VerifiedShardReader
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    part = tmp_path / DIST_MODEL_DIR
+
+    def planned(specs=None, listed=names):
+        files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in listed}
+        meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full) if specs is None else specs}}
+        return VerifiedShardReader(SealedReads(tmp_path, meta), DIST_MODEL_DIR).read_metadata()
+
+    def refused(error, line, **kwargs):
+        with pytest.raises(error) as caught:
+            planned(**kwargs)
+        assert str(caught.value) == line
+
+    plan = planned()
+    chunks = {
+        name: [(list(c.offsets), list(c.sizes)) for c in tensor.chunks]
+        for name, tensor in plan.state_dict_metadata.items()
+    }
+    assert chunks == {"b": [([0], [3])], "w": [([0, 0], [2, 3]), ([2, 0], [2, 3])]}
+    assert all(t.properties.dtype == torch.float32 for t in plan.state_dict_metadata.values())
+    assert {(i.fqn, tuple(i.offset)): name for i, name in plan.storage_data.items()} == {
+        ("b", (0,)): names[0],
+        ("w", (0, 0)): names[0],
+        ("w", (2, 0)): names[1],
+    }
+    refused(
+        ChecksumMismatch,
+        f"{tmp_path / names[0]} holds tensor b that meta.json does not list",
+        specs=tensor_specs({"w": full["w"]}),
+    )
+    refused(
+        ChecksumMismatch,
+        f"{part}/ holds no shard of tensor c: a shard file is missing",
+        specs=tensor_specs({**full, "c": torch.zeros(2)}),
+    )
+    for shape in ((3, 3), (12,)):  # rows 2-3 past a 3-row w; a 2-D shard of a 1-D w
+        refused(
+            ChecksumMismatch,
+            f"{tmp_path / names[1 if shape == (3, 3) else 0]}: a shard of w does not fit its F32 tensor "
+            f"of shape {list(shape)}",
+            specs=tensor_specs({**full, "w": torch.zeros(shape)}),
+        )
+    refused(
+        ChecksumMismatch,
+        f"{part}/: the shards of w cover 6 of its 12 elements: a shard file is missing or damaged",
+        listed=names[:1],
+    )
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][1:3].clone()}, {"w": {"saved_offsets": [1, 0]}})
+    refused(ChecksumMismatch, f"{part}/: two shards of w overlap")
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][2:4].clone()}, "{not json")
+    with pytest.raises(SchemaMismatch) as caught:
+        planned()
+    assert str(caught.value).startswith(f"{tmp_path / names[1]} is not a valid shard file: ")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_resume_whose_built_tensors_differ_from_the_checkpoints_names_the_first_that_differs(tmp_path):
+    """Before DCP reads a byte, the run's tensors are compared with meta.json's list of the
+    part: a tensor the run has and the checkpoint lacks, one it lacks and the checkpoint has,
+    and one of another shape or dtype are each refused naming it (the first in name order)
+    and the part, as a checkpoint that does not fit the config."""
+    from types import SimpleNamespace
+
+    from pipeline.checkpoint.dist_restore import _dcp_load
+    from pipeline.checkpoint.shards import tensor_specs
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+    meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
+    alone = SimpleNamespace(launched=False)
+    fresh = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    for template, odd in (
+        ({**fresh, "a": torch.zeros(1)}, "a"),
+        ({"w": fresh["w"]}, "b"),
+        ({**fresh, "w": torch.zeros(4, 4)}, "w"),
+        ({**fresh, "b": torch.zeros(3, dtype=torch.float64)}, "b"),
+    ):
+        with pytest.raises(StateMismatch) as caught:
+            _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
+        assert str(caught.value) == (
+            f"{tmp_path / DIST_MODEL_DIR}: the checkpoint's model tensors differ from this run's at {odd}: "
+            "it does not fit the model or optimizer built from the config"
+        )
+        assert all(not tensor.any() for tensor in template.values()), "a refused load wrote into the run"
+
+
+def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_agree(tmp_path):
+    """A torchrun resume's load through DCP, in-process: a byte of one shard flipped after its
+    seal does not end the load in DCP's collectives (a rank raising there would leave its peers
+    waiting); the rank keeps the refusal naming the file and its chunk, reads the intact shard,
+    and raises that refusal at the ranks' agreement."""
+    from types import SimpleNamespace
+
+    from pipeline.checkpoint.dist_restore import _dcp_load
+    from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.world import World
+
+    full = _sharded_by_hand(tmp_path)
+    names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
+    files = {name: entry_of((tmp_path / name).read_bytes(), 64) for name in names}
+    meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
+    damaged = bytearray((tmp_path / names[1]).read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / names[1]).write_bytes(bytes(damaged))
+    template = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    reads = SealedReads(tmp_path, meta)
+    _dcp_load(template, reads, DIST_MODEL_DIR, "model", SimpleNamespace(launched=False))
+    assert torch.equal(template["b"], full["b"]) and torch.equal(template["w"][:2], full["w"][:2])
+    last = (len(damaged) - 1) // 64
+    line = (
+        f"{tmp_path / names[1]} SHA-256 differs from meta.json (chunk {last}: bytes {last * 64}-{len(damaged)}): "
+        "the file is damaged or was modified"
+    )
+    assert [str(refusal) for refusal in reads.refusals] == [line]
+    with pytest.raises(ChecksumMismatch) as caught:
+        reads.agree(World(device=torch.device("cpu")))
+    assert str(caught.value) == line
 
 
 def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoint_that_does_not_fit(
@@ -993,13 +1168,22 @@ def test_a_run_moved_to_one_process_keeps_its_evaluations_and_derives_its_rng_fr
     evaluations of steps 4 and 8 carry over (the best mark and the traces are made from them),
     and the process's RNG streams are derived from (seed, 8, rank 0), not a fresh run's."""
     from pipeline.checkpoint import best_record, evaluations_from, read_best
-    from pipeline.checkpoint.dist_restore import read_full_state
+    from pipeline.checkpoint.dist_restore import read_full_state, read_rank_rng
     from pipeline.rng import capture_rng, derive_rank_rng
     from pipeline.train import TrainingHooks
 
     folder = legs[0] / "best_fsdp2" / "step-00000008"
-    before = evaluations_from(read_full_state(folder)[2], 8)
+    _, whole, table = read_full_state(folder)
+    before = evaluations_from(table, 8)
     assert before["step"] == [4, 8], before
+    # The whole state (the resume proof's) holds every rank's own RNG states.
+    assert sorted(whole["rng"]) == ["rank-0", "rank-1"]
+    for rank in (0, 1):
+        tree, tensors = read_rank_rng(folder / rank_rng_file(rank))
+        held = whole["rng"][f"rank-{rank}"]
+        assert (held["python"], held["numpy_generator"]) == (tree["python"], tree["numpy_generator"])
+        assert torch.equal(table[f"rng/rank-{rank}/torch_cpu"], tensors["rng/torch_cpu"])
+    assert whole["rng"]["rank-0"]["python"] != whole["rng"]["rank-1"]["python"]
     shutil.copytree(folder, tmp_path / "step-00000008")
     sets = {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path), "training.eval_every": 4,
             "checkpoint.best_metric": "mse", "checkpoint.keep_last": 3}  # fmt: skip
@@ -1047,6 +1231,30 @@ def test_a_rank_the_checkpoint_has_no_rng_file_for_derives_its_streams_from_the_
     words = np.random.SeedSequence([config.training.seed, 10, 2]).generate_state(4, dtype=np.uint64)
     torch.manual_seed(int(words[2]))
     assert torch.equal(restored["torch_cpu"], torch.get_rng_state())
+
+
+@LEGS
+def test_a_distributed_resume_compares_a_derived_buffer_with_the_value_this_code_builds(legs, data_dir):
+    """A tensor meta.json records as derived (equal to its freshly built value when saved) must
+    equal what this code builds, as in one process, although DCP loads into the run's own
+    tensors (compared there, it would be compared with itself and a stale value put back).
+    Here the given meta.json lists the trained first layer as derived: a fresh build differs."""
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    folder = legs[0] / "quiet_full" / "step-00000010"
+    meta = verify_distributed(folder)
+    config = load_config(CONFIG, {"data.dir": str(data_dir), **QUIET_RNG})
+    world = World(device=torch.device("cpu"), rank=0, world_size=2)
+    run = build_run(config, world.device, world=world)
+    listed = {**meta, "model": {**meta["model"], "derived_buffers": ["net.0.weight"]}}
+    with pytest.raises(StateMismatch) as caught:
+        restore_distributed(run, world, folder, listed)
+    assert str(caught.value) == (
+        f"{folder / DIST_MODEL_DIR}: buffer net.0.weight differs from the value this code builds (the code "
+        "or config that builds it changed since the checkpoint was saved); restore that code, or start a new run"
+    )
 
 
 @pytest.mark.heavy
@@ -1334,8 +1542,12 @@ def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
         rows = [float(i * i) for i in batch]
         local = [(scale * sum(rows[batch.index(i)] for i in part) / len(part)) for part, scale in parts]
         assert sum(local) / size == pytest.approx(sum(rows) / total, rel=1e-15)
-    with pytest.raises(DataError, match="cannot be split over 3 processes"):
+    with pytest.raises(DataError) as refused:
         _world(0, 3).slice([1, 2])
+    assert str(refused.value) == (
+        "a batch of 2 rows cannot be split over 3 processes: raise data.batch_size, set data.drop_last, "
+        "or launch fewer processes"
+    )
 
 
 def test_resume_command_repeats_the_launch_with_resume_latest():
@@ -1363,3 +1575,152 @@ def test_a_printed_command_sets_each_key_once_with_the_value_it_names(tmp_path):
     assert command[command.index("--config") + 1] == str(mine)
     sets = [command[i + 1] for i, token in enumerate(command) if token == "--set"]
     assert sets == [f"checkpoint.dir={tmp_path / 'ck'}", "training.max_steps=12", "training.parallel=none"]
+
+
+def _two_ranks(tmp_path: Path, body) -> list:
+    """``body(world)`` on two ranks of a launch that are two threads of this process, on a
+    gloo process group of their own over a file store (real collectives, no launch); what
+    each returned or raised, by rank."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    results: list = [None, None]
+
+    def rank(index: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, 2, timedelta(seconds=60))
+        world = dataclasses.replace(_world(index, 2), group=group)
+        try:
+            results[index] = body(world)
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=rank, args=(index,), daemon=True) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_the_ranks_of_a_launch_agree_on_one_loss_one_signal_and_each_others_text(tmp_path, monkeypatch):
+    """Two ranks' collectives: the global loss is the mean of the ranks' scaled losses, a
+    signal or a flag raised on one rank or on both is raised on both, as it was raised, and
+    every rank gets every rank's text (of any length, in rank order)."""
+    import threading
+
+    import pipeline.distributed.world as launch_world
+
+    monkeypatch.setattr(launch_world, "_stop_agreed", threading.Event())  # this process agrees to stop
+
+    def body(world: LaunchWorld) -> tuple:
+        mine = world.rank
+        return (
+            world.global_loss(torch.tensor([0.5, 2.0][mine])),
+            world.agree_signal([None, signal.SIGTERM][mine]),
+            world.agree_signal(None),
+            world.agree_signal(signal.SIGINT),
+            world.agree_flags([[1, 0, 0, 1], [0, 0, 1, 1]][mine]),
+            world.gather_text(["", "ünï\tcode"][mine]),
+            world.gather_text(["a longer line of rank 0", "b"][mine]),
+        )
+
+    first, second = _two_ranks(tmp_path, body)
+    agreed = (1.25, signal.SIGTERM, None, signal.SIGINT, [1, 0, 1, 1])
+    assert first == second == (*agreed, ["", "ünï\tcode"], ["a longer line of rank 0", "b"])
+
+
+def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_worst_exit_code(tmp_path):
+    """World.together on two ranks: a refusal on one rank is raised there, and on the other as
+    a quiet PeerFailed carrying its one line (newlines joined) and exit code 2; a bug (any
+    other exception) as ``Type: message`` with exit code 1; a disk error as its described OS
+    error with code 2; the same refusal on both is printed by rank 0 only; a rank whose error
+    says nothing of its own leaves the other naming the block; ranks that fail differently
+    each raise their own."""
+    import errno
+
+    from pipeline.errors import PeerFailed, describe_os_error
+
+    disk = OSError(errno.ENOSPC, "No space left on device", "/ck/step-00000002")
+    cases = [
+        (DataError("a batch\nof 1 row"), None),
+        (None, KeyError("k")),
+        (disk, None),
+        (StateMismatch("does not fit"), StateMismatch("does not fit")),
+        (None, PeerFailed("a line a lower rank printed already", 3)),
+        (StateMismatch("one"), SchemaMismatch("two")),
+        (None, None),
+    ]
+
+    def body(world: LaunchWorld) -> list:
+        got = []
+        for case in cases:
+            try:
+                with world.together("the save"):
+                    if case[world.rank] is not None:
+                        raise case[world.rank]
+                got.append("ok")
+            except Exception as exc:
+                got.append(exc)
+        return got
+
+    def seen(error) -> tuple:
+        if error == "ok":
+            return ("ok",)
+        return (
+            type(error).__name__,
+            str(error),
+            getattr(error, "exit_code", None),
+            getattr(error, "quiet", False),
+        )
+
+    first, second = ([seen(error) for error in got] for got in _two_ranks(tmp_path, body))
+    assert first == [
+        ("DataError", "a batch\nof 1 row", 2, False),
+        ("PeerFailed", "KeyError: 'k'", 1, True),
+        ("OSError", str(disk), None, False),
+        ("StateMismatch", "does not fit", 2, False),
+        ("PeerFailed", "the save failed on another rank (its message is above)", 3, True),
+        ("StateMismatch", "one", 2, False),
+        ("ok",),
+    ]
+    assert second == [
+        ("PeerFailed", "a batch of 1 row", 2, True),
+        ("KeyError", "'k'", None, False),
+        ("PeerFailed", describe_os_error(disk), 2, True),
+        ("PeerFailed", "does not fit", 2, True),
+        ("PeerFailed", "a line a lower rank printed already", 3, True),
+        ("SchemaMismatch", "two", 2, False),
+        ("ok",),
+    ]
+
+
+def test_a_rank_whose_failed_peer_is_gone_before_saying_why_says_what_it_knows(tmp_path):
+    """Rank 1 agrees that it failed (exit code 2), then its process is gone before the ranks
+    exchange their lines: rank 0 raises its own failure if it had one, else the lost contact
+    with the launch in one line naming the fix."""
+
+    def body(failing: bool):
+        def run(world: LaunchWorld):
+            if world.rank == 1:
+                world.agree_flags([2])  # what together() agrees first: this rank's exit code
+                world.group.abort()
+                return "gone"
+            with world.together("the save"):
+                if failing:
+                    raise DataError("rank 0's own refusal")
+            return "ok"
+
+        return run
+
+    own, gone = _two_ranks(tmp_path / "own", body(True))
+    assert gone == "gone" and type(own) is DataError and str(own) == "rank 0's own refusal"
+    lost, _ = _two_ranks(tmp_path / "lost", body(False))
+    assert type(lost) is PipelineError, lost
+    assert str(lost).startswith("lost contact with another process of the launch (") and str(lost).endswith(
+        "); the last committed checkpoint is intact: relaunch with --resume latest"
+    )
+    assert "\n" not in str(lost)

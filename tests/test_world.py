@@ -58,11 +58,41 @@ def test_training_device_cuda_without_cuda_is_refused_in_one_line_naming_the_fix
     from pipeline.errors import ConfigError
     from pipeline.world import resolve_device
 
-    with pytest.raises(
-        ConfigError, match="training.device is 'cuda' but no CUDA device is available; set it to"
-    ):
-        resolve_device(load_config(CONFIG, {"training.device": "cuda"}))
+    config = load_config(CONFIG, {"training.device": "cuda"})
+    line = f"{config.source}: training.device is 'cuda' but no CUDA device is available; set it to 'cpu' or 'auto'"
+    with pytest.raises(ConfigError) as refused:
+        resolve_device(config)
+    assert str(refused.value) == line
     assert resolve_device(load_config(CONFIG, {"training.device": "auto"})) == torch.device("cpu")
+    assert resolve_device(load_config(CONFIG, {"training.device": "cpu"})) == torch.device("cpu")
+
+
+def test_a_launch_refuses_a_config_it_cannot_run_before_joining_its_process_group(monkeypatch):
+    """A rank of a 2-process launch whose config runs training.parallel none, or asks for
+    CUDA on a machine without it, is refused in one line naming the key and its fix, before
+    it waits for its peers in the process group."""
+    import pipeline.distributed.world as launch_world
+    from pipeline.errors import ConfigError
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_world, "_watching", True)  # no launcher watchdog in the test process
+    config = load_config(CONFIG, {"training.parallel": "none"})
+    with pytest.raises(ConfigError) as refused:
+        LaunchWorld.start(config)
+    assert str(refused.value) == (
+        f"{config.source}: launched by torchrun with 2 processes but training.parallel is 'none': set it "
+        "to 'auto', 'ddp' or 'fsdp2' (--set training.parallel=auto)"
+    )
+    if not torch.cuda.is_available():
+        config = load_config(CONFIG, {"training.parallel": "ddp", "training.device": "cuda"})
+        with pytest.raises(ConfigError) as refused:
+            LaunchWorld.start(config)
+        assert str(refused.value) == (
+            f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
+            "set it to 'cpu' or 'auto'"
+        )
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_one_process_launch_joins_as_a_launch_only_when_the_config_names_ddp_or_fsdp2(monkeypatch):

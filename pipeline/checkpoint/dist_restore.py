@@ -162,6 +162,13 @@ def restore_distributed(
     if "optimizer" not in omit:
         _dcp_load(optimizer, reads, DIST_OPTIM_DIR, "optimizer", world)
     model = _model_state(run, meta["tensors"][DIST_MODEL_DIR])
+    # DCP loads into the model's own tensors: the derived buffers into copies, so that the
+    # check below compares the saved values with the ones this code built.
+    derived = meta["model"]["derived_buffers"]
+    if isinstance(derived, list):
+        model.update(
+            {name: model[name].clone() for name in derived if isinstance(name, str) and name in model}
+        )
     _dcp_load(model, reads, DIST_MODEL_DIR, "model", world)
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
     # over; the per-rank streams have no counterpart at another world size.

@@ -145,7 +145,10 @@ class LaunchWorld(World):
         wanted = config.training.device
         cuda = wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
         if cuda and not torch.cuda.is_available():
-            raise ConfigError(f"{config.source}: training.device is 'cuda' but no CUDA device is available")
+            raise ConfigError(
+                f"{config.source}: training.device is 'cuda' but no CUDA device is available; "
+                "set it to 'cpu' or 'auto'"
+            )
         if cuda:
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)

@@ -12,9 +12,15 @@ from __future__ import annotations
 import base64
 
 import pytest
+from huggingface_hub import constants
 from test_leaks import rules, scan_bytes
 
-from pipeline.leaks import KINDS
+from pipeline.errors import ConfigError, SecretInStage
+from pipeline.leaks import KINDS, FileScan, allowance_problem, leak_rules, refuse_findings, scan_secrets
+from pipeline.leaks.encodings import text_encoding
+from pipeline.leaks.views import encoded_runs, reader_view
+
+from support import REPO
 
 WHAT = {kind.id: kind.what for kind in KINDS}
 _ALNUM = "Zq7Xw2Lm9Kp4Rt6Vb1Nc8Hd3Jf5Gs0Ty" * 4
@@ -68,7 +74,10 @@ EDGES = [
     ("hf-org-token", False, "x" + "api" + "_org_" + al(30)),
     ("hf-org-token", False, "_" + "api" + "_org_" + al(30)),
     # An access key id: exactly 16 capitals or digits after its prefix, not inside a longer one.
-    *(("aws-key", True, prefix + _UPPER[:16]) for prefix in ("AK" + "IA", "AS" + "IA", "AB" + "IA", "AC" + "CA")),
+    *(
+        ("aws-key", True, prefix + _UPPER[:16])
+        for prefix in ("AK" + "IA", "AS" + "IA", "AB" + "IA", "AC" + "CA")
+    ),
     ("aws-key", False, "AK" + "IA" + _UPPER[:15]),
     ("aws-key", False, "AK" + "IA" + _UPPER[:17]),
     ("aws-key", False, "X" + "AK" + "IA" + _UPPER[:16]),
@@ -191,4 +200,293 @@ def test_each_format_is_found_from_its_shortest_value_on_and_not_one_character_s
         assert found == ({kind: WHAT[kind]} if expected else {}), (value, found)
         if expected:
             encoded = base64.b64encode(value.encode()).decode()
-            assert scan_bytes(f"x = {encoded} .\n", rule_set) == {kind: f"{WHAT[kind]} (base64-encoded)"}, value
+            assert scan_bytes(f"x = {encoded} .\n", rule_set) == {kind: f"{WHAT[kind]} (base64-encoded)"}, (
+                value
+            )
+
+
+# -- this machine's rules ------------------------------------------------------------------------
+
+# The environment variables whose values are secrets wherever they appear.
+SECRET_NAMES = [
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "GITHUB_TOKEN",
+    "GH_TOKEN",
+    "GITLAB_TOKEN",
+    "NPM_TOKEN",
+    "DATABRICKS_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "SLACK_BOT_TOKEN",
+]
+
+
+@pytest.fixture
+def no_saved_login(tmp_path, monkeypatch):
+    """The saved login's files, at paths of this test (none written yet)."""
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "stored_tokens"))
+    return tmp_path
+
+
+def test_every_secret_variable_and_saved_token_is_searched_from_8_characters_on_named_by_where_it_came_from(
+    no_saved_login,
+):
+    for name in SECRET_NAMES:
+        assert leak_rules({name: "  Ab3dEf6h\n"}).secrets == ((b"Ab3dEf6h", f"the value of {name}"),), name
+        assert leak_rules({name: "Ab3dEf6"}).secrets == (), name  # 7 characters: found by chance in weights
+    # One value under two names is named by the first; a saved token by where it was saved.
+    (no_saved_login / "token").write_text("saved-login-token\n")
+    (no_saved_login / "stored_tokens").write_text(
+        "[work]\nhf_token = stored-work-token\n\n[same]\nhf_token = Ab3dEf6h-shared\n\n[short]\nhf_token = abc\n"
+    )
+    saved = "a token saved by `hf auth login`"
+    assert leak_rules({"HF_TOKEN": "Ab3dEf6h-shared", "GH_TOKEN": "Ab3dEf6h-shared"}).secrets == (
+        (b"Ab3dEf6h-shared", "the value of HF_TOKEN"),
+        (b"saved-login-token", saved),
+        (b"stored-work-token", saved),
+    )
+    # A stored_tokens file that is not an INI file: the saved token is still searched.
+    (no_saved_login / "stored_tokens").write_text("hf_token = no section header\n")
+    assert leak_rules({}).secrets == ((b"saved-login-token", saved),)
+
+
+def test_this_machines_paths_are_its_absolute_folders_and_its_host_name_any_but_localhost(no_saved_login):
+    checkout = (str(REPO.resolve()).encode(), "this checkout's absolute path")
+    assert leak_rules({}, home="/home/alice/", cwd="/srv/runs/../jobs", hostname=" Node-7 ").machine == (
+        (b"/home/alice", "the home folder's path"),
+        (b"/srv/jobs", "the working folder's absolute path"),
+        checkout,
+        (b"Node-7", "the host name"),
+    )
+    # The root, a relative path and an empty one name no folder; the same one twice, once.
+    for home, cwd in (("/", "relative/dir"), ("", "//"), ("/home/alice", "/home/alice/")):
+        expected = ((b"/home/alice", "the home folder's path"),) if home == "/home/alice" else ()
+        assert leak_rules({}, home=home, cwd=cwd, hostname="").machine == (*expected, checkout), (home, cwd)
+    for anonymous in ("localhost", "LocalHost", "localhost.localdomain", " ", ""):
+        assert leak_rules({}, home="/", cwd="/", hostname=anonymous).machine == (checkout,), anonymous
+
+
+# Each written alone on a line (or as the whole file), with this machine's home folder
+# /home/alice and host name gpu-node-7: found where it is not part of a longer name.
+WHOLE_WORDS = {
+    "/home/alice": "path",
+    "/home/alice/runs/a.txt": "path",
+    "(/home/alice).": "path",
+    "'/home/alice':": "path",
+    "~/home/alice": "path",
+    "/home/alicette": None,
+    "/home/alice-2": None,
+    "/home/alice_old": None,
+    "/mnt/home/alice": None,
+    "gpu-node-7": "host-name",
+    "GPU-Node-7.corp": "host-name",
+    "(gpu-node-7)": "host-name",
+    "gpu-node-70": None,
+    "gpu-node-7b": None,
+    "gpu-node-7_x": None,
+    "my-gpu-node-7": None,
+    "a.gpu-node-7": None,
+}
+
+
+def test_this_machines_path_and_host_name_count_only_as_whole_names_anywhere_in_a_text_file(no_saved_login):
+    machine = leak_rules({}, home="/home/alice", cwd="/", hostname="gpu-node-7")
+    words = {"path": "the home folder's path", "host-name": "the host name"}
+    for text, kind in WHOLE_WORDS.items():
+        expected = {kind: words[kind]} if kind else {}
+        for written in (text, f"saved at {text}\n", f"# log\n{text}"):
+            assert scan_bytes(written, machine) == expected, (written, kind)
+
+
+# -- card.allow_leaks and the refusal ------------------------------------------------------------
+
+ALLOWABLE_KINDS = ", ".join(sorted([kind.id for kind in KINDS if kind.id != "private-key"] + ["host-name"]))
+
+
+@pytest.mark.parametrize(
+    "allow, problem",
+    [
+        (["README.md"], "must map a staged file to the kinds it may hold, e.g. {README.md: [jwt]}"),
+        ({"": ["jwt"]}, "names '', which is not a relative path of a staged file such as 'README.md'"),
+        (
+            {"/etc/x": ["jwt"]},
+            "names '/etc/x', which is not a relative path of a staged file such as 'README.md'",
+        ),
+        (
+            {"a/../b": ["jwt"]},
+            "names 'a/../b', which is not a relative path of a staged file such as 'README.md'",
+        ),
+        ({3: ["jwt"]}, "names 3, which is not a relative path of a staged file such as 'README.md'"),
+        ({"README.md": "jwt"}, "gives README.md 'jwt', which is not a non-empty list of kinds"),
+        ({"README.md": []}, "gives README.md [], which is not a non-empty list of kinds"),
+        ({"README.md": ["jwt", 3]}, "gives README.md ['jwt', 3], which is not a non-empty list of kinds"),
+        *(
+            (
+                {"docs/a..b.md": ["host-name", never]},
+                f"allows {never!r} in docs/a..b.md, which is not a kind that may be allowed (one of "
+                f"{ALLOWABLE_KINDS}); tokens of this machine, private keys and paths never are",
+            )
+            for never in ("private-key", "secret", "path", "JWT")
+        ),
+        ({}, None),
+        ({"docs/a..b.md": ["host-name", "jwt"], "README.md": ["aws-key"]}, None),
+    ],
+)
+def test_a_malformed_allow_leaks_is_refused_naming_the_entry_and_what_it_may_be(tmp_path, allow, problem):
+    assert allowance_problem(allow) == problem
+    if problem is not None:
+        with pytest.raises(ConfigError) as caught:
+            scan_secrets(tmp_path, rules(hostname=""), allow=allow)
+        assert str(caught.value) == f"card.allow_leaks {problem}"
+
+
+def test_the_refusal_names_each_kind_in_the_tables_order_and_offers_allow_leaks_only_where_every_kind_may_be():
+    found = {
+        "a.md": {
+            "host-name": "the host name",
+            "path": "the working folder's absolute path",
+            "jwt": "a JSON Web Token",
+            "secret": "the value of HF_TOKEN (hex-encoded)",
+            "hf-token": "an hf_ token",
+        }
+    }
+    with pytest.raises(SecretInStage) as caught:
+        refuse_findings(found, consequence="nothing was sent")
+    assert str(caught.value) == (
+        "a.md holds the value of HF_TOKEN (hex-encoded), an hf_ token, a JSON Web Token, the working "
+        "folder's absolute path and the host name; nothing was sent. Remove it from where it came from "
+        "(config card section, data, task sample, code, edits to the stage) and stage again"
+    )
+    # Allowed kinds are returned; a kind that may never be allowed is refused even if listed.
+    found = {
+        "a.md": {"jwt": "a JSON Web Token", "hf-token": "an hf_ token"},
+        "b.md": {"jwt": "a JSON Web Token"},
+    }
+    assert refuse_findings(found, {"a.md": ["hf-token", "jwt"], "b.md": ["jwt"]}) == [
+        ("a.md", "an hf_ token"),
+        ("a.md", "a JSON Web Token"),
+        ("b.md", "a JSON Web Token"),
+    ]
+    with pytest.raises(SecretInStage) as caught:
+        refuse_findings(found, {"a.md": ["jwt"]})
+    assert str(caught.value) == (
+        "a.md holds an hf_ token; b.md holds a JSON Web Token; nothing was staged. Remove it from where it "
+        "came from (config card section, data, task sample, code, edits to the stage) and stage again; if "
+        "it is not a secret (a documented example), allow it per file in the config: card.allow_leaks: "
+        "{a.md: [hf-token], b.md: [jwt]} (docs/publishing.md)"
+    )
+    with pytest.raises(SecretInStage, match=r"^a\.md holds a PEM private key; nothing was staged\. Remove"):
+        refuse_findings({"a.md": {"private-key": "a PEM private key"}}, {"a.md": ["private-key"]})
+
+
+# -- how a file's text is told -----------------------------------------------------------------
+
+
+def utf32le(ascii_count: int, astral: int = 0, low_nul: int = 0) -> bytes:
+    """16 characters of UTF-32LE without a byte order mark: ``astral`` of them above U+FFFF (a
+    byte in the third lane), ``low_nul`` with a NUL low byte (U+0100), the rest ASCII."""
+    assert ascii_count + astral + low_nul == 16
+    return ("a" * ascii_count + "\U00010041" * astral + "\u0100" * low_nul).encode("utf-32-le")
+
+
+@pytest.mark.parametrize(
+    "probe, encoding",
+    [
+        # Control characters and undecodable bytes: 1% of the probe at most.
+        (b"a" * 990 + b"\x01" * 10, "utf-8"),
+        (b"a" * 989 + b"\x01" * 11, None),
+        (b"a" * 989 + b"\x7f" * 11, None),
+        (b"a" * 990 + b"\xff" * 10, "utf-8"),
+        (b"a" * 989 + b"\xff" * 11, None),
+        (b"\t\n\v\f\r\x1b[0m" * 100, "utf-8"),
+        # NUL bytes: half the probe at most.
+        (b"a" * 500 + b"\0" * 500, "utf-8"),
+        (b"a" * 499 + b"\0" * 501, None),
+        # Wide text without a byte order mark, from 16 bytes on.
+        ("abcdef".encode("utf-16-le"), "utf-8"),
+        ("abcdefgh".encode("utf-16-le"), "utf-16-le"),
+        ("abcdefgh".encode("utf-16-be"), "utf-16-be"),
+        ("abcd".encode("utf-32-be"), "utf-32-be"),
+        (utf32le(14, astral=2), "utf-32-le"),  # 7 of 8 NULs in the third lane
+        (utf32le(13, astral=3), None),
+        (utf32le(15, low_nul=1), "utf-32-le"),  # 1 of 16 NULs in the first lane
+        (utf32le(14, low_nul=2), None),
+        (("a\u0141" * 4 + "ab" * 4).encode("utf-16-le"), "utf-16-le"),  # half the high bytes NUL
+        (("a\u0141" * 5 + "ab" * 3).encode("utf-16-le"), None),
+        # A byte order mark: the codec that reads it (UTF-32LE's starts with UTF-16LE's).
+        ("x".encode("utf-32"), "utf-32"),
+        ("x".encode("utf-32-be").join([b"\0\0\xfe\xff", b""]), "utf-32"),
+        ("x".encode("utf-16"), "utf-16"),
+        (b"\xfe\xff" + "x".encode("utf-16-be"), "utf-16"),
+    ],
+)
+def test_a_files_text_encoding_is_told_at_the_exact_fractions_of_its_bytes(probe, encoding):
+    assert text_encoding(probe) == encoding
+
+
+# -- what a reader sees ------------------------------------------------------------------------
+
+ESCAPES = [
+    # \u: 4 hex digits; \U: 8; \u{}: 1 to 6; \x: 2; octal: 1 to 3 (a byte; above \377 a character).
+    (b"\\u005F\\u005fx", b"__x", ("escaped",)),
+    (b"\\u05f", b"\\u05f", ()),
+    (b"\\U0000005F", b"_", ("escaped",)),
+    (b"\\U000005F", b"\\U000005F", ()),
+    (b"\\u{10ffff}\\u{5f}", "\U0010ffff_".encode(), ("escaped",)),
+    (b"\\x5F\\x5", b"_\\x5", ("escaped",)),
+    (b"\\150\\1500\\7", b"hh0\x07", ("escaped",)),
+    (b"\\377\\400", b"\xff\xc4\x80", ("escaped",)),
+    (b"a\\nb\\rc\\td\\\\u0068\\/\\\"\\'", b"a\nb\rc\td\\u0068/\"'", ("escaped",)),
+    # Character references: 1 to 16 digits, ";" or not; a named one with its ";".
+    (b"&#x5F;&#X5f&#95;&#95", b"____", ("escaped",)),
+    (b"&#x000000000000005f;&#0000000000000095;", b"__", ("escaped",)),
+    (b"&lowbar;&lowbar", b"_&lowbar", ("escaped",)),
+    # No such character: nothing (not a crash); a lone surrogate as a JSON writer escapes it.
+    (b"a&#x110000;b&#99999999999;c\\U00110000d", b"abcd", ("escaped",)),
+    (b"\\ud83d\\ude00", b"\xed\xa0\xbd\xed\xb8\x80", ("escaped",)),
+    # URL-encoding, escapes, then invisible characters, each said once.
+    (
+        b"%5f%5F\\x5f\xe2\x80\x8b%E2%80%8B\\u200b!",
+        b"___!",
+        ("URL-encoded", "escaped", "split by invisible characters"),
+    ),
+    (b"100% sure, 5%, %zz", b"100% sure, 5%, %zz", ()),
+]
+
+
+@pytest.mark.parametrize("text, view, changes", ESCAPES)
+def test_a_reader_sees_each_escape_at_its_exact_length_and_nothing_else(text, view, changes):
+    assert reader_view(text) == (view, changes)
+
+
+def test_a_token_after_an_escaped_line_break_starts_a_word_for_a_reader():
+    npm = "np" + "m_" + al(36)  # a word boundary before it: written after "\n" only its reader sees it
+    for escape in ("\\n", "\\t", "\\r"):
+        found = scan_bytes(f'{{"note": "line one{escape}{npm}"}}\n', rules(hostname=""))
+        assert found == {"npm-token": "an npm token (escaped)"}, escape
+
+
+def test_base64_and_hex_runs_are_decoded_from_16_and_24_characters_on():
+    assert encoded_runs(b"x " + base64.b64encode(b"ABCDEFGHIJKL") + b" y")[0].count(b"ABCDEFGHIJKL") >= 1
+    assert encoded_runs(b"x " + base64.b64encode(b"ABCDEFGHIJKL")[:15] + b" y") == (b"", b"")
+    assert encoded_runs(b"x " + b"ABCDEFGHIJKL".hex().encode() + b" y")[1].count(b"ABCDEFGHIJKL") >= 1
+    assert encoded_runs(b"x " + b"ABCDEFGHIJKL".hex().encode()[:23] + b" y")[1] == b""
+
+
+def test_a_long_secret_url_encoded_across_a_read_seam_is_found_wherever_the_seam_cuts_it():
+    """URL-encoding triples a value: the text kept across a seam holds three times the longest."""
+    value = ("plain-" + _HEX * 5)[:400]
+    encoded = "".join(f"%{byte:02X}" for byte in value.encode()).encode()  # 1200 characters
+    rule_set = rules(environ={"HF_TOKEN": value}, hostname="")
+    for cut in (1, 600, 1100, 1199):
+        text = b"x " * 2048 + encoded + b" tail\n"
+        boundary = 4096 + cut
+        scan = FileScan(rule_set, size=len(text))
+        for piece in (text[:boundary], text[boundary:]):
+            scan.feed(piece, len(piece))
+        assert scan.found == {"secret": "the value of HF_TOKEN (URL-encoded)"}, cut

@@ -424,6 +424,7 @@ def utf32le(ascii_count: int, astral: int = 0, low_nul: int = 0) -> bytes:
         ("x".encode("utf-16"), "utf-16"),
         (b"\xfe\xff" + "x".encode("utf-16-be"), "utf-16"),
     ],
+    ids=lambda value: f"{len(value)} bytes" if isinstance(value, bytes) else str(value),
 )
 def test_a_files_text_encoding_is_told_at_the_exact_fractions_of_its_bytes(probe, encoding):
     assert text_encoding(probe) == encoding
@@ -490,3 +491,46 @@ def test_a_long_secret_url_encoded_across_a_read_seam_is_found_wherever_the_seam
         for piece in (text[:boundary], text[boundary:]):
             scan.feed(piece, len(piece))
         assert scan.found == {"secret": "the value of HF_TOKEN (URL-encoded)"}, cut
+
+
+# -- how a finding was written, in words -----------------------------------------------------------
+
+HF = "hf" + "_" + al(34)
+VALUE = "plain-" + hx(18)  # this machine's HF_TOKEN
+_NOISE = bytes(range(128, 256)) * 4  # binary bytes, no printable run
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+WRITTEN_AS = [
+    (("x " + HF).encode("utf-16"), "an hf_ token (UTF-16)"),
+    (("x " + HF).encode("utf-32-be"), "an hf_ token (UTF-32)"),
+    (("x hf%5F" + HF[3:]).encode("utf-16"), "an hf_ token (UTF-16, URL-encoded)"),
+    (("x " + _b64(HF)).encode("utf-16"), "an hf_ token (UTF-16, base64-encoded)"),
+    (("x " + HF.encode().hex()).encode("utf-16"), "an hf_ token (UTF-16, hex-encoded)"),
+    (_NOISE + HF.encode() + _NOISE, "an hf_ token"),
+    (_NOISE + HF.encode("utf-16-le") + _NOISE, "an hf_ token (UTF-16)"),
+    (_NOISE + HF.encode("utf-32-be") + _NOISE, "an hf_ token (UTF-32)"),
+    (
+        _NOISE + b"".join(ord(c).to_bytes(8, "little") for c in HF) + _NOISE,
+        "an hf_ token (8 bytes a character)",
+    ),
+    (_NOISE + _b64(HF).encode() + _NOISE, "an hf_ token (base64-encoded)"),
+    (_NOISE + _b64(HF).encode("utf-16-le") + _NOISE, "an hf_ token (UTF-16, base64-encoded)"),
+    (_NOISE + b"hf%5F" + HF[3:].encode() + _NOISE, "an hf_ token (URL-encoded)"),
+    (("x " + _b64(HF.encode("utf-16-le")) + "\n").encode(), "an hf_ token (base64-encoded, UTF-16)"),
+    (("x " + HF.encode("utf-32-le").hex() + "\n").encode(), "an hf_ token (hex-encoded, UTF-32)"),
+    (("x " + _b64(VALUE) + "\n").encode(), "the value of HF_TOKEN (base64-encoded)"),
+    (("x " + VALUE.encode().hex().upper()).encode("utf-16"), "the value of HF_TOKEN (UTF-16, hex-encoded)"),
+    (_NOISE + VALUE.encode("utf-32-le") + _NOISE, "the value of HF_TOKEN (UTF-32)"),
+]
+
+
+@pytest.mark.parametrize(
+    "data, words", WRITTEN_AS, ids=[f"{n}: {words}" for n, (_, words) in enumerate(WRITTEN_AS)]
+)
+def test_a_finding_says_every_way_its_value_was_written_in_order(data, words):
+    kind = "secret" if words.startswith("the value") else "hf-token"
+    assert scan_bytes(data, rules(environ={"HF_TOKEN": VALUE}, hostname="")) == {kind: words}

@@ -10,6 +10,7 @@ one side of it. Values are built by concatenation: no file of the tree holds a c
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from huggingface_hub import constants
@@ -19,6 +20,7 @@ from pipeline.errors import ConfigError, SecretInStage
 from pipeline.leaks import KINDS, FileScan, allowance_problem, leak_rules, refuse_findings, scan_secrets
 from pipeline.leaks.encodings import text_encoding
 from pipeline.leaks.views import encoded_runs, reader_view
+from pipeline.safetensors_header import DTYPE_SIZES
 
 from support import REPO
 
@@ -250,7 +252,15 @@ def test_every_secret_variable_and_saved_token_is_searched_from_8_characters_on_
         (b"saved-login-token", saved),
         (b"stored-work-token", saved),
     )
-    # A stored_tokens file that is not an INI file: the saved token is still searched.
+    # A saved token that is not UTF-8 text is no token (not a crash); a stored_tokens file that is
+    # not an INI file: the saved token is still searched.
+    (no_saved_login / "token").write_bytes(b"\xff\xfesaved-login-token")
+    assert leak_rules({"HF_TOKEN": "Ab3dEf6h"}).secrets == (
+        (b"Ab3dEf6h", "the value of HF_TOKEN"),
+        (b"stored-work-token", saved),
+        (b"Ab3dEf6h-shared", saved),
+    )
+    (no_saved_login / "token").write_text("saved-login-token\n")
     (no_saved_login / "stored_tokens").write_text("hf_token = no section header\n")
     assert leak_rules({}).secrets == ((b"saved-login-token", saved),)
 
@@ -534,3 +544,15 @@ WRITTEN_AS = [
 def test_a_finding_says_every_way_its_value_was_written_in_order(data, words):
     kind = "secret" if words.startswith("the value") else "hf-token"
     assert scan_bytes(data, rules(environ={"HF_TOKEN": VALUE}, hostname="")) == {kind: words}
+
+
+@pytest.mark.parametrize("dtype, size", sorted(DTYPE_SIZES.items()))
+def test_only_floating_point_tensors_are_numbers_that_no_token_format_is_searched_in(dtype, size):
+    """A tensor whose bytes spell an hf_ token: chance in floats of any width (BF16 and FP8
+    too), a token anywhere else (an integer or boolean tensor holds what was put there)."""
+    payload = (HF + "!" * 48).encode()[:48]
+    header = json.dumps({"t": {"dtype": dtype, "shape": [48 // size], "data_offsets": [0, 48]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = len(header).to_bytes(8, "little") + header + payload
+    floats = dtype.startswith(("F", "BF"))
+    assert scan_bytes(data, rules(hostname="")) == ({} if floats else {"hf-token": "an hf_ token"})

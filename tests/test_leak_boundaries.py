@@ -311,6 +311,13 @@ def test_this_machines_path_and_host_name_count_only_as_whole_names_anywhere_in_
         expected = {kind: words[kind]} if kind else {}
         for written in (text, f"saved at {text}\n", f"# log\n{text}"):
             assert scan_bytes(written, machine) == expected, (written, kind)
+    # A host name given in capitals is found in any case; a path only as written.
+    machine = leak_rules({}, home="/home/Alice", cwd="/", hostname="GPU-Node-7")
+    assert scan_bytes("ran on gpu-node-7 and GPU-NODE-7\n", machine) == {"host-name": "the host name"}
+    assert scan_bytes("/home/alice and /HOME/ALICE\n", machine) == {}
+    # A UTF-16 string inside a UTF-8 text file (a NUL every other byte) is read for credentials.
+    wide = b"# notes\n" * 40 + f"token {HF}".encode("utf-16-le") + b"\n"
+    assert scan_bytes(wide, machine) == {"hf-token": "an hf_ token (UTF-16)"}
 
 
 # -- card.allow_leaks and the refusal ------------------------------------------------------------

@@ -473,7 +473,8 @@ ESCAPES = [
         b"___!",
         ("URL-encoded", "escaped", "split by invisible characters"),
     ),
-    (b"100% sure, 5%, %zz", b"100% sure, 5%, %zz", ()),
+    (b"100% sure, 5%, %zz, %5 off", b"100% sure, 5%, %zz, %5 off", ()),
+    (b"%5f%5 off", b"_%5 off", ("URL-encoded",)),
 ]
 
 

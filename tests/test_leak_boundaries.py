@@ -192,15 +192,16 @@ EDGES = [
 
 @pytest.mark.parametrize("kind", sorted(WHAT))
 def test_each_format_is_found_from_its_shortest_value_on_and_not_one_character_short_of_it(kind):
-    """Each case of ``kind`` in EDGES, written as it is and, for one that must be found,
-    base64-encoded (searched with the pattern without its word boundaries)."""
+    """Each case of ``kind`` in EDGES, written as it is and, for one that must be found, as the
+    whole file and base64-encoded (searched with the pattern without its word boundaries)."""
     rule_set = rules(hostname="")
     cases = [(found, value) for of, found, value in EDGES if of == kind]
     assert {found for found, _ in cases} == {True, False}, kind  # both sides of the edges
     for expected, value in cases:
         found = scan_bytes(f"x = {value} .\n", rule_set)
         assert found == ({kind: WHAT[kind]} if expected else {}), (value, found)
-        if expected:
+        if expected:  # the whole file too: from offset 0 to the end of the file
+            assert scan_bytes(value, rule_set) == {kind: WHAT[kind]}, value
             encoded = base64.b64encode(value.encode()).decode()
             assert scan_bytes(f"x = {encoded} .\n", rule_set) == {kind: f"{WHAT[kind]} (base64-encoded)"}, (
                 value

@@ -90,6 +90,15 @@ EDGES = [
     ("aws-key", True, "aws_secret_access_key = " + _B64[:40]),
     ("aws-key", True, "AWS_SECRET_ACCESS_KEY:" + _B64[1:41]),
     ("aws-key", True, "aws_secret_access_key='" + _B64[2:42] + "'"),
+    *(
+        ("aws-key", True, name + "=" + _B64[:40])
+        for name in (
+            "awssecretaccesskey",
+            "AWSSECRETACCESSKEY",
+            "Aws_Secret_Access_Key",
+            "AwsSecretAccessKey",
+        )
+    ),
     ("aws-key", False, "aws_secret_access_key = " + _B64[:39]),
     ("aws-key", False, "aws_secret_access_key = " + _B64[:41]),
     # GitHub: 36 characters after gh?_, 22 after github_pat_ (underscores included).

@@ -145,6 +145,7 @@ KINDS: tuple[LeakKind, ...] = (
             "aws_secret_access_key = " + _B64[:40],
             "AWS_SECRET_ACCESS_KEY=" + _B64[2:42],
             '"awsSecretAccessKey": "' + _B64[1:41] + '"',
+            "Aws_Secret_Access_Key: " + _B64[:40],
         ),
     ),
     _kind(

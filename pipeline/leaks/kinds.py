@@ -134,12 +134,18 @@ KINDS: tuple[LeakKind, ...] = (
         "an AWS access key",
         rb"(?<![A-Z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])"
         rb"|(?i:aws_?secret_?access_?key)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])",
-        needles=(b"AKIA", b"ASIA", b"ABIA", b"ACCA", b"ccess_key", b"CCESS_KEY", b"ccessKey"),
+        # The name in any case the pattern takes: lower, upper, Title_Snake or camelCase, with
+        # or without underscores.
+        needles=(
+            *(b"AKIA", b"ASIA", b"ABIA", b"ACCA"),
+            *(b"ccess_key", b"CCESS_KEY", b"ccess_Key", b"ccessKey", b"ccesskey", b"CCESSKEY"),
+        ),
         examples=(
             *(prefix + "Q7RTX2MZP4LKWN3D" for prefix in ("AK" + "IA", "AS" + "IA", "AB" + "IA", "AC" + "CA")),
             "aws_secret_access_key = " + _B64[:40],
             "AWS_SECRET_ACCESS_KEY=" + _B64[2:42],
             '"awsSecretAccessKey": "' + _B64[1:41] + '"',
+            "Aws_Secret_Access_Key: " + _B64[:40],
         ),
     ),
     _kind(

@@ -140,7 +140,7 @@ def leak_rules(
     machine: dict[bytes, str] = {}
     for path, what in places:
         path = os.path.normpath(path) if path else ""
-        if path.startswith("/") and path != "/":
+        if path.startswith("/") and path.strip("/"):  # not the root ("//" is one too: POSIX keeps it)
             machine.setdefault(path.encode(), what)
     host = (hostname if hostname is not None else socket.gethostname()).strip()
     if host and host.lower() not in _ANONYMOUS_HOSTS:

@@ -445,5 +445,5 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
         table["scaler"].checked(run, {"scale": 1024.0}, 0)
     assert str(refused.value) == "the checkpoint and this run disagree on AMP GradScaler use (training.amp)"
     with pytest.raises(StateMismatch) as refused:
-        table["data"].joined({"sampler": None, "task": None}, {}, set())
+        table["data"].joined({"sampler": None, "task": None, "source": None, "order": 1}, {}, set())
     assert str(refused.value) == _refusal("data", "does not hold exactly sampler, task, source")

@@ -266,17 +266,21 @@ class _RewriteOnHash:
         return Digest()
 
 
+@pytest.mark.parametrize("kernel", ["populate-write", "without it"])
 @pytest.mark.parametrize("chunk_size", [None, SMALL, 3000])
 @pytest.mark.parametrize("tensors", [2, 300])
 def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_the_map(
-    tmp_path, chunk_size, tensors, monkeypatch
+    tmp_path, chunk_size, tensors, kernel, monkeypatch
 ):
     """The file rewritten as soon as a first piece was hashed: of a file whose tensors are
     used, the map then holds exactly the bytes hashed (each page made this process's own
     copy before it was hashed); of a file only verified, the header a parser reads from it
     (owned before any chunk is hashed; a header of one page, or of several), its other pages
     reading the file again (never used). Chunk sizes that are not a page's multiple share
-    pages between chunks."""
+    pages between chunks. A kernel without MADV_POPULATE_WRITE (before Linux 5.14, which
+    refuses the advice) gets each page owned by a byte written to itself."""
+    if kernel == "without it":
+        monkeypatch.setattr(verified_read, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as an older kernel
     path = tmp_path / "m.safetensors"
     write_safetensors_files(
         [(path, {f"t{i:03d}": torch.randn(3000 // tensors) for i in range(tensors)}, None)]
@@ -291,7 +295,7 @@ def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_
         racing = _RewriteOnHash(path)
         monkeypatch.setattr(verified_read, "hashlib", racing)
         digests = sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)["m"]
-        monkeypatch.undo()
+        monkeypatch.setattr(verified_read, "hashlib", hashlib)
         held = bytes(mapped)
         mapped.close()
         assert racing.rewritten
@@ -303,6 +307,49 @@ def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_
             assert held[:paged] == raw[:paged]
             assert held[paged:] == bytes(b ^ 0xFF for b in raw[paged:])
     path.write_bytes(raw)
+
+
+class _TruncateOnHash:
+    """hashlib as verified_read sees it, whose first SHA-256 update cuts the file to nothing
+    before any other update goes on, as a writer racing the reader would: every chunk not
+    read yet by then (all but one per thread of the pool, at most) finds the file ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.cut = False
+
+    def sha256(self, *args):
+        real, outer = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                real.update(data)
+                with outer.lock:
+                    if not outer.cut:
+                        outer.cut = True
+                        outer.path.write_bytes(b"")
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
+@pytest.mark.parametrize("chunk_size", [None, SMALL])
+def test_a_file_cut_short_while_it_is_read_gives_no_digests_not_digests_of_what_was_read(
+    tmp_path, chunk_size, monkeypatch
+):
+    """read_verified plans a file's reads from its size when opened; a file that ends sooner
+    while its pieces are read into the tensors (truncated by another writer) comes back with
+    no digests (None: the load refuses it as damaged or modified), not with digests of a
+    part, nor with tensors left half read taken for verified."""
+    path = tmp_path / "m.safetensors"
+    write_safetensors_files([(path, {"t": torch.randn(192 * SMALL // 4)}, None)])
+    assert path.stat().st_size > 128 * SMALL
+    monkeypatch.setattr(verified_read, "hashlib", _TruncateOnHash(path))
+    digests, tensors = read_verified({"m": path}, {"m": {}}, {"m": chunk_size})["m"]
+    assert digests is None and path.stat().st_size == 0
 
 
 def test_a_malformed_file_is_hashed_by_chunks_before_the_parser_refuses_it(chunked):

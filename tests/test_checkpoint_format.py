@@ -197,6 +197,36 @@ def test_read_verified_hashes_chunks_of_files_read_and_files_only_verified(chunk
         assert all(whole[n][0] == [hashlib.sha256(paths[n].read_bytes()).hexdigest()] for n in names)
 
 
+def test_read_verified_reads_into_a_destination_only_where_it_fits_and_hashes_the_files_bytes(tmp_path):
+    """A resume reads a file's tensors straight into the model's parameters: one that fits
+    (dtype, shape, contiguous, on the CPU) is filled in place; one that does not gets a fresh
+    tensor of the file's dtype and shape holding the file's values, and the destination is left
+    as it was; either way the digest is the file's (what was read is what was hashed)."""
+    path = tmp_path / "m.safetensors"
+    stored = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(5, dtype=torch.float64),
+        "c": torch.randn(2, 6),
+        "d": torch.randn(6),
+    }
+    write_safetensors_files([(path, stored, None)])
+    destinations = {
+        "a": torch.zeros(3, 4),
+        "b": torch.zeros(5),
+        "c": torch.zeros(6, 2),
+        "d": torch.zeros(12)[::2],
+    }
+    digests, tensors = read_verified({"m": path}, {"m": destinations}, {"m": None})["m"]
+    assert digests == [hashlib.sha256(path.read_bytes()).hexdigest()]
+    assert tensors["a"].data_ptr() == destinations["a"].data_ptr() and torch.equal(
+        destinations["a"], stored["a"]
+    )
+    for name in ("b", "c", "d"):
+        assert tensors[name].data_ptr() != destinations[name].data_ptr(), name
+        assert tensors[name].dtype == stored[name].dtype and torch.equal(tensors[name], stored[name]), name
+        assert not destinations[name].any(), name
+
+
 class _SideBySide:
     """hashlib as verified_read sees it, whose SHA-256 objects wait, at their first update,
     until another thread's does too: a read that hashes one file's chunks one after the

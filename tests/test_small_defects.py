@@ -388,9 +388,12 @@ def test_data_of_another_recipe_is_refused_naming_the_first_key_that_differs_and
         ({"params": {**params, "noise": 0.1}, "seed": 7}, {}, "data.seed 7", "1234"),
         ({"seed": 7, "prepare": "x:y"}, {}, 'data.prepare "x:y"', '"pipeline.tasks.regression:prepare_data"'),
         ({"params": {**params, "\x1b[2J": 0}}, {}, "data.params.\\x1b[2J 0", "(not set)"),
+        ({"params": None}, {}, "data.params (not recorded)", json.dumps(config.data.params)),
     ]
     for edits, overrides, recorded, configured in cases:
-        manifest_file.write_text(json.dumps({**manifest, **edits}))
+        manifest_file.write_text(
+            json.dumps({k: v for k, v in {**manifest, **edits}.items() if v is not None})
+        )
         here = load_config(CONFIG, {"data.dir": str(target), **overrides})
         with pytest.raises(DataError) as refused:
             load_manifest(here)
@@ -413,3 +416,19 @@ def test_data_of_another_recipe_is_refused_naming_the_first_key_that_differs_and
         )
     manifest_file.write_text(json.dumps(manifest))
     assert load_manifest(config, trained="step-00000004") == manifest
+
+
+def test_a_file_added_to_or_missing_from_prepared_data_is_refused_naming_it(tmp_path):
+    """Every reader checks the data folder's files against the manifest's table both ways: a
+    file added since 01 (trained on without a word otherwise) or one gone is named."""
+    target, config = _manifest_edited(tmp_path, lambda m: None)
+    (target / "zz-added.bin").write_bytes(b"x")
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert str(refused.value) == f"{target}/ does not match its manifest (file zz-added.bin added or missing)"
+    (target / "zz-added.bin").unlink()
+    gone = sorted(json.loads((target / "manifest.json").read_text())["files"])[-1]
+    (target / gone).unlink()
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert str(refused.value) == f"{target}/ does not match its manifest (file {gone} added or missing)"

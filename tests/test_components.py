@@ -439,6 +439,22 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
         with pytest.raises(StateMismatch) as refused:
             table[name].checked(run, saved, step)
         assert str(refused.value) == _refusal(where, why), (where, str(refused.value))
+    # The data's source record belongs to the feed (its own refusal), the sampler's position to
+    # a scratch sampler of this data.
+    from pipeline.errors import SEALED_BUT_UNFIT, DataError
+
+    rows = data["source"]["num_samples"]
+    with pytest.raises(DataError) as refused:
+        table["data"].checked(run, _with(data, ("source", "num_samples"), rows + 1), 0)
+    assert str(refused.value).startswith(
+        f"the training set had {rows + 1} samples when the checkpoint was saved"
+    )
+    with pytest.raises(StateMismatch) as refused:
+        table["data"].checked(run, _with(data, ("sampler", "cursor"), 10**6), 0)
+    assert str(refused.value).startswith("training_state.data.sampler does not fit this data ("), (
+        refused.value
+    )
+    assert str(refused.value).endswith(f"): {SEALED_BUT_UNFIT}"), refused.value
     # Other float types a saved optimizer state may hold (an older torch's float step) pass.
     table["optimizer"].checked(run, _with(optimizer, ("state", 2, "step"), 3.0), 0)
     with pytest.raises(StateMismatch) as refused:

@@ -302,10 +302,10 @@ def test_fetching_a_batch_leaves_the_training_processs_random_streams_as_they_we
 FULL = torch.arange(24, dtype=torch.float32).view(4, 6)
 
 
-def _write_shards(folder: Path, chunks: list[tuple[list[int], torch.Tensor]], name: str = "w") -> dict:
+def _write_shards(folder: Path, chunks: list[tuple[list[int] | None, torch.Tensor]], name: str = "w") -> dict:
     """``model/`` shard files, one per chunk of tensor ``name`` (as one rank's file holds
     its chunk), each chunk's offsets recorded as torch's DCP writer records them
-    (``DCP_SHARDING_INFO``); {file name in meta.json: MappedTensors}."""
+    (``DCP_SHARDING_INFO``; offsets None: not recorded); {file name in meta.json: MappedTensors}."""
     (folder / "model").mkdir(parents=True)
     mapped = {}
     for number, (offsets, chunk) in enumerate(chunks):
@@ -313,7 +313,12 @@ def _write_shards(folder: Path, chunks: list[tuple[list[int], torch.Tensor]], na
         write_safetensors(
             folder / path,
             {name: chunk.contiguous()},
-            {"DCP_SHARDING_INFO": json.dumps({name: {"saved_offsets": offsets}}), "format": "pt"},
+            {
+                "DCP_SHARDING_INFO": json.dumps(
+                    {} if offsets is None else {name: {"saved_offsets": offsets}}
+                ),
+                "format": "pt",
+            },
         )
         mapped[path] = MappedTensors(folder / path)
     return mapped
@@ -404,6 +409,8 @@ TILINGS = {
         ([2, 0], FULL[2:4, 0:3]),
         ([0, 3], FULL[0:2, 3:6]),
     ],
+    # a tensor the sharding info does not list starts at 0 in every dimension
+    "whole, its offsets not recorded": [(None, FULL)],
     # FSDP2 gives a rank an empty chunk when a tensor has fewer rows than the launch has ranks
     "with an empty chunk at the end": [([0, 0], FULL), ([4, 0], FULL[4:4])],
 }

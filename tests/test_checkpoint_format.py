@@ -339,6 +339,24 @@ def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_
     path.write_bytes(raw)
 
 
+@pytest.mark.parametrize("chunk_size", [None, SMALL])
+def test_a_file_whose_header_claims_more_than_it_holds_is_hashed_whole_then_refused_by_the_parser(
+    tmp_path, chunk_size
+):
+    """A sealed file whose header length runs past its end (damaged before it was sealed, or
+    written so): its digests are of the bytes it holds, so they match its seal, and the parser
+    then refuses it; it is not taken for a file that shrank while read (no digests)."""
+    path = tmp_path / "s.safetensors"
+    write_safetensors_files([(path, {"t": torch.randn(3 * SMALL // 4)}, None)])
+    raw = bytearray(path.read_bytes())
+    raw[:8] = len(raw).to_bytes(8, "little")
+    path.write_bytes(raw)
+    for destinations in ({}, None):
+        digests, parsed = read_verified({"s": path}, {"s": destinations}, {"s": chunk_size})["s"]
+        assert digests == (_slices(bytes(raw), SMALL) if chunk_size else [hashlib.sha256(raw).hexdigest()])
+        assert isinstance(parsed, ValueError), parsed
+
+
 class _TruncateOnHash:
     """hashlib as verified_read sees it, whose first SHA-256 update cuts the file to nothing
     before any other update goes on, as a writer racing the reader would: every chunk not

@@ -108,6 +108,7 @@ def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged
             {"notes.txt": "mine", "old/": None, "a.bin": "x", "b.bin": "y"},
             r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json",
         ),
+        ({"a.bin": "x", "b.bin": "y", "c/": None}, r"already holds a\.bin, b\.bin, c/ but no manifest\.json"),
         ("a file", r"exists and is not a folder"),
         ({"\x1b[31mred": "x"}, r"already holds \\x1b\[31mred but no manifest.json"),
     ],

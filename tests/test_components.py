@@ -277,15 +277,18 @@ def _with(tree: dict, path: tuple, value) -> dict:
     return tree
 
 
-def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fresh_run_naming_it(data_dir):
+def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fresh_run_naming_it(tmp_path):
     """Each built-in component's check, given a saved state as a checkpoint's would come back
     (the live state of a real run whose Adam took one step, then edited): the state as it is
     passes; each edit is refused in one line naming the field, what it is, and the fix, before
     anything is set."""
     from pipeline.checkpoint.components import capture_data, components, restore_order
+    from pipeline.data import prepare_data
     from pipeline.run import build_run
 
-    run = build_run(load_config(CONFIG, {"data.dir": str(data_dir)}), torch.device("cpu"))
+    config = load_config(CONFIG, {"data.dir": str(tmp_path / "data")})
+    prepare_data(config)  # in this process: a fraction of a second, no script started
+    run = build_run(config, torch.device("cpu"))
     for parameter in run.model.parameters():
         parameter.grad = torch.zeros_like(parameter)
     run.optimizer.step()  # a state for each of the six parameters: step, exp_avg, exp_avg_sq

@@ -390,13 +390,13 @@ def test_a_file_cut_short_while_it_is_read_gives_no_digests_not_digests_of_what_
 ):
     """read_verified plans a file's reads from its size when opened; a file that ends sooner
     while its pieces are read into the tensors (truncated by another writer) comes back with
-    no digests (None: the load refuses it as damaged or modified), not with digests of a
-    part, nor with tensors left half read taken for verified."""
+    no digests (None: the load refuses it as damaged or modified), not with digests of the
+    part it held, or of the zeros left where the rest was to be read."""
     path = tmp_path / "m.safetensors"
     write_safetensors_files([(path, {"t": torch.randn(192 * SMALL // 4)}, None)])
     assert path.stat().st_size > 128 * SMALL
     monkeypatch.setattr(verified_read, "hashlib", _TruncateOnHash(path))
-    digests, tensors = read_verified({"m": path}, {"m": {}}, {"m": chunk_size})["m"]
+    digests, _ = read_verified({"m": path}, {"m": {}}, {"m": chunk_size})["m"]
     assert digests is None and path.stat().st_size == 0
 
 

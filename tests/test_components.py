@@ -458,6 +458,17 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
     with pytest.raises(StateMismatch) as refused:
         table["scaler"].checked(run, {"scale": 1024.0}, 0)
     assert str(refused.value) == "the checkpoint and this run disagree on AMP GradScaler use (training.amp)"
+    amp = build_run(
+        load_config(CONFIG, {"data.dir": str(tmp_path / "data"), "training.amp": "fp16"}), run.device
+    )
+    scaler = amp.scaler.state_dict()
+    table["scaler"].checked(amp, scaler, 0)
+    with pytest.raises(StateMismatch) as refused:
+        table["scaler"].checked(amp, None, 0)
+    assert str(refused.value) == "the checkpoint and this run disagree on AMP GradScaler use (training.amp)"
+    with pytest.raises(StateMismatch) as refused:
+        table["scaler"].checked(amp, {**scaler, "scale": float("nan")}, 0)
+    assert str(refused.value) == _refusal("scaler.scale", "is nan, expected a finite number")
     with pytest.raises(StateMismatch) as refused:
         table["data"].joined({"sampler": None, "task": None, "source": None, "order": 1}, {}, set())
     assert str(refused.value) == _refusal("data", "does not hold exactly sampler, task, source")

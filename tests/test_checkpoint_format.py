@@ -197,6 +197,36 @@ def test_read_verified_hashes_chunks_of_files_read_and_files_only_verified(chunk
         assert all(whole[n][0] == [hashlib.sha256(paths[n].read_bytes()).hexdigest()] for n in names)
 
 
+def test_read_verified_reads_into_a_destination_only_where_it_fits_and_hashes_the_files_bytes(tmp_path):
+    """A resume reads a file's tensors straight into the model's parameters: one that fits
+    (dtype, shape, contiguous, on the CPU) is filled in place; one that does not gets a fresh
+    tensor of the file's dtype and shape holding the file's values, and the destination is left
+    as it was; either way the digest is the file's (what was read is what was hashed)."""
+    path = tmp_path / "m.safetensors"
+    stored = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(5, dtype=torch.float64),
+        "c": torch.randn(2, 6),
+        "d": torch.randn(6),
+    }
+    write_safetensors_files([(path, stored, None)])
+    destinations = {
+        "a": torch.zeros(3, 4),
+        "b": torch.zeros(5),
+        "c": torch.zeros(6, 2),
+        "d": torch.zeros(12)[::2],
+    }
+    digests, tensors = read_verified({"m": path}, {"m": destinations}, {"m": None})["m"]
+    assert digests == [hashlib.sha256(path.read_bytes()).hexdigest()]
+    assert tensors["a"].data_ptr() == destinations["a"].data_ptr() and torch.equal(
+        destinations["a"], stored["a"]
+    )
+    for name in ("b", "c", "d"):
+        assert tensors[name].data_ptr() != destinations[name].data_ptr(), name
+        assert tensors[name].dtype == stored[name].dtype and torch.equal(tensors[name], stored[name]), name
+        assert not destinations[name].any(), name
+
+
 class _SideBySide:
     """hashlib as verified_read sees it, whose SHA-256 objects wait, at their first update,
     until another thread's does too: a read that hashes one file's chunks one after the
@@ -266,17 +296,21 @@ class _RewriteOnHash:
         return Digest()
 
 
+@pytest.mark.parametrize("kernel", ["populate-write", "without it"])
 @pytest.mark.parametrize("chunk_size", [None, SMALL, 3000])
 @pytest.mark.parametrize("tensors", [2, 300])
 def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_the_map(
-    tmp_path, chunk_size, tensors, monkeypatch
+    tmp_path, chunk_size, tensors, kernel, monkeypatch
 ):
     """The file rewritten as soon as a first piece was hashed: of a file whose tensors are
     used, the map then holds exactly the bytes hashed (each page made this process's own
     copy before it was hashed); of a file only verified, the header a parser reads from it
     (owned before any chunk is hashed; a header of one page, or of several), its other pages
     reading the file again (never used). Chunk sizes that are not a page's multiple share
-    pages between chunks."""
+    pages between chunks. A kernel without MADV_POPULATE_WRITE (before Linux 5.14, which
+    refuses the advice) gets each page owned by a byte written to itself."""
+    if kernel == "without it":
+        monkeypatch.setattr(verified_read, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as an older kernel
     path = tmp_path / "m.safetensors"
     write_safetensors_files(
         [(path, {f"t{i:03d}": torch.randn(3000 // tensors) for i in range(tensors)}, None)]
@@ -285,17 +319,17 @@ def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_
     head = 8 + int.from_bytes(raw[:8], "little")
     assert len(raw) > 2 * SMALL and (head < mmap.PAGESIZE) == (tensors == 2)
     paged = -(-head // mmap.PAGESIZE) * mmap.PAGESIZE  # a page is owned whole
-    for own in ((), ("m",)):
+    for own in ((), ("m",), None):  # None: every file's tensors are viewed
         path.write_bytes(raw)
         mapped = map_file(path)
         racing = _RewriteOnHash(path)
         monkeypatch.setattr(verified_read, "hashlib", racing)
         digests = sha256_mapped({"m": mapped}, {"m": chunk_size}, own=own)["m"]
-        monkeypatch.undo()
+        monkeypatch.setattr(verified_read, "hashlib", hashlib)
         held = bytes(mapped)
         mapped.close()
         assert racing.rewritten
-        if own:
+        if own != ():
             assert digests == (
                 _slices(held, chunk_size) if chunk_size else [hashlib.sha256(held).hexdigest()]
             )
@@ -303,6 +337,67 @@ def test_sha256_mapped_hashes_the_bytes_a_parser_and_the_tensors_then_read_from_
             assert held[:paged] == raw[:paged]
             assert held[paged:] == bytes(b ^ 0xFF for b in raw[paged:])
     path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("chunk_size", [None, SMALL])
+def test_a_file_whose_header_claims_more_than_it_holds_is_hashed_whole_then_refused_by_the_parser(
+    tmp_path, chunk_size
+):
+    """A sealed file whose header length runs past its end (damaged before it was sealed, or
+    written so): its digests are of the bytes it holds, so they match its seal, and the parser
+    then refuses it; it is not taken for a file that shrank while read (no digests)."""
+    path = tmp_path / "s.safetensors"
+    write_safetensors_files([(path, {"t": torch.randn(3 * SMALL // 4)}, None)])
+    raw = bytearray(path.read_bytes())
+    raw[:8] = len(raw).to_bytes(8, "little")
+    path.write_bytes(raw)
+    for destinations in ({}, None):
+        digests, parsed = read_verified({"s": path}, {"s": destinations}, {"s": chunk_size})["s"]
+        assert digests == (_slices(bytes(raw), SMALL) if chunk_size else [hashlib.sha256(raw).hexdigest()])
+        assert isinstance(parsed, ValueError), parsed
+
+
+class _TruncateOnHash:
+    """hashlib as verified_read sees it, whose first SHA-256 update cuts the file to nothing
+    before any other update goes on, as a writer racing the reader would: every chunk not
+    read yet by then (all but one per thread of the pool, at most) finds the file ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.cut = False
+
+    def sha256(self, *args):
+        real, outer = hashlib.sha256(*args), self
+
+        class Digest:
+            def update(self, data) -> None:
+                real.update(data)
+                with outer.lock:
+                    if not outer.cut:
+                        outer.cut = True
+                        outer.path.write_bytes(b"")
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Digest()
+
+
+@pytest.mark.parametrize("chunk_size", [None, SMALL])
+def test_a_file_cut_short_while_it_is_read_gives_no_digests_not_digests_of_what_was_read(
+    tmp_path, chunk_size, monkeypatch
+):
+    """read_verified plans a file's reads from its size when opened; a file that ends sooner
+    while its pieces are read into the tensors (truncated by another writer) comes back with
+    no digests (None: the load refuses it as damaged or modified), not with digests of the
+    part it held, or of the zeros left where the rest was to be read."""
+    path = tmp_path / "m.safetensors"
+    write_safetensors_files([(path, {"t": torch.randn(192 * SMALL // 4)}, None)])
+    assert path.stat().st_size > 128 * SMALL
+    monkeypatch.setattr(verified_read, "hashlib", _TruncateOnHash(path))
+    digests, _ = read_verified({"m": path}, {"m": {}}, {"m": chunk_size})["m"]
+    assert digests is None and path.stat().st_size == 0
 
 
 def test_a_malformed_file_is_hashed_by_chunks_before_the_parser_refuses_it(chunked):

@@ -12,7 +12,14 @@ import pytest
 import torch
 from test_distributed import torchrun
 
-from pipeline.checkpoint import Component, component_names, load_checkpoint, read_tensors, register_component
+from pipeline.checkpoint import (
+    Component,
+    component_names,
+    load_checkpoint,
+    read_tensors,
+    register_component,
+    unregister_component,
+)
 from pipeline.config import load_config
 from pipeline.errors import StateMismatch
 from pipeline.layout import STATE_FILE
@@ -138,6 +145,13 @@ def test_registering_refuses_a_name_taken_a_reserved_one_and_per_rank_state(regi
             register_component(dummy.component(name=name))
     with pytest.raises(ValueError, match="per_rank"):
         register_component(dummy.component(name="other", per_rank=True))
+    with pytest.raises(ValueError) as refused:
+        register_component(dummy.component(name="my/ema"))  # its tensors' prefix, a meta.json key
+    assert str(refused.value) == "a component's name is a plain identifier (got 'my/ema')"
+    with pytest.raises(ValueError) as refused:
+        unregister_component("optimizer")
+    assert str(refused.value) == "'optimizer' is a built-in component of the training state"
+    assert "my/ema" not in component_names() and "optimizer" in component_names()
     assert isinstance(dummy.component(), Component)
 
 
@@ -180,3 +194,281 @@ def test_a_registered_component_round_trips_through_a_distributed_checkpoint(dat
     for rank in range(2):
         assert _restored(tmp_path, rank) == {"total": total.tolist(), "step": 4, "label": "dummy"}
     assert resumed["step"] == 6
+
+
+def _refusal(where: str, why: str) -> str:
+    from pipeline.errors import SEALED_BUT_UNFIT
+
+    return f"training_state.{where} {why}: {SEALED_BUT_UNFIT}"
+
+
+LIKE = {
+    # (saved, the fresh run's value, why it is refused or None where it fits[, the field
+    # named when it is not the top one])
+    "a bool for a bool": (False, True, None),
+    "an int for a bool": (1, True, "is 1, expected a bool"),
+    "a str for a str": ("b", "a", None),
+    "an int for a str": (1, "a", "is 1, expected a str"),
+    "an int for an int": (4, 3, None),
+    "a bool for an int": (True, 3, "is True, expected an integer"),
+    "a float for an int": (3.0, 3, "is 3.0, expected an integer"),
+    "a float for a float": (2.5, 1.0, None),
+    "an int for a float": (1, 1.0, "is 1, expected a finite number"),
+    "nan for a float": (float("nan"), 1.0, "is nan, expected a finite number"),
+    "-inf for a float": (float("-inf"), 1.0, "is -inf, expected a finite number"),
+    "inf where the fresh value is inf": (float("inf"), float("inf"), None),
+    "a list of as many": ([1.5, 2.0], [0.5, 1.0], None),
+    "a list one longer": ([1.0, 1.0], [1.0], "is not a list of 1 items"),
+    "a list one shorter": ([], [1.0], "is not a list of 1 items"),
+    "a tuple for a list": ((1.0,), [1.0], "is not a list of 1 items"),
+    "a list for a tuple": ([0.9, 0.99], (0.9, 0.99), "is not a tuple of 2 items"),
+    "an item of a list": ([1.0, float("nan")], [1.0, 1.0], "is nan, expected a finite number", "w[1]"),
+    "a dict of the same fields": ({"b": 2, "a": 1}, {"a": 0, "b": 0}, None),
+    "a dict with a field more": (
+        {"a": 1, "z": 2, "y": 3, "x": 4, "w": 5},
+        {"a": 1},
+        "does not have the expected fields (differs at ['w', 'x', 'y'])",
+    ),
+    "a dict with a field less": ({}, {"a": 1}, "does not have the expected fields (differs at ['a'])"),
+    "a list for a dict": ([1], {"a": 1}, "does not have the expected fields"),
+    "a field of a dict": ({"a": {"b": "1"}}, {"a": {"b": 1}}, "is '1', expected an integer", "w.a.b"),
+    "an equal tensor": (torch.ones(2, 3), torch.zeros(2, 3), None),
+    "a float64 tensor for a float32": (
+        torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(2, 3),
+        "is not a torch.float32 tensor of shape (2, 3)",
+    ),
+    "a tensor of another shape": (
+        torch.zeros(3, 2),
+        torch.zeros(2, 3),
+        "is not a torch.float32 tensor of shape (2, 3)",
+    ),
+    "a list for a tensor": ([0.0] * 6, torch.zeros(2, 3), "is not a torch.float32 tensor of shape (2, 3)"),
+    "anything where the fresh value is None": ({"x": [1]}, None, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIKE))
+def test_like_refuses_a_saved_value_of_another_structure_type_or_a_non_finite_float_naming_where(case):
+    """The default check of a registered component (and of the built-in ones' fields): the
+    saved tree has the fresh one's structure and types, its floats finite where the fresh ones
+    are; a refusal is one line naming the field, what it is, and the fix."""
+    from pipeline.checkpoint.components import like
+
+    saved, live, why, *inner = LIKE[case]
+    if why is None:
+        like(saved, live, "w")
+        return
+    with pytest.raises(StateMismatch) as refused:
+        like(saved, live, "w")
+    assert str(refused.value) == _refusal(inner[0] if inner else "w", why), str(refused.value)
+
+
+def _with(tree: dict, path: tuple, value) -> dict:
+    """A deep copy of ``tree`` with the item at ``path`` (keys and indexes) set to ``value``."""
+    import copy
+
+    tree = copy.deepcopy(tree)
+    *parents, last = path
+    inner = tree
+    for key in parents:
+        inner = inner[key]
+    inner[last] = value
+    return tree
+
+
+def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fresh_run_naming_it(tmp_path):
+    """Each built-in component's check, given a saved state as a checkpoint's would come back
+    (the live state of a real run whose Adam took one step, then edited): the state as it is
+    passes; each edit is refused in one line naming the field, what it is, and the fix, before
+    anything is set."""
+    from pipeline.checkpoint.components import capture_data, components, restore_order
+    from pipeline.data import prepare_data
+    from pipeline.run import build_run
+
+    config = load_config(CONFIG, {"data.dir": str(tmp_path / "data")})
+    prepare_data(config)  # in this process: a fraction of a second, no script started
+    run = build_run(config, torch.device("cpu"))
+    for parameter in run.model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    run.optimizer.step()  # a state for each of the six parameters: step, exp_avg, exp_avg_sq
+    table = {c.name: c for c in components()}
+    assert list(table) == ["rng", "optimizer", "scheduler", "data", "scaler", "callbacks"]
+    assert [c.name for c in restore_order()][-1] == "rng"
+    optimizer = run.optimizer.state_dict()
+    scheduler = run.scheduler.state_dict()
+    rng = table["rng"].live(run)
+    data = capture_data(run, None)
+    for name, saved in (("optimizer", optimizer), ("scheduler", scheduler), ("rng", rng), ("data", data)):
+        table[name].checked(run, saved, 0)
+    table["scaler"].checked(run, None, 0)
+    cases = [
+        ("optimizer", [], 0, "optimizer", "is not an optimizer state (state, param_groups)"),
+        (
+            "optimizer",
+            {**optimizer, "x": 1},
+            0,
+            "optimizer",
+            "is not an optimizer state (state, param_groups)",
+        ),
+        (
+            "optimizer",
+            {**optimizer, "param_groups": optimizer["param_groups"] * 2},
+            0,
+            "optimizer.param_groups",
+            "does not hold 1 groups",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("param_groups", 0, "params"), [0, 1, 2, 3, 5, 4]),
+            0,
+            "optimizer.param_groups[0].params",
+            "differ from this model's parameters",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("param_groups", 0, "lr"), float("inf")),
+            0,
+            "optimizer.param_groups[0].lr",
+            "is inf, expected a finite number",
+        ),
+        ("optimizer", {**optimizer, "state": []}, 0, "optimizer.state", "is not a mapping"),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 6), {}),
+            0,
+            "optimizer.state",
+            "names parameter 6, this model has 6",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", -1), {}),
+            0,
+            "optimizer.state",
+            "names parameter -1, this model has 6",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", "0"), {}),
+            0,
+            "optimizer.state",
+            "names parameter '0', this model has 6",
+        ),
+        ("optimizer", _with(optimizer, ("state", 5), [1]), 0, "optimizer.state[5]", "is not a mapping"),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 0, "step"), torch.tensor(float("nan"))),
+            0,
+            "optimizer.state[0].step",
+            "is nan",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 1, "exp_avg"), torch.zeros(6, 16)),  # a bias (16,) given a matrix
+            0,
+            "optimizer.state[1].exp_avg",
+            "has shape (6, 16), the parameter (16,)",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 0, "exp_avg_sq"), torch.zeros(3, 16)),  # the (16, 3) weight transposed
+            0,
+            "optimizer.state[0].exp_avg_sq",
+            "has shape (3, 16), the parameter (16, 3)",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 2, "step"), float("nan")),
+            0,
+            "optimizer.state[2].step",
+            "is nan, expected a tensor or a finite number",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 2, "step"), True),
+            0,
+            "optimizer.state[2].step",
+            "is True, expected a tensor or a finite number",
+        ),
+        (
+            "optimizer",
+            _with(optimizer, ("state", 2, "step"), "1"),
+            0,
+            "optimizer.state[2].step",
+            "is '1', expected a tensor or a finite number",
+        ),
+        ("scheduler", scheduler, 1, "scheduler.last_epoch", "is 0, the run is at step 1"),
+        (
+            "scheduler",
+            {**scheduler, "last_epoch": 1},
+            0,
+            "scheduler.last_epoch",
+            "is 1, the run is at step 0",
+        ),
+        (
+            "rng",
+            {k: v for k, v in rng.items() if k != "torch_cuda"},
+            0,
+            "rng",
+            "does not hold exactly python, numpy_generator, numpy_legacy, torch_cpu, torch_cuda",
+        ),
+        (
+            "rng",
+            {**rng, "extra": 1},
+            0,
+            "rng",
+            "does not hold exactly python, numpy_generator, numpy_legacy, torch_cpu, torch_cuda",
+        ),
+        ("rng", {**rng, "python": "x"}, 0, "rng.python", "is not a valid state (ValueError)"),
+        ("rng", {**rng, "numpy_legacy": "x"}, 0, "rng.numpy_legacy", "is not a valid state (TypeError)"),
+        (
+            "rng",
+            {**rng, "numpy_generator": "x"},
+            0,
+            "rng.numpy_generator",
+            "is not a valid state (TypeError)",
+        ),
+        ("rng", {**rng, "torch_cpu": "x"}, 0, "rng.torch_cpu", "is not a valid state (TypeError)"),
+        ("rng", {**rng, "torch_cuda": torch.zeros(2)}, 0, "rng.torch_cuda", "is not a list of byte tensors"),
+        ("rng", {**rng, "torch_cuda": [1]}, 0, "rng.torch_cuda", "is not a list of byte tensors"),
+        ("data", {**data, "sampler": None}, 0, "data.sampler", "is missing"),
+    ]
+    for name, saved, step, where, why in cases:
+        with pytest.raises(StateMismatch) as refused:
+            table[name].checked(run, saved, step)
+        assert str(refused.value) == _refusal(where, why), (where, str(refused.value))
+    # The data's source record belongs to the feed (its own refusal), the sampler's position to
+    # a scratch sampler of this data.
+    from pipeline.errors import SEALED_BUT_UNFIT, DataError
+
+    rows = data["source"]["num_samples"]
+    with pytest.raises(DataError) as refused:
+        table["data"].checked(run, _with(data, ("source", "num_samples"), rows + 1), 0)
+    assert str(refused.value).startswith(
+        f"the training set had {rows + 1} samples when the checkpoint was saved"
+    )
+    with pytest.raises(StateMismatch) as refused:
+        table["data"].checked(run, _with(data, ("sampler", "cursor"), 10**6), 0)
+    assert str(refused.value).startswith("training_state.data.sampler does not fit this data ("), (
+        refused.value
+    )
+    assert str(refused.value).endswith(f"): {SEALED_BUT_UNFIT}"), refused.value
+    # Other float types a saved optimizer state may hold (an older torch's float step) pass.
+    table["optimizer"].checked(run, _with(optimizer, ("state", 2, "step"), 3.0), 0)
+    with pytest.raises(StateMismatch) as refused:
+        table["scaler"].checked(run, {"scale": 1024.0}, 0)
+    assert str(refused.value) == "the checkpoint and this run disagree on AMP GradScaler use (training.amp)"
+    amp = build_run(
+        load_config(CONFIG, {"data.dir": str(tmp_path / "data"), "training.amp": "fp16"}), run.device
+    )
+    scaler = amp.scaler.state_dict()
+    table["scaler"].checked(amp, scaler, 0)
+    with pytest.raises(StateMismatch) as refused:
+        table["scaler"].checked(amp, None, 0)
+    assert str(refused.value) == "the checkpoint and this run disagree on AMP GradScaler use (training.amp)"
+    with pytest.raises(StateMismatch) as refused:
+        table["scaler"].checked(amp, {**scaler, "scale": float("nan")}, 0)
+    assert str(refused.value) == _refusal("scaler.scale", "is nan, expected a finite number")
+    with pytest.raises(StateMismatch) as refused:
+        table["data"].joined({"sampler": None, "task": None, "source": None, "order": 1}, {}, set())
+    assert str(refused.value) == _refusal("data", "does not hold exactly sampler, task, source")

@@ -46,7 +46,7 @@ from pipeline.errors import (
 )
 from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metrics
 from pipeline.hashing import sha256_file
-from pipeline.layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, STATE_FILE, rank_rng_file
+from pipeline.layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from pipeline.proof.checks import control_verdict, judge
 from pipeline.proof.compare import compare
 from pipeline.run import build_model
@@ -673,6 +673,101 @@ def test_shard_coverage_refuses_a_tensor_meta_json_does_not_list_and_one_no_shar
     with_c = tensor_specs({**full, "c": torch.zeros(2)})
     with pytest.raises(ChecksumMismatch, match="holds no shard of tensor c: a shard file is missing"):
         shard_tensors(tmp_path, DIST_MODEL_DIR, with_c, maps)
+
+
+def _launch_meta(world_size: int = 2, **changes) -> dict:
+    """The launch record of a meta.json as a 2-process DDP run writes it (files table by name)."""
+    meta = {
+        "parallel": {"mode": "ddp", "world_size": world_size, "ddp_find_unused_parameters": False},
+        "resharded_from": None,
+        "tensors": {
+            DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4, 3]}, "e": {"dtype": "BF16", "shape": [0]}},
+            DIST_OPTIM_DIR: {"state.w.exp_avg": {"dtype": "F32", "shape": [4, 3]}},
+        },
+        "files": dict.fromkeys(
+            [
+                STATE_FILE,
+                *(rank_rng_file(rank) for rank in range(world_size)),
+                f"{DIST_MODEL_DIR}/{_shard(1)}",
+                f"{DIST_OPTIM_DIR}/{_shard(1)}",
+            ],
+            {},
+        ),
+    }
+    meta.update(changes)
+    return meta
+
+
+def test_a_launch_record_that_does_not_describe_a_launch_is_one_line_naming_what_and_the_fix(tmp_path):
+    """meta.json's launch record (read by every load of a distributed checkpoint, sealed: only a
+    writer of another version or a resealed edit gets here): each field and the files table
+    is held to what a launch writes, on both sides of each bound, and refused in one line
+    naming the file and what is wrong with it."""
+    from pipeline.checkpoint.shards import check_launch_record
+    from pipeline.errors import SEALED_BUT_UNFIT
+
+    path = tmp_path / "meta.json"
+    parallel = _launch_meta()["parallel"]
+    fits = [
+        _launch_meta(),
+        _launch_meta(1),  # one process under torchrun
+        _launch_meta(parallel={**parallel, "mode": "fsdp2", "ddp_find_unused_parameters": True}),
+        _launch_meta(resharded_from=1),
+        _launch_meta(
+            tensors={DIST_MODEL_DIR: {}, DIST_OPTIM_DIR: {}},
+            files={STATE_FILE: {}, **{rank_rng_file(r): {} for r in range(2)}},
+        ),
+    ]
+    for meta in fits:
+        check_launch_record(path, meta)
+    malformed = {
+        "parallel record": [
+            {**parallel, "mode": "tp"},
+            {**parallel, "world_size": 0},
+            {**parallel, "world_size": True},
+            {**parallel, "world_size": 2.0},
+            {**parallel, "ddp_find_unused_parameters": 0},
+            {k: v for k, v in parallel.items() if k != "ddp_find_unused_parameters"},
+            {**parallel, "nodes": 1},
+        ],
+        "resharded_from": [0, True, 1.0],
+        "tensors table": [
+            {DIST_MODEL_DIR: {}},
+            {DIST_MODEL_DIR: {}, DIST_OPTIM_DIR: {}, "rng": {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F99", "shape": [4]}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [-1]}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4.0]}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": 4}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32"}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: [], DIST_OPTIM_DIR: {}},
+        ],
+    }
+    field = {"parallel record": "parallel", "resharded_from": "resharded_from", "tensors table": "tensors"}
+    for what, values in malformed.items():
+        for value in values:
+            with pytest.raises(SchemaMismatch) as refused:
+                check_launch_record(path, _launch_meta(**{field[what]: value}))
+            assert str(refused.value) == f"{path} has a malformed {what}: {SEALED_BUT_UNFIT}", (
+                value,
+                refused.value,
+            )
+    files = _launch_meta()["files"]
+    for odd in ("modelo.safetensors", rank_rng_file(2), DIST_MODEL_DIR, "rng/x.safetensors"):
+        with pytest.raises(SchemaMismatch) as refused:
+            check_launch_record(path, _launch_meta(files={**files, odd: {}}))
+        assert str(refused.value) == f"{path} lists {odd!r}, which has no place in a distributed checkpoint"
+    for gone, named in ((rank_rng_file(1), rank_rng_file(1)), (DIST_RNG_DIR, rank_rng_file(0))):
+        kept = {name: entry for name, entry in files.items() if not name.startswith(gone)}
+        with pytest.raises(SchemaMismatch) as refused:
+            check_launch_record(path, _launch_meta(files=kept))
+        assert str(refused.value) == f"{path} does not list {named}: the checkpoint is incomplete"
+    for part in (DIST_MODEL_DIR, DIST_OPTIM_DIR):
+        kept = {name: entry for name, entry in files.items() if not name.startswith(f"{part}/")}
+        with pytest.raises(SchemaMismatch) as refused:
+            check_launch_record(path, _launch_meta(files=kept))
+        assert str(refused.value) == (
+            f"{path} lists no shard file for the model or the optimizer: the checkpoint is incomplete"
+        )
 
 
 def test_a_rank_rng_file_without_a_readable_rng_record_is_one_line_naming_it(tmp_path):

@@ -108,6 +108,7 @@ def test_an_oversize_staged_meta_json_is_called_oversize_not_invalid_json(staged
             {"notes.txt": "mine", "old/": None, "a.bin": "x", "b.bin": "y"},
             r"already holds a.bin, b.bin, notes.txt and 1 more but no manifest.json",
         ),
+        ({"a.bin": "x", "b.bin": "y", "c/": None}, r"already holds a\.bin, b\.bin, c/ but no manifest\.json"),
         ("a file", r"exists and is not a folder"),
         ({"\x1b[31mred": "x"}, r"already holds \\x1b\[31mred but no manifest.json"),
     ],
@@ -326,3 +327,109 @@ def test_a_params_key_from_the_manifest_is_shown_inert(tmp_path):
         with pytest.raises(DataError) as refused:
             call(config)
         assert "\x1b" not in str(refused.value) and "\x07" not in str(refused.value)
+
+
+def test_a_data_prepare_that_writes_no_file_is_refused_and_leaves_no_data_dir(tmp_path):
+    """01 with a data.prepare that wrote nothing: a data.dir holding only a manifest of no file
+    would be "prepared data" every reader accepts; refused in one line naming the function."""
+    target = tmp_path / "data"
+    config = load_config(
+        CONFIG, {"data.dir": str(target), "data.prepare": "hostile_factories:prepare_nothing"}
+    )
+    with pytest.raises(DataError) as refused:
+        prepare_data(config)
+    assert str(refused.value) == "hostile_factories:prepare_nothing wrote no files"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_data_manifest_that_is_not_a_table_of_files_is_refused_as_damaged_in_one_line(tmp_path):
+    """manifest.json parsed but not the object 01 writes (a list, a files entry that is not a
+    mapping): one line naming it and the fix from 01 run again and from every reader, not an
+    AttributeError traceback."""
+    from pipeline.commands import script_command
+
+    target, config = _manifest_edited(tmp_path, lambda m: None)
+    manifest_file = target / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    for damaged in ([manifest], {**manifest, "files": sorted(manifest["files"])}):
+        manifest_file.write_text(json.dumps(damaged))
+        for call in (load_manifest, prepare_data):
+            with pytest.raises(DataError) as refused:
+                call(config)
+            assert str(refused.value) == (
+                f"{manifest_file} is damaged: move {target}/ aside (nothing in it is deleted) and rerun "
+                f"{script_command(config, '01_prepare_data.py')}"
+            ), refused.value
+            assert str(refused.value).endswith(f"01_prepare_data.py --set data.dir={target}")
+
+
+def test_data_of_another_recipe_is_refused_naming_the_first_key_that_differs_and_both_values(
+    data_dir, tmp_path
+):
+    """load_manifest (02, 03; 04 and 05 with the checkpoint named) on data whose manifest
+    records another recipe: the first key in the order prepare, seed, params (a params entry by
+    its own name, the first by name), the recorded value and the config's, each "(not
+    recorded)" or "(not set)" where there is none; then the command preparing this config's
+    data into a folder of its own, named by its recipe."""
+    import re
+    import shutil
+
+    target = tmp_path / "data"
+    shutil.copytree(data_dir, target)
+    manifest_file = target / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    params = manifest["params"]
+    assert params["noise"] == 0.05 and "b" not in params and "scale" not in params, params
+    config = load_config(CONFIG, {"data.dir": str(target)})
+    cases = [
+        ({"params": {**params, "shift": 1}}, {}, "data.params.shift 1", "(not set)"),
+        ({}, {"data.params.scale": 2}, "data.params.scale (not recorded)", "2"),
+        ({"params": {**params, "noise": 0.1, "b": [1]}}, {}, "data.params.b [1]", "(not set)"),
+        ({"params": {**params, "noise": 0.1}}, {}, "data.params.noise 0.1", "0.05"),
+        ({"params": {**params, "noise": 0.1}, "seed": 7}, {}, "data.seed 7", "1234"),
+        ({"seed": 7, "prepare": "x:y"}, {}, 'data.prepare "x:y"', '"pipeline.tasks.regression:prepare_data"'),
+        ({"params": {**params, "\x1b[2J": 0}}, {}, "data.params.\\x1b[2J 0", "(not set)"),
+        ({"params": None}, {}, "data.params (not recorded)", json.dumps(config.data.params)),
+    ]
+    for edits, overrides, recorded, configured in cases:
+        manifest_file.write_text(
+            json.dumps({k: v for k, v in {**manifest, **edits}.items() if v is not None})
+        )
+        here = load_config(CONFIG, {"data.dir": str(target), **overrides})
+        with pytest.raises(DataError) as refused:
+            load_manifest(here)
+        message = str(refused.value)
+        folder = re.escape(f"--set data.dir={target}-") + "[0-9a-f]{8}"
+        assert re.fullmatch(
+            re.escape(
+                f"{target}/ holds data prepared with {recorded}, but this config has {configured}: prepare this "
+                "config's data into a folder of its own with "
+            )
+            + rf".*01_prepare_data\.py .*{folder}, then add {folder} here "
+            + re.escape("(the data in place stays: checkpoints may be trained on it)"),
+            message,
+        ), (edits, message)
+        with pytest.raises(DataError) as refused:
+            load_manifest(here, trained="step-00000004")
+        assert str(refused.value) == (
+            f"{target}/ holds data prepared with {recorded}, but step-00000004 was trained on data prepared "
+            f"with {configured}: point data.dir at the data it was trained on"
+        )
+    manifest_file.write_text(json.dumps(manifest))
+    assert load_manifest(config, trained="step-00000004") == manifest
+
+
+def test_a_file_added_to_or_missing_from_prepared_data_is_refused_naming_it(tmp_path):
+    """Every reader checks the data folder's files against the manifest's table both ways: a
+    file added since 01 (trained on without a word otherwise) or one gone is named."""
+    target, config = _manifest_edited(tmp_path, lambda m: None)
+    (target / "zz-added.bin").write_bytes(b"x")
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert str(refused.value) == f"{target}/ does not match its manifest (file zz-added.bin added or missing)"
+    (target / "zz-added.bin").unlink()
+    gone = sorted(json.loads((target / "manifest.json").read_text())["files"])[-1]
+    (target / gone).unlink()
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert str(refused.value) == f"{target}/ does not match its manifest (file {gone} added or missing)"

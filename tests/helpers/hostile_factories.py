@@ -169,3 +169,7 @@ def build_stream(config: Config, data_dir: Path) -> StreamTask:
 def prepare_unrepeatable(config: Config, out_dir: Path) -> None:
     """A ``data.prepare`` that writes other bytes every time (a tokenizer trained on threads)."""
     (out_dir / "vocabulary.bin").write_bytes(os.urandom(32))
+
+
+def prepare_nothing(config: Config, out_dir: Path) -> None:
+    """A ``data.prepare`` that returns without writing a file (a download that found nothing)."""

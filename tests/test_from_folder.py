@@ -422,6 +422,26 @@ def test_a_file_changed_after_its_seal_was_checked_is_refused(folder, tmp_path, 
     assert not (tmp_path / "stage").exists()
 
 
+def test_a_sharded_folder_leaves_out_exactly_what_its_index_does_not_name_sealed_or_not(folder, tmp_path):
+    """The shards the index names are read; a stray .safetensors it does not name, a subfolder
+    and notes are left out, in the record and on the card, before and after a seal."""
+    shards = resave_sharded(folder)
+    (folder / "old-model.safetensors").write_bytes((folder / shards[0]).read_bytes())
+    (folder / "runs").mkdir()
+    (folder / "runs" / "model-00001-of-00002.safetensors").write_bytes((folder / shards[0]).read_bytes())
+    (folder / "notes.txt").write_text("notes\n")
+    for target in (tmp_path / "plain", tmp_path / "sealed"):
+        if target.name == "sealed":
+            seal_checkpoint(folder, step=3)
+        stage(folder, target)
+        record = json.loads((target / "meta.json").read_text())["source_checkpoint"]
+        assert record["sealed"] is (target.name == "sealed")
+        assert record["left_out"] == ["notes.txt", "old-model.safetensors", "runs/"]
+        assert set(shards) <= set(record["files"]) and "old-model.safetensors" not in record["files"]
+        card = ModelCard.load(target / "README.md").text
+        assert "Left out, never opened: `notes.txt`, `old-model.safetensors`, `runs/`." in card
+
+
 def test_sharded_weights_are_read_through_their_index_and_resharded_as_asked(folder, tmp_path):
     shards = resave_sharded(folder)
     source = {name: tensor for shard in shards for name, tensor in load_file(folder / shard).items()}

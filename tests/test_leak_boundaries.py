@@ -291,6 +291,14 @@ def test_this_machines_paths_are_its_absolute_folders_and_its_host_name_any_but_
         assert leak_rules({}, home="/", cwd="/", hostname=anonymous).machine == (checkout,), anonymous
 
 
+def test_a_home_folder_spelled_with_a_leading_double_slash_is_found_in_either_spelling(no_saved_login):
+    """POSIX keeps a path's leading "//": HOME=//home/alice is /home/alice, which tools write."""
+    machine = leak_rules({}, home="//home/alice", cwd="/", hostname="")
+    assert machine.machine[0] == (b"/home/alice", "the home folder's path")
+    for written in ("/home/alice/runs/a.txt", "//home/alice/runs/a.txt"):
+        assert scan_bytes(f"data in {written}\n", machine) == {"path": "the home folder's path"}, written
+
+
 # Each written alone on a line (or as the whole file), with this machine's home folder
 # /home/alice and host name gpu-node-7: found where it is not part of a longer name.
 WHOLE_WORDS = {

@@ -168,10 +168,79 @@ def test_each_credential_format_in_a_text_file_is_refused_without_being_shown(tm
 
 def test_the_table_has_a_rule_for_each_provider_and_an_example_of_each_form():
     assert PROVIDERS <= {kind.id for kind in KINDS}
-    assert all(kind.examples and kind.needles for kind in KINDS)
+    assert all(kind.examples and (kind.needles or kind.any_case) for kind in KINDS)
     github = next(kind for kind in KINDS if kind.id == "github-token")
     assert {example[:4] for example in github.examples} >= {"ghp_", "gho_", "ghu_", "ghs_", "ghr_", "gith"}
     assert len({kind.id for kind in KINDS}) == len(KINDS)
+
+
+def in_cases(text: str, rng: random.Random, odds: float) -> str:
+    """``text`` with each letter's case flipped at ``odds``."""
+    return "".join(c.swapcase() if c.isalpha() and rng.random() < odds else c for c in text)
+
+
+def test_whatever_a_rule_matches_with_letters_in_another_case_its_needles_find():
+    """A pattern may take a name in any case (``(?i:...)``): every spelling it matches, the search
+    (tried only near a needle) finds; a value's own letters flipped mostly fall out of the pattern."""
+    rng, missed = random.Random(20261205), []
+    for kind in KINDS:
+        for example in kind.examples:
+            for odds in (0.1, 0.5):
+                for _ in range(200):
+                    text = f"x = {in_cases(example, rng, odds)} .".encode()
+                    if kind.pattern.search(text) and not kind.search(text, 0, len(text)):
+                        missed.append(f"{kind.id}: {text[4:30]!r}")
+    assert missed == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AWS_Secret_Access_Key", "awsSecretAccessKEY", "AWSSECRETACCESSKEY", "aws_secretAccessKey"]
+    + ["AWS_SECRET_ACCESS_Key", "aws_secret_accessKEY", "AWS_SECRET_ACCESSkey", "aws_secret_access_KEY"],
+)
+def test_an_aws_secret_access_key_named_in_any_case_is_found_plain_utf16_and_base64(name):
+    value = "u8Qz3LkP7mWx2Rt9Vb1Nc8Hd5Jf0Gs4Ty6Ea+Ko/Ui"[:40]
+    line, rule_set = f"[default]\n{name} = {value}\n", rules(hostname="")
+    assert scan_bytes(line, rule_set) == {"aws-key": "an AWS access key"}
+    assert scan_bytes(line.encode("utf-16"), rule_set) == {"aws-key": "an AWS access key (UTF-16)"}
+    assert scan_bytes(base64.b64encode(line.encode()), rule_set) == {
+        "aws-key": "an AWS access key (base64-encoded)"
+    }
+
+
+def every_case(word: str) -> list[str]:
+    return [
+        "".join(c.upper() if mask >> n & 1 else c for n, c in enumerate(word))
+        for mask in range(1 << len(word))
+    ]
+
+
+def test_every_case_of_the_letters_a_needle_sits_on_is_found():
+    """The letters of "access_key" (with and without its underscore) and of "wandb", in each of
+    their cases: a list of literal spellings misses most of them."""
+    aws, wandb = (next(kind for kind in KINDS if kind.id == id_) for id_ in ("aws-key", "wandb-key"))
+    value, digest = "u8Qz3LkP7mWx2Rt9Vb1Nc8Hd5Jf0Gs4Ty6Ea+Ko/", "3f9a1c7e5b2d8f6a0c4e9b7d1a3f5c8e2b6d0a94"
+    spellings = [(aws, f"aws_secret_{name} = {value}") for name in every_case("access_key")]
+    spellings += [(aws, f"AwsSecret{name}={value}") for name in every_case("accesskey")]
+    spellings += [(wandb, f"{name}_API_KEY: {digest}") for name in every_case("wandb")]
+    spellings += [(wandb, f"machine api.{name}.ai password {digest}") for name in every_case("wandb")]
+    missed = []
+    for kind, text in spellings:
+        assert kind.pattern.search(text.encode()), text
+        if not kind.search(text.encode(), 0, len(text)):
+            missed.append(text[:24])
+    assert missed == []
+
+
+def test_a_name_in_any_case_is_looked_for_inside_the_window_searched_and_only_there():
+    aws = next(kind for kind in KINDS if kind.id == "aws-key")
+    secret = b"AWS_Secret_ACCESS_Key = " + b"u8Qz3LkP7mWx2Rt9Vb1Nc8Hd5Jf0Gs4Ty6Ea+Ko/"
+    buffer = b"x " * 2000 + secret + b" " + b"y " * 2000 + secret + b"\n"
+    first, second = buffer.index(secret), buffer.rindex(secret)
+    assert aws.search(buffer, second - 10, len(buffer))
+    assert aws.search(buffer, first - 10, first + len(secret))
+    assert not aws.search(buffer, first + len(secret), second - 10)
+    assert not aws.search(buffer, 0, first + len(secret) - 1)  # the value cut one character short
 
 
 def test_every_rule_is_named_in_the_documented_table():

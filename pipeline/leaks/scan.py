@@ -141,7 +141,9 @@ def leak_rules(
     for path, what in places:
         path = os.path.normpath(path) if path else ""
         if path.startswith("/") and path.strip("/"):  # not the root ("//" is one too: POSIX keeps it)
-            machine.setdefault(path.encode(), what)
+            # POSIX keeps a leading "//" too: "//home/alice" is /home/alice, and the one-slash form
+            # finds both spellings.
+            machine.setdefault(("/" + path.lstrip("/")).encode(), what)
     host = (hostname if hostname is not None else socket.gethostname()).strip()
     if host and host.lower() not in _ANONYMOUS_HOSTS:
         machine.setdefault(host.encode(), "the host name")
@@ -373,10 +375,8 @@ def _machine_word(value: bytes, what: str):
     if what != "the host name":
         return lambda buffer, start, end: near_needles(pattern, (value,), buffer, start, end, span=span)
 
-    def search(
-        buffer: bytes | bytearray, start: int, end: int
-    ) -> bool:  # any case: find it in a lowercased copy
-        return near_needles(pattern, (value.lower(),), buffer, start, end, buffer[:end].lower(), span)
+    def search(buffer: bytes | bytearray, start: int, end: int) -> bool:
+        return near_needles(pattern, (), buffer, start, end, any_case=(value.lower(),), span=span)
 
     return search
 

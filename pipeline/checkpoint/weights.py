@@ -118,7 +118,8 @@ def check_derived_buffers(
             or built.device.type == "meta"
             or built.shape != saved.shape
             or built.dtype != saved.dtype
-            or not torch.equal(built.detach().cpu(), saved)
+            # A distributed resume holds the saved values on the run's device (a GPU, say).
+            or not torch.equal(built.detach().cpu(), saved.detach().cpu())
         ):
             raise StateMismatch(
                 f"{source}: buffer {name} differs from the value this code builds (the code or config "

@@ -140,9 +140,9 @@ def leak_rules(
     machine: dict[bytes, str] = {}
     for path, what in places:
         path = os.path.normpath(path) if path else ""
-        if path.startswith("/") and path.strip("/"):  # not the root ("//" is one too: POSIX keeps it)
-            # POSIX keeps a leading "//" too: "//home/alice" is /home/alice, and the one-slash form
-            # finds both spellings.
+        # Not the root. POSIX keeps a leading "//" ("//home/alice" is /home/alice, and "//" is
+        # the root): the one-slash form finds both spellings.
+        if path.startswith("/") and path.strip("/"):
             machine.setdefault(("/" + path.lstrip("/")).encode(), what)
     host = (hostname if hostname is not None else socket.gethostname()).strip()
     if host and host.lower() not in _ANONYMOUS_HOSTS:

@@ -604,3 +604,23 @@ def test_the_proofs_cut_is_planned_on_the_steps_training_takes_with_accumulation
     assert (plan.steps, plan.cut) == (6, 2), plan
     assert plan.reason.endswith("step 2 is inside epoch 0; epoch 1 starts at step 4"), plan.reason
     assert plan.to_dict()["first_step_of_a_new_epoch_after_cut"] == 4
+
+
+def test_a_float32_run_with_amp_off_trains_on_full_precision_losses(data_dir):
+    """``training.amp: none`` is full precision: the loss a float32 step trains on is the
+    task's own loss of that batch, bitwise, not one computed under a bf16 (CPU) or fp16
+    (CUDA) autocast."""
+    from pipeline.config import load_config
+    from pipeline.run import build_run
+    from pipeline.train import train_step
+
+    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "training.dtype": "float32"})
+    assert config.training.amp == "none"
+    trained = build_run(config, torch.device("cpu"))
+    loss, _ = train_step(trained)
+    by_hand = build_run(config, torch.device("cpu"))  # the same seed: the same model and batch
+    batch, _ = by_hand.feed.next_batch()
+    by_hand.model.train()
+    expected = by_hand.data.loss(by_hand.model, batch)
+    assert expected.dtype == torch.float32
+    assert loss == float(expected.detach())

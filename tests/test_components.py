@@ -472,3 +472,17 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
     with pytest.raises(StateMismatch) as refused:
         table["data"].joined({"sampler": None, "task": None, "source": None, "order": 1}, {}, set())
     assert str(refused.value) == _refusal("data", "does not hold exactly sampler, task, source")
+
+
+def test_a_saved_sampler_position_past_the_users_sampler_batches_is_refused_in_one_line(data_dir, tmp_path):
+    """A task's own sampler that looks its saved position up (an IndexError one past its last
+    batch: saved at an epoch's end) is refused before anything is restored, naming the
+    sampler, not ended by the IndexError."""
+    config = _config(data_dir, tmp_path, **{"data.factory": "proof_factories:build_lookup_data"})
+    cut = train(config, stop_at=6, progress=False)  # 24 rows in batches of 4: the epoch's end
+    assert cut.step == 6
+    with pytest.raises(StateMismatch) as refused:
+        train(config, resume="latest", progress=False)
+    assert str(refused.value).startswith(
+        "training_state.data.sampler does not fit this data (list index out of range): "
+    ), refused.value

@@ -1819,3 +1819,27 @@ def test_a_rank_whose_failed_peer_is_gone_before_saying_why_says_what_it_knows(t
         "); the last committed checkpoint is intact: relaunch with --resume latest"
     )
     assert "\n" not in str(lost)
+
+
+def test_what_a_proof_leg_restored_is_a_copy_that_training_on_does_not_change(data_dir, tmp_path):
+    """The distributed proof compares each control's restored state with the full resume's,
+    taken right after the restore (``live_components``). The optimizer's moments then move
+    in place at every step: what was taken must stay the state as restored, or every
+    comparison is of the state as it ends and the omit-optimizer control proves nothing."""
+    from pipeline.checkpoint import live_components
+    from pipeline.train import TrainingHooks
+
+    config = load_config(
+        CONFIG, {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"), "training.max_steps": 4}
+    )
+    train(config, stop_at=2, progress=False)
+    taken, as_restored = {}, {}
+
+    def on_start(run) -> None:
+        taken.update(live_components(run))
+        as_restored.update({name: t.clone() for name, t in taken["optimizer"].items()})
+
+    assert train(config, resume="latest", progress=False, hooks=TrainingHooks(on_start=on_start)).step == 4
+    assert any(name.endswith("exp_avg") for name in as_restored), sorted(as_restored)
+    for name, tensor in as_restored.items():
+        assert torch.equal(taken["optimizer"][name], tensor), name

@@ -359,3 +359,29 @@ def test_a_weights_copy_left_by_a_killed_evaluate_is_removed_by_the_next_and_a_l
         for holder in holders:
             holder.kill()
             holder.wait()
+
+
+def test_04_evaluates_in_eval_mode_for_a_task_whose_evaluate_does_not_set_it(data_dir, tmp_path):
+    """A task's evaluate() that runs the model as it is handed (most do) gets it in eval mode:
+    dropout (the default model's 0.1) off, so metrics.json records the weights' own held-out
+    error, not a noisier one."""
+    from pipeline.train import train
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "data.factory": "trainer_factories:build_data_mode_blind_evaluate",
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "outputs.metrics": str(tmp_path / "metrics.json"),
+        "training.max_steps": 2,
+    }
+    config = load_config(CONFIG, overrides)
+    assert config.model.params["dropout"] > 0
+    checkpoint = train(config, progress=False).checkpoint
+    recorded = evaluate_checkpoint(config)["metrics"]["mse"]
+    model = build_model(config)
+    load_model_weights(model, load_file(checkpoint / "modelo.safetensors"))
+    model.eval()
+    heldout = load_file(data_dir / "heldout.safetensors")
+    with torch.no_grad():
+        by_hand = torch.nn.functional.mse_loss(model(heldout["x"]), heldout["y"]).item()
+    assert recorded == by_hand

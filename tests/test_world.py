@@ -178,3 +178,29 @@ def test_ddps_bucket_settling_pass_puts_back_the_buffers_and_rng_its_forward_mov
         assert all(p.grad is None for p in ddp.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_a_run_started_from_python_prints_a_resume_command_that_continues_it(data_dir, tmp_path, capsys):
+    """``train()`` called from Python (no script's argv to repeat) that stops on a refusal
+    prints the script 02 command to go on with; pasted, it resumes the run and finishes it."""
+    import shlex
+
+    from pipeline.checkpoint import CheckpointStore
+    from pipeline.entry.train import main as train_script
+    from pipeline.errors import ConfigError
+    from pipeline.train import train
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "training.max_steps": 2,
+        "training.eval_every": 1,
+        "checkpoint.best_metric": "rmsee",
+    }
+    with pytest.raises(ConfigError) as refused:
+        train(load_config(CONFIG, overrides), progress=False)
+    command = shlex.split(str(refused.value).partition("; step 1 is committed: resume with ")[2])
+    assert command[1].endswith("02_train.py") and command[-2:] == ["--resume", "latest"], command
+    assert train_script(command[2:]) == 0, capsys.readouterr().err
+    assert "trained to step 2/2" in capsys.readouterr().out
+    assert CheckpointStore(tmp_path / "ck").committed_steps() == [2]

@@ -5,7 +5,10 @@ Both wrap the default regression data (same prepared files), changing one thing 
 - ``build_quiet_data``: no input-noise augmentation (with dropout 0 and shuffle off, no RNG
   family of the training process is consumed at all);
 - ``build_forgetful_data``: a sampler that saves its position but ignores it on load, the
-  classic "resume restarts the epoch" bug the proof must name.
+  classic "resume restarts the epoch" bug the proof must name;
+- ``build_lookup_data``: a sampler of fixed batches in order whose saved position is the next
+  batch's index, looked up in its batch list on load (one past the end, an epoch's end, is an
+  ``IndexError``).
 
 - ``build_once_per_process_data``: the default data, refused at a second build in one process
   (a task holding a process-wide resource): the leg after the first in a shared process fails.
@@ -32,6 +35,7 @@ from pipeline.tasks.regression import AugmentedRows, RegressionData, build_data
 __all__ = [
     "build_quiet_data",
     "build_forgetful_data",
+    "build_lookup_data",
     "build_once_per_process_data",
     "ForgetfulSampler",
     "settling_scheduler",
@@ -74,12 +78,44 @@ class ForgetfulData(_Wrapped):
         )
 
 
+class LookupSampler:
+    def __init__(self, num_rows: int, batch_size: int) -> None:
+        self.batches = [
+            list(range(row, min(row + batch_size, num_rows))) for row in range(0, num_rows, batch_size)
+        ]
+        self.position = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def next_indices(self) -> list[int]:
+        batch = self.batches[self.position % len(self.batches)]
+        self.position = self.position % len(self.batches) + 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches[state["position"]]  # the batch it resumes at
+        self.position = state["position"]
+
+
+class LookupData(_Wrapped):
+    def make_sampler(self, generator: np.random.Generator, config: Config) -> LookupSampler:
+        return LookupSampler(len(self.train_dataset), config.data.batch_size)
+
+
 def build_quiet_data(config: Config, data_dir: Path) -> QuietData:
     return QuietData(build_data(config, data_dir))
 
 
 def build_forgetful_data(config: Config, data_dir: Path) -> ForgetfulData:
     return ForgetfulData(build_data(config, data_dir))
+
+
+def build_lookup_data(config: Config, data_dir: Path) -> LookupData:
+    return LookupData(build_data(config, data_dir))
 
 
 def build_once_per_process_data(config: Config, data_dir: Path) -> RegressionData:

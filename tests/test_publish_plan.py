@@ -6,6 +6,7 @@ publish() against the loopback Hub of tests/test_publish.py."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import test_publish
@@ -73,6 +74,27 @@ def test_a_receipt_folder_inside_the_stage_is_refused_naming_both_and_the_defaul
         f"--receipt-dir {stage / 'receipts'} is inside the stage {stage}/, which is uploaded as it is: "
         "write receipts elsewhere (default: hub_receipts/ beside the stage)"
     )
+
+
+def test_a_receipt_folder_inside_the_stage_is_refused_however_either_path_is_spelt(tmp_path, monkeypatch):
+    """06's --stage and --receipt-dir come from a command line: relative to the working folder,
+    absolute, or through a link. Whichever spelling, a receipt folder in the stage is refused (it
+    would be uploaded by the next publish), and one beside it, reached the same ways, is not."""
+    outputs = tmp_path / "outputs"
+    (outputs / "hub_stage").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(outputs / "hub_stage", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    inside = [
+        ("outputs/hub_stage/receipts", outputs / "hub_stage"),  # relative folder, absolute stage
+        (outputs / "hub_stage" / "receipts", "outputs/hub_stage"),  # absolute folder, relative stage
+        ("link/receipts", "outputs/hub_stage"),  # through a link to the stage
+        ("outputs/../outputs/hub_stage", outputs / "hub_stage"),  # the stage itself, spelt round about
+    ]
+    for folder, stage in inside:
+        with pytest.raises(PublishError, match=r"is inside the stage .*write receipts elsewhere"):
+            check_receipt_dir(folder, Path(stage))
+    for folder, stage in [("outputs/receipts", outputs / "hub_stage"), (outputs, "link")]:
+        assert check_receipt_dir(folder, Path(stage)) == Path(folder)
 
 
 # -- each staged file against the branch's ------------------------------------------------------

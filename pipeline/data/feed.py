@@ -309,12 +309,18 @@ class LoaderFeed(_SamplerFeed):
                 f"the batch of train_dataset[{indices[0] if indices else '?'}] (epoch {epoch})",
             ):
                 self._fetching = True
+                # A worker's end raised while a finalizer runs (a batch's shared memory let go)
+                # is lost there, and Python would print it with a traceback: dropped instead,
+                # since the loader then reports that end itself, as one line.
+                printing = sys.unraisablehook
+                sys.unraisablehook = _unless_a_worker_exit(printing)
                 try:
                     for pid in self._exits:  # ended while the step trained: its batches never come
                         raise WorkerExited(pid)
                     fetched = next(self._iterator)
                 finally:
                     self._fetching = False
+                    sys.unraisablehook = printing
         except WorkerExited as exc:
             self._fetching = False
             failure = self._worker_end(exc.pid)
@@ -356,6 +362,16 @@ class LoaderFeed(_SamplerFeed):
         if self._sigchld is not None:
             signal.signal(signal.SIGCHLD, self._sigchld)
             self._sigchld = None
+
+
+def _unless_a_worker_exit(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``hook``, except for the :class:`WorkerExited` our SIGCHLD handler raised into a finalizer."""
+
+    def unraisable(record: Any) -> None:
+        if not isinstance(record.exc_value, WorkerExited):
+            hook(record)
+
+    return unraisable
 
 
 class _Order:

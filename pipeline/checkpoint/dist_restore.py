@@ -165,7 +165,7 @@ def restore_distributed(
     # DCP loads into the model's own tensors: the derived buffers into copies, so that the
     # check below compares the saved values with the ones this code built.
     derived = meta["model"]["derived_buffers"]
-    if isinstance(derived, list):
+    if isinstance(derived, list):  # else refused by the check below
         model.update(
             {name: model[name].clone() for name in derived if isinstance(name, str) and name in model}
         )
@@ -190,7 +190,7 @@ def restore_distributed(
     check_derived_buffers(
         getattr(run.model, "module", run.model),
         model,
-        meta["model"]["derived_buffers"],
+        derived,
         source=str(folder / DIST_MODEL_DIR),
     )
     with _fits(folder):

@@ -123,6 +123,13 @@ def test_a_command_to_run_the_same_script_again_repeats_every_flag_and_replaces_
         "scripts/02_train.py", "--config", "mine.yaml", "--stop-at", "5", "--checkpoint-dir", "runs/x", "--quiet",
         "--set", "training.parallel=none", "--resume", "7",
     ]  # fmt: skip
+    # The --set=KEY=VALUE form of a key set again is dropped too; a replaced flag takes no value.
+    monkeypatch.setattr(
+        "sys.argv", ["scripts/05_stage.py", "--set=a.b=1", "--no-metrics", "--repo-id", "me/x"]
+    )
+    staged = shlex.split(script_command(config, "05_stage.py", "--no-metrics", "--set", "a.b=2"))
+    assert staged[1:] == ["scripts/05_stage.py", "--repo-id", "me/x", "--no-metrics", "--set", "a.b=2"]
+    monkeypatch.setattr("sys.argv", argv)
     # Another script: only the config as it was given, beside the script this one was run from.
     other = shlex.split(script_command(config, "01_prepare_data.py", "--set", "data.dir=d"))
     assert other[1:] == ["scripts/01_prepare_data.py", "--config", "mine.yaml", "--set", "data.dir=d"]

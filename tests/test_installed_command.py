@@ -170,6 +170,11 @@ def test_printed_commands_name_the_form_the_step_was_run_in(monkeypatch, tmp_pat
     assert shlex.split(resume_command(["scripts/02_train.py", "--stop-at", "5"]))[1:] == [
         "scripts/02_train.py", "--stop-at", "5", "--resume", "latest"
     ]  # fmt: skip
+    # The package's __main__.py reached by another spelling of its path is still the installed command.
+    detour = str(MAIN.parent / ".." / MAIN.parent.name / MAIN.name)
+    assert invocation([detour, "train", "--quiet"]) == Invocation(
+        ("-m", "pipeline", "train"), "02_train.py", ("--quiet",)
+    )
     # A step's name after another program (python some_tool.py train) is that program's argument.
     assert invocation(["tool.py", "train"]) == Invocation(("tool.py",), None, ("train",))
 

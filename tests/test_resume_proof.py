@@ -368,3 +368,47 @@ def test_a_comparison_fails_on_any_difference_beyond_atol_and_measures_it():
     assert compare("x", "model", {"w": torch.tensor([2.0])}, {"w": torch.tensor([2.5])}, 0.5).passed
     assert not compare("x", "model", 0.0, -0.0, 0.0).passed  # bitwise at atol 0
     assert not compare("x", "rng", {"n": 3}, {"n": 4}, 10.0).passed  # counters match exactly at any atol
+
+
+def test_a_torchrun_proof_refuses_what_it_cannot_prove_in_one_line_before_its_output_exists(tmp_path):
+    """What the torchrun proof cannot prove is refused, each in one whole line, before its
+    output exists: one process, a negative or infinite tolerance, fp16 under torchrun, a config
+    that runs training.parallel none; two processes, a zero tolerance and training.parallel
+    auto pass on to the data's check."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError, DataError, PipelineError
+    from pipeline.proof.distributed import verify_resume_distributed
+
+    output = tmp_path / "proof"
+    data = {"data.dir": str(tmp_path / "no-data")}
+
+    def refused(nproc: int, atol: float = 0.0, **overrides: str) -> tuple[type, str]:
+        config = load_config(REPO / "config.yaml", {**data, **overrides})
+        with pytest.raises(PipelineError) as error:
+            verify_resume_distributed(config, output=output, nproc=nproc, atol=atol, echo=None)
+        assert not output.exists()
+        return type(error.value), str(error.value).replace(config.source, "CONFIG")
+
+    assert refused(1, **{"training.parallel": "ddp"}) == (
+        ConfigError,
+        "--nproc-per-node must be >= 2 to prove a distributed resume (got 1); "
+        "one process is the plain proof (leave --nproc-per-node out)",
+    )
+    assert refused(2, -0.5, **{"training.parallel": "ddp"}) == (
+        ConfigError,
+        "--atol must be a finite number >= 0 (got -0.5)",
+    )
+    assert refused(2, float("inf"), **{"training.parallel": "auto"}) == (
+        ConfigError,
+        "--atol must be a finite number >= 0 (got inf)",
+    )
+    assert refused(2, **{"training.parallel": "ddp", "training.amp": "fp16"}) == (
+        ConfigError,
+        "CONFIG: training.amp 'fp16' is not supported under torchrun",
+    )
+    assert refused(2, **{"training.parallel": "none"}) == (
+        ConfigError,
+        "CONFIG: --nproc-per-node needs training.parallel auto, ddp or fsdp2 (--set training.parallel=auto)",
+    )
+    kind, line = refused(2, **{"training.parallel": "auto"})
+    assert kind is DataError and line.startswith(f"no prepared data in {tmp_path / 'no-data'}/: run "), line

@@ -32,6 +32,7 @@ def test_a_process_alone_is_rank_0_of_1_and_agrees_with_itself(monkeypatch):
         assert world.scaled_loss(loss, 1.0) is loss and world.global_loss(loss) == 0.25
         assert world.agree_signal(15) == 15 and world.agree_signal(None) is None
         assert world.broadcast_text("x") == "x" and world.gather_text("y") == ["y"]
+        assert world.broadcast_text(None) == ""
         assert world.own_group() is world
         with pytest.raises(KeyError):
             with world.together("a step"):
@@ -200,7 +201,77 @@ def test_a_run_started_from_python_prints_a_resume_command_that_continues_it(dat
     with pytest.raises(ConfigError) as refused:
         train(load_config(CONFIG, overrides), progress=False)
     command = shlex.split(str(refused.value).partition("; step 1 is committed: resume with ")[2])
-    assert command[1].endswith("02_train.py") and command[-2:] == ["--resume", "latest"], command
+    # Not beside this process's own program (pytest's): script 02 in its place in a clone.
+    assert command[1] == "scripts/02_train.py" and command[-2:] == ["--resume", "latest"], command
     assert train_script(command[2:]) == 0, capsys.readouterr().err
     assert "trained to step 2/2" in capsys.readouterr().out
     assert CheckpointStore(tmp_path / "ck").committed_steps() == [2]
+
+
+def test_a_rank_of_a_two_node_launch_reads_its_nodes_process_count_and_names_that_launch_to_resume(
+    monkeypatch, tmp_path
+):
+    """Rank 0 of a launch of 2 nodes of 1 process each, with the variables torchrun's agents
+    set (its peer: a second process that only joins the groups), knows its node runs 1 of the
+    2 processes (``LOCAL_WORLD_SIZE``, not ``WORLD_SIZE``) and names a 2-node launch of 1
+    process a node to resume; a launcher that does not say the node's count gets the
+    launch's (one node)."""
+    import shlex
+
+    import torch.distributed as dist
+
+    import pipeline.distributed.world as launch_world
+    from pipeline.commands import python_command
+
+    from support import script_env, start_python
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
+    launch = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }
+    peer = tmp_path / "peer.py"
+    peer.write_text(
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "os.environ['TORCHELASTIC_USE_AGENT_STORE'] = 'True'  # a load-time name: the fork server's has none\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.new_group(), dist.new_group()  # each start's mesh group\n"
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n"
+    )
+    other = start_python(peer, tmp_path, script_env(RANK="1", **launch))
+    for name, value in {**launch, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_world, "_watching", True)  # no launcher watchdog in the test process
+    config = load_config(
+        CONFIG,
+        {"training.parallel": "ddp", "training.device": "auto", "training.ddp_find_unused_parameters": True},
+    )
+    argv = ["scripts/02_train.py", "--set", "training.parallel=ddp"]
+    try:
+        two_nodes = LaunchWorld.start(config)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        one_node = LaunchWorld.start(config)
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ended = other.wait(60)
+    assert ended.returncode == 0, ended.stderr
+    cpu = torch.device("cpu")
+    fields = dict(rank=0, world_size=2, local_rank=0, device=cpu, mode="ddp", find_unused_parameters=True)
+    assert two_nodes == LaunchWorld(local_world_size=1, mesh_group=two_nodes.mesh_group, **fields)
+    assert one_node == LaunchWorld(local_world_size=2, mesh_group=one_node.mesh_group, **fields)
+    assert two_nodes.describe() == {"mode": "ddp", "world_size": 2, "ddp_find_unused_parameters": True}
+    torchrun = shlex.join([python_command(), "-m", "torch.distributed.run"])
+    assert two_nodes.resume_command(argv=argv) == torchrun + (
+        " --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --nproc-per-node=1"
+        " scripts/02_train.py --set training.parallel=ddp --resume latest"
+    )
+    assert one_node.resume_command(argv=argv) == torchrun + (
+        " --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=ddp --resume latest"
+    )

@@ -265,6 +265,16 @@ def start_script(name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | 
     return zygote.start([str(REPO / "scripts" / name), *map(str, args)], cwd, env)
 
 
+def start_python(script: Path, cwd: Path, env: dict[str, str] | None = None) -> ScriptRun:
+    """Start ``python -B script`` forked from the zygote and return at once (see :class:`ScriptRun`):
+    a helper process that must run beside this one (a peer of an in-process rank); ``env`` as for
+    :func:`start_script`."""
+    env = env or script_env()
+    zygote = _Zygote.get()
+    assert zygote.serves(env), "start_python needs an environment the zygote serves"
+    return zygote.start([str(script)], cwd, env)
+
+
 def children(pid: int) -> list[int]:
     """The pids of the processes whose parent is ``pid`` (Linux /proc), e.g. a trainer's workers."""
     found = []

@@ -227,6 +227,32 @@ def test_read_verified_reads_into_a_destination_only_where_it_fits_and_hashes_th
         assert not destinations[name].any(), name
 
 
+def test_read_verified_never_reads_into_a_destination_off_the_cpu_and_fills_a_parameter_in_place(tmp_path):
+    """A destination on another device (here ``meta``, which has no bytes) gets a fresh CPU
+    tensor holding the file's values, the destination untouched; a model's parameter that fits
+    is filled in place, through its data (no autograd record); a tensor not ``wanted`` is
+    hashed, never handed out."""
+    path = tmp_path / "m.safetensors"
+    stored = {"off": torch.randn(2, 3), "param": torch.randn(4), "skip": torch.randn(5)}
+    write_safetensors_files([(path, stored, None)])
+    destinations = {
+        "off": torch.empty(2, 3, device="meta"),
+        "param": torch.nn.Parameter(torch.zeros(4)),
+        "skip": torch.zeros(5),
+    }
+    read = read_verified(
+        {"m": path}, {"m": destinations}, {"m": SMALL}, wanted={"m": lambda name: name != "skip"}
+    )
+    digests, tensors = read["m"]
+    assert digests == _slices(path.read_bytes(), SMALL)
+    assert sorted(tensors) == ["off", "param"] and not destinations["skip"].any()
+    assert tensors["off"].device.type == "cpu" and torch.equal(tensors["off"], stored["off"])
+    assert destinations["off"].device.type == "meta"
+    assert tensors["param"].data_ptr() == destinations["param"].data_ptr()
+    assert torch.equal(destinations["param"].detach(), stored["param"])
+    assert not tensors["param"].requires_grad and destinations["param"].requires_grad
+
+
 class _SideBySide:
     """hashlib as verified_read sees it, whose SHA-256 objects wait, at their first update,
     until another thread's does too: a read that hashes one file's chunks one after the

@@ -18,7 +18,7 @@ from pipeline.errors import PipelineError
 from pipeline.hashing import sha256_file
 from pipeline.train import train as train_in_process
 
-from support import REPO, one_line_error, prepare_data, train
+from support import REPO, one_line_error, prepare_data, read_meta_json, train, write_sealed
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,25 @@ def test_zero_byte_file_is_refused(data_dir, checkpoints):
 def test_garbled_meta_json_is_refused(data_dir, checkpoints):
     meta = checkpoints / "step-00000006" / "meta.json"
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
-    refusal(data_dir, checkpoints, snapshot(checkpoints), "meta.json", "not valid JSON")
+    message = refusal(data_dir, checkpoints, snapshot(checkpoints), "meta.json", "not valid JSON")
+    older = checkpoints / "step-00000003"
+    assert message.endswith(
+        f"; the older checkpoint {older} verifies: resume from it with --resume {older} (nothing was deleted)"
+    )
+
+
+def test_a_damaged_checkpoint_whose_config_also_differs_is_refused_for_its_damage(data_dir, checkpoints):
+    """The files are verified as they load into the run, after its config was compared: a
+    refusal met first still names the damage, as every reader reports damage first."""
+    damaged = checkpoints / "step-00000006" / "modelo.safetensors"
+    flip_byte(damaged, 100)
+    message = refusal(data_dir, checkpoints, snapshot(checkpoints), **{"training.seed": 7})
+    older = checkpoints / "step-00000003"
+    assert message == (
+        f"{damaged} SHA-256 differs from meta.json (chunk 0: bytes 0-{damaged.stat().st_size}): the file is "
+        f"damaged or was modified; the older checkpoint {older} verifies: resume from it with --resume {older} "
+        "(nothing was deleted)"
+    )
 
 
 @pytest.mark.parametrize("swap", ["fifo", "link"])
@@ -248,3 +266,62 @@ def test_a_folder_not_named_like_a_step_is_never_resumed_from(data_dir, checkpoi
     odd = tmp_path / "half-copied"
     shutil.copytree(checkpoints / "step-00000006", odd)
     refusal(data_dir, checkpoints, snapshot(checkpoints), "not a committed checkpoint", resume_from=str(odd))
+
+
+def test_a_stop_at_not_after_the_resume_step_is_refused_before_anything_is_built(data_dir, checkpoints):
+    before = snapshot(checkpoints)
+    for stop in (6, 5):
+        config = load_config(
+            REPO / "config.yaml",
+            {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints), "training.max_steps": 10},
+        )
+        with pytest.raises(PipelineError) as refused:
+            train_in_process(config, resume="latest", stop_at=stop, progress=False)
+        assert str(refused.value) == f"--stop-at {stop} is not after the resume step 6"
+    assert snapshot(checkpoints) == before
+
+
+def test_what_a_resumed_start_says_names_its_folder_step_launch_extension_changes_and_warm_start():
+    from pipeline.start import Launch, StartingPoint
+
+    config = load_config(REPO / "config.yaml")
+    folder = Path("estados_local") / "step-00000004"
+    one, two = Launch("none", 1), Launch("ddp", 2, False)
+    start = StartingPoint(
+        config=config,
+        folder=folder,
+        meta={"step": 4},
+        extended=True,
+        lineage=[{"from_max_steps": 4, "to_max_steps": 6}, {"from_max_steps": 6, "to_max_steps": 10}],
+    )
+    changes = [
+        {"item": "launch", "recorded": one.to_dict(), "now": two.to_dict(), "step": 4},
+        {"item": "torch_threads", "recorded": 2, "now": 4, "step": 4},
+    ]
+    assert start.messages(changes, two) == [
+        f"resumed from {folder} at step 4 (2 processes, ddp)",
+        "extended from max_steps 6 to 10 (recorded in meta.json lineage)",
+        "moved from one process (training.parallel none) to 2 processes (training.parallel ddp, "
+        "ddp_find_unused_parameters false) at step 4; the result is no longer bitwise that of the first "
+        "launch (recorded in meta.json)",
+        "environment changed: torch_threads 2 -> 4; the result is no longer bitwise reproducible (recorded "
+        "in meta.json)",
+    ]
+    plain = StartingPoint(config=config, folder=folder, meta={"step": 4})
+    assert plain.messages([], one) == [f"resumed from {folder} at step 4"]
+    fresh = StartingPoint(config=config, warm_report=["warm-started from w.safetensors"])
+    assert fresh.messages([], one) == ["warm-started from w.safetensors"]
+
+
+def test_a_resume_checks_the_weights_against_the_model_record_of_meta_json(data_dir, checkpoints):
+    """The record is sealed with the rest: a record that no longer describes the weights (an
+    edit resealed) is refused by the resume as by every reader."""
+    folder = checkpoints / "step-00000006"
+    meta = read_meta_json(folder)
+    meta["model"]["tensors"]["net.0.bias"]["dtype"] = "float16"
+    write_sealed(folder, meta)
+    message = refusal(data_dir, checkpoints, snapshot(checkpoints))
+    assert message == (
+        "modelo.safetensors does not fit the model recorded in meta.json (tensor net.0.bias): the checkpoint "
+        "is damaged or was edited"
+    )

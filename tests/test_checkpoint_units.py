@@ -423,3 +423,30 @@ def test_resume_target_refuses_a_fresh_run_over_committed_checkpoints(tmp_path):
         CheckpointError, match="already holds checkpoints up to step 3: continue with --resume latest"
     ):
         store.resume_target(None)
+
+
+def test_a_resume_behind_newer_checkpoints_names_the_newest_and_a_failed_run_its_last(tmp_path):
+    """Both name the newest committed step of several: the one a resume from latest continues."""
+    from pipeline.config import load_config
+    from pipeline.start import Launch, StartRequest, plan_start
+    from pipeline.train import _where_to_go_on
+
+    from support import REPO
+
+    store = _save(tmp_path, [1, 2, 3])
+    older = tmp_path / "step-00000001"
+    with pytest.raises(CheckpointError) as caught:
+        plan_start(
+            store, load_config(REPO / "config.yaml"), "", StartRequest(resume=str(older)), Launch("none", 1)
+        )
+    assert str(caught.value) == (
+        f"{tmp_path}/ holds step 3, newer than the resume point 1: resume from latest, or continue step 1 in "
+        f"a new folder with --resume {older} --checkpoint-dir DIR"
+    )
+    assert _where_to_go_on(store, "python 02_train.py --resume latest") == (
+        "the last committed checkpoint (step 3) is intact: fix it and resume with python 02_train.py --resume latest"
+    )
+    assert _where_to_go_on(store, None).endswith("(step 3) is intact: fix it and resume with --resume latest")
+    assert _where_to_go_on(CheckpointStore(tmp_path / "none"), None) == (
+        "no checkpoint was committed yet: fix it and run the same command again"
+    )

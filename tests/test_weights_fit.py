@@ -244,3 +244,132 @@ def test_the_users_card_sections_are_in_the_card_and_scanned_like_every_staged_f
     (run.root / "card.md").unlink()
     with pytest.raises(StageError, match="card.sections: card.md not found"):
         build_stage(config, StageBuild(stage_dir=run.stage, metrics=run.metrics))
+
+
+class _Buffered(torch.nn.Module):
+    """Four weights and a derived buffer (built from code, never trained) and a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 2)
+        self.register_buffer("scale", torch.arange(3.0))
+
+
+def test_weights_that_do_not_fit_name_the_first_three_names_and_the_record_names_the_tensor_it_differs_at():
+    from pipeline.checkpoint.weights import model_summary
+
+    model = _Buffered()
+    stored = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    three = {k: v for k, v in stored.items() if k not in ("a.weight", "a.bias", "b.weight")}
+    with pytest.raises(StateMismatch) as caught:
+        check_weights_fit(model, three)
+    assert str(caught.value) == (
+        "modelo.safetensors does not fit the configured model: missing 3 (a.bias, a.weight, b.weight)"
+    )
+    four = {k: v for k, v in stored.items() if k not in ("a.weight", "a.bias", "b.weight", "b.bias")}
+    with pytest.raises(StateMismatch) as caught:
+        check_weights_fit(model, {**four, "x": stored["scale"]}, source="w.safetensors")
+    assert str(caught.value) == (
+        "w.safetensors does not fit the configured model: missing 4 (a.bias, a.weight, b.bias, ...); "
+        "unexpected 1 (x)"
+    )
+    record = model_summary(model, {"scale": torch.arange(3.0)})
+    assert record == {
+        "derived_buffers": ["scale"],
+        "tensors": {
+            "a.bias": {"dtype": "float32", "shape": [3]},
+            "a.weight": {"dtype": "float32", "shape": [3, 3]},
+            "b.bias": {"dtype": "float32", "shape": [2]},
+            "b.weight": {"dtype": "float32", "shape": [2, 3]},
+            "embed.weight": {"dtype": "float32", "shape": [5, 3]},
+            "scale": {"dtype": "float32", "shape": [3]},
+        },
+        "tied": ["head.weight"],
+        "num_parameters": 15 + 12 + 8,
+    }
+    assert model_summary(model, {"scale": torch.ones(3)})["derived_buffers"] == []
+    assert check_weights_fit(model, stored, record=record) == {"head.weight": "embed.weight"}
+    edited = {**record, "tensors": {**record["tensors"], "b.bias": {"dtype": "float32", "shape": [3]}}}
+    with pytest.raises(StateMismatch) as caught:
+        check_weights_fit(model, stored, record=edited)
+    assert str(caught.value) == (
+        "modelo.safetensors does not fit the model recorded in meta.json (tensor b.bias): the checkpoint "
+        "is damaged or was edited"
+    )
+    for malformed in ({**record, "tensors": []}, {**record, "tied": {}}, [record]):
+        with pytest.raises(StateMismatch) as caught:
+            check_weights_fit(model, stored, record=malformed)
+        assert str(caught.value) == (
+            "modelo.safetensors: the model record in meta.json is malformed: the checkpoint is sealed but "
+            "does not fit this code (another version wrote it, or it was edited and resealed)"
+        )
+
+
+def test_a_derived_buffer_must_equal_this_codes_value_in_shape_dtype_and_bits_before_anything_loads():
+    from pipeline.checkpoint import load_model_weights
+    from pipeline.checkpoint.weights import check_derived_buffers
+
+    model = _Buffered()
+    stored = {k: v.clone() for k, v in model.state_dict().items() if k != "head.weight"}
+    check_derived_buffers(model, stored, ["scale"])
+    check_derived_buffers(model, stored, [])
+    changed = "buffer scale differs from the value this code builds (the code or config that builds it"
+    for odd in (torch.arange(3.0) + 1, torch.arange(4.0), torch.arange(3.0).double()):
+        with pytest.raises(StateMismatch) as caught:
+            check_derived_buffers(model, {**stored, "scale": odd}, ["scale"], source="m.safetensors")
+        assert str(caught.value) == (
+            f"m.safetensors: {changed} changed since the checkpoint was saved); restore that code, or start "
+            "a new run"
+        )
+    skeleton = _Buffered().to("meta")
+    with pytest.raises(StateMismatch) as caught:
+        check_derived_buffers(skeleton, stored, ["scale"])
+    assert str(caught.value).startswith(f"modelo.safetensors: {changed}")
+    for malformed in ("scale", ["nothing"], [1]):
+        with pytest.raises(StateMismatch) as caught:
+            check_derived_buffers(model, stored, malformed)
+        assert str(caught.value) == (
+            "modelo.safetensors: the derived-buffer list in meta.json is malformed: the checkpoint is sealed "
+            "but does not fit this code (another version wrote it, or it was edited and resealed)"
+        )
+    # The load checks them before it sets anything: the model keeps its own weights.
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trained = {k: v + 1 for k, v in stored.items()}
+    with pytest.raises(StateMismatch, match="buffer scale differs"):
+        load_model_weights(model, trained, derived=["scale"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    load_model_weights(model, trained, derived=[])
+    assert torch.equal(model.head.weight, trained["embed.weight"]) and model.head.weight is model.embed.weight
+
+
+def test_warm_start_copies_what_fits_and_reports_every_other_name_both_ways():
+    from pipeline.checkpoint import warm_start
+
+    source = _Buffered()
+    target = torch.nn.Sequential()
+    target.embed = torch.nn.Embedding(5, 3)
+    target.a = torch.nn.Linear(3, 4)
+    target.b = torch.nn.Linear(2, 3)  # a weight of the source's size, transposed
+    target.c = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        target.embed.weight.zero_()
+    given = {**source.state_dict(), "embed.weight": source.embed.weight.detach().double()}
+    report = warm_start(target, given)
+    assert report == {
+        "loaded": ["embed.weight"],
+        "skipped": [
+            "a.weight (shape (3, 3) vs (4, 3))",
+            "a.bias (shape (3,) vs (4,))",
+            "b.weight (shape (2, 3) vs (3, 2))",
+            "b.bias (shape (2,) vs (3,))",
+            "head.weight (not in the model)",
+            "scale (not in the model)",
+        ],
+        "new": ["c.weight", "c.bias"],
+    }
+    assert target.embed.weight.dtype == torch.float32
+    assert torch.equal(target.embed.weight, source.embed.weight)

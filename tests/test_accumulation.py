@@ -154,7 +154,7 @@ def test_evaluating_does_not_change_the_weights(data_dir, accumulated_reference,
         assert torch.equal(tensor, _weights(accumulated_reference / "step-00000010")[name]), name
 
 
-def test_the_run_object_holds_the_evaluations(data_dir, tmp_path):
+def test_the_run_object_holds_the_evaluations(data_dir, tmp_path, capsys):
     from pipeline.config import load_config
     from pipeline.train import train as train_in_process
 
@@ -164,11 +164,19 @@ def test_the_run_object_holds_the_evaluations(data_dir, tmp_path):
         "training.max_steps": 5,
         "training.eval_every": 2,
     }
-    result = train_in_process(load_config(REPO / "config.yaml", overrides), progress=False)
+    result = train_in_process(load_config(REPO / "config.yaml", overrides), progress=True)
     assert result.evaluations["step"] == [2, 4, 5]
     assert set(result.evaluations) == {"step", "mse", "rmse"}
     assert all(len(v) == 3 for v in result.evaluations.values())
     assert result.evaluations["rmse"][0] == pytest.approx(result.evaluations["mse"][0] ** 0.5)
+    # Each evaluation is said in the run's log, 6 significant digits a value.
+    said = [line for line in capsys.readouterr().err.splitlines() if " evaluation: " in line]
+    assert said == [
+        f"step {step} evaluation: mse {mse:.6g}, rmse {rmse:.6g}"
+        for step, mse, rmse in zip(*(result.evaluations[name] for name in ("step", "mse", "rmse")))
+    ]
+    # The rate each step trained with (step_lr halves it every 4 steps), not the next step's.
+    assert result.history["lr"] == [0.01, 0.01, 0.01, 0.01, 0.005]
 
 
 def test_under_fp16_amp_grad_clip_bounds_the_unscaled_gradients(data_dir, tmp_path):

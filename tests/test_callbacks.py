@@ -546,8 +546,17 @@ def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
         ("max", 0.5, [2.0, 3.0, 3.4, 3.3, 9.0], 4),
         # Compared with the best so far, not the evaluation before: 3.5 beats 4.0, not 3.0.
         ("min", 0.0, [5.0, 3.0, 4.0, 3.5, 9.0], 4),
+        # Beating the best by exactly the threshold is no improvement (by more than it is).
+        ("min", 0.5, [5.0, 4.5, 4.0, 9.0], 3),
     ],
-    ids=["max-mode", "in-a-row", "min-threshold", "max-threshold", "against-the-best"],
+    ids=[
+        "max-mode",
+        "in-a-row",
+        "min-threshold",
+        "max-threshold",
+        "against-the-best",
+        "exactly-the-threshold",
+    ],
 )
 def test_early_stopping_counts_as_transformers_does(mode, threshold, values, stops_at):
     """EarlyStopping alone, evaluation after evaluation, patience 2: the evaluation at which it
@@ -596,3 +605,169 @@ def test_early_stopping_without_a_best_metric_is_refused_in_one_line(data_dir, t
         **{"training.early_stopping_patience": 2, "training.eval_every": 2, "checkpoint.best_metric": "mse"},
     )
     assert config.training.early_stopping_patience == 2
+
+
+@pytest.mark.parametrize(
+    ("patience", "reason"),
+    [
+        (1, "loss did not improve by more than 0.25 for 1 evaluation"),
+        (2, "loss did not improve by more than 0.25 for 2 evaluations"),
+    ],
+)
+def test_early_stopping_says_what_it_waited_for(patience, reason):
+    """The stop's reason, recorded in meta.json and on the card: the metric, the threshold and
+    the patience, 'evaluation' in the singular for a patience of 1."""
+    from types import SimpleNamespace
+
+    from pipeline.callbacks import Control, EarlyStopping
+
+    stopping = EarlyStopping("loss", "min", patience, 0.25)
+    run = SimpleNamespace(evaluations={"step": [], "loss": []})
+    for step in range(1, patience + 2):
+        run.evaluations["step"].append(step)
+        run.evaluations["loss"].append(1.0)
+        control = Control()
+        stopping.on_evaluate(run, {"loss": 1.0}, control)
+    assert (control.should_training_stop, control.stop_reason, stopping.state_dict()) == (
+        True,
+        reason,
+        {"waiting": patience},
+    )
+
+
+def test_a_saved_early_stopping_count_is_checked_on_both_sides_of_its_bounds():
+    """0 and up are counts a run saves; a negative count, a bool, a float or another key is not."""
+    from pipeline.callbacks import EarlyStopping
+
+    stopping = EarlyStopping("loss", "min", 2, 0.0)
+    for good in (0, 3):
+        stopping.load_state_dict({"waiting": good})
+        assert stopping.state_dict() == {"waiting": good}
+    refused = {
+        "-1": ({"waiting": -1}, "waiting is -1, expected an integer >= 0"),
+        "bool": ({"waiting": True}, "waiting is True, expected an integer >= 0"),
+        "float": ({"waiting": 1.0}, "waiting is 1.0, expected an integer >= 0"),
+        "a key more": ({"waiting": 1, "best": 2}, "is not {waiting}"),
+        "a list": ([1], "is not {waiting}"),
+    }
+    for state, says in refused.values():
+        with pytest.raises(ValueError) as caught:
+            stopping.check_state(state)
+        assert str(caught.value) == says
+    assert stopping.state_dict() == {"waiting": 3}
+
+
+def test_the_record_of_a_stop_names_who_asked_and_says_why_by_default():
+    from pipeline.callbacks import Callbacks, Control
+
+    callbacks = Callbacks()
+    assert callbacks.record_stop(4, Control(stopped_by="mine", stop_reason="enough")) == {
+        "step": 4,
+        "by": "mine",
+        "reason": "enough",
+    }
+    assert callbacks.record_stop(5, Control(stopped_by="mine")) == {
+        "step": 5,
+        "by": "mine",
+        "reason": "mine asked to stop",
+    }
+    assert callbacks.record_stop(6, Control()) == {
+        "step": 6,
+        "by": "a callback",
+        "reason": "a callback asked to stop",
+    }
+    assert callbacks.stopped == {"step": 6, "by": "a callback", "reason": "a callback asked to stop"}
+
+
+@pytest.mark.parametrize(
+    ("stopped", "step"),
+    [
+        ({"step": 3, "by": "x", "reason": 5}, 3),
+        ({"step": 3, "by": None, "reason": "y"}, 3),
+        ({"step": True, "by": "x", "reason": "y"}, 1),
+        ({"step": 2, "by": "x", "reason": "y"}, 3),
+        ({"step": 3, "by": "x"}, 3),
+        (["step", 3], 3),
+    ],
+    ids=["reason-not-text", "by-not-text", "step-a-bool", "another-step", "no-reason", "a-list"],
+)
+def test_a_saved_stop_record_is_checked_field_by_field(stopped, step):
+    from pipeline.callbacks import Callbacks
+    from pipeline.errors import SEALED_BUT_UNFIT
+
+    callbacks = Callbacks()
+    callbacks.check({"stopped": {"step": step, "by": "x", "reason": "y"}, "states": {}}, step)
+    callbacks.check({"stopped": None, "states": {}}, step)
+    with pytest.raises(StateMismatch) as refused:
+        callbacks.check({"stopped": stopped, "states": {}}, step)
+    assert str(refused.value) == (
+        f"training_state.callbacks.stopped is not the record of a stop at step {step} (step, by, reason): "
+        f"{SEALED_BUT_UNFIT}"
+    )
+    assert callbacks.stopped is None
+
+
+def test_a_callback_state_may_nest_to_the_depth_limit_and_no_deeper():
+    from pipeline.callbacks import plain_json
+
+    def nested(levels):
+        value = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    assert plain_json(nested(32), "state") == nested(32)
+    with pytest.raises(TypeError) as refused:
+        plain_json(nested(33), "state")
+    assert str(refused.value) == "state is nested deeper than 32 levels"
+
+
+def test_callbacks_hear_each_event_in_the_order_added_one_added_first_before_them():
+    from pipeline.callbacks import Callbacks, Control
+
+    heard = []
+
+    class Hears:
+        def __init__(self, name):
+            self.name = name
+
+        def on_step_end(self, run, control):
+            heard.append(("step", self.name))
+
+        def on_evaluate(self, run, metrics, control):
+            heard.append(("evaluate", self.name))
+
+    callbacks = Callbacks()
+    callbacks.add("a", Hears("a"))
+    callbacks.add("b", Hears("b"))
+    callbacks.add("first", Hears("first"), first=True)
+    control = Control()
+    callbacks.on_step_end(None, control)
+    callbacks.on_evaluate(None, {}, control)
+    assert [name for name, _ in callbacks] == ["first", "a", "b"]
+    assert heard == [("step", "first"), ("step", "a"), ("step", "b")] + [
+        ("evaluate", "first"),
+        ("evaluate", "a"),
+        ("evaluate", "b"),
+    ]
+
+
+def test_early_stopping_is_built_with_the_configs_metric_mode_patience_and_threshold(data_dir, tmp_path):
+    from pipeline.callbacks import EarlyStopping, build_callbacks
+
+    config = _config(
+        data_dir,
+        tmp_path,
+        **{**EARLY, "checkpoint.best_metric": "rmse", "checkpoint.best_mode": "max"},
+    )
+    callbacks = dict(build_callbacks(config))
+    assert list(callbacks) == ["schedule", "early_stopping"]
+    stopping = callbacks["early_stopping"]
+    assert isinstance(stopping, EarlyStopping)
+    assert (stopping.metric, stopping.mode, stopping.patience, stopping.threshold, stopping.waiting) == (
+        "rmse",
+        "max",
+        2,
+        0.005,
+        0,
+    )

@@ -385,3 +385,54 @@ def test_04_evaluates_in_eval_mode_for_a_task_whose_evaluate_does_not_set_it(dat
     with torch.no_grad():
         by_hand = torch.nn.functional.mse_loss(model(heldout["x"]), heldout["y"]).item()
     assert recorded == by_hand
+
+
+@pytest.mark.parametrize(
+    ("metrics", "says"),
+    [
+        (
+            {"mse": True},
+            "metric 'mse' is True; metrics must map str to a number (or a set's name to such a mapping)",
+        ),
+        (
+            {"heldout": {"mse": False}},
+            "metric 'heldout/mse' is False; metrics must map str to a number (or a set's name to such a mapping)",
+        ),
+        ({"mse": float("inf")}, "held-out metric mse is inf: the checkpoint's weights are not usable"),
+        ({"a/b": 1.0, "a": {"b": 2.0}}, "metric 'a/b' is named twice"),
+    ],
+    ids=["bool", "bool-in-a-set", "inf", "named-twice"],
+)
+def test_a_task_metric_that_is_a_bool_or_not_finite_or_named_twice_is_refused_in_one_line(metrics, says):
+    """A bool is an int to Python, but no metric: a task returning one has a bug."""
+    from pipeline.errors import MetricsError
+    from pipeline.evaluate import check_metrics
+
+    assert check_metrics({"mse": 1, "heldout": {"mae": 0.5}}, "task evaluate()") == {
+        "mse": 1.0,
+        "heldout/mae": 0.5,
+    }
+    with pytest.raises(MetricsError) as refused:
+        check_metrics(metrics, "task evaluate()")
+    assert str(refused.value) == f"task evaluate(): {says}"
+
+
+def test_04_seeds_a_task_whose_evaluate_draws_so_its_record_is_the_same_every_time(data_dir, tmp_path):
+    """04 seeds every RNG from the checkpoint's training.seed before it builds and evaluates:
+    a metric that samples gives the same value however the process drew before."""
+    from pipeline.train import train
+
+    overrides = {
+        "data.dir": str(data_dir),
+        "data.factory": "trainer_factories:build_data_drawing_evaluate",
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "training.max_steps": 1,
+    }
+    config = load_config(CONFIG, overrides)
+    train(config, progress=False)
+    torch.manual_seed(1)
+    first = evaluate_checkpoint(config)["metrics"]
+    torch.manual_seed(2)
+    torch.rand(5)
+    assert evaluate_checkpoint(config)["metrics"] == first
+    assert set(first) == {"mse", "rmse", "noise", "train_mode", "grad_mode"} and first["train_mode"] == 0.0

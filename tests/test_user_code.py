@@ -340,12 +340,13 @@ def test_a_sample_that_never_returns_ends_the_run_at_data_sample_timeout(
     assert "; the last committed checkpoint (step 2) is intact: fix it and resume with " in str(error)
 
 
-def test_a_loss_that_diverges_before_any_checkpoint_says_none_was_committed(data_dir, tmp_path):
-    config = _config(data_dir, tmp_path, **{"data.factory": "failure_factories:build_nan_after_data"})
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_loss_that_diverges_before_any_checkpoint_says_none_was_committed(data_dir, tmp_path, bad):
+    config = _config(data_dir, tmp_path, **{"data.factory": f"failure_factories:build_{bad}_after_data"})
     with pytest.raises(TrainingDiverged) as diverged:
         train(config, progress=False)
     assert str(diverged.value) == (
-        "loss is nan at step 3, nothing was saved for it: lower optimizer.lr or check the data; no checkpoint "
+        f"loss is {bad} at step 3, nothing was saved for it: lower optimizer.lr or check the data; no checkpoint "
         "was committed yet: fix it and run the same command again"
     )
 

@@ -144,3 +144,20 @@ def test_each_defect_reports_its_first_failing_test_named_or_not_and_a_stale_one
     summary = out.split("kill rate:", 1)[1]
     assert "killed first by a test they do not name:\n  - sub adds" in summary, out
     assert "survivors:\n  - an edit no test sees" in summary, out
+
+
+def test_a_run_of_the_named_tests_reports_the_test_that_killed_each_defect(tmp_path):
+    root = _tiny_tree(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(root / "tests/mutation/mutate.py"), "--only", "add subtracts"]
+        + ["--list-file", str(root / "list.toml"), "--jobs", "1"],
+        cwd=root,
+        env=_env(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    line = next(line for line in out.splitlines() if line.startswith("killed"))
+    assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_calc.py::test_add: 1 failed"), out

@@ -189,12 +189,15 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
     try:
         apply(mutation, tree)
         try:
-            result = _pytest(tree, "-x", *mutation.tests, timeout=TIMEOUT_S)
+            result = _pytest(tree, "-x", "-rf", *mutation.tests, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return "killed", f"the tests ran past {TIMEOUT_S}s", time.monotonic() - started
         tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
         if result.returncode == 1:
-            return "killed", tail[0], time.monotonic() - started
+            # The killer's id, so a campaign's kills can be kept with the test that made them.
+            failed = re.search(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+            killer = f"by {failed.group(1)}: " if failed else ""
+            return "killed", killer + tail[0], time.monotonic() - started
         if result.returncode == 0:
             return "survived", tail[0], time.monotonic() - started
         detail = (result.stdout + result.stderr).strip().splitlines()[-3:]

@@ -194,8 +194,9 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
             return "killed", f"the tests ran past {TIMEOUT_S}s", time.monotonic() - started
         tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
         if result.returncode == 1:
-            # The killer's id, so a campaign's kills can be kept with the test that made them.
-            failed = re.search(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+            # The killer's id (a parametrised one may hold spaces), so a campaign's kills can be
+            # kept with the test that made them.
+            failed = re.search(r"^FAILED (.+?)(?: - .*)?$", result.stdout, re.MULTILINE)
             killer = f"by {failed.group(1)}: " if failed else ""
             return "killed", killer + tail[0], time.monotonic() - started
         if result.returncode == 0:

@@ -210,3 +210,16 @@ def test_an_unsealed_folder_without_metrics_is_carded_as_what_is_known_and_no_mo
     assert described.startswith("`model` is a transformers `GPT2LMHeadModel` model with 20 parameters"), (
         described
     )
+
+
+def test_a_sealed_folder_of_step_0_says_it_holds_step_0(tmp_path):
+    """Step 0 (weights saved before the first optimizer step) is a step: only an unknown step is not said."""
+    meta = _staged_folder(tmp_path)
+    meta["step"] = 0
+    meta["source_checkpoint"].update(folder="checkpoint-0", sealed=True)
+    source = str(build_folder_card(meta, meta["files"])).split("## Source\n\n", 1)[1]
+    assert source.startswith(
+        "Staged from the folder `checkpoint-0`. It holds training step 0. Its seal (`meta.json`, written by "
+        "`SealedCheckpoints` or `seal_checkpoint`) verified: every file the trainer wrote was there, byte for "
+        "byte. The weights were parsed strictly as safetensors"
+    ), source

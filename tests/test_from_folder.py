@@ -19,6 +19,7 @@ import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard, PyTorchModelHubMixin
 from safetensors.torch import load_file, save_file
+from test_leaks import SAMPLES
 
 from localhub import LocalHub
 from pipeline.audit import audit_stage
@@ -562,6 +563,33 @@ def test_a_token_in_a_carried_tokenizer_file_is_refused(folder, tmp_path):
     with pytest.raises(SecretInStage, match="tokenizer_config.json"):
         stage(folder, tmp_path / "stage")
     assert not (tmp_path / "stage").exists()
+
+
+def test_a_false_positive_allowed_by_card_allow_leaks_is_staged_from_a_folder_and_only_in_its_file(
+    folder, tmp_path
+):
+    """--set card.allow_leaks applies to a folder's stage as to a trainer's: the documented example
+    it allows in one file is staged (and recorded for 06); the same value in another file is not."""
+    what, text = SAMPLES["jwt"]
+    example = text.split()[-1]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "note": example}))
+    with pytest.raises(SecretInStage) as refused:
+        stage(folder, tmp_path / "stage")
+    assert str(refused.value).startswith(f"tokenizer_config.json holds {what};"), str(refused.value)
+    assert not (tmp_path / "stage").exists()
+    allow = {"card.allow_leaks": {"tokenizer_config.json": ["jwt"]}}
+    stage_folder(folder_config(allow), FolderStage(folder=folder, stage_dir=tmp_path / "stage"))
+    staged = json.loads((tmp_path / "stage" / "tokenizer_config.json").read_text())
+    assert staged["note"] == example
+    recorded = json.loads((tmp_path / "stage" / "meta.json").read_text())["config"]["card"]["allow_leaks"]
+    assert recorded == {"tokenizer_config.json": ["jwt"]}
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "n": example})
+    )
+    with pytest.raises(SecretInStage) as refused:
+        stage_folder(folder_config(allow), FolderStage(folder=folder, stage_dir=tmp_path / "other"))
+    assert str(refused.value).startswith(f"config.json holds {what};"), str(refused.value)
 
 
 def test_the_stage_passes_the_publish_side_audit_and_every_refusal_is_one_line(gpt2, tmp_path):

@@ -276,3 +276,31 @@ def test_a_xet_stored_file_lands_only_with_the_audits_xet_hash_sha256_and_size()
         "Hub Xet hash",
         f"w.safetensors: the Hub lists SHA-256 {audited} and 5 bytes, the audit {audited} and 4",
     )
+
+
+def test_a_xet_hash_of_bytes_hf_xet_stopped_reading_midway_is_no_hash(monkeypatch, tmp_path):
+    """The audit feeds hf_xet through a pipe; if hf_xet stops reading before the end (and still
+    answers a hash, of what it read), that hash is of other bytes than the file's: the digest says
+    it has none, and the file is then verified by its bytes, never by that hash."""
+    import hf_xet
+
+    from pipeline.publishing.xet import XetDigest
+
+    class Info:
+        hash = "f" * 64  # what a reader that stopped early would answer
+
+    def hash_files_stopping_early(paths):
+        with open(paths[0], "rb") as pipe:
+            pipe.read(10)
+        return [Info()]
+
+    data = b"x" * (3 << 20)
+    (tmp_path / "bytes").write_bytes(data)
+    whole = XetDigest()
+    whole.update(data)
+    assert whole.hexdigest() == hf_xet.hash_files([str(tmp_path / "bytes")])[0].hash
+
+    monkeypatch.setattr(hf_xet, "hash_files", hash_files_stopping_early)
+    stopped = XetDigest()
+    stopped.update(data)  # more than the pipe holds: the write fails once the reader left
+    assert stopped.hexdigest() is None

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx2
 import pytest
 import test_publish
 from huggingface_hub import HfApi
@@ -33,7 +34,14 @@ from test_publish import (
 )
 
 from pipeline.audit import audit_stage, parse_manifest, stage_lock
-from pipeline.errors import PublishError, ReceiptNotWritten, SecretInStage, StageError, VerificationFailed
+from pipeline.errors import (
+    PublishError,
+    ReceiptNotWritten,
+    SecretInStage,
+    StageError,
+    UploadInterrupted,
+    VerificationFailed,
+)
 from pipeline.leaks import KINDS, leak_rules
 from pipeline.publishing.client import Target, network_words
 from pipeline.publishing.deadline import Deadline
@@ -488,3 +496,29 @@ def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(
     pulls = api.list_repo_refs("alice/pr-lost", include_pull_requests=True).pull_requests
     assert [p.ref for p in pulls] == ["refs/pr/1", "refs/pr/2"], pulls
     assert result.commit == pulls[1].target_commit and api.repo_info("alice/pr-lost").sha == first.commit
+
+
+def test_a_pull_request_opened_before_the_publish_is_never_taken_for_the_one_whose_answer_was_lost(
+    staged_run, run_copy, hub, tmp_path, token_env, monkeypatch, waits
+):
+    """An earlier ``--create-pr`` of the same stage left a pull request holding exactly it; this
+    publish's commit breaks before it lands. That older pull request is not this commit: 06 says
+    nothing was committed, not that it landed."""
+    assert publish_here(staged_run.stage, hub, "alice/pr-older", tmp_path).status == "published"
+    changed = run_copy(staged_run)
+    changed.ok("05_stage.py", "--set", "card.description=A second version.")
+    earlier = publish_here(changed.stage, hub, "alice/pr-older", tmp_path, create_pr=True)
+    assert earlier.status == "published"
+
+    def connection_lost(self, repo_id, *args, **kwargs):
+        raise httpx2.ConnectError("connection reset by peer")
+
+    monkeypatch.setattr(HfApi, "create_commit", connection_lost)
+    with pytest.raises(UploadInterrupted) as interrupted:
+        publish_here(changed.stage, hub, "alice/pr-older", tmp_path, create_pr=True)
+    assert str(interrupted.value).endswith(
+        " while uploading and committing, and the head of main did not move: nothing was committed; "
+        "rerun: it skips blobs already uploaded and never makes a second commit"
+    ), str(interrupted.value)
+    pulls = api_for(hub).list_repo_refs("alice/pr-older", include_pull_requests=True).pull_requests
+    assert [(p.ref, p.target_commit) for p in pulls] == [("refs/pr/1", earlier.commit)], pulls

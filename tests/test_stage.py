@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -372,6 +373,24 @@ def test_metrics_of_other_weights_are_refused(evaluated_run, run_copy, other):
         StageError, match=r"rerun \S+ scripts/04_evaluate\.py .*--checkpoint \S+step-00000010"
     ):
         build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    assert not run.stage.exists()
+
+
+def test_metrics_of_the_same_weights_on_other_data_are_refused(evaluated_run, run_copy):
+    """A record of these very weights, computed on other held-out data (another data.dir given to
+    04), is not a claim about the data the model was trained with: 05 sends the user back to 04."""
+    run = run_copy(evaluated_run)
+    record = json.loads(run.metrics.read_text())
+    assert record["fingerprints"]["data"], record["fingerprints"]
+    record["fingerprints"]["data"] = "0" * 64
+    run.metrics.write_text(json.dumps(record))
+    with pytest.raises(StageError) as refused:
+        build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    message = str(refused.value)
+    assert message.startswith(
+        f"{run.metrics} was computed on other data than step-00000010 was trained on: rerun "
+    ), message
+    assert re.search(r"rerun \S+ scripts/04_evaluate\.py .*--checkpoint \S+step-00000010", message), message
     assert not run.stage.exists()
 
 

@@ -205,11 +205,13 @@ class Callbacks:
                 raise _fail(f".states.{entry.name}", f"is not plain JSON ({exc})") from None
             check = getattr(entry.callback, "check_state", None)
             if callable(check):
-                try:
-                    with self._calling(entry, "check_state()"):
+                # The refusal is caught inside the guard of the user's code, which would
+                # otherwise report it as the callback's failure rather than the checkpoint's.
+                with self._calling(entry, "check_state()"):
+                    try:
                         check(states[entry.name])
-                except (ValueError, TypeError) as exc:
-                    raise _fail(f".states.{entry.name}", str(exc)) from None
+                    except (ValueError, TypeError) as exc:
+                        raise _fail(f".states.{entry.name}", str(exc)) from None
 
     def load(self, saved: dict[str, Any]) -> None:
         """Set a state :meth:`check` accepted: the stop's record, and each callback's own state

@@ -786,3 +786,189 @@ def test_early_stopping_is_built_with_the_configs_metric_mode_patience_and_thres
         0.005,
         0,
     )
+
+
+class _Keeps:
+    """A user's callback whose state is whatever it was given (its check refuses a negative count)."""
+
+    def __init__(self, state):
+        self.state, self.loaded = state, []
+
+    def on_step_end(self, run, control):
+        pass
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+    def check_state(self, state):
+        if state.get("n") == "x":
+            raise TypeError("n is text")
+        if state.get("n") == 99:
+            raise KeyError("n")
+        if state.get("n", 0) < 0:
+            raise ValueError(f"n is {state['n']}, expected >= 0")
+
+
+def test_a_callback_state_keyed_by_anything_but_text_is_refused_saving_and_resuming():
+    """JSON keys are text: a state {1: ...} saved would come back {"1": ...} on resume."""
+    from pipeline.callbacks import Callbacks, plain_json
+    from pipeline.errors import SEALED_BUT_UNFIT, CallbackFailed
+
+    for state in ({1: "a"}, {"ok": [{"x": 1, 2: "b"}]}, {None: 1}):
+        with pytest.raises(TypeError) as refused:
+            plain_json(state, "the state")
+        assert str(refused.value) == "the state has a key that is not a string"
+    callbacks = Callbacks()
+    callbacks.add("mine", _Keeps({"ok": {1: "a"}}), user=True)
+    with pytest.raises(CallbackFailed) as refused:
+        callbacks.state()
+    assert str(refused.value) == (
+        "training.callbacks: the state_dict() of callback mine has a key that is not a string"
+    )
+    with pytest.raises(StateMismatch) as refused:
+        callbacks.check({"stopped": None, "states": {"mine": {"ok": {1: "a"}}}}, 3)
+    assert str(refused.value) == (
+        "training_state.callbacks.states.mine is not plain JSON (mine has a key that is not a string): "
+        f"{SEALED_BUT_UNFIT}"
+    )
+
+
+def test_a_callbacks_state_is_a_copy_of_every_stateful_callbacks_and_the_stop():
+    """The callbacks may keep changing the objects they returned, the loop its stop record."""
+    from pipeline.callbacks import Callbacks, Control, Schedule
+
+    mine, other = _Keeps({"seen": [1, {"a": 2}]}), _Keeps({"n": 0})
+    callbacks = Callbacks()
+    callbacks.add("schedule", Schedule())
+    callbacks.add("mine", mine, user=True)
+    callbacks.add("other", other, user=True)
+    assert callbacks.state() == {
+        "stopped": None,
+        "states": {"mine": {"seen": [1, {"a": 2}]}, "other": {"n": 0}},
+    }
+    callbacks.record_stop(4, Control(stopped_by="mine"))
+    state = callbacks.state()
+    mine.state["seen"][1]["a"] = 3
+    mine.state["seen"].append(5)
+    callbacks.stopped["reason"] = "changed"
+    assert state == {
+        "stopped": {"step": 4, "by": "mine", "reason": "mine asked to stop"},
+        "states": {"mine": {"seen": [1, {"a": 2}]}, "other": {"n": 0}},
+    }
+
+
+def test_a_saved_callbacks_component_is_checked_whole_before_anything_is_set():
+    from pipeline.callbacks import Callbacks
+    from pipeline.errors import SEALED_BUT_UNFIT, CallbackFailed
+
+    mine = _Keeps({"n": 0})
+    callbacks = Callbacks()
+    callbacks.add("mine", mine, user=True)
+    callbacks.add("late", _Keeps({"n": 0}), user=True)
+    # A state for a callback not running, none for one running: both fine.
+    callbacks.check({"stopped": None, "states": {"mine": {"n": 2}, "gone": {"n": -1}}}, 3)
+    refused = {
+        "training_state.callbacks does not hold exactly stopped, states": [
+            [],
+            {"stopped": None},
+            {"stopped": None, "states": {}, "more": 1},
+        ],
+        "training_state.callbacks.states is not a mapping of callback names to their state": [
+            {"stopped": None, "states": []},
+            {"stopped": None, "states": {"mine": {"n": 1}, 1: {}}},
+        ],
+        "training_state.callbacks.states.mine is not plain JSON (mine holds a tuple: a callback's state "
+        "is plain JSON (dict, list, str, int, float, bool, None))": [
+            {"stopped": None, "states": {"mine": {"n": (1,)}}}
+        ],
+        "training_state.callbacks.states.mine n is -1, expected >= 0": [
+            {"stopped": None, "states": {"mine": {"n": -1}}}
+        ],
+        "training_state.callbacks.states.late n is text": [
+            {"stopped": None, "states": {"mine": {"n": 1}, "late": {"n": "x"}}},
+            {"stopped": None, "states": {"late": {"n": "x"}}},
+        ],
+    }
+    for says, saved_states in refused.items():
+        for saved in saved_states:
+            with pytest.raises(StateMismatch) as refusal:
+                callbacks.check(saved, 3)
+            assert str(refusal.value) == f"{says}: {SEALED_BUT_UNFIT}"
+    # Anything else a check raises is the callback's own failure, not the checkpoint's.
+    with pytest.raises(CallbackFailed) as failed:
+        callbacks.check({"stopped": None, "states": {"mine": {"n": 99}}}, 3)
+    assert str(failed.value) == (
+        "training.callbacks mine check_state() failed: KeyError: 'n' "
+        "(fix the callback; --debug prints the traceback)"
+    )
+    assert mine.loaded == [] and callbacks.stopped is None
+
+
+def test_a_saved_callbacks_component_is_loaded_as_copies_with_a_line_for_each_left_out():
+    from pipeline.callbacks import Callbacks
+
+    mine, fresh = _Keeps({"n": 0}), _Keeps({"n": 0})
+    callbacks = Callbacks()
+    callbacks.add("mine", mine, user=True)
+    callbacks.add("fresh", fresh, user=True)
+    saved = {
+        "stopped": {"step": 3, "by": "mine", "reason": "done"},
+        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}},
+    }
+    callbacks.notes = ["from before"]
+    callbacks.load(saved)
+    assert callbacks.stopped == {"step": 3, "by": "mine", "reason": "done"}
+    assert mine.loaded == [{"seen": [1]}] and fresh.loaded == []
+    assert callbacks.notes == [
+        "callback fresh has no state in the checkpoint: it starts afresh",
+        "the checkpoint's state of callback alpha is left out: no such callback runs",
+        "the checkpoint's state of callback zeta is left out: no such callback runs",
+    ]
+    mine.loaded[0]["seen"].append(2)
+    callbacks.stopped["step"] = 9
+    assert saved == {
+        "stopped": {"step": 3, "by": "mine", "reason": "done"},
+        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}},
+    }
+
+
+def test_a_stop_asked_on_another_rank_is_recorded_as_the_first_rank_that_asked_says():
+    from pipeline.callbacks import Callbacks, Control
+
+    ranks = [["", ""], ["mine", "enough"], ["other", "also"]]
+    control = Control()
+    gather = lambda text: [text if not by else json.dumps([by, why]) for by, why in ranks]  # noqa: E731
+    assert Callbacks().record_stop(7, control, gather) == {"step": 7, "by": "mine", "reason": "enough"}
+    assert (control.stopped_by, control.stop_reason) == ("mine", "enough")
+    asked_here = Control(stopped_by="here", stop_reason="")
+    assert Callbacks().record_stop(7, asked_here, lambda text: [text, json.dumps(["", ""])]) == {
+        "step": 7,
+        "by": "here",
+        "reason": "here asked to stop",
+    }
+
+
+def test_the_schedule_saves_and_evaluates_on_its_intervals_and_at_the_last_step():
+    from types import SimpleNamespace
+
+    from pipeline.callbacks import Control, Schedule
+
+    def asked(every, eval_every):
+        config = SimpleNamespace(
+            training=SimpleNamespace(max_steps=7, eval_every=eval_every),
+            checkpoint=SimpleNamespace(every=every),
+        )
+        saves, evaluations = [], []
+        for step in range(1, 8):
+            control = Control()
+            Schedule().on_step_end(SimpleNamespace(step=step, config=config), control)
+            saves += [step] if control.should_save else []
+            evaluations += [step] if control.should_evaluate else []
+            assert not control.should_training_stop
+        return saves, evaluations
+
+    assert asked(3, 2) == ([3, 6, 7], [2, 4, 6, 7])
+    assert asked(7, 0) == ([7], [])

@@ -257,21 +257,6 @@ def test_a_callback_state_comes_back_with_its_json_types():
     assert [type(item) for item in copied["seen"]] == [bool, int]
 
 
-@pytest.mark.parametrize(
-    "state",
-    [{1: "one"}, {"outer": {2.5: "inner"}}, [{"fine": 1}, {None: 0}], {("a", "b"): 1}],
-    ids=["int-key", "float-key-nested", "none-key-in-a-list", "tuple-key"],
-)
-def test_a_callback_state_with_a_key_that_is_not_a_string_is_refused(state):
-    """JSON keys are strings: ``{1: ...}`` saved would resume as ``{"1": ...}``, so it is refused."""
-    from pipeline.callbacks import plain_json
-
-    with pytest.raises(TypeError) as refused:
-        plain_json(state, "the state of callback x")
-    assert str(refused.value) == "the state of callback x has a key that is not a string"
-    assert plain_json({"1": "one"}, "the state of callback x") == {"1": "one"}
-
-
 def test_a_callback_state_that_is_not_plain_json_is_refused_before_the_first_step(data_dir, tmp_path):
     config = _config(data_dir, tmp_path, **{"training.callbacks": ["callback_factories:tuple_state"]})
     with pytest.raises(CheckpointError, match=r"callback_factories:tuple_state holds a tuple"):

@@ -96,6 +96,19 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _mutate(root: Path, *options: str) -> subprocess.CompletedProcess:
+    """The tiny tree's copy of mutate.py over its list, one job."""
+    return subprocess.run(
+        [sys.executable, str(root / "tests/mutation/mutate.py"), *options]
+        + ["--list-file", str(root / "list.toml"), "--jobs", "1"],
+        cwd=root,
+        env=_env(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_the_plugin_runs_the_named_tests_first_then_their_files_then_the_rest(tmp_path):
     root = _tiny_tree(tmp_path)
     collected = subprocess.run(
@@ -118,16 +131,7 @@ def test_the_plugin_runs_the_named_tests_first_then_their_files_then_the_rest(tm
 
 
 def test_each_defect_reports_its_first_failing_test_named_or_not_and_a_stale_one_is_an_error(tmp_path):
-    root = _tiny_tree(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(root / "tests/mutation/mutate.py"), "--whole-suite"]
-        + ["--list-file", str(root / "list.toml"), "--jobs", "1"],
-        cwd=root,
-        env=_env(root),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _mutate(_tiny_tree(tmp_path), "--whole-suite")
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
     lines = {line.split("] ", 1)[1].split(":", 1)[0]: line for line in out.splitlines() if "] " in line}
@@ -147,16 +151,7 @@ def test_each_defect_reports_its_first_failing_test_named_or_not_and_a_stale_one
 
 
 def test_a_run_of_the_named_tests_reports_the_test_that_killed_each_defect(tmp_path):
-    root = _tiny_tree(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(root / "tests/mutation/mutate.py"), "--only", "add subtracts"]
-        + ["--list-file", str(root / "list.toml"), "--jobs", "1"],
-        cwd=root,
-        env=_env(root),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _mutate(_tiny_tree(tmp_path), "--only", "add subtracts")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     line = next(line for line in out.splitlines() if line.startswith("killed"))

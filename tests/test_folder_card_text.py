@@ -210,3 +210,17 @@ def test_an_unsealed_folder_without_metrics_is_carded_as_what_is_known_and_no_mo
     assert described.startswith("`model` is a transformers `GPT2LMHeadModel` model with 20 parameters"), (
         described
     )
+
+
+def test_a_sealed_folder_of_step_0_still_says_which_step_it_holds(tmp_path):
+    meta = _staged_folder(tmp_path)
+    meta["step"] = 0
+    meta["source_checkpoint"]["sealed"] = True
+    card = str(build_folder_card(meta, meta["files"])).split("\n\n")
+    source = card.index("## Source")
+    assert card[source + 1] == (
+        "Staged from the folder `model`. It holds training step 0. Its seal (`meta.json`, written by "
+        "`SealedCheckpoints` or `seal_checkpoint`) verified: every file the trainer wrote was there, byte for "
+        "byte. The weights were parsed strictly as safetensors and scanned for NaN and infinite values. Files "
+        "read from it:"
+    )

@@ -217,9 +217,11 @@ def test_a_sealed_folder_of_step_0_says_it_holds_step_0(tmp_path):
     meta = _staged_folder(tmp_path)
     meta["step"] = 0
     meta["source_checkpoint"].update(folder="checkpoint-0", sealed=True)
-    source = str(build_folder_card(meta, meta["files"])).split("## Source\n\n", 1)[1]
-    assert source.startswith(
+    card = str(build_folder_card(meta, meta["files"])).split("\n\n")
+    source = card.index("## Source")
+    assert card[source + 1] == (
         "Staged from the folder `checkpoint-0`. It holds training step 0. Its seal (`meta.json`, written by "
         "`SealedCheckpoints` or `seal_checkpoint`) verified: every file the trainer wrote was there, byte for "
-        "byte. The weights were parsed strictly as safetensors"
-    ), source
+        "byte. The weights were parsed strictly as safetensors and scanned for NaN and infinite values. Files "
+        "read from it:"
+    )

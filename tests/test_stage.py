@@ -386,11 +386,48 @@ def test_metrics_of_the_same_weights_on_other_data_are_refused(evaluated_run, ru
     run.metrics.write_text(json.dumps(record))
     with pytest.raises(StageError) as refused:
         build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
-    message = str(refused.value)
-    assert message.startswith(
-        f"{run.metrics} was computed on other data than step-00000010 was trained on: rerun "
-    ), message
-    assert re.search(r"rerun \S+ scripts/04_evaluate\.py .*--checkpoint \S+step-00000010", message), message
+    line = str(refused.value)
+    prefix = f"{run.metrics} was computed on other data than step-00000010 was trained on: rerun "
+    assert line.startswith(prefix) and "\n" not in line, line
+    assert line.endswith(f" scripts/04_evaluate.py --set data.dir={run.data_dir} --set checkpoint.dir="
+                         f"{run.checkpoint_dir} --checkpoint {run.checkpoint} --output {run.metrics}"), line  # fmt: skip
+    assert not run.stage.exists()
+
+
+def _drop_the_first_source(sources):
+    sources.pop("pipeline/__init__.py")
+    return "pipeline/__init__.py (the model's code) was not part of the code 04 evaluated with"
+
+
+def _add_a_source(sources):
+    sources["pipeline/tasks/extra.py"] = "1" * 64
+    return f"pipeline/tasks/extra.py was part of the code 04 evaluated with and no longer is (SHA-256 {'1' * 64})"
+
+
+def _change_a_source(sources):
+    now, sources["pipeline/tasks/mlp.py"] = sources["pipeline/tasks/mlp.py"], "2" * 64
+    return (
+        f"pipeline/tasks/mlp.py (the model's code) differs from the file 04 evaluated with (SHA-256 {'2' * 64} "
+        f"then, {now} now)"
+    )
+
+
+@pytest.mark.parametrize("edit", [_drop_the_first_source, _add_a_source, _change_a_source])
+def test_metrics_computed_under_other_code_are_refused_naming_the_file_in_one_line(
+    evaluated_run, run_copy, edit
+):
+    run = run_copy(evaluated_run)
+    record = json.loads(run.metrics.read_text())
+    says = edit(record["fingerprints"]["sources"])
+    run.metrics.write_text(json.dumps(record))
+    with pytest.raises(StageError) as refused:
+        build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
+    line = str(refused.value)
+    assert line.startswith(
+        f"{run.metrics} was computed under other code than this stage ships: {says}: rerun "
+    ), line
+    assert line.endswith(f" scripts/04_evaluate.py --set data.dir={run.data_dir} --set checkpoint.dir="
+                         f"{run.checkpoint_dir} --checkpoint {run.checkpoint} --output {run.metrics}"), line  # fmt: skip
     assert not run.stage.exists()
 
 

@@ -25,6 +25,7 @@ from pipeline.audit import audit_stage
 from pipeline.errors import NonFiniteWeights, PipelineError, SecretInStage, StageError
 from pipeline.integrations.seal import seal_checkpoint
 from pipeline.leaks import leak_rules
+from pipeline.stage.build import StageResult
 from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
 
 from support import first_python_block, one_line_error, publish_stage, run_as_hub_user, run_script, script_env
@@ -66,8 +67,8 @@ def folder(gpt2, tmp_path) -> Path:
     return Path(shutil.copytree(gpt2, tmp_path / "tiny-gpt2"))
 
 
-def stage(folder: Path, target: Path, **options) -> None:
-    stage_folder(folder_config({}), FolderStage(folder=folder, stage_dir=target, **options))
+def stage(folder: Path, target: Path, **options) -> StageResult:
+    return stage_folder(folder_config({}), FolderStage(folder=folder, stage_dir=target, **options))
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -552,7 +553,7 @@ def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(folder, 
     ):
         stage(folder, tmp_path / "stage")
     assert not (tmp_path / "stage").exists()
-    stage(folder, tmp_path / "stage", allow_nonfinite=True)
+    assert stage(folder, tmp_path / "stage", allow_nonfinite=True).nonfinite == ["transformer.ln_f.bias"]
     assert "`transformer.ln_f.bias`" in (tmp_path / "stage" / "README.md").read_text()
 
 

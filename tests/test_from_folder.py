@@ -25,6 +25,8 @@ from localhub import LocalHub
 from pipeline.audit import audit_stage
 from pipeline.errors import NonFiniteWeights, PipelineError, SecretInStage, StageError
 from pipeline.integrations.seal import seal_checkpoint
+from pipeline.leaks import leak_rules
+from pipeline.stage.build import StageResult
 from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
 
 from support import first_python_block, one_line_error, publish_stage, run_as_hub_user, run_script, script_env
@@ -66,8 +68,8 @@ def folder(gpt2, tmp_path) -> Path:
     return Path(shutil.copytree(gpt2, tmp_path / "tiny-gpt2"))
 
 
-def stage(folder: Path, target: Path, **options) -> None:
-    stage_folder(folder_config({}), FolderStage(folder=folder, stage_dir=target, **options))
+def stage(folder: Path, target: Path, **options) -> StageResult:
+    return stage_folder(folder_config({}), FolderStage(folder=folder, stage_dir=target, **options))
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -552,17 +554,31 @@ def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(folder, 
     ):
         stage(folder, tmp_path / "stage")
     assert not (tmp_path / "stage").exists()
-    stage(folder, tmp_path / "stage", allow_nonfinite=True)
+    assert stage(folder, tmp_path / "stage", allow_nonfinite=True).nonfinite == ["transformer.ln_f.bias"]
     assert "`transformer.ln_f.bias`" in (tmp_path / "stage" / "README.md").read_text()
 
 
-def test_a_token_in_a_carried_tokenizer_file_is_refused(folder, tmp_path):
+def test_a_token_in_a_carried_tokenizer_file_is_refused_unless_the_configs_card_allows_it(folder, tmp_path):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["note"] = FAKE_TOKEN
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(SecretInStage, match="tokenizer_config.json"):
+    with pytest.raises(SecretInStage) as refused:
         stage(folder, tmp_path / "stage")
+    assert str(refused.value) == (
+        "tokenizer_config.json holds an hf_ token; nothing was staged. Remove it from where it came from "
+        "(config card section, data, task sample, code, edits to the stage) and stage again; if it is not "
+        "a secret (a documented example), allow it per file in the config: card.allow_leaks: "
+        "{tokenizer_config.json: [hf-token]} (docs/publishing.md)"
+    )
     assert not (tmp_path / "stage").exists()
+    # A documented example the config's card.allow_leaks allows is staged, as for a checkpoint.
+    allowed = {"tokenizer_config.json": ["hf-token"]}
+    target = tmp_path / "stage"
+    stage_folder(folder_config({"card.allow_leaks": allowed}), FolderStage(folder=folder, stage_dir=target))
+    assert json.loads((target / "tokenizer_config.json").read_text())["note"] == FAKE_TOKEN
+    assert json.loads((target / "meta.json").read_text())["config"]["card"]["allow_leaks"] == allowed
+    # ... and 06's audit (which reads the allowance from the staged meta.json) lets it go.
+    assert audit_stage(target, leaks=leak_rules())["tokenizer_config.json"].allowed_leaks == ("an hf_ token",)
 
 
 def test_a_false_positive_allowed_by_card_allow_leaks_is_staged_from_a_folder_and_only_in_its_file(

@@ -47,7 +47,7 @@ from pipeline.evaluate import evaluation_config
 from pipeline.publishing import COMMIT_ATTEMPTS, Publication, format_plan, publish
 from pipeline.publishing.client import RemoteFile
 from pipeline.publishing.deadline import Deadline
-from pipeline.publishing.xet import check_landed
+from pipeline.publishing.xet import XetDigest, check_landed
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
@@ -1067,6 +1067,40 @@ def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_
     )
     intact = check_landed("modelo.safetensors", expected, remote, None, lambda: audited)
     assert (intact.found, intact.problem) == (audited, None)
+
+
+def test_a_xet_hash_of_part_of_the_audited_bytes_is_no_hash(tmp_path, monkeypatch):
+    """When hf_xet stops reading the audit's pipe before the last chunk (here: another writer fed
+    it the first chunk and closed, so hf_xet saw its end), the hash it took of that part is not the
+    file's: the digest gives None. Fed every chunk, it gives the file's Xet hash."""
+    import errno
+    import tempfile
+
+    import hf_xet
+
+    first, rest = os.urandom(3000), os.urandom(5000)
+    (tmp_path / "whole").write_bytes(first + rest)
+    [whole] = [info.hash for info in hf_xet.hash_files([str(tmp_path / "whole")])]
+    complete = XetDigest()
+    complete.update(first)
+    complete.update(rest)
+    assert complete.hexdigest() == whole
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the digest's pipe is made
+    cut = XetDigest()
+    [pipe] = tmp_path.glob("xet-hash-*/bytes")
+    writer = os.open(pipe, os.O_WRONLY)  # returns once hf_xet has opened the pipe to read
+    os.write(writer, first)
+    os.close(writer)
+    while True:  # until hf_xet has read to the end and closed the pipe
+        try:
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO, exc
+            break
+    cut.update(rest)
+    assert cut.hexdigest() is None
+    assert list(tmp_path.glob("xet-hash-*")) == []
 
 
 def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(

@@ -33,7 +33,14 @@ from test_publish import (
 )
 
 from pipeline.audit import audit_stage, parse_manifest, stage_lock
-from pipeline.errors import PublishError, ReceiptNotWritten, SecretInStage, StageError, VerificationFailed
+from pipeline.errors import (
+    PublishError,
+    PublishTimedOut,
+    ReceiptNotWritten,
+    SecretInStage,
+    StageError,
+    VerificationFailed,
+)
 from pipeline.leaks import KINDS, leak_rules
 from pipeline.publishing.client import Target, network_words
 from pipeline.publishing.deadline import Deadline
@@ -488,3 +495,26 @@ def test_a_pull_request_whose_answer_is_lost_is_found_and_not_opened_twice(
     pulls = api.list_repo_refs("alice/pr-lost", include_pull_requests=True).pull_requests
     assert [p.ref for p in pulls] == ["refs/pr/1", "refs/pr/2"], pulls
     assert result.commit == pulls[1].target_commit and api.repo_info("alice/pr-lost").sha == first.commit
+
+
+def test_a_pull_request_open_before_the_publish_is_not_taken_for_one_whose_answer_was_lost(
+    staged_run, hub, tmp_path, token_env
+):
+    """After a lost answer to --create-pr, only a pull request opened since the plan can be ours:
+    an older one holding the same stage is not, and then nothing was committed."""
+    api = api_for(hub)
+    api.create_repo("alice/pr-older")
+    older = publish_here(staged_run.stage, hub, "alice/pr-older", tmp_path, create_pr=True)
+    assert older.status == "published"
+    hub.withhold_next_commit_answer(apply=False)  # our pull request is never opened
+    with pytest.raises(PublishTimedOut) as cut:
+        publish_here(staged_run.stage, hub, "alice/pr-older", tmp_path, create_pr=True, timeout_s=1)
+    assert re.fullmatch(
+        "publishing ran out of its 1s --timeout while uploading and committing; last error: no answer "
+        f"from {re.escape(hub.url)} to the commit within [0-9.]+s, all the --timeout had left, and the "
+        "head of main did not move: nothing was committed; rerun: it skips blobs already uploaded and "
+        "never makes a second commit",
+        str(cut.value),
+    ), cut.value
+    pulls = api.list_repo_refs("alice/pr-older", include_pull_requests=True).pull_requests
+    assert [(p.ref, p.target_commit) for p in pulls] == [("refs/pr/1", older.commit)], pulls

@@ -37,6 +37,7 @@ from pipeline.config import load_config
 from pipeline.data import load_task_data
 from pipeline.errors import (
     HubUnavailable,
+    PublishError,
     PublishTimedOut,
     StageChanged,
     StaleBranch,
@@ -47,7 +48,7 @@ from pipeline.evaluate import evaluation_config
 from pipeline.publishing import COMMIT_ATTEMPTS, Publication, format_plan, publish
 from pipeline.publishing.client import RemoteFile
 from pipeline.publishing.deadline import Deadline
-from pipeline.publishing.xet import check_landed
+from pipeline.publishing.xet import XetDigest, check_landed
 from pipeline.rng import seed_everything
 from pipeline.run import build_model
 
@@ -521,6 +522,20 @@ def test_one_500_on_the_commit_is_retried_and_lands_once(staged_run, hub, tmp_pa
     assert len(list((unmade / "receipts").glob("alice--retried-*.json"))) == 1
 
 
+def test_a_commit_refused_with_a_4xx_is_not_retried_and_is_one_line(
+    staged_run, hub, tmp_path, token_env, waits
+):
+    hub.fail_next_commit(times=1, status=422)
+    with pytest.raises(PublishError) as refused:
+        publish_here(staged_run.stage, hub, "alice/refused", tmp_path)
+    assert type(refused.value) is PublishError and str(refused.value).startswith(
+        "the Hub answered HTTP 422 while uploading and committing on alice/refused: "
+    ), refused.value
+    assert str(refused.value).endswith("; nothing was committed") and "\n" not in str(refused.value)
+    assert waits == [] and hub.count("POST", r"/commit/main$") == 1
+    assert commit_titles(hub, "alice/refused") == ["initial commit"]
+
+
 @pytest.mark.parametrize("earlier_500s", [0, COMMIT_ATTEMPTS - 1], ids=["first-attempt", "last-attempt"])
 def test_commit_that_landed_but_answered_500_is_not_made_twice(
     staged_run, hub, tmp_path, token_env, monkeypatch, waits, earlier_500s
@@ -550,6 +565,53 @@ def test_commit_that_landed_but_answered_500_is_not_made_twice(
         f"the commit had landed despite the error answer: {result.commit}"
     ], said
     assert waits == [1.0, 2.0, 4.0][: max(1, earlier_500s)]  # the last attempt's answer: no wait after it
+
+
+def test_a_push_holding_the_stage_and_more_during_the_commits_retry_is_not_taken_for_our_commit(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
+    """The commit is answered 500 without landing; while 06 waits to retry, someone pushes the
+    staged files plus one more. That head is not our commit landed despite the error: the retry
+    finds nothing to change (the client returns the head) and the check after landing refuses it."""
+    hub.fail_next_commit(times=1, status=500)
+    api = api_for(hub)
+    stage = staged_run.stage
+    pushed: list[str] = []
+
+    def someone_pushes(seconds: float) -> None:
+        if not pushed:
+            ops = [CommitOperationAdd(name, str(stage / name)) for name in sorted(stage_files(stage))]
+            info = api.create_commit(
+                "alice/pushed", ops + [CommitOperationAdd("notes.txt", b"more\n")], commit_message="a push"
+            )
+            pushed.append(info.oid)
+
+    monkeypatch.setattr(Deadline, "sleep", staticmethod(someone_pushes))
+    said: list[str] = []
+    with pytest.raises(VerificationFailed) as refused:
+        publish_here(stage, hub, "alice/pushed", tmp_path, say=said.append)
+    [receipt] = (tmp_path / "receipts").glob("*.json")
+    assert str(refused.value) == (
+        f"commit {hub.url}/alice/pushed/commit/{pushed[0]} landed but differs from the audited stage: "
+        f"notes.txt is in the commit but not in the stage; receipt {receipt}"
+    )
+    assert [line for line in said if "landed" in line] == [], said
+    assert commit_titles(hub, "alice/pushed") == ["a push", "initial commit"]
+
+
+def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alone(
+    staged_run, hub, tmp_path, token_env
+):
+    api = api_for(hub)
+    api.create_repo("alice/branch")
+    main = api.repo_info("alice/branch").sha
+    result = publish_here(staged_run.stage, hub, "alice/branch", tmp_path, revision="dev")
+    assert (result.status, result.plan.revision) == ("published", "dev")
+    assert api.repo_info("alice/branch", revision="dev").sha == result.commit
+    assert api.repo_info("alice/branch").sha == main
+    assert set(api.list_repo_files("alice/branch", revision="dev")) == stage_files(staged_run.stage) | {
+        ".gitattributes"
+    }
 
 
 def test_a_lost_commit_answer_and_a_branch_head_that_cannot_be_read_say_the_commit_may_have_landed(
@@ -1067,6 +1129,40 @@ def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_
     )
     intact = check_landed("modelo.safetensors", expected, remote, None, lambda: audited)
     assert (intact.found, intact.problem) == (audited, None)
+
+
+def test_a_xet_hash_of_part_of_the_audited_bytes_is_no_hash(tmp_path, monkeypatch):
+    """When hf_xet stops reading the audit's pipe before the last chunk (here: another writer fed
+    it the first chunk and closed, so hf_xet saw its end), the hash it took of that part is not the
+    file's: the digest gives None. Fed every chunk, it gives the file's Xet hash."""
+    import errno
+    import tempfile
+
+    import hf_xet
+
+    first, rest = os.urandom(3000), os.urandom(5000)
+    (tmp_path / "whole").write_bytes(first + rest)
+    [whole] = [info.hash for info in hf_xet.hash_files([str(tmp_path / "whole")])]
+    complete = XetDigest()
+    complete.update(first)
+    complete.update(rest)
+    assert complete.hexdigest() == whole
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the digest's pipe is made
+    cut = XetDigest()
+    [pipe] = tmp_path.glob("xet-hash-*/bytes")
+    writer = os.open(pipe, os.O_WRONLY)  # returns once hf_xet has opened the pipe to read
+    os.write(writer, first)
+    os.close(writer)
+    while True:  # until hf_xet has read to the end and closed the pipe
+        try:
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO, exc
+            break
+    cut.update(rest)
+    assert cut.hexdigest() is None
+    assert list(tmp_path.glob("xet-hash-*")) == []
 
 
 def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_verification(

@@ -65,7 +65,8 @@ def test_06_stops_within_its_timeout_when_every_xorb_or_shard_upload_fails_and_a
     line = error_line_after_uploads(dropped)
     assert elapsed < 30, elapsed
     assert "the Xet client gave up on the Xet xorb upload" in line and "10s --timeout" in line, line
-    assert "nothing was committed" in line and "rerun" in line, line
+    # The branch head was read again before saying so: the commit may have landed despite the failure.
+    assert ", and the head of main did not move: nothing was committed; rerun" in line, line
     assert commit_titles(hub, repo) == ["initial commit"] and stored(hub, "xorbs") == []
 
     hub.clear_faults()
@@ -579,3 +580,16 @@ def test_a_retry_after_ending_exactly_at_the_deadline_ends_the_request_and_one_b
         with pytest.raises(DeadlinePassed, match="asks to wait 1s before retrying") as asked:
             get_session().get(url)
     assert asked.value.asked == 1
+
+
+def test_no_request_is_sent_once_the_deadline_has_passed(hub):
+    """A request asked for after the time is up fails at once, naming what it would have done,
+    and never reaches the Hub; one asked for before it is sent."""
+    limit = deadline.Deadline(0.5)
+    with limit.installed():
+        assert get_session().get(f"{hub.url}/api/models/alice/none/revision/main").status_code == 404
+        time.sleep(max(0.0, limit.remaining()) + 0.01)
+        with pytest.raises(DeadlinePassed) as passed:
+            get_session().get(f"{hub.url}/api/models/alice/none/revision/main")
+    assert str(passed.value) == "reading the branch head was not sent"
+    assert hub.count() == 1 and dict(limit.sent) == {"reading the branch head": 1}

@@ -239,6 +239,21 @@ def test_a_dry_run_to_a_new_branch_plans_it_from_main_and_names_the_step_and_wei
     assert write_requests(hub) == writes
 
 
+def test_a_dry_run_to_a_folder_plans_against_that_folder_alone(staged_run, hub, tmp_path, token_env):
+    """Files outside --path-in-repo are neither compared nor planned for deletion."""
+    api = api_for(hub)
+    api.create_repo("alice/foldered")
+    api.upload_file(path_or_fileobj=b"notes", path_in_repo="notes.txt", repo_id="alice/foldered")
+    result = publish_here(
+        staged_run.stage, hub, "alice/foldered", tmp_path, dry_run=True, path_in_repo="model"
+    )
+    plan = result.plan
+    assert (plan.path_in_repo, plan.deletions) == ("model", ())
+    assert [(f.path_in_repo, f.action) for f in plan.files] == [
+        (f"model/{f.name}", "add") for f in plan.files
+    ]
+
+
 # -- a Xet-stored file after landing ------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import httpx2
 import pytest
 import test_publish
 from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
 from test_leaks import SAMPLES
 from test_publish import (
     TOKEN,
@@ -39,14 +41,19 @@ from pipeline.errors import (
     ReceiptNotWritten,
     SecretInStage,
     StageError,
+    StaleBranch,
+    TokenRejected,
     UploadInterrupted,
     VerificationFailed,
 )
 from pipeline.leaks import KINDS, leak_rules
-from pipeline.publishing.client import Target, network_words
+from pipeline.publishing.client import Target, http_error, hub_errors, network_words
 from pipeline.publishing.deadline import Deadline
 
 from support import TREE_PATH
+
+# An endpoint nothing listens on, for the messages about one.
+HUB = "http://127.0.0.1:1"
 
 # The loopback Hub fixtures of test_publish.py (hf_env and waits are autouse there, and so here).
 hf_env, hub, token_env, no_client_sleep, waits = (
@@ -423,6 +430,96 @@ def test_a_lost_connection_is_told_in_one_line_without_the_token_wherever_the_li
     assert said.startswith("connection to http://127.0.0.1:1 lost (OSError: xxx" if at else "connection to")
     assert TOKEN[:6] not in said and "\n" not in said and "the rest" not in said, said
     assert ("<token>" in said) == (len(f"OSError: {'x' * at}Bearer <token>") <= 300), said
+
+
+def test_a_lost_request_is_told_by_what_it_was_how_long_it_waited_and_what_gave_up():
+    """A timeout names the request and the wait it had (and says when that was all the --timeout
+    had left), a host that does not resolve names the endpoint to check, and the Xet client's
+    failure names the CAS request it gave up on."""
+    limit = Deadline(60)
+    limit.bounds["the commit"] = 2.5  # the deadline's bound on the last commit request
+    target = Target(HfApi(endpoint=HUB, token=TOKEN), HUB, "alice/x", "main", "", TOKEN, limit)
+    commit = httpx2.Request("POST", f"{HUB}/api/models/alice/x/commit/main")
+    head = httpx2.Request("GET", f"{HUB}/api/models/alice/x/revision/main")
+    try:
+        try:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        except socket.gaierror as lookup:
+            raise httpx2.ConnectError("[Errno -2] Name or service not known") from lookup
+    except httpx2.ConnectError as failed:
+        unresolved = failed
+    said = [
+        network_words(target, httpx2.ReadTimeout("timed out", request=commit)),
+        network_words(target, httpx2.ConnectTimeout("timed out", request=head)),
+        network_words(target, unresolved),
+        network_words(target, ConnectionError(f"Request failed: {HUB}/v1/shards: 503")),
+    ]
+    assert said == [
+        f"no answer from {HUB} to the commit within 2.5s, all the --timeout had left (ReadTimeout)",
+        f"no answer from {HUB} to reading the branch head within 60s (ConnectTimeout)",
+        f"the host 127.0.0.1 of the endpoint {HUB} cannot be resolved (Name or service not known): "
+        "check --endpoint / HF_ENDPOINT and the network",
+        "the Xet client gave up on the Xet shard upload after its retries, capped by the 60s --timeout "
+        f"(ConnectionError: Request failed: {HUB}/v1/shards: 503)",
+    ]
+    with pytest.raises(PublishError) as refused, hub_errors(target, "reading branch main"):
+        raise unresolved
+    assert (type(refused.value), str(refused.value)) == (
+        PublishError,
+        f"{said[2]} while reading branch main; nothing was committed",
+    )
+
+
+@pytest.mark.parametrize(
+    "status, kind, message",
+    [
+        (
+            code,
+            TokenRejected,
+            "token rejected or no write access to alice/x at http://127.0.0.1:1 (HTTP {code} while "
+            "uploading and committing): check HF_TOKEN / `hf auth login` and that the token may write to "
+            "this namespace; nothing was committed",
+        )
+        for code in (401, 403)
+    ]
+    + [
+        (
+            412,
+            StaleBranch,
+            "someone pushed to main of alice/x since it was read; nothing was written; rerun to publish "
+            "on top of the new head",
+        ),
+        (
+            409,
+            PublishError,
+            "the Hub answered HTTP 409 while uploading and committing on alice/x: refused, token <token>; "
+            "nothing was committed",
+        ),
+    ],
+    ids=["401", "403", "412", "other"],
+)
+def test_each_error_answer_of_the_hub_is_one_line_saying_what_it_means(status, kind, message):
+    """401 and 403 both mean the token may not write, 412 a push since the head was read; any other
+    error answer is quoted, the token scrubbed."""
+    target = Target(
+        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
+        "http://127.0.0.1:1",
+        "alice/x",
+        "main",
+        "",
+        TOKEN,
+        Deadline(60),
+    )
+    answer = httpx2.Response(
+        status, request=httpx2.Request("POST", "http://127.0.0.1:1/api/models/alice/x/commit/main")
+    )
+    error = http_error(
+        target,
+        "uploading and committing",
+        HfHubHTTPError("refused", response=answer, server_message=f"refused, token {TOKEN}"),
+        "nothing was committed",
+    )
+    assert (type(error), str(error)) == (kind, message.format(code=status))
 
 
 def test_the_stage_lock_is_beside_the_stage_not_on_its_parent(staged_run, tmp_path):

@@ -614,8 +614,8 @@ def test_a_pull_request_opened_before_the_publish_is_never_taken_for_the_one_who
     with pytest.raises(UploadInterrupted) as interrupted:
         publish_here(changed.stage, hub, "alice/pr-older", tmp_path, create_pr=True)
     assert str(interrupted.value).endswith(
-        " while uploading and committing, and the head of main did not move: nothing was committed; "
-        "rerun: it skips blobs already uploaded and never makes a second commit"
+        " while uploading and committing, and no pull request opened since the plan holds the stage: nothing "
+        "was committed; rerun: it skips blobs already uploaded and never makes a second commit"
     ), str(interrupted.value)
     pulls = api_for(hub).list_repo_refs("alice/pr-older", include_pull_requests=True).pull_requests
     assert [(p.ref, p.target_commit) for p in pulls] == [("refs/pr/1", earlier.commit)], pulls

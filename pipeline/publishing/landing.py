@@ -211,7 +211,13 @@ def _after_lost_answer(run: Publishing, cut: BaseException) -> str:
         ) from None
     if landed is None:
         error = PublishTimedOut if timed_out else UploadInterrupted
-        raise error(f"{what}, and the head of {target.revision} did not move: nothing was committed; {RERUN}")
+        # A pull request leaves the branch where it was: what was looked for is a new one.
+        unmoved = (
+            "no pull request opened since the plan holds the stage"
+            if target.create_pr
+            else f"the head of {target.revision} did not move"
+        )
+        raise error(f"{what}, and {unmoved}: nothing was committed; {RERUN}")
     target.say(f"the answer to the commit was lost, but the commit landed: {landed}")
     return landed
 

@@ -405,6 +405,29 @@ def test_an_unevaluated_intermediate_checkpoint_is_carded_and_reproduced_as_one(
     assert "\npython scripts/02_train.py --config config.yaml\n```" in str(build_model_card(meta, {}))
 
 
+def test_a_final_training_loss_of_exactly_zero_is_carded_as_zero_and_an_unknown_one_as_na(staged_run):
+    """A loss of 0.0 is a loss (a model that fits its data exactly), not a missing one."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    rows = []
+    for final_loss in (0.0, None):
+        meta["training"]["final_loss"] = final_loss
+        table = str(build_model_card(meta, {})).split("## Training\n\n", 1)[1].split("\n\n", 1)[0]
+        rows.append(table.splitlines()[3])
+    assert rows == ["| final training loss | 0 |", "| final training loss | n/a |"]
+
+
+def test_a_tab_in_a_cards_description_sections_and_sample_stays_a_tab(staged_run):
+    """Tabs lay out text people wrote (a TSV row, an indented note, a sample's columns): only the
+    other control characters are written as \\xNN."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["config"]["card"]["description"] = "Columns:\tx\ty"
+    card = build_model_card(meta, {}, sample="x\ty\x01", user_sections="## Notes\n\nkey\tvalue\x07\n")
+    paragraphs = _paragraphs(card)
+    assert paragraphs[2] == "Columns:\tx\ty"
+    assert paragraphs[4:6] == ["## Notes", "key\tvalue\\x07"]
+    assert "```text\nx\ty\\x01\n```" in paragraphs
+
+
 def test_the_loading_snippet_of_a_transformers_model_fits_its_architecture_and_tokenizer():
     """A causal LM with a tokenizer file gets a generation example; one without, the model alone;
     any other architecture is loaded by its own class, named without its module."""

@@ -346,6 +346,23 @@ def test_a_folder_holding_a_trainers_state_under_any_name_looks_like_a_checkpoin
     assert inventory.checkpoint_like == f"it holds {state}" and state in inventory.left_out
 
 
+def test_an_unsealed_folder_named_checkpoint_0_is_warned_of_like_any_other_checkpoint(gpt2, tmp_path):
+    """checkpoint-0 (saved before the first step) is a checkpoint's name as much as checkpoint-5:
+    staged unsealed, either is warned of, the warning naming it."""
+    warned = []
+    for name in ("checkpoint-0", "checkpoint-5"):
+        checkpoint = Path(shutil.copytree(gpt2, tmp_path / name))
+        warned.append(stage(checkpoint, tmp_path / f"stage-{name}").warnings)
+    assert warned == [
+        [
+            f"{tmp_path / name} looks like a trainer's checkpoint (its name, {name}) but carries no seal: nothing "
+            "shows its save finished; staged as read. If you trust it, seal it first with "
+            "pipeline.integrations.seal.seal_checkpoint (docs/other-trainers.md)"
+        ]
+        for name in ("checkpoint-0", "checkpoint-5")
+    ]
+
+
 def test_supplied_metrics_that_are_a_fifo_are_refused_without_waiting(gpt2, tmp_path):
     import threading
 

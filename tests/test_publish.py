@@ -599,6 +599,40 @@ def test_a_push_holding_the_stage_and_more_during_the_commits_retry_is_not_taken
     assert commit_titles(hub, "alice/pushed") == ["a push", "initial commit"]
 
 
+def test_a_lost_commit_answer_and_a_head_holding_the_stage_and_a_file_no_longer_staged_is_not_our_commit(
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits
+):
+    """The repository holds a file the stage no longer has, so our commit deletes it. Its
+    connection breaks after someone pushed the staged files and kept that file: the moved head
+    holds every staged file unchanged, yet it is not our commit (which would have deleted it)."""
+    api = api_for(hub)
+    api.create_repo("alice/kept")
+    api.upload_file(
+        repo_id="alice/kept", path_or_fileobj=b"old\n", path_in_repo="old.txt", commit_message="old"
+    )
+    stage = staged_run.stage
+    real_create_commit = HfApi.create_commit
+
+    def pushed_then_connection_lost(self, repo_id, *args, **kwargs):
+        ops = [CommitOperationAdd(name, str(stage / name)) for name in sorted(stage_files(stage))]
+        real_create_commit(api, "alice/kept", ops, commit_message="a push")
+        raise httpx2.ConnectError("connection reset by peer")
+
+    monkeypatch.setattr(HfApi, "create_commit", pushed_then_connection_lost)
+    said: list[str] = []
+    with pytest.raises(UploadInterrupted) as interrupted:
+        publish_here(stage, hub, "alice/kept", tmp_path, say=said.append)
+    assert str(interrupted.value) == (
+        f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and committing, "
+        "and the head of main did not move: nothing was committed; rerun: it skips blobs already uploaded and "
+        "never makes a second commit"
+    )
+    assert [line for line in said if "landed" in line] == [
+        f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and committing; "
+        "reading the branch head to see whether the commit landed"
+    ], said
+
+
 def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alone(
     staged_run, hub, tmp_path, token_env
 ):

@@ -624,8 +624,8 @@ def test_a_lost_commit_answer_and_a_head_holding_the_stage_and_a_file_no_longer_
         publish_here(stage, hub, "alice/kept", tmp_path, say=said.append)
     assert str(interrupted.value) == (
         f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and committing, "
-        "and the head of main did not move: nothing was committed; rerun: it skips blobs already uploaded and "
-        "never makes a second commit"
+        f"and the head of main moved to {api.repo_info('alice/kept').sha}, which is not this stage (someone else "
+        "pushed): nothing was committed; rerun: it skips blobs already uploaded and never makes a second commit"
     )
     assert [line for line in said if "landed" in line] == [
         f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and committing; "

@@ -102,13 +102,13 @@ def land(run: Publishing) -> tuple[str, bool]:
         )
         deadline.sleep(wait)
         # The answer can be lost after the commit landed: then there is nothing left to retry.
-        landed = _landed(run)
+        landed, _ = _landed(run)
         if landed is not None:
             say(f"the commit had landed despite the error answer: {landed}")
             return landed, True
     # Giving up: an error answer may still hide a commit that landed.
     deadline.settle()
-    landed = _landed(run)
+    landed, _ = _landed(run)
     if landed is not None:
         say(f"the commit had landed despite the error answer: {landed}")
         return landed, True
@@ -202,7 +202,7 @@ def _after_lost_answer(run: Publishing, cut: BaseException) -> str:
     target.say(f"{what}; reading the branch head to see whether the commit landed")
     target.deadline.settle()
     try:
-        landed = _landed(run)
+        landed, not_ours = _landed(run)
     except PublishError as exc:
         raise UploadInterrupted(
             f"{what}, and the branch head could not be read afterwards ({exc}): the commit "
@@ -211,13 +211,7 @@ def _after_lost_answer(run: Publishing, cut: BaseException) -> str:
         ) from None
     if landed is None:
         error = PublishTimedOut if timed_out else UploadInterrupted
-        # A pull request leaves the branch where it was: what was looked for is a new one.
-        unmoved = (
-            "no pull request opened since the plan holds the stage"
-            if target.create_pr
-            else f"the head of {target.revision} did not move"
-        )
-        raise error(f"{what}, and {unmoved}: nothing was committed; {RERUN}")
+        raise error(f"{what}, and {not_ours}: nothing was committed; {RERUN}")
     target.say(f"the answer to the commit was lost, but the commit landed: {landed}")
     return landed
 
@@ -228,16 +222,16 @@ def _holds_the_stage(run: Publishing, commit: str) -> bool:
     return not deletions and all(f.action == "unchanged" for f in files)
 
 
-def _landed(run: Publishing) -> str | None:
-    """After an error answer: the commit, if it landed. Pushed to a branch, the branch moved
-    and holds exactly our stage; as a pull request (which leaves the branch where it was), a
-    pull request opened since the plan was read holds exactly our stage."""
+def _landed(run: Publishing) -> tuple[str | None, str]:
+    """After an error answer: the commit, if it landed, else what the Hub shows instead. Pushed
+    to a branch, the branch moved and holds exactly our stage; as a pull request (which leaves
+    the branch where it was), a pull request opened since the plan was read holds exactly our stage."""
     target, plan = run.target, run.plan
     if target.create_pr:
         opened = {
             ref: commit for ref, commit in pull_requests(target).items() if ref not in plan.pull_requests
         }
-        return next(
+        ours = next(
             (
                 commit
                 for _, commit in sorted(opened.items(), key=lambda kv: -int(kv[0].rsplit("/", 1)[-1]))
@@ -245,7 +239,13 @@ def _landed(run: Publishing) -> str | None:
             ),
             None,
         )
+        return ours, "no pull request opened since the plan holds the stage"
     head = read_head(target, target.revision)
     if head is None or head == plan.head:
-        return None
-    return head if _holds_the_stage(run, head) else None
+        return None, f"the head of {target.revision} did not move"
+    if _holds_the_stage(run, head):
+        return head, ""
+    return (
+        None,
+        f"the head of {target.revision} moved to {head}, which is not this stage (someone else pushed)",
+    )

@@ -479,9 +479,9 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
     ("tensors", "says"),
     [
         ({"evaluation/step": torch.tensor([2, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
-         "evaluation/step does not count up"),
+         "evaluation/step does not count up within 1 ... 5: the checkpoint is sealed"),
         ({"evaluation/step": torch.tensor([2, 9]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
-         "evaluation/step does not count up"),
+         "evaluation/step does not count up within 1 ... 5: the checkpoint is sealed"),
         ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
          "evaluation/mse is not 1 float64 values"),
         ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([float("nan")], dtype=torch.float64)},
@@ -489,26 +489,34 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
         ({"evaluation/step": torch.tensor([2, 4]), "evaluation/mse": torch.tensor([1.0, float("inf")], dtype=torch.float64)},
          "evaluation/mse holds a value that is not finite"),
         ({"evaluation/mse": torch.tensor([1.0], dtype=torch.float64)}, "evaluation/step is not a list"),
-        ({"evaluation/step": torch.tensor([2])}, "has no metric beside it"),
+        ({"evaluation/step": torch.tensor([2])}, "evaluation/step has no metric beside it"),
         ({"evaluation/step": torch.tensor([0, 2]), "evaluation/mse": torch.tensor([1.0, 2.0], dtype=torch.float64)},
-         "evaluation/step does not count up"),
+         "evaluation/step does not count up within 1 ... 5: the checkpoint is sealed"),
         ({"evaluation/step": torch.tensor([2.0]), "evaluation/mse": torch.tensor([1.0], dtype=torch.float64)},
          "evaluation/step is not a list of int64"),
         ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor([1.0], dtype=torch.float32)},
          "evaluation/mse is not 1 float64 values"),
         ({"evaluation/step": torch.tensor([2]), "evaluation/a b": torch.tensor([1.0], dtype=torch.float64)},
          "evaluation/a b is not a metric name"),
+        ({"evaluation/step": torch.tensor([[2]]), "evaluation/mse": torch.tensor([[1.0]], dtype=torch.float64)},
+         "evaluation/step is not a list of int64"),
+        ({"evaluation/step": torch.tensor([], dtype=torch.int64), "evaluation/mse": torch.tensor([], dtype=torch.float64)},
+         "evaluation/step is not a list of int64"),
     ],
     ids=["repeated-step", "past-the-run", "short", "nan", "inf-beside-finite", "no-steps", "no-metric", "step-0",
-         "float-steps", "float32-values", "no-metric-name"],
+         "float-steps", "float32-values", "no-metric-name", "steps-in-rows", "no-evaluated-step"],
 )  # fmt: skip
 def test_saved_evaluations_are_checked_before_use(tensors, says):
     from pipeline.checkpoint.evaluations import evaluation_tensors, evaluations_from
     from pipeline.errors import StateMismatch
 
-    with pytest.raises(StateMismatch, match=says):
+    with pytest.raises(StateMismatch) as refused:
         evaluations_from(tensors, step=5)
+    assert str(refused.value).startswith(f"training_state.{says}") and "\n" not in str(refused.value)
     assert evaluations_from({}, step=5) == {"step": []}
+    # The boundary: the step a checkpoint is of is one its run may have evaluated.
+    at_its_step = evaluation_tensors({"step": [1, 5], "mse": [0.5, 0.25]})
+    assert evaluations_from(at_its_step, step=5) == {"step": [1, 5], "mse": [0.5, 0.25]}
     # What a checkpoint stores comes back as it was; a run that evaluated nothing stores nothing.
     evaluations = {"step": [2, 4], "mse": [0.5, 0.25], "validation/mse": [1.5, 1.25]}
     assert evaluations_from(evaluation_tensors(evaluations), step=5) == evaluations

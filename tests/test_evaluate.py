@@ -66,7 +66,7 @@ def test_metrics_json_names_every_code_file_and_the_config_it_evaluated_under(ev
 @pytest.mark.parametrize(
     "edit",
     ["first-schema", "old-key", "no-sources", "a-key-more", "step-as-text", "sha-not-text", "code-not-text",
-     "config-not-a-mapping"],
+     "config-not-a-mapping", "source-hash-not-text"],
 )  # fmt: skip
 def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_that_rewrites_it(
     evaluated_run, tmp_path, edit
@@ -91,6 +91,8 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         record["fingerprints"]["code"] = 1
     elif edit == "config-not-a-mapping":
         record["config"] = "config.yaml"
+    elif edit == "source-hash-not-text":
+        record["fingerprints"]["sources"]["pipeline/tasks/regression.py"] = None
     else:
         del record["fingerprints"]["sources"]
     (tmp_path / "metrics.json").write_text(json.dumps(record))
@@ -200,6 +202,7 @@ def test_the_checkpoints_config_is_evaluated_with_only_the_data_folder_and_devic
         "training.device": "cpu",
         "outputs.metrics": "m.json",
         "model.params.hidden": 32,
+        "data.batch_size": saved["data"]["batch_size"],  # the checkpoint's own value: nothing to say
     }
     given = load_config(CONFIG, sets)
     args = (

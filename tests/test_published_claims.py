@@ -273,6 +273,35 @@ def test_a_mark_on_a_committed_step_that_did_not_evaluate_is_refused_in_one_line
     assert check_best({**mark, "step": 8}, evaluations, committed=[5, 8], path="run/BEST.json")["step"] == 8
 
 
+def test_an_earlier_better_evaluation_counts_against_a_mark_only_when_its_step_was_saved():
+    """Step 3 evaluated better but was never saved (eval_every, not checkpoint.every): the best
+    of the committed steps is 5, and the mark on it stands; had step 3 been committed, it would
+    not. A save's rule keeps the evaluations as they were at that save."""
+    from pipeline.checkpoint.best import BestRule, best_record, check_best
+
+    evaluations = {"step": [3, 5, 10], "mse": [0.1, 0.2, 0.3]}
+    mark = {"step": 5, "metric": "mse", "mode": "min", "value": 0.2}
+    rule = BestRule.of(evaluations, "mse", "min")
+    evaluations["step"].append(12)
+    evaluations["mse"].append(0.05)
+    assert rule.among([5, 10, 12]) == mark and best_record(evaluations, "mse", "min", among=[]) is None
+    assert BestRule.of(evaluations, "", "min") is None
+    assert check_best(mark, evaluations, committed=[5, 10], path="run/BEST.json") == mark
+    with pytest.raises(CheckpointError) as refused:
+        check_best(mark, evaluations, committed=[3, 5, 10], path="run/BEST.json")
+    fix = "delete it (the next save marks the best again), or pass --checkpoint latest or PATH"
+    assert str(refused.value) == (
+        "run/BEST.json marks step 5 (mse = 0.2) as the best (min), but the committed step 3 was evaluated at "
+        f"mse = 0.1, as good or better: {fix}"
+    )
+    with pytest.raises(CheckpointError) as refused:
+        check_best(mark, {"step": []}, committed=[5], path="run/BEST.json")
+    assert str(refused.value) == (
+        "run/BEST.json marks step 5 as the best by mse, but that checkpoint recorded no evaluation of mse at its "
+        f"own step (it recorded nothing): {fix}"
+    )
+
+
 def test_a_mark_whose_metric_is_no_metric_name_is_refused_in_one_inert_line(marked_run, tmp_path):
     """A metric read from the mark is printed in the refusal: one that is no metric name (a line
     break, a terminal escape) is refused as such, so no line of the mark's reaches the terminal."""

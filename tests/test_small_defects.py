@@ -390,6 +390,14 @@ def test_data_of_another_recipe_is_refused_naming_the_first_key_that_differs_and
         ({"seed": 7, "prepare": "x:y"}, {}, 'data.prepare "x:y"', '"pipeline.tasks.regression:prepare_data"'),
         ({"params": {**params, "\x1b[2J": 0}}, {}, "data.params.\\x1b[2J 0", "(not set)"),
         ({"params": None}, {}, "data.params (not recorded)", json.dumps(config.data.params)),
+        # A recorded value is shown whole up to 200 characters, cut past them.
+        ({"params": {**params, "long": "a" * 198}}, {}, f'data.params.long "{"a" * 198}"', "(not set)"),
+        (
+            {"params": {**params, "long": "a" * 199}},
+            {},
+            f'data.params.long "{"a" * 199}... (201 characters)',
+            "(not set)",
+        ),
     ]
     for edits, overrides, recorded, configured in cases:
         manifest_file.write_text(

@@ -16,6 +16,8 @@ from pipeline.data import EpochSampler
 from pipeline.errors import StateMismatch
 from pipeline.rng import capture_rng, peek_next_draws, restore_rng, seed_everything
 
+from support import REPO
+
 
 def roundtrip(obj, tmp_path):
     """Through a real safetensors file and JSON text, as a checkpoint stores it."""
@@ -126,6 +128,144 @@ def test_sampler_resumes_mid_epoch_and_reshuffles_identically(tmp_path):
     second.load_state_dict(saved)
     assert head + [second.next_indices() for _ in range(5)] == batches
     assert second.epoch == 2 and second.samples_seen == 24
+
+
+def _state(**changes):
+    """A saved position of a 10-row sampler two batches of 4 in, with ``changes``."""
+    state = {
+        "epoch": 0,
+        "cursor": 8,
+        "samples_seen": 8,
+        "num_rows": 10,
+        "permutation": np.arange(10)[::-1].copy(),
+    }
+    return {**state, **changes}
+
+
+_NOT_PERMUTED = "checkpoint's sampler permutation is not a permutation of the 10 rows"
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"extra": 1}, "checkpoint's sampler state does not hold epoch, cursor, samples_seen, num_rows, permutation"),
+        ({"num_rows": 11}, "checkpoint's sampler covers 11 rows, the data has 10"),
+        ({"epoch": -1}, "checkpoint's sampler epoch is -1, expected an integer >= 0"),
+        ({"cursor": True}, "checkpoint's sampler cursor is True, expected an integer >= 0"),
+        ({"samples_seen": -1}, "checkpoint's sampler samples_seen is -1, expected an integer >= 0"),
+        ({"permutation": np.arange(10, dtype=np.int32)}, _NOT_PERMUTED),
+        ({"permutation": np.array([0, 0, 2, 3, 4, 5, 6, 7, 8, 9])}, _NOT_PERMUTED),
+        ({"cursor": 11}, "checkpoint's sampler cursor 11 is past the data"),
+        ({"cursor": 1, "permutation": None}, "checkpoint's sampler cursor 1 is past the data"),
+    ],
+    ids=["extra-key", "other-rows", "negative-epoch", "bool-cursor", "negative-seen", "int32", "repeated-row",
+         "cursor-past-the-end", "cursor-without-permutation"],
+)  # fmt: skip
+def test_a_sampler_position_no_run_could_reach_is_refused_before_anything_is_set(changes, says):
+    from pipeline.errors import DataError
+
+    sampler = EpochSampler(10, 4, np.random.Generator(np.random.PCG64(0)))
+    with pytest.raises(DataError) as caught:
+        sampler.load_state_dict(_state(**changes))
+    assert str(caught.value) == says
+    assert (sampler.epoch, sampler.cursor, sampler.samples_seen, sampler.permutation) == (0, 0, 0, None)
+    # The boundary: a cursor at the end of its epoch is a position a run reaches (the next
+    # batch starts the next epoch); so is a fresh sampler's.
+    sampler.load_state_dict(_state(cursor=10, samples_seen=10))
+    assert (sampler.epoch, sampler.cursor, sampler.samples_seen) == (0, 10, 10)
+    sampler.next_indices()
+    assert (sampler.epoch, sampler.cursor, sampler.samples_seen) == (1, 4, 14)
+    sampler.load_state_dict(_state(cursor=0, samples_seen=0, permutation=None))
+    assert sampler.state_dict() == _state(cursor=0, samples_seen=0, permutation=None)
+
+
+def test_an_epoch_sampler_counts_its_batches_and_epochs_on_both_sides_of_drop_last():
+    from types import SimpleNamespace
+
+    from pipeline.data import batches_per_epoch, epochs_done
+    from pipeline.data.sampler import batch_epoch, dataset_length
+    from pipeline.errors import DataError
+
+    def generator():
+        return np.random.Generator(np.random.PCG64(0))
+
+    whole = EpochSampler(10, 5, generator(), shuffle=False, drop_last=True)  # no short batch to drop
+    assert [whole.next_indices() for _ in range(3)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4]]
+    short = EpochSampler(11, 5, generator(), shuffle=False, drop_last=True)
+    assert [short.next_indices() for _ in range(2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert (short.epoch, batches_per_epoch(short), epochs_done(short)) == (0, 2, 1.0)
+    assert (short.next_indices(), short.epoch, epochs_done(short)) == ([0, 1, 2, 3, 4], 1, 1.5)
+    kept = EpochSampler(11, 5, generator(), shuffle=False)
+    assert [kept.next_indices() for _ in range(2)] and epochs_done(kept) == 10 / 11
+    assert EpochSampler(5, 5, generator(), drop_last=True).next_indices() != []
+    assert EpochSampler(4, 5, generator(), shuffle=False).next_indices() == [0, 1, 2, 3]  # kept whole
+    with pytest.raises(DataError) as caught:
+        EpochSampler(4, 5, generator(), drop_last=True)
+    assert str(caught.value) == "batch size 5 exceeds the 4 training rows with drop_last"
+    with pytest.raises(DataError) as caught:
+        EpochSampler(0, 5, generator())
+    assert str(caught.value) == "the training set is empty"
+
+    class Counted:
+        def __init__(self, count):
+            self.count = count
+
+        def __len__(self):
+            if self.count is None:
+                raise ValueError("no length yet")
+            return self.count
+
+    assert [batches_per_epoch(Counted(n)) for n in (1, 0, None)] == [1, None, None]
+    assert epochs_done(SimpleNamespace(epoch=3)) == 3.0
+    not_counts = (None, SimpleNamespace(epoch=-1), SimpleNamespace(epoch=1.0), SimpleNamespace(epoch=True))
+    assert all(np.isnan(epochs_done(s)) for s in not_counts)
+    assert [batch_epoch(SimpleNamespace(epoch=e)) for e in (2, -1, True)] == [2, 0, 0]
+    assert batch_epoch(SimpleNamespace()) == 0
+
+    class Broken:
+        def __len__(self):
+            raise OSError("the index is gone")
+
+    with pytest.raises(DataError) as caught:
+        dataset_length(Broken(), "train_dataset")
+    assert str(caught.value) == "train_dataset.__len__() raised OSError: the index is gone"
+    with pytest.raises(DataError) as caught:
+        dataset_length(SimpleNamespace(num_train=True), "num_train")
+    assert str(caught.value) == "num_train is True: the number of training rows must be an integer >= 0"
+    assert (
+        dataset_length(SimpleNamespace(num_train=0), "num_train"),
+        dataset_length([1, 2], "train_dataset"),
+    ) == (0, 2)
+
+
+def test_a_cloned_sampler_yields_the_live_ones_batches_without_moving_it():
+    from types import SimpleNamespace
+
+    from pipeline.config import load_config
+    from pipeline.data import clone_sampler, make_sampler
+    from pipeline.errors import DataError
+
+    config = load_config(REPO / "config.yaml", {"data.batch_size": 4})
+    data = SimpleNamespace(num_train=10)
+    generator = np.random.Generator(np.random.PCG64(5))
+    live = make_sampler(data, generator, config)
+    live.next_indices()
+    live.next_indices()
+    before = generator.bit_generator.state
+    clone = clone_sampler(live, data, generator, config)
+    ahead = [clone.next_indices() for _ in range(4)]  # past the epoch: the clone draws the next permutation
+    assert generator.bit_generator.state == before and live.cursor == 8 and live.epoch == 0
+    assert ahead == [live.next_indices() for _ in range(4)]
+    with pytest.raises(DataError) as caught:
+        clone_sampler(live, SimpleNamespace(train_iterable=[]), generator, config)
+    assert str(caught.value) == "a stream has no sampler to copy"
+    # The config's order settings reach the sampler; a task's own sampler, or a stream, has the say.
+    unshuffled = load_config(REPO / "config.yaml", {"data.shuffle": False, "data.drop_last": True})
+    made = make_sampler(data, generator, unshuffled)
+    assert (made.num_rows, made.batch_size, made.shuffle, made.drop_last) == (10, 4, False, True)
+    own = SimpleNamespace(num_train=10, make_sampler=lambda generator, config: live)
+    assert make_sampler(own, generator, config) is live
+    assert make_sampler(SimpleNamespace(num_train=10, train_iterable=[]), generator, config) is None
 
 
 class TiedLM(torch.nn.Module):

@@ -74,33 +74,37 @@ def test_a_file_only_verified_is_hashed_with_its_pages_given_back_as_it_goes(tmp
 
 
 def test_a_sharded_checkpoints_tensors_come_whole_one_at_a_time_with_their_pages_released(tmp_path):
-    """Four 16 MiB tensors split by rows across two shard files (as FSDP2 writes them): each
-    comes back equal to the whole, and the process never holds much more than one."""
+    """Four 16 MiB tensors, the first held whole by one shard file, the others split by rows
+    across two (as FSDP2 writes them): each comes back equal to the whole, and the process never
+    holds much more than one (the whole one's pages given back once the next is asked for)."""
     full = {
         f"layer{i}.weight": torch.arange(2048 * 2048, dtype=torch.float32).view(2048, 2048) + i
         for i in range(4)
     }
     (tmp_path / "model").mkdir()
     files = {}
+    whole = "layer0.weight"
     for rank, rows in enumerate((slice(0, 1024), slice(1024, 2048))):
         name = f"model/shard-{rank + 1:05d}.safetensors"
-        sharding = {key: {"saved_offsets": [rows.start, 0]} for key in full}
-        write_safetensors(
-            tmp_path / name,
-            {key: tensor[rows].clone() for key, tensor in full.items()},
-            {"DCP_SHARDING_INFO": json.dumps(sharding)},
-        )
+        held = {key: tensor[rows].clone() for key, tensor in full.items() if key != whole}
+        if rank == 0:
+            held[whole] = full[whole]
+        sharding = {key: {"saved_offsets": [0 if key == whole else rows.start, 0]} for key in held}
+        write_safetensors(tmp_path / name, held, {"DCP_SHARDING_INFO": json.dumps(sharding)})
         files[name] = MappedTensors(tmp_path / name)
     expected = {key: {"dtype": "F32", "shape": [2048, 2048]} for key in full}
     consolidated = ConsolidatedTensors(tmp_path, "model", expected, files)
     before, highest = rss(), 0
-    seen = []
+    seen, mapped = [], []
     for name, tensor in consolidated:
         assert torch.equal(tensor, full[name]), name
         seen.append(name)
         now = rss()
         highest = max(highest, now["RssAnon"] + now["RssFile"] - before["RssAnon"] - before["RssFile"])
+        mapped.append(now["RssFile"] - before["RssFile"])
     assert seen == sorted(full)
     # 64 MiB of weights, each tensor measured before the iterator releases it: the 16 MiB
     # assembly buffer and about a page per chunk, never a tensor's chunks on top of it.
     assert highest < 16 * MIB + 6 * MIB, highest / MIB
+    # The whole one's mapped pages (read by the comparison) given back once the next is asked for.
+    assert mapped[0] >= 16 * MIB and max(mapped[1:]) < MIB, [m / MIB for m in mapped]

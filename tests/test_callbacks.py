@@ -517,13 +517,15 @@ def test_early_stopping_without_a_metric_to_watch_is_refused_in_one_line(data_di
 
 
 def test_the_proof_hook_still_hears_every_step(data_dir, tmp_path):
+    """Every step of the run, and none past it: a --stop-at beyond the run's length ends it at its last."""
     heard = []
-    train(
+    result = train(
         _config(data_dir, tmp_path),
         progress=False,
+        stop_at=12,
         hooks=TrainingHooks(on_step=lambda run: heard.append(run.step)),
     )
-    assert heard == list(range(1, 11))
+    assert heard == list(range(1, 11)) and result.step == 10
 
 
 def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):

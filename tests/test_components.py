@@ -155,6 +155,18 @@ def test_registering_refuses_a_name_taken_a_reserved_one_and_per_rank_state(regi
     assert isinstance(dummy.component(), Component)
 
 
+def test_hooks_refuse_to_leave_out_a_component_no_run_has():
+    """The proof's controls name components: a misspelt one would restore everything and
+    prove nothing, so it is refused naming it and the names there are."""
+    assert TrainingHooks(skip_restore=("optimizer", "rng")).skip_restore == ("optimizer", "rng")
+    with pytest.raises(ValueError) as refused:
+        TrainingHooks(skip_restore=("optimizer", "rngs"))
+    assert str(refused.value) == (
+        "skip_restore names unknown components ['rngs']; choose from "
+        "('rng', 'optimizer', 'scheduler', 'data', 'scaler', 'callbacks')"
+    )
+
+
 def test_script_03_runs_a_control_for_a_registered_component(registered, data_dir, tmp_path):
     config = _config(data_dir, tmp_path)
     assert controls(config) == ("rng", "optimizer", "scheduler", "data", dummy.NAME)

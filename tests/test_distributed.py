@@ -665,14 +665,25 @@ def test_shard_coverage_refuses_a_tensor_meta_json_does_not_list_and_one_no_shar
     full = _sharded_by_hand(tmp_path)
     maps = {f"{DIST_MODEL_DIR}/{p.name}": map_file(p) for p in (tmp_path / DIST_MODEL_DIR).iterdir()}
     listed = tensor_specs(full)
-    joined = consolidate(shard_tensors(tmp_path, DIST_MODEL_DIR, listed, maps), listed)
+    pieces = shard_tensors(tmp_path, DIST_MODEL_DIR, listed, maps)
+    joined = consolidate(pieces, listed)
     assert all(torch.equal(joined[name], full[name]) for name in full) and sorted(joined) == ["b", "w"]
+    assert joined["b"] is pieces["b"][0][1]  # held whole by one shard: that shard's view, no copy
     without_b = tensor_specs({"w": full["w"]})
     with pytest.raises(ChecksumMismatch, match="holds tensor b that meta.json does not list"):
         shard_tensors(tmp_path, DIST_MODEL_DIR, without_b, maps)
     with_c = tensor_specs({**full, "c": torch.zeros(2)})
     with pytest.raises(ChecksumMismatch, match="holds no shard of tensor c: a shard file is missing"):
         shard_tensors(tmp_path, DIST_MODEL_DIR, with_c, maps)
+    # Sharding info whose entry for a tensor is not a mapping: the file named, not a traceback.
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][2:4].clone()}, {"w": [2, 0]})
+    second = tmp_path / DIST_MODEL_DIR / _shard(2)
+    maps[f"{DIST_MODEL_DIR}/{_shard(2)}"] = map_file(second)
+    with pytest.raises(SchemaMismatch) as refused:
+        shard_tensors(tmp_path, DIST_MODEL_DIR, listed, maps)
+    assert str(refused.value) == (
+        f"{second} has a malformed DCP_SHARDING_INFO ('list' object has no attribute 'get'): the file is damaged"
+    )
 
 
 def _launch_meta(world_size: int = 2, **changes) -> dict:
@@ -739,6 +750,7 @@ def test_a_launch_record_that_does_not_describe_a_launch_is_one_line_naming_what
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4.0]}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": 4}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32"}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4], "stride": [1]}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: [], DIST_OPTIM_DIR: {}},
         ],
     }
@@ -814,6 +826,11 @@ def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_pa
     assert [str(e) for e in outside.refusals] == [
         f"{path}: a planned read falls outside the file: the file was modified"
     ]
+    # Ranges to read in place that overlap (planned from a header not this file's): the first
+    # is read in place, the second left untouched (its bytes read into the buffer), all hashed.
+    first, second = bytearray(16), bytearray(16)
+    got = SealedReads(tmp_path, meta).read(name, [(0, 24)], {0: memoryview(first), 8: memoryview(second)})
+    assert bytes(first) == data[:16] and bytes(second) == bytes(16) and bytes(got[16:24]) == data[16:24]
     with open(path, "ab") as grown:
         grown.write(b"\0" * 64)
     assert reads.read(name, [(0, 10)]) is None
@@ -822,6 +839,17 @@ def test_a_file_grown_since_its_seal_is_refused_by_the_rank_that_reads_it(tmp_pa
     )
     path.write_bytes(data[:-8])
     assert reads.read(name) is None and len(reads.refusals) == 2
+    # Sealed with its whole digest only (distributed schema 2): one chunk, which the line does not name.
+    whole = SealedReads(
+        tmp_path, {"files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    )
+    path.write_bytes(data)
+    assert bytes(whole.read(name, [(0, 10)])) == data
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert whole.read(name, [(0, 10)]) is None
+    assert [str(e) for e in whole.refusals] == [
+        f"{path} SHA-256 differs from meta.json: the file is damaged or was modified"
+    ]
 
 
 def test_the_ranks_agree_on_the_first_refusal_a_rank_kept_of_the_kind_it_was():
@@ -982,11 +1010,12 @@ def test_a_resume_whose_built_tensors_differ_from_the_checkpoints_names_the_firs
         assert all(not tensor.any() for tensor in template.values()), "a refused load wrote into the run"
 
 
-def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_agree(tmp_path):
+def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_agree(tmp_path, monkeypatch):
     """A torchrun resume's load through DCP, in-process: a byte of one shard flipped after its
     seal does not end the load in DCP's collectives (a rank raising there would leave its peers
     waiting); the rank keeps the refusal naming the file and its chunk, reads the intact shard,
-    and raises that refusal at the ranks' agreement."""
+    and raises that refusal at the ranks' agreement. So is a shard whose header changed between
+    the plan and the read, although the bytes read match their seal."""
     from types import SimpleNamespace
 
     from pipeline.checkpoint.dist_restore import _dcp_load
@@ -1013,6 +1042,37 @@ def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_
     with pytest.raises(ChecksumMismatch) as caught:
         reads.agree(World(device=torch.device("cpu")))
     assert str(caught.value) == line
+    from pipeline.checkpoint.tensorfile import write_safetensors
+    from pipeline.checkpoint.verified_dcp import VerifiedShardReader
+
+    (tmp_path / names[1]).write_bytes(bytes(damaged[:-1]) + bytes([damaged[-1] ^ 1]))
+    planned = VerifiedShardReader.read_metadata
+
+    def then_rewritten(reader, *args, **kwargs):
+        plan = planned(reader, *args, **kwargs)
+        # Same rows, another header, sealed anew: only the plan knows the old one.
+        (tmp_path / names[1]).unlink()
+        offsets = {"w": {"saved_offsets": [2, 0]}}
+        write_safetensors(
+            tmp_path / names[1],
+            {"w": full["w"][2:4].clone()},
+            {"DCP_SHARDING_INFO": json.dumps(offsets), "by": "x"},
+        )
+        reader.reads.meta["files"][names[1]] = entry_of((tmp_path / names[1]).read_bytes(), 64)
+        return plan
+
+    monkeypatch.setattr(VerifiedShardReader, "read_metadata", then_rewritten)
+    reads = SealedReads(tmp_path, {**meta, "files": dict(files)})
+    _dcp_load(
+        {name: torch.zeros_like(tensor) for name, tensor in full.items()},
+        reads,
+        DIST_MODEL_DIR,
+        "model",
+        SimpleNamespace(launched=False),
+    )
+    assert [str(refusal) for refusal in reads.refusals] == [
+        f"{tmp_path / names[1]} changed while it was read: the file was modified"
+    ]
 
 
 def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoint_that_does_not_fit(
@@ -1028,6 +1088,7 @@ def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoi
     import pipeline.checkpoint.verified_dcp as verified_dcp
     from pipeline.checkpoint.dist_restore import _dcp_load
     from pipeline.checkpoint.shards import tensor_specs
+    from pipeline.checkpoint.tensorfile import parse_header
 
     full = _sharded_by_hand(tmp_path)
     names = [f"{DIST_MODEL_DIR}/{_shard(i)}" for i in (1, 2)]
@@ -1035,6 +1096,20 @@ def test_a_disk_error_reading_a_shard_in_a_resume_is_the_os_error_not_a_checkpoi
     meta = {"files": files, "tensors": {DIST_MODEL_DIR: tensor_specs(full)}}
     alone = SimpleNamespace(launched=False)
     template = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
+    assert all(torch.equal(template[name], full[name]) for name in full)
+    # Shard 2 sealed in chunks that break just before its last element: that chunk is read too.
+    second = (tmp_path / names[1]).read_bytes()
+    header, start = parse_header(second)
+    edge = {
+        **meta,
+        "files": {**files, names[1]: entry_of(second, start + header["w"]["data_offsets"][1] - 4)},
+    }
+    template = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    _dcp_load(template, SealedReads(tmp_path, edge), DIST_MODEL_DIR, "model", alone)
+    assert all(torch.equal(template[name], full[name]) for name in full)
+    # A run's tensor laid out otherwise than the stored rows (transposed) is copied into, not read over.
+    template = {"b": torch.zeros(3), "w": torch.zeros(3, 4).t()}
     _dcp_load(template, SealedReads(tmp_path, meta), DIST_MODEL_DIR, "model", alone)
     assert all(torch.equal(template[name], full[name]) for name in full)
 

@@ -176,20 +176,28 @@ def test_04s_fix_for_unprepared_data_prepares_the_data_of_the_config_it_was_give
     run.ok("04_evaluate.py", *elsewhere)
 
 
-@pytest.mark.parametrize("stop_at", [None, 4], ids=["last-step", "stop-at"])
+@pytest.mark.parametrize(
+    ("stop_at", "stopped_by"),
+    [(None, None), (4, None), (None, 4)],
+    ids=["last-step", "stop-at", "callback-stop"],
+)
 def test_a_signal_after_the_last_step_says_the_run_is_complete_and_after_any_other_how_to_resume(
-    data_dir, tmp_path, stop_at
+    data_dir, tmp_path, monkeypatch, stop_at, stopped_by
 ):
     """SIGTERM during the last step's save: the run is complete, nothing is left to resume
-    (a "Resume with" would point at a run with no step left); after ``--stop-at`` it is not."""
+    (a "Resume with" would point at a run with no step left), and so is one a callback stopped;
+    after ``--stop-at`` it is not."""
     from pipeline.config import load_config
     from pipeline.errors import Preempted
     from pipeline.train import TrainingHooks, train
 
     checkpoints = tmp_path / "ck"
     sets = {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints), "training.max_steps": 6}
+    if stopped_by is not None:
+        monkeypatch.setenv("STOP_AT", str(stopped_by))
+        sets["training.callbacks"] = ["callback_factories:stop_at"]
     config = load_config(CONFIG, sets)
-    last = stop_at or 6
+    last = stop_at or stopped_by or 6
 
     def on_step(run) -> None:
         if run.step == last:
@@ -202,7 +210,7 @@ def test_a_signal_after_the_last_step_says_the_run_is_complete_and_after_any_oth
     assert stopped.value.exit_code == 128 + signal.SIGTERM and (where / "meta.json").is_file()
     if stop_at is None:
         assert str(stopped.value) == (
-            f"stopped by SIGTERM after the last step, 6: the run is complete; its checkpoint {where} is committed"
+            f"stopped by SIGTERM after the last step, {last}: the run is complete; its checkpoint {where} is committed"
         )
     else:
         assert str(stopped.value) == (

@@ -369,6 +369,10 @@ UNCOVERED = {
         [([0, 0], FULL[0:2]), ([2, 0], FULL[2:4].to(torch.float64))],
         "{part}: a shard of w does not fit its F32 tensor of shape [4, 6]",
     ),
+    "with offsets of fewer dimensions than the chunk": (
+        [([0], FULL[0:2]), ([2, 0], FULL[2:4])],
+        "{first} has a malformed DCP_SHARDING_INFO (bad offsets for w): the file is damaged",
+    ),
     "at a negative offset": (
         [([-1, 0], FULL[0:2]), ([1, 0], FULL[2:4])],
         "{first} has a malformed DCP_SHARDING_INFO (bad offsets for w): the file is damaged",
@@ -416,14 +420,20 @@ TILINGS = {
 }
 # A chunk of 10 MB: the private copy's reader copies it in slices of 8 MiB.
 LARGE = torch.arange(2500 * 1024 + 500 * 1024, dtype=torch.float32).view(3000, 1024)
+# Rows of 8.8 MB, each wider than a copy slice: copied a row at a time.
+WIDE = torch.arange(2 * 2200 * 1024, dtype=torch.float32).view(2, 2200 * 1024)
 
 
-@pytest.mark.parametrize("case", [*sorted(TILINGS), "a chunk larger than a copy slice"])
+@pytest.mark.parametrize(
+    "case", [*sorted(TILINGS), "a chunk larger than a copy slice", "rows wider than a copy slice"]
+)
 def test_shards_that_tile_their_tensor_in_any_layout_are_assembled_exactly(case, tmp_path):
     full, layout = (
         (FULL, TILINGS[case])
         if case in TILINGS
         else (LARGE, [([0, 0], LARGE[:2500]), ([2500, 0], LARGE[2500:])])
+        if case == "a chunk larger than a copy slice"
+        else (WIDE, [([0, 0], WIDE[:1]), ([1, 0], WIDE[1:])])
     )
     files = _write_shards(tmp_path, layout)
     expected = {"w": {"dtype": "F32", "shape": list(full.shape)}}

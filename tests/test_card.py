@@ -15,6 +15,7 @@ from huggingface_hub import HfApi, ModelCard
 from localhub import LocalHub
 from pipeline.errors import StageError
 from pipeline.stage.card import MAX_SECTIONS, build_model_card, read_user_sections
+from pipeline.stage.card_parts import card_data, fence, number, printable
 from pipeline.stage.record import proof_verdict
 
 from support import publish_stage
@@ -334,6 +335,79 @@ def test_a_callbacks_stop_reason_is_text_on_the_card_never_html_or_markdown(stag
     assert "diverged" in sentence and "Pwned" in sentence and "mycallbacks:make" in sentence, sentence
     assert re.search(r"(?<!\\)[<>]", sentence) is None, sentence  # every < and > escaped
     assert re.search(r"(?<!\\)<(img|script|!--)", card) is None and "\n## Pwned" not in card
+
+
+def test_printable_fence_and_number_at_their_edges():
+    """Only C0/C1 controls and lone surrogates are escaped (tab, newline, no-break space, line
+    separator and format characters stay); a fence keeps a sample's indentation; numbers keep sign and zero."""
+    text = "a\tb\nc\x00\x0b\x1f\x7f\x80\x9f\xa0é\u2028\ud800\U000e0001z"
+    assert printable(text) == "a\tb\nc\\x00\\x0b\\x1f\\x7f\\x80\\x9f\xa0é\u2028\\ud800\U000e0001z"
+    assert printable("plain ünïcode — text") == "plain ünïcode — text"
+    assert fence("  x = 1\n\n", "sh") == "```sh\n  x = 1\n```"
+    assert fence("") == "```\n\n```"
+    assert fence("a ```` b") == "`````\na ```` b\n`````"
+    assert [number(v) for v in (0.0, -0.0, -1.5e-7, 1234567.0)] == ["0", "-0", "-1.5e-07", "1.23457e+06"]
+
+
+def test_empty_blank_zero_and_control_character_values_on_the_card(staged_run):
+    """A blank description, blank own sections and an empty sample are no text of the user's; a
+    final loss of 0 is a loss; a stop reason's controls are shown as escapes, never as spaces."""
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    plain = str(build_model_card(meta, meta["files"]))
+    assert str(build_model_card(meta, meta["files"], user_sections=" \n\t\n", sample="")) == plain
+    blank = json.loads(json.dumps(meta))
+    blank["config"]["card"]["description"] = " \t\n "
+    name = meta["config"]["model"]["name"]
+    (described,) = [
+        line
+        for line in str(build_model_card(blank, meta["files"])).splitlines()
+        if line.startswith(f"`{name}` is a")
+    ]
+    assert described.startswith(
+        f"`{name}` is a PyTorch model with {meta['model']['num_parameters']:,} parameters"
+    )
+    zero = json.loads(json.dumps(meta))
+    zero["training"]["final_loss"] = 0.0
+    assert "| final training loss | 0 |" in str(build_model_card(zero, meta["files"]))
+    zero["training"]["final_loss"] = None
+    assert "| final training loss | n/a |" in str(build_model_card(zero, meta["files"]))
+    meta["step"] = 12345  # past the planned steps: the last step of its run, stopped early before
+    meta["training"]["stopped"] = {"step": 1234, "by": "cb:\x85stop", "reason": "loss\x0bflat\x1c \t_x_\n"}
+    (line,) = [
+        line for line in str(build_model_card(meta, meta["files"])).splitlines() if "It stopped" in line
+    ]
+    assert line == (
+        f"This is step **12,345**, the last step of its run; {meta['model']['num_parameters']:,} parameters in "
+        "`modelo.safetensors`. It stopped early at step 1,234: loss\\\\x0bflat\\\\x1c \\_x\\_ (cb:\\\\x85stop)."
+    )
+
+
+def test_empty_card_fields_stay_out_of_the_front_matter_and_the_first_dataset_is_evaluated(staged_run):
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    card, metrics = meta["config"]["card"], meta["metrics"]
+    card.update(language=[], pipeline_tag="", datasets=["org/first", "org/second"], eval_dataset_name="")
+    card.update(eval_dataset_type="", library_name="", base_model="", tags=[])
+    values = sorted(metrics["values"])
+    assert card_data(meta).to_dict() == {
+        "datasets": ["org/first", "org/second"],
+        "library_name": "pytorch",
+        "license": card["license"],
+        "metrics": values,
+        "tags": [],
+        "model-index": [
+            {
+                "name": meta["config"]["model"]["name"],
+                "results": [
+                    {
+                        "task": {"type": "other", "name": "held-out evaluation"},
+                        "dataset": {"name": "org/first", "type": "org/first", "split": metrics["split"]},
+                        "metrics": [{"type": n, "value": v, "name": n} for n, v in metrics["values"].items()],
+                    }
+                ],
+            }
+        ],
+    }
+    assert metrics["split"] != "test"  # the split recorded, not a usual name
 
 
 def test_a_one_process_torchrun_launch_is_named_and_reproduced_under_torchrun(staged_run):

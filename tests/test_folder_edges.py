@@ -26,6 +26,7 @@ from pipeline.durable import fsync_tree, remove_tree
 from pipeline.errors import FolderTooDeep, RepoIdError, StageError, UnsealedCheckpoint
 from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
 from pipeline.stage.card_parts import card_data
+from pipeline.stage.folder_source import survey_folder
 
 from support import PYTHON, REPO, one_line_error, run_script, script_env
 
@@ -321,6 +322,34 @@ def test_sharded_weights_are_staged_with_the_least_permissions_of_their_shards(t
     assert stat.S_IMODE((tmp_path / "stage" / "model.safetensors").stat().st_mode) == 0o600
 
 
+def test_the_survey_of_a_folder_names_its_first_training_state_and_leaves_the_rest_out_in_order(tmp_path):
+    folder = tiny_folder(tmp_path / "model")
+    for name in ("trainer_state.json", "optimizer.pt", "zeta.txt", "merges.txt"):
+        (folder / name).write_bytes(b"\x80\x04N.")
+    (folder / "a-runs").mkdir()
+    (folder / "a-runs" / "events.txt").write_text("x")
+    (folder / "weights.safetensors").mkdir()  # a folder: no second weights file
+    inventory = survey_folder(folder)
+    assert (inventory.weights, inventory.index, inventory.carried, inventory.left_out) == (
+        ("model.safetensors",),
+        None,
+        ("config.json", "tokenizer.json", "merges.txt"),
+        ("a-runs/", "optimizer.pt", "trainer_state.json", "weights.safetensors/", "zeta.txt"),
+    )
+    assert inventory.checkpoint_like == "it holds optimizer.pt"
+    assert sorted(inventory.seen) == [
+        ".",
+        "config.json",
+        "merges.txt",
+        "model.safetensors",
+        "optimizer.pt",
+    ] + [
+        "tokenizer.json",
+        "trainer_state.json",
+        "zeta.txt",
+    ]
+
+
 def test_an_index_mapping_a_tensor_to_a_shard_that_does_not_hold_it_is_refused(tmp_path):
     """Staged, such a folder would lack a tensor its own index promises (what from_pretrained expects)."""
     folder = sharded_tiny_folder(tmp_path / "model")
@@ -562,6 +591,34 @@ def only_training_state(folder: Path) -> str:
     )
 
 
+def only_numbered_training_state(folder: Path) -> str:
+    (folder / "model.safetensors").unlink()
+    for name in ("optimizer_0.bin", "scheduler_12.pt", "random_states_0.pkl", "rng_state_3.pth"):
+        (folder / name).write_bytes(b"\x80\x04N.")
+    return (
+        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
+        "nothing was staged"
+    )
+
+
+def only_a_ckpt(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "last.ckpt")
+    return (
+        f"{folder}/last.ckpt is a pickle, and pickles are never loaded here (loading one runs code): "
+        "convert the model where you trust it, e.g. AutoModel.from_pretrained(DIR).save_pretrained(NEW_DIR) "
+        "writes model.safetensors, then stage NEW_DIR; nothing was staged"
+    )
+
+
+def weights_only_a_folder(folder: Path) -> str:
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()  # a folder by the weights' name holds no weights
+    return (
+        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
+        "nothing was staged"
+    )
+
+
 def weights_and_an_index(folder: Path) -> str:
     _index(folder, {"layer.weight": "model.safetensors"})
     return (
@@ -631,6 +688,9 @@ REFUSED = [
     pytest.param(link_in_a_left_out_folder, id="link-in-a-left-out-folder"),
     pytest.param(only_a_pickle, id="only-a-pickle"),
     pytest.param(only_training_state, id="only-training-state"),
+    pytest.param(only_numbered_training_state, id="only-numbered-training-state"),
+    pytest.param(only_a_ckpt, id="only-a-ckpt"),
+    pytest.param(weights_only_a_folder, id="weights-only-a-folder"),
     pytest.param(weights_and_an_index, id="weights-and-an-index"),
     pytest.param(_safetensors_files(3), id="three-safetensors"),
     pytest.param(_safetensors_files(4), id="four-safetensors"),

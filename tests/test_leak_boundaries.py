@@ -513,6 +513,13 @@ def test_base64_and_hex_runs_are_decoded_from_16_and_24_characters_on():
     assert encoded_runs(b"x " + base64.b64encode(b"ABCDEFGHIJKL")[:15] + b" y") == (b"", b"")
     assert encoded_runs(b"x " + b"ABCDEFGHIJKL".hex().encode() + b" y")[1].count(b"ABCDEFGHIJKL") >= 1
     assert encoded_runs(b"x " + b"ABCDEFGHIJKL".hex().encode()[:23] + b" y")[1] == b""
+    # A run of an odd length (a hex digit glued after it) is completed to whole bytes, not refused;
+    # the runs after it keep their own alignment.
+    odd = b"ABCDEFGHIJKL".hex().encode() + b"f"
+    decoded = encoded_runs(b"x " + odd + b" y " + b"MNOPQRSTUVWX".hex().encode())[1]
+    at_lead_0, at_lead_1 = decoded.split(b"\n\0\n")
+    assert at_lead_0 == b"ABCDEFGHIJKL\xf0\0MNOPQRSTUVWX"
+    assert at_lead_1 == bytes.fromhex("0" + odd.decode() + "0" + "00" + b"MNOPQRSTUVWX".hex() + "0")
 
 
 def test_a_long_secret_url_encoded_across_a_read_seam_is_found_wherever_the_seam_cuts_it():

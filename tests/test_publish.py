@@ -41,6 +41,7 @@ from pipeline.errors import (
     PublishTimedOut,
     StageChanged,
     StaleBranch,
+    TokenRejected,
     UploadInterrupted,
     VerificationFailed,
 )
@@ -350,6 +351,18 @@ def test_publish_writes_a_receipt_outside_the_stage_with_commit_and_hashes(publi
         True,
     )
     assert record["commit_url"] == f"{published.hub.url}/{published.repo_id}/commit/{head}"
+    # The publish's own receipt, kept by the rerun: made on top of the repo's first commit, at the root of main.
+    initial = api_for(published.hub).list_repo_commits(published.repo_id)[-1].commit_id
+    assert {
+        key: record[key] for key in ("endpoint", "revision", "path_in_repo", "parent_commit", "step")
+    } == {
+        "endpoint": published.hub.url,
+        "revision": "main",
+        "path_in_repo": "",
+        "parent_commit": initial,
+        "step": 10,
+    }
+    assert (record["signature"], record["problems"]) == (None, [])
     manifest = parse_manifest((published.run.stage / "MANIFEST.sha256").read_bytes())
     assert {name: record["files"][name]["found"] for name in manifest} == manifest
     # Over Xet the listed SHA-256 is the client's claim: the weights were checked by the Xet hash the
@@ -637,12 +650,14 @@ def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alon
     staged_run, hub, tmp_path, token_env
 ):
     api = api_for(hub)
-    api.create_repo("alice/branch")
-    main = api.repo_info("alice/branch").sha
-    result = publish_here(staged_run.stage, hub, "alice/branch", tmp_path, revision="dev")
+    result = publish_here(staged_run.stage, hub, "alice/branch", tmp_path, revision="dev", private=True)
     assert (result.status, result.plan.revision) == ("published", "dev")
     assert api.repo_info("alice/branch", revision="dev").sha == result.commit
-    assert api.repo_info("alice/branch").sha == main
+    created = api.repo_info("alice/branch")  # the repo was missing: created as asked, main left as created
+    main = created.sha
+    assert created.private is True and commit_titles(hub, "alice/branch") == ["initial commit"]
+    record = json.loads(result.receipt.read_text())
+    assert (record["revision"], record["parent_commit"], record["commit"]) == ("dev", main, result.commit)
     assert set(api.list_repo_files("alice/branch", revision="dev")) == stage_files(staged_run.stage) | {
         ".gitattributes"
     }
@@ -809,9 +824,20 @@ def test_push_after_the_head_was_read_fails_with_412_and_overwrites_nothing(
     assert sorted(api_for(hub).list_repo_files("alice/contested")) == [".gitattributes", "notes.txt"]
 
 
-def test_dry_run_plans_the_commit_and_sends_no_write_request(staged_run, hub, tmp_path, token_env):
+def test_dry_run_plans_the_commit_and_sends_no_write_request(
+    staged_run, hub, tmp_path, token_env, monkeypatch
+):
     result = publish_here(staged_run.stage, hub, "alice/planned", tmp_path, dry_run=True)
     assert result.status == "dry run" and write_requests(hub) == 0
+    monkeypatch.delenv("HF_TOKEN")  # a plan needs no token; a publish does
+    assert publish_here(staged_run.stage, hub, "alice/planned", tmp_path, dry_run=True).status == "dry run"
+    with pytest.raises(TokenRejected) as refused:
+        publish_here(staged_run.stage, hub, "alice/planned", tmp_path)
+    assert str(refused.value) == (
+        "no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token is never taken from the command "
+        "line); nothing was published"
+    )
+    assert write_requests(hub) == 0
     with pytest.raises(RepositoryNotFoundError):
         api_for(hub).repo_info("alice/planned")
     text = format_plan(result.plan)

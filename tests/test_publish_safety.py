@@ -376,8 +376,11 @@ def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(
     head = api_for(hub).repo_info("alice/receipt").sha
     message = str(failed.value)
     assert failed.value.exit_code == 1
-    assert f"commit {hub.url}/alice/receipt/commit/{head} landed and was verified" in message
-    assert "the receipt could not be written" in message and "nothing was committed" not in message
+    assert message == (
+        f"commit {hub.url}/alice/receipt/commit/{head} landed and was verified, but the receipt could not be "
+        f"written to {receipts}/alice--receipt-{head[:12]}.json (File exists); rerun with a writable "
+        "--receipt-dir to write it (no second commit is made)"
+    )
     assert len(commit_titles(hub, "alice/receipt")) == 2
 
 

@@ -572,51 +572,49 @@ def link_in_a_left_out_folder(folder: Path) -> str:
     )
 
 
-def only_a_pickle(folder: Path) -> str:
-    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
-    (folder / "optimizer.pt").write_bytes(b"\x80\x04N.")  # sorted first: training state, never named
+def _no_weights(folder: Path) -> str:
     return (
-        f"{folder}/pytorch_model.bin is a pickle, and pickles are never loaded here (loading one runs code): "
+        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
+        "nothing was staged"
+    )
+
+
+def _a_pickle(path: Path) -> str:
+    return (
+        f"{path} is a pickle, and pickles are never loaded here (loading one runs code): "
         "convert the model where you trust it, e.g. AutoModel.from_pretrained(DIR).save_pretrained(NEW_DIR) "
         "writes model.safetensors, then stage NEW_DIR; nothing was staged"
     )
 
 
+def only_a_pickle(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    (folder / "optimizer.pt").write_bytes(b"\x80\x04N.")  # sorted first: training state, never named
+    return _a_pickle(folder / "pytorch_model.bin")
+
+
 def only_training_state(folder: Path) -> str:
     (folder / "model.safetensors").unlink()
     (folder / "optimizer.pt").write_bytes(b"\x80\x04N.")
-    return (
-        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
-        "nothing was staged"
-    )
+    return _no_weights(folder)
 
 
 def only_numbered_training_state(folder: Path) -> str:
     (folder / "model.safetensors").unlink()
     for name in ("optimizer_0.bin", "scheduler_12.pt", "random_states_0.pkl", "rng_state_3.pth"):
         (folder / name).write_bytes(b"\x80\x04N.")
-    return (
-        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
-        "nothing was staged"
-    )
+    return _no_weights(folder)
 
 
 def only_a_ckpt(folder: Path) -> str:
     (folder / "model.safetensors").rename(folder / "last.ckpt")
-    return (
-        f"{folder}/last.ckpt is a pickle, and pickles are never loaded here (loading one runs code): "
-        "convert the model where you trust it, e.g. AutoModel.from_pretrained(DIR).save_pretrained(NEW_DIR) "
-        "writes model.safetensors, then stage NEW_DIR; nothing was staged"
-    )
+    return _a_pickle(folder / "last.ckpt")
 
 
 def weights_only_a_folder(folder: Path) -> str:
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").mkdir()  # a folder by the weights' name holds no weights
-    return (
-        f"{folder} holds no weights (model.safetensors, or shards and model.safetensors.index.json); "
-        "nothing was staged"
-    )
+    return _no_weights(folder)
 
 
 def weights_and_an_index(folder: Path) -> str:

@@ -403,16 +403,13 @@ def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_c
     assert failed.value.exit_code == 1 and "landed" in message and "nothing was committed" not in message
 
 
+def _offline_target(deadline: Deadline) -> Target:
+    """A publish target of alice/x at an endpoint nothing listens on, for the words about it."""
+    return Target(HfApi(endpoint=HUB, token=TOKEN), HUB, "alice/x", "main", "", TOKEN, deadline)
+
+
 def test_the_token_is_not_in_the_repr_of_the_publish_target():
-    target = Target(
-        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
-        "http://127.0.0.1:1",
-        "alice/x",
-        "main",
-        "",
-        TOKEN,
-        Deadline(60),
-    )
+    target = _offline_target(Deadline(60))
     assert TOKEN not in repr(target) and "alice/x" in repr(target)
 
 
@@ -420,15 +417,7 @@ def test_the_token_is_not_in_the_repr_of_the_publish_target():
 def test_a_lost_connection_is_told_in_one_line_without_the_token_wherever_the_line_is_cut(at):
     """A client error may quote the request with its token, and the line is cut at 300
     characters: the token is scrubbed before the cut, so no piece of it survives."""
-    target = Target(
-        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
-        "http://127.0.0.1:1",
-        "alice/x",
-        "main",
-        "",
-        TOKEN,
-        Deadline(60),
-    )
+    target = _offline_target(Deadline(60))
     said = network_words(target, OSError(f"{'x' * at}Bearer {TOKEN} refused\nthe rest of the story"))
     assert said.startswith("connection to http://127.0.0.1:1 lost (OSError: xxx" if at else "connection to")
     assert TOKEN[:6] not in said and "\n" not in said and "the rest" not in said, said
@@ -441,7 +430,7 @@ def test_a_lost_request_is_told_by_what_it_was_how_long_it_waited_and_what_gave_
     failure names the CAS request it gave up on."""
     limit = Deadline(60)
     limit.bounds["the commit"] = 2.5  # the deadline's bound on the last commit request
-    target = Target(HfApi(endpoint=HUB, token=TOKEN), HUB, "alice/x", "main", "", TOKEN, limit)
+    target = _offline_target(limit)
     commit = httpx2.Request("POST", f"{HUB}/api/models/alice/x/commit/main")
     head = httpx2.Request("GET", f"{HUB}/api/models/alice/x/revision/main")
     try:
@@ -504,15 +493,7 @@ def test_a_lost_request_is_told_by_what_it_was_how_long_it_waited_and_what_gave_
 def test_each_error_answer_of_the_hub_is_one_line_saying_what_it_means(status, kind, message):
     """401 and 403 both mean the token may not write, 412 a push since the head was read; any other
     error answer is quoted, the token scrubbed."""
-    target = Target(
-        HfApi(endpoint="http://127.0.0.1:1", token=TOKEN),
-        "http://127.0.0.1:1",
-        "alice/x",
-        "main",
-        "",
-        TOKEN,
-        Deadline(60),
-    )
+    target = _offline_target(Deadline(60))
     answer = httpx2.Response(
         status, request=httpx2.Request("POST", "http://127.0.0.1:1/api/models/alice/x/commit/main")
     )

@@ -424,9 +424,13 @@ def test_checkpoint_best_stages_the_best(data_dir, tmp_path):
 def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_controls_diverge(
     data_dir, tmp_path
 ):
+    """03 proves a run with accumulated micro-batches, evaluations and a callback keeping state:
+    each is compared bit for bit, and leaving any saved component out of the resume diverges."""
     args = [
         "--set",
         "training.grad_accum_steps=2",
+        "--set",
+        "training.callbacks=[callback_factories:loss_sum]",
         *EVAL,
         "--set",
         "training.deterministic=false",
@@ -442,10 +446,12 @@ def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_contro
     assert ran.returncode == 0, ran.stdout + ran.stderr
     report = json.loads((tmp_path / "proof" / "verification.json").read_text())
     assert report["all_checks_passed"] and report["positive"] and report["negative_divergence_detected"]
-    for name in ("rng", "optimizer", "scheduler", "data"):
+    for name in ("rng", "optimizer", "scheduler", "data", "callbacks"):
         assert report["components"]["negative"][name]["result"] == "detected", name
-    evaluations = [c for c in report["checks"]["positive"] if c["name"] == "final.evaluations"]
-    assert evaluations and evaluations[0]["passed"] and evaluations[0]["max_abs_diff"] == 0.0
+    assert "final.callbacks" in report["components"]["negative"]["callbacks"]["diverged_checks"], report
+    checks = {check["name"]: check for check in report["checks"]["positive"]}
+    for name in ("final.evaluations", "final.callbacks"):
+        assert checks[name]["passed"] and checks[name]["max_abs_diff"] == 0.0, checks[name]
 
 
 def test_an_evaluate_that_draws_from_every_rng_changes_nothing_the_training_computes(data_dir, tmp_path):

@@ -422,7 +422,8 @@ def test_a_task_metric_that_is_a_bool_or_not_finite_or_named_twice_is_refused_in
 
 def test_04_seeds_a_task_whose_evaluate_draws_so_its_record_is_the_same_every_time(data_dir, tmp_path):
     """04 seeds every RNG from the checkpoint's training.seed before it builds and evaluates:
-    a metric that samples gives the same value however the process drew before."""
+    a metric that samples gives the same value however the process drew before, and whatever
+    seed today's config.yaml holds."""
     from pipeline.train import train
 
     overrides = {
@@ -439,3 +440,6 @@ def test_04_seeds_a_task_whose_evaluate_draws_so_its_record_is_the_same_every_ti
     torch.rand(5)
     assert evaluate_checkpoint(config)["metrics"] == first
     assert set(first) == {"mse", "rmse", "noise", "train_mode", "grad_mode"} and first["train_mode"] == 0.0
+    # The seed is the checkpoint's: a config.yaml edited since training evaluates the same.
+    edited = load_config(CONFIG, {**overrides, "training.seed": config.training.seed + 1})
+    assert evaluate_checkpoint(edited)["metrics"] == first

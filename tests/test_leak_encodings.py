@@ -215,10 +215,15 @@ def test_a_training_log_in_ansi_colours_is_text_and_its_paths_and_host_name_are_
 
 
 @pytest.mark.parametrize("length", [8, 9, 10, 11, 15, 16])
-def test_this_machines_short_values_are_found_in_every_encoding_at_every_alignment(length):
-    value = secrets.token_urlsafe(length)[:length]
+@pytest.mark.parametrize("alphabet", ["urlsafe", "punctuation"])
+def test_this_machines_short_values_are_found_in_every_encoding_at_every_alignment(length, alphabet):
+    # Only bytes such as '>', '?' and '~' give base64 characters 62 and 63, which its two
+    # alphabets write apart ('+' '/' against '-' '_'): a password made of them tells them apart.
+    value = secrets.token_urlsafe(length)[:length] if alphabet == "urlsafe" else ("a?~>" * 4)[:length]
     rule_set = machine(value)
     raw = value.encode()
+    if alphabet == "punctuation":  # at each alignment, characters of the value alone are 62 or 63
+        assert all(set(base64.b64encode(b"\0" * phase + raw)[2:-3]) & set(b"+/") for phase in range(3))
     forms = {
         "hex": raw.hex(),
         "HEX": raw.hex().upper(),

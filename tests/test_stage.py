@@ -80,17 +80,18 @@ def in_process_config(run, **overrides):
     return load_config(CONFIG, {**run.overrides, **overrides})
 
 
-def poison_weights(checkpoint: Path) -> str:
-    """Put a NaN in the first tensor and record the new file's hash, as a real save would."""
+def poison_weights(checkpoint: Path, count: int = 1) -> list[str]:
+    """Put a NaN in the first ``count`` tensors and record the new file's hash, as a real save would."""
     path = checkpoint / "modelo.safetensors"
     tensors = load_file(path)
-    name = sorted(tensors)[0]
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] = float("nan")
+    names = sorted(tensors)[:count]
+    for name in names:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, str(path), metadata={"format": "pt"})
     entry = entry_of(path.read_bytes())
     reseal(checkpoint, lambda meta: meta["files"].update({"modelo.safetensors": entry}))
-    return name
+    return names
 
 
 # -- the stage --------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def test_05_exits_2_with_one_line_and_leaves_the_previous_stage_untouched(staged
 def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(staged_run, run_copy, tmp_path):
     run = run_copy(staged_run)
     before = snapshot(run.stage)
-    name = poison_weights(run.checkpoint)
+    [name] = poison_weights(run.checkpoint)
     with pytest.raises(NonFiniteWeights, match=f"tensor {name} holds NaN"):
         build_stage(in_process_config(run), stage_dir=run.stage, with_metrics=False)
     assert snapshot(run.stage) == before
@@ -287,6 +288,18 @@ def test_nan_weights_are_refused_unless_allowed_and_then_the_card_warns(staged_r
     )
     assert result.nonfinite == [name]
     assert "NaN or infinite" in (tmp_path / "stage" / "README.md").read_text()
+
+
+def test_a_refusal_of_several_non_finite_tensors_names_the_first_and_counts_the_others(staged_run, run_copy):
+    run = run_copy(staged_run)
+    first, second = poison_weights(run.checkpoint, count=2)
+    with pytest.raises(NonFiniteWeights) as refused:
+        build_stage(in_process_config(run), stage_dir=run.stage, with_metrics=False)
+    assert str(refused.value) in (
+        f"{run.checkpoint / 'modelo.safetensors'}: tensor {named} (and 1 more) holds NaN or infinite values; "
+        "refusing to stage it (pass --allow-nonfinite to stage it anyway)"
+        for named in (first, second)
+    ), str(refused.value)
 
 
 def test_value_of_hf_token_is_refused_without_being_shown(staged_run, run_copy, monkeypatch):

@@ -136,6 +136,30 @@ def listener(config: Config) -> Listener:
     return Listener()
 
 
+class ModeWatcher:
+    """Hears whether the model is in training mode after each step and each evaluation:
+    ``heard`` holds [hook, step, 1 for training mode, 0 for eval mode]."""
+
+    def __init__(self) -> None:
+        self.heard: list[list[Any]] = []
+
+    def on_step_end(self, run: Any, control: Any) -> None:
+        self.heard.append(["step_end", run.step, int(run.model.training)])
+
+    def on_evaluate(self, run: Any, metrics: dict[str, float], control: Any) -> None:
+        self.heard.append(["evaluate", run.step, int(run.model.training)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"heard": self.heard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.heard = state["heard"]
+
+
+def mode_watcher(config: Config) -> ModeWatcher:
+    return ModeWatcher()
+
+
 def nothing(config: Config) -> None:
     return None
 

@@ -646,6 +646,64 @@ def test_a_lost_commit_answer_and_a_head_holding_the_stage_and_a_file_no_longer_
     ], said
 
 
+# A head id a hostile Hub could answer: a line break, a carriage return and a terminal escape
+# that would forge a second line, and how the refusal shows it.
+HOSTILE_HEAD = "f00d\r\x1b[2Kerror: the commit landed\u2028\nok"
+HOSTILE_HEAD_SHOWN = "f00d\\x0d\\x1b[2Kerror: the commit landed\\u2028\\x0aok"
+
+
+@pytest.mark.parametrize("hub_shows", ["unmoved", "moved", "deleted", "moved-to-a-hostile-id"])
+def test_a_lost_commit_answer_on_a_branch_says_what_its_head_shows_in_one_line(
+    staged_run, hub, tmp_path, token_env, monkeypatch, waits, hub_shows
+):
+    """The commit to ``dev`` loses its connection: the refusal names dev and says what its head
+    shows: not moved, moved to another's commit (named, inert when the Hub's id is not plain
+    text), or the branch deleted since the plan read it."""
+    api = api_for(hub)
+    pushed: list[str] = []
+    real_create_commit = HfApi.create_commit
+
+    def connection_lost(self, repo_id, *args, **kwargs):
+        if hub_shows.startswith("moved"):
+            notes = [CommitOperationAdd("notes.txt", b"more\n")]
+            pushed.append(
+                real_create_commit(api, repo_id, notes, commit_message="a push", revision="dev").oid
+            )
+        elif hub_shows == "deleted":
+            api.delete_branch(repo_id, branch="dev")
+        raise httpx2.ConnectError("connection reset by peer")
+
+    real_repo_info, real_tree = HfApi.repo_info, HfApi.list_repo_tree
+
+    def hostile_head(self, repo_id, *args, **kwargs):
+        info = real_repo_info(self, repo_id, *args, **kwargs)
+        if pushed and hub_shows == "moved-to-a-hostile-id":
+            info.sha = HOSTILE_HEAD
+        return info
+
+    def tree(self, repo_id, path_in_repo=None, *, revision=None, **kwargs):
+        revision = pushed[0] if revision == HOSTILE_HEAD else revision
+        return real_tree(self, repo_id, path_in_repo, revision=revision, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", connection_lost)
+    monkeypatch.setattr(HfApi, "repo_info", hostile_head)
+    monkeypatch.setattr(HfApi, "list_repo_tree", tree)
+    with pytest.raises(UploadInterrupted) as interrupted:
+        publish_here(staged_run.stage, hub, "alice/lost-dev", tmp_path, revision="dev")
+    shows = {
+        "unmoved": "the head of dev did not move",
+        "moved": f"the head of dev moved to {pushed[0] if pushed else ''}, which is not this stage (someone else pushed)",
+        "deleted": "branch dev no longer exists",
+        "moved-to-a-hostile-id": (
+            f"the head of dev moved to {HOSTILE_HEAD_SHOWN}, which is not this stage (someone else pushed)"
+        ),
+    }[hub_shows]
+    assert str(interrupted.value) == (
+        f"connection to {hub.url} lost (ConnectError: connection reset by peer) while uploading and committing, "
+        f"and {shows}: nothing was committed; rerun: it skips blobs already uploaded and never makes a second commit"
+    )
+
+
 def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alone(
     staged_run, hub, tmp_path, token_env
 ):

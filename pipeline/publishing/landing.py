@@ -35,6 +35,7 @@ from ..errors import (
     PublishTimedOut,
     StageChanged,
     UploadInterrupted,
+    shown,
 )
 from ..signing import SignatureCheck
 from . import xet
@@ -241,11 +242,15 @@ def _landed(run: Publishing) -> tuple[str | None, str]:
         )
         return ours, "no pull request opened since the plan holds the stage"
     head = read_head(target, target.revision)
-    if head is None or head == plan.head:
+    if head is None:
+        # The plan read a head there, so the branch (or the repo) was deleted since.
+        return None, f"branch {target.revision} no longer exists"
+    if head == plan.head:
         return None, f"the head of {target.revision} did not move"
     if _holds_the_stage(run, head):
         return head, ""
+    # The id is the Hub's text: shown inert, so a hostile answer cannot break or forge the line.
     return (
         None,
-        f"the head of {target.revision} moved to {head}, which is not this stage (someone else pushed)",
+        f"the head of {target.revision} moved to {shown(head)}, which is not this stage (someone else pushed)",
     )

@@ -23,10 +23,14 @@ from pipeline.checkpoint import CheckpointStore, best_record, read_best
 from support import (
     PYTHON,
     REPO,
+    ScriptRun,
     assert_checkpoints_bitwise_equal,
     data_args,
     one_line_error,
+    run_python,
+    run_script,
     script_env,
+    start_script,
     train,
     verify_checkpoint,
 )
@@ -79,11 +83,8 @@ def test_micro_batches_train_like_one_batch_of_their_rows(data_dir, tmp_path, mi
 
 
 def test_the_effective_batch_is_printed(data_dir, tmp_path):
-    ran = subprocess.run(
-        [PYTHON, "scripts/02_train.py", *data_args(data_dir), "--checkpoint-dir", str(tmp_path / "b"),
-         "--max-steps", "1", "--set", "training.grad_accum_steps=3"],
-        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    ran = run_script("02_train.py", *data_args(data_dir), "--checkpoint-dir", str(tmp_path / "b"),
+                     "--max-steps", "1", "--set", "training.grad_accum_steps=3")  # fmt: skip
     assert "effective batch: 12 rows per optimizer step (3 micro-batches of 4)" in ran.stderr + ran.stdout
 
 
@@ -248,7 +249,7 @@ def test_an_unknown_best_metric_stops_at_the_first_evaluation_with_its_checkpoin
     argv = shlex.split(command)
     assert argv[-4:] == ["--set", "checkpoint.best_metric=rmse", "--resume", "latest"]
     assert "checkpoint.best_metric=rmsee" not in argv
-    again = subprocess.run(argv, env=script_env(), capture_output=True, text=True, timeout=300)
+    again = run_python(argv[1:], cwd=Path.cwd(), env=script_env())  # argv[0] is the interpreter
     assert again.returncode == 0, again.stderr
     assert read_best(tmp_path)["metric"] == "rmse"
 
@@ -329,14 +330,11 @@ def test_a_mark_that_cannot_be_read_prunes_nothing_and_best_is_refused(data_dir,
         load_checkpoint("best", tmp_path)
 
 
-def _kill_child(data_dir: Path, folder: Path) -> subprocess.Popen:
-    args = [PYTHON, "scripts/02_train.py", *data_args(data_dir), "--checkpoint-dir", str(folder), "--quiet",
-            "--max-steps", "300", "--resume", "auto", "--keep-last", "1", "--checkpoint-every", "4",
-            "--set", "training.eval_every=1", "--set", "checkpoint.best_metric=mse",
-            "--set", "checkpoint.best_mode=max", "--set", "checkpoint.async=true"]  # fmt: skip
-    return subprocess.Popen(
-        args, cwd=REPO, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+def _kill_child(data_dir: Path, folder: Path) -> ScriptRun:
+    return start_script("02_train.py", *data_args(data_dir), "--checkpoint-dir", str(folder), "--quiet",
+                        "--max-steps", "300", "--resume", "auto", "--keep-last", "1", "--checkpoint-every", "4",
+                        "--set", "training.eval_every=1", "--set", "checkpoint.best_metric=mse",
+                        "--set", "checkpoint.best_mode=max", "--set", "checkpoint.async=true")  # fmt: skip
 
 
 def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir, tmp_path):
@@ -348,14 +346,14 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         # it on a loaded machine, or after the end on a fast one. The deadlines are for a run
         # that never gets there; on a machine busy with other work it may take minutes.
         deadline = time.monotonic() + 600
-        while not CheckpointStore(folder).committed_steps() and child.poll() is None:
+        while not CheckpointStore(folder).committed_steps() and not child.ended():
             assert time.monotonic() < deadline, "no checkpoint within 600 s"
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.0))
-        if child.poll() is not None:
+        if child.ended():
             continue  # finished before the strike: nothing to learn from this trial
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=60).returncode == -signal.SIGKILL
         steps = CheckpointStore(folder).committed_steps()
         killed += 1
         assert steps[-1] < 300, "the kill must strike while the run trains"
@@ -367,8 +365,8 @@ def test_a_kill_at_any_instant_leaves_the_best_and_the_last_verifiable(data_dir,
         # The best by the newest checkpoint's own evaluations is still there too.
         assert _best_steps(folder / f"step-{steps[-1]:08d}", "max") in steps
         # And the run goes on from there.
-        child = _kill_child(data_dir, folder)
-        assert child.wait(timeout=900) == 0, child.stderr.read()
+        resumed = _kill_child(data_dir, folder).wait(timeout=900)
+        assert resumed.returncode == 0, resumed.stderr
         assert read_best(folder)["step"] in CheckpointStore(folder).committed_steps()
     assert killed, "no trial was killed after its first checkpoint"
 
@@ -389,8 +387,7 @@ def test_a_config_without_dtype_trains_and_stages_float32(data_dir, tmp_path):
                           ("04_evaluate.py", []), ("05_stage.py", [])):  # fmt: skip
         if script == "01_prepare_data.py":
             continue  # the session's data is the default config's: same recipe
-        ran = subprocess.run([PYTHON, str(REPO / "scripts" / script), *common, *extra], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        ran = run_script(script, *common, *extra, cwd=tmp_path, env=env)
         assert ran.returncode == 0, ran.stderr
     checkpoint = next(tmp_path.glob("runs/nodtype/estados_local/step-*"))
     assert {t.dtype for t in _weights(checkpoint).values()} == {torch.float32}
@@ -406,9 +403,7 @@ def test_checkpoint_best_stages_the_best(data_dir, tmp_path):
             "--set", "checkpoint.best_mode=max"]  # fmt: skip
     for script, extra in (("02_train.py", ["--quiet"]), ("04_evaluate.py", ["--checkpoint", "best"]),
                           ("05_stage.py", ["--checkpoint", "best"])):  # fmt: skip
-        ran = subprocess.run([PYTHON, str(REPO / "scripts" / script), "--config", str(REPO / "config.yaml"),
-                              *best, *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)  # fmt: skip
+        ran = run_script(script, "--config", str(REPO / "config.yaml"), *best, *extra, cwd=tmp_path, env=env)
         assert ran.returncode == 0, ran.stderr
     staged = json.loads((tmp_path / "hub_stage" / "meta.json").read_text())
     assert staged["step"] == read_best(tmp_path / "estados_local")["step"] == 3
@@ -437,12 +432,8 @@ def test_the_resume_proof_passes_with_accumulation_and_evaluation_and_its_contro
         "--jobs",
         "1",
     ]
-    ran = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "03_verify_resume.py"), "--config", str(REPO / "config.yaml"),
-         *data_args(data_dir), "--output",
-         str(tmp_path / "proof"), *args],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    ran = run_script("03_verify_resume.py", "--config", str(REPO / "config.yaml"), *data_args(data_dir),
+                     "--output", str(tmp_path / "proof"), *args, cwd=tmp_path, timeout=600)  # fmt: skip
     assert ran.returncode == 0, ran.stdout + ran.stderr
     report = json.loads((tmp_path / "proof" / "verification.json").read_text())
     assert report["all_checks_passed"] and report["positive"] and report["negative_divergence_detected"]

@@ -176,6 +176,12 @@ class ScriptRun:
         self.pid = int(self.status.split()[0])
         self.result: subprocess.CompletedProcess | None = None
 
+    def ended(self) -> bool:
+        """Whether the script has ended (the zygote has sent its exit status), without waiting."""
+        import select
+
+        return self.result is not None or bool(select.select([self.connection], [], [], 0)[0])
+
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
         """Its exit status and output, once it and whatever holds its output pipes have ended
         (SIGKILLed past ``timeout``: ``TimeoutExpired``); the same result on a later call."""

@@ -428,6 +428,22 @@ def test_a_tab_in_a_cards_description_sections_and_sample_stays_a_tab(staged_run
     assert "```text\nx\ty\\x01\n```" in paragraphs
 
 
+def test_the_card_of_weights_in_three_shards_names_the_first_and_the_last(staged_run):
+    meta = json.loads((staged_run.stage / "meta.json").read_text())
+    meta["export"]["weights"] = [f"modelo-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    shards = (
+        "3 shards (`modelo-00001-of-00003.safetensors` … `modelo-00003-of-00003.safetensors`, listed in "
+        "`model.safetensors.index.json`)"
+    )
+    paragraphs = _paragraphs(build_model_card(meta, {}))
+    assert paragraphs[3] == f"This is step **10**, the last step of its run; 353 parameters in {shards}."
+    assert (
+        "`regression-mlp` is a PyTorch model with 353 parameters built by `pipeline.tasks.regression:build_model` "
+        "and trained for 10 steps on data prepared by `pipeline.tasks.regression:prepare_data`. The weights are "
+        f"stored in {shards} (float64); `meta.json` records the config, metrics and provenance."
+    ) in paragraphs
+
+
 def test_the_loading_snippet_of_a_transformers_model_fits_its_architecture_and_tokenizer():
     """A causal LM with a tokenizer file gets a generation example; one without, the model alone;
     any other architecture is loaded by its own class, named without its module."""

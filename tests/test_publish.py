@@ -1032,6 +1032,38 @@ def test_the_plan_and_the_check_after_landing_send_only_the_requests_they_need(
     assert counted["LFS batch"] == 0 and counted["LFS upload"] == 0 and counted["commit"] == 1, counted
 
 
+def test_a_no_op_rerun_writes_the_receipt_anew_when_it_was_deleted_and_keeps_it_when_it_is_there(
+    staged_run, hub, tmp_path, token_env
+):
+    first = publish_here(staged_run.stage, hub, "alice/receipted", tmp_path)
+    receipt = tmp_path / "receipts" / f"alice--receipted-{first.commit[:12]}.json"
+    assert (first.status, first.receipt, first.receipt_written) == ("published", receipt, True)
+    kept = publish_here(staged_run.stage, hub, "alice/receipted", tmp_path)
+    assert (kept.status, kept.receipt, kept.receipt_written) == ("already published", receipt, False)
+    assert json.loads(receipt.read_text())["status"] == "published"
+    receipt.unlink()  # the receipt folder emptied: the rerun is the only record left to write
+    again = publish_here(staged_run.stage, hub, "alice/receipted", tmp_path)
+    assert (again.status, again.commit, again.receipt, again.receipt_written) == (
+        "already published",
+        first.commit,
+        receipt,
+        True,
+    )
+    assert sorted(p.name for p in receipt.parent.iterdir()) == [receipt.name]
+    record = json.loads(receipt.read_text())
+    assert {
+        key: record[key] for key in ("status", "repo_id", "commit", "parent_commit", "verified", "problems")
+    } == {
+        "status": "already published",
+        "repo_id": "alice/receipted",
+        "commit": first.commit,
+        "parent_commit": None,
+        "verified": True,
+        "problems": [],
+    }
+    assert len(commit_titles(hub, "alice/receipted")) == 2
+
+
 def test_stale_files_in_the_target_folder_are_deleted_in_the_same_single_commit(
     staged_run, hub, tmp_path, token_env
 ):

@@ -6,6 +6,7 @@ publish() against the loopback Hub of tests/test_publish.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from pipeline.publishing.client import RemoteFile
 from pipeline.publishing.plan import (
     PlannedFile,
     PublishPlan,
+    _messages,
     check_receipt_dir,
     clean_prefix,
     compare,
@@ -156,6 +158,21 @@ def test_each_staged_file_is_added_updated_repaired_or_left_by_what_the_branch_l
         for name, action in actions.items()
     )
     assert deletions == ("model/a-old.txt", "model/zz-old.txt")
+
+
+def test_the_commit_title_and_description_name_step_0_as_a_step_and_no_step_as_the_model(tmp_path):
+    weights = AuditedFile(name="modelo.safetensors", size=4, sha256="a" * 64, verified_against="meta.json")
+    audited = {weights.name: weights}
+    table = f"{'a' * 64}             4  modelo.safetensors\n"
+    for recorded, what in ((0, "step 0"), (None, "the model")):
+        (tmp_path / "meta.json").write_text(json.dumps({"step": recorded}))
+        assert _messages(tmp_path, audited, None) == (
+            recorded,
+            "a" * 64,
+            f"Publish {what}: modelo.safetensors sha256 {'a' * 64}",
+            f"{what.capitalize()}. modelo.safetensors SHA-256 {'a' * 64}.\n\n"
+            f"Staged files (SHA-256, bytes, name):\n{table}",
+        )
 
 
 # -- the plan as 06 prints it ---------------------------------------------------------------------

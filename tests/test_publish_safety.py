@@ -346,6 +346,31 @@ def test_a_commit_that_times_out_without_landing_says_nothing_was_committed(stag
     assert commit_titles(hub, "alice/timeout") == ["initial commit"]
 
 
+def test_under_path_in_repo_a_commit_whose_answer_was_lost_is_found_in_its_folder(
+    staged_run, hub, tmp_path, token_env
+):
+    """The landed commit holds the stage under model/: that folder, not the repo root, is
+    compared with the stage, so the commit is found and the publish succeeds."""
+    hub.withhold_next_commit_answer()  # the Hub applies the commit, then never answers
+    said: list[str] = []
+    result = publish_here(
+        staged_run.stage,
+        hub,
+        "alice/lost-in-folder",
+        tmp_path,
+        say=said.append,
+        path_in_repo="model",
+        timeout_s=3,
+    )
+    head = api_for(hub).list_repo_commits("alice/lost-in-folder")[0].commit_id
+    assert (result.status, result.commit, result.answer_lost) == ("published", head, True)
+    assert f"the answer to the commit was lost, but the commit landed: {head}" in said
+    assert len(commit_titles(hub, "alice/lost-in-folder")) == 2
+    test_publish.assert_holds_exactly_the_stage(
+        hub, "alice/lost-in-folder", staged_run.stage, prefix="model/"
+    )
+
+
 def test_an_invalid_repo_id_is_one_line_naming_it(staged_run, hub, tmp_path):
     line = one_error_line(run_publish(staged_run.stage, hub, "bad repo/../x", tmp_path / "receipts"))
     assert "--repo-id 'bad repo/../x' is not a valid Hub repo id" in line

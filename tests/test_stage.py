@@ -17,7 +17,7 @@ from matplotlib.image import imread
 from safetensors.torch import load_file, save_file
 from test_leaks import SAMPLES
 
-from pipeline.audit import audit_stage
+from pipeline.audit import AuditedFile, audit_stage
 from pipeline.checkpoint import load_model_weights
 from pipeline.checkpoint.meta import entry_of
 from pipeline.config import config_from_dict, load_config
@@ -207,6 +207,38 @@ def test_staged_weights_reproduce_the_recorded_metric_exactly(staged_run):
     load_model_weights(model, load_file(staged_run.stage / "modelo.safetensors"))
     metrics = load_task_data(config).evaluate(model, torch.device("cpu"))
     assert metrics == json.loads(staged_run.metrics.read_text())["metrics"]
+
+
+def test_05s_table_says_weights_were_copied_byte_for_byte_and_resharded_ones_rewritten(staged_run, run_copy):
+    run = run_copy(staged_run)
+    entry = json.loads((run.checkpoint / "meta.json").read_text())["files"]["modelo.safetensors"]
+    config = in_process_config(run)
+
+    def staged_weights(result) -> list[AuditedFile]:
+        # The table's staged rows; the source checkpoint's rows are named by their full path.
+        return [row for row in result.report if row.name.endswith(".safetensors") and "/" not in row.name]
+
+    copied = build_stage(config, stage_dir=run.root / "copied", with_metrics=False)
+    assert staged_weights(copied) == [
+        AuditedFile(
+            "modelo.safetensors",
+            entry["size"],
+            entry["sha256"],
+            "checkpoint meta.json, re-hash after copy, MANIFEST.sha256",
+        )
+    ]
+    resharded = build_stage(
+        config, stage_dir=run.root / "resharded", with_metrics=False, max_shard_size="500"
+    )
+    shards = staged_weights(resharded)
+    assert [(row.name, row.verified_against) for row in shards] == [
+        (
+            f"modelo-0000{i}-of-00005.safetensors",
+            "checkpoint tensors, re-hashed from disk after writing, MANIFEST.sha256",
+        )
+        for i in range(1, 6)
+    ]
+    assert entry["sha256"] not in {row.sha256 for row in shards}
 
 
 def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, run_copy):

@@ -31,6 +31,7 @@ import pipeline.traces as traces_module
 from pipeline.checkpoint import read_tensors
 from pipeline.config import load_config
 from pipeline.layout import TRACE_FILE, TRACES_MARKER
+from pipeline.stage import build_stage
 from pipeline.traces import INSTALL_HINT, SPEED_TAG, open_traces, trace_bytes
 from pipeline.train import train
 
@@ -589,6 +590,22 @@ def test_stage_holds_the_checkpoint_history_as_traces_without_wall_time(staged_r
     assert meta["training"]["traces"] == STAGED_TRACE and STAGED_TRACE in meta["files"]
     card = (staged_run.stage / "README.md").read_text()
     assert f"]({STAGED_TRACE})" in card and "Training metrics" in card
+
+
+def test_the_stage_draws_the_traces_at_the_checkpoints_log_every_not_the_config_given_to_05(
+    staged_run, run_copy
+):
+    """The traces are the checkpoint's own: a config edited after training (log_every 1 -> 5)
+    changes no traced point."""
+    run = run_copy(staged_run)
+    assert json.loads((run.checkpoint / "meta.json").read_text())["config"]["training"]["log_every"] == 1
+    build_stage(
+        load_config(CONFIG, {**run.overrides, "training.log_every": 5}),
+        stage_dir=run.stage,
+        metrics=run.metrics,
+    )
+    assert scalars(run.stage / "runs") == as_traced(history_of(staged_run.checkpoint))
+    assert (run.stage / STAGED_TRACE).read_bytes() == (staged_run.stage / STAGED_TRACE).read_bytes()
 
 
 def test_stage_without_tensorboard_says_so_in_the_card(evaluated_run, run_copy):

@@ -1427,6 +1427,48 @@ def test_a_distributed_resume_compares_a_derived_buffer_with_the_value_this_code
     )
 
 
+def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_the_wrappers(
+    data_dir, tmp_path, monkeypatch
+):
+    """A DDP run resumed (one process of a gloo group, in-process: no launch) whose model has a
+    derived buffer (``scale``, built from a code constant): DDP names it ``module.scale``, the
+    checkpoint ``scale``, so the check looks in the plain module. Unchanged, the resume is
+    accepted; with the constant changed, the buffer is refused."""
+    import buffer_factories
+    import torch.distributed as dist
+
+    config = load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            "training.parallel": "ddp",
+            "model.factory": "buffer_factories:build_model",
+            "checkpoint.dir": str(tmp_path / "ck"),
+            "training.max_steps": 4,
+        },
+    )
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    world = dataclasses.replace(_world(0, 1), mesh_group=dist.new_group())
+    try:
+        assert train(config, world=world, stop_at=2, progress=False).step == 2
+        folder = tmp_path / "ck" / "step-00000002"
+        meta = verify_distributed(folder)
+        assert meta["parallel"] == {"mode": "ddp", "world_size": 1, "ddp_find_unused_parameters": False}
+        assert "scale" in meta["model"]["derived_buffers"]
+        monkeypatch.setattr(buffer_factories, "SCALE", 2.0)
+        with pytest.raises(StateMismatch) as caught:
+            train(config, world=world, resume="latest", progress=False)
+        assert str(caught.value) == (
+            f"{folder / DIST_MODEL_DIR}: buffer scale differs from the value this code builds (the code "
+            "or config that builds it changed since the checkpoint was saved); restore that code, or start "
+            "a new run"
+        )
+        monkeypatch.setattr(buffer_factories, "SCALE", 1.0)
+        assert train(config, world=world, resume="latest", progress=False).step == 4
+    finally:
+        world.close()
+
+
 @pytest.mark.heavy
 def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
     """At 4 processes the order of a reduction shows in the last bits. A model of several

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, load_model
 from pipeline.checkpoint import load_model_weights, warm_start, write_safetensors
 from pipeline.checkpoint.codec import join_state, split_state
 from pipeline.checkpoint.weights import dedupe_shared_tensors
-from pipeline.data import EpochSampler
+from pipeline.data import EpochSampler, epochs_done
 from pipeline.errors import StateMismatch
 from pipeline.rng import capture_rng, peek_next_draws, restore_rng, seed_everything
 
@@ -266,6 +266,35 @@ def test_a_cloned_sampler_yields_the_live_ones_batches_without_moving_it():
     own = SimpleNamespace(num_train=10, make_sampler=lambda generator, config: live)
     assert make_sampler(own, generator, config) is live
     assert make_sampler(SimpleNamespace(num_train=10, train_iterable=[]), generator, config) is None
+
+
+def test_sampler_saved_right_after_a_short_last_batch_is_at_the_epochs_end_and_loads(tmp_path):
+    # 10 rows in batches of 4: the third batch holds the last 2 rows, and the cursor stops at the
+    # data's end, not a whole batch further (a checkpoint saved there would be refused on resume).
+    generator = np.random.Generator(np.random.PCG64(5))
+    sampler = EpochSampler(10, 4, generator)
+    epoch = [sampler.next_indices() for _ in range(3)]
+    assert [len(b) for b in epoch] == [4, 4, 2]
+    state = sampler.state_dict()
+    assert {k: v for k, v in state.items() if k != "permutation"} == {
+        "epoch": 0,
+        "cursor": 10,
+        "samples_seen": 10,
+        "num_rows": 10,
+    }
+    assert state["permutation"].tolist() == sum(epoch, [])
+    assert epochs_done(sampler) == 1.0
+
+    saved, generator_state = roundtrip(state, tmp_path), generator.bit_generator.state
+    fresh_generator = np.random.Generator(np.random.PCG64(0))
+    fresh_generator.bit_generator.state = generator_state
+    resumed = EpochSampler(10, 4, fresh_generator)
+    resumed.load_state_dict(saved)
+    assert (resumed.epoch, resumed.cursor, epochs_done(resumed)) == (0, 10, 1.0)
+    nxt = [sampler.next_indices() for _ in range(3)]
+    assert [resumed.next_indices() for _ in range(3)] == nxt
+    assert sorted(sum(nxt, [])) == list(range(10))
+    assert (resumed.epoch, resumed.cursor, resumed.samples_seen) == (1, 10, 20)
 
 
 class TiedLM(torch.nn.Module):

@@ -249,7 +249,9 @@ def test_an_unknown_best_metric_stops_at_the_first_evaluation_with_its_checkpoin
     argv = shlex.split(command)
     assert argv[-4:] == ["--set", "checkpoint.best_metric=rmse", "--resume", "latest"]
     assert "checkpoint.best_metric=rmsee" not in argv
-    again = run_python(argv[1:], cwd=Path.cwd(), env=script_env())  # argv[0] is the interpreter
+    # Run as printed, forked from the zygote: the printed interpreter is this one.
+    assert Path(argv[0]).resolve() == Path(PYTHON).resolve(), argv
+    again = run_python(argv[1:], cwd=Path.cwd(), env=script_env())
     assert again.returncode == 0, again.stderr
     assert read_best(tmp_path)["metric"] == "rmse"
 

@@ -494,18 +494,23 @@ def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir,
     assert _callbacks(removed.checkpoint)["states"] == {}
 
 
-def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(data_dir, tmp_path):
+@pytest.mark.parametrize(("given", "fix", "not_fix"), [("rmes", "rmse", "mse"), ("accuracy", "mse", "rmse")])
+def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(
+    data_dir, tmp_path, given, fix, not_fix
+):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
-    the first in order), so following it runs."""
-    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes"})
+    the first in order), so following it runs; a name close to none sets the first."""
+    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": given})
     with pytest.raises(ConfigError) as refused:
         train(config, progress=False)
     message = str(refused.value)
     assert message.startswith(
-        f"{config.source}: checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse: set "
+        f"{config.source}: checkpoint.best_metric is {given!r}, but the task's evaluate returned mse, rmse: set "
         "checkpoint.best_metric to one of them; "
     ), message
-    assert "checkpoint.best_metric=rmse" in message and "checkpoint.best_metric=mse" not in message, message
+    assert (
+        f"checkpoint.best_metric={fix} " in message and f"checkpoint.best_metric={not_fix} " not in message
+    ), message
 
 
 def test_early_stopping_without_a_metric_to_watch_is_refused_in_one_line(data_dir, tmp_path):
@@ -551,6 +556,9 @@ def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
         ("min", 0.0, [5.0, 3.0, 4.0, 3.5, 9.0], 4),
         # Beating the best by exactly the threshold is no improvement (by more than it is).
         ("min", 0.5, [5.0, 4.5, 4.0, 9.0], 3),
+        # A value equal to the best is no improvement, in either mode.
+        ("min", 0.0, [5.0, 5.0, 4.0, 4.0, 4.0], 5),
+        ("max", 0.0, [2.0, 2.0, 3.0, 3.0, 3.0], 5),
     ],
     ids=[
         "max-mode",
@@ -559,6 +567,8 @@ def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
         "max-threshold",
         "against-the-best",
         "exactly-the-threshold",
+        "min-tie",
+        "max-tie",
     ],
 )
 def test_early_stopping_counts_as_transformers_does(mode, threshold, values, stops_at):
@@ -960,3 +970,40 @@ def test_the_schedule_saves_and_evaluates_on_its_intervals_and_at_the_last_step(
 
     assert asked(3, 2) == ([3, 6, 7], [2, 4, 6, 7])
     assert asked(7, 0) == ([7], [])
+
+
+def test_the_progress_log_prints_each_logged_step_and_the_last_one_off_the_interval():
+    """Without a terminal, a line at every step ``training.log_every`` logs and at the run's
+    last (7 is not a multiple of 3); a message between them; nothing at all when disabled."""
+    import io
+    from types import SimpleNamespace
+
+    from pipeline.progress import Progress
+
+    stream = io.StringIO()
+    report = Progress(total=7, initial=0, log_every=3, stream=stream)
+    history = {"loss": [], "lr": []}
+    for step in range(1, 8):
+        history["loss"].append(step / 8)
+        history["lr"].append(step / 1000)
+        report.on_step_end(SimpleNamespace(step=step, history=history), None)
+        if step == 4:
+            report.message("a note")
+    report.close()
+    assert stream.getvalue() == (
+        "step 3/7  loss 0.375  lr 0.003\na note\nstep 6/7  loss 0.75  lr 0.006\nstep 7/7  loss 0.875  lr 0.007\n"
+    )
+    quiet = io.StringIO()
+    off = Progress(total=7, initial=0, log_every=1, stream=quiet, enabled=False)
+    off.update(7, 0.5, 0.1)
+    off.message("a note")
+    assert quiet.getvalue() == ""
+
+
+def test_a_finished_step_clears_its_save_and_evaluation_but_not_a_stop():
+    from pipeline.callbacks import Control
+
+    control = Control(should_training_stop=True, should_save=True, should_evaluate=True)
+    control.step_done()
+    flags = (control.should_training_stop, control.should_save, control.should_evaluate)
+    assert flags == (True, False, False)

@@ -203,6 +203,9 @@ def test_the_checkpoints_config_is_evaluated_with_only_the_data_folder_and_devic
         "outputs.metrics": "m.json",
         "model.params.hidden": 32,
         "data.batch_size": saved["data"]["batch_size"],  # the checkpoint's own value: nothing to say
+        "training.seed": saved["training"]["seed"] + 1,
+        # Where it saves is never the checkpoint's to decide: nothing to say.
+        "checkpoint.every": saved["checkpoint"]["every"] + 1,
     }
     given = load_config(CONFIG, sets)
     args = (
@@ -214,8 +217,9 @@ def test_the_checkpoints_config_is_evaluated_with_only_the_data_folder_and_devic
     with caplog.at_level(logging.WARNING, logger="pipeline.evaluate"):
         config = evaluation_config({"config": saved}, given, source="ck/meta.json")
     assert [record.getMessage() for record in caplog.records] == [
-        "warning: not used: --set model.params.hidden=32 (it has 16): a checkpoint is evaluated and staged with "
-        "the config it was trained with (ck/meta.json)"
+        f"warning: not used: --set model.params.hidden=32 (it has 16), --set training.seed={sets['training.seed']} "
+        f"(it has {saved['training']['seed']}): a checkpoint is evaluated and staged with the config it was trained "
+        "with (ck/meta.json)"
     ]
     assert (config.data.dir, config.training.device, config.command_args) == ("/evaluated/here", "cpu", args)
     assert config.to_dict() == {

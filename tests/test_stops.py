@@ -187,3 +187,23 @@ def test_a_second_signal_during_the_clean_up_of_a_stop_is_ignored(signum):
     assert cleaned == ["the scratch copy"]
     assert str(stopped.value) == f"stopped by {signal.Signals(signum).name}; the scratch copy was removed"
     assert [signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)] == before  # put back
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["committed", "not-committed"])
+def test_stops_during_a_held_commit_wait_for_its_end_and_the_first_is_raised(committed):
+    """Two signals in a held block: the block runs to its end, then the first signal is
+    raised, saying what the commit left (in place, or the block's plain outcome)."""
+    from pipeline.errors import Stopped
+    from pipeline.stops import held, stopping
+
+    done = []
+    with stopping("the new stage was undone", committed="the new stage is in place"):
+        with pytest.raises(Stopped) as stopped:
+            with held() as hold:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("renamed")
+                hold.committed = committed
+    assert done == ["renamed"] and stopped.value.signum == signal.SIGTERM
+    outcome = "the new stage is in place" if committed else "the new stage was undone"
+    assert str(stopped.value) == f"stopped by SIGTERM; {outcome}"

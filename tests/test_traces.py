@@ -258,6 +258,7 @@ def _ours(folder: Path) -> None:
         "fifo",
         "unmarked-events",
         "empty-user-file",
+        "three-user-files",
         "another-writers-events",
         "garbled-events",
     ],
@@ -299,6 +300,9 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
             (theirs / TRACES_MARKER).unlink()
         elif kind == "empty-user-file":
             (theirs / "notes.txt").touch()
+        elif kind == "three-user-files":  # the first by name is named, whatever order the folder lists
+            for name in ("m.txt", "z.txt", "a.txt"):
+                (theirs / name).write_text("mine\n")
         elif kind == "garbled-events":  # a record's frame around bytes that are no event
             (theirs / TRACE).write_bytes((3).to_bytes(8, "little") + bytes(4) + b"\xff\xff\xff" + bytes(4))
         elif kind == "another-writers-events":
@@ -317,6 +321,7 @@ def test_anything_but_what_training_writes_turns_traces_off_and_nothing_is_delet
         "empty-marker": f"holds files training did not write ({TRACES_MARKER})",
         "marker-link": f"holds files training did not write ({TRACES_MARKER})",
         "empty-user-file": "holds files training did not write (notes.txt)",
+        "three-user-files": "holds files training did not write (a.txt)",
         "another-writers-events": "holds files training did not write (events.out.tfevents.",
     }.get(kind, f"holds files training did not write ({TRACE})")
     assert len(said) == 1 and said[0].startswith(f"TensorBoard traces are off: {theirs} {problem}"), said
@@ -681,3 +686,25 @@ def test_the_cards_commands_of_a_torchrun_run_launch_it_as_it_was(staged_run, pa
     script = _reproduce_section(meta).split("```sh\n", 1)[1].split("\n```", 1)[0]
     assert "python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/02_train.py" in script
     assert "python scripts/02_train.py" not in script
+
+
+@pytest.mark.parametrize("where", ["data-itself", "inside", "beside"])
+def test_traces_are_off_in_the_data_folder_and_inside_it_and_on_beside_it(tmp_path, where):
+    """The data folder itself, a folder in it, and a sibling whose name only starts like it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    inside, beside = data / "runs" / "traces", tmp_path / "data-traces"
+    folder = {"data-itself": data, "inside": inside, "beside": beside}[where]
+    run = SimpleNamespace(history={"step": [1], "loss": [0.5], "lr": [0.1]})
+    said: list[str] = []
+    traces = open_traces(folder, run, log_every=1, say=said.append, data_dir=data)
+    if where == "beside":
+        assert traces is not None and not said
+        traces.close(run)
+        assert scalars(folder)["train/loss"] == [(1, 0.5)]
+        return
+    assert traces is None and said == [
+        f"TensorBoard traces are off: {folder} is inside data.dir ({data}), whose every file is fingerprinted; "
+        "set outputs.traces to a folder outside it"
+    ]
+    assert sorted(data.rglob("*")) == []

@@ -61,6 +61,34 @@ def test_prune_keeps_the_newest_and_deletes_oldest_first(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step-00000003", "step-00000004"]
 
 
+def test_a_prune_at_exactly_keep_last_deletes_nothing_and_past_it_the_oldest_but_the_marked_best(tmp_path):
+    """keep_last 3: three checkpoints are all kept; a fourth deletes the oldest only; a fifth
+    keeps step 2, which BEST.json marks, besides the newest three, and a sixth deletes step 3
+    but not step 2. What else lies in the folder (a file, a step folder without meta.json,
+    another name) is never touched, nor counted as a checkpoint."""
+    from pipeline.checkpoint.best import write_best
+
+    with pytest.raises(ValueError) as refused:
+        CheckpointStore(tmp_path, keep_last=0)
+    assert str(refused.value) == "keep_last must be >= 1"
+    (tmp_path / "step-00000000").mkdir(parents=True)  # no meta.json: not a committed checkpoint
+    (tmp_path / "step-7").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    store = _save(tmp_path, [1, 2, 3], keep_last=3)
+    assert store.committed_steps() == [1, 2, 3]
+    write_best(tmp_path, {"step": 2, "metric": "mse", "mode": "min", "value": 0.5})
+    with store:
+        store.save(4, {"w": torch.full((3,), 4.0)}, {"s": torch.zeros(1)}, META)
+        assert store.committed_steps() == [2, 3, 4]
+        store.save(5, {"w": torch.full((3,), 5.0)}, {"s": torch.zeros(1)}, META)
+        assert store.committed_steps() == [2, 3, 4, 5]
+        store.save(6, {"w": torch.full((3,), 6.0)}, {"s": torch.zeros(1)}, META)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock", "BEST.json", "notes.txt", "step-00000000", "step-00000002", "step-00000004",
+        "step-00000005", "step-00000006", "step-7",
+    ]  # fmt: skip
+
+
 def test_a_save_returns_while_the_prune_runs_and_the_store_waits_for_it_before_anything_else(
     tmp_path, monkeypatch
 ):

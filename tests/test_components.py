@@ -486,6 +486,89 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
     assert str(refused.value) == _refusal("data", "does not hold exactly sampler, task, source")
 
 
+def test_a_states_progress_and_history_are_held_to_the_run_on_both_sides_of_max_steps(tmp_path):
+    """validated_state on a state captured from a real run at step 3 of a 3-step config (its
+    last step): it passes, whole; the same run one step further (a config whose max_steps was
+    lowered after training) is refused, and so is a history whose steps do not count up, one
+    missing a list every checkpoint holds, one of another dtype, a tensor nothing references,
+    a state without its progress; a checkpoint from before grad_norm and epoch were recorded,
+    or before the callbacks component existed, is read as NaN history and no callback state."""
+    from pipeline.checkpoint.state import capture_state
+    from pipeline.checkpoint.validate import validated_state
+    from pipeline.data import prepare_data
+    from pipeline.run import build_run
+
+    config = load_config(CONFIG, {"data.dir": str(tmp_path / "data"), "training.max_steps": 3})
+    prepare_data(config)  # in this process: a fraction of a second, no script started
+    run = build_run(config, torch.device("cpu"))
+    nan = float("nan")
+    history = {
+        "step": [1, 2, 3],
+        "loss": [0.5, 0.25, 0.125],
+        "lr": [0.1, 0.2, 0.3],
+        "grad_norm": [1.5, nan, 2.5],
+        "epoch": [0.25, 0.5, 0.75],
+    }
+
+    def captured(step: int) -> tuple[dict, dict]:
+        run.step, run.history = step, {key: values[:step] for key, values in history.items()}
+        if step > 3:
+            run.history = {key: [*values, values[-1]] for key, values in run.history.items()}
+            run.history["step"] = [1, 2, 3, 4]
+        _, state, tensors = capture_state(run)
+        state["scheduler"]["last_epoch"] = step  # as a scheduler stepped once a step has it
+        return state, tensors
+
+    state, tensors = captured(3)
+    joined = validated_state(run, state, tensors, step=3)
+    assert sorted(joined) == [
+        "callbacks", "data", "evaluations", "history", "optimizer", "rng", "scaler", "scheduler", "step"
+    ]  # fmt: skip
+    assert joined["step"] == 3 and repr(joined["history"]) == repr(history)
+    assert joined["callbacks"] == {"stopped": None, "states": {}} and joined["evaluations"] == {"step": []}
+    older = {
+        key: tensor for key, tensor in tensors.items() if key not in ("history/grad_norm", "history/epoch")
+    }
+    before = validated_state(run, {k: v for k, v in state.items() if k != "callbacks"}, older, step=3)
+    assert repr(before["history"]) == repr({**history, "grad_norm": [nan] * 3, "epoch": [nan] * 3})
+    assert before["callbacks"] == {"stopped": None, "states": {}}
+    names = "rng, optimizer, scheduler, data, scaler, callbacks, progress"
+    values = "is not 3 torch.float64 values"
+    past = captured(4)
+    counted = {**tensors, "history/step": torch.tensor([2, 1, 3])}  # ends at 3, counts otherwise
+    without_loss = {k: v for k, v in tensors.items() if k != "history/loss"}
+    lr_as_float32 = {**tensors, "history/lr": tensors["history/lr"].float()}
+    two_epochs = {**tensors, "history/epoch": torch.zeros(2, dtype=torch.float64)}
+    for refused_state, refused_tensors, step, where, why in (
+        (*past, 4, "progress.step", "is 4, past training.max_steps 3"),
+        (state, tensors, 2, "progress.step", "is 3, the checkpoint is step 2"),
+        (state, counted, 3, "history/step", "does not count 1, 2, ... step"),
+        (state, without_loss, 3, "history/loss", values),
+        (state, lr_as_float32, 3, "history/lr", values),
+        (state, two_epochs, 3, "history/epoch", values),
+        (state, {**tensors, "x": torch.zeros(1)}, 3, "", "does not reference tensor 'x' of the state file"),
+        ({**state, "progress": {"step": 3, "epoch": 1}}, tensors, 3, "progress", "is not {step}"),
+        (
+            {**state, "progress": {"step": 3.0}},
+            tensors,
+            3,
+            "progress.step",
+            "is 3.0, expected an integer >= 0",
+        ),
+        (
+            {k: v for k, v in state.items() if k != "progress"},
+            tensors,
+            3,
+            "",
+            f"does not hold exactly {names}",
+        ),
+        ({**state, "extra": 1}, tensors, 3, "", f"does not hold exactly {names}"),
+    ):
+        with pytest.raises(StateMismatch) as refused:
+            validated_state(run, refused_state, refused_tensors, step=step)
+        assert str(refused.value) == _refusal(where, why), (where, str(refused.value))
+
+
 def test_a_saved_sampler_position_past_the_users_sampler_batches_is_refused_in_one_line(data_dir, tmp_path):
     """A task's own sampler that looks its saved position up (an IndexError one past its last
     batch: saved at an epoch's end) is refused before anything is restored, naming the

@@ -773,6 +773,16 @@ def test_a_launch_record_that_does_not_describe_a_launch_is_one_line_naming_what
         with pytest.raises(SchemaMismatch) as refused:
             check_launch_record(path, _launch_meta(files=kept))
         assert str(refused.value) == f"{path} does not list {named}: the checkpoint is incomplete"
+    # Three ranks: the middle rank's RNG file is as required as the first's and the last's.
+    three = _launch_meta(3)
+    check_launch_record(path, three)
+    for rank in range(3):
+        kept = {name: entry for name, entry in three["files"].items() if name != rank_rng_file(rank)}
+        with pytest.raises(SchemaMismatch) as refused:
+            check_launch_record(path, _launch_meta(3, files=kept))
+        assert (
+            str(refused.value) == f"{path} does not list {rank_rng_file(rank)}: the checkpoint is incomplete"
+        )
     for part in (DIST_MODEL_DIR, DIST_OPTIM_DIR):
         kept = {name: entry for name, entry in files.items() if not name.startswith(f"{part}/")}
         with pytest.raises(SchemaMismatch) as refused:
@@ -972,6 +982,41 @@ def test_a_resume_plans_only_from_shards_that_tile_every_tensor_meta_json_lists(
     )
     _rewrite_shard(tmp_path, 2, {"w": full["w"][1:3].clone()}, {"w": {"saved_offsets": [1, 0]}})
     refused(ChecksumMismatch, f"{part}/: two shards of w overlap")
+    # Three ranks, w's rows 0-1, 3 and 2: planned where each lies; then the last overlapping
+    # the first (row 1), or the middle one (row 2), though neither overlaps the other.
+    three = [*names, f"{DIST_MODEL_DIR}/{_shard(3)}"]
+    for middle, last in ((3, 2), (3, 1), (2, 2)):
+        _rewrite_shard(
+            tmp_path, 2, {"w": full["w"][middle : middle + 1].clone()}, {"w": {"saved_offsets": [middle, 0]}}
+        )
+        _rewrite_shard(
+            tmp_path, 3, {"w": full["w"][last : last + 1].clone()}, {"w": {"saved_offsets": [last, 0]}}
+        )
+        if middle == 3 and last == 2:
+            plan = planned(listed=three).state_dict_metadata["w"]
+            rows = [([0, 0], [2, 3]), ([3, 0], [1, 3]), ([2, 0], [1, 3])]
+            assert [(list(c.offsets), list(c.sizes)) for c in plan.chunks] == rows
+        else:
+            with pytest.raises(ChecksumMismatch) as caught:
+                planned(listed=three)
+            assert str(caught.value) == f"{part}/: two shards of w overlap"
+    (tmp_path / three[2]).unlink()
+    # Two ranks holding w's columns 0-1 and 2 (every row each): they meet, they do not overlap.
+    _rewrite_shard(
+        tmp_path, 1, {"b": full["b"], "w": full["w"][:, :2].clone()}, {"w": {"saved_offsets": [0, 0]}}
+    )
+    _rewrite_shard(tmp_path, 2, {"w": full["w"][:, 2:].clone()}, {"w": {"saved_offsets": [0, 2]}})
+    plan = planned().state_dict_metadata["w"]
+    assert [(list(c.offsets), list(c.sizes)) for c in plan.chunks] == [([0, 0], [4, 2]), ([0, 2], [4, 1])]
+    # A column w whose second half comes as a 1-D chunk of the right size and place.
+    column = torch.arange(4.0).view(4, 1)
+    _rewrite_shard(tmp_path, 1, {"b": full["b"], "w": column[:2].clone()}, {"w": {"saved_offsets": [0, 0]}})
+    _rewrite_shard(tmp_path, 2, {"w": column[2:].reshape(2).clone()}, {"w": {"saved_offsets": [2]}})
+    refused(
+        ChecksumMismatch,
+        f"{tmp_path / names[1]}: a shard of w does not fit its F32 tensor of shape [4, 1]",
+        specs=tensor_specs({"b": full["b"], "w": column}),
+    )
     _rewrite_shard(tmp_path, 2, {"w": full["w"][2:4].clone()}, "{not json")
     with pytest.raises(SchemaMismatch) as caught:
         planned()
@@ -1789,8 +1834,8 @@ def test_a_printed_command_sets_each_key_once_with_the_value_it_names(tmp_path):
     assert sets == [f"checkpoint.dir={tmp_path / 'ck'}", "training.max_steps=12", "training.parallel=none"]
 
 
-def _two_ranks(tmp_path: Path, body) -> list:
-    """``body(world)`` on two ranks of a launch that are two threads of this process, on a
+def _thread_ranks(tmp_path: Path, body, size: int = 2) -> list:
+    """``body(world)`` on ``size`` ranks of a launch that are threads of this process, on a
     gloo process group of their own over a file store (real collectives, no launch); what
     each returned or raised, by rank."""
     import threading
@@ -1799,23 +1844,27 @@ def _two_ranks(tmp_path: Path, body) -> list:
     import torch.distributed as dist
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    store = dist.FileStore(str(tmp_path / "store"), 2)
-    results: list = [None, None]
+    store = dist.FileStore(str(tmp_path / "store"), size)
+    results: list = [None] * size
 
     def rank(index: int) -> None:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, 2, timedelta(seconds=60))
-        world = dataclasses.replace(_world(index, 2), group=group)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), index, size, timedelta(seconds=60))
+        world = dataclasses.replace(_world(index, size), group=group)
         try:
             results[index] = body(world)
         except Exception as exc:
             results[index] = exc
 
-    threads = [threading.Thread(target=rank, args=(index,), daemon=True) for index in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(index,), daemon=True) for index in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
     return results
+
+
+def _two_ranks(tmp_path: Path, body) -> list:
+    return _thread_ranks(tmp_path, body, 2)
 
 
 def test_the_ranks_of_a_launch_agree_on_one_loss_one_signal_and_each_others_text(tmp_path, monkeypatch):
@@ -1908,6 +1957,61 @@ def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_wor
         ("SchemaMismatch", "two", 2, False),
         ("ok",),
     ]
+
+
+def test_three_ranks_agree_on_the_mean_loss_each_ranks_text_and_who_prints_a_failure(tmp_path):
+    """Three ranks (first, middle and last differ): the global loss is the mean over all three,
+    each rank gets every rank's text in rank order; a refusal on the middle and the last rank
+    alike is raised by the middle one (the lowest that failed) and quietly by the others; a bug
+    on the last rank alone is raised there, and quietly by the first and the middle; the first
+    and the last refusing alike, the middle otherwise: the last is quiet, the others raise."""
+    cases = [
+        (None, StateMismatch("does not fit"), StateMismatch("does not fit")),
+        (None, None, KeyError("k")),
+        (StateMismatch("one"), SchemaMismatch("two"), StateMismatch("one")),
+        (None, None, None),
+    ]
+
+    def body(world: LaunchWorld) -> tuple:
+        got = []
+        for case in cases:
+            try:
+                with world.together("the save"):
+                    if case[world.rank] is not None:
+                        raise case[world.rank]
+                got.append("ok")
+            except Exception as exc:
+                got.append((type(exc).__name__, str(exc), getattr(exc, "exit_code", None)))
+        texts = world.gather_text(["rank 0", "", "the last rank's longest line"][world.rank])
+        return world.global_loss(torch.tensor([0.5, 2.0, 3.5][world.rank])), texts, got
+
+    first, middle, last = _thread_ranks(tmp_path, body, 3)
+    texts = ["rank 0", "", "the last rank's longest line"]
+    assert first == (
+        2.0,
+        texts,
+        [
+            ("PeerFailed", "does not fit", 2),
+            ("PeerFailed", "KeyError: 'k'", 1),
+            ("StateMismatch", "one", 2),
+            "ok",
+        ],
+    )
+    assert middle == (
+        2.0,
+        texts,
+        [
+            ("StateMismatch", "does not fit", 2),
+            ("PeerFailed", "KeyError: 'k'", 1),
+            ("SchemaMismatch", "two", 2),
+            "ok",
+        ],
+    )
+    assert last == (
+        2.0,
+        texts,
+        [("PeerFailed", "does not fit", 2), ("KeyError", "'k'", None), ("PeerFailed", "one", 2), "ok"],
+    )
 
 
 def test_a_rank_whose_failed_peer_is_gone_before_saying_why_says_what_it_knows(tmp_path):

@@ -350,6 +350,11 @@ UNCOVERED = {
         [([0, 0], FULL[0:2]), ([3, 0], FULL[3:4]), ([1, 0], FULL[1:2])],
         "{part}: two shards of w overlap",
     ),
+    # the second and the third chunk overlap (row 2, row 3 a gap), neither overlaps the first
+    "middle and last overlapping": (
+        [([0, 0], FULL[0:2]), ([2, 0], FULL[2:3]), ([2, 0], FULL[2:3])],
+        "{part}: two shards of w overlap",
+    ),
     # rows 0-1 and 3: row 2 is a gap, nothing overlaps or lies outside
     "with a gap": (
         [([0, 0], FULL[0:2]), ([3, 0], FULL[3:4])],

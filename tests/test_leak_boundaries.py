@@ -589,3 +589,73 @@ def test_only_floating_point_tensors_are_numbers_that_no_token_format_is_searche
     data = len(header).to_bytes(8, "little") + header + payload
     floats = dtype.startswith(("F", "BF"))
     assert scan_bytes(data, rules(hostname="")) == ({} if floats else {"hf-token": "an hf_ token"})
+
+
+# -- the reads themselves: a reused buffer, short reads, the probe's extent, links and empty files ----
+
+
+def test_a_reused_buffer_read_short_is_searched_only_up_to_what_each_read_filled():
+    """The audit reads into one buffer again and again; a read may fill less of it (a pipe, a
+    network file system): the seam with the next read is the END OF WHAT WAS READ, not of the
+    buffer, whose rest holds an older read's bytes."""
+    value = "plain-" + _HEX[:30]
+    data = ("x " * 10_000 + value + " tail\n").encode()  # reads longer than a seam
+    cut = data.index(value.encode()) + len(value) // 2
+    for pieces in ((data[:cut], data[cut:]), (data[:cut], data[cut : cut + 5], data[cut + 5 :])):
+        buffer = bytearray(b"#" * 32768)  # larger than any read: stale bytes past each one
+        scan = FileScan(rules(environ={"HF_TOKEN": value}, hostname=""), size=len(data))
+        for piece in pieces:
+            buffer[: len(piece)] = piece
+            scan.feed(buffer, len(piece))
+        assert scan.found == {"secret": "the value of HF_TOKEN"}, [len(p) for p in pieces]
+    # The other side: the buffer still holds that file whole, past a clean file's one short read.
+    buffer = bytearray(data)
+    clean = b"x " * 100 + b"tail\n"
+    buffer[: len(clean)] = clean
+    scan = FileScan(rules(environ={"HF_TOKEN": value}, hostname=""), size=len(clean))
+    scan.feed(buffer, len(clean))
+    assert scan.found == {}
+
+
+@pytest.mark.parametrize(
+    "controls_in_probe, control_after_probe, found",
+    [
+        # 80 control bytes in the first 8000 (1%): text, so its paths are searched as text
+        (80, False, {"path": "the home folder's path"}),
+        # 81: binary, whose printable runs are searched for credentials only, never paths
+        (81, False, {}),
+        # a control byte past the 8000th does not count: the probe is the first 8000 bytes
+        (80, True, {"path": "the home folder's path"}),
+    ],
+)
+def test_a_files_encoding_is_told_from_exactly_its_first_8000_bytes(
+    controls_in_probe, control_after_probe, found
+):
+    head = b"\x01" * controls_in_probe + b"a" * (8000 - controls_in_probe)
+    data = head + (b"\x01" if control_after_probe else b"a") + b" log of /home/alice/runs/1\n"
+    rule_set = rules(home="/home/alice", cwd="/", hostname="")
+    assert scan_bytes(data, rule_set) == found
+
+
+def test_a_secret_at_the_first_or_last_byte_of_a_file_is_found_and_an_empty_file_or_a_link_is_not_read(
+    tmp_path,
+):
+    value = "plain-" + _HEX[:30]
+    rule_set = rules(environ={"HF_TOKEN": value}, hostname="")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text(value)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "empty.bin").write_bytes(b"")
+    (stage / "linked.txt").symlink_to(outside / "notes.txt")  # a link is no staged file: never followed
+    assert scan_secrets(stage, rule_set) == []
+    (stage / "first.bin").write_bytes(value.encode() + bytes(range(256)) * 600)
+    (stage / "last.bin").write_bytes(bytes(range(256)) * 600 + value.encode())
+    (stage / "only.txt").write_bytes(value.encode())
+    with pytest.raises(SecretInStage) as refused:
+        scan_secrets(stage, rule_set, consequence="nothing was published")
+    assert str(refused.value) == (
+        "first.bin, last.bin and only.txt hold the value of HF_TOKEN; nothing was published. Remove it from "
+        "where it came from (config card section, data, task sample, code, edits to the stage) and stage again"
+    )

@@ -504,3 +504,252 @@ def test_the_loading_snippet_of_a_transformers_model_fits_its_architecture_and_t
         ), section
         if body is not None:
             assert section[5] == body, section
+
+
+# A staged record as 05 writes it for the session's run (one process, 10 steps, evaluated, traced),
+# built here so the card's edge cases below render in-process from a known record.
+_RECORD = {
+    "checks": {"nonfinite_tensors": []},
+    "config": {
+        "card": {
+            "allow_leaks": {},
+            "base_model": "",
+            "datasets": [],
+            "description": "",
+            "eval_dataset_name": "",
+            "eval_dataset_type": "",
+            "language": [],
+            "library_name": "",
+            "license": "apache-2.0",
+            "pipeline_tag": "",
+            "sections": "",
+            "tags": ["pytorch", "safetensors", "regression"],
+        },
+        "checkpoint": {
+            "async": True,
+            "best_metric": "",
+            "best_mode": "min",
+            "dir": "estados_local",
+            "every": 5,
+            "keep_last": 1,
+        },
+        "data": {
+            "batch_size": 4,
+            "dir": "data/regression",
+            "drop_last": False,
+            "factory": "pipeline.tasks.regression:build_data",
+            "num_workers": 0,
+            "params": {
+                "augment_std": 0.01,
+                "noise": 0.05,
+                "num_features": 3,
+                "num_heldout": 16,
+                "num_train": 24,
+            },
+            "prepare": "pipeline.tasks.regression:prepare_data",
+            "sample_timeout": 0.0,
+            "seed": 1234,
+            "shuffle": True,
+            "stream_split": "examples",
+        },
+        "model": {
+            "factory": "pipeline.tasks.regression:build_model",
+            "name": "regression-mlp",
+            "params": {"dropout": 0.1, "hidden": 16},
+        },
+        "optimizer": {
+            "factory": "pipeline.factories:adam",
+            "lr": 0.01,
+            "params": {"betas": [0.9, 0.999], "eps": 1e-08},
+            "weight_decay": 0.0,
+        },
+        "outputs": {"metrics": "metrics.json", "stage": "hub_stage", "traces": ""},
+        "scheduler": {"factory": "pipeline.factories:step_lr", "params": {"gamma": 0.5, "step_size": 4}},
+        "training": {
+            "amp": "none",
+            "callbacks": [],
+            "ddp_find_unused_parameters": False,
+            "deterministic": True,
+            "device": "cpu",
+            "dtype": "float64",
+            "early_stopping_patience": 0,
+            "early_stopping_threshold": 0.0,
+            "epochs": 0,
+            "eval_every": 0,
+            "grad_accum_steps": 1,
+            "grad_clip": 0.0,
+            "log_every": 1,
+            "max_steps": 10,
+            "parallel": "none",
+            "seed": 0,
+            "threads": 1,
+        },
+    },
+    "export": {
+        "architecture": "pipeline.tasks.mlp.MLP",
+        "renamed": {},
+        "total_size": 2824,
+        "transformers": False,
+        "weights": ["modelo.safetensors"],
+    },
+    "metrics": {
+        "data_fingerprint": "<B>",
+        "device": "cpu",
+        "split": "heldout",
+        "values": {"mse": 0.25, "rmse": 0.5},
+    },
+    "model": {"derived_buffers": [], "num_parameters": 353, "tensors": {}, "tied": []},
+    "proof": None,
+    "provenance": {
+        "code_changes": [],
+        "device": "cpu",
+        "environment": {
+            "cudnn_benchmark": False,
+            "cudnn_deterministic": False,
+            "deterministic_algorithms": True,
+            "device_type": "cpu",
+            "inter_op_threads": 2,
+            "intra_op_threads": 1,
+            "numpy": "2.4.6",
+            "torch": "2.13.0+cpu",
+        },
+        "fingerprints": {"code": "<A>", "data": "<B>", "factories": "<C>", "sources": {}},
+        "versions": {
+            "cuda": None,
+            "huggingface_hub": "2.4.0",
+            "numpy": "2.4.6",
+            "pipeline": "0.1.0",
+            "platform": "linux",
+            "python": "3.11.7",
+            "safetensors": "0.8.0",
+            "torch": "2.13.0+cpu",
+        },
+    },
+    "repo_id": None,
+    "schema": "pipeline.stage/1",
+    "selected_as_best": None,
+    "source_checkpoint": {
+        "files": {"estado_treino.safetensors": "<C>", "modelo.safetensors": "<D>"},
+        "folder": "step-00000010",
+        "schema": "pipeline.checkpoint/3",
+    },
+    "step": 10,
+    "training": {
+        "changes": [],
+        "final_loss": 0.5,
+        "final_lr": 0.0025,
+        "history_points": 10,
+        "launch": {"ddp_find_unused_parameters": None, "parallel": "none", "world_size": 1},
+        "lineage": [],
+        "stopped": None,
+        "traces": "runs/events.out.tfevents.pipeline",
+    },
+}
+
+
+def _record() -> dict:
+    return json.loads(digests(json.dumps(_RECORD)))
+
+
+def _section(card, title: str) -> list[str]:
+    """The paragraphs of the card's section ``title``, up to the next one."""
+    paragraphs = _paragraphs(card)
+    start = paragraphs.index(title) + 1
+    end = next(i for i in range(start, len(paragraphs)) if paragraphs[i].startswith("## "))
+    return paragraphs[start:end]
+
+
+def test_a_stage_of_step_0_with_metrics_of_zero_negative_huge_and_integer_values_is_carded_as_numbers():
+    """Weights saved before the first optimizer step are step 0, trained again with --stop-at 0;
+    a metric of exactly 0 or below is a number, a huge one keeps its exponent, an integer stays one:
+    in the table (sorted by name) and in the front matter the Hub indexes (in the record's order)."""
+    meta = _record()
+    meta["step"] = 0
+    meta["metrics"]["values"] = {"r2": -0.25, "loss": 0.0, "perplexity": 1.5e20, "count": 3}
+    card = build_model_card(meta, {})
+    assert card.data.metrics == ["count", "loss", "perplexity", "r2"]
+    assert [(result.metric_name, result.metric_value) for result in card.data.eval_results] == [
+        ("r2", -0.25),
+        ("loss", 0.0),
+        ("perplexity", 1.5e20),
+        ("count", 3),
+    ]
+    paragraphs = _paragraphs(card)
+    assert paragraphs[2:4] == [
+        "`regression-mlp` is a PyTorch model with 353 parameters built by `pipeline.tasks.regression:build_model` "
+        "and trained for 0 steps on data prepared by `pipeline.tasks.regression:prepare_data`. The weights are "
+        "stored in `modelo.safetensors` (float64); `meta.json` records the config, metrics and provenance.",
+        "This is step **0**, an intermediate checkpoint of a run configured for 10 steps; 353 parameters in "
+        "`modelo.safetensors`.",
+    ]
+    assert _section(card, "## Training")[0].splitlines()[2:4] == [
+        "| steps | 0 |",
+        "| final training loss | 0.5 |",
+    ]
+    assert _section(card, "## Metrics") == [
+        "On the held-out split (`heldout`) of the prepared data (fingerprint `bbbbbbbbbbbb`), evaluated with "
+        "exactly the weights below (step 0):",
+        "| metric | value |\n| --- | --- |\n| count | 3 |\n| loss | 0 |\n| perplexity | 1.5e+20 |\n| r2 | -0.25 |",
+        "Full-precision values are in `meta.json` under `metrics`.",
+    ]
+    assert _section(card, "## Reproduce")[1] == (
+        "```sh\npython -c \"import json, yaml; yaml.safe_dump(json.load(open('meta.json'))['config'], "
+        "open('config.yaml', 'w'))\"\npython scripts/01_prepare_data.py --config config.yaml\n"
+        "python scripts/02_train.py --config config.yaml --stop-at 0\n```"
+    )
+
+
+def test_a_run_of_three_launches_and_two_extensions_is_carded_and_reproduced_from_its_first():
+    """Moved twice (one process, then DDP, then FSDP2), extended twice, then stopped early short of
+    its length: the history starts from the first launch and lists every event in step order (the
+    record lists changes and extensions apart); the progress line tells each extension and the
+    stop; the reproduce command trains the first length in the first launch (one process) and
+    stops at the staged step."""
+    meta = _record()
+    fsdp = {"parallel": "fsdp2", "world_size": 4, "ddp_find_unused_parameters": None}
+    meta["step"] = 11
+    meta["config"]["data"]["batch_size"] = 8
+    meta["config"]["training"]["max_steps"] = 12
+    meta["training"].update(
+        launch=fsdp,
+        changes=[
+            {"item": "launch", "recorded": ONE, "now": DDP, "step": 3},
+            {"item": "launch", "recorded": DDP, "now": fsdp, "step": 6},
+            {"item": "intra_op_threads", "recorded": 1, "now": 2, "step": 10},
+        ],
+        lineage=[
+            {"from_max_steps": 6, "at_step": 6, "to_max_steps": 8},
+            {"from_max_steps": 8, "at_step": 8, "to_max_steps": 12},
+        ],
+        stopped={"step": 11, "by": "pipeline.callbacks:EarlyStopping", "reason": "mse did not improve"},
+    )
+    card = build_model_card(meta, {})
+    kept = "(optimizer, data order and random states continued; the learning-rate schedule kept its first length)"
+    assert _paragraphs(card)[3] == (
+        "This is step **11**, the last step of its run; 353 parameters in `modelo.safetensors`. The run, planned "
+        f"for 6 steps, was extended at step 6 to 8 {kept}. The run, planned for 8 steps, was extended at step 8 "
+        f"to 12 {kept}. It stopped early at step 11: mse did not improve (pipeline.callbacks:EarlyStopping)."
+    )
+    rows = _section(card, "## Training")[0].splitlines()
+    assert (
+        rows[4]
+        == "| effective batch | 8 rows per optimizer step; each micro-batch split over 4 processes, 2 rows each |"
+    )
+    assert rows[11:14] == [
+        "| launch | 4 processes (FSDP2) on cpu |",
+        "| history | trained in one process; moved to 2 processes (DDP, find_unused_parameters) after step 3; "
+        "moved to 4 processes (FSDP2) after step 6; extended from 6 to 8 steps after step 6; extended from 8 to 12 "
+        "steps after step 8; intra_op_threads changed from 1 to 2 after step 10 |",
+        "| parameters | 353 |",
+    ]
+    reproduce = _section(card, "## Reproduce")
+    assert (
+        reproduce[1].splitlines()[3]
+        == "python scripts/02_train.py --config config.yaml --set training.max_steps=6"
+    )
+    assert reproduce[4].startswith(
+        "(the libraries recorded: huggingface_hub 2.4.0, numpy 2.4.6, pipeline 0.1.0, platform linux, python "
+        "3.11.7, safetensors 0.8.0, torch 2.13.0+cpu). This run was extended (`training.lineage` in `meta.json`): "
+        "after the first command, continue it with `--resume latest --extend-to N` at each step the lineage lists, "
+        "stopping at step 11. The checkpoint's"
+    ), reproduce[4]

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from test_card_text import A, B, C, digests
 from test_hostile_folders import stage, tiny_folder
 
+from pipeline.errors import StageError
 from pipeline.stage.folder_card import build_folder_card
 
 
@@ -48,8 +51,8 @@ EVERY_PART_FOLDER_CARD = digests(
     "\n"
     "# `my model`\n"
     "\n"
-    "`my model` is a PyTorch model with 20,480 parameters in 2 shards "
-    "(`model-00001-of-00002.safetensors` … `model-00002-of-00002.safetensors`, listed in "
+    "`my model` is a PyTorch model with 20,480 parameters in 3 shards "
+    "(`model-00001-of-00003.safetensors` … `model-00003-of-00003.safetensors`, listed in "
     "`model.safetensors.index.json`). It was trained with another tool; its files were checked and "
     "staged by `scripts/05_stage.py --from-folder`, which knows what they hold, not how they were "
     "made.\n"
@@ -148,8 +151,9 @@ EVERY_PART_FOLDER_CARD = digests(
 
 
 def test_a_folder_card_with_every_part_states_each_fact_of_its_record_in_order(tmp_path):
-    """A sealed checkpoint's folder: its step, its seal, its files as read (in their order) and as
-    staged (sorted), what was left out (inert), the publisher's metrics marked as theirs."""
+    """A sealed checkpoint's folder: its step, its seal, its weights in three shards (the first and
+    the last named), its files as read (in their order) and as staged (sorted), what was left out
+    (inert), the publisher's metrics marked as theirs."""
     meta = _staged_folder(tmp_path)
     meta["config"]["model"]["name"] = "my model"
     meta.update(
@@ -157,7 +161,7 @@ def test_a_folder_card_with_every_part_states_each_fact_of_its_record_in_order(t
         metrics={"split": None, "supplied": "eval.json", "values": {"eval_loss": 2.5, "accuracy": 0.75}},
     )
     meta["model"]["num_parameters"] = 20480
-    meta["export"]["weights"] = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    meta["export"]["weights"] = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     meta["checks"]["nonfinite_tensors"] = ["layer.weight"]
     meta["source_checkpoint"].update(
         folder="checkpoint-1200",
@@ -224,4 +228,50 @@ def test_a_sealed_folder_of_step_0_says_it_holds_step_0(tmp_path):
         "`SealedCheckpoints` or `seal_checkpoint`) verified: every file the trainer wrote was there, byte for "
         "byte. The weights were parsed strictly as safetensors and scanned for NaN and infinite values. Files "
         "read from it:"
+    )
+
+
+def test_a_folder_in_three_shards_under_a_repo_page_with_metrics_at_their_edges_is_carded_whole(tmp_path):
+    """Staged in three shards (first, middle and last named as save_pretrained names them), under
+    --repo-id given as its page's address (the card is titled by the name after the namespace),
+    with a publisher's metrics of exactly 0, negative, huge and integer values under names of up
+    to 100 characters: each a number on the card, sorted by name; a name one longer is refused."""
+    torch.manual_seed(0)
+    folder = tiny_folder(tmp_path / "model", tensors={name: torch.randn(4) for name in "abc"})
+    long = "m" * 100
+    supplied = tmp_path / "eval.json"
+    supplied.write_text(json.dumps({"zero": 0.0, "loss": -1.5, "perplexity": 1e300, long: 7}))
+    target = tmp_path / "stage"
+    stage(folder, target, metrics=supplied, repo_id="https://huggingface.co/you/tiny-net", max_shard_size=16)
+    meta = json.loads((target / "meta.json").read_text())
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert meta["export"]["weights"] == shards and meta["repo_id"] == "you/tiny-net"
+    assert meta["config"]["model"] == {"name": "tiny-net"}
+    assert list(meta["metrics"]["values"].items()) == [
+        ("loss", -1.5),
+        (long, 7),
+        ("perplexity", 1e300),
+        ("zero", 0),
+    ]
+    card = (target / "README.md").read_text()
+    paragraphs = card.split("\n\n")
+    assert paragraphs[1:3] == [
+        "# tiny-net",
+        "`tiny-net` is a PyTorch model with 12 parameters in 3 shards (`model-00001-of-00003.safetensors` … "
+        "`model-00003-of-00003.safetensors`, listed in `model.safetensors.index.json`). It was trained with "
+        "another tool; its files were checked and staged by `scripts/05_stage.py --from-folder`, which knows "
+        "what they hold, not how they were made.",
+    ]
+    metrics = paragraphs.index("## Metrics")
+    assert paragraphs[metrics + 1 : metrics + 3] == [
+        "As supplied by the publisher in `eval.json`, for these weights; this pipeline did not compute them.",
+        f"| metric | value |\n| --- | --- |\n| `loss` | -1.5 |\n| `{long}` | 7 |\n| `perplexity` | 1e+300 |\n"
+        "| `zero` | 0 |",
+    ]
+    supplied.write_text(json.dumps({long + "m": 1}))
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "other", metrics=supplied)
+    assert str(refused.value) == (
+        f"--metrics {supplied}: '{long}m' must be a short metric name with a number, as Trainer.evaluate() "
+        "returns them"
     )

@@ -601,16 +601,38 @@ def test_the_stage_draws_the_traces_at_the_checkpoints_log_every_not_the_config_
     staged_run, run_copy
 ):
     """The traces are the checkpoint's own: a config edited after training (log_every 1 -> 5)
-    changes no traced point."""
+    changes no traced point. So are the record and the card: they state what the checkpoint ran
+    with (its seed, learning rate, log_every), only the card section is today's; --repo-id given
+    as its page's address is recorded, and downloaded from, as the id."""
     run = run_copy(staged_run)
     assert json.loads((run.checkpoint / "meta.json").read_text())["config"]["training"]["log_every"] == 1
+    edits = {"training.log_every": 5, "training.seed": 7, "optimizer.lr": 0.5, "card.description": "Edited."}
     build_stage(
-        load_config(CONFIG, {**run.overrides, "training.log_every": 5}),
+        load_config(CONFIG, {**run.overrides, **edits}),
         stage_dir=run.stage,
         metrics=run.metrics,
+        repo_id="https://huggingface.co/you/mlp",
     )
     assert scalars(run.stage / "runs") == as_traced(history_of(staged_run.checkpoint))
     assert (run.stage / STAGED_TRACE).read_bytes() == (staged_run.stage / STAGED_TRACE).read_bytes()
+    staged, before = (
+        json.loads((stage / "meta.json").read_text()) for stage in (run.stage, staged_run.stage)
+    )
+    assert staged["config"] == {
+        **before["config"],
+        "card": {**before["config"]["card"], "description": "Edited."},
+    }
+    assert (staged["repo_id"], before["repo_id"]) == ("you/mlp", None)
+    card, card_before = (
+        (stage / "README.md").read_text().split("\n\n") for stage in (run.stage, staged_run.stage)
+    )
+    assert card[2] == "Edited."
+    assert card[card.index("## How to load it") + 4].startswith('repo_id = "you/mlp"\nrevision = "main"  #')
+    # From the training table on, every paragraph but those listing meta.json (its digest and size
+    # changed with the description).
+    assert [part for part in card[card.index("## Training") :] if "meta.json" not in part] == [
+        part for part in card_before[card_before.index("## Training") :] if "meta.json" not in part
+    ]
 
 
 def test_stage_without_tensorboard_says_so_in_the_card(evaluated_run, run_copy):

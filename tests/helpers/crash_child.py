@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from absent import as_if_absent
 from oprecorder import CRASH_EXIT, Recorder, ordering_problems
 
 from support import save_parts
@@ -421,7 +422,7 @@ if __name__ == "__main__":
     if name == "stage":
         # Without the optional matplotlib the stage has no curve: the same commit protocol,
         # and each of the many forked cases skips a plot.
-        sys.modules["matplotlib"] = None
+        as_if_absent("matplotlib")
         # Imported once here, not in every forked case: the package imports its builder
         # lazily, on first use, which costs each case more than its own build.
         from pipeline.stage import build_stage  # noqa: F401

@@ -5,7 +5,9 @@ import os
 import runpy
 import sys
 
-sys.modules["tensorboard"] = None  # what `import tensorboard` finds: ImportError, as when it is absent
+from absent import as_if_absent
+
+as_if_absent("tensorboard")
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as `python SCRIPT` would
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -39,6 +39,29 @@ import torch  # noqa: F401
 import torch._dynamo  # noqa: F401 - what the first Optimizer() imports (about 2 s here)
 import yaml  # noqa: F401
 
+# What a training run's traces and 05's training curve import (optional extras, read by every
+# run that has them: about 0.1 s and 0.6 s of each run's CPU here). matplotlib reads its MPL*
+# settings at load time, so support.py sends a run that sets them to a real exec.
+try:
+    import tensorboard.compat.proto.event_pb2  # noqa: F401
+    import tensorboard.compat.proto.summary_pb2  # noqa: F401
+    import tensorboard.summary.writer.record_writer  # noqa: F401
+except ImportError:
+    pass
+try:
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+    import matplotlib.ticker  # noqa: F401
+except ImportError:
+    pass
+# The Hub client's HTTP stack (05 and 06 import it through huggingface_hub: about 0.1 s). Not
+# huggingface_hub itself: it reads its HF_* settings at load time, and most runs set their own.
+try:
+    import filelock  # noqa: F401
+    import httpx2  # noqa: F401
+except ImportError:
+    pass
+
 _PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 # The interpreter's own entries (stdlib, site-packages), without this script's folder and PYTHONPATH.
 _BASE_PATH = [p for p in sys.path[1:] if p not in _PYTHONPATH_AT_START]

@@ -28,6 +28,8 @@ EVERY_PART_FOLDER_CARD = digests(
     "metrics:\n"
     "- accuracy\n"
     "- eval_loss\n"
+    "- f1\n"
+    "- perplexity\n"
     "tags:\n"
     "- pytorch\n"
     "- safetensors\n"
@@ -47,6 +49,12 @@ EVERY_PART_FOLDER_CARD = digests(
     "    - type: accuracy\n"
     "      value: 0.75\n"
     "      name: accuracy\n"
+    "    - type: f1\n"
+    "      value: 0.30000000000000004\n"
+    "      name: f1\n"
+    "    - type: perplexity\n"
+    "      value: 12.345678901234\n"
+    "      name: perplexity\n"
     "---\n"
     "\n"
     "# `my model`\n"
@@ -105,6 +113,8 @@ EVERY_PART_FOLDER_CARD = digests(
     "| --- | --- |\n"
     "| `eval_loss` | 2.5 |\n"
     "| `accuracy` | 0.75 |\n"
+    "| `f1` | 0.3 |\n"
+    "| `perplexity` | 12.3457 |\n"
     "\n"
     "## Warning\n"
     "\n"
@@ -158,7 +168,12 @@ def test_a_folder_card_with_every_part_states_each_fact_of_its_record_in_order(t
     meta["config"]["model"]["name"] = "my model"
     meta.update(
         step=1200,
-        metrics={"split": None, "supplied": "eval.json", "values": {"eval_loss": 2.5, "accuracy": 0.75}},
+        metrics={
+            "split": None,
+            "supplied": "eval.json",
+            # Shown to 6 significant digits: a float sum's noise and a long value's tail do not reach the table.
+            "values": {"eval_loss": 2.5, "accuracy": 0.75, "f1": 0.1 + 0.2, "perplexity": 12.345678901234},
+        },
     )
     meta["model"]["num_parameters"] = 20480
     meta["export"]["weights"] = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]

@@ -274,11 +274,13 @@ def publish_here(stage: Path, hub: LocalHub, repo_id: str, tmp_path: Path, *, sa
     return publish(publication, say=say or (lambda line: None))
 
 
-def assert_holds_exactly_the_stage(hub: LocalHub, repo_id: str, stage: Path, prefix: str = "") -> None:
+def assert_holds_exactly_the_stage(
+    hub: LocalHub, repo_id: str, stage: Path, prefix: str = "", revision: str | None = None
+) -> None:
     api = api_for(hub)
     listed = {
         f.path: f
-        for f in api.list_repo_tree(repo_id, prefix or None, recursive=True)
+        for f in api.list_repo_tree(repo_id, prefix or None, recursive=True, revision=revision)
         if hasattr(f, "blob_id")
     }
     assert set(STAGED) <= stage_files(stage)
@@ -719,6 +721,36 @@ def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alon
     assert set(api.list_repo_files("alice/branch", revision="dev")) == stage_files(staged_run.stage) | {
         ".gitattributes"
     }
+
+
+def test_a_publish_to_a_new_branch_of_an_existing_repo_creates_the_branch_and_leaves_main_alone(
+    staged_run, hub, tmp_path, token_env
+):
+    """The repo exists (main holds someone's notes): the branch alone is created, from main, and
+    the one commit on it holds exactly the stage (the notes deleted there); main does not move."""
+    api = api_for(hub)
+    api.create_repo("alice/existing")
+    api.upload_file(path_or_fileobj=b"notes", path_in_repo="notes.txt", repo_id="alice/existing")
+    main = api.repo_info("alice/existing").sha
+    said: list[str] = []
+    result = publish_here(staged_run.stage, hub, "alice/existing", tmp_path, revision="dev", say=said.append)
+    assert (result.status, result.plan.revision, result.plan.head) == ("published", "dev", main)
+    assert result.plan.deletions == ("notes.txt",)
+    # After the audit's line: the branch alone is created (the repo is not), from main's head.
+    assert said[1:] == [
+        "creating branch dev from main",
+        f"committing {len(stage_files(staged_run.stage))} new or changed file(s) and 1 deletion(s) onto "
+        f"{main[:12]} of dev",
+        f"verifying {result.commit[:12]}: the Hub's LFS SHA-256s and Xet hashes, downloaded small files",
+    ]
+    branches = {b.name: b.target_commit for b in api.list_repo_refs("alice/existing").branches}
+    assert branches == {"main": main, "dev": result.commit}
+    history = [c.commit_id for c in api.list_repo_commits("alice/existing", revision="dev")]
+    assert history[:2] == [result.commit, main]
+    assert_holds_exactly_the_stage(hub, "alice/existing", staged_run.stage, revision="dev")
+    assert set(api.list_repo_files("alice/existing")) == {".gitattributes", "notes.txt"}
+    record = json.loads(result.receipt.read_text())
+    assert (record["revision"], record["parent_commit"], record["commit"]) == ("dev", main, result.commit)
 
 
 def test_a_lost_commit_answer_and_a_branch_head_that_cannot_be_read_say_the_commit_may_have_landed(

@@ -786,6 +786,30 @@ def test_early_stopping_is_built_with_the_configs_metric_mode_patience_and_thres
     )
 
 
+def test_a_patience_alone_builds_early_stopping_with_the_default_threshold_and_no_patience_builds_none(
+    data_dir, tmp_path
+):
+    """The patience is what turns early stopping on: set alone (the threshold left at its
+    default 0), it stops after that many evaluations without any improvement; unset, there is
+    no early stopping."""
+    from pipeline.callbacks import EarlyStopping, build_callbacks
+
+    patient = dict(
+        build_callbacks(_config(data_dir, tmp_path, **EVAL, **{"training.early_stopping_patience": 3}))
+    )
+    assert list(patient) == ["schedule", "early_stopping"]
+    stopping = patient["early_stopping"]
+    assert isinstance(stopping, EarlyStopping)
+    assert (stopping.metric, stopping.mode, stopping.patience, stopping.threshold, stopping.waiting) == (
+        "mse",
+        "min",
+        3,
+        0.0,
+        0,
+    )
+    assert list(dict(build_callbacks(_config(data_dir, tmp_path, **EVAL)))) == ["schedule"]
+
+
 class _Keeps:
     """A user's callback whose state is whatever it was given (its check refuses a negative count)."""
 

@@ -1514,6 +1514,44 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
         world.close()
 
 
+def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_naming_it(data_dir, tmp_path):
+    """A torchrun resume (one process of a gloo group, in-process: no launch) of a checkpoint
+    whose training-state file (the shared tensors beside every rank's RNGs) was damaged after
+    its seal: the rank keeps the refusal naming the file and its chunk, and the resume ends in
+    it, one line (not an error of reading the tensors it refused)."""
+    import torch.distributed as dist
+
+    config = load_config(
+        CONFIG,
+        {
+            "data.dir": str(data_dir),
+            "training.parallel": "ddp",
+            "checkpoint.dir": str(tmp_path / "ck"),
+            "training.max_steps": 4,
+        },
+    )
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    world = dataclasses.replace(_world(0, 1), mesh_group=dist.new_group())
+    try:
+        assert train(config, world=world, stop_at=2, progress=False).step == 2
+        state = tmp_path / "ck" / "step-00000002" / STATE_FILE
+        entry = verify_distributed(state.parent)["files"][STATE_FILE]
+        damaged = bytearray(state.read_bytes())
+        damaged[-1] ^= 1
+        state.write_bytes(bytes(damaged))
+        with pytest.raises(ChecksumMismatch) as caught:
+            train(config, world=world, resume="latest", progress=False)
+    finally:
+        world.close()
+    size = entry["size"]
+    last = (size - 1) // entry.get("chunk_size", size)
+    start = last * entry.get("chunk_size", size)
+    assert str(caught.value) == (
+        f"{state} SHA-256 differs from meta.json (chunk {last}: bytes {start}-{size}): the file is damaged "
+        "or was modified"
+    )
+
+
 @pytest.mark.heavy
 def test_four_process_ddp_resumes_bitwise_with_the_bucket_setting_recorded(data_dir, tmp_path):
     """At 4 processes the order of a reduction shows in the last bits. A model of several

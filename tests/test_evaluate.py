@@ -267,6 +267,37 @@ def test_evaluate_refuses_data_other_than_the_checkpoint_was_trained_on(trained_
     )
 
 
+def test_evaluate_refuses_data_of_the_same_recipe_but_other_bytes(trained_run, run_copy):
+    """Data prepared with the checkpoint's recipe (data.prepare, data.seed, data.params) whose
+    bytes differ (a data.prepare that is not deterministic, run into a fresh folder): its
+    manifest verifies, but its fingerprint is not the one the checkpoint was trained on."""
+    from safetensors.torch import save_file
+
+    from pipeline.hashing import fingerprint_table
+
+    run = run_copy(trained_run)
+    trained_on = load_manifest(load_config(CONFIG, run.overrides))["fingerprint"]
+    heldout = run.data_dir / "heldout.safetensors"
+    tensors = load_file(heldout)
+    save_file({**tensors, "y": tensors["y"] + 1.0}, heldout)
+    manifest = json.loads((run.data_dir / "manifest.json").read_text())
+    manifest["files"]["heldout.safetensors"] = {
+        "sha256": hashlib.sha256(heldout.read_bytes()).hexdigest(),
+        "size": heldout.stat().st_size,
+    }
+    manifest["fingerprint"] = other = fingerprint_table(manifest["files"])
+    (run.data_dir / "manifest.json").write_text(json.dumps(manifest))
+    config = load_config(CONFIG, run.overrides)
+    assert load_manifest(config)["fingerprint"] == other != trained_on
+    with pytest.raises(DataError) as refused:
+        evaluate_checkpoint(config)
+    assert str(refused.value) == (
+        f"{run.data_dir}/ holds data with fingerprint {other[:12]}, but step-00000010 was trained on "
+        f"{trained_on[:12]}: its held-out split is not this one; point data.dir at the data the checkpoint "
+        "was trained with"
+    )
+
+
 def test_a_sample_that_is_not_text_is_refused_in_one_line(data_dir, tmp_path):
     """04 writes a task's sample() into metrics.json and 05 onto the card: it must be text. The
     record's folder is made as needed (the weights' scratch copy goes beside it)."""

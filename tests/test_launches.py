@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -199,6 +200,41 @@ def test_two_agents_extend_a_run_bitwise_as_in_one_process(moves, tmp_path):
     assert meta["config"]["training"]["max_steps"] == 10 and meta["parallel"]["world_size"] == 2
     assert f"resumed from {root / 'extended' / 'step-00000006'} at step 6 (2 processes, ddp)" in output
     assert "extended from max_steps 6 to 10 (recorded in meta.json lineage)" in output
+
+
+@LAUNCHES
+def test_a_launch_prints_each_runs_messages_and_progress_once(moves):
+    """Only rank 0 reports: the two agents' output holds the start lines and progress of each
+    run that shows its progress (the extension, the move from one process, the warm start),
+    each line once, in the order the runs trained, and nothing else but torch's own warnings."""
+    root, results, output = moves
+    extended, moved, warm = results[2], results[4], results[5]
+    batch = "effective batch: 4 rows per optimizer step (1 micro-batch of 4, each split over 2 processes)"
+
+    def steps(result: dict, total: int, rates: list[str]) -> list[str]:
+        losses = result["loss"][-len(rates) :]
+        first = total - len(rates) + 1
+        return [
+            f"step {step}/{total}  loss {loss:.6g}  lr {lr}"
+            for step, loss, lr in zip(range(first, total + 1), losses, rates)
+        ]
+
+    halved = ["0.005", "0.005", "0.0025", "0.0025"]
+    assert [line for line in output.splitlines() if not re.match(r"\[rank\d+\]:", line)] == [
+        f"resumed from {root / 'extended' / 'step-00000006'} at step 6 (2 processes, ddp)",
+        "extended from max_steps 6 to 10 (recorded in meta.json lineage)",
+        batch,
+        *steps(extended, 10, halved),
+        f"resumed from {root / 'single_cut' / 'step-00000006'} at step 6 (2 processes, ddp)",
+        "moved from one process (training.parallel none) to 2 processes (training.parallel ddp, "
+        "ddp_find_unused_parameters false) at step 6; the result is no longer bitwise that of the first launch "
+        "(recorded in meta.json)",
+        batch,
+        *steps(moved, 10, halved),
+        f"init-from {root / 'single_full' / 'step-00000010' / 'modelo.safetensors'}: loaded 6, skipped 0, new 0",
+        batch,
+        *steps(warm, 2, ["0.01", "0.01"]),
+    ]
 
 
 @LAUNCHES

@@ -156,3 +156,19 @@ def test_a_run_of_the_named_tests_reports_the_test_that_killed_each_defect(tmp_p
     assert result.returncode == 0, out + result.stderr
     line = next(line for line in out.splitlines() if line.startswith("killed"))
     assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_calc.py::test_add: 1 failed"), out
+
+
+def test_a_named_test_whose_fixture_fails_is_reported_as_the_killer(tmp_path):
+    root = _tiny_tree(tmp_path)
+    (root / "tests" / "test_setup.py").write_text(
+        "import calc\nimport pytest\n\n\n@pytest.fixture\ndef two():\n    assert calc.add(1, 1) == 2\n"
+        "    return 2\n\n\ndef test_two(two):\n    assert two == 2\n"
+    )
+    first = MUTATIONS.split("\n\n[[mutation]]")[0]
+    (root / "list.toml").write_text(
+        first.replace("tests/test_calc.py::test_add", "tests/test_setup.py::test_two")
+    )
+    result = _mutate(root)
+    out = result.stdout
+    line = next(line for line in out.splitlines() if line.startswith("killed"))
+    assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_setup.py::test_two: 1 error"), out

@@ -189,14 +189,14 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
     try:
         apply(mutation, tree)
         try:
-            result = _pytest(tree, "-x", "-rf", *mutation.tests, timeout=TIMEOUT_S)
+            result = _pytest(tree, "-x", "-rfE", *mutation.tests, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return "killed", f"the tests ran past {TIMEOUT_S}s", time.monotonic() - started
         tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
         if result.returncode == 1:
             # The killer's id (a parametrised one may hold spaces), so a campaign's kills can be
-            # kept with the test that made them.
-            failed = re.search(r"^FAILED (.+?)(?: - .*)?$", result.stdout, re.MULTILINE)
+            # kept with the test that made them: a failing test, or one whose fixture failed.
+            failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", result.stdout, re.MULTILINE)
             killer = f"by {failed.group(1)}: " if failed else ""
             return "killed", killer + tail[0], time.monotonic() - started
         if result.returncode == 0:

@@ -449,11 +449,24 @@ def test_an_early_stopped_run_is_staged_with_its_stop_on_the_card(trained_run, t
     assert json.loads((run.stage / "meta.json").read_text())["training"]["stopped"] == stopped
 
 
-def test_an_evaluate_returning_a_metric_named_step_is_refused_before_anything_is_recorded(data_dir, tmp_path):
-    """ "step" names the evaluated steps' own tensor: its values would be mixed into them."""
+def test_an_evaluate_returning_a_metric_named_step_is_refused_before_anything_is_recorded(
+    data_dir, tmp_path, capsys, without_early_stopping
+):
+    """ "step" names the evaluated steps' own tensor: its values would be mixed into them. The
+    two steps trained are said; the refused evaluation is not."""
     config = _config(data_dir, tmp_path, **{"training.eval_every": 2, "data.factory": NAMED_STEP})
+    capsys.readouterr()
     with pytest.raises(MetricsError, match=r"evaluate\(\) returned a metric named 'step'"):
-        train(config, progress=False)
+        train(config)
+    printed = capsys.readouterr()
+    history = without_early_stopping.history  # the same training, evaluated without a refusal
+    assert (printed.out, printed.err.splitlines()) == (
+        "",
+        [
+            f"step {step}/10  loss {history['loss'][step - 1]:.6g}  lr {history['lr'][step - 1]:.6g}"
+            for step in (1, 2)
+        ],
+    )
     assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
 
 

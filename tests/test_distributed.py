@@ -1845,6 +1845,40 @@ def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
     )
 
 
+@pytest.mark.parametrize(
+    ("rows", "size", "losses"),
+    [
+        # 8 rows over 3 ranks: 2, 3 and 3 rows, factors 0.75, 1.125 and 1.125.
+        ([1, 3, 2, 4, 6, 5, 7, 9], 3, [0.75, 2.25, 3.9375]),
+        # 4 rows over 3 ranks: 1, 1 and 2 rows, factors 0.75, 0.75 and 1.5.
+        ([8, 4, 2, 6], 3, [3.0, 1.5, 3.0]),
+    ],
+    ids=["8-over-3", "4-over-3"],
+)
+def test_ranks_of_a_batch_that_splits_unevenly_backpropagate_what_one_process_does(rows, size, losses):
+    """Each rank's loss (the mean of its rows) times its factor: the ranks' mean, the loss the
+    launch reports and DDP's mean of the gradients are one process's for the same batch (rows
+    chosen so that every value is exact in binary, compared with ==)."""
+    from pipeline.world import World
+
+    def backpropagated(world, indices):
+        weight = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+        part, scale = world.slice(indices)
+        loss = world.scaled_loss(
+            (weight * torch.tensor([float(rows[i]) for i in part], dtype=torch.float64)).mean(), scale
+        )
+        loss.backward()
+        return float(loss.detach()), float(weight.grad)
+
+    batch = list(range(len(rows)))
+    alone = backpropagated(World(device=torch.device("cpu")), batch)
+    assert alone == (sum(rows) / len(rows) / 2, sum(rows) / len(rows))
+    ranks = [backpropagated(_world(rank, size), batch) for rank in range(size)]
+    assert [loss for loss, _ in ranks] == losses
+    assert [loss * 2 for loss in losses] == [grad for _, grad in ranks]
+    assert (sum(losses) / size, sum(grad for _, grad in ranks) / size) == alone
+
+
 def test_resume_command_repeats_the_launch_with_resume_latest():
     command = _world(0, 2).resume_command(
         argv=["scripts/02_train.py", "--set", "training.parallel=fsdp2", "--resume=auto", "--quiet"]

@@ -69,12 +69,29 @@ def test_several_sets_are_named_set_slash_metric_traced_and_used_for_the_best_ma
 
 
 def test_metric_names_that_change_are_refused_before_anything_of_their_step_is_written(
-    data_dir, tmp_path, monkeypatch
+    data_dir, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("EXTRA_FROM", "3")  # the third evaluation (step 6) adds validation/mae
     config = _config(data_dir, tmp_path, **ADDED_LATER, **{"checkpoint.every": 2, "checkpoint.keep_last": 5})
+    capsys.readouterr()
     with pytest.raises(MetricsError) as refused:
-        train(config, progress=False)
+        train(config)
+    printed = capsys.readouterr()
+    # Every step trained and every evaluation recorded is said, as the run whose names never
+    # change trains and evaluates them; the refused evaluation of step 6 is not said at all.
+    monkeypatch.setenv("EXTRA_FROM", "99")
+    unchanged = train(_config(data_dir, tmp_path / "unchanged", **ADDED_LATER), stop_at=6, progress=False)
+    history, evaluations = unchanged.history, unchanged.evaluations
+    said = []
+    for step in range(1, 7):
+        said.append(f"step {step}/10  loss {history['loss'][step - 1]:.6g}  lr {history['lr'][step - 1]:.6g}")
+        if step in (2, 4):
+            at = evaluations["step"].index(step)
+            said.append(
+                f"step {step} evaluation: validation/mse {evaluations['validation/mse'][at]:.6g}, "
+                f"test/mse {evaluations['test/mse'][at]:.6g}"
+            )
+    assert (printed.out, printed.err.splitlines()) == ("", said)
     message = str(refused.value)
     assert (
         "returned other metrics at step 6 than at the run's earlier evaluations (new: validation/mae)"

@@ -202,11 +202,20 @@ def test_a_folder_card_with_every_part_states_each_fact_of_its_record_in_order(t
 
 
 def test_an_unsealed_folder_without_metrics_is_carded_as_what_is_known_and_no_more(tmp_path):
+    """The publisher's own text (card.description, card.sections' file) is written as it is but
+    for its control characters, spelled out: the Hub refuses a README holding a NUL byte, and an
+    ESC or a bell garbles it."""
     meta = _staged_folder(tmp_path)
-    meta["config"]["card"]["description"] = "\n A tiny net.  "
-    card = str(build_folder_card(meta, meta["files"]))
+    meta["config"]["card"]["description"] = "\n A tiny\0 net, \x1b[1mbold\x1b[0m.  "
+    sections = "## Intended use\n\nRing the bell\x07 twice.\n"
+    card = str(build_folder_card(meta, meta["files"], user_sections=sections))
     paragraphs = card.split("\n\n")
-    assert paragraphs[1:3] == ["# model", "A tiny net."], paragraphs
+    assert paragraphs[1:5] == [
+        "# model",
+        "A tiny\\x00 net, \\x1b[1mbold\\x1b[0m.",
+        "## Intended use",
+        "Ring the bell\\x07 twice.",
+    ], paragraphs
     for paragraph in (
         "## Metrics\n\nNone were supplied with these weights, and none were computed when they were staged.",
         "## Source\n\nStaged from the folder `model`. It carried no seal, so nothing shows the folder was "

@@ -327,7 +327,39 @@ def test_a_secret_held_in_an_integer_tensors_bytes_is_found(dtype):
             assert {kind, "secret"} <= set(found), (kind, dtype, found)
 
 
-def test_float_tensors_stay_numbers_for_the_formats():
+# Binary carriers of one written text, and how a finding in each says it was written.
+SPACED_CARRIERS = {
+    "binary file": (lambda text: NOISE[:700] + b"\0" + text.encode() + b"\xff" + NOISE[700:1400], ""),
+    "uint8 tensor": (lambda text: weights(np.frombuffer(text.encode(), np.uint8)), ""),
+    "int16 tensor": (lambda text: _tensor(text, np.int16), " (UTF-16)"),
+    "int32 tensor": (lambda text: _tensor(text, np.int32), " (UTF-32)"),
+    "int64 tensor": (lambda text: _tensor(text, np.int64), " (8 bytes a character)"),
+}
+
+
+@pytest.mark.parametrize("carrier", sorted(SPACED_CARRIERS))
+def test_a_secret_written_with_spaces_in_binary_bytes_is_found_whole(carrier):
+    """A space is printable: 'aws_secret_access_key = …', '-----BEGIN RSA PRIVATE KEY-----' or
+    '"private_key_id": "…"' in a binary file or an integer tensor is one run, not words cut
+    apart where no format matches; a token after a space is found as well."""
+    write, said = SPACED_CARRIERS[carrier]
+    value = "pl41n-Zq"  # this machine's shortest value: 8 bytes
+    spaced = {
+        **{example: "aws-key" for example in SAMPLES_OF["aws-key"] if " " in example},
+        "-----BEGIN RSA " + "PRIVATE KEY-----": "private-key",
+        "-----BEGIN " + "PRIVATE KEY-----": "private-key",
+        "-----END " + "PRIVATE KEY-----": "private-key",
+        SAMPLES_OF["gcp-service-account"][0]: "gcp-service-account",
+        f"Authorization: Bearer {SAMPLES['hf-token'][1]}": "hf-token",
+        f"token {value}": "secret",
+    }
+    what = {kind.id: kind.what for kind in KINDS} | {"secret": "the value of HF_TOKEN"}
+    missed = {}
+    for text, kind in spaced.items():
+        found = scan_bytes(write(text), machine(value))
+        if found != {kind: what[kind] + said}:
+            missed[text[:32]] = found
+    assert missed == {}
     """The float tensors are still only searched for this machine's values: a format there is chance."""
     hf = SAMPLES["hf-token"][1].encode()
     floats = np.frombuffer(hf.ljust(48, b"x"), np.float32)

@@ -207,3 +207,30 @@ def test_stops_during_a_held_commit_wait_for_its_end_and_the_first_is_raised(com
     assert done == ["renamed"] and stopped.value.signum == signal.SIGTERM
     outcome = "the new stage is in place" if committed else "the new stage was undone"
     assert str(stopped.value) == f"stopped by SIGTERM; {outcome}"
+
+
+@pytest.mark.parametrize("ignored", STOPS)
+def test_a_signal_the_script_was_started_ignoring_stays_ignored_once_its_main_runs(ignored):
+    """A background job of a shell (``&`` ignores SIGINT) or a wrapper that ignores SIGTERM hands
+    the script a signal it must not stop on: run_main's handler leaves that one ignored and
+    takes the other, which still stops in one line."""
+    from pipeline.errors import Stopped
+    from pipeline.stops import install, is_installed
+
+    live = signal.SIGINT if ignored == signal.SIGTERM else signal.SIGTERM
+    before = {each: signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(ignored, signal.SIG_IGN)
+        signal.signal(live, signal.SIG_DFL)
+        install()
+        assert signal.getsignal(ignored) is signal.SIG_IGN and is_installed(signal.getsignal(live))
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), ignored)  # dropped: had it been handled, it would be the one raised
+            os.kill(os.getpid(), live)
+            time.sleep(5)  # the handler raises at once; never slept through
+        assert (
+            str(stopped.value) == f"stopped by {signal.Signals(live).name}; anything half-written was removed"
+        )
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)

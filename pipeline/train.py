@@ -97,7 +97,9 @@ class TrainResult:
 
 
 class _StopSignals:
-    """Record SIGTERM/SIGINT instead of dying mid-step; restore the old handlers after."""
+    """Record SIGTERM/SIGINT instead of dying mid-step; restore the old handlers after. A signal
+    the process was started ignoring (a shell's ``&``, a wrapper) stays ignored, as in
+    :func:`pipeline.stops.install`."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -106,7 +108,8 @@ class _StopSignals:
     def __enter__(self) -> "_StopSignals":
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:

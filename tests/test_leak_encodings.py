@@ -360,6 +360,9 @@ def test_a_secret_written_with_spaces_in_binary_bytes_is_found_whole(carrier):
         if found != {kind: what[kind] + said}:
             missed[text[:32]] = found
     assert missed == {}
+
+
+def test_float_tensors_stay_numbers_for_the_formats():
     """The float tensors are still only searched for this machine's values: a format there is chance."""
     hf = SAMPLES["hf-token"][1].encode()
     floats = np.frombuffer(hf.ljust(48, b"x"), np.float32)

@@ -234,3 +234,46 @@ def test_a_signal_the_script_was_started_ignoring_stays_ignored_once_its_main_ru
     finally:
         for each, handler in before.items():
             signal.signal(each, handler)
+
+
+def test_training_started_ignoring_a_signal_trains_through_it_and_still_stops_on_the_other(
+    data_dir, tmp_path
+):
+    """The loop records a stop signal to honour it after the step's save; one the process was
+    started ignoring is not recorded: the run trains through it, and the other still stops it."""
+    from pipeline.config import load_config
+    from pipeline.errors import Preempted
+    from pipeline.train import TrainingHooks, train
+
+    ignored, live = signal.SIGINT, signal.SIGTERM  # as a shell's `&` starts it
+    checkpoints = tmp_path / "ck"
+    sets = {"data.dir": str(data_dir), "checkpoint.dir": str(checkpoints), "training.max_steps": 6}
+    config = load_config(REPO / "config.yaml", sets)
+
+    def on_step(run) -> None:
+        if run.step == 2:
+            os.kill(os.getpid(), ignored)  # dropped: recorded, it would stop the run after step 2
+        if run.step == 4:
+            os.kill(os.getpid(), live)
+
+    before = {each: signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(ignored, signal.SIG_IGN)
+        with pytest.raises(Preempted) as stopped:
+            train(
+                config,
+                progress=False,
+                hooks=TrainingHooks(on_step=on_step),
+                resume_hint="python scripts/02_train.py --resume latest",
+            )
+        assert signal.getsignal(ignored) is signal.SIG_IGN  # left as it was, and as it is restored
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
+    where = checkpoints / "step-00000004"
+    assert str(stopped.value) == (
+        f"stopped by {signal.Signals(live).name} after step 4; checkpoint {where} is committed. "
+        "Resume with: python scripts/02_train.py --resume latest"
+    )
+    assert stopped.value.exit_code == 128 + live
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == [where.name]

@@ -277,3 +277,28 @@ def test_training_started_ignoring_a_signal_trains_through_it_and_still_stops_on
     )
     assert stopped.value.exit_code == 128 + live
     assert sorted(p.name for p in checkpoints.glob("step-*")) == [where.name]
+
+
+@pytest.mark.parametrize("ignored", STOPS)
+def test_the_training_loop_leaves_an_ignored_signal_alone_and_puts_the_other_handler_back(ignored):
+    """In process, both ways round: the loop's recorder skips the signal the process was
+    started ignoring, records the other, and afterwards each handler is the one it found."""
+    from pipeline.train import _StopSignals
+
+    live = signal.SIGINT if ignored == signal.SIGTERM else signal.SIGTERM
+
+    def callers(signum, frame):  # the handler training found, to be found again after it
+        raise AssertionError("the loop's recorder was not in place")
+
+    before = {each: signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(ignored, signal.SIG_IGN)
+        signal.signal(live, callers)
+        with _StopSignals() as signals:
+            os.kill(os.getpid(), live)
+            os.kill(os.getpid(), ignored)  # after the live one: recorded, it would replace it
+        after = {each: signal.getsignal(each) for each in (ignored, live)}
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
+    assert (signals.signum, after) == (live, {ignored: signal.SIG_IGN, live: callers})

@@ -778,49 +778,34 @@ def test_callbacks_hear_each_event_in_the_order_added_one_added_first_before_the
     ]
 
 
-def test_early_stopping_is_built_with_the_configs_metric_mode_patience_and_threshold(data_dir, tmp_path):
+@pytest.mark.parametrize(
+    "sets, built",
+    [
+        pytest.param(
+            {**EARLY, "checkpoint.best_metric": "rmse", "checkpoint.best_mode": "max"},
+            ("rmse", "max", 2, 0.005, 0),
+            id="every-setting",
+        ),
+        # The patience is what turns early stopping on: set alone, the threshold keeps its default 0.
+        pytest.param(
+            {**EVAL, "training.early_stopping_patience": 3}, ("mse", "min", 3, 0.0, 0), id="patience-alone"
+        ),
+        pytest.param(EVAL, None, id="no-patience"),
+    ],
+)
+def test_early_stopping_is_built_with_the_configs_metric_mode_patience_and_threshold(
+    data_dir, tmp_path, sets, built
+):
     from pipeline.callbacks import EarlyStopping, build_callbacks
 
-    config = _config(
-        data_dir,
-        tmp_path,
-        **{**EARLY, "checkpoint.best_metric": "rmse", "checkpoint.best_mode": "max"},
-    )
-    callbacks = dict(build_callbacks(config))
+    callbacks = dict(build_callbacks(_config(data_dir, tmp_path, **sets)))
+    if built is None:
+        assert list(callbacks) == ["schedule"]
+        return
     assert list(callbacks) == ["schedule", "early_stopping"]
     stopping = callbacks["early_stopping"]
     assert isinstance(stopping, EarlyStopping)
-    assert (stopping.metric, stopping.mode, stopping.patience, stopping.threshold, stopping.waiting) == (
-        "rmse",
-        "max",
-        2,
-        0.005,
-        0,
-    )
-
-
-def test_a_patience_alone_builds_early_stopping_with_the_default_threshold_and_no_patience_builds_none(
-    data_dir, tmp_path
-):
-    """The patience is what turns early stopping on: set alone (the threshold left at its
-    default 0), it stops after that many evaluations without any improvement; unset, there is
-    no early stopping."""
-    from pipeline.callbacks import EarlyStopping, build_callbacks
-
-    patient = dict(
-        build_callbacks(_config(data_dir, tmp_path, **EVAL, **{"training.early_stopping_patience": 3}))
-    )
-    assert list(patient) == ["schedule", "early_stopping"]
-    stopping = patient["early_stopping"]
-    assert isinstance(stopping, EarlyStopping)
-    assert (stopping.metric, stopping.mode, stopping.patience, stopping.threshold, stopping.waiting) == (
-        "mse",
-        "min",
-        3,
-        0.0,
-        0,
-    )
-    assert list(dict(build_callbacks(_config(data_dir, tmp_path, **EVAL)))) == ["schedule"]
+    assert (stopping.metric, stopping.mode, stopping.patience, stopping.threshold, stopping.waiting) == built
 
 
 class _Keeps:

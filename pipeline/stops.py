@@ -82,7 +82,9 @@ def starting(*, until_run_main: bool = True) -> Iterator[None]:
     defaults = (signal.SIG_DFL, signal.default_int_handler)
     previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
     previous = {signum: handler for signum, handler in previous.items() if handler in defaults}
-    for signum in previous:
+    # SIGTERM's last: Python handles SIGINT from its start, so only SIGTERM's handler shows
+    # from outside (/proc's SigCgt) when it arrives; once it shows, SIGINT's is in place too.
+    for signum in reversed(previous):
         signal.signal(signum, _stopped_while_starting)
     try:
         yield

@@ -5,6 +5,7 @@ the lock. A failure here points at one module, not at a script run."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
@@ -25,7 +26,7 @@ from pipeline.checkpoint.codec import join_state, split_state
 from pipeline.checkpoint.store import parse_step_dir, resolve, step_dir_name
 from pipeline.checkpoint.tensorfile import map_file, parse_header, tensors_from_map
 from pipeline.checkpoint.weights import dedupe_shared_tensors
-from pipeline.errors import CheckpointError, CheckpointLocked, NoCheckpoint, SchemaMismatch
+from pipeline.errors import CheckpointError, CheckpointLocked, InternalError, NoCheckpoint, SchemaMismatch
 from pipeline.hashing import HashingWriter, sha256_file
 
 from support import save_parts
@@ -392,6 +393,46 @@ def test_atomic_folder_never_replaces_a_folder_it_cannot_prove_it_built(tmp_path
     assert (dest / "precious").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == [
         "theirs"
     ]
+
+
+def test_a_step_outside_the_protocol_is_an_internal_error_and_runs_nothing(tmp_path):
+    with pytest.raises(InternalError) as refused:
+        durable.step("fsync", os.mkdir, tmp_path / "x")
+    assert str(refused.value) == "unknown atomic-folder step 'fsync'"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_folder_commits_a_link_as_a_link_and_never_syncs_what_it_points_to(tmp_path):
+    """What a link names is not the folder's: a procfs file, which fsync refuses (EINVAL), here."""
+    dest = tmp_path / "out"
+    with durable.atomic_folder(dest) as built:
+        _fill(built, "new")
+        (built / "status").symlink_to("/proc/self/status")
+        (built / "proc").symlink_to("/proc/self")
+    assert (os.readlink(dest / "status"), os.readlink(dest / "proc")) == ("/proc/self/status", "/proc/self")
+    assert (dest / "f.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_lock_folder_takes_a_free_folder_and_passes_over_one_held_gone_or_replaced_by_a_file_or_link(
+    tmp_path,
+):
+    folder = tmp_path / "step"
+    folder.mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(folder)
+    assert [durable.lock_folder(tmp_path / name) for name in ("missing", "file", "link")] == [
+        None,
+        None,
+        None,
+    ]
+    with pytest.raises(OSError) as failed:  # any other failure is not taken for "gone"
+        durable.lock_folder(tmp_path / ("x" * 256))
+    assert failed.value.errno == errno.ENAMETOOLONG
+    fd = durable.lock_folder(folder)
+    try:
+        assert fd is not None and durable.lock_folder(folder) is None
+    finally:
+        durable.close_lock_fd(fd)
 
 
 def test_folder_lock_is_exclusive_and_released(tmp_path):

@@ -5,6 +5,7 @@ card's front matter, weights only their owner may read, and names shown once, ne
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from test_hostile_folders import leftovers, stage, tiny_folder
+from test_hostile_folders import leftovers, socket_at, stage, tiny_folder
 
 import pipeline.stage.from_folder as from_folder
 from pipeline.durable import fsync_tree, remove_tree
@@ -107,6 +108,38 @@ def test_verified_checkpoint_and_the_seal_refuse_a_deep_folder_and_never_raise_o
     assert SealedCheckpoints(keep_last=1).on_save(args, state, control) is control
     assert "checkpoint-2 was not sealed" in capsys.readouterr().err
     assert verified_checkpoint(output) == output / "checkpoint-1"
+
+
+def test_fsync_tree_passes_over_links_fifos_and_sockets_but_a_file_it_cannot_open_is_an_error(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "checkpoint-1"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "weights.bin").write_bytes(b"w" * 64)
+    (tmp_path / "private.txt").write_text("notes")
+    (folder / "outside").symlink_to(tmp_path / "private.txt")
+    (folder / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(folder / "pipe")  # fsync of a FIFO is EINVAL: not synced, nor waited on
+    socket_at(folder / "sock", monkeypatch)
+    listing = sorted((p.relative_to(folder).as_posix(), p.lstat().st_mode) for p in folder.rglob("*"))
+    fsync_tree(folder)
+    assert sorted((p.relative_to(folder).as_posix(), p.lstat().st_mode) for p in folder.rglob("*")) == listing
+    # A file whose path is past PATH_MAX, in folders whose paths are not: never left unsynced.
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    length = len(str(folder))
+    try:
+        while length < 3900:
+            name = "d" * min(200, 3900 - length - 1)
+            os.mkdir(name, dir_fd=fd)
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd, length = inner, length + 1 + len(name)
+        os.close(os.open("f" * 200, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as failed:
+        fsync_tree(folder)
+    assert failed.value.errno == errno.ENAMETOOLONG and failed.value.filename.endswith("/" + "f" * 200)
 
 
 def test_pruning_removes_an_old_checkpoint_nested_a_thousand_deep(tmp_path, nest):

@@ -10,9 +10,12 @@ not a hung suite.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
+import stat
 import struct
 import time
 from pathlib import Path
@@ -22,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.durable import FolderLock
-from pipeline.errors import FileChanged, LockRefused, PipelineError, StageError
-from pipeline.safe_read import HandedFolder, Seen
+from pipeline.errors import FileChanged, InternalError, LockRefused, PipelineError, StageError
+from pipeline.safe_read import HandedFolder, Seen, read_own, read_regular
 from pipeline.stage.from_folder import FolderStage, folder_config, stage_folder
 
 from support import HELPERS, one_line_error, run_python, run_script, script_env, start_script
@@ -134,6 +137,111 @@ def test_a_read_stops_at_the_size_the_descriptor_showed_and_notices_growth_or_sh
             FileChanged, match=r"sub changed while it was read \(now a link or not a folder\)"
         ):
             handed.open("sub/a.bin")
+    # A file whose size fstat does not tell (procfs says 0 bytes) is read as one that grew.
+    status = "/proc/self/status"
+    with pytest.raises(FileChanged) as grew:
+        read_regular(status, 1 << 20)
+    assert str(grew.value) == f"{status} changed while it was read (grew past 0 bytes while read)"
+    with pytest.raises(ValueError) as refused:
+        read_own(status, 1 << 20)
+    assert str(refused.value) == "grew past 0 bytes while read"
+
+
+def socket_at(path: Path, monkeypatch) -> Path:
+    """A Unix socket's file at ``path``, bound by its short name (a long tmp path would pass
+    AF_UNIX's 107 bytes); the file stays once the socket is closed."""
+    monkeypatch.chdir(path.parent)
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path.name)
+    return path
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_name_opened_from_the_folder_is_refused_for_what_it_is_and_no_descriptor_is_left_open(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "a.bin").write_bytes(b"a")
+    socket_at(folder / "sock", monkeypatch)
+    before = open_fds()
+    with HandedFolder(folder) as handed:
+        with pytest.raises(FileChanged) as changed:
+            handed.open("sock")
+        assert str(changed.value) == f"{folder / 'sock'} changed while it was read (now a socket)"
+        # Missing, and no survey saw it: the open's own error, for the caller to word; a
+        # folder on the way missing, once the one before it was opened, too.
+        for missing in ("sub/b.bin", "sub/gone/a.bin", "gone/a.bin"):
+            with pytest.raises(FileNotFoundError):
+                handed.open(missing)
+        for name in ("", ".", "..", "../x", "sub/../../x", "sub//a.bin", "./sub/a.bin", "sub/"):
+            with pytest.raises(InternalError) as refused:
+                handed.lstat(name)
+            assert str(refused.value) == f"{name!r} is not a relative path inside a folder"
+        with handed.open("sub/a.bin") as file:
+            assert file.read() == b"a"
+            file.close()  # and once more on leaving the with: harmless
+    handed.close()  # after its with: harmless
+    assert (file.fd, handed.fd, open_fds()) == (-1, -1, before)
+
+
+def test_a_surveyed_folder_swapped_for_a_link_or_a_file_is_changed_and_an_unsurveyed_one_fails_its_open(
+    tmp_path,
+):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    seen = Seen.of(os.lstat(folder))
+    folder.rename(tmp_path / "moved")
+    folder.symlink_to(tmp_path / "moved")
+    for swap in ("link", "file"):  # O_DIRECTORY|O_NOFOLLOW fails both with ENOTDIR
+        with pytest.raises(FileChanged) as changed:
+            HandedFolder(folder, seen=seen)
+        assert str(changed.value) == f"{folder} changed while it was read (now a link or not a folder)", swap
+        with pytest.raises(OSError) as failed:
+            HandedFolder(folder)
+        assert (failed.value.errno, failed.value.filename) == (errno.ENOTDIR, str(folder)), swap
+        folder.unlink()
+        folder.write_text("not a folder")
+    folder.unlink()
+    with pytest.raises(FileNotFoundError):  # gone: the open's own error, surveyed or not
+        HandedFolder(folder, seen=seen)
+
+
+@pytest.mark.parametrize(
+    ("swap", "reason"),
+    [("link", "now a link or not a folder"), ("folder", "now another folder"), ("gone", None)],
+)
+def test_a_walk_passes_over_a_file_gone_since_listed_and_refuses_a_folder_swapped_before_it_is_entered(
+    tmp_path, swap, reason
+):
+    """The walk yields each entry before it enters it: the swaps land between the two looks."""
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "sub/c.txt"):
+        (folder / name).write_text(name)
+    before = open_fds()
+    with HandedFolder(folder) as handed:
+        walk = handed.walk()
+        assert next(walk)[0] == "a.txt"
+        (folder / "b.txt").unlink()  # listed, gone before its lstat: as if never there
+        name, info = next(walk)
+        assert name == "sub" and stat.S_ISDIR(info.st_mode)
+        (folder / "sub").rename(tmp_path / "moved")
+        if swap == "link":
+            (folder / "sub").symlink_to(tmp_path / "moved")
+        elif swap == "folder":
+            (folder / "sub").mkdir()
+        if reason is None:
+            with pytest.raises(FileNotFoundError):
+                next(walk)
+        else:
+            with pytest.raises(FileChanged) as changed:
+                next(walk)
+            assert str(changed.value) == f"{folder / 'sub'} changed while it was read ({reason})"
+    assert open_fds() == before
 
 
 # -- locks never write through a link ------------------------------------------------------------------
@@ -143,7 +251,9 @@ def busy(holder: str) -> PipelineError:
     return PipelineError(f"busy {holder}")
 
 
-def test_a_lock_file_planted_as_a_link_fifo_hard_link_or_foreign_file_is_refused_and_left_as_it_was(tmp_path):
+def test_a_lock_file_planted_as_a_link_fifo_hard_link_or_foreign_file_is_refused_and_left_as_it_was(
+    tmp_path, monkeypatch
+):
     precious = tmp_path / "precious.txt"
     precious.write_text("a month of notes\n")
     lock = tmp_path / "run" / ".lock"
@@ -155,6 +265,14 @@ def test_a_lock_file_planted_as_a_link_fifo_hard_link_or_foreign_file_is_refused
     os.mkfifo(lock)
     with pytest.raises(LockRefused, match=r"\.lock is not a regular file \(a FIFO or device\)"):
         FolderLock(lock, busy).acquire()
+    lock.unlink()
+    socket_at(lock, monkeypatch)
+    with pytest.raises(LockRefused) as refused:
+        FolderLock(lock, busy).acquire()
+    assert str(refused.value) == (
+        f"{lock} is not a regular file: a lock file is never written through, so nothing was touched; if it is "
+        "not yours, remove it (rm) and run again, else use another folder"
+    )
     lock.unlink()
     os.link(precious, lock)
     with pytest.raises(LockRefused, match=r"\.lock has 2 names \(hard links\)"):

@@ -109,6 +109,7 @@ def test_recover_removes_only_siblings_with_the_names_atomic_folder_gives(tmp_pa
     removed = durable.recover(dest)
     assert [p.name for p in removed] == [".tmp-hub_stage-0badf00d"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".old-hub_stage-backup", ".tmp-hub_stage-mine"]
+    assert durable.recover(tmp_path / "absent" / "hub_stage") == [] and not (tmp_path / "absent").exists()
 
 
 def test_prune_needs_the_lock_and_keeps_a_step_folder_whose_meta_is_not_ours(tmp_path, caplog):

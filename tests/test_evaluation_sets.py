@@ -145,6 +145,6 @@ def test_metric_names_are_checked_as_tensor_names():
             check_metrics({"val": {"converged": flag}}, "x")
     for name in ("validation/mse", "mse"):
         assert load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})
-    for name in ("validation/", "a/b/c", "/mse", "x y"):
+    for name in ("validation/", "a/b/c", "/mse", "x y", "mse\n", "validation/mse\n"):
         with pytest.raises(ConfigError, match="checkpoint.best_metric must be a metric name"):
             load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})

@@ -246,7 +246,8 @@ BestMode = Literal["min", "max"]
 # What evaluate() may name a metric kept in a run's history: it becomes a tensor name in the
 # training state (pipeline.checkpoint.evaluations). A metric of one of several evaluation sets
 # is named "set/metric" (evaluate returned {set: {metric: value}}), each part a plain name.
-METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}(/[A-Za-z_][A-Za-z0-9_.-]{0,63})?$")
+# \Z, not $: $ also matches before a final line break, which would let "mse\n" through.
+METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}(/[A-Za-z_][A-Za-z0-9_.-]{0,63})?\Z")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -41,7 +41,7 @@ __all__ = [
     "with_set",
 ]
 
-_NUMBERED = re.compile(r"^0\d_\w+\.py$")
+_NUMBERED = re.compile(r"0\d_\w+\.py\Z")
 
 # The steps as ``python -m pipeline STEP`` names them, each beside the numbered script that runs it.
 STEPS = {

@@ -134,7 +134,7 @@ def hub_shard_name(index: int, count: int) -> str:
 
 
 # A committed checkpoint's folder: eight or more digits, so listings sort.
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_STEP_DIR = re.compile(r"step-(\d{8,})\Z")  # \Z: "step-00000010\n" is not ours
 
 
 def step_dir_name(step: int) -> str:

@@ -13,12 +13,13 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 
 from localhub import LocalHub
-from pipeline.errors import StageError
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, StageError
 from pipeline.stage.card import MAX_SECTIONS, build_model_card, read_user_sections
 from pipeline.stage.card_parts import card_data, fence, number, printable
 from pipeline.stage.record import proof_verdict
 
-from support import publish_stage
+from support import REPO, publish_stage
 
 TOKEN = "card-test-token"
 EVERY_BYTE = "".join(chr(code) for code in range(256))
@@ -143,6 +144,30 @@ def test_invalid_card_metadata_is_refused_with_the_key_named(evaluated_run, run_
         ("card.base_model=/home/x/model", "card.base_model"),
     ):
         assert key in run.refused("05_stage.py", "--set", setting)
+
+
+@pytest.mark.parametrize(
+    ("key", "good", "refusal"),
+    [
+        ("card.language", ["pt-BR"], "card.language holds 'pt-BR\\n', which is not an ISO 639 code"),
+        (
+            "card.datasets",
+            ["someone/data"],
+            "card.datasets holds 'someone/data\\n', which is not a Hub dataset id",
+        ),
+        ("card.pipeline_tag", "tabular-regression", "card.pipeline_tag must be a Hub task"),
+        ("card.library_name", "my-lib", "card.library_name must be a Hub library name"),
+        ("card.base_model", "someone/base-mlp", "card.base_model must be a Hub model id"),
+    ],
+)
+def test_card_metadata_ending_in_a_line_break_is_refused_by_the_config(key, good, refusal):
+    """Each value goes into the card's front matter as one line: it must end where its name
+    does (a final line break is not one, though a pattern ending in $ lets it through)."""
+    load_config(REPO / "config.yaml", {key: good})
+    bad = [good[0] + "\n"] if isinstance(good, list) else good + "\n"
+    with pytest.raises(ConfigError) as refused:
+        load_config(REPO / "config.yaml", {key: bad})
+    assert str(refused.value).startswith(f"{REPO / 'config.yaml'} (with command-line overrides): {refusal}")
 
 
 def test_card_says_an_intermediate_checkpoint_is_one(trained_run, run_copy):

@@ -48,6 +48,7 @@ def _save(root: Path, steps, keep_last: int = 10) -> CheckpointStore:
 def test_step_names_sort_as_integers_and_only_committed_folders_count(tmp_path):
     assert step_dir_name(10) == "step-00000010" and parse_step_dir("step-00000010") == 10
     assert parse_step_dir(".tmp-step-00000010-ab") is None and parse_step_dir("step-1") is None
+    assert parse_step_dir("step-00000010\n") is None and parse_step_dir("step-00000010 ") is None
     store = _save(tmp_path, [9, 100_000_000, 10])
     (tmp_path / "step-00000011").mkdir()  # no meta.json: not committed
     (tmp_path / ".tmp-step-00000012-0bad").mkdir()

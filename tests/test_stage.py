@@ -22,12 +22,19 @@ from pipeline.checkpoint import load_model_weights
 from pipeline.checkpoint.meta import entry_of
 from pipeline.config import config_from_dict, load_config
 from pipeline.data import load_task_data
-from pipeline.errors import CheckpointError, NonFiniteWeights, SecretInStage, StageAuditError, StageError
+from pipeline.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteWeights,
+    SecretInStage,
+    StageAuditError,
+    StageError,
+)
 from pipeline.layout import staged_by_file
 from pipeline.run import build_model
 from pipeline.stage import build_stage
 
-from support import reseal
+from support import REPO, reseal
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 STAGED = {
@@ -637,3 +644,40 @@ def test_a_proof_report_of_another_schema_or_unfinished_is_refused_in_one_line(t
     report.write_text(json.dumps({"schema": REPORT_SCHEMA, "completed": True}))
     with pytest.raises(ProofMismatch, match="lacks the sources a proof records"):
         read_proof(tmp_path, {}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("files", "refusal"),
+    [
+        ({"tok.json\n": b"x"}, " returned the file name 'tok.json\\n': use a plain name"),
+        ({"README.md": b"x"}, " returned the file name 'README.md': use a plain name"),
+        ({"../x": b"x"}, " returned the file name '../x': use a plain name"),
+        ({".hidden": b"x"}, " returned the file name '.hidden': use a plain name"),
+        ({3: b"x"}, " returned the file name 3: use a plain name"),
+        ({"t.json": "x"}, ": t.json must be bytes, got str"),
+        ([("t.json", b"x")], " must return a dict of file name to bytes, got list"),
+    ],
+)
+def test_a_hub_files_hook_handing_over_no_plain_file_is_refused_in_one_line(
+    tmp_path, monkeypatch, files, refusal
+):
+    """The model module's ``hub_files(config)`` adds files beside the weights: each a plain
+    name (no folder, no dot file, no final line break) that no stage file uses, bytes as value."""
+    from pipeline.stage.hf_export import hub_files
+
+    (tmp_path / "hooked.py").write_text(
+        "FILES = {}\n\n\ndef build_model(config):\n    raise AssertionError\n\n\ndef hub_files(config):\n    return FILES\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hooked
+
+    config = load_config(REPO / "config.yaml", {"model.factory": "hooked:build_model"})
+    monkeypatch.setattr(hooked, "FILES", {"tokenizer.json": b"{}", "vocab.txt": b"a\n"})
+    assert hub_files(config, {"README.md", "meta.json"}) == {"tokenizer.json": b"{}", "vocab.txt": b"a\n"}
+    monkeypatch.setattr(hooked, "FILES", files)
+    with pytest.raises(ConfigError) as refused:
+        hub_files(config, {"README.md", "meta.json"})
+    reserved = (
+        " that is not one of the stage's own files (README.md, meta.json)" if "plain name" in refusal else ""
+    )
+    assert str(refused.value) == f"hooked.hub_files(){refusal}{reserved}"

@@ -16,9 +16,10 @@ from .values import require as _require
 __all__ = ["CardConfig", "OutputsConfig", "traces_folder"]
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-_LANGUAGE = re.compile(r"^[a-z]{2,3}(-[A-Za-z0-9]{2,8})*$")
-_PIPELINE_TAG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+# \Z, not $ (which also matches before a final line break): "en\n" would reach the front matter.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
+_LANGUAGE = re.compile(r"[a-z]{2,3}(-[A-Za-z0-9]{2,8})*\Z")
+_PIPELINE_TAG = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*\Z")
 
 
 def _strings(values: Any, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> None:

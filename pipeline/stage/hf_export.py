@@ -27,7 +27,7 @@ __all__ = ["HUB_FILES_HOOK", "ModelExport", "hub_files", "inspect_model", "is_tr
 
 # A function the model factory's module may define: ``hub_files(config) -> {file name: bytes}``.
 HUB_FILES_HOOK = "hub_files"
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # \Z: no final line break
 
 
 @dataclass(frozen=True, slots=True)

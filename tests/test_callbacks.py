@@ -507,13 +507,21 @@ def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir,
     assert _callbacks(removed.checkpoint)["states"] == {}
 
 
-@pytest.mark.parametrize(("given", "fix", "not_fix"), [("rmes", "rmse", "mse"), ("accuracy", "mse", "rmse")])
+@pytest.mark.parametrize(
+    ("given", "fix", "not_fix", "sets"),
+    [
+        ("rmes", "rmse", "mse", {}),
+        # Early stopping watches the same name: it passes over the evaluation, which is refused.
+        ("accuracy", "mse", "rmse", {"training.early_stopping_patience": 1}),
+    ],
+    ids=["rmes-rmse-mse", "accuracy-mse-rmse"],  # the ids mutation lists name
+)
 def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(
-    data_dir, tmp_path, given, fix, not_fix
+    data_dir, tmp_path, given, fix, not_fix, sets
 ):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
     the first in order), so following it runs; a name close to none sets the first."""
-    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": given})
+    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": given, **sets})
     with pytest.raises(ConfigError) as refused:
         train(config, progress=False)
     message = str(refused.value)

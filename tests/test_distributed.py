@@ -1478,9 +1478,14 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
     """A DDP run resumed (one process of a gloo group, in-process: no launch) whose model has a
     derived buffer (``scale``, built from a code constant): DDP names it ``module.scale``, the
     checkpoint ``scale``, so the check looks in the plain module. Unchanged, the resume is
-    accepted; with the constant changed, the buffer is refused."""
+    accepted; with the constant changed, the buffer is refused; a list of them that is no list
+    (sealed by a writer with a bug) is refused as malformed, before anything of it is used."""
     import buffer_factories
     import torch.distributed as dist
+
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.errors import SEALED_BUT_UNFIT
+    from pipeline.run import build_run
 
     config = load_config(
         CONFIG,
@@ -1510,6 +1515,14 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
         )
         monkeypatch.setattr(buffer_factories, "SCALE", 1.0)
         assert train(config, world=world, resume="latest", progress=False).step == 4
+        last = tmp_path / "ck" / "step-00000004"
+        meta = verify_distributed(last)
+        unlisted = {**meta, "model": {**meta["model"], "derived_buffers": None}}
+        with pytest.raises(StateMismatch) as caught:
+            restore_distributed(build_run(config, world.device, world=world), world, last, unlisted)
+        assert str(caught.value) == (
+            f"{last / DIST_MODEL_DIR}: the derived-buffer list in meta.json is malformed: {SEALED_BUT_UNFIT}"
+        )
     finally:
         world.close()
 
@@ -1826,6 +1839,29 @@ def _world(rank: int, size: int) -> LaunchWorld:
         device=torch.device("cpu"),
         mode="ddp",
     )
+
+
+def test_leaving_a_group_never_made_or_closing_twice_leaves_the_process_groups_as_they_are(tmp_path):
+    """A rank that never made a group of its own leaves only that (the launch's group stays for
+    the rest of the run); close ends the launch's group, and a second close, once nothing is
+    left, is a no-op, as is a leave after it (a failure's clean-up after the normal one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = _world(0, 1)
+        world.leave_group()
+        assert dist.is_initialized()
+        own = world.own_group()
+        own.close()
+        assert not dist.is_initialized()
+        own.close()
+        own.leave_group()
+        world.close()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():

@@ -1527,6 +1527,31 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
         world.close()
 
 
+def test_a_single_process_checkpoint_continued_by_a_launch_sets_the_optimizer_unless_omitted(
+    data_dir, tmp_path
+):
+    """--reshard of a single-process checkpoint (this process as the launch's one rank): the
+    optimizer's saved state is set, for every parameter; the resume proof's control that omits
+    it keeps the fresh build's (no state), the rest restored all the same."""
+    from pipeline.checkpoint import restore_from_single
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    sets = {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"), "training.max_steps": 2}
+    config = load_config(CONFIG, sets)
+    assert train(config, progress=False).step == 2
+    loaded = load_checkpoint(tmp_path / "ck" / "step-00000002")
+    world = World(device=torch.device("cpu"), rank=0, world_size=1)
+    restored = {}
+    for omit in ((), ("optimizer",)):
+        run = build_run(config, world.device, world=world)
+        restore_from_single(run, world, loaded, omit=omit)
+        state = run.optimizer.state
+        params = [p for g in run.optimizer.param_groups for p in g["params"]]
+        restored[omit] = (run.step, [float(state[p]["step"]) for p in params if p in state])
+    assert restored == {(): (2, [2.0] * len(params)), ("optimizer",): (2, [])}
+
+
 def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_naming_it(data_dir, tmp_path):
     """A torchrun resume (one process of a gloo group, in-process: no launch) of a checkpoint
     whose training-state file (the shared tensors beside every rank's RNGs) was damaged after

@@ -2031,6 +2031,42 @@ def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_wor
     ]
 
 
+def test_three_ranks_receive_each_others_text_whole_and_name_the_first_rank_that_asked_to_stop(tmp_path):
+    """Texts between three ranks, whatever their length or script: every rank's text (none, one
+    of 80,000 characters of two and three UTF-8 bytes, one of a single character) arrives whole
+    on every rank in rank order; a stop a callback asked on the last rank alone, or on the middle
+    and the last alike, is recorded on every rank by the first rank that asked, in its own words."""
+    from pipeline.callbacks import Callbacks, Control
+
+    long = "ü✓" * 40_000
+
+    def stop(world: LaunchWorld, asked: tuple) -> dict:
+        control = Control(agree=world.agree_flags)
+        if asked[world.rank] is not None:
+            control.should_training_stop = True
+            control.stopped_by, control.stop_reason = asked[world.rank]
+        control.agreed()
+        return Callbacks().record_stop(7, control, world.gather_text)
+
+    def body(world: LaunchWorld) -> tuple:
+        mine = world.rank
+        return (
+            world.gather_text(["", long, "✓"][mine]),
+            stop(world, (None, None, ("cb:läst", "plateau — ünï ✓"))),
+            stop(world, (None, ("cb:middle", "a middle's reason"), ("cb:läst", "the last's"))),
+            stop(world, (None, ("", ""), None)),
+        )
+
+    results = _thread_ranks(tmp_path, body, 3)
+    every_rank = (
+        ["", long, "✓"],
+        {"step": 7, "by": "cb:läst", "reason": "plateau — ünï ✓"},
+        {"step": 7, "by": "cb:middle", "reason": "a middle's reason"},
+        {"step": 7, "by": "a callback", "reason": "a callback asked to stop"},
+    )
+    assert results == [every_rank] * 3
+
+
 def test_three_ranks_agree_on_the_mean_loss_each_ranks_text_and_who_prints_a_failure(tmp_path):
     """Three ranks (first, middle and last differ): the global loss is the mean over all three,
     each rank gets every rank's text in rank order; a refusal on the middle and the last rank

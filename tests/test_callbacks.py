@@ -185,6 +185,43 @@ def test_a_stop_asked_on_the_last_step_is_a_complete_run_not_an_early_stop(
     assert "stopped early" not in capsys.readouterr().err
 
 
+def test_a_stop_and_a_refused_evaluation_at_one_step_commit_it_stopped_and_its_fix_resumes_to_the_mark(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """A callback asks to stop at step 2, the step whose evaluation names no best_metric: both
+    are said, the step is committed with the stop recorded, and the command the refusal prints
+    trains no further, marks the step the best by the metric it sets and says the run stopped."""
+    from pipeline.checkpoint import read_best
+
+    monkeypatch.setenv("STOP_AT", "2")
+    hint = "python scripts/02_train.py --resume latest"
+    config = _config(
+        data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmes", "training.callbacks": [STOP_AT]}
+    )
+    with pytest.raises(ConfigError) as refused:
+        train(config, resume_hint=hint)
+    record = {"step": 2, "by": STOP_AT, "reason": "asked to stop at step 2"}
+    assert str(refused.value) == (
+        f"{config.source}: checkpoint.best_metric is 'rmes', but the task's evaluate returned mse, rmse: set "
+        "checkpoint.best_metric to one of them; step 2 is committed: resume with python scripts/02_train.py "
+        "--set checkpoint.best_metric=rmse --resume latest"
+    )
+    said = [line for line in capsys.readouterr().err.splitlines() if "step 2" in line and "/10" not in line]
+    assert CheckpointStore(tmp_path).committed_steps() == [2]
+    assert _callbacks(tmp_path / "step-00000002")["stopped"] == record
+    fixed = _config(
+        data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": "rmse", "training.callbacks": [STOP_AT]}
+    )
+    resumed = train(fixed, resume="latest", progress=False)
+    assert (resumed.step, resumed.stopped, resumed.checkpoint) == (2, record, tmp_path / "step-00000002")
+    (mse,), (rmse,) = resumed.evaluations["mse"], resumed.evaluations["rmse"]
+    assert said == [
+        f"step 2 evaluation: mse {mse:.6g}, rmse {rmse:.6g}",
+        "stopped early at step 2: asked to stop at step 2 (recorded in meta.json)",
+    ]
+    assert read_best(tmp_path) == {"step": 2, "metric": "rmse", "mode": "min", "value": rmse}
+
+
 def test_a_failing_callback_is_one_line_naming_it_and_where_to_go_on(data_dir, tmp_path, monkeypatch):
     run = RunFolder(tmp_path)
     sets = (
@@ -507,13 +544,21 @@ def test_a_callback_added_or_removed_on_resume_is_not_a_changed_config(data_dir,
     assert _callbacks(removed.checkpoint)["states"] == {}
 
 
-@pytest.mark.parametrize(("given", "fix", "not_fix"), [("rmes", "rmse", "mse"), ("accuracy", "mse", "rmse")])
+@pytest.mark.parametrize(
+    ("given", "fix", "not_fix", "sets"),
+    [
+        ("rmes", "rmse", "mse", {}),
+        # Early stopping watches the same name: it passes over the evaluation, which is refused.
+        ("accuracy", "mse", "rmse", {"training.early_stopping_patience": 1}),
+    ],
+    ids=["rmes-rmse-mse", "accuracy-mse-rmse"],  # the ids mutation lists name
+)
 def test_a_misspelt_best_metric_is_refused_at_its_first_evaluation_with_the_closest_name(
-    data_dir, tmp_path, given, fix, not_fix
+    data_dir, tmp_path, given, fix, not_fix, sets
 ):
     """The resume command it prints sets the name closest to the misspelt one (rmse, not mse,
     the first in order), so following it runs; a name close to none sets the first."""
-    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": given})
+    config = _config(data_dir, tmp_path, **{**EVAL, "checkpoint.best_metric": given, **sets})
     with pytest.raises(ConfigError) as refused:
         train(config, progress=False)
     message = str(refused.value)

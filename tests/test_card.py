@@ -236,10 +236,16 @@ def test_card_sections_must_be_a_regular_file_of_bounded_size(tmp_path):
     assert len(read_user_sections("big.md", tmp_path)) == MAX_SECTIONS
     (tmp_path / "latin1.md").write_bytes("## Über\n".encode("latin-1"))
     assert refused_sections("latin1.md", tmp_path) == "card.sections: latin1.md is not UTF-8 text"
-    assert refused_sections("missing.md", tmp_path) == (
-        "card.sections: missing.md not found (paths are relative to the folder the scripts run in); fix the "
-        'path or set card.sections to ""'
-    )
+    # A file named as a folder on the way is not found, as a missing one is: nothing changed while
+    # it was read, and a rerun would not help. A name the system cannot take says why.
+    (tmp_path / "card.md").write_text("## Use\n")
+    for name in ("missing.md", "card.md/more.md", "card.md/sub/more.md"):
+        assert refused_sections(name, tmp_path) == (
+            f"card.sections: {name} not found (paths are relative to the folder the scripts run in); fix the "
+            'path or set card.sections to ""'
+        )
+    long = "a" * 300 + ".md"
+    assert refused_sections(long, tmp_path) == f"card.sections: {long} cannot be read (File name too long)"
 
 
 def test_card_sections_are_confined_by_path_components_not_by_a_string_prefix(tmp_path):

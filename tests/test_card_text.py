@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from pipeline.stage.card import build_model_card
+from pipeline.stage.recipe import recipe_rows
 
 A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 ONE = {"parallel": "none", "world_size": 1, "ddp_find_unused_parameters": None}
@@ -696,6 +697,16 @@ def test_a_stage_of_step_0_with_metrics_of_zero_negative_huge_and_integer_values
         "```sh\npython -c \"import json, yaml; yaml.safe_dump(json.load(open('meta.json'))['config'], "
         "open('config.yaml', 'w'))\"\npython scripts/01_prepare_data.py --config config.yaml\n"
         "python scripts/02_train.py --config config.yaml --stop-at 0\n```"
+    )
+
+
+def test_a_run_evaluated_with_no_best_metric_is_carded_as_evaluated_with_none_kept():
+    meta = _record()
+    meta["config"]["training"]["eval_every"] = 3
+    assert dict(recipe_rows(meta))["evaluation"] == "every 3 optimizer steps and at step 10"
+    meta["config"]["checkpoint"].update(best_metric="mse", best_mode="max")
+    assert dict(recipe_rows(meta))["evaluation"] == (
+        "every 3 optimizer steps and at step 10; the best by `mse` (max) kept as `--checkpoint best`"
     )
 
 

@@ -1478,9 +1478,14 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
     """A DDP run resumed (one process of a gloo group, in-process: no launch) whose model has a
     derived buffer (``scale``, built from a code constant): DDP names it ``module.scale``, the
     checkpoint ``scale``, so the check looks in the plain module. Unchanged, the resume is
-    accepted; with the constant changed, the buffer is refused."""
+    accepted; with the constant changed, the buffer is refused; a list of them that is no list
+    (sealed by a writer with a bug) is refused as malformed, before anything of it is used."""
     import buffer_factories
     import torch.distributed as dist
+
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.errors import SEALED_BUT_UNFIT
+    from pipeline.run import build_run
 
     config = load_config(
         CONFIG,
@@ -1510,8 +1515,41 @@ def test_a_ddp_resume_compares_derived_buffers_under_the_models_own_names_not_th
         )
         monkeypatch.setattr(buffer_factories, "SCALE", 1.0)
         assert train(config, world=world, resume="latest", progress=False).step == 4
+        last = tmp_path / "ck" / "step-00000004"
+        meta = verify_distributed(last)
+        unlisted = {**meta, "model": {**meta["model"], "derived_buffers": None}}
+        with pytest.raises(StateMismatch) as caught:
+            restore_distributed(build_run(config, world.device, world=world), world, last, unlisted)
+        assert str(caught.value) == (
+            f"{last / DIST_MODEL_DIR}: the derived-buffer list in meta.json is malformed: {SEALED_BUT_UNFIT}"
+        )
     finally:
         world.close()
+
+
+def test_a_single_process_checkpoint_continued_by_a_launch_sets_the_optimizer_unless_omitted(
+    data_dir, tmp_path
+):
+    """--reshard of a single-process checkpoint (this process as the launch's one rank): the
+    optimizer's saved state is set, for every parameter; the resume proof's control that omits
+    it keeps the fresh build's (no state), the rest restored all the same."""
+    from pipeline.checkpoint import restore_from_single
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    sets = {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"), "training.max_steps": 2}
+    config = load_config(CONFIG, sets)
+    assert train(config, progress=False).step == 2
+    loaded = load_checkpoint(tmp_path / "ck" / "step-00000002")
+    world = World(device=torch.device("cpu"), rank=0, world_size=1)
+    restored = {}
+    for omit in ((), ("optimizer",)):
+        run = build_run(config, world.device, world=world)
+        restore_from_single(run, world, loaded, omit=omit)
+        state = run.optimizer.state
+        params = [p for g in run.optimizer.param_groups for p in g["params"]]
+        restored[omit] = (run.step, [float(state[p]["step"]) for p in params if p in state])
+    assert restored == {(): (2, [2.0] * len(params)), ("optimizer",): (2, [])}
 
 
 def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_naming_it(data_dir, tmp_path):
@@ -1828,6 +1866,29 @@ def _world(rank: int, size: int) -> LaunchWorld:
     )
 
 
+def test_leaving_a_group_never_made_or_closing_twice_leaves_the_process_groups_as_they_are(tmp_path):
+    """A rank that never made a group of its own leaves only that (the launch's group stays for
+    the rest of the run); close ends the launch's group, and a second close, once nothing is
+    left, is a no-op, as is a leave after it (a failure's clean-up after the normal one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = _world(0, 1)
+        world.leave_group()
+        assert dist.is_initialized()
+        own = world.own_group()
+        own.close()
+        assert not dist.is_initialized()
+        own.close()
+        own.leave_group()
+        world.close()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
     for total, size in ((4, 2), (5, 2), (7, 3), (3, 3)):
         batch = list(range(100, 100 + total))
@@ -2029,6 +2090,42 @@ def test_a_block_that_fails_on_some_ranks_fails_on_all_with_one_line_and_the_wor
         ("SchemaMismatch", "two", 2, False),
         ("ok",),
     ]
+
+
+def test_three_ranks_receive_each_others_text_whole_and_name_the_first_rank_that_asked_to_stop(tmp_path):
+    """Texts between three ranks, whatever their length or script: every rank's text (none, one
+    of 80,000 characters of two and three UTF-8 bytes, one of a single character) arrives whole
+    on every rank in rank order; a stop a callback asked on the last rank alone, or on the middle
+    and the last alike, is recorded on every rank by the first rank that asked, in its own words."""
+    from pipeline.callbacks import Callbacks, Control
+
+    long = "ü✓" * 40_000
+
+    def stop(world: LaunchWorld, asked: tuple) -> dict:
+        control = Control(agree=world.agree_flags)
+        if asked[world.rank] is not None:
+            control.should_training_stop = True
+            control.stopped_by, control.stop_reason = asked[world.rank]
+        control.agreed()
+        return Callbacks().record_stop(7, control, world.gather_text)
+
+    def body(world: LaunchWorld) -> tuple:
+        mine = world.rank
+        return (
+            world.gather_text(["", long, "✓"][mine]),
+            stop(world, (None, None, ("cb:läst", "plateau — ünï ✓"))),
+            stop(world, (None, ("cb:middle", "a middle's reason"), ("cb:läst", "the last's"))),
+            stop(world, (None, ("", ""), None)),
+        )
+
+    results = _thread_ranks(tmp_path, body, 3)
+    every_rank = (
+        ["", long, "✓"],
+        {"step": 7, "by": "cb:läst", "reason": "plateau — ünï ✓"},
+        {"step": 7, "by": "cb:middle", "reason": "a middle's reason"},
+        {"step": 7, "by": "a callback", "reason": "a callback asked to stop"},
+    )
+    assert results == [every_rank] * 3
 
 
 def test_three_ranks_agree_on_the_mean_loss_each_ranks_text_and_who_prints_a_failure(tmp_path):

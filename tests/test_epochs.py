@@ -16,7 +16,7 @@ from test_distributed import torchrun
 from pipeline.config import load_config
 from pipeline.data import EpochSampler, batches_per_epoch
 from pipeline.errors import ConfigError, ConfigMismatch
-from pipeline.run import with_counted_length
+from pipeline.run import counted_length, with_counted_length
 from pipeline.train import train
 
 from support import HELPERS, REPO, assert_checkpoints_bitwise_equal, read_meta_json
@@ -132,6 +132,16 @@ def test_a_length_no_one_can_count_is_refused_in_one_line(data_dir, tmp_path):
     assert with_counted_length(recorded, sampler, first_length=8).training.max_steps == 20
     with pytest.raises(ConfigError, match="counts 8 steps"):
         with_counted_length(recorded, sampler)
+
+
+def test_a_run_planned_before_it_trains_is_counted_from_its_data(data_dir, tmp_path):
+    """counted_length (what plans a run before it trains: the proof's cut) counts a length in
+    epochs from the task's data, as training does; a length in steps is the config's own."""
+    in_epochs = _config(data_dir, tmp_path, **{"training.epochs": 2, "data.batch_size": 5})
+    assert in_epochs.training.max_steps is None
+    assert counted_length(in_epochs).training.max_steps == 10  # 24 rows: 5 batches an epoch
+    in_steps = _config(data_dir, tmp_path, **{"training.max_steps": 7})
+    assert counted_length(in_steps) is in_steps
 
 
 @pytest.mark.heavy

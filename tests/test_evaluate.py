@@ -133,7 +133,7 @@ def test_a_metrics_record_whose_metrics_are_not_finite_numbers_is_refused(
 
 
 @pytest.mark.parametrize(
-    "kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing", "not-json", "not-utf8"]
+    "kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing", "not-json", "not-utf8", "under-a-file"]
 )
 def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(tmp_path, kind):
     """--metrics names a file 05 reads: a FIFO (or a link to one) is refused at once, not
@@ -150,6 +150,7 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
         "missing": "not found: run python scripts/04_evaluate.py first",
         "not-json": "is not valid JSON: rerun python scripts/04_evaluate.py",
         "not-utf8": "is not valid JSON: rerun python scripts/04_evaluate.py",
+        "under-a-file": " could not be read (Not a directory): rerun python scripts/04_evaluate.py",
     }[kind]
     if kind == "fifo":
         os.mkfifo(path)
@@ -165,6 +166,9 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
         path.write_text('{"schema": "pipeline.metrics/2", ')  # cut short
     elif kind == "not-utf8":
         path.write_bytes(b'{"schema": "\xff"}')
+    elif kind == "under-a-file":  # the disk's own refusal, in its words
+        (tmp_path / "notes").write_text("")
+        path = tmp_path / "notes" / "metrics.json"
     with pytest.raises(MetricsError) as refused:
         read_metrics(path)
     assert str(refused.value).startswith(str(path)) and says in str(refused.value), refused.value

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pipeline.checkpoint import CheckpointStore, load_checkpoint, read_best, read_tensors
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, MetricsError
+from pipeline.errors import CheckpointError, ConfigError, MetricsError
 from pipeline.evaluate import check_metrics, evaluate_checkpoint
 from pipeline.train import train
 
@@ -148,3 +148,84 @@ def test_metric_names_are_checked_as_tensor_names():
     for name in ("validation/", "a/b/c", "/mse", "x y", "mse\n", "validation/mse\n"):
         with pytest.raises(ConfigError, match="checkpoint.best_metric must be a metric name"):
             load_config(CONFIG, {"checkpoint.best_metric": name, "training.eval_every": 1})
+
+
+UNSORTED = {"data.factory": "callback_factories:build_data_unsorted_metrics"}
+
+
+def test_metrics_out_of_alphabetical_order_are_said_as_returned_and_the_best_is_marked_by_its_name(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """``zeta, alpha, Mid``: each evaluation's line names them as evaluate returned them, the
+    run's evaluations keep them so, the mark is the best of the one named (not of the first,
+    nor of the first in order), and a resume whose names change lists what is new and what is
+    missing each in order (capitals first)."""
+    config = _config(
+        data_dir,
+        tmp_path,
+        **UNSORTED,
+        **{
+            "training.max_steps": 6,
+            "checkpoint.every": 3,
+            "checkpoint.keep_last": 1,
+            "checkpoint.best_metric": "alpha",
+            "checkpoint.best_mode": "min",
+        },
+    )
+    capsys.readouterr()
+    evaluations = train(config).evaluations
+    assert list(evaluations) == ["step", "zeta", "alpha", "Mid"] and evaluations["step"] == [2, 4, 6]
+    said = [line for line in capsys.readouterr().err.splitlines() if " evaluation: " in line]
+    assert said == [
+        f"step {step} evaluation: zeta {evaluations['zeta'][at]:.6g}, alpha {evaluations['alpha'][at]:.6g}, "
+        f"Mid {evaluations['Mid'][at]:.6g}"
+        for at, step in enumerate(evaluations["step"])
+    ]
+    value = min(evaluations["alpha"])
+    best = evaluations["step"][evaluations["alpha"].index(value)]
+    assert best != 6, evaluations  # the mark is not the newest, as the mse-like zeta's would be
+    assert read_best(tmp_path / "ck") == {"step": best, "metric": "alpha", "mode": "min", "value": value}
+    assert CheckpointStore(tmp_path / "ck").committed_steps() == [best, 6]
+
+    monkeypatch.setenv("RENAMED_FROM", "1")
+    with pytest.raises(MetricsError) as refused:
+        train(config, resume="latest", extend_to=8, progress=False, resume_hint="H")
+    assert str(refused.value) == (
+        "callback_factories:build_data_unsorted_metrics evaluate() returned other metrics at step 8 than at the "
+        "run's earlier evaluations (new: Alpha, beta; missing: Mid, alpha): a run's evaluations keep the same "
+        "names; nothing of step 8 was recorded; the last committed checkpoint (step 6) is intact: fix it and "
+        "resume with H"
+    )
+
+
+def test_a_best_metric_none_returned_is_refused_listing_the_metrics_in_order(data_dir, tmp_path):
+    """The refusal lists ``Mid, alpha, zeta`` (capitals first), and the printed command sets the
+    closest name, or the first in that order when none is close; a mark naming a metric its
+    checkpoint never recorded lists the recorded ones in the same order."""
+    from pipeline.checkpoint.best import check_best
+
+    hint = "python scripts/02_train.py --resume latest"
+    for given, fix in (("alhpa", "alpha"), ("accuracy", "Mid")):
+        config = _config(
+            data_dir,
+            tmp_path / given,
+            **UNSORTED,
+            **{"training.max_steps": 6, "checkpoint.best_metric": given},
+        )
+        with pytest.raises(ConfigError) as refused:
+            train(config, progress=False, resume_hint=hint)
+        assert str(refused.value) == (
+            f"{config.source}: checkpoint.best_metric is {given!r}, but the task's evaluate returned Mid, alpha, "
+            "zeta: set checkpoint.best_metric to one of them; step 2 is committed: resume with python "
+            f"scripts/02_train.py --set checkpoint.best_metric={fix} --resume latest"
+        )
+        assert CheckpointStore(tmp_path / given / "ck").committed_steps() == [2]
+    mark = {"step": 2, "metric": "accuracy", "mode": "min", "value": 0.5}
+    recorded = {"step": [2], "zeta": [1.0], "alpha": [0.5], "Mid": [0.25]}
+    with pytest.raises(CheckpointError) as refused:
+        check_best(mark, recorded, [2], "ck/BEST.json")
+    assert str(refused.value) == (
+        "ck/BEST.json marks step 2 as the best by accuracy, but that checkpoint recorded no evaluation of "
+        "accuracy at its own step (it recorded Mid, alpha, zeta): delete it (the next save marks the best "
+        "again), or pass --checkpoint latest or PATH"
+    )

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1240,6 +1241,21 @@ def test_a_file_the_audit_did_not_xet_hash_is_repaired_when_the_hub_stores_other
         remote = {"modelo.safetensors": RemoteFile("modelo.safetensors", len(ours), "0" * 40, sha, listed)}
         files, _ = compare(stage, audited, remote, "", StagedXetHashes(stage, audited))
         assert [(f.name, f.action) for f in files] == [("modelo.safetensors", action)], (listed, files)
+
+
+def test_without_hf_xet_installed_no_file_is_xet_hashed_and_the_audit_feeds_no_pipe(tmp_path, monkeypatch):
+    """Without hf_xet the client uploads over LFS: every Xet hash asked for is None (a Xet-stored
+    file is then downloaded to be verified) and the audit's read hashes no pipe."""
+    from pipeline.publishing import xet
+
+    for name in ("modelo.safetensors", "config.json"):
+        (tmp_path / name).write_bytes(b"weights")
+    monkeypatch.setitem(sys.modules, "hf_xet", None)  # not installed: importlib finds no hf_xet
+    assert xet.hash_files([tmp_path / "modelo.safetensors", tmp_path / "config.json"]) == [None, None]
+    assert xet.new_digest() is None and not xet.client_uploads_over_xet()
+    sha = hashlib.sha256(b"weights").hexdigest()
+    audited = {"modelo.safetensors": AuditedFile("modelo.safetensors", 7, sha, "MANIFEST.sha256")}
+    assert xet.StagedXetHashes(tmp_path, audited).of("modelo.safetensors") is None
 
 
 def test_a_xet_file_under_path_in_repo_is_repaired_by_a_rerun_in_one_commit(

@@ -593,3 +593,23 @@ def test_no_request_is_sent_once_the_deadline_has_passed(hub):
             get_session().get(f"{hub.url}/api/models/alice/none/revision/main")
     assert str(passed.value) == "reading the branch head was not sent"
     assert hub.count() == 1 and dict(limit.sent) == {"reading the branch head": 1}
+
+
+def test_a_connection_made_just_as_the_deadline_passes_is_cut_before_the_request_is_sent(hub, clock):
+    """The deadline can pass between the check before a request and its connection: the
+    connection is cut as soon as it is made, and the request fails naming what it waited for."""
+
+    def deadline_passes_as_it_connects(event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            clock[0] += 10
+
+    limit = deadline.Deadline(10)
+    with limit.installed(), pytest.raises(DeadlinePassed) as passed:
+        get_session().get(
+            f"{hub.url}/api/models/alice/none/revision/main",
+            extensions={"trace": deadline_passes_as_it_connects},
+        )
+    assert str(passed.value) == (
+        f"no answer from {hub.url} to reading the branch head within 10s, all the --timeout had left"
+    )
+    assert hub.count() == 0 and limit.last_error == str(passed.value)

@@ -389,6 +389,22 @@ def test_a_mark_one_save_behind_is_refused_with_the_resume_that_marks_the_best_a
     assert "resume the run with --resume latest" in message and "the next save marks" not in message, message
 
 
+def test_a_mark_that_cannot_be_opened_is_the_disks_error_not_a_verdict_on_the_mark(tmp_path):
+    """checkpoint.dir naming a file: BEST.json under it cannot be opened, which says nothing of
+    a mark (not "no mark", which sends --checkpoint best to train again; not "delete it", of a
+    file that is not there): the OS error reaches the caller, to be told in its words."""
+    import errno
+
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(OSError) as failed:
+        read_best(tmp_path / "checkpoints")
+    assert (type(failed.value), failed.value.errno, failed.value.filename) == (
+        NotADirectoryError,
+        errno.ENOTDIR,
+        str(tmp_path / "checkpoints" / "BEST.json"),
+    )
+
+
 def test_a_mark_swapped_for_a_fifo_or_a_link_after_a_look_at_its_name_is_refused_without_blocking(
     marked_run, tmp_path, monkeypatch
 ):

@@ -329,6 +329,37 @@ def test_a_params_key_from_the_manifest_is_shown_inert(tmp_path):
         assert "\x1b" not in str(refused.value) and "\x07" not in str(refused.value)
 
 
+def test_a_manifest_whose_params_are_not_a_table_names_the_whole_params_as_the_difference(tmp_path):
+    """A manifest recording data.params as something other than a mapping (edited by hand) is
+    data of another recipe: the refusal compares the whole params, never a traceback of a
+    key-by-key comparison with a list."""
+    import re
+
+    target, config = _manifest_edited(tmp_path, lambda m: m.__setitem__("params", ["num_train"]))
+    here = json.dumps(config.data.params)
+    own = rf"{re.escape(str(target))}-[0-9a-f]{{8}}"
+    held = f"{target}/ holds data prepared with data.params " + '["num_train"]'
+    with pytest.raises(DataError) as refused:
+        load_manifest(config)
+    assert re.fullmatch(
+        re.escape(
+            f"{held}, but this config has {here}: prepare this config's data into a folder of its own with "
+        )
+        + rf"\S+ scripts/01_prepare_data\.py --set data\.dir={own}, then add --set data\.dir={own} here "
+        + re.escape("(the data in place stays: checkpoints may be trained on it)"),
+        str(refused.value),
+    ), refused.value
+    with pytest.raises(DataError) as refused:
+        prepare_data(config)
+    assert re.fullmatch(
+        re.escape(f"{held}, this config has {here}; nothing was touched (checkpoints may be trained on it): ")
+        + re.escape("prepare this config's data into a folder of its own with ")
+        + rf"\S+ scripts/01_prepare_data\.py --set data\.dir={own}, and give --set data\.dir={own} "
+        + "to the other scripts too",
+        str(refused.value),
+    ), refused.value
+
+
 def test_a_data_prepare_that_writes_no_file_is_refused_and_leaves_no_data_dir(tmp_path):
     """01 with a data.prepare that wrote nothing: a data.dir holding only a manifest of no file
     would be "prepared data" every reader accepts; refused in one line naming the function."""

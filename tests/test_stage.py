@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -32,7 +34,8 @@ from pipeline.errors import (
 )
 from pipeline.layout import staged_by_file
 from pipeline.run import build_model
-from pipeline.stage import build_stage
+from pipeline.stage import StageBuild, build_stage
+from pipeline.stage.card import render_curve
 
 from support import REPO, reseal
 
@@ -270,6 +273,25 @@ def test_without_matplotlib_the_stage_has_no_curve_and_the_card_says_so(staged_r
     files = staged_files(run.stage)
     assert set(audit_stage(run.stage)) == files and STAGED - {"training_curve.png"} <= files
     assert leftovers(run) == []
+
+
+def test_a_loss_curve_with_no_positive_value_is_drawn_flat_on_a_linear_axis():
+    """A log axis has no place for a loss of 0 or below: on one, the curve would vanish."""
+    png = render_curve({"step": [1, 2, 3], "loss": [0.0, 0.0, 0.0], "lr": [0.1, 0.1, 0.05]})
+    image = imread(io.BytesIO(png))[..., :3]
+    loss_line = np.all(np.abs(image - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.02, axis=-1)  # tab:blue
+    rows, columns = np.nonzero(loss_line)
+    # One flat line across the loss plot (the left half), from step 1 to step 3.
+    assert image.shape == (340, 900, 3) and columns.max() < 450 and columns.max() - columns.min() > 300
+    assert rows.max() - rows.min() < 12
+
+
+def test_build_stage_takes_a_stagebuild_or_its_fields_as_keywords_not_both(tmp_path):
+    build = StageBuild(checkpoint=tmp_path / "none", stage_dir=tmp_path / "stage")
+    with pytest.raises(TypeError) as caught:
+        build_stage(load_config(CONFIG), build, stage_dir=tmp_path / "other")
+    assert str(caught.value) == "build_stage takes a StageBuild or its fields as keywords, not both"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_reevaluating_the_same_weights_then_restaging_changes_no_byte(staged_run, run_copy):

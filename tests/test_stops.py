@@ -279,6 +279,48 @@ def test_training_started_ignoring_a_signal_trains_through_it_and_still_stops_on
     assert sorted(p.name for p in checkpoints.glob("step-*")) == [where.name]
 
 
+def test_the_stop_handling_called_from_a_worker_thread_leaves_the_main_threads_alone():
+    """A library caller that stages, publishes or trains in a worker thread: the handlers can
+    only be set from the main thread, so every entry point is a no-op there (not a ValueError),
+    and a block opened there does not change what a stop of the main thread says."""
+    import threading
+
+    from pipeline.errors import Stopped
+    from pipeline.stops import finishing, install, stopping
+    from pipeline.train import _StopSignals
+
+    def handlers() -> dict:
+        return {each: signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)}
+
+    before = handlers()
+    opened, release, seen = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        try:
+            install()
+            finishing()
+            with _StopSignals() as signals, stopping("the worker's copy was removed"):
+                opened.set()
+                release.wait(20)
+            seen.append((signals.signum, handlers()))
+        except BaseException as exc:  # noqa: BLE001 (asserted below)
+            seen.append(exc)
+            opened.set()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    try:
+        with stopping("the main copy was removed"), pytest.raises(Stopped) as stopped:
+            thread.start()
+            assert opened.wait(20)  # the worker's block is the one opened last
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at once; never slept through
+    finally:
+        release.set()
+        thread.join(20)
+    assert seen == [(None, before)] and handlers() == before
+    assert str(stopped.value) == "stopped by SIGTERM; the main copy was removed"
+
+
 @pytest.mark.parametrize("ignored", STOPS)
 def test_the_training_loop_leaves_an_ignored_signal_alone_and_puts_the_other_handler_back(ignored):
     """In process, both ways round: the loop's recorder skips the signal the process was

@@ -59,6 +59,14 @@ def read_user_sections(name: str, root: str | Path) -> str | None:
             f"card.sections: {shown(name)} is not a regular file (a folder, device or pipe); {fix}"
         )
     relative = real.relative_to(inside).as_posix()
+    not_found = (
+        f"card.sections: {shown(name)} not found (paths are relative to {where}); fix the path or set "
+        'card.sections to ""'
+    )
+    if not real.parent.is_dir():
+        # A file named as a folder on the way ("card.md/more.md"): the walk below would take it for
+        # a swap made while reading, and say so on every rerun.
+        raise StageError(not_found)
     try:
         # Opened from the folder's descriptor, no link followed on the way, checked to be the
         # file just looked at, read within its size: a swap for a link, a pipe or a device since
@@ -79,10 +87,7 @@ def read_user_sections(name: str, root: str | Path) -> str | None:
     except FileChanged:
         raise StageError(f"card.sections: {shown(name)} changed while it was read; run 05 again") from None
     except FileNotFoundError:
-        raise StageError(
-            f"card.sections: {shown(name)} not found (paths are relative to {where}); fix the path or set "
-            'card.sections to ""'
-        ) from None
+        raise StageError(not_found) from None
     except OSError as exc:
         raise StageError(f"card.sections: {shown(name)} cannot be read ({exc.strerror or exc})") from None
     try:

@@ -229,3 +229,21 @@ class _StepMetric(_Sets):
 
 def build_data_metric_named_step(config: Config, data_dir: Path) -> _StepMetric:
     return _StepMetric(build_data(config, data_dir))
+
+
+class _Unsorted(_Sets):
+    """The regression task, whose evaluate returns three metrics out of alphabetical order, one
+    capitalised (``zeta, alpha, Mid``: sorted, ``Mid, alpha, zeta``); ``alpha`` jumps about
+    with the weights, so its best is rarely the newest evaluation. From its ``RENAMED_FROM``-th
+    evaluation in this process on, ``alpha`` and ``Mid`` are gone and ``beta``, ``Alpha`` new."""
+
+    def evaluate(self, model: Any, device: Any) -> dict[str, Any]:
+        mse = super().evaluate(model, device)["validation"]["mse"]
+        total = sum(float(parameter.detach().abs().sum()) for parameter in model.parameters())
+        if self._calls >= int(os.environ.get("RENAMED_FROM", "99")):
+            return {"zeta": mse, "beta": total, "Alpha": mse / 2}
+        return {"zeta": mse, "alpha": total * 1000.0 % 1.0, "Mid": mse / 2}
+
+
+def build_data_unsorted_metrics(config: Config, data_dir: Path) -> _Unsorted:
+    return _Unsorted(build_data(config, data_dir))

@@ -446,7 +446,10 @@ def write_atomic(path: str | Path, data: bytes) -> None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     finally:
-        temporary.unlink(missing_ok=True)
+        # Only if it was made: on a read-only file system even unlinking a missing file fails,
+        # and that error would hide the one that says what happened, naming our temporary.
+        if os.path.lexists(temporary):
+            temporary.unlink()
     fsync_dir(path.parent)
 
 

@@ -383,6 +383,27 @@ def test_the_survey_of_a_folder_names_its_first_training_state_and_leaves_the_re
     ]
 
 
+def test_a_fifo_socket_hard_link_and_empty_file_one_level_down_are_left_out_never_opened(tmp_path):
+    """Special entries in a subfolder are not read (only the top's weights, config and tokenizer
+    are): the folder stages, the subfolder is left out, and nothing is written into the folder."""
+    folder = tiny_folder(tmp_path / "model")
+    runs = folder / "runs"
+    runs.mkdir()
+    os.mkfifo(runs / "pipe")  # opened, it would wait for a writer forever
+    a_socket(runs / "sock")
+    os.link(folder / "config.json", runs / "config-copy.json")
+    (runs / "empty.txt").write_bytes(b"")
+    before = _tree(folder)
+    target = tmp_path / "stage"
+    stage(folder, target)
+    record = json.loads((target / "meta.json").read_text())["source_checkpoint"]
+    assert (record["left_out"], sorted(record["files"])) == (
+        ["runs/"],
+        ["config.json", "model.safetensors", "tokenizer.json"],
+    )
+    assert _tree(folder) == before and leftovers(tmp_path) == []
+
+
 def test_an_index_mapping_a_tensor_to_a_shard_that_does_not_hold_it_is_refused(tmp_path):
     """Staged, such a folder would lack a tensor its own index promises (what from_pretrained expects)."""
     folder = sharded_tiny_folder(tmp_path / "model")
@@ -596,6 +617,63 @@ def fifos_at_the_top(folder: Path) -> str:
     return f"{folder}/a-pipe is not a plain file or folder; nothing was staged"
 
 
+def a_socket(path: Path) -> None:
+    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
+    import socket
+
+    here = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(path.name)
+    finally:
+        os.chdir(here)
+
+
+def a_socket_at_the_top(folder: Path) -> str:
+    a_socket(folder / "a-sock")
+    return f"{folder}/a-sock is not a plain file or folder; nothing was staged"
+
+
+def config_a_link_inside(folder: Path) -> str:
+    (folder / "config.json").rename(folder / "real-config.json")
+    (folder / "config.json").symlink_to("real-config.json")
+    return (
+        f"{folder}/config.json is a link to real-config.json: 05 reads the folder's plain files only, never "
+        "through a link; copy the files into a folder (cp -rL) and stage the copy; nothing was staged"
+    )
+
+
+def a_dangling_link_at_the_top(folder: Path) -> str:
+    (folder / "latest").symlink_to("nowhere")
+    return (
+        f"{folder}/latest is a link to nowhere: 05 reads the folder's plain files only, never "
+        "through a link; copy the files into a folder (cp -rL) and stage the copy; nothing was staged"
+    )
+
+
+def config_a_folder(folder: Path) -> str:
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()
+    return (
+        f"{folder} has no config.json: the Hub's tools need one beside the weights (save_pretrained writes it); "
+        "nothing was staged"
+    )
+
+
+def config_empty(folder: Path) -> str:
+    (folder / "config.json").write_bytes(b"")
+    return f"{folder}/config.json is not valid JSON (Expecting value: line 1 column 1 (char 0)); nothing was staged"
+
+
+def weights_empty(folder: Path) -> str:
+    (folder / "model.safetensors").write_bytes(b"")
+    return (
+        f"{folder}/model.safetensors is not a valid safetensors file (shorter than the 8-byte header length); "
+        "nothing was staged"
+    )
+
+
 def link_in_a_left_out_folder(folder: Path) -> str:
     (folder / "runs").mkdir()
     (folder / "runs" / "latest").symlink_to("../../elsewhere")
@@ -717,6 +795,12 @@ REFUSED = [
     pytest.param(no_config, id="no-config"),
     pytest.param(fifos_at_the_top, id="fifos-at-the-top"),
     pytest.param(link_in_a_left_out_folder, id="link-in-a-left-out-folder"),
+    pytest.param(a_socket_at_the_top, id="a-socket-at-the-top"),
+    pytest.param(config_a_link_inside, id="config-a-link-inside"),
+    pytest.param(a_dangling_link_at_the_top, id="a-dangling-link-at-the-top"),
+    pytest.param(config_a_folder, id="config-a-folder"),
+    pytest.param(config_empty, id="config-empty"),
+    pytest.param(weights_empty, id="weights-empty"),
     pytest.param(only_a_pickle, id="only-a-pickle"),
     pytest.param(only_training_state, id="only-training-state"),
     pytest.param(only_numbered_training_state, id="only-numbered-training-state"),

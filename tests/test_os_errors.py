@@ -196,3 +196,57 @@ def test_params_asking_for_more_memory_than_there_is_are_one_line(tmp_path):
     line = one_line_error(result)
     assert line.startswith("error: out of memory") and "params" in line, line
     assert not (tmp_path / "data").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_sealing_and_the_receipt_folder_on_a_read_only_full_or_taken_place_are_one_line_and_touch_nothing(
+    tmp_path,
+):
+    """The seal is written last into another tool's folder, the receipt folder is checked
+    before 06 sends a write: a read-only file system, a full one, a file or a dangling link
+    where the folder should be are each one line naming the path, and nothing is left."""
+    from pipeline.errors import PublishError, describe_os_error
+    from pipeline.integrations.seal import seal_checkpoint
+    from pipeline.publishing.plan import prepare_receipt_dir
+
+    def listing(root: Path) -> list[tuple[str, int]]:
+        return sorted((p.relative_to(root).as_posix(), p.lstat().st_mode) for p in root.rglob("*"))
+
+    def refused(folder: Path) -> str:
+        with pytest.raises(PublishError) as refusal:
+            prepare_receipt_dir(folder)
+        return str(refusal.value)
+
+    with tmpfs(tmp_path / "ro") as ro:
+        (ro / "checkpoint-1").mkdir()
+        (ro / "checkpoint-1" / "weights.bin").write_bytes(b"w" * 64)
+        (ro / "receipts").mkdir()
+        remount_read_only(ro)
+        before = listing(ro)
+        with pytest.raises(OSError) as failed:
+            seal_checkpoint(ro / "checkpoint-1", step=1)
+        assert describe_os_error(failed.value) == f"{ro}/checkpoint-1/meta.json: read-only file system"
+        assert (
+            refused(ro / "receipts") == f"--receipt-dir {ro}/receipts is not writable; nothing was published"
+        )
+        assert refused(ro / "new" / "receipts") == (
+            f"--receipt-dir {ro}/new/receipts cannot be created (Read-only file system); nothing was published"
+        )
+        assert listing(ro) == before
+    with tmpfs(tmp_path / "full") as full:
+        (full / "checkpoint-1").mkdir()
+        (full / "checkpoint-1" / "weights.bin").write_bytes(b"w" * 64)
+        fill(full)
+        before = listing(full)
+        with pytest.raises(OSError) as failed:
+            seal_checkpoint(full / "checkpoint-1", step=1)
+        assert (
+            describe_os_error(failed.value) == f"{full}/checkpoint-1/meta.json: no space left on the device"
+        )
+        assert listing(full) == before
+    (tmp_path / "a-file").write_text("in the way")
+    (tmp_path / "a-link").symlink_to("nowhere")
+    for taken in (tmp_path / "a-file", tmp_path / "a-link"):
+        assert (
+            refused(taken) == f"--receipt-dir {taken} cannot be created (File exists); nothing was published"
+        )
+    assert (tmp_path / "a-file").read_text() == "in the way" and not (tmp_path / "nowhere").exists()

@@ -7,6 +7,7 @@ once, every run a forked child); the seal's own checks run in this process, on s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -199,6 +200,49 @@ def seal_as_link(folder):
     (folder / "meta.json").symlink_to(folder.parent / "seal.json")
 
 
+def a_socket(path: Path) -> None:
+    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
+    import socket
+
+    here = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(path.name)
+    finally:
+        os.chdir(here)
+
+
+def fifo_nested(folder):
+    os.mkfifo(folder / "sub" / "pipe")  # hashed, it would wait for a writer forever
+
+
+def socket_nested(folder):
+    a_socket(folder / "sub" / "sock")
+
+
+def fifo_at_the_top(folder):
+    os.mkfifo(folder / "pipe")
+
+
+def dangling_link_at_the_top(folder):
+    (folder / "latest").symlink_to("nowhere")
+
+
+def seal_a_fifo(folder):
+    (folder / "meta.json").unlink()
+    os.mkfifo(folder / "meta.json")
+
+
+def seal_a_folder(folder):
+    (folder / "meta.json").unlink()
+    (folder / "meta.json").mkdir()
+
+
+def seal_empty(folder):
+    (folder / "meta.json").write_bytes(b"")
+
+
 def outside_name(target: str) -> Callable[[dict], None]:
     def change(seal: dict) -> None:
         seal["files"][target] = seal["files"].pop("weights.bin")
@@ -207,6 +251,37 @@ def outside_name(target: str) -> Callable[[dict], None]:
 
 
 HOSTILE = [
+    pytest.param(
+        fifo_nested,
+        "sub/pipe is a link or special file: a sealed folder holds plain files and folders only",
+        id="fifo_nested",
+    ),
+    pytest.param(
+        socket_nested,
+        "sub/sock is a link or special file: a sealed folder holds plain files and folders only",
+        id="socket_nested",
+    ),
+    pytest.param(
+        fifo_at_the_top,
+        "checkpoint-3/pipe is a link or special file: a sealed folder holds plain files and folders only",
+        id="fifo_at_the_top",
+    ),
+    pytest.param(
+        dangling_link_at_the_top,
+        "checkpoint-3/latest is a link or special file: a sealed folder holds plain files and folders only",
+        id="dangling_link_at_the_top",
+    ),
+    pytest.param(
+        seal_a_fifo, "checkpoint-3/meta.json is a link or special file, not a seal", id="seal_a_fifo"
+    ),
+    pytest.param(
+        seal_a_folder, "checkpoint-3/meta.json is a link or special file, not a seal", id="seal_a_folder"
+    ),
+    pytest.param(
+        seal_empty,
+        "checkpoint-3/meta.json is not a valid seal: Expecting value: line 1 column 1 (char 0)",
+        id="seal_empty",
+    ),
     pytest.param(added_file, "extra.bin is not listed in its seal", id="added_file"),
     pytest.param(removed_file, "state.json is listed in its seal but missing", id="removed_file"),
     pytest.param(truncated, "its seal records 4,096", id="truncated"),
@@ -703,6 +778,55 @@ def test_what_is_not_a_folder_is_neither_checked_nor_sealed_and_nothing_is_writt
             seal_checkpoint(unsealed, step=step)
         assert str(refused.value) == f"step must be a non-negative integer or None, got {step!r}"
     assert not (unsealed / "meta.json").exists()
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        pytest.param(lambda path: path.symlink_to("nowhere"), id="a-dangling-link"),
+        pytest.param(lambda path: path.symlink_to("weights.bin"), id="a-link-inside"),
+        pytest.param(os.mkfifo, id="a-fifo"),
+        pytest.param(os.mkdir, id="a-folder"),
+        pytest.param(lambda path: path.write_bytes(b""), id="an-empty-file"),
+        pytest.param(lambda path: path.write_text('{"schema": "theirs/1"}'), id="their-json"),
+    ],
+)
+def test_sealing_never_replaces_a_meta_json_that_is_not_a_seal_and_leaves_the_folder_as_it_was(
+    tmp_path, plant
+):
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"w" * 64)
+    meta = folder / "meta.json"
+    plant(meta)
+    before = {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in folder.iterdir()}
+    with pytest.raises(UnsealedCheckpoint) as refused:
+        seal_checkpoint(folder, step=1)
+    assert str(refused.value) == f"{meta} exists and is not a {SEAL_SCHEMA} seal: refusing to replace it"
+    assert {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in folder.iterdir()} == before
+    assert (folder / "weights.bin").read_bytes() == b"w" * 64
+
+
+def test_a_hard_link_and_an_empty_file_are_sealed_as_the_bytes_they_hold_and_verify(tmp_path):
+    """A hard link is a plain file of the folder (its bytes may have another name outside):
+    sealed, listed once under its name, verified; the file outside is left as it was."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"o" * 32)
+    folder = tmp_path / "checkpoint-4"
+    (folder / "sub").mkdir(parents=True)
+    os.link(outside, folder / "sub" / "linked.bin")
+    (folder / "empty.txt").write_bytes(b"")
+    seal = seal_checkpoint(folder, step=4)
+    assert seal == {
+        "schema": SEAL_SCHEMA,
+        "step": 4,
+        "files": {
+            "empty.txt": {"sha256": hashlib.sha256(b"").hexdigest(), "size": 0},
+            "sub/linked.bin": {"sha256": hashlib.sha256(b"o" * 32).hexdigest(), "size": 32},
+        },
+    }
+    assert check_seal(folder) == seal and verified_checkpoint(tmp_path) == folder
+    assert outside.read_bytes() == b"o" * 32 and outside.stat().st_nlink == 2
 
 
 def test_when_the_newest_is_unsealed_and_an_older_seal_fails_the_user_is_not_told_to_seal_one(tmp_path):

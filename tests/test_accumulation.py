@@ -639,3 +639,18 @@ def test_a_float32_run_with_amp_off_trains_on_full_precision_losses(data_dir):
     expected = by_hand.data.loss(by_hand.model, batch)
     assert expected.dtype == torch.float32
     assert loss == float(expected.detach())
+
+
+def test_a_bf16_amp_run_trains_and_saves_without_a_grad_scaler(data_dir, tmp_path):
+    """bf16 has float32's range: no GradScaler scales its loss or skips its steps, and its
+    checkpoint's training state has no scaler state (fp16's only)."""
+    from pipeline.config import load_config
+    from pipeline.train import train
+
+    overrides = {"training.amp": "bf16", "training.max_steps": 1}
+    config = load_config(
+        REPO / "config.yaml", {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path), **overrides}
+    )
+    state = verify_checkpoint(train(config, progress=False).checkpoint)["training_state"]
+    assert sorted(state) == ["callbacks", "data", "optimizer", "progress", "rng", "scaler", "scheduler"]
+    assert state["scaler"] is None

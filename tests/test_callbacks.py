@@ -173,6 +173,23 @@ def test_a_callback_asking_to_stop_ends_the_run_committed_recorded_and_trained_n
     assert _callbacks(extended.checkpoint)["stopped"] is None
 
 
+def test_a_stop_asked_at_the_step_stop_at_ends_on_is_recorded_and_trains_no_further(
+    data_dir, tmp_path, monkeypatch
+):
+    """--stop-at 4 of a 10-step run, and a callback asks to stop at step 4: the run did stop
+    early (the callback's stop, not the cut), so step 4 is committed with the stop recorded,
+    and --resume latest trains no further."""
+    monkeypatch.setenv("STOP_AT", "4")
+    config = _config(data_dir, tmp_path, **{"training.callbacks": [STOP_AT]})
+    record = {"step": 4, "by": STOP_AT, "reason": "asked to stop at step 4"}
+    result = train(config, stop_at=4, progress=False)
+    assert (result.step, result.stopped, result.checkpoint) == (4, record, tmp_path / "step-00000004")
+    assert _callbacks(result.checkpoint)["stopped"] == record
+    again = train(config, resume="latest", progress=False)
+    assert (again.step, again.stopped, again.checkpoint) == (4, record, result.checkpoint)
+    assert CheckpointStore(tmp_path).committed_steps() == [4]
+
+
 def test_a_stop_asked_on_the_last_step_is_a_complete_run_not_an_early_stop(
     data_dir, tmp_path, monkeypatch, capsys
 ):

@@ -1889,6 +1889,44 @@ def test_leaving_a_group_never_made_or_closing_twice_leaves_the_process_groups_a
             dist.destroy_process_group()
 
 
+def test_rank_0_shares_a_checkpoint_folder_named_in_non_ascii_whole(tmp_path):
+    """The folder a resume starts from is rank 0's text, sent as its UTF-8 bytes: a name whose
+    characters are fewer than its bytes arrives whole (a launch of one rank over gloo)."""
+    import torch.distributed as dist
+
+    folder = str(tmp_path / "états-检查点" / "step-00000004")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = _world(0, 1)
+        assert (world.broadcast_text(folder), world.gather_text(folder)) == (folder, [folder])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_of_a_micro_batch_that_splits_unevenly_trains_on_its_share(data_dir, tmp_path):
+    """5 rows over 2 ranks (2 and 3 rows): the step's loss and gradients of each rank, weighed
+    by its share, average to one process's of the same 5 rows."""
+    from pipeline.accumulation import accumulate_gradients
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    config = load_config(
+        CONFIG,
+        {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path), "data.batch_size": 5, **QUIET_RNG},
+    )
+
+    def step(world):
+        run = build_run(config, torch.device("cpu"), world=world)
+        loss = accumulate_gradients(run, world)
+        return float(loss), [p.grad.double() for p in run.model.parameters()]
+
+    alone = step(World(device=torch.device("cpu")))
+    ranks = [step(_world(rank, 2)) for rank in range(2)]
+    assert sum(loss for loss, _ in ranks) / 2 == pytest.approx(alone[0], rel=1e-6)
+    for index, grad in enumerate(alone[1]):
+        assert torch.allclose((ranks[0][1][index] + ranks[1][1][index]) / 2, grad, rtol=1e-5, atol=1e-7)
+
+
 def test_global_batch_slices_cover_it_once_and_scale_to_its_mean():
     for total, size in ((4, 2), (5, 2), (7, 3), (3, 3)):
         batch = list(range(100, 100 + total))

@@ -325,6 +325,30 @@ def test_a_sample_that_is_not_text_is_refused_in_one_line(data_dir, tmp_path):
     assert list((tmp_path / "not" / "yet").iterdir()) == []
 
 
+def test_a_sample_that_raises_is_refused_in_one_line_naming_it(data_dir, tmp_path):
+    """04 ends with one line naming data.factory's sample(), its error and where to look, and
+    writes no record."""
+    from pipeline.errors import FactoryFailed
+    from pipeline.train import train
+
+    factory = "trainer_factories:build_data_raising_sample"
+    overrides = {
+        "data.dir": str(data_dir),
+        "data.factory": factory,
+        "checkpoint.dir": str(tmp_path / "ck"),
+        "outputs.metrics": str(tmp_path / "out" / "metrics.json"),
+        "training.max_steps": 1,
+    }
+    train(load_config(CONFIG, overrides), progress=False)
+    with pytest.raises(FactoryFailed) as refused:
+        evaluate_checkpoint(load_config(CONFIG, overrides))
+    assert str(refused.value) == (
+        f"data.factory {factory} sample() failed: ValueError: no prompt to sample from "
+        "(check data.params; --debug prints the traceback)"
+    )
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_evaluate_refuses_a_checkpoint_whose_weights_changed(trained_run, run_copy):
     run = run_copy(trained_run)
     weights = run.checkpoint / "modelo.safetensors"

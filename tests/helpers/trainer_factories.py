@@ -107,6 +107,17 @@ def build_data_bytes_sample(config: Config, data_dir: Path) -> _BytesSample:
     return _BytesSample(build_data(config, data_dir))
 
 
+class _RaisingSample(_BytesSample):
+    """The regression task's data, with a sample() that raises."""
+
+    def sample(self, model: Any, device: Any) -> str:
+        raise ValueError("no prompt to sample from")
+
+
+def build_data_raising_sample(config: Config, data_dir: Path) -> _RaisingSample:
+    return _RaisingSample(build_data(config, data_dir))
+
+
 class _ModeBlindEvaluate:
     """The regression task's data, whose evaluate runs the model in whatever mode it is handed
     (as most users' do: putting it in eval mode is the caller's job)."""

@@ -1068,6 +1068,9 @@ def test_the_plan_and_the_check_after_landing_send_only_the_requests_they_need(
 def test_a_no_op_rerun_writes_the_receipt_anew_when_it_was_deleted_and_keeps_it_when_it_is_there(
     staged_run, hub, tmp_path, token_env
 ):
+    """A no-op rerun keeps the receipt of the publish itself, writes it anew when it was
+    deleted, and replaces it when the check after landing now finds a difference: a receipt
+    that still said verified would hide what the Hub no longer shows."""
     first = publish_here(staged_run.stage, hub, "alice/receipted", tmp_path)
     receipt = tmp_path / "receipts" / f"alice--receipted-{first.commit[:12]}.json"
     assert (first.status, first.receipt, first.receipt_written) == ("published", receipt, True)
@@ -1093,6 +1096,34 @@ def test_a_no_op_rerun_writes_the_receipt_anew_when_it_was_deleted_and_keeps_it_
         "parent_commit": None,
         "verified": True,
         "problems": [],
+    }
+    assert len(commit_titles(hub, "alice/receipted")) == 2
+
+    # The Hub now refuses to serve the card: the rerun plans nothing (the listing is unchanged),
+    # but cannot verify it, so its receipt records that instead of keeping "verified".
+    hub.rate_limit_next(
+        times=1,
+        retry_after=None,
+        method="GET",
+        path=r"/alice/receipted/resolve/[0-9a-f]{40}/README\.md$",
+        status=403,
+    )
+    problem = "README.md: the Hub answers HTTP 403 to its download, so it cannot be checked"
+    with pytest.raises(VerificationFailed) as failed:
+        publish_here(staged_run.stage, hub, "alice/receipted", tmp_path)
+    assert str(failed.value) == (
+        f"commit {hub.url}/alice/receipted/commit/{first.commit} landed but differs from the audited stage: "
+        f"{problem}; receipt {receipt}"
+    )
+    assert sorted(p.name for p in receipt.parent.iterdir()) == [receipt.name]
+    refused = json.loads(receipt.read_text())
+    card = {**record["files"]["README.md"], "checked_by": "download refused", "found": None, "ok": False}
+    assert refused == {
+        **record,
+        "time": refused["time"],
+        "verified": False,
+        "problems": [problem],
+        "files": {**record["files"], "README.md": card},
     }
     assert len(commit_titles(hub, "alice/receipted")) == 2
 
@@ -1379,31 +1410,40 @@ def test_hub_storing_other_bytes_of_the_same_size_for_the_lfs_weights_fails_veri
     assert listed["modelo.safetensors"].size == weights["size"]  # same size, other bytes
 
 
-@pytest.mark.parametrize("edit", ["plain", "mtime-put-back", "removed"])
+@pytest.mark.parametrize("edit", ["plain", "mtime-put-back", "removed", "while-a-503-is-retried"])
 def test_same_size_edit_between_the_audit_and_the_commit_stops_the_publish_with_nothing_committed(
-    staged_run, run_copy, hub, tmp_path, token_env, edit
+    staged_run, run_copy, hub, tmp_path, token_env, monkeypatch, edit
 ):
+    """Every commit attempt checks the stage first: an edit before the first one, or while 06
+    waits to retry a commit the Hub answered 503, is refused before anything is committed."""
     stage = run_copy(staged_run).stage
     mtime_put_back = edit == "mtime-put-back"
 
+    def edit_the_card() -> None:
+        card = stage / "README.md"
+        if edit == "removed":  # not an edit of the same size, but caught by the same check
+            card.unlink()
+            return
+        before = card.stat()
+        data = bytearray(card.read_bytes())
+        data[-2] ^= 0x01
+        card.write_bytes(bytes(data))
+        if mtime_put_back:  # what a process hiding its edit does: only the ctime still tells
+            os.utime(card, ns=(before.st_atime_ns, before.st_mtime_ns))
+
     def edit_when_committing(line: str) -> None:
         if line.startswith("committing"):  # said after the audit and the plan, right before the commit
-            card = stage / "README.md"
-            if edit == "removed":  # not an edit of the same size, but caught by the same check
-                card.unlink()
-                return
-            before = card.stat()
-            data = bytearray(card.read_bytes())
-            data[-2] ^= 0x01
-            card.write_bytes(bytes(data))
-            if mtime_put_back:  # what a process hiding its edit does: only the ctime still tells
-                os.utime(card, ns=(before.st_atime_ns, before.st_mtime_ns))
+            edit_the_card()
 
+    retried = edit == "while-a-503-is-retried"
+    if retried:
+        hub.fail_next_commit(times=1, status=503)
+        monkeypatch.setattr(Deadline, "sleep", staticmethod(lambda seconds: edit_the_card()))
     with pytest.raises(StageChanged) as changed:
-        publish_here(stage, hub, "alice/edited", tmp_path, say=edit_when_committing)
+        publish_here(stage, hub, "alice/edited", tmp_path, say=None if retried else edit_when_committing)
     assert str(changed.value) == (
         f"{stage / 'README.md'} changed on disk after it was audited; nothing was committed; "
         "rebuild the stage with python scripts/05_stage.py, then rerun"
     )
     assert not [title for title in commit_titles(hub, "alice/edited") if title.startswith("Publish")]
-    assert hub.count("POST", r"/commit/") == 0
+    assert hub.count("POST", r"/commit/") == (1 if retried else 0)  # the one answered 503

@@ -595,6 +595,32 @@ def test_no_request_is_sent_once_the_deadline_has_passed(hub):
     assert hub.count() == 1 and dict(limit.sent) == {"reading the branch head": 1}
 
 
+def test_a_request_sent_again_after_its_answer_never_came_is_the_last_error_a_timeout_names(monkeypatch):
+    """A request that got no answer (its read timed out) and is sent again is noted: if the time
+    then runs out, the one line says what went unanswered, not an older error or none."""
+    import socket
+
+    monkeypatch.setattr(deadline, "REQUEST_TIMEOUT_S", 0.2)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes the handshakes; nobody ever reads or replies
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/api/models/alice/silent/revision/main"
+    limit = deadline.Deadline(30)
+    try:
+        with limit.installed():
+            with pytest.raises(httpx2.TimeoutException):
+                get_session().get(url)
+            assert limit.last_error is None  # a first try that timed out is not yet a retry
+            with pytest.raises(httpx2.TimeoutException):
+                get_session().get(url)
+    finally:
+        listener.close()
+    assert limit.why("reading the branch head", DeadlinePassed("reading the branch head was not sent")) == (
+        "publishing ran out of its 30s --timeout while reading the branch head (reading the branch head sent "
+        "2 times); last error: no answer to reading the branch head (timed out or connection lost)"
+    )
+
+
 def test_a_connection_made_just_as_the_deadline_passes_is_cut_before_the_request_is_sent(hub, clock):
     """The deadline can pass between the check before a request and its connection: the
     connection is cut as soon as it is made, and the request fails naming what it waited for."""

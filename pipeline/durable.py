@@ -433,8 +433,9 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` beside ``path``, fsync, rename over it, fsync the folder. Temporaries of
     ``path`` left by a crash are removed first."""
     path = Path(path)
-    # A crash before the rename leaves a hidden temporary of this very file: drop it now.
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+    # A crash before the rename leaves a hidden temporary of this very file: drop it now. Only the
+    # names made below (eight hex digits): a user's ".meta.json.old.tmp" beside it is not ours.
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.{'[0-9a-f]' * 8}.tmp"):
         stale.unlink(missing_ok=True)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:

@@ -134,7 +134,9 @@ def hub_shard_name(index: int, count: int) -> str:
 
 
 # A committed checkpoint's folder: eight or more digits, so listings sort.
-_STEP_DIR = re.compile(r"step-(\d{8,})\Z")  # \Z: "step-00000010\n" is not ours
+# [0-9], not \d (which takes any script's digits: int("٠٠٠٠٠٠١٠") is 10); \Z, not $: "step-00000010\n"
+# is not ours either.
+_STEP_DIR = re.compile(r"step-([0-9]{8,})\Z")
 
 
 def step_dir_name(step: int) -> str:

@@ -246,6 +246,15 @@ def test_card_sections_must_be_a_regular_file_of_bounded_size(tmp_path):
         )
     long = "a" * 300 + ".md"
     assert refused_sections(long, tmp_path) == f"card.sections: {long} cannot be read (File name too long)"
+    assert refused_sections(f"{long}/card.md", tmp_path) == (
+        f"card.sections: {long}/card.md cannot be read (File name too long)"  # too long on the way
+    )
+    with pytest.raises(StageError) as caught:
+        read_user_sections("card.md\0.txt", tmp_path)
+    assert str(caught.value) == (
+        "card.sections: card.md\\x00.txt is no file name (it holds a NUL byte); put your sections in a "
+        'Markdown file inside it and name that file, or set card.sections to ""'
+    )
 
 
 def test_card_sections_are_confined_by_path_components_not_by_a_string_prefix(tmp_path):

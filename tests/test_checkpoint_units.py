@@ -49,7 +49,13 @@ def test_step_names_sort_as_integers_and_only_committed_folders_count(tmp_path):
     assert step_dir_name(10) == "step-00000010" and parse_step_dir("step-00000010") == 10
     assert parse_step_dir(".tmp-step-00000010-ab") is None and parse_step_dir("step-1") is None
     assert parse_step_dir("step-00000010\n") is None and parse_step_dir("step-00000010 ") is None
+    # Digits of another script are no step: int() would read both as 10.
+    assert parse_step_dir("step-٠٠٠٠٠٠١٠") is None and parse_step_dir("step-𝟎𝟎𝟎𝟎𝟎𝟎𝟏𝟎") is None
     store = _save(tmp_path, [9, 100_000_000, 10])
+    (tmp_path / "step-٠٠٠٠٠٠١١").mkdir()  # a user's folder, with a meta.json of its own
+    (tmp_path / "step-٠٠٠٠٠٠١١" / "meta.json").write_bytes(
+        (tmp_path / "step-00000010" / "meta.json").read_bytes()
+    )
     (tmp_path / "step-00000011").mkdir()  # no meta.json: not committed
     (tmp_path / ".tmp-step-00000012-0bad").mkdir()
     assert store.committed_steps() == [9, 10, 100_000_000]

@@ -177,6 +177,9 @@ def test_printed_commands_name_the_form_the_step_was_run_in(monkeypatch, tmp_pat
     )
     # A step's name after another program (python some_tool.py train) is that program's argument.
     assert invocation(["tool.py", "train"]) == Invocation(("tool.py",), None, ("train",))
+    # A numbered name ends where it seems to: a final line break makes it another program.
+    assert invocation(["tools/09_mine.py", "x"]) == Invocation(("tools/09_mine.py",), "09_mine.py", ("x",))
+    assert invocation(["tools/09_mine.py\n", "x"]) == Invocation(("tools/09_mine.py\n",), None, ("x",))
 
 
 def test_refusals_that_point_at_another_step_name_it_in_the_form_the_step_was_run_in(monkeypatch, tmp_path):

@@ -91,6 +91,7 @@ def test_store_removes_only_the_temporary_folders_it_names_and_only_under_its_lo
     ours = [".tmp-step-00000007-0badf00d", ".deleting-step-00000003-12345678", ".tmp-step-100000000-0badf00d"]
     theirs = [".tmp-notes", ".deleting-mine", ".tmp-step-00000007-notes", "step-00000002"]
     theirs += [".tmp-step-00000007-0badf00d\n", ".deleting-step-00000003-12345678\n"]  # a user's names
+    theirs += [".tmp-step-١٢٣٤٥٦٧٨-0badf00d"]  # digits, but not the ones we write
     for name in ours + theirs:
         (tmp_path / name).mkdir()
         (tmp_path / name / "file").write_text(name)

@@ -541,9 +541,12 @@ def test_keep_last_1_makes_the_new_checkpoint_durable_before_it_prunes_the_old(t
 def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed):
     stale = sealed / ".meta.json.0123abcd.tmp"  # what write_json_atomic leaves if killed
     stale.write_text("{")
+    theirs = sealed / ".meta.json.backup.tmp"  # a user's file: not a name write_json_atomic gives
+    theirs.write_text("mine")
     (sealed / "weights.bin").write_bytes(b"new")
     seal_checkpoint(sealed, step=3)
     assert check_seal(sealed)["files"]["weights.bin"]["size"] == 3 and not stale.exists()
+    assert theirs.read_text() == "mine"
     ours = {"schema": "pipeline.checkpoint/2", "step": 3}
     (sealed / "meta.json").write_text(json.dumps(ours))
     with pytest.raises(

@@ -99,8 +99,9 @@ __all__ = [
 _TRASH_PREFIX = ".deleting-"
 # Exactly the names this module gives a save in progress (durable.atomic_folder) or a
 # checkpoint being pruned: nothing else in the folder is ever deleted.
-# \Z, not $: a user's ".tmp-step-00000001-0badf00d\n" is not ours to delete.
-_STALE_DIR = re.compile(r"\.(?:tmp|deleting)-step-\d{8,}-[0-9a-f]{8}\Z")
+# \Z, not $: a user's ".tmp-step-00000001-0badf00d\n" is not ours to delete; nor, [0-9] not \d,
+# is ".tmp-step-١٢٣٤٥٦٧٨-0badf00d".
+_STALE_DIR = re.compile(r"\.(?:tmp|deleting)-step-[0-9]{8,}-[0-9a-f]{8}\Z")
 _log = logging.getLogger(__name__)
 
 

@@ -47,6 +47,9 @@ def read_user_sections(name: str, root: str | Path) -> str | None:
         return None
     fix = 'put your sections in a Markdown file inside it and name that file, or set card.sections to ""'
     where = "the folder the scripts run in"
+    if "\0" in name:
+        # No file name holds a NUL: resolving it would raise ValueError, a traceback.
+        raise StageError(f"card.sections: {shown(name)} is no file name (it holds a NUL byte); {fix}")
     inside = Path(os.path.realpath(root))
     path = Path(os.path.abspath(os.path.join(inside, name)))
     real = Path(os.path.realpath(path))
@@ -63,11 +66,12 @@ def read_user_sections(name: str, root: str | Path) -> str | None:
         f"card.sections: {shown(name)} not found (paths are relative to {where}); fix the path or set "
         'card.sections to ""'
     )
-    if not real.parent.is_dir():
-        # A file named as a folder on the way ("card.md/more.md"): the walk below would take it for
-        # a swap made while reading, and say so on every rerun.
-        raise StageError(not_found)
     try:
+        # Inside the try: a part of the path the system cannot take (too long) is said in one line.
+        if not real.parent.is_dir():
+            # A file named as a folder on the way ("card.md/more.md"): the walk below would take it
+            # for a swap made while reading, and say so on every rerun.
+            raise StageError(not_found)
         # Opened from the folder's descriptor, no link followed on the way, checked to be the
         # file just looked at, read within its size: a swap for a link, a pipe or a device since
         # is refused, never followed or waited on (pipeline.safe_read).

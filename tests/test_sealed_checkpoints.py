@@ -543,10 +543,16 @@ def test_sealing_replaces_only_a_seal_and_never_lists_its_own_temporaries(sealed
     stale.write_text("{")
     theirs = sealed / ".meta.json.backup.tmp"  # a user's file: not a name write_json_atomic gives
     theirs.write_text("mine")
+    short = sealed / ".meta.json.abc.tmp"  # hex, but not the eight digits write_json_atomic gives
+    short.write_text("also mine")
     (sealed / "weights.bin").write_bytes(b"new")
     seal_checkpoint(sealed, step=3)
-    assert check_seal(sealed)["files"]["weights.bin"]["size"] == 3 and not stale.exists()
-    assert theirs.read_text() == "mine"
+    files = check_seal(sealed)["files"]
+    assert files["weights.bin"]["size"] == 3 and not stale.exists()
+    assert theirs.read_text() == "mine" and short.read_text() == "also mine"
+    # The user's files are files of the checkpoint: sealed with it, not passed over as ours.
+    assert (files[theirs.name]["size"], files[short.name]["size"]) == (4, 9)
+    assert ".meta.json.0123abcd.tmp" not in files
     ours = {"schema": "pipeline.checkpoint/2", "step": 3}
     (sealed / "meta.json").write_text(json.dumps(ours))
     with pytest.raises(

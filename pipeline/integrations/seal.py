@@ -62,7 +62,9 @@ _CHECKPOINT = re.compile(r"checkpoint[-_]([0-9]{1,18})")
 _PRUNED = re.compile(r"\.pruned-checkpoint[-_][0-9]{1,18}-[0-9a-f]{8}")
 # The temporaries write_json_atomic leaves when killed before its rename; it removes them
 # when it next writes the seal, so sealing must not list them.
-_SEAL_TEMPORARY = re.compile(re.escape(f".{META_FILE}.") + r"[0-9a-f]+\.tmp")
+# Exactly the names write_atomic gives its temporaries (eight hex digits): a user's
+# ".meta.json.abc.tmp" is a file of the checkpoint like any other, sealed with it.
+_SEAL_TEMPORARY = re.compile(re.escape(f".{META_FILE}.") + r"[0-9a-f]{8}\.tmp")
 
 
 def checkpoint_number(name: str) -> int | None:

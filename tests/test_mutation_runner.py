@@ -172,3 +172,21 @@ def test_a_named_test_whose_fixture_fails_is_reported_as_the_killer(tmp_path):
     out = result.stdout
     line = next(line for line in out.splitlines() if line.startswith("killed"))
     assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_setup.py::test_two: 1 error"), out
+
+
+def test_a_killer_that_logged_an_error_is_named_by_its_id_not_by_its_log_line(tmp_path):
+    """pytest prints a failing test's captured log in its report, ``ERROR    dcp:file.py:6 ...``
+    for a record at level ERROR (torch's checkpoint logger writes one when a load fails), above
+    the ``FAILED`` line of the short summary."""
+    root = _tiny_tree(tmp_path)
+    (root / "tests" / "test_logs.py").write_text(
+        "import logging\n\nimport calc\n\n\ndef test_logs():\n"
+        "    logging.getLogger('dcp').error('load failed')\n    assert calc.add(1, 1) == 2\n"
+    )
+    first = MUTATIONS.split("\n\n[[mutation]]")[0]
+    (root / "list.toml").write_text(
+        first.replace("tests/test_calc.py::test_add", "tests/test_logs.py::test_logs")
+    )
+    out = _mutate(root).stdout
+    line = next(line for line in out.splitlines() if line.startswith("killed"))
+    assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_logs.py::test_logs: 1 failed"), out

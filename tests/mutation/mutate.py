@@ -195,8 +195,9 @@ def run_one(mutation: Mutation, scratch_parent: Path) -> tuple[str, str, float]:
         tail = [line for line in result.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
         if result.returncode == 1:
             # The killer's id (a parametrised one may hold spaces), so a campaign's kills can be
-            # kept with the test that made them: a failing test, or one whose fixture failed.
-            failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", result.stdout, re.MULTILINE)
+            # kept with the test that made them: a failing test, or one whose fixture failed. A
+            # test id, not a captured log line at level ERROR ("ERROR    name:file.py:96 ...").
+            failed = re.search(r"^(?:FAILED|ERROR) (tests/\S.*?)(?: - .*)?$", result.stdout, re.MULTILINE)
             killer = f"by {failed.group(1)}: " if failed else ""
             return "killed", killer + tail[0], time.monotonic() - started
         if result.returncode == 0:

@@ -472,6 +472,25 @@ def test_a_config_naming_architectures_without_model_type_gets_the_plain_pytorch
     assert "hub_loader" not in card and "code/" not in load and "from_pretrained(folder" not in load, load
 
 
+def test_a_transformers_config_listing_several_architectures_is_staged_and_loaded_as_its_first(tmp_path):
+    """transformers builds a config's first architecture: the card loads that class, not another
+    one listed after it."""
+    folder = tiny_folder(tmp_path / "model")
+    config = {"width": 4, "model_type": "tiny", "architectures": ["TinyNetModel", "TinyNetForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    stage(folder, tmp_path / "stage")
+    meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
+    assert meta["export"]["transformers"] is True and meta["export"]["architecture"] == "TinyNetModel"
+    card = (tmp_path / "stage" / "README.md").read_text(encoding="utf-8")
+    assert (
+        "\n`model` is a transformers `TinyNetModel` model with 20 parameters in `model.safetensors`." in card
+    )
+    load = card.split("## How to load it", 1)[1].split("\n## ", 1)[0]
+    assert "from transformers import TinyNetModel\n" in load, load
+    assert "model, info = TinyNetModel.from_pretrained(folder, output_loading_info=True)\n" in load, load
+    assert "ForCausalLM" not in card, card
+
+
 def test_a_repo_id_without_a_namespace_is_refused_before_anything_is_staged(tmp_path):
     """The card's snippets download from --repo-id: a bare name is a repo of the Hub's own."""
     folder = tiny_folder(tmp_path / "model")

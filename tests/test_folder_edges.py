@@ -26,6 +26,7 @@ import pipeline.stage.from_folder as from_folder
 from pipeline.durable import fsync_tree, remove_tree
 from pipeline.errors import FolderTooDeep, RepoIdError, StageError, UnsealedCheckpoint
 from pipeline.integrations.seal import prune_checkpoints, seal_checkpoint, verified_checkpoint
+from pipeline.safe_read import HandedFolder
 from pipeline.stage.card_parts import card_data
 from pipeline.stage.folder_source import survey_folder
 
@@ -153,6 +154,27 @@ def test_pruning_removes_an_old_checkpoint_nested_a_thousand_deep(tmp_path, nest
     nest(output / "checkpoint-1" / "logs", 1000)  # after its seal: still counted as sealed
     assert prune_checkpoints(output / "checkpoint-2", 1) == ["checkpoint-1"]
     assert sorted(p.name for p in output.iterdir()) == ["checkpoint-2"]
+
+
+def test_a_folder_nesting_exactly_64_folders_is_walked_whole_and_one_more_is_refused_naming_it(
+    tmp_path, nest
+):
+    """64 nested folders, the documented maximum, are walked to the file in the last of them; a
+    65th is refused in one line naming it, before it is entered."""
+    folder = tmp_path / "model"
+    nest(folder, 64)
+    with HandedFolder(folder) as handed:
+        assert [name for name, _ in handed.walk()] == [
+            *("/".join(["d"] * level) for level in range(1, 65)),
+            "/".join(["d"] * 64 + ["x.txt"]),
+        ]
+    remove_tree(folder)
+    nest(folder, 65)
+    with HandedFolder(folder) as handed, pytest.raises(FolderTooDeep) as refused:
+        list(handed.walk())
+    assert str(refused.value) == (
+        f"{folder} nests folders more than 64 deep ({'/'.join(['d'] * 65)}): no model or checkpoint folder does"
+    )
 
 
 # -- prune beside a newest checkpoint that does not verify ---------------------------------------------
@@ -470,6 +492,25 @@ def test_a_config_naming_architectures_without_model_type_gets_the_plain_pytorch
     assert "is a PyTorch model" in card and "this repository holds no code" in load, load
     assert "load_state_dict(state_dict)" in load, load
     assert "hub_loader" not in card and "code/" not in load and "from_pretrained(folder" not in load, load
+
+
+def test_a_transformers_config_listing_several_architectures_is_staged_and_loaded_as_its_first(tmp_path):
+    """transformers builds a config's first architecture: the card loads that class, not another
+    one listed after it."""
+    folder = tiny_folder(tmp_path / "model")
+    config = {"width": 4, "model_type": "tiny", "architectures": ["TinyNetModel", "TinyNetForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    stage(folder, tmp_path / "stage")
+    meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
+    assert meta["export"]["transformers"] is True and meta["export"]["architecture"] == "TinyNetModel"
+    card = (tmp_path / "stage" / "README.md").read_text(encoding="utf-8")
+    assert (
+        "\n`model` is a transformers `TinyNetModel` model with 20 parameters in `model.safetensors`." in card
+    )
+    load = card.split("## How to load it", 1)[1].split("\n## ", 1)[0]
+    assert "from transformers import TinyNetModel\n" in load, load
+    assert "model, info = TinyNetModel.from_pretrained(folder, output_loading_info=True)\n" in load, load
+    assert "ForCausalLM" not in card, card
 
 
 def test_a_repo_id_without_a_namespace_is_refused_before_anything_is_staged(tmp_path):
@@ -878,6 +919,28 @@ def test_bad_metrics_are_refused_before_the_folder_is_even_surveyed(tmp_path, co
     expected = why.format(path=metrics)
     assert message.startswith(expected if content and content.startswith("[") else f"--metrics {expected}")
     assert message.endswith(("returns them", "not found", "nothing was staged")), message
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+def test_a_metrics_file_of_exactly_1_mib_is_read_and_one_byte_more_is_refused(tmp_path):
+    """The --metrics bound is inclusive: a file of exactly 1 MiB is read (the folder, with no
+    config.json, is then what is refused); a byte more is refused as over the limit."""
+    folder = tiny_folder(tmp_path / "model")
+    (folder / "config.json").unlink()
+    metrics = tmp_path / "eval.json"
+    body = '{"accuracy": 0.5}'
+    for size, refusal in [
+        (
+            1 << 20,
+            f"{folder} has no config.json: the Hub's tools need one beside the weights (save_pretrained writes "
+            "it); nothing was staged",
+        ),
+        ((1 << 20) + 1, f"--metrics {metrics} is 1,048,577 bytes, over the 1,048,576-byte limit"),
+    ]:
+        metrics.write_text(body + " " * (size - len(body)))
+        with pytest.raises(StageError) as refused:
+            stage(folder, tmp_path / "stage", metrics=metrics)
+        assert str(refused.value) == refusal
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 

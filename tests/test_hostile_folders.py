@@ -282,9 +282,15 @@ def test_a_lock_file_planted_as_a_link_fifo_hard_link_or_foreign_file_is_refused
     with pytest.raises(LockRefused, match=r"\.lock holds something else than the process id"):
         FolderLock(lock, busy).acquire()
     assert lock.read_text() == "not a pid\n" and precious.read_text() == "a month of notes\n"
-    lock.write_text("123")  # what an earlier holder left: taken over
-    with FolderLock(lock, busy):
-        assert lock.read_text() == str(os.getpid())
+    # What an earlier holder left, shorter or longer than this pid (20 digits: the most a lock
+    # file holds): taken over, and a second taker is told this pid, not what is left of the old one.
+    for stale in ("123", "9" * 20):
+        lock.write_text(stale)
+        with FolderLock(lock, busy):
+            assert lock.read_text() == str(os.getpid())
+            with pytest.raises(PipelineError) as taken:
+                FolderLock(lock, busy).acquire()
+            assert str(taken.value) == f"busy {os.getpid()}"
     lock.unlink()
     with FolderLock(lock, busy):  # created: ours
         assert lock.read_text() == str(os.getpid())

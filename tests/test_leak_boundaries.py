@@ -119,6 +119,7 @@ EDGES = [
     ("openai-key", True, "sk" + "-" + al(32)),
     ("openai-key", False, "sk" + "-" + al(31)),
     ("openai-key", False, "task" + "-" + al(32)),
+    ("openai-key", True, "sk" + "-learn" + " " * 1100 + "sk" + "-" + al(32)),
     # Slack: 10 after xox?-, starting a word.
     *(("slack-token", True, "xo" + "x" + letter + "-" + al(10)) for letter in "abeoprs"),
     ("slack-token", False, "xo" + "xb-" + al(9)),
@@ -168,6 +169,8 @@ EDGES = [
     ("database-url", False, "mysql" + "://u:<pw>@h"),
     ("database-url", False, "xpostgres" + "://u:p@h"),
     ("database-url", False, "postgres" + "://u:p/q@h"),
+    # Each needle found is tried, not only the first: "://" of another URL a window before it.
+    ("database-url", True, "https" + "://example.com/" + " " * 1100 + "postgres" + "://u:p@h"),
     # Telegram: 8 to 10 digits, :AA, exactly 33 more.
     ("telegram-bot-token", True, telegram(8, 33)),
     ("telegram-bot-token", True, telegram(10, 33)),

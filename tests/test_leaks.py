@@ -91,6 +91,29 @@ def test_this_machines_paths_and_host_name_are_refused_in_text(tmp_path, kind):
     assert message.startswith(f"meta.json holds {words}; nothing was published")
 
 
+def test_the_working_folder_read_from_the_system_is_refused_wherever_it_is_outside_home(
+    tmp_path, monkeypatch
+):
+    """Run from /data/runs/x while HOME is /home/alice: the working folder is the one the
+    process runs in, not one under home."""
+    working = tmp_path.resolve() / "runs" / "x"
+    working.mkdir(parents=True)
+    monkeypatch.setenv("HOME", "/home/alice")
+    monkeypatch.chdir(working)
+    machine = rules(hostname="")
+    assert machine.machine[:2] == (
+        (b"/home/alice", "the home folder's path"),
+        (str(working).encode(), "the working folder's absolute path"),
+    )
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "meta.json").write_text(f'{{"where": "{working}/estados_local"}}\n')
+    assert refused(stage, machine) == (
+        "meta.json holds the working folder's absolute path; nothing was published. Remove it from where it "
+        "came from (config card section, data, task sample, code, edits to the stage) and stage again"
+    )
+
+
 def test_paths_match_as_whole_names_and_only_in_text_files(tmp_path):
     machine = rules(home="/root", cwd="/srv/x", hostname="vm")
     # Longer names that merely start with the values, and the values inside a binary file.

@@ -711,8 +711,15 @@ def test_a_publish_to_another_branch_creates_it_from_main_and_commits_there_alon
     staged_run, hub, tmp_path, token_env
 ):
     api = api_for(hub)
-    result = publish_here(staged_run.stage, hub, "alice/branch", tmp_path, revision="dev", private=True)
+    message = "Release v1: the tiny model"  # 06 --message: the commit's title
+    result = publish_here(
+        staged_run.stage, hub, "alice/branch", tmp_path, revision="dev", private=True, message=message
+    )
     assert (result.status, result.plan.revision) == ("published", "dev")
+    assert [c.title for c in api.list_repo_commits("alice/branch", revision="dev")] == [
+        message,
+        "initial commit",
+    ]
     assert api.repo_info("alice/branch", revision="dev").sha == result.commit
     created = api.repo_info("alice/branch")  # the repo was missing: created as asked, main left as created
     main = created.sha

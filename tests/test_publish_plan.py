@@ -262,10 +262,17 @@ def test_a_dry_run_to_a_folder_plans_against_that_folder_alone(staged_run, hub, 
     api.create_repo("alice/foldered")
     api.upload_file(path_or_fileobj=b"notes", path_in_repo="notes.txt", repo_id="alice/foldered")
     result = publish_here(
-        staged_run.stage, hub, "alice/foldered", tmp_path, dry_run=True, path_in_repo="model"
+        staged_run.stage,
+        hub,
+        "alice/foldered",
+        tmp_path,
+        dry_run=True,
+        path_in_repo="model",
+        message="Add model/",
     )
     plan = result.plan
     assert (plan.path_in_repo, plan.deletions) == ("model", ())
+    assert format_plan(plan).splitlines()[1] == "commit  Add model/"  # 06 --message: the title
     assert [(f.path_in_repo, f.action) for f in plan.files] == [
         (f"model/{f.name}", "add") for f in plan.files
     ]

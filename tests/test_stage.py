@@ -251,14 +251,22 @@ def test_05s_table_says_weights_were_copied_byte_for_byte_and_resharded_ones_rew
     assert entry["sha256"] not in {row.sha256 for row in shards}
 
 
-def test_restaging_a_placeholder_folder_gives_byte_identical_files(staged_run, run_copy):
+@pytest.mark.parametrize("before", ["a-placeholder-folder", "a-killed-05"])
+def test_restaging_gives_byte_identical_files_and_no_sibling_of_ours(staged_run, run_copy, before):
+    """A killed 05 left its full copy .tmp-hub_stage-<hex> and the stage moved aside as
+    .old-hub_stage-<hex>: the rerun puts it back, removes the copy, and stages anew."""
     run = run_copy(staged_run)
-    shutil.rmtree(run.stage)
-    run.stage.mkdir()
-    (run.stage / ".gitkeep").touch()
+    siblings = sorted(p.name for p in run.root.iterdir())
+    if before == "a-placeholder-folder":
+        shutil.rmtree(run.stage)
+        run.stage.mkdir()
+        (run.stage / ".gitkeep").touch()
+    else:
+        shutil.copytree(run.stage, run.root / ".tmp-hub_stage-0badf00d")
+        run.stage.rename(run.root / ".old-hub_stage-1234abcd")
     build_stage(in_process_config(run), stage_dir=run.stage, metrics=run.metrics)
     assert snapshot(run.stage) == snapshot(staged_run.stage)
-    assert leftovers(run) == []
+    assert leftovers(run) == [] and sorted(p.name for p in run.root.iterdir()) == siblings
 
 
 def test_without_matplotlib_the_stage_has_no_curve_and_the_card_says_so(staged_run, run_copy, monkeypatch):

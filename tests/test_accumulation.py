@@ -501,9 +501,14 @@ def test_the_evaluation_at_a_step_is_what_04_says_of_its_checkpoint(data_dir, tm
          "evaluation/step is not a list of int64"),
         ({"evaluation/step": torch.tensor([], dtype=torch.int64), "evaluation/mse": torch.tensor([], dtype=torch.float64)},
          "evaluation/step is not a list of int64"),
+        ({"evaluation/step": torch.tensor([2, 4]), "evaluation/mse": torch.tensor([[1.0], [2.0]], dtype=torch.float64)},
+         "evaluation/mse is not 2 float64 values: the checkpoint is sealed"),
+        ({"evaluation/step": torch.tensor([2]), "evaluation/mse": torch.tensor(1.0, dtype=torch.float64)},
+         "evaluation/mse is not 1 float64 values: the checkpoint is sealed"),
     ],
     ids=["repeated-step", "past-the-run", "short", "nan", "inf-beside-finite", "no-steps", "no-metric", "step-0",
-         "float-steps", "float32-values", "no-metric-name", "steps-in-rows", "no-evaluated-step"],
+         "float-steps", "float32-values", "no-metric-name", "steps-in-rows", "no-evaluated-step", "values-in-rows",
+         "one-value-no-list"],
 )  # fmt: skip
 def test_saved_evaluations_are_checked_before_use(tensors, says):
     from pipeline.checkpoint.evaluations import evaluation_tensors, evaluations_from

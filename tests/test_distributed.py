@@ -264,6 +264,12 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     cut, resumed, full = results[offset : offset + 3]
     assert cut["step"] == 6 and resumed["step"] == full["step"] == 10
     assert resumed["loss"] == full["loss"]  # the whole history, bit for bit
+    # The traced gradient norm is the whole model's: FSDP2's sharded gradients give the norm
+    # of DDP's whole ones, not that of rank 0's shard.
+    ddp_norms = results[2]["grad_norm"]
+    assert len(full["grad_norm"]) == 10 and all(norm > 0 for norm in full["grad_norm"])
+    if mode == "fsdp2":
+        assert full["grad_norm"] == pytest.approx(ddp_norms, rel=1e-4)
     staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
     reference = stage(root / f"full_{mode}" / "step-00000010", tmp_path / "full")
     assert staged.read_bytes() == reference.read_bytes()

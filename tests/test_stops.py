@@ -189,6 +189,33 @@ def test_a_second_signal_during_the_clean_up_of_a_stop_is_ignored(signum):
     assert [signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)] == before  # put back
 
 
+@pytest.mark.parametrize("until_run_main", [True, False], ids=["until-run-main", "on-its-own"])
+def test_the_import_time_handler_stays_for_run_main_or_goes_with_its_block(until_run_main):
+    """The numbered scripts keep the import-time handler until run_main installs its own (no
+    instant without one); a script that does not end through run_main (scripts/demo.py) gets its
+    previous handlers back, so a stop while it runs is not 'stopped while starting; nothing was done'."""
+    from pipeline.stops import is_installed, starting
+
+    names = (signal.SIGTERM, signal.SIGINT)
+    before = {each: signal.getsignal(each) for each in names}
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with starting(until_run_main=until_run_main):
+            during = {each: signal.getsignal(each) for each in names}
+        after = {each: signal.getsignal(each) for each in names}
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
+    assert during[signal.SIGTERM] is during[signal.SIGINT]
+    assert during[signal.SIGTERM] not in (signal.SIG_DFL, signal.default_int_handler, signal.SIG_IGN)
+    assert not is_installed(during[signal.SIGTERM])
+    if until_run_main:
+        assert after == during
+    else:
+        assert after == {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+
+
 @pytest.mark.parametrize("committed", [True, False], ids=["committed", "not-committed"])
 def test_stops_during_a_held_commit_wait_for_its_end_and_the_first_is_raised(committed):
     """Two signals in a held block: the block runs to its end, then the first signal is

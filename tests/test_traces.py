@@ -362,6 +362,37 @@ def test_what_training_wrote_is_replaced(tmp_path, kind):
     assert [step for tag, step, _ in events(folder) if tag == "train/loss"] == [1, 2]
 
 
+def test_the_restored_history_is_traced_at_the_start_not_with_the_first_step_after_it(tmp_path, monkeypatch):
+    """A run resumed at step 2: its traces hold steps 1 and 2 from the moment it starts (a run that
+    then trains nothing, or slowly, still shows them), written at that wall time; step 3 at its own."""
+    clock = [10.0]
+    monkeypatch.setattr(
+        traces_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0])
+    )
+    run = SimpleNamespace(
+        step=2,
+        history={"step": [1, 2], "loss": [1.0, 0.5], "lr": [0.1, 0.1]},
+        sampler=SimpleNamespace(samples_seen=8),
+    )
+    traces = open_traces(tmp_path / "traces", run, log_every=1, say=print, data_dir=tmp_path / "data")
+    clock[0] = 20.0
+    run.step, run.sampler.samples_seen = 3, 12
+    for key, value in (("step", 3), ("loss", 0.25), ("lr", 0.05)):
+        run.history[key].append(value)
+    traces.on_step_end(run, None)
+    traces.close(run)
+    written = [
+        (event.step, event.wall_time, [(value.tag, value.simple_value) for value in event.summary.value])
+        for event in LegacyEventFileLoader(str(tmp_path / "traces" / TRACE)).Load()
+        if event.summary.value
+    ]
+    assert written == [
+        (1, 10.0, [("train/loss", 1.0), ("train/lr", np.float32(0.1))]),
+        (2, 10.0, [("train/loss", 0.5), ("train/lr", np.float32(0.1))]),
+        (3, 20.0, [("train/loss", 0.25), ("train/lr", np.float32(0.05))]),
+    ]
+
+
 def _traced_speeds(tmp_path, monkeypatch, run, times=(1.0, 1.0, 2.0, 2.0)) -> list[tuple[int, float]]:
     """``run`` resumed at step 4 trains steps 5 to 8, of ``times`` seconds (1, 1, 2 and 2) on the
     traces' clock, logged every 2 steps (its sampler, if any, drawing 4 rows a step): the traced

@@ -572,19 +572,27 @@ def test_a_data_prepare_that_is_not_deterministic_keeps_the_data_in_place(tmp_pa
     assert again.returncode == 0, again.stderr
     assert "data unchanged, already prepared" in again.stdout
     (line,) = again.stderr.splitlines()
-    assert line.startswith(
-        "warning: hostile_factories:prepare_unrepeatable wrote other bytes than the data already in "
-    ) and line.endswith(
-        "it is not deterministic (a tokenizer trained on several threads? an unseeded draw?). The data in "
-        "place is kept and verifies: checkpoints are trained on it"
-    ), line
+    kept = json.loads(before[1])
+    # The fingerprint of the bytes discarded first, then that of the data kept ("in place").
+    written = re.fullmatch(
+        re.escape(
+            "warning: hostile_factories:prepare_unrepeatable wrote other bytes than the data already in "
+            f"{tmp_path / 'data'}/ for this same config (fingerprint "
+        )
+        + "([0-9a-f]{12})"
+        + re.escape(
+            f", in place {kept['fingerprint'][:12]}): it is not deterministic (a tokenizer trained on several "
+            "threads? an unseeded draw?). The data in place is kept and verifies: checkpoints are trained on it"
+        ),
+        line,
+    )
+    assert written is not None and written[1] != kept["fingerprint"][:12], line
     assert (
         (tmp_path / "data" / "vocabulary.bin").read_bytes(),
         (tmp_path / "data" / "manifest.json").read_bytes(),
     ) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing left beside it
     # What 01 prints is the data kept, which checkpoints train on, not the bytes it discarded.
-    kept = json.loads(before[1])
     assert f"fingerprint {kept['fingerprint']}\n" in again.stdout, again.stdout
     digest = hashlib.sha256(before[0]).hexdigest()
     assert kept["files"]["vocabulary.bin"]["sha256"] == digest

@@ -170,6 +170,7 @@ def main(plan_path: str) -> None:
                 outcome = {
                     "step": result.step,
                     "loss": result.history["loss"],
+                    "grad_norm": result.history["grad_norm"],
                     "checkpoint": str(result.checkpoint),
                 }
             except (PipelineError, OSError) as exc:

@@ -30,7 +30,7 @@ from pipeline.safe_read import HandedFolder
 from pipeline.stage.card_parts import card_data
 from pipeline.stage.folder_source import survey_folder
 
-from support import PYTHON, REPO, one_line_error, run_script, script_env
+from support import PYTHON, REPO, a_socket, one_line_error, run_script, script_env
 
 
 def make_nest(root: Path, depth: int) -> None:
@@ -656,19 +656,6 @@ def fifos_at_the_top(folder: Path) -> str:
     os.mkfifo(folder / "b-pipe")
     os.mkfifo(folder / "a-pipe")
     return f"{folder}/a-pipe is not a plain file or folder; nothing was staged"
-
-
-def a_socket(path: Path) -> None:
-    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
-    import socket
-
-    here = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(path.name)
-    finally:
-        os.chdir(here)
 
 
 def a_socket_at_the_top(folder: Path) -> str:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support import REPO
 
 MODULE = """\
@@ -158,35 +160,34 @@ def test_a_run_of_the_named_tests_reports_the_test_that_killed_each_defect(tmp_p
     assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_calc.py::test_add: 1 failed"), out
 
 
-def test_a_named_test_whose_fixture_fails_is_reported_as_the_killer(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "code", "test", "outcome"),
+    [
+        (
+            "test_setup.py",
+            "import calc\nimport pytest\n\n\n@pytest.fixture\ndef two():\n    assert calc.add(1, 1) == 2\n"
+            "    return 2\n\n\ndef test_two(two):\n    assert two == 2\n",
+            "tests/test_setup.py::test_two",
+            "1 error",
+        ),
+        # pytest prints a failing test's captured log in its report, "ERROR    dcp:test_logs.py:7 ..."
+        # for a record at level ERROR (torch's checkpoint logger writes one when a load fails),
+        # above the FAILED line of the short summary: the killer is the test, not that line.
+        (
+            "test_logs.py",
+            "import logging\n\nimport calc\n\n\ndef test_logs():\n"
+            "    logging.getLogger('dcp').error('load failed')\n    assert calc.add(1, 1) == 2\n",
+            "tests/test_logs.py::test_logs",
+            "1 failed",
+        ),
+    ],
+    ids=["its-fixture-fails", "it-logged-an-error"],
+)
+def test_the_killer_is_named_by_its_test_id(tmp_path, name, code, test, outcome):
     root = _tiny_tree(tmp_path)
-    (root / "tests" / "test_setup.py").write_text(
-        "import calc\nimport pytest\n\n\n@pytest.fixture\ndef two():\n    assert calc.add(1, 1) == 2\n"
-        "    return 2\n\n\ndef test_two(two):\n    assert two == 2\n"
-    )
+    (root / "tests" / name).write_text(code)
     first = MUTATIONS.split("\n\n[[mutation]]")[0]
-    (root / "list.toml").write_text(
-        first.replace("tests/test_calc.py::test_add", "tests/test_setup.py::test_two")
-    )
-    result = _mutate(root)
-    out = result.stdout
-    line = next(line for line in out.splitlines() if line.startswith("killed"))
-    assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_setup.py::test_two: 1 error"), out
-
-
-def test_a_killer_that_logged_an_error_is_named_by_its_id_not_by_its_log_line(tmp_path):
-    """pytest prints a failing test's captured log in its report, ``ERROR    dcp:file.py:6 ...``
-    for a record at level ERROR (torch's checkpoint logger writes one when a load fails), above
-    the ``FAILED`` line of the short summary."""
-    root = _tiny_tree(tmp_path)
-    (root / "tests" / "test_logs.py").write_text(
-        "import logging\n\nimport calc\n\n\ndef test_logs():\n"
-        "    logging.getLogger('dcp').error('load failed')\n    assert calc.add(1, 1) == 2\n"
-    )
-    first = MUTATIONS.split("\n\n[[mutation]]")[0]
-    (root / "list.toml").write_text(
-        first.replace("tests/test_calc.py::test_add", "tests/test_logs.py::test_logs")
-    )
+    (root / "list.toml").write_text(first.replace("tests/test_calc.py::test_add", test))
     out = _mutate(root).stdout
     line = next(line for line in out.splitlines() if line.startswith("killed"))
-    assert line.split("] ", 1)[1].startswith("add subtracts: by tests/test_logs.py::test_logs: 1 failed"), out
+    assert line.split("] ", 1)[1].startswith(f"add subtracts: by {test}: {outcome}"), out

@@ -27,7 +27,7 @@ from pipeline.integrations.seal import (
     verified_checkpoint,
 )
 
-from support import HELPERS, run_python, run_script, script_env
+from support import HELPERS, a_socket, run_python, run_script, script_env
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("sealed-trainer")
@@ -198,19 +198,6 @@ def oversize(folder):
 def seal_as_link(folder):
     (folder / "meta.json").rename(folder.parent / "seal.json")
     (folder / "meta.json").symlink_to(folder.parent / "seal.json")
-
-
-def a_socket(path: Path) -> None:
-    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
-    import socket
-
-    here = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(path.name)
-    finally:
-        os.chdir(here)
 
 
 def fifo_nested(folder):

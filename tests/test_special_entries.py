@@ -18,18 +18,7 @@ from pipeline.durable import FolderLock, fsync_tree
 from pipeline.errors import FileChanged, LockRefused
 from pipeline.safe_read import HandedFolder, Seen
 
-
-def a_socket(path: Path) -> None:
-    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
-    import socket
-
-    here = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(path.name)
-    finally:
-        os.chdir(here)
+from support import a_socket
 
 
 def _plant(path: Path, kind: str, outside: Path) -> None:

@@ -473,3 +473,16 @@ def publish_stage(
         cwd=stage.parent,
         env=env,
     )
+
+
+def a_socket(path: Path) -> None:
+    """A socket file at ``path``, bound by its short name (AF_UNIX takes at most 107 bytes)."""
+    import socket
+
+    here = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(path.name)
+    finally:
+        os.chdir(here)

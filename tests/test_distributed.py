@@ -2140,7 +2140,8 @@ def test_three_ranks_receive_each_others_text_whole_and_name_the_first_rank_that
     """Texts between three ranks, whatever their length or script: every rank's text (none, one
     of 80,000 characters of two and three UTF-8 bytes, one of a single character) arrives whole
     on every rank in rank order; a stop a callback asked on the last rank alone, or on the middle
-    and the last alike, is recorded on every rank by the first rank that asked, in its own words."""
+    and the last alike, is recorded on every rank by the first rank that asked, in its own words,
+    and one asked on the middle rank alone without a reason names that rank's callback."""
     from pipeline.callbacks import Callbacks, Control
 
     long = "ü✓" * 40_000
@@ -2160,6 +2161,7 @@ def test_three_ranks_receive_each_others_text_whole_and_name_the_first_rank_that
             stop(world, (None, None, ("cb:läst", "plateau — ünï ✓"))),
             stop(world, (None, ("cb:middle", "a middle's reason"), ("cb:läst", "the last's"))),
             stop(world, (None, ("", ""), None)),
+            stop(world, (None, ("cb:middle", ""), None)),
         )
 
     results = _thread_ranks(tmp_path, body, 3)
@@ -2168,6 +2170,7 @@ def test_three_ranks_receive_each_others_text_whole_and_name_the_first_rank_that
         {"step": 7, "by": "cb:läst", "reason": "plateau — ünï ✓"},
         {"step": 7, "by": "cb:middle", "reason": "a middle's reason"},
         {"step": 7, "by": "a callback", "reason": "a callback asked to stop"},
+        {"step": 7, "by": "cb:middle", "reason": "cb:middle asked to stop"},
     )
     assert results == [every_rank] * 3
 

@@ -132,6 +132,13 @@ def test_a_length_no_one_can_count_is_refused_in_one_line(data_dir, tmp_path):
     assert with_counted_length(recorded, sampler, first_length=8).training.max_steps == 20
     with pytest.raises(ConfigError, match="counts 8 steps"):
         with_counted_length(recorded, sampler)
+    # An extended run whose first length is not the count: the refusal names that length, not the extended one.
+    with pytest.raises(ConfigError) as refused:
+        with_counted_length(recorded, sampler, first_length=9)
+    assert str(refused.value) == (
+        f"{recorded.source}: training.max_steps is 9, but training.epochs 2 counts 8 steps "
+        "(4 batches an epoch, 1 a step): give one of the two"
+    )
 
 
 def test_a_run_planned_before_it_trains_is_counted_from_its_data(data_dir, tmp_path):

@@ -66,7 +66,7 @@ def test_metrics_json_names_every_code_file_and_the_config_it_evaluated_under(ev
 @pytest.mark.parametrize(
     "edit",
     ["first-schema", "old-key", "no-sources", "a-key-more", "step-as-text", "sha-not-text", "code-not-text",
-     "config-not-a-mapping", "source-hash-not-text"],
+     "config-not-a-mapping", "source-hash-not-text", "other-schema-same-keys"],
 )  # fmt: skip
 def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_that_rewrites_it(
     evaluated_run, tmp_path, edit
@@ -91,6 +91,8 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         record["fingerprints"]["code"] = 1
     elif edit == "config-not-a-mapping":
         record["config"] = "config.yaml"
+    elif edit == "other-schema-same-keys":  # every key a pipeline.metrics/2 record has, another version's
+        record["schema"] = "pipeline.metrics/3"
     elif edit == "source-hash-not-text":
         record["fingerprints"]["sources"]["pipeline/tasks/regression.py"] = None
     else:
@@ -100,8 +102,12 @@ def test_a_metrics_record_that_names_no_code_files_is_refused_with_the_command_t
         r"metrics\.json (is not a pipeline\.metrics/2 record|has (a )?malformed "
         r"(fingerprints or config|step or modelo_sha256)): rerun python scripts/04_evaluate\.py$"
     )
-    with pytest.raises(MetricsError, match=refused):
+    with pytest.raises(MetricsError, match=refused) as refusal:
         read_metrics(tmp_path / "metrics.json")
+    if edit in ("first-schema", "other-schema-same-keys", "old-key", "a-key-more"):
+        assert str(refusal.value) == (
+            f"{tmp_path / 'metrics.json'} is not a pipeline.metrics/2 record: rerun python scripts/04_evaluate.py"
+        )
 
 
 @pytest.mark.parametrize(

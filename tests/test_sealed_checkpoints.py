@@ -598,6 +598,29 @@ def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_pro
         prune_checkpoints(output / "checkpoint-5", 0)
 
 
+def test_a_renamed_backup_copy_of_a_checkpoint_is_neither_resumed_from_nor_pruned(tmp_path):
+    """checkpoint-10.bak and checkpoint-3-old are a user's copies, sealed as the originals were:
+    only checkpoint-N itself is a checkpoint, to resume from or to prune."""
+    output = tmp_path / "output"
+    for step in (2, 3):
+        folder = output / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+        seal_checkpoint(folder, step=step)
+    shutil.copytree(output / "checkpoint-3", output / "checkpoint-10.bak")
+    shutil.copytree(output / "checkpoint-2", output / "checkpoint-3-old")
+    assert verified_checkpoint(output) == output / "checkpoint-3"
+    assert prune_checkpoints(output / "checkpoint-3", 1) == ["checkpoint-2"]
+    assert sorted(p.name for p in output.iterdir()) == [
+        "checkpoint-10.bak",
+        "checkpoint-3",
+        "checkpoint-3-old",
+    ]
+    for backup, step in (("checkpoint-10.bak", 3), ("checkpoint-3-old", 2)):
+        assert (output / backup / "weights.bin").read_bytes() == bytes([step]) * 64
+        assert check_seal(output / backup)["step"] == step
+
+
 def test_accelerate_save_state_folders_are_sealed_pruned_and_verified_the_same_way(tmp_path):
     accelerate = pytest.importorskip("accelerate")
     import torch

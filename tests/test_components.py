@@ -432,6 +432,13 @@ def test_the_built_in_components_refuse_a_saved_state_that_does_not_fit_the_fres
             "does not hold exactly python, numpy_generator, numpy_legacy, torch_cpu, torch_cuda",
         ),
         ("rng", {**rng, "python": "x"}, 0, "rng.python", "is not a valid state (ValueError)"),
+        (
+            "rng",
+            {**rng, "python": (rng["python"][0], (2**70, *rng["python"][1][1:]), rng["python"][2])},
+            0,
+            "rng.python",
+            "is not a valid state (OverflowError)",
+        ),
         ("rng", {**rng, "numpy_legacy": "x"}, 0, "rng.numpy_legacy", "is not a valid state (TypeError)"),
         (
             "rng",

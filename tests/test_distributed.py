@@ -1061,6 +1061,17 @@ def test_a_resume_whose_built_tensors_differ_from_the_checkpoints_names_the_firs
         assert all(not tensor.any() for tensor in template.values()), "a refused load wrote into the run"
 
 
+def test_a_state_loader_that_misses_a_key_is_one_line_naming_the_checkpoint(tmp_path):
+    """torch's state loaders report a state naming a key this run lacks as a KeyError: a
+    resume or --reshard ends with one line naming the checkpoint, like their other refusals."""
+    from pipeline.checkpoint.dist_restore import _fits
+
+    saved: dict[str, torch.Tensor] = {"exp_avg": torch.zeros(2)}
+    with pytest.raises(StateMismatch) as caught, _fits(tmp_path):
+        saved["exp_avg_sq"]
+    assert str(caught.value) == f"{tmp_path}: saved training state does not fit this run: 'exp_avg_sq'"
+
+
 def test_a_shard_damaged_after_its_seal_is_kept_as_the_ranks_refusal_until_they_agree(tmp_path, monkeypatch):
     """A torchrun resume's load through DCP, in-process: a byte of one shard flipped after its
     seal does not end the load in DCP's collectives (a rank raising there would leave its peers

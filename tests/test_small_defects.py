@@ -139,18 +139,30 @@ def test_01_names_exactly_what_is_in_the_way_and_touches_nothing(tmp_path, in_th
     assert after == before
 
 
-def test_01_refuses_a_dangling_link_at_data_dir_and_leaves_it_and_its_target_alone(tmp_path):
-    """A link at data.dir is "in the way" even when what it names does not exist: 01 says so in
-    one line before preparing anything, and creates nothing through it."""
-    target, nowhere = tmp_path / "data", tmp_path / "gone"
-    target.symlink_to(nowhere)
+@pytest.mark.parametrize("names", ["nothing", "an empty folder"])
+def test_01_refuses_a_link_at_data_dir_and_leaves_it_and_its_target_alone(tmp_path, names):
+    """A link at data.dir is "in the way" whether what it names does not exist or is an empty
+    folder: 01 says so in one line before preparing anything, and creates nothing through it."""
+    target, named = tmp_path / "data", tmp_path / "elsewhere"
+    if names == "an empty folder":
+        named.mkdir()
+    target.symlink_to(named)
     config = load_config(CONFIG, {"data.dir": str(target)})
-    with pytest.raises(DataError, match=r"exists and is not a folder"):
-        prepare_data(config)
-    with pytest.raises(DataError, match=r"exists and is not a folder"):
-        load_manifest(config)
-    assert target.is_symlink() and os.readlink(target) == str(nowhere) and not os.path.lexists(nowhere)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    refusal = (
+        f"data.dir {target} exists and is not a folder: "
+        "move it away or point data.dir elsewhere (--set data.dir=PATH)"
+    )
+    for step in (prepare_data, load_manifest):
+        with pytest.raises(DataError) as refused:
+            step(config)
+        assert str(refused.value) == refusal
+    assert target.is_symlink() and os.readlink(target) == str(named)
+    assert os.path.lexists(named) == (names == "an empty folder")
+    if names == "an empty folder":
+        assert list(named.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["data"] + (["elsewhere"] if os.path.lexists(named) else [])
+    )
 
 
 @pytest.mark.parametrize("made", ["absent", "empty folder"])

@@ -598,15 +598,11 @@ def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_pro
         prune_checkpoints(output / "checkpoint-5", 0)
 
 
-def test_a_renamed_backup_copy_of_a_checkpoint_is_neither_resumed_from_nor_pruned(tmp_path):
+def test_a_renamed_backup_copy_of_a_checkpoint_is_neither_resumed_from_nor_pruned(sealed):
     """checkpoint-10.bak and checkpoint-3-old are a user's copies, sealed as the originals were:
     only checkpoint-N itself is a checkpoint, to resume from or to prune."""
-    output = tmp_path / "output"
-    for step in (2, 3):
-        folder = output / f"checkpoint-{step}"
-        folder.mkdir(parents=True)
-        (folder / "weights.bin").write_bytes(bytes([step]) * 64)
-        seal_checkpoint(folder, step=step)
+    output = sealed.parent
+    originals = {step: (output / f"checkpoint-{step}" / "weights.bin").read_bytes() for step in (2, 3)}
     shutil.copytree(output / "checkpoint-3", output / "checkpoint-10.bak")
     shutil.copytree(output / "checkpoint-2", output / "checkpoint-3-old")
     assert verified_checkpoint(output) == output / "checkpoint-3"
@@ -617,7 +613,7 @@ def test_a_renamed_backup_copy_of_a_checkpoint_is_neither_resumed_from_nor_prune
         "checkpoint-3-old",
     ]
     for backup, step in (("checkpoint-10.bak", 3), ("checkpoint-3-old", 2)):
-        assert (output / backup / "weights.bin").read_bytes() == bytes([step]) * 64
+        assert (output / backup / "weights.bin").read_bytes() == originals[step]
         assert check_seal(output / backup)["step"] == step
 
 

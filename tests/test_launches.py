@@ -742,7 +742,7 @@ def test_a_refusal_under_torchrun_is_one_line_and_torchruns_report_names_it(data
     root_cause = launch.stderr.split("Root Cause (first observed failure):")[1]
     assert f"traceback : {errors[0]}" in root_cause, root_cause
     assert "To enable traceback" not in launch.stderr, launch.stderr[-3000:]
-    assert "exitcode  : 2" in root_cause, root_cause
+    assert "exitcode  : 2" in root_cause, launch.stderr[-3000:]
 
 
 def test_training_parallel_ddp_in_one_process_is_one_line_naming_the_launch(data_dir, tmp_path):

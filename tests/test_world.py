@@ -275,3 +275,57 @@ def test_a_rank_of_a_two_node_launch_reads_its_nodes_process_count_and_names_tha
     assert one_node.resume_command(argv=argv) == torchrun + (
         " --standalone --nproc-per-node=2 scripts/02_train.py --set training.parallel=ddp --resume latest"
     )
+
+
+def _gloo_threads() -> set[str]:
+    """The ids of this process's gloo worker and transport threads."""
+    from pathlib import Path
+
+    tasks = Path("/proc/self/task")
+    return {
+        task.name
+        for task in tasks.iterdir()
+        if (task / "comm").read_text().strip() in ("pt_gloo_runloop", "gloo_tcp_loop")
+    }
+
+
+def test_a_rank_that_fails_ends_its_groups_threads_although_the_error_is_still_held(
+    data_dir, monkeypatch, tmp_path
+):
+    """A refusal on a rank of a launch (here the only one, DDP on gloo) leaves no gloo thread
+    running once :func:`joined` is left, while the error that ended the run is still held (as
+    a script's exit holds it to the end): a worker alive when the interpreter finalizes can
+    abort the rank after its one line was printed (SIGABRT for exit 2). The error's frames
+    held the DDP model's group, the launch object its mesh group."""
+    import signal
+
+    import torch.distributed as dist
+
+    import pipeline.distributed.world as launch_world
+    from pipeline.errors import StateMismatch
+    from pipeline.train import train
+
+    from support import reseal
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "1", "RANK": "0"}
+    for name, value in {**launch, "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_world, "_watching", True)  # no launcher watchdog in the test process
+    config = load_config(
+        CONFIG,
+        {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"), "training.parallel": "ddp"},
+    )
+    sigterm = signal.getsignal(signal.SIGTERM)  # a failed rank ignores SIGTERM from then on
+    before = _gloo_threads()
+    try:
+        train(config, stop_at=2, progress=False)
+        reseal(tmp_path / "ck" / "step-00000002", lambda meta: meta["training_state"].update(optimizer={}))
+        with pytest.raises(StateMismatch) as refused:
+            train(config, resume="latest", progress=False)
+        assert not dist.is_initialized()
+        assert _gloo_threads() == before, refused.value
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import traceback
 from typing import Iterator
 
 from ..config import Config, launch_mode
@@ -39,11 +40,28 @@ def joined(config: Config, world: World | None = None) -> Iterator[World]:
     launch = LaunchWorld.start(config)
     try:
         yield launch
-    except BaseException:
+    except BaseException as exc:
         _outlast_the_agent()
+        _release_frames(exc)
         raise
     finally:
         launch.close()
+
+
+def _release_frames(error: BaseException) -> None:
+    """Drop the locals of the frames ``error`` (and every error chained to it) unwound. They
+    hold the run's DDP model and its reducer, so the launch's process groups: alive past
+    :meth:`~pipeline.distributed.world.LaunchWorld.close`, their gloo worker threads would
+    still run when the interpreter finalizes, which can abort the rank (SIGABRT) after it
+    printed its one line. The frames' files and lines stay, for a traceback."""
+    pending, seen = [error], set()
+    while pending:
+        chained = pending.pop()
+        if chained is None or id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        pending += [chained.__cause__, chained.__context__]
 
 
 def _outlast_the_agent() -> None:

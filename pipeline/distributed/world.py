@@ -190,13 +190,16 @@ class LaunchWorld(World):
 
     def close(self) -> None:
         """Leave every process group and end their gloo worker threads while Python still
-        runs (a worker alive at interpreter exit aborts the rank): the garbage that still
-        holds a group is collected first, then the groups are destroyed, which stops their
-        workers. FSDP2's mesh outlives this (torch's DTensor caches keep it), hence
-        :attr:`mesh_group`, idle from the last training step on."""
+        runs (a worker alive at interpreter exit can abort the rank): the garbage that still
+        holds a group is collected first, then the groups are destroyed. A destroyed group's
+        workers stop with its last reference, so this object lets go of its mesh group too
+        (an error's traceback may keep this object to the exit; the caller drops the frames
+        that hold the model: :func:`pipeline.distributed.launch.joined`). FSDP2's mesh outlives
+        this (torch's DTensor caches keep it), idle from the last training step on."""
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
+        self.mesh_group = None
 
     # -- data ----------------------------------------------------------------------------
     def slice(self, indices: Sequence[int]) -> tuple[list[int], float]:

@@ -141,7 +141,10 @@ class Callbacks:
                     method(*args)
             else:
                 method(*args)
-            if control.should_training_stop and not asked:
+            if asked and not control.should_training_stop:
+                # A stop withdrawn: who asked it and why must not name a later stop.
+                control.stopped_by = control.stop_reason = ""
+            elif control.should_training_stop and not asked:
                 control.stopped_by = control.stopped_by or entry.name
         control.agreed()
 

@@ -992,18 +992,19 @@ def test_a_saved_callbacks_component_is_checked_whole_before_anything_is_set():
 def test_a_saved_callbacks_component_is_loaded_as_copies_with_a_line_for_each_left_out():
     from pipeline.callbacks import Callbacks
 
-    mine, fresh = _Keeps({"n": 0}), _Keeps({"n": 0})
+    mine, fresh, late = _Keeps({"n": 0}), _Keeps({"n": 0}), _Keeps({"n": 0})
     callbacks = Callbacks()
     callbacks.add("mine", mine, user=True)
     callbacks.add("fresh", fresh, user=True)
+    callbacks.add("late", late, user=True)  # after one without state: its own still comes back
     saved = {
         "stopped": {"step": 3, "by": "mine", "reason": "done"},
-        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}},
+        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}, "late": {"n": 2}},
     }
     callbacks.notes = ["from before"]
     callbacks.load(saved)
     assert callbacks.stopped == {"step": 3, "by": "mine", "reason": "done"}
-    assert mine.loaded == [{"seen": [1]}] and fresh.loaded == []
+    assert (mine.loaded, fresh.loaded, late.loaded) == ([{"seen": [1]}], [], [{"n": 2}])
     assert callbacks.notes == [
         "callback fresh has no state in the checkpoint: it starts afresh",
         "the checkpoint's state of callback alpha is left out: no such callback runs",
@@ -1013,7 +1014,7 @@ def test_a_saved_callbacks_component_is_loaded_as_copies_with_a_line_for_each_le
     callbacks.stopped["step"] = 9
     assert saved == {
         "stopped": {"step": 3, "by": "mine", "reason": "done"},
-        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}},
+        "states": {"mine": {"seen": [1]}, "zeta": {}, "alpha": {}, "late": {"n": 2}},
     }
 
 
@@ -1025,6 +1026,13 @@ def test_a_stop_asked_on_another_rank_is_recorded_as_the_first_rank_that_asked_s
     gather = lambda text: [text if not by else json.dumps([by, why]) for by, why in ranks]  # noqa: E731
     assert Callbacks().record_stop(7, control, gather) == {"step": 7, "by": "mine", "reason": "enough"}
     assert (control.stopped_by, control.stop_reason) == ("mine", "enough")
+    # The first rank that asked, though it gave no reason and a later one did.
+    ranks[1] = ["mine", ""]
+    assert Callbacks().record_stop(7, Control(), gather) == {
+        "step": 7,
+        "by": "mine",
+        "reason": "mine asked to stop",
+    }
     asked_here = Control(stopped_by="here", stop_reason="")
     assert Callbacks().record_stop(7, asked_here, lambda text: [text, json.dumps(["", ""])]) == {
         "step": 7,
@@ -1091,3 +1099,40 @@ def test_a_finished_step_clears_its_save_and_evaluation_but_not_a_stop():
     control.step_done()
     flags = (control.should_training_stop, control.should_save, control.should_evaluate)
     assert flags == (True, False, False)
+
+
+class _AsksToStop:
+    def __init__(self, at, reason=""):
+        self.at, self.reason = at, reason
+
+    def on_step_end(self, run, control):
+        if run.step == self.at:
+            control.should_training_stop = True
+            control.stop_reason = control.stop_reason or self.reason
+
+
+class _WithdrawsEarlyStops:
+    def on_step_end(self, run, control):
+        if run.step < 5:
+            control.should_training_stop = False
+
+
+def test_a_stop_withdrawn_by_a_later_callback_leaves_no_name_or_reason_to_a_later_stop():
+    """A callback may withdraw a stop an earlier one asked (should_training_stop set back): the
+    run goes on, and a stop asked at a later step is recorded as its own callback's, with its own
+    reason (none given: '<name> asked to stop'), not the withdrawn one's."""
+    from types import SimpleNamespace
+
+    from pipeline.callbacks import Callbacks, Control
+
+    callbacks = Callbacks()
+    callbacks.add("early", _AsksToStop(3, "too soon"), user=True)
+    callbacks.add("guard", _WithdrawsEarlyStops(), user=True)
+    callbacks.add("late", _AsksToStop(7), user=True)
+    control = Control()
+    for step in range(1, 9):
+        callbacks.on_step_end(SimpleNamespace(step=step), control)
+        if control.should_training_stop:
+            break
+        control.step_done()
+    assert callbacks.record_stop(step, control) == {"step": 7, "by": "late", "reason": "late asked to stop"}

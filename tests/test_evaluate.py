@@ -139,7 +139,18 @@ def test_a_metrics_record_whose_metrics_are_not_finite_numbers_is_refused(
 
 
 @pytest.mark.parametrize(
-    "kind", ["fifo", "link-to-fifo", "folder", "oversized", "missing", "not-json", "not-utf8", "under-a-file"]
+    "kind",
+    [
+        "fifo",
+        "link-to-fifo",
+        "folder",
+        "oversized",
+        "missing",
+        "not-json",
+        "not-utf8",
+        "under-a-file",
+        "procfs",
+    ],
 )
 def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(tmp_path, kind):
     """--metrics names a file 05 reads: a FIFO (or a link to one) is refused at once, not
@@ -157,6 +168,8 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
         "not-json": "is not valid JSON: rerun python scripts/04_evaluate.py",
         "not-utf8": "is not valid JSON: rerun python scripts/04_evaluate.py",
         "under-a-file": " could not be read (Not a directory): rerun python scripts/04_evaluate.py",
+        # A file whose size fstat does not tell (procfs says 0 bytes): read as one that grew.
+        "procfs": " changed while it was read (grew past 0 bytes while read): rerun python scripts/04_evaluate.py",
     }[kind]
     if kind == "fifo":
         os.mkfifo(path)
@@ -175,9 +188,13 @@ def test_a_metrics_file_that_is_not_a_small_regular_file_is_refused_in_one_line(
     elif kind == "under-a-file":  # the disk's own refusal, in its words
         (tmp_path / "notes").write_text("")
         path = tmp_path / "notes" / "metrics.json"
+    elif kind == "procfs":
+        path = Path("/proc/self/status")
     with pytest.raises(MetricsError) as refused:
         read_metrics(path)
     assert str(refused.value).startswith(str(path)) and says in str(refused.value), refused.value
+    if kind in ("under-a-file", "procfs"):
+        assert str(refused.value) == f"{path}{says}"
 
 
 def test_metrics_are_written_where_asked_and_a_folder_given_as_the_file_is_refused(evaluated_run, tmp_path):
@@ -436,27 +453,38 @@ def test_a_weights_copy_left_by_a_killed_evaluate_is_removed_by_the_next_and_a_l
 def test_04_evaluates_in_eval_mode_for_a_task_whose_evaluate_does_not_set_it(data_dir, tmp_path):
     """A task's evaluate() that runs the model as it is handed (most do) gets it in eval mode:
     dropout (the default model's 0.1) off, so metrics.json records the weights' own held-out
-    error, not a noisier one."""
+    error, not a noisier one. Evaluated with training.device auto, the record names the device
+    it resolved to; the weights copy is made beside the metrics (in another folder than the
+    checkpoints'), where a killed evaluate's copy left behind is swept."""
+    from pipeline.durable import _SUFFIX_HEX, SCRATCH_PREFIX
     from pipeline.train import train
 
     overrides = {
         "data.dir": str(data_dir),
         "data.factory": "trainer_factories:build_data_mode_blind_evaluate",
         "checkpoint.dir": str(tmp_path / "ck"),
-        "outputs.metrics": str(tmp_path / "metrics.json"),
+        "outputs.metrics": str(tmp_path / "out" / "metrics.json"),
         "training.max_steps": 2,
     }
     config = load_config(CONFIG, overrides)
     assert config.model.params["dropout"] > 0
     checkpoint = train(config, progress=False).checkpoint
-    recorded = evaluate_checkpoint(config)["metrics"]["mse"]
-    model = build_model(config)
+    left = tmp_path / "out" / f"{SCRATCH_PREFIX}evaluate-weights-{'0' * _SUFFIX_HEX}"
+    left.mkdir(parents=True)
+    record = evaluate_checkpoint(load_config(CONFIG, {**overrides, "training.device": "auto"}))
+    assert record["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out", "traces"]
+        and list((tmp_path / "out").iterdir()) == []
+    )
+    device = torch.device(record["device"])
+    model = build_model(config).to(device)
     load_model_weights(model, load_file(checkpoint / "modelo.safetensors"))
     model.eval()
-    heldout = load_file(data_dir / "heldout.safetensors")
+    heldout = load_file(data_dir / "heldout.safetensors", device=str(device))
     with torch.no_grad():
         by_hand = torch.nn.functional.mse_loss(model(heldout["x"]), heldout["y"]).item()
-    assert recorded == by_hand
+    assert record["metrics"]["mse"] == by_hand
 
 
 @pytest.mark.parametrize(
@@ -512,3 +540,7 @@ def test_04_seeds_a_task_whose_evaluate_draws_so_its_record_is_the_same_every_ti
     # The seed is the checkpoint's: a config.yaml edited since training evaluates the same.
     edited = load_config(CONFIG, {**overrides, "training.seed": config.training.seed + 1})
     assert evaluate_checkpoint(edited)["metrics"] == first
+    # A checkpoint trained with another seed than the default draws other numbers.
+    seven = load_config(CONFIG, {**overrides, "checkpoint.dir": str(tmp_path / "ck7"), "training.seed": 7})
+    train(seven, progress=False)
+    assert evaluate_checkpoint(seven)["metrics"]["noise"] != first["noise"]

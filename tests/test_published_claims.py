@@ -348,7 +348,10 @@ def test_a_mark_that_is_not_exactly_step_metric_mode_and_a_finite_value_is_refus
 
 def test_a_mark_larger_than_any_mark_is_not_read(tmp_path):
     """The store writes a few dozen bytes: a larger BEST.json is no mark, even one whose first
-    4 KiB are a valid mark followed by blanks."""
+    4 KiB are a valid mark followed by blanks; one of exactly 4 KiB is read."""
+    text = '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5}'
+    (tmp_path / "BEST.json").write_text(text + " " * (4096 - len(text)))
+    assert read_best(tmp_path) == {"step": 3, "metric": "mse", "mode": "max", "value": 0.5}
     (tmp_path / "BEST.json").write_text(
         '{"step": 3, "metric": "mse", "mode": "max", "value": 0.5}' + " " * 4096
     )
@@ -387,6 +390,29 @@ def test_a_mark_one_save_behind_is_refused_with_the_resume_that_marks_the_best_a
     message = str(refused.value)
     assert "the committed step 4 was evaluated better" in message, message
     assert "resume the run with --resume latest" in message and "the next save marks" not in message, message
+
+
+def test_a_mark_that_is_a_socket_or_not_json_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A socket's file named BEST.json cannot be opened (ENXIO): no mark, not the disk's error;
+    a mark cut short says where the parser stopped."""
+    import socket
+
+    monkeypatch.chdir(tmp_path)  # bound by its short name: AF_UNIX paths are short
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("BEST.json")
+    with pytest.raises(CheckpointError) as refused:
+        read_best(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/BEST.json is not a best-checkpoint mark: delete it; the next save writes it again"
+    )
+    (tmp_path / "BEST.json").unlink()
+    (tmp_path / "BEST.json").write_text('{"step": 3, ')
+    with pytest.raises(CheckpointError) as refused:
+        read_best(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/BEST.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+        "column 13 (char 12)): delete it; the next save writes it again"
+    )
 
 
 def test_a_mark_that_cannot_be_opened_is_the_disks_error_not_a_verdict_on_the_mark(tmp_path):
@@ -472,6 +498,14 @@ def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
     ):
         check_best(mark, evaluations, [4, 6], "BEST.json")
     assert check_best(mark, evaluations, [2, 6], "BEST.json") == mark  # step 4 was pruned: 6 is the best kept
+    # By max too: an earlier committed step that only ties the marked value is as good.
+    highest = {"step": [2, 4, 6], "acc": [0.25, 0.5, 0.5]}
+    with pytest.raises(CheckpointError) as refused:
+        check_best({"step": 6, "metric": "acc", "mode": "max", "value": 0.5}, highest, [4, 6], "BEST.json")
+    assert str(refused.value) == (
+        "BEST.json marks step 6 (acc = 0.5) as the best (max), but the committed step 4 was evaluated at acc = 0.5, "
+        "as good or better: delete it (the next save marks the best again), or pass --checkpoint latest or PATH"
+    )
     assert best_record(evaluations, "loss", "min", among={2, 4, 6})["step"] == 4
     assert best_record(evaluations, "loss", "min", among={2, 6})["step"] == 6
     assert best_record(evaluations, "loss", "max", among={4, 6})["step"] == 4
@@ -481,6 +515,10 @@ def test_a_mark_is_the_earliest_of_equal_values_among_the_committed_steps():
     evaluations = {"step": [2, 4, 6, 8], "loss": [0.5, 0.25, 0.125, 0.375]}
     mark = {"step": 4, "metric": "loss", "mode": "min", "value": 0.25}
     assert check_best(mark, evaluations, [2, 4, 8], "BEST.json", newest=evaluations) == mark
+    # A mark written with an int where the checkpoint recorded a float: the recorded value is
+    # the one checked and handed on (a staged meta.json records it).
+    checked = check_best({**mark, "value": 0}, {"step": [4], "loss": [0.0]}, [4], "BEST.json")
+    assert json.dumps(checked) == '{"step": 4, "metric": "loss", "mode": "min", "value": 0.0}'
 
 
 def test_the_checked_mark_reads_only_the_evaluations_of_the_training_state(marked_run):

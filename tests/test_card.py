@@ -367,13 +367,13 @@ def test_a_callbacks_stop_reason_is_text_on_the_card_never_html_or_markdown(stag
     meta["training"]["stopped"] = {
         "step": 4,
         "by": "mycallbacks:make <script>alert(1)</script>",
-        "reason": "loss <img src=x onerror=alert(1)> diverged\n## Pwned <!-- [link](http://x)",
+        "reason": "loss <img src=x onerror=alert(1)> diverged | ~~struck~~\n## Pwned <!-- [link](http://x)",
     }
     card = str(build_model_card(meta, meta["files"]))
     (line,) = [line for line in card.splitlines() if "It stopped early at step 4:" in line]
     sentence = line[line.index("It stopped early at step 4:") :]
     assert "diverged" in sentence and "Pwned" in sentence and "mycallbacks:make" in sentence, sentence
-    assert re.search(r"(?<!\\)[<>]", sentence) is None, sentence  # every < and > escaped
+    assert re.search(r"(?<!\\)[<>|~]", sentence) is None, sentence  # every < > | ~ escaped
     assert re.search(r"(?<!\\)<(img|script|!--)", card) is None and "\n## Pwned" not in card
 
 

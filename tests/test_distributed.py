@@ -270,7 +270,19 @@ def test_cut_and_resumed_run_stages_the_same_bytes_as_uninterrupted(legs, mode, 
     assert len(full["grad_norm"]) == 10 and all(norm > 0 for norm in full["grad_norm"])
     if mode == "fsdp2":
         assert full["grad_norm"] == pytest.approx(ddp_norms, rel=1e-4)
-    staged = stage(root / f"cut_{mode}" / "step-00000010", tmp_path / "resumed")
+    cut = root / f"cut_{mode}" / "step-00000010"
+    # Its first shard readable by the group only, its last by others only: the staged weights,
+    # made from both, by neither (the modes are put back: the checkpoint is shared).
+    shards = sorted(path for path in (cut / DIST_MODEL_DIR).iterdir() if path.is_file())
+    modes = {path: path.stat().st_mode & 0o777 for path in shards}
+    os.chmod(shards[0], 0o640)
+    os.chmod(shards[-1], 0o604)
+    try:
+        staged = stage(cut, tmp_path / "resumed")
+    finally:
+        for path, mode_bits in modes.items():
+            os.chmod(path, mode_bits)
+    assert oct(staged.stat().st_mode & 0o777) == oct(0o600)
     reference = stage(root / f"full_{mode}" / "step-00000010", tmp_path / "full")
     assert staged.read_bytes() == reference.read_bytes()
     card = (tmp_path / "resumed" / "README.md").read_text()

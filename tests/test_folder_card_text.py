@@ -239,13 +239,15 @@ def test_an_unsealed_folder_without_metrics_is_carded_as_what_is_known_and_no_mo
     ):
         assert paragraph in card, paragraph
     assert "## Warning" not in card and "## Signature" not in card and "training step" not in card
-    meta["config"]["card"]["description"] = ""
-    described = str(build_folder_card(meta, meta["files"])).split("\n\n")[2]
-    assert described == (
+    # Blank (only spaces and line breaks): the default description, and no section of the user's.
+    meta["config"]["card"]["description"] = " \n\t "
+    described = str(build_folder_card(meta, meta["files"], user_sections=" \n\n ")).split("\n\n")[2:4]
+    assert described == [
         "`model` is a PyTorch model with 20 parameters in `model.safetensors`. It was trained with another tool; "
         "its files were checked and staged by `scripts/05_stage.py --from-folder`, which knows what they hold, "
-        "not how they were made."
-    )
+        "not how they were made.",
+        "## How to load it",
+    ]
     meta["export"].update(transformers=True, architecture="GPT2LMHeadModel")
     described = str(build_folder_card(meta, meta["files"])).split("\n\n")[2]
     assert described.startswith("`model` is a transformers `GPT2LMHeadModel` model with 20 parameters"), (

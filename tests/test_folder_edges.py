@@ -477,12 +477,15 @@ def test_an_index_whose_weight_map_is_empty_is_refused_not_staged_as_a_model_wit
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 
-def test_a_config_naming_architectures_without_model_type_gets_the_plain_pytorch_loading_snippet(tmp_path):
-    """architectures and model_type make a transformers model; architectures alone do not. Such a
-    model's card loads the weights with its own class: the folder stage ships no code/hub_loader.py
-    for a snippet to import."""
+@pytest.mark.parametrize("model_type", [{}, {"model_type": None}], ids=["absent", "null"])
+def test_a_config_naming_architectures_without_model_type_gets_the_plain_pytorch_loading_snippet(
+    tmp_path, model_type
+):
+    """architectures and model_type make a transformers model; architectures alone (or with a
+    model_type of null) do not. Such a model's card loads the weights with its own class: the
+    folder stage ships no code/hub_loader.py for a snippet to import."""
     folder = tiny_folder(tmp_path / "model")
-    (folder / "config.json").write_text(json.dumps({"width": 4, "architectures": ["TinyNet"]}))
+    (folder / "config.json").write_text(json.dumps({"width": 4, "architectures": ["TinyNet"], **model_type}))
     stage(folder, tmp_path / "stage")
     meta = json.loads((tmp_path / "stage" / "meta.json").read_text())
     assert meta["export"]["transformers"] is False and meta["export"]["architecture"] == "TinyNet"
@@ -798,6 +801,23 @@ def index_naming_a_missing_shard(folder: Path) -> str:
     )
 
 
+def a_tensor_in_two_shards_the_index_names_last_first(folder: Path) -> str:
+    """The shards are read in name order, whatever order the index names them in."""
+    (folder / "model.safetensors").unlink()
+    first, second = (folder / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    save_file({"x": torch.zeros(1)}, first)
+    save_file({"a": torch.zeros(1), "x": torch.ones(1)}, second)
+    _index(folder, {"a": second.name, "x": first.name})
+    return f"tensor x is listed twice, in {first} and {second}; nothing was staged"
+
+
+def an_index_mapping_two_tensors_no_shard_holds(folder: Path) -> str:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    shard = "model-00001-of-00001.safetensors"
+    index = _index(folder, {"layer.weight": shard, "layer.bias": shard, "layer.b": shard, "layer.a": shard})
+    return f"{index} maps tensor layer.a to {shard}, which does not hold it; nothing was staged"
+
+
 def _config(value: object) -> Callable[[Path], str]:
     def damage(folder: Path) -> str:
         (folder / "config.json").write_text(json.dumps(value))
@@ -841,6 +861,8 @@ REFUSED = [
     pytest.param(weight_map_a_list, id="weight-map-a-list"),
     pytest.param(index_naming_a_file_outside, id="index-naming-a-file-outside"),
     pytest.param(index_naming_a_missing_shard, id="index-naming-a-missing-shard"),
+    pytest.param(a_tensor_in_two_shards_the_index_names_last_first, id="a-tensor-in-two-shards"),
+    pytest.param(an_index_mapping_two_tensors_no_shard_holds, id="two-tensors-no-shard-holds"),
     pytest.param(_config({"architectures": []}), id="architectures-empty"),
     pytest.param(
         _config({"architectures": "LlamaForCausalLM", "model_type": "llama"}), id="architectures-a-string"

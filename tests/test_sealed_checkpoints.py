@@ -594,6 +594,8 @@ def test_pruning_keeps_the_newest_sealed_and_never_touches_unsealed_newer_or_pro
     left = sorted(p.name for p in output.iterdir())
     assert left == [".pruned-checkpoint-8-0123abcd"] + [f"checkpoint-{n}" for n in (0, 2, 4, 5, 6, 7)]
     assert (precious / "notes.txt").read_text() == "a month of notes"
+    # Protected among the keep_last newest, it is one of them: no older one is kept in its place.
+    assert prune_checkpoints(output / "checkpoint-5", 2, protect=output / "checkpoint-4") == ["checkpoint-2"]
     with pytest.raises(ValueError):
         prune_checkpoints(output / "checkpoint-5", 0)
 
@@ -862,4 +864,28 @@ def test_when_the_newest_is_unsealed_and_an_older_seal_fails_the_user_is_not_tol
         "meta.json: an unsealed folder (a save cut short, or one written before SealedCheckpoints; if you trust "
         "it, seal it with pipeline.integrations.seal.seal_checkpoint)); nothing was resumed: move those folders "
         "away to start from scratch"
+    )
+
+
+def test_a_seal_check_names_the_first_of_several_missing_or_unlisted_files_and_seals_a_nested_temporary(
+    sealed,
+):
+    """Two files gone, or two added: the refusal names the first in name order. A file named
+    like the seal's temporary but one folder down is the checkpoint's own: sealed and checked."""
+    (sealed / "weights.bin").unlink()
+    (sealed / "sub" / "state.json").unlink()
+    with pytest.raises(UnsealedCheckpoint) as missing:
+        check_seal(sealed)
+    assert str(missing.value) == f"{sealed}/sub/state.json is listed in its seal but missing"
+    nested = sealed / "sub" / ".meta.json.0123abcd.tmp"
+    nested.write_text("theirs")
+    (sealed / "weights.bin").write_bytes(b"w")
+    seal_checkpoint(sealed, step=3)
+    assert sorted(check_seal(sealed)["files"]) == ["sub/.meta.json.0123abcd.tmp", "weights.bin"]
+    (sealed / "a.bin").write_bytes(b"a")
+    (sealed / "z.bin").write_bytes(b"z")
+    with pytest.raises(UnsealedCheckpoint) as extra:
+        check_seal(sealed)
+    assert str(extra.value) == (
+        f"{sealed}/a.bin is not listed in its seal: written after the seal, or left by an earlier save"
     )

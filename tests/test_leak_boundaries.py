@@ -449,6 +449,7 @@ def utf32le(ascii_count: int, astral: int = 0, low_nul: int = 0) -> bytes:
         ("abcdef".encode("utf-16-le"), "utf-8"),
         ("abcdefgh".encode("utf-16-le"), "utf-16-le"),
         ("abcdefgh".encode("utf-16-be"), "utf-16-be"),
+        ("abcdefgh".encode("utf-16-le") + b"\0", "utf-16-le"),  # bytes past the last group of 4 not counted
         ("abcd".encode("utf-32-be"), "utf-32-be"),
         (utf32le(14, astral=2), "utf-32-le"),  # 7 of 8 NULs in the third lane
         (utf32le(13, astral=3), None),

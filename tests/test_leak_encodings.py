@@ -159,6 +159,21 @@ def test_utf16_and_utf32_strings_inside_other_bytes_are_found(encoding):
         }
 
 
+def test_a_utf16_string_after_a_stray_byte_is_found_across_a_seam_starting_at_an_odd_byte():
+    """After a stray byte the decoder reads a UTF-16 file's ASCII as garbage: those runs are
+    searched. A first read one byte longer than the seam puts the seam's part at an odd offset
+    of its buffer, where the token cut by the read is whole only in the seam."""
+    _, github = SAMPLES["github-token"]
+    rule_set = rules()
+    overlap = FileScan(rule_set, size=0)._overlap  # the bytes of the next read a seam holds
+    first = overlap + 1
+    lead = first - 23  # bytes of text before the stray byte: the token starts 20 bytes before the cut
+    data = (
+        b"\xff\xfe" + ("x" * (lead // 2)).encode("utf-16-le") + b"\x01" + f"{github} end".encode("utf-16-le")
+    )
+    assert fed_in_two(data, rule_set, first) == {"github-token": "a GitHub token (UTF-16)"}
+
+
 def test_harmless_text_in_utf16_and_binary_carriers_passes():
     text = "\n".join(HARMLESS) + "\n"
     machine_rules = rules(home="/home/alice", cwd="/srv/runs/alice", hostname="builder-17")

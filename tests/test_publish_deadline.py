@@ -23,6 +23,7 @@ from test_publish_safety import error_line_after_uploads
 
 from pipeline.errors import (
     DeadlinePassed,
+    HubUnavailable,
     PublishError,
     PublishTimedOut,
     UploadInterrupted,
@@ -397,6 +398,26 @@ def test_a_retry_is_waited_only_while_it_ends_before_the_deadline(clock, waits):
     assert limit.expired() and limit.remaining() == 0
 
 
+def test_a_commit_answered_500_when_less_than_its_backoff_is_left_gives_up_naming_the_timeout(
+    staged_run, hub, tmp_path, token_env, waits, clock
+):
+    """No Retry-After: the backoff (1 s) is the wait; with half a second left when the 500
+    comes, the commit is not retried, and the line names the --timeout, not the time left."""
+
+    def say(line: str) -> None:
+        if line.startswith("committing "):
+            clock[0] += 59.5  # the audit and the upload took all but half a second of 60
+
+    hub.fail_next_commit(times=1, status=500)
+    with pytest.raises(HubUnavailable) as refused:
+        publish_here(staged_run.stage, hub, "alice/late", tmp_path, timeout_s=60, say=say)
+    assert str(refused.value) == (
+        "the Hub answered HTTP 500 to the commit on alice/late and asks to wait 1s, past the 60s "
+        "--timeout; nothing was committed; rerun later (uploaded blobs are kept)"
+    )
+    assert waits == [] and commit_titles(hub, "alice/late") == ["initial commit"]
+
+
 def test_the_default_timeout_is_five_minutes_plus_one_second_per_mb_staged():
     """docs/publishing.md: "5 minutes plus 1 second per MB staged, e.g. about 22 minutes for a
     1 GB stage"."""
@@ -535,6 +556,13 @@ def test_why_a_publish_stopped_names_its_timeout_what_was_retried_and_the_last_e
             {"HF_XET_CLIENT_RETRY_MAX_DURATION": "90", "HF_XET_CLIENT_RETRY_BASE_DELAY": "soon"},
             ("90000ms", "3000ms", "60000ms", "60000ms"),
             id="bare-seconds-and-unreadable",
+        ),
+        # set but empty: hf_xet's default during the upload, and the empty value restored after
+        pytest.param(
+            7200,
+            {"HF_XET_CLIENT_READ_TIMEOUT": ""},
+            ("360000ms", "3000ms", "60000ms", "60000ms"),
+            id="empty-setting",
         ),
         # no time left at all: still one second to work with, not a zero budget hf_xet would refuse
         pytest.param(0.2, {}, ("333ms", "33ms", "1000ms", "1000ms"), id="no-time-left"),

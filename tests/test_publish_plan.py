@@ -25,6 +25,7 @@ from pipeline.publishing.plan import (
     check_receipt_dir,
     clean_prefix,
     compare,
+    prepare_receipt_dir,
     resolve_endpoint,
 )
 from pipeline.publishing.xet import StagedXetHashes, check_landed
@@ -45,7 +46,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 def test_path_in_repo_is_a_plain_folder_ending_in_a_slash_and_anything_else_is_refused_naming_it():
     prefixes = {None: "", "": "", "/": "", "model": "model/", "/v1/model/": "v1/model/"}
     assert {given: clean_prefix(given) for given in prefixes} == prefixes
-    for bad in ("a/../b", "./model", "v1//model", ".."):
+    # The refusal names the path as given, its outer slashes too.
+    for bad in ("a/../b", "./model", "v1//model", "..", "/v1/../model/"):
         with pytest.raises(PublishError) as refused:
             clean_prefix(bad)
         assert str(refused.value) == (
@@ -97,6 +99,19 @@ def test_a_receipt_folder_inside_the_stage_is_refused_however_either_path_is_spe
             check_receipt_dir(folder, Path(stage))
     for folder, stage in [("outputs/receipts", outputs / "hub_stage"), (outputs, "link")]:
         assert check_receipt_dir(folder, Path(stage)) == Path(folder)
+
+
+def test_a_missing_receipt_folder_is_created_with_its_parents_and_a_file_in_its_place_is_refused(tmp_path):
+    """Before any write request: a --receipt-dir two folders down that does not exist yet is
+    made; one whose parent is a file cannot be, and is refused in one line."""
+    prepare_receipt_dir(tmp_path / "runs" / "receipts")
+    assert (tmp_path / "runs" / "receipts").is_dir()
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(PublishError) as refused:
+        prepare_receipt_dir(tmp_path / "file" / "receipts")
+    assert str(refused.value) == (
+        f"--receipt-dir {tmp_path / 'file' / 'receipts'} cannot be created (Not a directory); nothing was published"
+    )
 
 
 # -- each staged file against the branch's ------------------------------------------------------

@@ -407,6 +407,17 @@ def test_a_receipt_that_cannot_be_written_after_landing_says_the_commit_landed(
         "--receipt-dir to write it (no second commit is made)"
     )
     assert len(commit_titles(hub, "alice/receipt")) == 2
+    # The rerun commits nothing: the commit it verifies was already on the Hub.
+    receipts.unlink()
+    receipts.mkdir()
+    with pytest.raises(ReceiptNotWritten) as failed:
+        publish_here(staged_run.stage, hub, "alice/receipt", tmp_path, say=receipt_folder_disappears)
+    assert str(failed.value) == (
+        f"commit {hub.url}/alice/receipt/commit/{head} is on the Hub and was verified, but the receipt could "
+        f"not be written to {receipts}/alice--receipt-{head[:12]}.json (File exists); rerun with a writable "
+        "--receipt-dir to write it (no second commit is made)"
+    )
+    assert len(commit_titles(hub, "alice/receipt")) == 2
 
 
 def test_a_verification_that_cannot_read_the_hub_says_landed_and_never_nothing_committed(

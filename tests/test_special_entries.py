@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.durable import FolderLock, fsync_tree
 from pipeline.errors import FileChanged, LockRefused
-from pipeline.safe_read import HandedFolder, Seen
+from pipeline.safe_read import HandedFolder, Seen, read_own, read_regular
 
 from support import a_socket
 
@@ -121,6 +121,27 @@ def test_fsync_tree_passes_every_special_entry_at_the_top_and_nested_and_changes
     assert fsync_tree(handed) is None
     after = sorted((p.relative_to(handed), p.lstat().st_mode, p.lstat().st_ino) for p in handed.rglob("*"))
     assert after == before and (handed.parent / "outside.txt").read_bytes() == b"private"
+
+
+def test_a_walk_goes_depth_first_in_name_order_at_every_level(handed):
+    """Names made out of order, at the top and one level down: each folder's entries come in
+    name order, a folder's own entries right after it."""
+    for where in (handed, handed / "sub"):
+        for name in ("m.txt", "b.txt", "z.txt", "a.txt", "q.txt", "c.txt"):
+            (where / name).write_bytes(b"")
+    with HandedFolder(handed) as folder:
+        walked = [name for name, _ in folder.walk()]
+    names = ["a.txt", "b.txt", "c.txt", "m.txt", "plain.txt", "q.txt"]
+    assert walked == [*names, "sub", *(f"sub/{name}" for name in [*names, "z.txt"]), "z.txt"]
+
+
+def test_a_link_is_read_through_when_the_user_named_it_and_refused_when_the_pipeline_wrote_it(handed):
+    link = handed / "named.txt"
+    link.symlink_to(handed / "plain.txt")
+    assert read_regular(link, 64) == b"plain bytes"
+    with pytest.raises(ValueError) as refused:
+        read_own(link, 64)
+    assert str(refused.value) == "is a symbolic link"
 
 
 def busy(holder: str) -> Exception:

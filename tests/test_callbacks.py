@@ -609,6 +609,41 @@ def test_the_proof_hook_still_hears_every_step(data_dir, tmp_path):
     assert heard == list(range(1, 11)) and result.step == 10
 
 
+def test_a_signal_during_a_save_step_stops_after_it_with_that_checkpoint_saved_once(data_dir, tmp_path):
+    """SIGTERM while step 3 trains, and step 3 is a save step: the run stops after it, saying so
+    in one line with the checkpoint the step saved (saved once, not again for the stop)."""
+    import os
+    import signal
+
+    from pipeline.errors import Preempted
+
+    saved = []
+
+    class Counting:
+        def on_save(self, run, checkpoint, control) -> None:
+            saved.append(checkpoint.step)
+
+    def on_start(run) -> None:
+        run.callbacks.add("counting", Counting())
+
+    def on_step(run) -> None:
+        if run.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted) as stopped:
+        train(
+            _config(data_dir, tmp_path),
+            progress=False,
+            resume_hint="go on",
+            hooks=TrainingHooks(on_start=on_start, on_step=on_step),
+        )
+    assert (str(stopped.value), stopped.value.exit_code) == (
+        f"stopped by SIGTERM after step 3; checkpoint {tmp_path / 'step-00000003'} is committed. Resume with: go on",
+        128 + signal.SIGTERM,
+    )
+    assert saved == [3] and CheckpointStore(tmp_path).committed_steps() == [3]
+
+
 def test_a_callbacks_flags_are_json_in_meta(data_dir, tmp_path):
     """The component is plain JSON in meta.json: nothing of it in the state file."""
     result = train(_config(data_dir, tmp_path, **{"training.callbacks": [LOSS_SUM]}), progress=False)

@@ -110,6 +110,16 @@ def _fresh_model(config):
     return build_model(config)
 
 
+def test_a_model_built_without_weights_keeps_its_tie_and_takes_the_configured_dtype():
+    """The stage's model without weights (build_model on meta): every parameter on meta in
+    training.dtype, and the tied head still the embedding's one parameter."""
+    from pipeline.run import build_model
+
+    model = build_model(_config({"training.dtype": "bfloat16"}), "meta")
+    assert model.head.weight is model.embed.weight
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+
+
 def _probe_ids(config) -> torch.Tensor:
     block = config.data.params["block_size"]
     return torch.arange(2 * block, dtype=torch.int64).remainder(97).add(32).view(2, block)

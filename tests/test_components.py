@@ -140,9 +140,10 @@ def test_a_registered_components_tensor_saved_in_another_dtype_is_refused_before
 
 
 def test_registering_refuses_a_name_taken_a_reserved_one_and_per_rank_state(registered):
-    for name in ("rng", "progress", dummy.NAME):
-        with pytest.raises(ValueError, match="exists already"):
+    for name in ("rng", "model", "progress", "history", dummy.NAME):
+        with pytest.raises(ValueError) as refused:
             register_component(dummy.component(name=name))
+        assert str(refused.value) == f"a training-state component named {name!r} exists already"
     with pytest.raises(ValueError, match="per_rank"):
         register_component(dummy.component(name="other", per_rank=True))
     with pytest.raises(ValueError) as refused:

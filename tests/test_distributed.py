@@ -1561,8 +1561,10 @@ def test_a_single_process_checkpoint_continued_by_a_launch_sets_the_optimizer_un
 ):
     """--reshard of a single-process checkpoint (this process as the launch's one rank): the
     optimizer's saved state is set, for every parameter; the resume proof's control that omits
-    it keeps the fresh build's (no state), the rest restored all the same."""
+    it keeps the fresh build's (no state), the rest restored all the same; the rank's RNG
+    streams are derived from the resumed step, or, omitted, are a fresh run's."""
     from pipeline.checkpoint import restore_from_single
+    from pipeline.rng import derive_rank_rng
     from pipeline.run import build_run
     from pipeline.world import World
 
@@ -1571,14 +1573,20 @@ def test_a_single_process_checkpoint_continued_by_a_launch_sets_the_optimizer_un
     assert train(config, progress=False).step == 2
     loaded = load_checkpoint(tmp_path / "ck" / "step-00000002")
     world = World(device=torch.device("cpu"), rank=0, world_size=1)
-    restored = {}
-    for omit in ((), ("optimizer",)):
+    restored, streams = {}, {}
+    for omit in ((), ("optimizer",), ("rng",)):
         run = build_run(config, world.device, world=world)
         restore_from_single(run, world, loaded, omit=omit)
         state = run.optimizer.state
         params = [p for g in run.optimizer.param_groups for p in g["params"]]
         restored[omit] = (run.step, [float(state[p]["step"]) for p in params if p in state])
-    assert restored == {(): (2, [2.0] * len(params)), ("optimizer",): (2, [])}
+        streams[omit] = torch.get_rng_state()
+    full = [2.0] * len(params)
+    assert restored == {(): (2, full), ("optimizer",): (2, []), ("rng",): (2, full)}
+    # The rank's streams: derived from the resumed step; the control that omits them, a fresh run's (step 0).
+    for omit, step in (((), 2), (("rng",), 0)):
+        derive_rank_rng(config.training.seed, step, 0)
+        assert torch.equal(streams[omit], torch.get_rng_state()), omit
 
 
 def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_naming_it(data_dir, tmp_path):

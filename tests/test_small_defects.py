@@ -468,6 +468,10 @@ def test_data_of_another_recipe_is_refused_naming_the_first_key_that_differs_and
         )
     manifest_file.write_text(json.dumps(manifest))
     assert load_manifest(config, trained="step-00000004") == manifest
+    # data.dir given with a trailing slash: the folder of its own is still beside it, not inside.
+    from pipeline.data.prepared import _own_folder_command
+
+    assert re.fullmatch(folder, _own_folder_command(load_config(CONFIG, {"data.dir": f"{target}/"}))[1])
 
 
 def test_a_file_added_to_or_missing_from_prepared_data_is_refused_naming_it(tmp_path):
@@ -475,12 +479,36 @@ def test_a_file_added_to_or_missing_from_prepared_data_is_refused_naming_it(tmp_
     file added since 01 (trained on without a word otherwise) or one gone is named."""
     target, config = _manifest_edited(tmp_path, lambda m: None)
     (target / "zz-added.bin").write_bytes(b"x")
+    (target / "aa-added.bin").write_bytes(b"x")
     with pytest.raises(DataError) as refused:
         load_manifest(config)
-    assert str(refused.value) == f"{target}/ does not match its manifest (file zz-added.bin added or missing)"
+    # Two added: the first by name is named.
+    assert str(refused.value) == f"{target}/ does not match its manifest (file aa-added.bin added or missing)"
     (target / "zz-added.bin").unlink()
+    (target / "aa-added.bin").unlink()
     gone = sorted(json.loads((target / "manifest.json").read_text())["files"])[-1]
     (target / gone).unlink()
     with pytest.raises(DataError) as refused:
         load_manifest(config)
     assert str(refused.value) == f"{target}/ does not match its manifest (file {gone} added or missing)"
+
+
+def test_the_files_table_leaves_out_what_is_being_prepared_and_nested_data_sets_only(tmp_path):
+    """A data folder's table: what 01 is preparing beside it (.tmp-*, at any depth inside) and a
+    data set of its own below (its manifest.json) are not part of it; a deeper folder or file
+    merely named .tmp-* is."""
+    from pipeline.data.prepared import _files_table
+
+    for name in (
+        "a.bin",
+        ".tmp-x/b.bin",
+        ".tmp-x/sub/c.bin",
+        ".tmp-y",
+        "inner/manifest.json",
+        "inner/d.bin",
+        "sub/.tmp-z/e.bin",
+        "sub/.tmp-f",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(_files_table(tmp_path)) == ["a.bin", "sub/.tmp-f", "sub/.tmp-z/e.bin"]

@@ -236,6 +236,25 @@ def test_stops_during_a_held_commit_wait_for_its_end_and_the_first_is_raised(com
     assert str(stopped.value) == f"stopped by SIGTERM; {outcome}"
 
 
+def test_a_stop_in_a_held_block_inside_another_waits_for_the_outer_ones_end():
+    """A commit held inside another (a stage's rename within its publish): a stop in the inner
+    block waits for the outer block's end too, then says what the outer one left."""
+    from pipeline.errors import Stopped
+    from pipeline.stops import held, stopping
+
+    done = []
+    with stopping("the new stage was undone", committed="the new stage is in place"):
+        with pytest.raises(Stopped) as stopped:
+            with held() as outer:
+                with held():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    done.append("inner")
+                done.append("outer")
+                outer.committed = True
+    assert done == ["inner", "outer"] and stopped.value.signum == signal.SIGTERM
+    assert str(stopped.value) == "stopped by SIGTERM; the new stage is in place"
+
+
 @pytest.mark.parametrize("ignored", STOPS)
 def test_a_signal_the_script_was_started_ignoring_stays_ignored_once_its_main_runs(ignored):
     """A background job of a shell (``&`` ignores SIGINT) or a wrapper that ignores SIGTERM hands

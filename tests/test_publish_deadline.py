@@ -412,8 +412,8 @@ def test_a_commit_answered_500_when_less_than_its_backoff_is_left_gives_up_namin
     with pytest.raises(HubUnavailable) as refused:
         publish_here(staged_run.stage, hub, "alice/late", tmp_path, timeout_s=60, say=say)
     assert str(refused.value) == (
-        "the Hub answered HTTP 500 to the commit on alice/late and asks to wait 1s, past the 60s "
-        "--timeout; nothing was committed; rerun later (uploaded blobs are kept)"
+        "the Hub answered HTTP 500 to the commit on alice/late and a retry after 1s would be past the "
+        "60s --timeout; nothing was committed; rerun later (uploaded blobs are kept)"
     )
     assert waits == [] and commit_titles(hub, "alice/late") == ["initial commit"]
 

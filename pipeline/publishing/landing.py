@@ -92,8 +92,8 @@ def land(run: Publishing) -> tuple[str, bool]:
             return answer, False
         if not isinstance(answer, HfHubHTTPError):
             return _after_lost_answer(run, answer), True
-        wait = retry_after(answer)
-        wait = float(2 ** (attempt - 1)) if wait is None else wait
+        asked = retry_after(answer)
+        wait = float(2 ** (attempt - 1)) if asked is None else asked
         status = http_status(answer)
         if attempt == COMMIT_ATTEMPTS or wait >= deadline.remaining():
             break
@@ -113,11 +113,12 @@ def land(run: Publishing) -> tuple[str, bool]:
     if landed is not None:
         say(f"the commit had landed despite the error answer: {landed}")
         return landed, True
-    reason = (
-        f"{COMMIT_ATTEMPTS} times"
-        if attempt == COMMIT_ATTEMPTS
-        else f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout"
-    )
+    if attempt == COMMIT_ATTEMPTS:
+        reason = f"{COMMIT_ATTEMPTS} times"
+    elif asked is not None:
+        reason = f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout"
+    else:  # the wait is our own backoff: the Hub asked for none
+        reason = f"and a retry after {wait:g}s would be past the {deadline.timeout:g}s --timeout"
     raise HubUnavailable(
         f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "
         "nothing was committed; rerun later (uploaded blobs are kept)"

@@ -1171,3 +1171,24 @@ def test_a_stop_withdrawn_by_a_later_callback_leaves_no_name_or_reason_to_a_late
             break
         control.step_done()
     assert callbacks.record_stop(step, control) == {"step": 7, "by": "late", "reason": "late asked to stop"}
+
+
+def test_a_stop_withdrawn_and_asked_again_at_the_same_step_is_the_second_askers():
+    """A stop withdrawn, then asked again by a later callback hearing the same event: the run
+    stops there, recorded as the callback that asked again, with its reason (none given:
+    '<name> asked to stop'), never the withdrawn one's."""
+    from types import SimpleNamespace
+
+    from pipeline.callbacks import Callbacks, Control
+
+    for again, record in (
+        (_AsksToStop(3, "enough after all"), {"step": 3, "by": "again", "reason": "enough after all"}),
+        (_AsksToStop(3), {"step": 3, "by": "again", "reason": "again asked to stop"}),
+    ):
+        callbacks = Callbacks()
+        callbacks.add("early", _AsksToStop(3, "too soon"), user=True)
+        callbacks.add("guard", _WithdrawsEarlyStops(), user=True)
+        callbacks.add("again", again, user=True)
+        control = Control()
+        callbacks.on_step_end(SimpleNamespace(step=3), control)
+        assert control.should_training_stop and callbacks.record_stop(3, control) == record

@@ -502,6 +502,22 @@ def test_token_appears_in_no_file_of_the_repo_receipts_or_hub_state(published, t
 # -- faults (in process: the same code, sleeps recorded instead of slept) ------------------
 
 
+def test_a_commit_the_hub_asks_to_retry_later_every_time_gives_up_after_the_last_attempt(
+    staged_run, hub, tmp_path, token_env, waits
+):
+    """A Retry-After on each of the four answers, every wait within the --timeout: the line
+    says the Hub answered four times, not that it asks for a wait (it asked for none past the
+    --timeout)."""
+    hub.rate_limit_next(times=COMMIT_ATTEMPTS, retry_after=3, method="POST", path=r"/commit/main$")
+    with pytest.raises(HubUnavailable) as refused:
+        publish_here(staged_run.stage, hub, "alice/throttled", tmp_path)
+    assert str(refused.value) == (
+        "the Hub answered HTTP 429 to the commit on alice/throttled 4 times; nothing was committed; "
+        "rerun later (uploaded blobs are kept)"
+    )
+    assert waits == [3.0, 3.0, 3.0] and commit_titles(hub, "alice/throttled") == ["initial commit"]
+
+
 def test_commit_failing_with_500_leaves_no_commit_and_a_rerun_lands_exactly_one(
     staged_run, hub, tmp_path, token_env, waits
 ):

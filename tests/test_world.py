@@ -297,15 +297,30 @@ def test_a_rank_that_fails_ends_its_groups_threads_although_the_error_is_still_h
     a script's exit holds it to the end): a worker alive when the interpreter finalizes can
     abort the rank after its one line was printed (SIGABRT for exit 2). The error's frames
     held the DDP model's group, the launch object its mesh group."""
-    import signal
-
     import torch.distributed as dist
 
-    import pipeline.distributed.world as launch_world
     from pipeline.errors import StateMismatch
     from pipeline.train import train
 
     from support import reseal
+
+    config, _agents = _a_launch_of_one(data_dir, monkeypatch, tmp_path)
+    before = _gloo_threads()
+    with _a_failing_rank():
+        train(config, stop_at=2, progress=False)
+        reseal(tmp_path / "ck" / "step-00000002", lambda meta: meta["training_state"].update(optimizer={}))
+        with pytest.raises(StateMismatch) as refused:
+            train(config, resume="latest", progress=False)
+        assert not dist.is_initialized()
+        assert _gloo_threads() == before, refused.value
+
+
+def _a_launch_of_one(data_dir, monkeypatch, tmp_path):
+    """The environment torchrun gives the only rank of a launch, and the config of a DDP run
+    in it; the agent's store, which the caller keeps while the rank runs."""
+    import torch.distributed as dist
+
+    import pipeline.distributed.world as launch_world
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "1", "RANK": "0"}
@@ -316,16 +331,71 @@ def test_a_rank_that_fails_ends_its_groups_threads_although_the_error_is_still_h
         CONFIG,
         {"data.dir": str(data_dir), "checkpoint.dir": str(tmp_path / "ck"), "training.parallel": "ddp"},
     )
-    sigterm = signal.getsignal(signal.SIGTERM)  # a failed rank ignores SIGTERM from then on
-    before = _gloo_threads()
+    return config, store
+
+
+@contextlib.contextmanager
+def _a_failing_rank():
+    """The test process back as it was after a rank failed in it: SIGTERM handled again (a
+    failed rank ignores it from then on), no process group left behind."""
+    import signal
+
+    import torch.distributed as dist
+
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        train(config, stop_at=2, progress=False)
-        reseal(tmp_path / "ck" / "step-00000002", lambda meta: meta["training_state"].update(optimizer={}))
-        with pytest.raises(StateMismatch) as refused:
-            train(config, resume="latest", progress=False)
-        assert not dist.is_initialized()
-        assert _gloo_threads() == before, refused.value
+        yield
     finally:
         signal.signal(signal.SIGTERM, sigterm)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _FailsAtStep1:
+    def on_step_end(self, run, control):
+        if run.step == 1:
+            raise ValueError("no further")
+
+
+def test_a_rank_whose_error_holds_the_run_only_through_another_or_is_no_exception_ends_its_groups_threads(
+    data_dir, monkeypatch, tmp_path
+):
+    """Two errors a rank can end with that hold the run otherwise: a callback's failure is
+    raised anew once the checkpointer closed, so the frames that hold the DDP model are its
+    context's; a KeyboardInterrupt is no Exception. Neither leaves a gloo thread running once
+    :func:`joined` is left, and what --debug prints for the callback's failure still names the
+    file and line that raised it."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from pipeline.errors import CallbackFailed
+    from pipeline.train import TrainingHooks, train
+
+    config, _agents = _a_launch_of_one(data_dir, monkeypatch, tmp_path)
+    before = _gloo_threads()
+    failing = TrainingHooks(on_start=lambda run: run.callbacks.add("failing", _FailsAtStep1(), user=True))
+    with _a_failing_rank():
+        with pytest.raises(CallbackFailed) as refused:
+            train(config, progress=False, hooks=failing)
+        assert not dist.is_initialized() and _gloo_threads() == before
+    assert str(refused.value) == (
+        "training.callbacks failing on_step_end() failed: ValueError: no further (fix the callback; "
+        "--debug prints the traceback); no checkpoint was committed yet: fix it and run the same "
+        "command again"
+    )
+    raised = traceback.extract_tb(refused.value.__cause__.__traceback__)[-1]  # what --debug prints last
+    assert (raised.filename, raised.name, raised.line) == (
+        __file__,
+        "on_step_end",
+        'raise ValueError("no further")',
+    )
+
+    def interrupted(run) -> None:
+        raise KeyboardInterrupt("at step 1")
+
+    with _a_failing_rank():
+        with pytest.raises(KeyboardInterrupt) as stopped:  # held, as the error of a script's exit is
+            train(config, progress=False, hooks=TrainingHooks(on_step=interrupted))
+        assert not dist.is_initialized() and _gloo_threads() == before
+    assert stopped.value.args == ("at step 1",)

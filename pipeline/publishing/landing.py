@@ -115,9 +115,7 @@ def land(run: Publishing) -> tuple[str, bool]:
         return landed, True
     if attempt == COMMIT_ATTEMPTS:
         reason = f"{COMMIT_ATTEMPTS} times"
-    elif asked is not None:
-        reason = f"and asks to wait {wait:g}s, past the {deadline.timeout:g}s --timeout"
-    else:  # the wait is our own backoff: the Hub asked for none
+    else:  # our backoff, or a Retry-After that passed the deadline's own check moments ago
         reason = f"and a retry after {wait:g}s would be past the {deadline.timeout:g}s --timeout"
     raise HubUnavailable(
         f"the Hub answered HTTP {status} to {answered(answer)} on {run.target.repo_id} {reason}; "

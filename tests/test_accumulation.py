@@ -626,24 +626,31 @@ def test_the_proofs_cut_is_planned_on_the_steps_training_takes_with_accumulation
     assert plan.to_dict()["first_step_of_a_new_epoch_after_cut"] == 4
 
 
-def test_a_float32_run_with_amp_off_trains_on_full_precision_losses(data_dir):
+@pytest.mark.parametrize("amp", ["none", "bf16", "fp16"])
+def test_a_float32_run_trains_on_the_losses_of_its_amp_precision(data_dir, amp):
     """``training.amp: none`` is full precision: the loss a float32 step trains on is the
-    task's own loss of that batch, bitwise, not one computed under a bf16 (CPU) or fp16
-    (CUDA) autocast."""
+    task's own loss of that batch, bitwise, not one computed under an autocast; ``bf16`` and
+    ``fp16`` are the task's loss under an autocast to that half precision, not the other."""
     from pipeline.config import load_config
     from pipeline.run import build_run
     from pipeline.train import train_step
 
-    config = load_config(REPO / "config.yaml", {"data.dir": str(data_dir), "training.dtype": "float32"})
-    assert config.training.amp == "none"
+    sets = {"data.dir": str(data_dir), "training.dtype": "float32", "training.amp": amp}
+    config = load_config(REPO / "config.yaml", sets)
     trained = build_run(config, torch.device("cpu"))
     loss, _ = train_step(trained)
     by_hand = build_run(config, torch.device("cpu"))  # the same seed: the same model and batch
     batch, _ = by_hand.feed.next_batch()
     by_hand.model.train()
-    expected = by_hand.data.loss(by_hand.model, batch)
-    assert expected.dtype == torch.float32
-    assert loss == float(expected.detach())
+    half = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    found = {}
+    rng = torch.get_rng_state()  # each forward draws the dropout the trained step drew
+    for name, dtype in half.items():
+        torch.set_rng_state(rng)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None), torch.no_grad():
+            found[name] = float(by_hand.data.loss(by_hand.model, batch))
+    assert len(set(found.values())) == 3, found  # each precision tells itself from the others
+    assert loss == found[amp]
 
 
 def test_a_bf16_amp_run_trains_and_saves_without_a_grad_scaler(data_dir, tmp_path):

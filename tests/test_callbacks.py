@@ -293,6 +293,18 @@ def test_a_callback_that_is_not_one_is_refused_at_the_start(data_dir, tmp_path, 
     assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
 
 
+def test_a_factory_returning_a_function_is_refused_at_the_start_in_one_line(data_dir, tmp_path):
+    """A function named like an event is still no callback: the loop would never call it."""
+    path = "callback_factories:a_function"
+    with pytest.raises(ConfigError) as refused:
+        train(_config(data_dir, tmp_path, **{"training.callbacks": [path]}), progress=False)
+    assert str(refused.value) == (
+        f"training.callbacks: {path} returned function, which has none of on_step_end, on_evaluate, "
+        "on_save: return a callback object (docs/training.md#callbacks)"
+    )
+    assert not tmp_path.exists() or not list(tmp_path.glob("step-*"))
+
+
 def test_a_callback_listed_twice_is_refused_at_the_start(data_dir, tmp_path):
     """Its two states would be saved under one name, one overwriting the other."""
     with pytest.raises(ConfigError, match=f"training.callbacks names {LOSS_SUM} twice"):

@@ -273,6 +273,22 @@ def test_a_mark_on_a_committed_step_that_did_not_evaluate_is_refused_in_one_line
     assert check_best({**mark, "step": 8}, evaluations, committed=[5, 8], path="run/BEST.json")["step"] == 8
 
 
+def test_a_mark_whose_value_was_edited_by_a_hair_is_refused_in_one_line():
+    """The mark's value must be the checkpoint's own, exactly: one a hair off was not recorded."""
+    from pipeline.checkpoint.best import check_best
+
+    evaluations = {"step": [4, 8], "mse": [0.2, 0.1], "rmse": [0.44, 0.31]}
+    mark = {"step": 8, "metric": "mse", "mode": "min", "value": 0.1}
+    assert check_best(mark, evaluations, committed=[4, 8], path="run/BEST.json") == mark
+    edited = 0.1 * (1 + 1e-9)
+    with pytest.raises(CheckpointError) as refused:
+        check_best({**mark, "value": edited}, evaluations, committed=[4, 8], path="run/BEST.json")
+    assert str(refused.value) == (
+        f"run/BEST.json marks step 8 with mse = {edited!r}, but that checkpoint recorded mse = 0.1 at step 8: "
+        "delete it (the next save marks the best again), or pass --checkpoint latest or PATH"
+    )
+
+
 def test_an_earlier_better_evaluation_counts_against_a_mark_only_when_its_step_was_saved():
     """Step 3 evaluated better but was never saved (eval_every, not checkpoint.every): the best
     of the committed steps is 5, and the mark on it stands; had step 3 been committed, it would

@@ -216,6 +216,50 @@ def test_the_import_time_handler_stays_for_run_main_or_goes_with_its_block(until
         assert after == {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
 
 
+@pytest.mark.parametrize("before", ["nohup", "run-main"])
+def test_the_import_time_handler_leaves_an_ignored_signal_and_run_mains_handler_alone(before):
+    """A script started ignoring SIGTERM (``nohup``) keeps ignoring it while it imports, and a
+    second ``starting`` block (a step run from another one) keeps run_main's handler, so a stop
+    there is still cleaned up, not 'stopped while starting; nothing was done'."""
+    from pipeline.stops import install, is_installed, starting
+
+    names = (signal.SIGTERM, signal.SIGINT)
+    saved = {each: signal.getsignal(each) for each in names}
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if before == "nohup" else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if before == "run-main":
+            install()
+        with starting(until_run_main=False):
+            during = {each: signal.getsignal(each) for each in names}
+        after = {each: signal.getsignal(each) for each in names}
+    finally:
+        for each, handler in saved.items():
+            signal.signal(each, handler)
+    if before == "nohup":
+        assert during[signal.SIGTERM] is signal.SIG_IGN
+        assert during[signal.SIGINT] not in (signal.SIG_IGN, signal.default_int_handler)
+        assert not is_installed(during[signal.SIGINT])
+        assert after == {signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler}
+    else:
+        assert during == after and all(is_installed(during[each]) for each in names)
+
+
+def test_a_stop_after_an_inner_stopping_block_ended_says_what_the_outer_one_leaves():
+    """Once a block ends, its outcome goes with it: a stop later in the enclosing block says
+    what that one leaves, not what the finished inner work would have."""
+    from pipeline.errors import Stopped
+    from pipeline.stops import stopping
+
+    with stopping("the new stage was undone"):
+        with stopping("the scratch copy was removed"):
+            pass
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at once; never slept through
+    assert str(stopped.value) == "stopped by SIGTERM; the new stage was undone"
+
+
 @pytest.mark.parametrize("committed", [True, False], ids=["committed", "not-committed"])
 def test_stops_during_a_held_commit_wait_for_its_end_and_the_first_is_raised(committed):
     """Two signals in a held block: the block runs to its end, then the first signal is

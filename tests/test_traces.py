@@ -576,7 +576,20 @@ def test_evaluations_become_eval_traces_in_step_order(tmp_path):
     traces.close(run)
     points = events(tmp_path / "traces")
     assert_each_step_once(points)
-    assert [step for _, step, _ in points] == sorted(step for _, step, _ in points)
+    # Every point in file order: a step's training values, then its evaluation, then the next step.
+    lr = float(np.float32(0.1))
+    assert points == [
+        ("train/loss", 1, 1.0),
+        ("train/lr", 1, lr),
+        ("train/loss", 2, 0.5),
+        ("train/lr", 2, lr),
+        ("eval/acc", 2, 0.5),
+        ("eval/mse", 2, 0.75),
+        ("train/loss", 3, 0.25),
+        ("train/lr", 3, float(np.float32(0.05))),
+        ("eval/acc", 3, 0.625),
+        ("eval/mse", 3, 0.125),
+    ]
     shown = scalars(tmp_path / "traces")
     assert shown["eval/mse"] == [(2, 0.75), (3, 0.125)] and shown["eval/acc"] == [(2, 0.5), (3, 0.625)]
     # One curve per metric (`eval/<metric>`): the evaluated step is the x axis, not a curve of its own.
@@ -586,7 +599,7 @@ def test_evaluations_become_eval_traces_in_step_order(tmp_path):
     published = tmp_path / "published"
     published.mkdir()
     (published / TRACE).write_bytes(trace_bytes(run.history, run.evaluations, 1))
-    assert sorted(events(published)) == sorted(points)
+    assert events(published) == points
 
 
 def test_log_every_keeps_the_logged_steps_only(tmp_path):

@@ -164,6 +164,15 @@ def nothing(config: Config) -> None:
     return None
 
 
+def a_function(config: Config) -> Any:
+    """A callable, but not a callback: it has none of the events the loop calls."""
+
+    def on_step_end(run: Any, control: Any) -> None:
+        control.should_stop = True
+
+    return on_step_end
+
+
 class AsksEvaluation:
     """Asks for an evaluation of step 2 (a user's own schedule, not training.eval_every)."""
 

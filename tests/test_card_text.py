@@ -21,7 +21,7 @@ def digests(text: str) -> str:
 def _every_part(meta: dict) -> dict:
     """The staged record of a run with every optional part of the card: sharded weights, an
     accumulated, clipped fp16 DDP run moved from one process, extended, early-stopped, with a
-    proof, metrics, a tensor holding NaN, and code changed since training."""
+    proof, metrics, two tensors holding NaN, and code changed since training."""
     config, training, provenance = meta["config"], meta["training"], meta["provenance"]
     meta["step"] = 7
     meta["model"]["num_parameters"] = 1234567
@@ -49,7 +49,7 @@ def _every_part(meta: dict) -> dict:
         "device": "cpu",
         "values": {"rmse": 0.5, "mse": 0.25},
     }
-    meta["checks"]["nonfinite_tensors"] = ["net.0.weight"]
+    meta["checks"]["nonfinite_tensors"] = ["net.0.weight", "net.2.bias"]
     meta["proof"] = {
         "file": "resume_proof.json",
         "all_checks_passed": True,
@@ -218,7 +218,7 @@ EVERY_PART_CARD = digests(
     "\n"
     "## Warning\n"
     "\n"
-    "These tensors hold NaN or infinite values: `net.0.weight`.\n"
+    "These tensors hold NaN or infinite values: `net.0.weight`, `net.2.bias`.\n"
     "\n"
     "## Signature\n"
     "\n"

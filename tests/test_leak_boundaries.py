@@ -162,6 +162,8 @@ EDGES = [
     # A database URL: a password that is one (not empty, not a placeholder) and a host after it.
     ("database-url", True, "postgres" + "://u:p@h"),
     ("database-url", True, "mysql+pymysql" + "://:pw@db.example"),
+    # A driver after the +srv of an Atlas scheme: both suffixes.
+    ("database-url", True, "mongodb+srv+motor" + "://u:p@h"),
     ("database-url", False, "postgres" + "://u:@h"),
     ("database-url", False, "postgres" + "://u:p@"),
     ("database-url", False, "postgres" + "://u:$PW@h"),
@@ -572,6 +574,8 @@ WRITTEN_AS = [
     (("x " + _b64(VALUE) + "\n").encode(), "the value of HF_TOKEN (base64-encoded)"),
     (("x " + VALUE.encode().hex().upper()).encode("utf-16"), "the value of HF_TOKEN (UTF-16, hex-encoded)"),
     (_NOISE + VALUE.encode("utf-32-le") + _NOISE, "the value of HF_TOKEN (UTF-32)"),
+    # A base64 run is decoded as a reader sees it: one invisible character does not cut it in two.
+    (("x " + _b64(HF)[:24] + "\u200b" + _b64(HF)[24:] + "\n").encode(), "an hf_ token (base64-encoded)"),
 ]
 
 

@@ -1192,7 +1192,7 @@ def test_commit_that_lands_with_other_bytes_fails_verification_with_exit_1(
 
 
 def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(
-    staged_run, run_copy, hub, tmp_path
+    staged_run, run_copy, hub, tmp_path, token_env
 ):
     receipts = tmp_path / "receipts"
     api = api_for(hub)
@@ -1225,6 +1225,16 @@ def test_tag_pins_the_published_commit_and_create_pr_leaves_the_branch_alone(
     )
     assert Path(proposed).read_bytes() == (changed.stage / "README.md").read_bytes()
     assert api.list_repo_commits("alice/tagged", revision="refs/pr/1")[0].commit_id == pulls[0].target_commit
+
+    # The branch then holds the changed stage; the tag still names the first commit, which does not.
+    assert publish_here(changed.stage, hub, "alice/tagged", tmp_path).status == "published"
+    with pytest.raises(PublishError) as kept:
+        publish_here(changed.stage, hub, "alice/tagged", tmp_path, tag="v1")
+    assert str(kept.value) == (
+        f"tag v1 of alice/tagged already names commit {main[:12]}, which does not hold this stage; "
+        "tags are never moved: choose another --tag; nothing was sent"
+    )
+    assert [(t.name, t.target_commit) for t in api.list_repo_refs("alice/tagged").tags] == [("v1", main)]
 
 
 def test_a_hub_listing_another_xet_hash_fails_verification_without_reading_the_weights_back(
@@ -1299,8 +1309,10 @@ def test_a_file_the_audit_did_not_xet_hash_is_repaired_when_the_hub_stores_other
 
 def test_without_hf_xet_installed_no_file_is_xet_hashed_and_the_audit_feeds_no_pipe(tmp_path, monkeypatch):
     """Without hf_xet the client uploads over LFS: every Xet hash asked for is None (a Xet-stored
-    file is then downloaded to be verified) and the audit's read hashes no pipe."""
+    file is then downloaded to be verified) and the audit's read hashes no pipe. A file the branch
+    stores over Xet with the staged size and SHA-256 is then left as it is, not uploaded again."""
     from pipeline.publishing import xet
+    from pipeline.publishing.plan import PlannedFile, compare
 
     for name in ("modelo.safetensors", "config.json"):
         (tmp_path / name).write_bytes(b"weights")
@@ -1310,6 +1322,12 @@ def test_without_hf_xet_installed_no_file_is_xet_hashed_and_the_audit_feeds_no_p
     sha = hashlib.sha256(b"weights").hexdigest()
     audited = {"modelo.safetensors": AuditedFile("modelo.safetensors", 7, sha, "MANIFEST.sha256")}
     assert xet.StagedXetHashes(tmp_path, audited).of("modelo.safetensors") is None
+    remote = {"modelo.safetensors": RemoteFile("modelo.safetensors", 7, "0" * 40, sha, "1" * 64)}
+    files, deletions = compare(tmp_path, audited, remote, "", xet.StagedXetHashes(tmp_path, audited))
+    assert (files, deletions) == (
+        (PlannedFile("modelo.safetensors", "modelo.safetensors", 7, sha, "unchanged"),),
+        (),
+    )
 
 
 def test_a_xet_file_under_path_in_repo_is_repaired_by_a_rerun_in_one_commit(

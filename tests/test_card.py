@@ -443,6 +443,10 @@ def test_empty_card_fields_stay_out_of_the_front_matter_and_the_first_dataset_is
         ],
     }
     assert metrics["split"] != "test"  # the split recorded, not a usual name
+    # A name set in the card section names the evaluation data even beside training datasets.
+    card.update(eval_dataset_name="Held-out rows")
+    (result,) = card_data(meta).to_dict()["model-index"][0]["results"]
+    assert result["dataset"] == {"name": "Held-out rows", "type": "org/first", "split": metrics["split"]}
 
 
 def test_a_one_process_torchrun_launch_is_named_and_reproduced_under_torchrun(staged_run):

@@ -766,6 +766,7 @@ def test_a_launch_record_that_does_not_describe_a_launch_is_one_line_naming_what
             {DIST_MODEL_DIR: {"w": {"dtype": "F99", "shape": [4]}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [-1]}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4.0]}}, DIST_OPTIM_DIR: {}},
+            {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [True, 3]}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": 4}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32"}}, DIST_OPTIM_DIR: {}},
             {DIST_MODEL_DIR: {"w": {"dtype": "F32", "shape": [4], "stride": [1]}}, DIST_OPTIM_DIR: {}},
@@ -1593,7 +1594,9 @@ def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_n
     """A torchrun resume (one process of a gloo group, in-process: no launch) of a checkpoint
     whose training-state file (the shared tensors beside every rank's RNGs) was damaged after
     its seal: the rank keeps the refusal naming the file and its chunk, and the resume ends in
-    it, one line (not an error of reading the tensors it refused)."""
+    it, one line (not an error of reading the tensors it refused). A rank RNG file without a
+    readable RNG record is kept as a refusal the same way: raised at the agreement, after any
+    the rank kept before it."""
     import torch.distributed as dist
 
     config = load_config(
@@ -1611,13 +1614,48 @@ def test_a_distributed_resume_whose_training_state_file_was_damaged_is_refused_n
         assert train(config, world=world, stop_at=2, progress=False).step == 2
         state = tmp_path / "ck" / "step-00000002" / STATE_FILE
         entry = verify_distributed(state.parent)["files"][STATE_FILE]
-        damaged = bytearray(state.read_bytes())
+        intact = state.read_bytes()
+        damaged = bytearray(intact)
         damaged[-1] ^= 1
         state.write_bytes(bytes(damaged))
         with pytest.raises(ChecksumMismatch) as caught:
             train(config, world=world, resume="latest", progress=False)
+        state.write_bytes(intact)
+        # The rank's RNG file without its RNG record (sealed as it now is) and a model shard
+        # damaged: the unreadable record is kept like the damaged shard, and the agreement
+        # raises the first refusal the rank kept, the shard's, on every rank alike.
+        from pipeline.checkpoint import restore_distributed
+        from pipeline.checkpoint.tensorfile import write_safetensors
+        from pipeline.errors import SEALED_BUT_UNFIT
+        from pipeline.run import build_run
+
+        folder, rng, shard = state.parent, rank_rng_file(0), f"{DIST_MODEL_DIR}/{_shard(1)}"
+        meta = verify_distributed(folder)
+        kept = read_tensors(folder / rng)
+        (folder / rng).unlink()
+        write_safetensors(folder / rng, kept, {"format": "pt"})
+        files = {
+            **meta["files"],
+            rng: entry_of((folder / rng).read_bytes(), meta["files"][rng].get("chunk_size")),
+        }
+        unreadable = {**meta, "files": files}
+        with pytest.raises(StateMismatch) as alone:
+            restore_distributed(build_run(config, world.device, world=world), world, folder, unreadable)
+        assert str(alone.value) == f"{folder / rng} holds no readable RNG record: {SEALED_BUT_UNFIT}"
+        weights = bytearray((folder / shard).read_bytes())
+        weights[-1] ^= 1
+        (folder / shard).write_bytes(bytes(weights))
+        with pytest.raises(ChecksumMismatch) as first:
+            restore_distributed(build_run(config, world.device, world=world), world, folder, unreadable)
     finally:
         world.close()
+    sealed = meta["files"][shard]
+    chunk = (sealed["size"] - 1) // sealed.get("chunk_size", sealed["size"])
+    begin = chunk * sealed.get("chunk_size", sealed["size"])
+    assert str(first.value) == (
+        f"{folder / shard} SHA-256 differs from meta.json (chunk {chunk}: bytes {begin}-{sealed['size']}): "
+        "the file is damaged or was modified"
+    )
     size = entry["size"]
     last = (size - 1) // entry.get("chunk_size", size)
     start = last * entry.get("chunk_size", size)

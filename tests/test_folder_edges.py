@@ -931,6 +931,34 @@ def test_bad_metrics_are_refused_before_the_folder_is_even_surveyed(tmp_path, co
     assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_metrics_file_in_another_encoding_than_utf8_is_refused_not_decoded(tmp_path, encoding):
+    """--metrics is read as UTF-8 only, as every JSON file the pipeline reads: a UTF-16 or UTF-32
+    file (which json alone would detect and decode) is refused, not guessed at."""
+    folder = tiny_folder(tmp_path / "model")
+    metrics = tmp_path / "eval.json"
+    metrics.write_bytes(json.dumps({"eval_loss": 0.5}).encode(encoding))
+    with pytest.raises(StageError) as refused:
+        stage(folder, tmp_path / "stage", metrics=metrics)
+    assert str(refused.value) == f"{metrics} is not valid JSON (not UTF-8); nothing was staged"
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
+def test_a_metrics_path_that_cannot_be_opened_is_the_open_error_not_a_missing_file(tmp_path, monkeypatch):
+    """Only a missing --metrics file is "not found": a path the open refuses for another reason
+    (a link loop, a socket; as root a permission never does) is that error, which the command
+    line prints as it is."""
+    folder = tiny_folder(tmp_path / "model")
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop.name)
+    sock = socket_at(tmp_path / "s.json", monkeypatch)
+    for path, code in ((loop, errno.ELOOP), (sock, errno.ENXIO)):
+        with pytest.raises(OSError) as refused:
+            stage(folder, tmp_path / "stage", metrics=path)
+        assert str(refused.value) == f"[Errno {code}] {os.strerror(code)}: {str(path)!r}"
+    assert not (tmp_path / "stage").exists() and leftovers(tmp_path) == []
+
+
 def test_a_metrics_file_of_exactly_1_mib_is_read_and_one_byte_more_is_refused(tmp_path):
     """The --metrics bound is inclusive: a file of exactly 1 MiB is read (the folder, with no
     config.json, is then what is refused); a byte more is refused as over the limit."""

@@ -127,6 +127,13 @@ def test_a_read_stops_at_the_size_the_descriptor_showed_and_notices_growth_or_sh
             os.truncate(folder / "sub" / "a.bin", 10)
             with pytest.raises(FileChanged, match="shrank to 10 bytes while read"):
                 file.read()
+        # Cut short between the survey and the open: refused at the open, as a grown file is.
+        with pytest.raises(FileChanged) as shrunk:
+            handed.open("sub/a.bin", seen=seen)
+        assert (
+            str(shrunk.value)
+            == f"{folder / 'sub' / 'a.bin'} changed while it was read (now 10 bytes, not the 1,000 surveyed)"
+        )
         # A folder on the way swapped for a link to one outside: never followed.
         outside = tmp_path / "outside"
         outside.mkdir()

@@ -8,6 +8,7 @@ the exit); the import phase is caught by a real exec whose handlers are read fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -189,6 +190,22 @@ def test_a_second_signal_during_the_clean_up_of_a_stop_is_ignored(signum):
     assert [signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)] == before  # put back
 
 
+def _handlers() -> dict:
+    """This process's SIGTERM and SIGINT handlers."""
+    return {each: signal.getsignal(each) for each in (signal.SIGTERM, signal.SIGINT)}
+
+
+@contextlib.contextmanager
+def _handlers_put_back():
+    """The test process's handlers as they were, whatever the block set."""
+    saved = _handlers()
+    try:
+        yield
+    finally:
+        for each, handler in saved.items():
+            signal.signal(each, handler)
+
+
 @pytest.mark.parametrize("until_run_main", [True, False], ids=["until-run-main", "on-its-own"])
 def test_the_import_time_handler_stays_for_run_main_or_goes_with_its_block(until_run_main):
     """The numbered scripts keep the import-time handler until run_main installs its own (no
@@ -196,17 +213,12 @@ def test_the_import_time_handler_stays_for_run_main_or_goes_with_its_block(until
     previous handlers back, so a stop while it runs is not 'stopped while starting; nothing was done'."""
     from pipeline.stops import is_installed, starting
 
-    names = (signal.SIGTERM, signal.SIGINT)
-    before = {each: signal.getsignal(each) for each in names}
-    try:
+    with _handlers_put_back():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         with starting(until_run_main=until_run_main):
-            during = {each: signal.getsignal(each) for each in names}
-        after = {each: signal.getsignal(each) for each in names}
-    finally:
-        for each, handler in before.items():
-            signal.signal(each, handler)
+            during = _handlers()
+        after = _handlers()
     assert during[signal.SIGTERM] is during[signal.SIGINT]
     assert during[signal.SIGTERM] not in (signal.SIG_DFL, signal.default_int_handler, signal.SIG_IGN)
     assert not is_installed(during[signal.SIGTERM])
@@ -223,26 +235,21 @@ def test_the_import_time_handler_leaves_an_ignored_signal_and_run_mains_handler_
     there is still cleaned up, not 'stopped while starting; nothing was done'."""
     from pipeline.stops import install, is_installed, starting
 
-    names = (signal.SIGTERM, signal.SIGINT)
-    saved = {each: signal.getsignal(each) for each in names}
-    try:
+    with _handlers_put_back():
         signal.signal(signal.SIGTERM, signal.SIG_IGN if before == "nohup" else signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if before == "run-main":
             install()
         with starting(until_run_main=False):
-            during = {each: signal.getsignal(each) for each in names}
-        after = {each: signal.getsignal(each) for each in names}
-    finally:
-        for each, handler in saved.items():
-            signal.signal(each, handler)
+            during = _handlers()
+        after = _handlers()
     if before == "nohup":
         assert during[signal.SIGTERM] is signal.SIG_IGN
         assert during[signal.SIGINT] not in (signal.SIG_IGN, signal.default_int_handler)
         assert not is_installed(during[signal.SIGINT])
         assert after == {signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler}
     else:
-        assert during == after and all(is_installed(during[each]) for each in names)
+        assert during == after and all(is_installed(during[each]) for each in during)
 
 
 def test_a_stop_after_an_inner_stopping_block_ended_says_what_the_outer_one_leaves():

@@ -343,20 +343,23 @@ def test_a_negative_or_nan_retry_after_is_a_retry_at_once_not_a_negative_sleep(h
     assert waits == [0.0, 0.0, 0.0]
 
 
-def test_a_xet_upload_that_finished_is_not_stopped_or_named_when_the_time_is_up_later():
+def test_a_xet_upload_that_finished_is_not_stopped_or_named_when_the_time_is_up_later(clock):
     """Only what still runs when the time is up is stopped and named in the timeout's last error:
-    a Xet upload that ended before (the commit then verified) is stopped once, with the publish."""
+    a Xet upload that ended before (the commit then sent and being verified) is stopped once,
+    with the publish."""
     stopped: list[str] = []
-    limit = deadline.Deadline(0.05)
+    limit = deadline.Deadline(10)
     with limit.installed():
         with limit.stopping("the Xet upload", lambda: stopped.append("the Xet upload")):
             pass
         cut = threading.Event()
         with limit.stopping("a later upload", cut.set):
+            clock[0] += 30  # past the deadline and past all that settling can grant
+            limit.settle()  # the commit was sent: the watchdog looks at the time again
             assert cut.wait(60), "the watchdog never cut at the deadline"
         assert stopped == []
         assert limit.why("verifying", DeadlinePassed("verifying was not sent")) == (
-            "publishing ran out of its 0.05s --timeout while verifying; last error: "
+            "publishing ran out of its 10s --timeout while verifying; last error: "
             "a later upload was still running when the time was up: stopped"
         )
     assert stopped == ["the Xet upload"]

@@ -164,6 +164,9 @@ EDGES = [
     ("database-url", True, "mysql+pymysql" + "://:pw@db.example"),
     # A driver after the +srv of an Atlas scheme: both suffixes.
     ("database-url", True, "mongodb+srv+motor" + "://u:p@h"),
+    # A scheme in capitals is the same scheme.
+    ("database-url", True, "MONGODB+SRV" + "://u:p@h"),
+    ("database-url", True, "PostgreSQL" + "://u:p@h"),
     ("database-url", False, "postgres" + "://u:@h"),
     ("database-url", False, "postgres" + "://u:p@"),
     ("database-url", False, "postgres" + "://u:$PW@h"),

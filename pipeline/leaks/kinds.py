@@ -261,11 +261,11 @@ KINDS: tuple[LeakKind, ...] = (
         examples=('"private' + '_key_id": "' + _HEX[:40] + '"',),
     ),
     # A password in a database URL; an environment placeholder ("${DB_PASSWORD}", "<password>",
-    # "***") is not one.
+    # "***") is not one. A URL's scheme is read in any case (RFC 3986), so it is matched so.
     _kind(
         "database-url",
         "a database URL with a password",
-        rb"(?<![A-Za-z0-9+.-])(?:postgres(?:ql)?|mysql|mariadb|mongodb(?:\+srv)?|rediss?|amqps?|mssql"
+        rb"(?<![A-Za-z0-9+.-])(?i:postgres(?:ql)?|mysql|mariadb|mongodb(?:\+srv)?|rediss?|amqps?|mssql"
         rb"|sqlserver|clickhouse|cockroachdb|oracle)(?:\+[A-Za-z0-9_]+)?://[^\s:/@'\"<>]*"
         rb":(?!\$|<|\*)[^\s/@'\"<>]+@[A-Za-z0-9.-]+",
         needles=(b"://",),

@@ -167,6 +167,10 @@ EDGES = [
     # A scheme in capitals is the same scheme.
     ("database-url", True, "MONGODB+SRV" + "://u:p@h"),
     ("database-url", True, "PostgreSQL" + "://u:p@h"),
+    # A driver in any case, its scheme and driver 19 bytes before the "://" looked for first.
+    ("database-url", True, "PostgreSQL+PsyCopg2" + "://u:p@h"),
+    # A capital before the scheme is a letter of a longer one.
+    ("database-url", False, "XPOSTGRES" + "://u:p@h"),
     ("database-url", False, "postgres" + "://u:@h"),
     ("database-url", False, "postgres" + "://u:p@"),
     ("database-url", False, "postgres" + "://u:$PW@h"),

@@ -431,6 +431,39 @@ def test_a_database_url_with_a_password_is_refused_for_every_common_scheme(schem
     assert scan_bytes(f"{scheme}://user@host/db\n", rules()) == {}  # no password
 
 
+def test_a_database_url_in_capitals_is_found_in_every_reader_view_and_its_placeholder_passes():
+    """A scheme in any case is found however the URL is written, across a read's seam too;
+    the same URL with an environment placeholder or no password passes in each of the views."""
+    url = "MongoDB+SRV+Motor" + "://app:" + "Xk9pQ2w" + "@cluster0.example.net"
+    views = {
+        "": lambda text: f"DB = {text}\n".encode(),
+        " (UTF-16)": lambda text: f"DB = {text}\n".encode("utf-16"),
+        " (UTF-32)": lambda text: f"DB = {text}\n".encode("utf-32"),
+        # Glued to base64 characters that decode to letters before the scheme.
+        " (base64-encoded)": lambda text: b"blob" + base64.b64encode(b"zz" + text.encode()) + b"\n",
+        " (hex-encoded)": lambda text: b"0x" + ("q" + text).encode().hex().upper().encode() + b"\n",
+        " (escaped)": lambda text: ('{"db": "' + text.replace("M", "\\u004d") + '"}').encode(),
+        " (URL-encoded)": lambda text: ("?db=" + text.replace("://", "%3A%2F%2F")).encode(),
+        " (split by invisible characters)": lambda text: f"DB = {text[:5]}\u200b{text[5:]}\n".encode(),
+    }
+    what = "a database URL with a password"
+    rule_set = rules(hostname="")
+    found = {how: scan_bytes(write(url), rule_set) for how, write in views.items()}
+    assert found == {how: {"database-url": what + how} for how in views}
+    seam = ("x " * 3000 + url + "\n").encode()
+    at = seam.index(b"MongoDB")
+    cuts = (at, at + 1, at + 17, at + 20, at + len(url) - 1)
+    assert [fed_in_two(seam, rule_set, cut) for cut in cuts] == [{"database-url": what}] * len(cuts)
+    for harmless in (
+        url.replace("Xk9pQ2w", "${DB_PASSWORD}"),
+        url.replace("Xk9pQ2w", "<password>"),
+        "REDIS" + "://localhost:6379/0",
+    ):
+        assert {how: scan_bytes(write(harmless), rule_set) for how, write in views.items()} == dict.fromkeys(
+            views, {}
+        ), harmless
+
+
 # -- any kind x any listed encoding x any prefix x any carrier (Hypothesis) ----------------------------
 
 BASE64_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"

@@ -166,6 +166,7 @@ HARMLESS = [
     "task-" + "a" * 40,
     "connect with postgresql" + "://trainer@db.example.com:5432/runs (the password comes from PGPASSFILE)",
     "DATABASE_URL=postgres" + "://app:${DB_PASSWORD}@db/app",
+    "Connect with PostgreSQL" + "://trainer@db:5432/runs or POSTGRES" + "://app:${DB_PASSWORD}@db/app",
     "redis" + "://localhost:6379/0 and mysql" + "://admin:<password>@127.0.0.1/db",
     "sk" + "_live_ keys start with that prefix; np" + "m_ tokens too",
     "AccountKey=" + "<your key>",

@@ -145,12 +145,19 @@ def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):
         resolve(tmp_path / "bset", tmp_path, committed=True)
 
 
-def test_a_damaged_latest_names_the_older_checkpoint_that_verifies(tmp_path):
-    _save(tmp_path, [1, 2])
-    (tmp_path / "step-00000002" / "modelo.safetensors").write_bytes(b"x" * 10)
-    with pytest.raises(CheckpointError, match=r"older checkpoint .*step-00000001 verifies"):
-        load_checkpoint("latest", tmp_path)
-    assert load_checkpoint(tmp_path / "step-00000001").model_tensors["w"].tolist() == [1.0, 1.0, 1.0]
+def test_a_damaged_latest_names_the_newest_older_checkpoint_that_verifies(tmp_path):
+    """Of the older checkpoints, the refusal names the newest one that verifies: the one that
+    loses the least training, a damaged one passed over."""
+    _save(tmp_path, [1, 2, 3, 4])
+    for step in (4, 3):
+        (tmp_path / f"step-0000000{step}" / "modelo.safetensors").write_bytes(b"x" * 10)
+        newest = tmp_path / f"step-0000000{step - 1}"
+        with pytest.raises(CheckpointError) as refused:
+            load_checkpoint("latest", tmp_path)
+        assert str(refused.value).endswith(
+            f"; the older checkpoint {newest} verifies: resume from it with --resume {newest} (nothing was deleted)"
+        )
+    assert load_checkpoint(tmp_path / "step-00000002").model_tensors["w"].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_meta_round_trips_a_python_infinity_exactly(tmp_path):

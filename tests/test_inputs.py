@@ -205,6 +205,36 @@ def test_a_saved_stream_position_of_another_source_is_refused_in_one_line(stream
     _one_line(exc)
 
 
+def test_a_saved_stream_position_whose_counter_is_not_an_integer_at_least_0_is_refused_in_one_line(
+    stream_dir, tmp_path
+):
+    """A counter deep in the stream's own state (the shard's example index) forged to a value no
+    stream saves (negative, a boolean, a float): refused in one line naming it, before a step is
+    trained."""
+    train(_config(stream_dir, tmp_path / "cut", **STREAM), progress=False, stop_at=3)
+    inner = "examples_iterable.examples_iterable.examples_iterable"
+    for counter in (-1, True, 12.0):
+        forged = tmp_path / f"forged-{counter}"
+        shutil.copytree(tmp_path / "cut", forged)
+
+        def forge(meta: dict) -> None:
+            state = meta["training_state"]["data"]["source"]["ranks"][0]["state"]
+            for key in inner.split("."):
+                state = state[key]
+            assert state["shard_example_idx"] == 12  # what the stream saved after 3 steps of 4 rows
+            state["shard_example_idx"] = counter
+
+        reseal(forged / "step-00000003", forge)
+        with pytest.raises(DataError) as exc:
+            train(_config(stream_dir, forged, **STREAM), progress=False, resume="latest")
+        assert _one_line(exc) == (
+            f"training_state.data.source.ranks[0].state.{inner}.shard_example_idx is not an integer >= 0: "
+            "the saved stream position does not belong to this train_iterable; resume with the stream it "
+            "was trained on"
+        ), counter
+        assert sorted(path.name for path in forged.glob("step-*")) == ["step-00000003"]
+
+
 def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_first_step(
     stream_dir, tmp_path
 ):

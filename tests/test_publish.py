@@ -1401,6 +1401,45 @@ def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_
     assert (intact.found, intact.problem) == (audited, None)
 
 
+def test_an_lfs_record_of_the_audited_sha256_but_another_size_is_a_problem_naming_both_sizes():
+    """The Hub's LFS record is the check of an LFS file (nothing is downloaded): a record listing
+    the audited SHA-256 with another size is not the audited file (the file is not ok and the
+    problem names both sizes), nor one of the audited size with another SHA-256 (the problem names
+    both hashes); the record of the audited size and SHA-256 is."""
+    from huggingface_hub import HfApi
+
+    from pipeline.publishing.client import Target
+    from pipeline.publishing.verify import verify_commit
+    from pipeline.publishing.xet import StagedXetHashes, Storage
+
+    sha = "a" * 64
+    expected = {"modelo.safetensors": AuditedFile("modelo.safetensors", 4, sha, "meta.json")}
+    unreachable = "http://127.0.0.1:9"  # an LFS file is checked by its record: no request is made
+    with Deadline(10).installed() as limit:
+        target = Target(HfApi(endpoint=unreachable), unreachable, "alice/sizes", "main", "", None, limit)
+        other = "d" * 64
+        for size, listed, problems in (
+            (5, sha, ["modelo.safetensors: the Hub's LFS record lists 5 bytes, the audit 4"]),
+            (3, sha, ["modelo.safetensors: the Hub's LFS record lists 3 bytes, the audit 4"]),
+            (
+                4,
+                other,
+                [f"modelo.safetensors: the Hub holds SHA-256 {other} (Hub LFS SHA-256), the audit {sha}"],
+            ),
+            (4, sha, []),
+        ):
+            remote = {"modelo.safetensors": RemoteFile("modelo.safetensors", size, "b" * 40, listed)}
+            [checked], found = verify_commit(
+                target, "c" * 40, expected, remote, frozenset(), StagedXetHashes(Path("."), expected)
+            )
+            assert (checked.storage, checked.checked_by, checked.ok, found) == (
+                Storage.LFS,
+                "Hub LFS SHA-256",
+                not problems,
+                problems,
+            ), (size, listed)
+
+
 def test_a_xet_hash_of_part_of_the_audited_bytes_is_no_hash(tmp_path, monkeypatch):
     """When hf_xet stops reading the audit's pipe before the last chunk (here: another writer fed
     it the first chunk and closed, so hf_xet saw its end), the hash it took of that part is not the

@@ -125,6 +125,11 @@ def _check(
         # The Hub's own record of the LFS object: no need to download the weights again.
         found = remote.sha256 if remote.size == expected.size else None
         checked = VerifiedFile(path, expected.size, expected.sha256, storage, "Hub LFS SHA-256", found)
+        if remote.size != expected.size:  # its SHA-256 may be ours: a record of other bytes all the same
+            return (
+                checked,
+                f"{path}: the Hub's LFS record lists {remote.size} bytes, the audit {expected.size}",
+            )
     else:
         found = _download_sha256(target, commit, path, expected.size)
         checked = VerifiedFile(path, expected.size, expected.sha256, storage, "downloaded bytes", found)

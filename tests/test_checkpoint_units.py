@@ -146,18 +146,29 @@ def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):
 
 
 def test_a_damaged_latest_names_the_newest_older_checkpoint_that_verifies(tmp_path):
-    """Of the older checkpoints, the refusal names the newest one that verifies: the one that
-    loses the least training, a damaged one passed over."""
-    _save(tmp_path, [1, 2, 3, 4])
-    for step in (4, 3):
-        (tmp_path / f"step-0000000{step}" / "modelo.safetensors").write_bytes(b"x" * 10)
-        newest = tmp_path / f"step-0000000{step - 1}"
+    """Of two older checkpoints that verify, the newer one is named (resuming from the oldest
+    would repeat work that was saved); one damaged too is passed over; with none left that
+    verifies, the damage alone is the refusal."""
+    _save(tmp_path, [1, 2, 3])
+    damaged = tmp_path / "step-00000003" / "modelo.safetensors"
+    damaged.write_bytes(b"x" * 10)
+    damage = f"{damaged} is 10 bytes, meta.json records 124: the file is truncated or was modified"
+
+    def refusal() -> str:
         with pytest.raises(CheckpointError) as refused:
             load_checkpoint("latest", tmp_path)
-        assert str(refused.value).endswith(
-            f"; the older checkpoint {newest} verifies: resume from it with --resume {newest} (nothing was deleted)"
-        )
-    assert load_checkpoint(tmp_path / "step-00000002").model_tensors["w"].tolist() == [2.0, 2.0, 2.0]
+        return str(refused.value)
+
+    def naming(step: int) -> str:
+        older = tmp_path / step_dir_name(step)
+        return f"{damage}; the older checkpoint {older} verifies: resume from it with --resume {older} (nothing was deleted)"
+
+    assert refusal() == naming(2)
+    (tmp_path / "step-00000002" / "meta.json").write_bytes(b"{")
+    assert refusal() == naming(1)
+    assert load_checkpoint(tmp_path / "step-00000001").model_tensors["w"].tolist() == [1.0, 1.0, 1.0]
+    (tmp_path / "step-00000001" / "modelo.safetensors").write_bytes(b"")
+    assert refusal() == damage
 
 
 def test_meta_round_trips_a_python_infinity_exactly(tmp_path):

@@ -205,34 +205,50 @@ def test_a_saved_stream_position_of_another_source_is_refused_in_one_line(stream
     _one_line(exc)
 
 
-def test_a_saved_stream_position_whose_counter_is_not_an_integer_at_least_0_is_refused_in_one_line(
-    stream_dir, tmp_path
-):
-    """A counter deep in the stream's own state (the shard's example index) forged to a value no
-    stream saves (negative, a boolean, a float): refused in one line naming it, before a step is
-    trained."""
-    train(_config(stream_dir, tmp_path / "cut", **STREAM), progress=False, stop_at=3)
-    inner = "examples_iterable.examples_iterable.examples_iterable"
-    for counter in (-1, True, 12.0):
-        forged = tmp_path / f"forged-{counter}"
-        shutil.copytree(tmp_path / "cut", forged)
+def test_a_saved_stream_position_with_a_negative_counter_is_refused_and_one_at_0_is_not(stream_dir, tmp_path):
+    """The feed's check of a resumed position, in this process: a counter below 0 (the pass,
+    the records read, the source's own epoch or place in its shard) is no position a stream
+    reaches, and is refused in one line naming it; each at 0 is one, and passes."""
+    import copy
 
-        def forge(meta: dict) -> None:
-            state = meta["training_state"]["data"]["source"]["ranks"][0]["state"]
-            for key in inner.split("."):
-                state = state[key]
-            assert state["shard_example_idx"] == 12  # what the stream saved after 3 steps of 4 rows
-            state["shard_example_idx"] = counter
+    import torch
 
-        reseal(forged / "step-00000003", forge)
-        with pytest.raises(DataError) as exc:
-            train(_config(stream_dir, forged, **STREAM), progress=False, resume="latest")
-        assert _one_line(exc) == (
-            f"training_state.data.source.ranks[0].state.{inner}.shard_example_idx is not an integer >= 0: "
-            "the saved stream position does not belong to this train_iterable; resume with the stream it "
-            "was trained on"
-        ), counter
-        assert sorted(path.name for path in forged.glob("step-*")) == ["step-00000003"]
+    from pipeline.data import load_task_data
+    from pipeline.data.stream import StreamFeed
+    from pipeline.errors import SEALED_BUT_UNFIT
+    from pipeline.world import World
+
+    config = _config(stream_dir, tmp_path, **STREAM)
+    feed = StreamFeed(load_task_data(config), config, torch.device("cpu"), World(device=torch.device("cpu")))
+    for _ in range(2):
+        feed.next_batch()
+    saved = feed.state_dict()
+    feed.check_state(saved)
+    # The datasets state nests one reader in the next; the innermost holds the place in its shard.
+    path, holder = [], saved["ranks"][0]["state"]
+    while "examples_iterable" in holder:
+        path, holder = [*path, "examples_iterable"], holder["examples_iterable"]
+    path.append("shard_example_idx")
+    where = "training_state.data.source.ranks[0]"
+    foreign = "the saved stream position does not belong to this train_iterable; resume with the stream it was trained on"
+    for keys, says in (
+        (["pass"], f"{where}.pass is -1, expected an integer >= 0: {SEALED_BUT_UNFIT}"),
+        (["consumed"], f"{where}.consumed is -1, expected an integer >= 0: {SEALED_BUT_UNFIT}"),
+        (["state", "epoch"], f"{where}.state.epoch is not an integer >= 0: {foreign}"),
+        (["state", *path], f"{where}.state.{'.'.join(path)} is not an integer >= 0: {foreign}"),
+    ):
+        for value in (-1, 0):
+            forged = copy.deepcopy(saved)
+            record = forged["ranks"][0]
+            for key in keys[:-1]:
+                record = record[key]
+            record[keys[-1]] = value
+            if value == 0:
+                feed.check_state(forged)
+                continue
+            with pytest.raises(DataError) as refused:
+                feed.check_state(forged)
+            assert _one_line(refused) == says
 
 
 def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_first_step(

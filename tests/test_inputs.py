@@ -53,6 +53,34 @@ def test_the_task_data_takes_exactly_one_of_the_three_input_forms_and_anything_e
     assert "with dataset and stream: give exactly one of" in _one_line(two)
 
 
+def test_the_resume_proofs_report_names_the_workers_only_of_a_dataset_and_the_split_only_of_a_stream():
+    """data.num_workers is what a DataLoader reads a dataset with: batches built in the training
+    process and a stream use none, whatever the config says; data.stream_split splits a stream."""
+    from pipeline.data import describe_inputs
+
+    config = SimpleNamespace(data=SimpleNamespace(num_workers=2, stream_split="shards"))
+    forms = {
+        "batches": SimpleNamespace(get_batch=lambda indices, device: None, num_train=4),
+        "dataset": SimpleNamespace(train_dataset=[1, 2]),
+        "stream": SimpleNamespace(train_iterable=iter(())),
+    }
+    assert {form: describe_inputs(data, config) for form, data in forms.items()} == {
+        "batches": {
+            "mode": "batches",
+            "source": "types.SimpleNamespace",
+            "num_workers": 0,
+            "stream_split": None,
+        },
+        "dataset": {"mode": "dataset", "source": "builtins.list", "num_workers": 2, "stream_split": None},
+        "stream": {
+            "mode": "stream",
+            "source": "builtins.tuple_iterator",
+            "num_workers": 0,
+            "stream_split": "shards",
+        },
+    }
+
+
 def test_noisy_samples_are_bitwise_the_same_with_0_or_2_workers_and_after_a_stop_mid_epoch(
     data_dir, tmp_path
 ):

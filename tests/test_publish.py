@@ -1440,6 +1440,44 @@ def test_an_lfs_record_of_the_audited_sha256_but_another_size_is_a_problem_namin
             ), (size, listed)
 
 
+def test_a_commit_is_verified_to_hold_exactly_the_stage_and_the_files_it_keeps():
+    """What landed is compared with the stage as a whole: a staged file the commit lacks and a
+    file in the commit the stage does not hold are each a problem, while a file the publish keeps
+    (the Hub's .gitattributes) is not; every staged file present is checked."""
+    from huggingface_hub import HfApi
+
+    from pipeline.publishing.client import Target
+    from pipeline.publishing.verify import verify_commit
+    from pipeline.publishing.xet import StagedXetHashes
+
+    sha = "a" * 64
+    expected = {
+        name: AuditedFile(name, 4, sha, "MANIFEST.sha256")
+        for name in ("modelo.safetensors", "extra.safetensors")
+    }
+    unreachable = "http://127.0.0.1:9"  # LFS files are checked by their records: no request is made
+    listed = {
+        "modelo.safetensors": RemoteFile("modelo.safetensors", 4, "b" * 40, sha),
+        "stray.safetensors": RemoteFile("stray.safetensors", 4, "c" * 40, sha),
+        ".gitattributes": RemoteFile(".gitattributes", 10, "d" * 40),
+    }
+    with Deadline(10).installed() as limit:
+        target = Target(HfApi(endpoint=unreachable), unreachable, "alice/exact", "main", "", None, limit)
+        checked, problems = verify_commit(
+            target,
+            "e" * 40,
+            expected,
+            listed,
+            frozenset({".gitattributes"}),
+            StagedXetHashes(Path("."), expected),
+        )
+    assert [(f.path_in_repo, f.ok) for f in checked] == [("modelo.safetensors", True)]
+    assert problems == [
+        "stray.safetensors is in the commit but not in the stage",
+        "extra.safetensors is missing from the commit",
+    ]
+
+
 def test_a_xet_hash_of_part_of_the_audited_bytes_is_no_hash(tmp_path, monkeypatch):
     """When hf_xet stops reading the audit's pipe before the last chunk (here: another writer fed
     it the first chunk and closed, so hf_xet saw its end), the hash it took of that part is not the

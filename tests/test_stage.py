@@ -164,6 +164,20 @@ def test_staged_record_carries_no_optimizer_or_rng_internals(staged_run):
     for internal in ("training_state", "exp_avg", "torch_cpu", "numpy_generator", "permutation"):
         assert internal not in text
     assert meta["files"]["training_curve.png"]["sha256"] == sha256(staged_run.stage / "training_curve.png")
+    # What it tells of the training: the checkpoint's last history point (the schedule halved the
+    # learning rate on the way, so its first and last values tell apart).
+    history = load_file(staged_run.checkpoint / "estado_treino.safetensors")
+    loss, lr = history["history/loss"].tolist(), history["history/lr"].tolist()
+    assert lr[0] != lr[-1] and meta["step"] == int(staged_run.checkpoint.name.removeprefix("step-"))
+    assert (
+        meta["training"]["final_loss"],
+        meta["training"]["final_lr"],
+        meta["training"]["history_points"],
+    ) == (
+        loss[-1],
+        lr[-1],
+        len(loss),
+    )
 
 
 def test_model_card_parses_and_names_step_sha256_metrics_and_curve(staged_run):

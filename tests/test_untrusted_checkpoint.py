@@ -63,9 +63,22 @@ def test_a_value_edit_that_keeps_valid_json_is_refused(folder):
     refused(folder, "meta.json", "meta_sha256 does not match", error=ChecksumMismatch)
 
 
-def test_a_reformatted_meta_json_with_a_valid_seal_is_refused(folder):
-    meta = read_meta_json(folder)
-    (folder / "meta.json").write_text(json.dumps(meta, indent=4, sort_keys=True), encoding="utf-8")
+@pytest.mark.parametrize(
+    "reformat",
+    [
+        lambda text, meta: json.dumps(meta, indent=4, sort_keys=True),
+        lambda text, meta: text.rstrip("\n"),  # an editor that drops the final newline
+        lambda text, meta: text + "\n",  # or adds one
+        lambda text, meta: " " + text,
+    ],
+    ids=["indent-4", "final-newline-dropped", "newline-added", "leading-space"],
+)
+def test_a_reformatted_meta_json_with_a_valid_seal_is_refused(folder, reformat):
+    """Any byte that is not what the pipeline wrote, even whitespace a JSON reader ignores."""
+    path = folder / "meta.json"
+    text = path.read_text(encoding="utf-8")
+    path.write_text(reformat(text, read_meta_json(folder)), encoding="utf-8")
+    assert path.read_text(encoding="utf-8") != text
     refused(folder, "meta.json", "byte for byte", error=ChecksumMismatch)
 
 

@@ -147,8 +147,8 @@ def test_resolve_says_what_to_do_when_there_is_nothing(tmp_path):
 
 def test_a_damaged_latest_names_the_newest_older_checkpoint_that_verifies(tmp_path):
     """Of two older checkpoints that verify, the newer one is named (resuming from the oldest
-    would repeat work that was saved); one damaged too is passed over; with none left that
-    verifies, the damage alone is the refusal."""
+    would repeat work that was saved); one damaged too (a byte flipped, found by its hashes) is
+    passed over; with none left that verifies, the damage alone is the refusal."""
     _save(tmp_path, [1, 2, 3])
     damaged = tmp_path / "step-00000003" / "modelo.safetensors"
     damaged.write_bytes(b"x" * 10)
@@ -164,10 +164,14 @@ def test_a_damaged_latest_names_the_newest_older_checkpoint_that_verifies(tmp_pa
         return f"{damage}; the older checkpoint {older} verifies: resume from it with --resume {older} (nothing was deleted)"
 
     assert refusal() == naming(2)
-    (tmp_path / "step-00000002" / "meta.json").write_bytes(b"{")
+    # A byte flipped, its size intact: only its hashes tell it is damaged.
+    weights = tmp_path / "step-00000002" / "modelo.safetensors"
+    flipped = bytearray(weights.read_bytes())
+    flipped[-1] ^= 0x01
+    weights.write_bytes(bytes(flipped))
     assert refusal() == naming(1)
     assert load_checkpoint(tmp_path / "step-00000001").model_tensors["w"].tolist() == [1.0, 1.0, 1.0]
-    (tmp_path / "step-00000001" / "modelo.safetensors").write_bytes(b"")
+    (tmp_path / "step-00000001" / "meta.json").write_bytes(b"{")
     assert refusal() == damage
 
 

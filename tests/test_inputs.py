@@ -234,9 +234,9 @@ def test_a_saved_stream_position_of_another_source_is_refused_in_one_line(stream
 
 
 def test_a_saved_stream_position_with_a_negative_counter_is_refused_and_one_at_0_is_not(stream_dir, tmp_path):
-    """The feed's check of a resumed position, in this process: a counter below 0 (the pass,
-    the records read, the source's own epoch or place in its shard) is no position a stream
-    reaches, and is refused in one line naming it; each at 0 is one, and passes."""
+    """The feed's check of a resumed position, in this process: a counter below 0, a boolean or
+    a float (the pass, the records read, the source's own epoch or place in its shard) is no
+    position a stream reaches, and is refused in one line naming it; each at 0 is one, and passes."""
     import copy
 
     import torch
@@ -260,12 +260,15 @@ def test_a_saved_stream_position_with_a_negative_counter_is_refused_and_one_at_0
     where = "training_state.data.source.ranks[0]"
     foreign = "the saved stream position does not belong to this train_iterable; resume with the stream it was trained on"
     for keys, says in (
-        (["pass"], f"{where}.pass is -1, expected an integer >= 0: {SEALED_BUT_UNFIT}"),
-        (["consumed"], f"{where}.consumed is -1, expected an integer >= 0: {SEALED_BUT_UNFIT}"),
-        (["state", "epoch"], f"{where}.state.epoch is not an integer >= 0: {foreign}"),
-        (["state", *path], f"{where}.state.{'.'.join(path)} is not an integer >= 0: {foreign}"),
+        (["pass"], lambda value: f"{where}.pass is {value!r}, expected an integer >= 0: {SEALED_BUT_UNFIT}"),
+        (
+            ["consumed"],
+            lambda value: f"{where}.consumed is {value!r}, expected an integer >= 0: {SEALED_BUT_UNFIT}",
+        ),
+        (["state", "epoch"], lambda value: f"{where}.state.epoch is not an integer >= 0: {foreign}"),
+        (["state", *path], lambda value: f"{where}.state.{'.'.join(path)} is not an integer >= 0: {foreign}"),
     ):
-        for value in (-1, 0):
+        for value in (-1, True, 2.0, 0):  # a boolean and a whole float are no counters either
             forged = copy.deepcopy(saved)
             record = forged["ranks"][0]
             for key in keys[:-1]:
@@ -276,7 +279,36 @@ def test_a_saved_stream_position_with_a_negative_counter_is_refused_and_one_at_0
                 continue
             with pytest.raises(DataError) as refused:
                 feed.check_state(forged)
-            assert _one_line(refused) == says
+            assert _one_line(refused) == says(value), (keys, value)
+
+
+def test_a_saved_stream_state_must_hold_the_fresh_states_flags_and_names():
+    """Where the fresh state of a stream holds a flag, the saved one holds a flag (not 0 or 1);
+    where it holds a reader's name, the same name; a counter may be 0; where it holds None, any
+    value. Each refusal is one line naming the field."""
+    from pipeline.data.stream import _shaped_like
+
+    belongs = "the saved stream position does not belong to this train_iterable; resume with the stream it was trained on"
+    fresh = {"drop_last": False, "type": "ArrowExamplesIterable", "shard_idx": 0, "previous_state": None}
+    accepted = {
+        "drop_last": True,
+        "type": "ArrowExamplesIterable",
+        "shard_idx": 0,
+        "previous_state": {"x": [1]},
+    }
+    _shaped_like(accepted, fresh, "state")
+    for field, value, refusal in (
+        ("drop_last", 1, "is not a boolean"),
+        ("drop_last", 0, "is not a boolean"),
+        (
+            "type",
+            "JsonExamplesIterable",
+            "is 'JsonExamplesIterable', this source's is 'ArrowExamplesIterable'",
+        ),
+    ):
+        with pytest.raises(DataError) as exc:
+            _shaped_like({**accepted, field: value}, fresh, "state")
+        assert _one_line(exc) == f"state.{field} {refusal}: {belongs}", (field, value)
 
 
 def test_a_stream_whose_state_does_not_resume_it_exactly_is_refused_before_the_first_step(

@@ -1384,7 +1384,8 @@ def test_a_xet_file_is_verified_by_its_own_bytes_when_the_audit_has_no_xet_hash(
 
 def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_audits_sha256():
     """With no hf_xet here a Xet-stored file is checked by downloading it: bytes that hash to
-    anything but the audit's SHA-256 are a problem naming both hashes; the audited bytes are not.
+    anything but the audit's SHA-256 are a problem naming both hashes, bytes past the audited size
+    one naming that size; the audited bytes are not.
     (The loopback Hub cannot serve other bytes for a Xet file: huggingface_hub's download refuses
     them first, so the check itself is called here with the hash a download gave.)"""
     audited, other = "a" * 64, "d" * 64
@@ -1397,47 +1398,88 @@ def test_without_a_xet_hash_the_downloaded_bytes_of_a_xet_file_must_hash_to_the_
     assert damaged.problem == (
         f"modelo.safetensors: the Hub holds SHA-256 {other} (downloaded bytes (Xet)), the audit {audited}"
     )
+    longer = check_landed("modelo.safetensors", expected, remote, None, lambda: None)  # past the audited size
+    assert (longer.found, longer.checked_by, longer.problem) == (
+        None,
+        "downloaded bytes (Xet)",
+        "modelo.safetensors: the Hub serves more than the audit's 4 bytes (Xet)",
+    )
     intact = check_landed("modelo.safetensors", expected, remote, None, lambda: audited)
     assert (intact.found, intact.problem) == (audited, None)
 
 
 def test_an_lfs_record_of_the_audited_sha256_but_another_size_is_a_problem_naming_both_sizes():
     """The Hub's LFS record is the check of an LFS file (nothing is downloaded): a record listing
-    the audited SHA-256 with another size is not the audited file (the file is not ok and the
-    problem names both sizes), nor one of the audited size with another SHA-256 (the problem names
-    both hashes); the record of the audited size and SHA-256 is."""
+    the audited SHA-256 with another size (larger, smaller, 0) is not the audited file (the file
+    is not ok and the problem names both sizes), nor one of the audited size with another SHA-256
+    (the problem names both hashes); the record of the audited size and SHA-256 is. Each problem
+    names the file by its path in the repo, at the root and in a folder."""
     from huggingface_hub import HfApi
 
     from pipeline.publishing.client import Target
     from pipeline.publishing.verify import verify_commit
     from pipeline.publishing.xet import StagedXetHashes, Storage
 
-    sha = "a" * 64
-    expected = {"modelo.safetensors": AuditedFile("modelo.safetensors", 4, sha, "meta.json")}
+    sha, other = "a" * 64, "d" * 64
     unreachable = "http://127.0.0.1:9"  # an LFS file is checked by its record: no request is made
+    for prefix in ("", "run/"):
+        path = f"{prefix}modelo.safetensors"
+        expected = {path: AuditedFile("modelo.safetensors", 4, sha, "meta.json")}
+        with Deadline(10).installed() as limit:
+            target = Target(
+                HfApi(endpoint=unreachable), unreachable, "alice/sizes", "main", prefix, None, limit
+            )
+            for size, listed, problems in (
+                (5, sha, [f"{path}: the Hub's LFS record lists 5 bytes, the audit 4"]),
+                (3, sha, [f"{path}: the Hub's LFS record lists 3 bytes, the audit 4"]),
+                (0, sha, [f"{path}: the Hub's LFS record lists 0 bytes, the audit 4"]),
+                (4, other, [f"{path}: the Hub holds SHA-256 {other} (Hub LFS SHA-256), the audit {sha}"]),
+                (4, sha, []),
+            ):
+                remote = {path: RemoteFile(path, size, "b" * 40, listed)}
+                [checked], found = verify_commit(
+                    target, "c" * 40, expected, remote, frozenset(), StagedXetHashes(Path("."), expected)
+                )
+                assert (checked.path_in_repo, checked.storage, checked.checked_by, checked.ok, found) == (
+                    path,
+                    Storage.LFS,
+                    "Hub LFS SHA-256",
+                    not problems,
+                    problems,
+                ), (prefix, size, listed)
+
+
+def test_a_downloaded_file_longer_than_the_audit_is_a_problem_naming_the_audited_size(hub):
+    """A regular file is checked by its bytes, downloaded from the commit and never read past
+    the audited size: one the Hub serves longer is reported by that size (its hash is never
+    taken, so there is none to name), one of the audited bytes verifies."""
+    from pipeline.publishing.client import Target
+    from pipeline.publishing.verify import verify_commit
+    from pipeline.publishing.xet import StagedXetHashes, Storage
+
+    api = api_for(hub)
+    api.create_repo("alice/longer")
+    commit = api.upload_file(
+        path_or_fileobj=b"hello world\n", path_in_repo="notes.txt", repo_id="alice/longer"
+    ).oid
+    remote = {"notes.txt": RemoteFile("notes.txt", 12, "b" * 40)}
     with Deadline(10).installed() as limit:
-        target = Target(HfApi(endpoint=unreachable), unreachable, "alice/sizes", "main", "", None, limit)
-        other = "d" * 64
-        for size, listed, problems in (
-            (5, sha, ["modelo.safetensors: the Hub's LFS record lists 5 bytes, the audit 4"]),
-            (3, sha, ["modelo.safetensors: the Hub's LFS record lists 3 bytes, the audit 4"]),
-            (
-                4,
-                other,
-                [f"modelo.safetensors: the Hub holds SHA-256 {other} (Hub LFS SHA-256), the audit {sha}"],
-            ),
-            (4, sha, []),
+        target = Target(api, hub.url, "alice/longer", "main", "", TOKEN, limit)
+        for audited, problems in (
+            (b"hello", ["notes.txt: the Hub serves more than the audit's 5 bytes"]),
+            (b"hello world\n", []),
         ):
-            remote = {"modelo.safetensors": RemoteFile("modelo.safetensors", size, "b" * 40, listed)}
+            sha = hashlib.sha256(audited).hexdigest()
+            expected = {"notes.txt": AuditedFile("notes.txt", len(audited), sha, "meta.json")}
             [checked], found = verify_commit(
-                target, "c" * 40, expected, remote, frozenset(), StagedXetHashes(Path("."), expected)
+                target, commit, expected, remote, frozenset(), StagedXetHashes(Path("."), expected)
             )
             assert (checked.storage, checked.checked_by, checked.ok, found) == (
-                Storage.LFS,
-                "Hub LFS SHA-256",
+                Storage.REGULAR,
+                "downloaded bytes",
                 not problems,
                 problems,
-            ), (size, listed)
+            ), audited
 
 
 def test_a_commit_is_verified_to_hold_exactly_the_stage_and_the_files_it_keeps():

@@ -133,6 +133,8 @@ def _check(
     else:
         found = _download_sha256(target, commit, path, expected.size)
         checked = VerifiedFile(path, expected.size, expected.sha256, storage, "downloaded bytes", found)
+        if found is None:  # read no further than the audited size: no hash of it to name
+            return checked, f"{path}: the Hub serves more than the audit's {expected.size} bytes"
     problem = (
         None
         if checked.ok

@@ -265,7 +265,9 @@ def check_landed(
     if ours is None:
         found = download_sha256()
         problem = None
-        if found != expected.sha256:
+        if found is None:  # read no further than the audited size: no hash of it to name
+            problem = f"{path}: the Hub serves more than the audit's {expected.size} bytes (Xet)"
+        elif found != expected.sha256:
             problem = (
                 f"{path}: the Hub holds SHA-256 {found} (downloaded bytes (Xet)), the audit {expected.sha256}"
             )

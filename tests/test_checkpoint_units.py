@@ -175,6 +175,21 @@ def test_a_damaged_latest_names_the_newest_older_checkpoint_that_verifies(tmp_pa
     assert refusal() == damage
 
 
+def test_a_checkpoint_folder_renamed_to_another_step_is_refused_naming_both(tmp_path):
+    """A folder's name is the step 'latest', the prune and --resume read; meta.json records the
+    step its state is at. A folder renamed by hand (step 2 as step 3) is refused, not resumed as
+    a step it is not; under its own name it loads."""
+    _save(tmp_path, [1, 2])
+    (tmp_path / "step-00000002").rename(tmp_path / "step-00000003")
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(tmp_path / "step-00000003")
+    assert str(refused.value) == (
+        f"{tmp_path / 'step-00000003' / 'meta.json'} records step 2 but the folder is step-00000003"
+    )
+    (tmp_path / "step-00000003").rename(tmp_path / "step-00000002")
+    assert load_checkpoint(tmp_path / "step-00000002").meta["step"] == 2
+
+
 def test_meta_round_trips_a_python_infinity_exactly(tmp_path):
     _save(tmp_path, [1])
     meta = load_checkpoint("latest", tmp_path, mode=LoadMode.VERIFY).meta

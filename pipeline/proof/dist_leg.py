@@ -8,7 +8,8 @@ restore every rank copies its live state of each component
 (:func:`pipeline.checkpoint.dist_restore.live_components`); a control's copy is compared with
 the first run's (the full resume) for the component it leaves out, and the ranks' checks go
 to rank 0, which writes one result per run: the step reached and that "exercise" check
-(the first rank whose restored values differ, else rank 0's).
+(an omission's: the first rank whose restored values differ; the RNG swap's: the first rank
+whose streams did not change; else rank 0's).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def run_launch(spec_path: Path) -> None:
                 component = run["omit"][0] if run["omit"] else "rng"
                 check = compare(f"exercise.{component}", component, baseline[component], seen[component], 0.0)
                 ranks = [json.loads(text) for text in world.gather_text(json.dumps(check.to_dict()))]
-                entry["exercise"] = next((c for c in ranks if not c["passed"]), ranks[0])
+                # An omission shows on any rank that holds the component; a swap must reach
+                # every rank, so the one to report is a rank it left with its own streams.
+                telling = [c for c in ranks if c["passed"] == run["swap_rng"]]
+                entry["exercise"] = (telling or ranks)[0]
             results.append(entry)
     finally:
         world.close()

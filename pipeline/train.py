@@ -68,7 +68,7 @@ class TrainingHooks:
     """Called after every optimizer step, before that step's evaluation and checkpoint (the last
     callback to hear ``on_step_end``)."""
     swap_rng: bool = False
-    """Under torchrun: ranks 0 and 1 restore each other's RNG streams (the proof's control
+    """Under torchrun: each rank restores the next rank's RNG streams (the proof's control
     for per-rank RNG state)."""
 
     def __post_init__(self) -> None:

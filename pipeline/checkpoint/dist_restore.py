@@ -171,8 +171,9 @@ def restore_distributed(
         )
     _dcp_load(model, reads, DIST_MODEL_DIR, "model", world)
     # The data order is global (one Generator on every rank), so a reshard carries rank 0's
-    # over; the per-rank streams have no counterpart at another world size.
-    source = 0 if resharded else (1 - rank if swap_rng and rank < 2 else rank)
+    # over; the per-rank streams have no counterpart at another world size. The swap control
+    # rotates them so that no rank, at any world size, keeps its own.
+    source = 0 if resharded else ((rank + 1) % world_size if swap_rng else rank)
     rng_data, shared_data = reads.read(rank_rng_file(source)), reads.read(STATE_FILE)
     rng_tree, rng_tensors, shared = None, {}, {}
     try:

@@ -14,7 +14,7 @@ check with its measured difference. The last stdout line is a one-line JSON summ
 
 With --nproc-per-node N (training.parallel auto, ddp or fsdp2) the proof runs at that world
 size: two torchrun launches, the uninterrupted run (which also saves the cut checkpoint),
-then the resume and the controls, which add a swap of ranks 0 and 1's RNG streams; the
+then the resume and the controls, which add a swap of the ranks' RNG streams; the
 final checkpoints are compared bit for bit (pipeline/proof/distributed.py).
 
 Exit codes: 0 proven; 1 a comparison failed (or an omission went undetected); 2 the

@@ -11,8 +11,8 @@ leg):
    continues from step K to N (first, in fresh processes: exactly a user's relaunch); then
    once per control, a resume from the same checkpoint that leaves one component
    unrestored (``omit-rng``: every rank's RNG streams as a fresh run derives them,
-   ``omit-optimizer``, ``omit-scheduler``, ``omit-data``) or restores ranks 0 and 1's RNG
-   streams from each other's files (``swap-rng``).
+   ``omit-optimizer``, ``omit-scheduler``, ``omit-data``) or restores each rank's RNG
+   streams from the next rank's file (``swap-rng``).
 
 Why the controls may share a launch: every training in it builds a new model, DDP/FSDP2
 wrapper, optimizer, scheduler, sampler and data generator, and restores (or, for the

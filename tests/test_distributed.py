@@ -48,7 +48,8 @@ from pipeline.evaluate import evaluate_checkpoint, evaluation_config, write_metr
 from pipeline.hashing import sha256_file
 from pipeline.layout import DIST_MODEL_DIR, DIST_OPTIM_DIR, DIST_RNG_DIR, STATE_FILE, rank_rng_file
 from pipeline.proof.checks import control_verdict, judge
-from pipeline.proof.compare import compare
+from pipeline.proof.compare import Check, compare
+from pipeline.proof.dist_leg import reported_exercise
 from pipeline.run import build_model
 from pipeline.stage import build_stage
 from pipeline.train import train
@@ -1794,6 +1795,21 @@ def test_a_control_that_does_not_diverge_fails_the_proof_naming_it():
     assert report["positive"] is True and report["negative_divergence_detected"] is False
     assert report["all_checks_passed"] is False and report["failed_components"] == ["rank_rng"]
     assert judge(outcome, {"optimizer": detected})["all_checks_passed"] is True
+
+
+def test_an_omission_reports_a_rank_it_changed_and_the_rng_swap_a_rank_it_left_unchanged():
+    """The exercise check a control under torchrun reports, of every rank's (in rank order):
+    an omission's is the first rank whose restored values differ, as it shows on any rank that
+    holds the component; the RNG swap's is the first rank that kept its own streams, as a swap
+    that misses one rank is not exercised; where no rank tells, rank 0's."""
+    kept = compare("exercise.rng", "rng", {"s": 1}, {"s": 1}, 0.0).to_dict()
+    moved = [compare("exercise.rng", "rng", {"s": 1}, {"s": 1 + n}, 0.0).to_dict() for n in (1, 2)]
+    assert reported_exercise([kept, moved[0], moved[1]], swap=False) == moved[0]
+    assert reported_exercise([kept, kept], swap=False) == kept
+    assert reported_exercise([moved[0], kept], swap=True) == kept
+    assert reported_exercise([moved[0], moved[1]], swap=True) == moved[0]
+    swap = control_verdict("rank_rng", Check(**reported_exercise([moved[0], kept], swap=True)), [], None)
+    assert (swap["result"], swap["exercised"]) == ("not exercised", False)
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:

@@ -62,16 +62,21 @@ def run_launch(spec_path: Path) -> None:
                 component = run["omit"][0] if run["omit"] else "rng"
                 check = compare(f"exercise.{component}", component, baseline[component], seen[component], 0.0)
                 ranks = [json.loads(text) for text in world.gather_text(json.dumps(check.to_dict()))]
-                # An omission shows on any rank that holds the component; a swap must reach
-                # every rank, so the one to report is a rank it left with its own streams.
-                telling = [c for c in ranks if c["passed"] == run["swap_rng"]]
-                entry["exercise"] = (telling or ranks)[0]
+                entry["exercise"] = reported_exercise(ranks, swap=run["swap_rng"])
             results.append(entry)
     finally:
         world.close()
     lead = world.rank == 0
     if lead:
         write_json_atomic(Path(spec["results"]), results, allow_nan=True)
+
+
+def reported_exercise(ranks: list[dict[str, Any]], *, swap: bool) -> dict[str, Any]:
+    """The one exercise check a control reports, of every rank's (in rank order)."""
+    # An omission shows on any rank that holds the component; a swap must reach every rank,
+    # so the one to report is a rank it left with its own streams.
+    telling = [check for check in ranks if check["passed"] == swap]
+    return (telling or ranks)[0]
 
 
 def main() -> int:

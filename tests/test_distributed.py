@@ -1778,6 +1778,7 @@ def test_the_resume_proof_under_torchrun_is_bitwise_and_every_control_diverges(d
     assert (
         controls["rank_rng"]["leg"] == "swap-rng" and "final.rng" in controls["rank_rng"]["diverged_checks"]
     )
+    assert controls["rank_rng"]["why_exercised"].startswith("every rank restored streams other than its own")
     # The resume really started at the cut, from the reference's checkpoint.
     resumed = load_checkpoint(output / "resume" / "checkpoints" / "step-00000008", mode=LoadMode.VERIFY).meta
     assert resumed["parallel"]["world_size"] == 2 and report["boundary"]["cut"] < 8
@@ -1808,8 +1809,57 @@ def test_an_omission_reports_a_rank_it_changed_and_the_rng_swap_a_rank_it_left_u
     assert reported_exercise([kept, kept], swap=False) == kept
     assert reported_exercise([moved[0], kept], swap=True) == kept
     assert reported_exercise([moved[0], moved[1]], swap=True) == moved[0]
-    swap = control_verdict("rank_rng", Check(**reported_exercise([moved[0], kept], swap=True)), [], None)
-    assert (swap["result"], swap["exercised"]) == ("not exercised", False)
+    swap = control_verdict(
+        "rank_rng", Check(**reported_exercise([moved[0], kept], swap=True)), [], None, swap=True
+    )
+    assert (swap["result"], swap["exercised"]) == ("not swapped", False)
+
+
+def test_a_swap_that_left_a_rank_its_own_streams_fails_the_proof_saying_so():
+    """Each rank's streams are derived from its rank, so a working swap is always exercised: one
+    that left a rank its own is "not swapped", which fails the proof naming rank_rng, while an
+    omission that restored the same values ("not exercised") still does not."""
+    from pipeline.proof import describe
+
+    kept = compare("exercise.rng", "rng", {"s": 1}, {"s": 1}, 0.0)
+    moved = compare("exercise.rng", "rng", {"s": 1}, {"s": 2}, 0.0)
+    outcome = [compare("final.rng", "rng", 1.0, 2.0, 0.0)]
+    unswapped = control_verdict("rank_rng", kept, outcome, 6, swap=True)
+    assert (unswapped["result"], unswapped["exercised"], unswapped["why_exercised"]) == (
+        "not swapped",
+        False,
+        "a rank restored its own streams: the swap did not reach every rank",
+    )
+    swapped = control_verdict("rank_rng", moved, outcome, 6, swap=True)
+    assert (swapped["result"], swapped["why_exercised"]) == (
+        "detected",
+        "every rank restored streams other than its own, first differing at s (1 of 1 values)",
+    )
+    unexercised = control_verdict("rng", kept, [], None)
+    assert unexercised["result"] == "not exercised"
+    assert control_verdict("rng", moved, outcome, 6)["why_exercised"] == (
+        "its state at the cut differs from the freshly built one at s (1 of 1 values)"
+    )
+    positive = [compare("final.model", "model", 1.0, 1.0, 0.0)]
+    failing = judge(positive, {"rng": unexercised, "rank_rng": unswapped})
+    assert (failing["all_checks_passed"], failing["negative_divergence_detected"]) == (False, False)
+    assert failing["failed_components"] == ["rank_rng"]
+    assert judge(positive, {"rng": unexercised, "rank_rng": swapped})["all_checks_passed"] is True
+    report = {
+        **failing,
+        "boundary": {"steps": 8, "cut": 5, "reason": "mid-epoch"},
+        "protocol": {"tolerance": {"atol": 0}},
+        "checks": {"positive": [check.to_dict() for check in positive]},
+    }
+    passing = {**report, **judge(positive, {"rng": unexercised, "rank_rng": swapped})}
+    assert [line for line in describe(passing) if line.startswith("FAILED")] == []
+    lines = describe(report)
+    assert lines[-3:] == [
+        "  rng        not exercised  its state at the cut equals the freshly built one, so leaving it out "
+        "restores the same values",
+        "  rank_rng   not swapped    diverged in 1 check; the loss first differs at step 6",
+        "FAILED: the swap of the ranks' RNG streams left a rank its own, so it proves nothing",
+    ]
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:

@@ -161,28 +161,44 @@ def first_divergent_step(
     return None
 
 
+# A control's results that fail the proof: an omission that changed nothing although the run
+# exercises it, and a swap of the ranks' streams that left a rank its own.
+_CONTROL_FAILURES = ("not detected", "not swapped")
+
+
 def control_verdict(
-    component: str, exercise: Check, outcome: list[Check], first_step: int | None
+    component: str, exercise: Check, outcome: list[Check], first_step: int | None, *, swap: bool = False
 ) -> dict[str, Any]:
-    """Detected: some outcome check diverged. Not exercised: nothing to restore differed."""
+    """Detected: some outcome check diverged. Not exercised: nothing to restore differed. The
+    swap of the ranks' RNG streams (``swap``) is never that when it works, as each rank's streams
+    are derived from its rank: a rank left with its own is "not swapped", which fails the proof."""
     diverged = [check for check in outcome if not check.passed]
     exercised = not exercise.passed
     if not exercised:
-        result = "not exercised"
+        result = "not swapped" if swap else "not exercised"
     else:
         result = "detected" if diverged else "not detected"
+    if swap:
+        why = (
+            f"every rank restored streams other than its own, first differing at {exercise.first_difference} "
+            f"({exercise.differing} of {exercise.compared} values)"
+            if exercised
+            else "a rank restored its own streams: the swap did not reach every rank"
+        )
+    elif exercised:
+        why = (
+            f"its state at the cut differs from the freshly built one at {exercise.first_difference} "
+            f"({exercise.differing} of {exercise.compared} values)"
+        )
+    else:
+        why = "its state at the cut equals the freshly built one, so leaving it out restores the same values"
     return {
         "component": component,
         "leg": f"omit-{component}",
         "result": result,
         "exercised": exercised,
         "omission_detected": bool(diverged),
-        "why_exercised": (
-            f"its state at the cut differs from the freshly built one at {exercise.first_difference} "
-            f"({exercise.differing} of {exercise.compared} values)"
-        )
-        if exercised
-        else "its state at the cut equals the freshly built one, so leaving it out restores the same values",
+        "why_exercised": why,
         "diverged_checks": {check.name: check.max_abs_diff for check in diverged},
         "first_divergent_loss_step": first_step,
     }
@@ -192,14 +208,16 @@ def judge(positive: list[Check], controls: dict[str, dict[str, Any]]) -> dict[st
     """The verdict over the positive checks and the controls' verdicts: proven only if every
     positive check passed and no exercised control went undetected (one process or torchrun)."""
     positive_ok = all(check.passed for check in positive)
-    negative_ok = all(c["result"] != "not detected" for c in controls.values())
+    negative_ok = all(c["result"] not in _CONTROL_FAILURES for c in controls.values())
     by_component: dict[str, bool] = {}
     for check in positive:
         by_component[check.component] = by_component.get(check.component, True) and check.passed
     # Checks are in causal order (prefix, boundary, after the cut, final): the first name is
     # where the difference entered, e.g. the part that was restored wrongly.
     failed = list(dict.fromkeys(check.component for check in positive if not check.passed))
-    failed += [name for name, c in controls.items() if c["result"] == "not detected" and name not in failed]
+    failed += [
+        name for name, c in controls.items() if c["result"] in _CONTROL_FAILURES and name not in failed
+    ]
     return {
         "all_checks_passed": positive_ok and negative_ok,
         "positive": positive_ok,

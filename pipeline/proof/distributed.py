@@ -244,12 +244,12 @@ def _evaluate(
     reference = final("reference")
     positive = state_checks("final", reference, final("resume"), atol)
     controls, control_checks = {}, {}
-    for leg, component, _, _ in legs:
+    for leg, component, _, swap in legs:
         candidate = final(leg)
         outcome = state_checks("final", reference, candidate, atol)
         exercise = Check(**results[leg]["exercise"])
         first = first_divergent_step(_steps(reference), _steps(candidate), k, atol)
-        controls[component] = {**control_verdict(component, exercise, outcome, first), "leg": leg}
+        controls[component] = {**control_verdict(component, exercise, outcome, first, swap=swap), "leg": leg}
         control_checks[component] = {
             "exercise": exercise.to_dict(),
             "outcome": [c.to_dict() for c in outcome],

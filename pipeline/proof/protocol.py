@@ -469,4 +469,6 @@ def describe(report: dict[str, Any]) -> list[str]:
             f"FAILED: leaving out {', '.join(undetected)} changed nothing observable although the run "
             "exercises it"
         )
+    if any(c["result"] == "not swapped" for c in report["components"]["negative"].values()):
+        lines.append("FAILED: the swap of the ranks' RNG streams left a rank its own, so it proves nothing")
     return lines

@@ -17,8 +17,9 @@ size: two torchrun launches, the uninterrupted run (which also saves the cut che
 then the resume and the controls, which add a swap of the ranks' RNG streams; the
 final checkpoints are compared bit for bit (pipeline/proof/distributed.py).
 
-Exit codes: 0 proven; 1 a comparison failed (or an omission went undetected); 2 the
-protocol could not complete (bad input, existing --output, unprepared data, a failed leg).
+Exit codes: 0 proven; 1 a comparison failed (or an omission went undetected, or the swap
+missed a rank); 2 the protocol could not complete (bad input, existing --output, unprepared
+data, a failed leg).
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ def control_verdict(
 
 def judge(positive: list[Check], controls: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The verdict over the positive checks and the controls' verdicts: proven only if every
-    positive check passed and no exercised control went undetected (one process or torchrun)."""
+    positive check passed, no exercised control went undetected and the swap, under torchrun,
+    reached every rank."""
     positive_ok = all(check.passed for check in positive)
     negative_ok = all(c["result"] not in _CONTROL_FAILURES for c in controls.values())
     by_component: dict[str, bool] = {}

@@ -66,6 +66,9 @@ QUIET_RNG = {"model.params.dropout": 0.0}
 # The chunk size the counted resume's checkpoint is sealed with: small enough that a shard
 # file of the test's model spans many chunks.
 READ_CHUNK = 256
+# The tests reading the one-rank launch's checkpoints (``one_rank_launch``) run on one worker,
+# so its training runs once.
+ONE_RANK_LAUNCH = pytest.mark.xdist_group("one-rank-launch")
 STREAM = {"data.prepare": "inputs_factories:prepare_stream", "data.factory": "inputs_factories:build_stream"}
 
 
@@ -1860,6 +1863,123 @@ def test_a_swap_that_left_a_rank_its_own_streams_fails_the_proof_saying_so():
         "  rank_rng   not swapped    diverged in 1 check; the loss first differs at step 6",
         "FAILED: the swap of the ranks' RNG streams left a rank its own, so it proves nothing",
     ]
+
+
+@pytest.fixture(scope="module")
+def one_rank_launch(data_dir, tmp_path_factory):
+    """A DDP run of three steps, each saved as a distributed checkpoint, by this process as the
+    one rank of a gloo launch (in-process: no torchrun): (its config, the checkpoints' folder)."""
+    import torch.distributed as dist
+
+    root = tmp_path_factory.mktemp("one_rank_launch")
+    overrides = {"data.dir": str(data_dir), "training.parallel": "ddp", "checkpoint.dir": str(root / "ck")}
+    config = load_config(
+        CONFIG, {**overrides, "training.max_steps": 3, "checkpoint.every": 1, "checkpoint.keep_last": 3}
+    )
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+    world = dataclasses.replace(_world(0, 1), mesh_group=dist.new_group())
+    try:
+        assert train(config, world=world, progress=False).step == 3
+    finally:
+        world.close()
+    return config, root / "ck"
+
+
+@ONE_RANK_LAUNCH
+def test_the_rng_swap_gives_every_rank_the_next_ranks_streams_and_the_last_rank_rank_0s(
+    one_rank_launch, tmp_path
+):
+    """The torchrun proof's swap control at three ranks, each rank played in turn by this
+    process (not launched, a rank reads its files and loads through DCP without its peers): a
+    checkpoint of a launch of three, sealed with three different RNG files (one run's at steps
+    3, 1 and 2, as ranks 0, 1 and 2's). Restored, each rank gets its own streams; swapped, the
+    next rank's, the last rank rank 0's, so no rank keeps its own at any world size."""
+    from pipeline.checkpoint import restore_distributed
+    from pipeline.run import build_run
+    from pipeline.world import World
+
+    config, checkpoints = one_rank_launch
+    folder = tmp_path / "step-00000003"
+    shutil.copytree(checkpoints / "step-00000003", folder)
+    for rank, step in ((1, 1), (2, 2)):
+        shutil.copyfile(checkpoints / f"step-0000000{step}" / rank_rng_file(0), folder / rank_rng_file(rank))
+
+    def of_three_ranks(meta: dict) -> None:
+        meta["parallel"]["world_size"] = 3
+        chunk = meta["files"][rank_rng_file(0)].get("chunk_size")
+        for rank in (1, 2):
+            meta["files"][rank_rng_file(rank)] = entry_of((folder / rank_rng_file(rank)).read_bytes(), chunk)
+
+    reseal(folder, of_three_ranks)
+    meta = verify_distributed(folder)
+    restored = {}
+    for swap in (False, True):
+        for rank in range(3):
+            world = World(device=torch.device("cpu"), rank=rank, world_size=3)
+            restore_distributed(
+                build_run(config, world.device, world=world), world, folder, meta, swap_rng=swap
+            )
+            restored[swap, rank] = torch.get_rng_state()
+    own = [restored[False, rank] for rank in range(3)]
+    assert not any(torch.equal(own[a], own[b]) for a, b in ((0, 1), (0, 2), (1, 2))), "the ranks' files agree"
+    for rank in range(3):
+        assert torch.equal(restored[True, rank], own[(rank + 1) % 3]), rank
+
+
+@ONE_RANK_LAUNCH
+def test_the_torchrun_proof_judges_the_swap_by_its_own_rule_under_its_own_leg(one_rank_launch, tmp_path):
+    """The orchestrator's verdict over every leg's final checkpoint (real, sealed ones: the same
+    run's, so no outcome differs) and the exercise check each leg's launch reported: the swap
+    that left a rank its own streams is "not swapped" under its leg, swap-rng, and fails the
+    proof; an omission that restored the same values is "not exercised" and one that restored
+    others but changed nothing "not detected" (which fails it too), each under its omit- leg."""
+    from pipeline.proof.distributed import _evaluate, dist_controls
+    from pipeline.proof.layout import CHECKPOINTS_DIR
+
+    config, checkpoints = one_rank_launch
+    legs = dist_controls(config)
+    for name in ("reference", "resume", *(leg for leg, *_ in legs)):
+        shutil.copytree(checkpoints / "step-00000003", tmp_path / name / CHECKPOINTS_DIR / "step-00000003")
+    kept = compare("exercise.rng", "rng", {"s": 1}, {"s": 1}, 0.0).to_dict()
+    moved = compare("exercise.optimizer", "optimizer", {"s": 1}, {"s": 2}, 0.0).to_dict()
+    results = {leg: {"exercise": moved if component == "optimizer" else kept} for leg, component, *_ in legs}
+    report = _evaluate(tmp_path, 3, 2, 0.0, results, legs)
+    assert [component for _, component, *_ in legs] == ["rng", "optimizer", "scheduler", "data", "rank_rng"]
+    unchanged = {
+        "result": "not exercised",
+        "exercised": False,
+        "omission_detected": False,
+        "why_exercised": "its state at the cut equals the freshly built one, so leaving it out restores the same values",
+        "diverged_checks": {},
+        "first_divergent_loss_step": None,
+    }
+    assert report["components"]["negative"] == {
+        **{
+            name: {"component": name, "leg": f"omit-{name}", **unchanged}
+            for name in ("rng", "scheduler", "data")
+        },
+        "optimizer": {
+            "component": "optimizer",
+            "leg": "omit-optimizer",
+            **unchanged,
+            "result": "not detected",
+            "exercised": True,
+            "why_exercised": "its state at the cut differs from the freshly built one at s (1 of 1 values)",
+        },
+        "rank_rng": {
+            "component": "rank_rng",
+            "leg": "swap-rng",
+            **unchanged,
+            "result": "not swapped",
+            "why_exercised": "a rank restored its own streams: the swap did not reach every rank",
+        },
+    }
+    assert (report["all_checks_passed"], report["positive"], report["negative_divergence_detected"]) == (
+        False,
+        True,
+        False,
+    )
+    assert report["failed_components"] == ["optimizer", "rank_rng"]
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:

@@ -470,7 +470,7 @@ def test_a_rank_that_does_not_stop_after_its_agent_died_is_ended(tmp_path):
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "end_with_launcher(grace=0.5)\n"
         "print('ready', flush=True)\n"
-        "time.sleep(120)\n"
+        "time.sleep(600)\n"  # past the wait below: only the watchdog ends it in time
     )
     with _launcher_killed_under(rank, tmp_path) as (_, pid):
         assert _ends_within(pid, 180), "the rank outlived its launcher"

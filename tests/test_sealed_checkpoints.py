@@ -554,6 +554,10 @@ def test_the_callback_names_a_checkpoint_it_could_not_seal_prunes_nothing_and_tr
 ):
     from pipeline.integrations.transformers import SealedCheckpoints
 
+    older = sealed.parent / "checkpoint-1"  # sealed, and past keep_last=1 had the save been sealed
+    older.mkdir()
+    (older / "weights.bin").write_bytes(secrets.token_bytes(64))
+    seal_checkpoint(older, step=1)
     link_inside(sealed)
     args = SimpleNamespace(output_dir=str(sealed.parent), should_save=True, save_total_limit=None)
     state = SimpleNamespace(global_step=3, best_model_checkpoint=None)
@@ -561,6 +565,7 @@ def test_the_callback_names_a_checkpoint_it_could_not_seal_prunes_nothing_and_tr
     assert SealedCheckpoints(keep_last=1).on_save(args, state, control) is control
     assert "checkpoint-3 was not sealed" in capsys.readouterr().err
     assert verified_checkpoint(sealed.parent) == sealed.parent / "checkpoint-2"
+    assert sorted(p.name for p in sealed.parent.iterdir()) == [f"checkpoint-{n}" for n in (1, 2, 3)]
 
 
 def test_the_callback_warns_that_save_total_limit_deletes_before_the_seal(capsys):
